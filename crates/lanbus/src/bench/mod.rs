@@ -1,0 +1,17 @@
+//! `lanbus bench ...`: system measurements, each with its peer measured in the same run.
+//!
+//! Every benchmark prints a table, writes the common JSON format with `--json FILE` (see
+//! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
+
+pub mod report;
+
+use clap::Subcommand;
+
+/// The benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {}
+
+/// Runs one benchmark.
+pub fn run(command: BenchCommand) -> anyhow::Result<()> {
+    match command {}
+}

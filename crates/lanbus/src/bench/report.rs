@@ -1,0 +1,209 @@
+//! The common benchmark report: one table on the terminal, one JSON file, the same rows.
+//!
+//! Format (from DESIGN.md, "Measurements"):
+//! `{"bench": NAME, "lanbus": VERSION, "machine": {"cpus": N, "model": "..."}, "rows": [...]}` where
+//! each row has `name` (peers are `peer:<program>`), `metric` (unit in the name), `value` (the
+//! median of the runs) and the parameters that make it unique (`size_bytes`, `block_size`, `mode`...).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::Serialize;
+use serde_json::Value;
+
+/// One measured figure.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// The configuration measured; peers are `peer:<program>`.
+    pub name: String,
+    /// What was measured, unit in the name (`mpps`, `p50_us`, `ns_per_elem`...).
+    pub metric: String,
+    /// The median over the runs.
+    pub value: f64,
+    /// Parameters that make the row unique, flattened into the row's JSON object.
+    #[serde(flatten)]
+    pub params: BTreeMap<String, Value>,
+}
+
+impl Row {
+    /// A row without parameters.
+    pub fn new(name: impl Into<String>, metric: impl Into<String>, value: f64) -> Self {
+        Row { name: name.into(), metric: metric.into(), value, params: BTreeMap::new() }
+    }
+
+    /// Adds a parameter (`size_bytes`, `burst`, `mode`...).
+    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.params.insert(key.to_string(), value.into());
+        self
+    }
+}
+
+/// The machine a report was measured on.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    /// Logical CPUs available to the process.
+    pub cpus: usize,
+    /// The CPU model from /proc/cpuinfo.
+    pub model: String,
+}
+
+impl Machine {
+    /// Reads this machine's description.
+    pub fn this() -> Self {
+        let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let model = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, m)| m.trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown".to_string());
+        Machine { cpus, model }
+    }
+}
+
+/// A whole benchmark report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// The benchmark's name (`vring`, `ring`, `transport`...).
+    pub bench: String,
+    /// The lanbus version that ran it (`git describe` when built from a checkout).
+    pub lanbus: String,
+    /// Where it ran.
+    pub machine: Machine,
+    /// The figures.
+    pub rows: Vec<Row>,
+}
+
+impl Report {
+    /// An empty report for benchmark `bench` on this machine.
+    pub fn new(bench: &str) -> Self {
+        let describe = env!("LANBUS_GIT_DESCRIBE");
+        let lanbus =
+            if describe.is_empty() { env!("CARGO_PKG_VERSION").to_string() } else { describe.to_string() };
+        Report { bench: bench.to_string(), lanbus, machine: Machine::this(), rows: Vec::new() }
+    }
+
+    /// Adds a row.
+    pub fn push(&mut self, row: Row) {
+        self.rows.push(row);
+    }
+
+    /// Writes the JSON form to `path`.
+    pub fn write_json(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(path, text + "\n")
+    }
+
+    /// The rows as an aligned text table: name, parameters, metric, value.
+    pub fn table(&self) -> String {
+        let cells: Vec<[String; 4]> = self
+            .rows
+            .iter()
+            .map(|r| {
+                let params = r
+                    .params
+                    .iter()
+                    .map(|(k, v)| match v {
+                        Value::String(s) => format!("{k}={s}"),
+                        other => format!("{k}={other}"),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                [r.name.clone(), params, r.metric.clone(), format_value(r.value)]
+            })
+            .collect();
+        let header = ["name", "params", "metric", "value"].map(String::from);
+        let mut widths = header.clone().map(|h| h.len());
+        for row in &cells {
+            for (w, c) in widths.iter_mut().zip(row) {
+                *w = (*w).max(c.len());
+            }
+        }
+        let mut out = String::new();
+        for row in std::iter::once(&header).chain(&cells) {
+            let _ = writeln!(
+                out,
+                "{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}",
+                row[0],
+                row[1],
+                row[2],
+                row[3],
+                w0 = widths[0],
+                w1 = widths[1],
+                w2 = widths[2],
+                w3 = widths[3]
+            );
+        }
+        out
+    }
+
+    /// Prints the table and, if asked, writes the JSON file (saying where).
+    pub fn finish(&self, json: Option<&Path>) -> std::io::Result<()> {
+        print!("{}", self.table());
+        if let Some(path) = json {
+            self.write_json(path)?;
+            println!("wrote {}", path.display());
+        }
+        Ok(())
+    }
+}
+
+/// Three significant figures, without exponent for everyday magnitudes.
+fn format_value(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return format!("{v}");
+    }
+    let digits = (3 - 1 - v.abs().log10().floor() as i32).max(0) as usize;
+    format!("{v:.digits$}")
+}
+
+/// The median of some runs (the mean of the middle two for an even count). `None` if empty or
+/// any value is NaN.
+pub fn median(values: &[f64]) -> Option<f64> {
+    if values.is_empty() || values.iter().any(|v| v.is_nan()) {
+        return None;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let mid = v.len() / 2;
+    Some(if v.len() % 2 == 1 { v[mid] } else { (v[mid - 1] + v[mid]) / 2.0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_runs() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5));
+        assert_eq!(median(&[]), None);
+        assert_eq!(median(&[1.0, f64::NAN]), None);
+    }
+
+    #[test]
+    fn json_has_the_common_shape() {
+        let mut r = Report::new("ring");
+        r.push(Row::new("lanbus", "ns_per_elem", 1.25).with("burst", 8));
+        r.push(Row::new("peer:rte_ring", "ns_per_elem", 1.5).with("burst", 8));
+        let v: Value = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["bench"], "ring");
+        assert!(v["machine"]["cpus"].as_u64().unwrap() >= 1);
+        assert_eq!(v["rows"][0]["name"], "lanbus");
+        assert_eq!(v["rows"][0]["burst"], 8);
+        assert_eq!(v["rows"][1]["value"], 1.5);
+        let table = r.table();
+        assert!(table.contains("peer:rte_ring") && table.contains("burst=8") && table.contains("1.25"));
+    }
+
+    #[test]
+    fn values_keep_three_figures() {
+        assert_eq!(format_value(13.456), "13.5");
+        assert_eq!(format_value(0.01234), "0.0123");
+        assert_eq!(format_value(1234.4), "1234");
+    }
+}

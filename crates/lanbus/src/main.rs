@@ -1,0 +1,35 @@
+//! `lanbus`: the command-line front of the fabric: daemons, simulator, benchmarks and tools.
+#![deny(unsafe_code)]
+
+mod bench;
+
+use clap::{Parser, Subcommand};
+
+/// lanbus: share PCIe devices, messages and sockets between machines over ordinary Ethernet.
+#[derive(Debug, Parser)]
+#[command(name = "lanbus", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Measurements, each with its peer (kernel sockets, rte_ring, qemu-nbd...) in the same run.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bench(c) => bench::run(c),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lanbus: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Ports: poll-mode packet I/O, the layer between the transport and a wire.
+//!
+//! A [`Port`] moves whole Ethernet frames (destination MAC first, no FCS) in bursts. It knows
+//! nothing of the lanbus transport above it: it only carries bytes, counts them, and lets an idle
+//! driver block until there is something to receive. Every implementation (the simulated wire,
+//! kernel UDP, AF_PACKET, AF_XDP, shared memory, DPDK) has the same shape, so the transport driver
+//! is one loop:
+//!
+//! ```text
+//! loop {
+//!     port.rx_burst(32, &mut |frame| core.handle_frame(now, frame))?;
+//!     port.tx_burst(32, &mut |buf| core.poll_transmit(now, buf))?;
+//!     if idle { port.wait(core.poll_timeout() - now)?; }
+//! }
+//! ```
+//!
+//! Buffers are lent, not moved: `rx_burst` hands each frame to a callback as a borrowed slice
+//! (zero-copy where the port maps its rings), and `tx_burst` hands the caller a transmit buffer to
+//! fill. That keeps the hot path free of allocation and lets kernel-bypass ports avoid copies.
+#![deny(missing_docs)]
+
+use core::time::Duration;
+
+use lanbus_wire::MacAddr;
+
+/// What a port counts. Counters only grow; read them with [`Port::counters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PortCounters {
+    /// Frames handed to the receive callback.
+    pub rx_frames: u64,
+    /// Bytes in those frames.
+    pub rx_bytes: u64,
+    /// Frames accepted for transmission.
+    pub tx_frames: u64,
+    /// Bytes in those frames.
+    pub tx_bytes: u64,
+    /// Frames the port received but dropped (malformed, too long, not for lanbus, ring full).
+    pub rx_dropped: u64,
+    /// Frames the caller filled that could not be sent (too long, no buffer, device error).
+    pub tx_dropped: u64,
+}
+
+/// Why a port could not be opened or used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PortError {
+    /// The port spec string is malformed; the message says what was expected.
+    #[error("bad port spec {spec:?}: {why}")]
+    BadSpec {
+        /// The spec as given.
+        spec: String,
+        /// What is wrong and what a valid spec looks like.
+        why: String,
+    },
+    /// The port needs something this machine or process lacks (root, a kernel feature, an
+    /// interface, a cargo feature); the message says what and how to get it.
+    #[error("port {spec:?} is unavailable: {why}")]
+    Unavailable {
+        /// The spec as given.
+        spec: String,
+        /// What is missing and how to fix it.
+        why: String,
+    },
+    /// The caller broke the port's contract (a frame longer than the MTU, say).
+    #[error("misuse: {0}")]
+    Misuse(String),
+    /// The operating system refused an operation.
+    #[error("{op}: {source}")]
+    Io {
+        /// The operation that failed.
+        op: &'static str,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+}
+
+impl PortError {
+    /// Wraps an I/O error with the name of the operation that failed.
+    pub fn io(op: &'static str, source: std::io::Error) -> Self {
+        PortError::Io { op, source }
+    }
+}
+
+/// Result of a port operation.
+pub type Result<T> = core::result::Result<T, PortError>;
+
+/// A poll-mode port: bursts of Ethernet frames in and out.
+///
+/// Call order: any interleaving of `rx_burst`, `tx_burst` and `wait` from one thread. A port that
+/// can be split into receive and transmit halves for different threads says so in its own docs.
+pub trait Port: Send {
+    /// Receives up to `max` frames, calling `on_frame` once per frame with its bytes (Ethernet
+    /// header first). Returns how many frames were delivered; 0 means nothing is waiting. The slice
+    /// is valid only during the call.
+    fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize>;
+
+    /// Transmits up to `max` frames. For each, `fill` is given a buffer of at least
+    /// [`Port::frame_capacity`] bytes; it writes one frame at the start and returns its length, or
+    /// returns `None` when it has nothing more to send. Returns the number of frames sent. A port
+    /// whose transmit queue is full stops asking early; the caller keeps its frames and tries again.
+    fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize>;
+
+    /// Blocks until a frame may be waiting to be received or `timeout` passes (`None`: no limit).
+    /// Spurious wake-ups are allowed; a missed wake-up is not.
+    fn wait(&mut self, timeout: Option<Duration>) -> Result<()>;
+
+    /// The largest Ethernet payload (lanbus header and data, without the 14-byte Ethernet header)
+    /// the link carries.
+    fn mtu(&self) -> usize;
+
+    /// The largest whole frame `tx_burst` accepts: `mtu() + 14`.
+    fn frame_capacity(&self) -> usize {
+        self.mtu() + lanbus_wire::ethernet::HEADER_LEN
+    }
+
+    /// This port's own MAC address (source of the frames it sends).
+    fn mac(&self) -> MacAddr;
+
+    /// A snapshot of the counters.
+    fn counters(&self) -> PortCounters;
+
+    /// Sends the given frames, a convenience over [`Port::tx_burst`] for tests and control traffic.
+    /// Returns how many frames the port took; a frame longer than [`Port::frame_capacity`] is
+    /// skipped (it is not counted in the return value).
+    fn send_frames(&mut self, frames: &[&[u8]]) -> Result<usize> {
+        let mut next = 0;
+        self.tx_burst(frames.len(), &mut |buf: &mut [u8]| loop {
+            let frame = frames.get(next)?;
+            next += 1;
+            if frame.len() <= buf.len() {
+                buf[..frame.len()].copy_from_slice(frame);
+                return Some(frame.len());
+            }
+        })
+    }
+}
+
+impl<P: Port + ?Sized> Port for Box<P> {
+    fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        (**self).rx_burst(max, on_frame)
+    }
+    fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize> {
+        (**self).tx_burst(max, fill)
+    }
+    fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
+        (**self).wait(timeout)
+    }
+    fn mtu(&self) -> usize {
+        (**self).mtu()
+    }
+    fn mac(&self) -> MacAddr {
+        (**self).mac()
+    }
+    fn counters(&self) -> PortCounters {
+        (**self).counters()
+    }
+}
