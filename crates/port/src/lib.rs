@@ -23,6 +23,8 @@ use core::time::Duration;
 
 use lanbus_wire::MacAddr;
 
+pub mod netns;
+
 /// What a port counts. Counters only grow; read them with [`Port::counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PortCounters {
