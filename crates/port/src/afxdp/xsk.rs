@@ -190,15 +190,19 @@ impl<T: Copy> Ring<T> {
         self.cached_remote.wrapping_sub(self.local).min(self.size())
     }
 
-    /// Reads entry `i` (0-based) of the ready batch.
-    fn read(&self, i: u32) -> T {
-        // SAFETY: the slot is in the mapping and was published by the kernel (see `ready`).
-        unsafe { self.slot(self.local.wrapping_add(i)).read() }
+    /// Takes the next ready entry (the caller checked [`Ring::ready`]). The slot goes back to the
+    /// kernel at the next [`Ring::publish_consumer`]; until then a panic in between cannot make
+    /// us read it twice.
+    fn take(&mut self) -> T {
+        // SAFETY: the slot is in the mapping and was published by the kernel (see `ready`); the
+        // kernel does not reuse it before we publish our consumer index past it.
+        let value = unsafe { self.slot(self.local).read() };
+        self.local = self.local.wrapping_add(1);
+        value
     }
 
-    /// Hands `n` consumed slots back to the kernel.
-    fn release(&mut self, n: u32) {
-        self.local = self.local.wrapping_add(n);
+    /// Hands the slots taken so far back to the kernel.
+    fn publish_consumer(&mut self) {
         // (D) Release: pairs with the kernel's LOAD of ->consumer (A, xskq_prod_is_full /
         // xskq_prod_nb_free), so our reads of the slots happen before it reuses them.
         self.consumer_index().store(self.local, Ordering::Release);
@@ -453,11 +457,16 @@ impl Xsk {
     /// Moves transmitted frames from the completion ring back to the free list.
     fn reap_completions(&mut self) {
         let n = self.comp.ready();
-        for i in 0..n {
-            let addr = self.comp.read(i);
-            self.free_tx.push(self.frame_base(addr));
+        for _ in 0..n {
+            let addr = self.comp.take();
+            // Distrust: only addresses inside UMEM go back on the free list.
+            if addr < self.umem.len as u64 {
+                self.free_tx.push(self.frame_base(addr));
+            } else {
+                self.bad_descs += 1;
+            }
         }
-        self.comp.release(n);
+        self.comp.publish_consumer();
     }
 
     fn frame_base(&self, addr: u64) -> u64 {
@@ -489,33 +498,35 @@ impl Xsk {
         let n = self.rx.ready().min(max);
         let mut bytes = 0u64;
         let mut delivered = 0;
-        for i in 0..n {
-            let desc = self.rx.read(i);
+        for _ in 0..n {
+            let desc = self.rx.take();
             let base = self.frame_base(desc.addr);
-            // Distrust: the frame must lie inside one UMEM chunk.
-            let in_frame = desc.addr - base + u64::from(desc.len) <= u64::from(self.frame_size);
-            if base < self.umem.len as u64 && in_frame {
-                // SAFETY: the kernel handed this frame to us in an rx descriptor; it is inside the
-                // UMEM mapping (checked) and the kernel does not touch it until we put it in the
-                // fill ring below, after the callback's borrow has ended.
-                let frame = unsafe {
-                    core::slice::from_raw_parts(
-                        self.umem.base.as_ptr().add(desc.addr as usize),
-                        desc.len as usize,
-                    )
-                };
-                on_frame(frame);
-                bytes += u64::from(desc.len);
-                delivered += 1;
-                self.refill.push(base);
-            } else {
-                self.bad_descs += 1;
-                if base < self.umem.len as u64 {
-                    self.refill.push(base);
-                }
+            if base >= self.umem.len as u64 {
+                self.bad_descs += 1; // not one of our frames: nothing to give back
+                continue;
             }
+            // The frame goes back to the fill ring at the end of this call or, if `on_frame`
+            // panics, of the next one: in both cases after the borrow below has ended.
+            self.refill.push(base);
+            // Distrust: the frame must lie inside its UMEM chunk.
+            if desc.addr - base + u64::from(desc.len) > u64::from(self.frame_size) {
+                self.bad_descs += 1;
+                continue;
+            }
+            // SAFETY: the kernel handed this frame to us in an rx descriptor; it lies inside the
+            // UMEM mapping (checked above) and the kernel does not write it until we put it in the
+            // fill ring, which happens only after this borrow has ended.
+            let frame = unsafe {
+                core::slice::from_raw_parts(
+                    self.umem.base.as_ptr().add(desc.addr as usize),
+                    desc.len as usize,
+                )
+            };
+            on_frame(frame);
+            bytes += u64::from(desc.len);
+            delivered += 1;
         }
-        self.rx.release(n);
+        self.rx.publish_consumer();
         self.refill_fill_ring();
         if n == 0 && self.fill.needs_wakeup() {
             // The driver sleeps until told the fill ring has buffers (zero-copy drivers do this).
