@@ -20,6 +20,10 @@
 //! socket on one queue; a second port on the same interface fails (one XDP program per
 //! interface), with a message saying so.
 //!
+//! Queues: frames reach the socket only on its own receive queue (others pass to the kernel).
+//! NICs hash non-IP frames like lanbus's to queue 0, so open queue 0, or steer EtherType 0x88B5
+//! to the chosen queue (`ethtool -N IFACE flow-type ether proto 0x88b5 action QUEUE`).
+//!
 //! Veth (what this kernel needs, checked by the tests): native XDP on a veth runs on frames its
 //! peer transmits; attaching a program switches on NAPI for the veth and turns off the peer's
 //! segmentation offloads so every frame takes that path, so nothing needs to be set on the peer
@@ -207,7 +211,7 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
 
     let geometry =
         xsk::Geometry { frame_count: o.frame_count, frame_size: o.frame_size, ring_size: o.ring_size };
-    let xsk = xsk::Xsk::create(facts.ifindex, queue, geometry, o.bind == BindRequest::Auto).map_err(
+    let mut xsk = xsk::Xsk::create(facts.ifindex, queue, geometry, o.bind == BindRequest::Auto).map_err(
         |(op, e)| match e.raw_os_error() {
             Some(libc::EAFNOSUPPORT) => unavailable(
                 "this kernel has no AF_XDP sockets (needs CONFIG_XDP_SOCKETS, Linux 4.18+)".to_string(),
@@ -227,8 +231,7 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
         },
     )?;
     if let Some(b) = o.busy_poll {
-        xsk::set_busy_poll(xsk.fd(), b.usecs, b.budget)
-            .map_err(|e| classify("setsockopt(SO_BUSY_POLL)", e))?;
+        xsk.set_busy_poll(b.usecs, b.budget).map_err(|e| classify("setsockopt(SO_BUSY_POLL)", e))?;
     }
     bpf::map_update_u32(&map, queue, xsk.fd().as_raw_fd() as u32)
         .map_err(|e| classify("bpf(BPF_MAP_UPDATE_ELEM) of the socket into the XSKMAP", e))?;

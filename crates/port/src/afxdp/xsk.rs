@@ -114,6 +114,13 @@ impl<T: Copy> Ring<T> {
         Ok(ring)
     }
 
+    /// The consumer side keeps its index in `local`: fix up after mapping (rx, completion).
+    fn into_consumer(mut self) -> Ring<T> {
+        self.local = self.consumer_index().load(Ordering::Relaxed);
+        self.cached_remote = self.producer_index().load(Ordering::Relaxed);
+        self
+    }
+
     fn producer_index(&self) -> &AtomicU32 {
         // SAFETY: points into `self.map` (checked in `map`), 4-aligned as the kernel lays out the
         // ring header, and the kernel accesses it only atomically (READ_ONCE / smp_store_release).
@@ -209,15 +216,6 @@ impl<T: Copy> Ring<T> {
     }
 }
 
-impl<T: Copy> Ring<T> {
-    /// The consumer side keeps its index in `local`: fix up after mapping (rx, completion).
-    fn into_consumer(mut self) -> Ring<T> {
-        self.local = self.consumer_index().load(Ordering::Relaxed);
-        self.cached_remote = self.producer_index().load(Ordering::Relaxed);
-        self
-    }
-}
-
 /// How the socket was bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BindMode {
@@ -254,6 +252,9 @@ pub struct Xsk {
     /// Receive frames consumed from rx and not yet back in the fill ring.
     refill: Vec<u64>,
     bind_mode: BindMode,
+    /// Busy polling is on: empty receives and every transmit enter the kernel, which polls the
+    /// device queue in that system call.
+    busy_poll: bool,
     /// Descriptors the rx ring delivered that pointed outside UMEM (never expected).
     pub(crate) bad_descs: u64,
 }
@@ -272,16 +273,6 @@ fn setsockopt<T>(fd: &OwnedFd, level: i32, name: i32, value: &T) -> io::Result<(
         return Err(io::Error::last_os_error());
     }
     Ok(())
-}
-
-/// Options for busy polling on the socket (`SO_BUSY_POLL`, `SO_PREFER_BUSY_POLL`,
-/// `SO_BUSY_POLL_BUDGET`).
-pub fn set_busy_poll(fd: &OwnedFd, usecs: u32, budget: u32) -> io::Result<()> {
-    const SO_PREFER_BUSY_POLL: i32 = 69;
-    const SO_BUSY_POLL_BUDGET: i32 = 70;
-    setsockopt(fd, libc::SOL_SOCKET, SO_PREFER_BUSY_POLL, &1i32)?;
-    setsockopt(fd, libc::SOL_SOCKET, libc::SO_BUSY_POLL, &(usecs as i32))?;
-    setsockopt(fd, libc::SOL_SOCKET, SO_BUSY_POLL_BUDGET, &(budget as i32))
 }
 
 impl Xsk {
@@ -375,6 +366,7 @@ impl Xsk {
                 .collect(),
             refill: (0..rx_frames).map(|i| u64::from(i) * u64::from(geo.frame_size)).collect(),
             bind_mode: BindMode::Copy,
+            busy_poll: false,
             bad_descs: 0,
         };
         xsk.refill_fill_ring();
@@ -426,6 +418,18 @@ impl Xsk {
         }
         xsk.bind_mode = if zero_copy { BindMode::ZeroCopy } else { BindMode::Copy };
         Ok(xsk)
+    }
+
+    /// Turns on busy polling (`SO_PREFER_BUSY_POLL`, `SO_BUSY_POLL` for `usecs`,
+    /// `SO_BUSY_POLL_BUDGET`); from then on an empty receive makes a system call that polls.
+    pub fn set_busy_poll(&mut self, usecs: u32, budget: u32) -> io::Result<()> {
+        const SO_PREFER_BUSY_POLL: i32 = 69;
+        const SO_BUSY_POLL_BUDGET: i32 = 70;
+        setsockopt(&self.fd, libc::SOL_SOCKET, SO_PREFER_BUSY_POLL, &1i32)?;
+        setsockopt(&self.fd, libc::SOL_SOCKET, libc::SO_BUSY_POLL, &(usecs as i32))?;
+        setsockopt(&self.fd, libc::SOL_SOCKET, SO_BUSY_POLL_BUDGET, &(budget as i32))?;
+        self.busy_poll = true;
+        Ok(())
     }
 
     /// The socket (for the XSKMAP, poll and socket options).
@@ -528,8 +532,9 @@ impl Xsk {
         }
         self.rx.publish_consumer();
         self.refill_fill_ring();
-        if n == 0 && self.fill.needs_wakeup() {
-            // The driver sleeps until told the fill ring has buffers (zero-copy drivers do this).
+        if n == 0 && (self.busy_poll || self.fill.needs_wakeup()) {
+            // The driver sleeps until told the fill ring has buffers (zero-copy drivers do this);
+            // with busy polling, this system call is what polls the device queue.
             // SAFETY: recvfrom with no buffer is the documented wake-up for the fill ring.
             unsafe {
                 libc::recvfrom(
@@ -586,7 +591,7 @@ impl Xsk {
         // 32 frames per call), also for entries an earlier kick left behind. Keep kicking while
         // each kick makes progress, so what we queued is on the wire when we return.
         let mut outstanding = self.tx.outstanding();
-        while outstanding > 0 && self.tx.needs_wakeup() {
+        while outstanding > 0 && (self.busy_poll || self.tx.needs_wakeup()) {
             self.kick()?;
             self.reap_completions();
             let now = self.tx.outstanding();
