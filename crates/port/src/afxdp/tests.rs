@@ -429,3 +429,43 @@ fn busy_polling_can_be_switched_on() {
     let mut b = open_in(&pair.b, busy).expect("busy-polling socket");
     exchange(&mut a, pair.a.mac, &mut b, pair.b.mac, 2_000, 32, 1500);
 }
+
+/// Not a test on its own: the child process of `the_program_goes_when_the_process_is_killed`
+/// (run by it inside the namespace, with the interface in `LANBUS_AFXDP_HOLD`). Without that
+/// variable it does nothing.
+#[test]
+#[ignore = "helper process for the_program_goes_when_the_process_is_killed"]
+fn helper_hold_port_open() {
+    let Ok(ifname) = std::env::var("LANBUS_AFXDP_HOLD") else { return };
+    let port = open(&ifname, 0, &AfXdpOptions::default()).expect("child opens the port");
+    println!("ready {:?}", port.xdp_mode());
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn the_program_goes_when_the_process_is_killed() {
+    use std::io::BufRead;
+    let pair = veth_or_skip!("the_program_goes_when_the_process_is_killed");
+    let exe = std::env::current_exe().unwrap();
+    let mut child = pair
+        .a
+        .netns
+        .command(exe.to_str().unwrap())
+        .args(["--exact", "afxdp::tests::helper_hold_port_open", "--ignored", "--nocapture"])
+        .env("LANBUS_AFXDP_HOLD", &pair.a.ifname)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = lines.by_ref().map_while(|l| l.ok()).any(|l| l.starts_with("ready"));
+    assert!(ready, "child opened the port");
+    assert!(xdp_shown(&pair.a).contains("prog/xdp"), "attached by the child");
+    child.kill().unwrap(); // SIGKILL: no destructor runs
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while xdp_shown(&pair.a).contains("xdp") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!xdp_shown(&pair.a).contains("xdp"), "{}", xdp_shown(&pair.a));
+    drop(open_ok(&pair.a));
+}
