@@ -2,13 +2,14 @@
 //! one-way frame rate for 64-byte frames (a sender thread and a receiver thread, both spinning)
 //! and busy-polled ping-pong round trips.
 //!
-//! `cargo run --release -p lanbus-port --example afxdp_rate [seconds]`
+//! `cargo run --release -p lanbus-port --example afxdp_rate [seconds] [busy]` (`busy`: open both
+//! sockets with busy polling, 20 us, budget 64)
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lanbus_port::afxdp::{open, AfXdpOptions};
+use lanbus_port::afxdp::{open, AfXdpOptions, BusyPoll};
 use lanbus_port::netns::VethPair;
 use lanbus_port::Port;
 
@@ -21,10 +22,14 @@ fn main() {
             return;
         }
     };
+    let mut options = AfXdpOptions::default();
+    if std::env::args().nth(2).as_deref() == Some("busy") {
+        options.busy_poll = Some(BusyPoll { usecs: 20, budget: 64 });
+    }
     let (a_if, b_if) = (pair.a.ifname.clone(), pair.b.ifname.clone());
-    let mut a = pair.a.netns.run(move || open(&a_if, 0, &AfXdpOptions::default())).unwrap().unwrap();
-    let mut b = pair.b.netns.run(move || open(&b_if, 0, &AfXdpOptions::default())).unwrap().unwrap();
-    println!("xdp mode {:?}, bind mode {:?}", a.xdp_mode(), a.bind_mode());
+    let mut a = pair.a.netns.run(move || open(&a_if, 0, &options)).unwrap().unwrap();
+    let mut b = pair.b.netns.run(move || open(&b_if, 0, &options)).unwrap().unwrap();
+    println!("xdp mode {:?}, bind mode {:?}, busy poll {:?}", a.xdp_mode(), a.bind_mode(), options.busy_poll);
     let mut template = [0u8; 64];
     template[..6].copy_from_slice(&pair.b.mac.0);
     template[6..12].copy_from_slice(&pair.a.mac.0);
