@@ -8,7 +8,7 @@
 //!   descriptor;
 //! - a frame address in a **tx** descriptor belongs to the kernel until it comes back in the
 //!   **completion** ring;
-//! - every other frame is ours: either in [`Xsk::free_tx`] or being lent to a callback.
+//! - every other frame is ours: either on the transmit free list or being lent to a callback.
 //!
 //! We only ever form slices over frames we own, so the kernel never writes memory a Rust
 //! reference points to. Ring indices are free-running `u32`s masked on access. The kernel's
