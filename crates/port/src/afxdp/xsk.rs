@@ -96,6 +96,15 @@ impl<T: Copy> Ring<T> {
     fn map(fd: &OwnedFd, size: u32, pgoff: u64, off: &libc::xdp_ring_offset) -> io::Result<Ring<T>> {
         let len = off.desc as usize + size as usize * size_of::<T>();
         let map = Mapping::new(len, Some(fd), pgoff)?;
+        Ring::over(map, size, off)
+    }
+
+    /// A ring laid out in `map` at the offsets `off`.
+    fn over(map: Mapping, size: u32, off: &libc::xdp_ring_offset) -> io::Result<Ring<T>> {
+        let len = map.len;
+        if !size.is_power_of_two() || off.desc as usize + size as usize * size_of::<T>() > len {
+            return Err(io::Error::other("ring does not fit its mapping"));
+        }
         let at = |o: u64| -> io::Result<NonNull<u8>> {
             if o as usize + 4 > len {
                 return Err(io::Error::other("XDP_MMAP_OFFSETS points outside the ring"));
@@ -627,5 +636,120 @@ impl Xsk {
             return Err(io::Error::last_os_error());
         }
         Ok(st)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use super::*;
+
+    /// A ring in anonymous memory whose indices both start at `start`, with the kernel's side
+    /// played by the test through the same shared words.
+    fn ring(size: u32, start: u32) -> Ring<u64> {
+        let off = libc::xdp_ring_offset { producer: 0, consumer: 64, flags: 128, desc: 192 };
+        let map = Mapping::new(192 + size as usize * 8, None, 0).unwrap();
+        let ring = Ring::<u64>::over(map, size, &off).unwrap();
+        ring.producer_index().store(start, Ordering::Relaxed);
+        ring.consumer_index().store(start, Ordering::Relaxed);
+        ring
+    }
+
+    /// xorshift64: deterministic, no dependencies.
+    fn next(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    #[test]
+    fn producer_side_behaves_like_a_queue_across_index_wrap() {
+        let mut r = ring(8, u32::MAX - 40);
+        r.local = r.producer_index().load(Ordering::Relaxed);
+        r.cached_remote = r.consumer_index().load(Ordering::Relaxed);
+        let mut model = VecDeque::new();
+        let (mut rng, mut value) = (0x9E37_79B9_7F4A_7C15u64, 0u64);
+        for _ in 0..10_000 {
+            if next(&mut rng).is_multiple_of(2) {
+                // We produce up to k entries.
+                let k = (next(&mut rng) % 6) as u32;
+                let free = r.free(k);
+                // The cached count may be stale but only ever low; below `k` it is refreshed.
+                let actual = 8 - model.len() as u32;
+                assert!(free <= actual && (free >= k || free == actual), "free {free} of {actual}");
+                let n = k.min(free);
+                for i in 0..n {
+                    r.write(i, value);
+                    model.push_back(value);
+                    value += 1;
+                }
+                r.submit(n);
+            } else {
+                // The kernel consumes up to j entries.
+                let j = next(&mut rng) % 6;
+                let prod = r.producer_index().load(Ordering::Acquire);
+                let mut cons = r.consumer_index().load(Ordering::Relaxed);
+                for _ in 0..j {
+                    if cons == prod {
+                        break;
+                    }
+                    // SAFETY: the slot was published by the producer side above.
+                    let entry = unsafe { r.slot(cons).read() };
+                    assert_eq!(Some(entry), model.pop_front());
+                    cons = cons.wrapping_add(1);
+                }
+                r.consumer_index().store(cons, Ordering::Release);
+            }
+            assert_eq!(r.outstanding(), model.len() as u32);
+        }
+        assert!(r.local < 100_000, "the producer index wrapped around u32");
+    }
+
+    #[test]
+    fn consumer_side_behaves_like_a_queue_across_index_wrap() {
+        let mut r = ring(16, u32::MAX - 70).into_consumer();
+        let mut model = VecDeque::new();
+        let (mut rng, mut value) = (0xD1B5_4A32_D192_ED03u64, 0u64);
+        for _ in 0..10_000 {
+            if next(&mut rng).is_multiple_of(2) {
+                // The kernel produces up to k entries into free slots.
+                let k = next(&mut rng) % 9;
+                let cons = r.consumer_index().load(Ordering::Acquire);
+                let mut prod = r.producer_index().load(Ordering::Relaxed);
+                for _ in 0..k {
+                    if prod.wrapping_sub(cons) == 16 {
+                        break;
+                    }
+                    // SAFETY: the slot is free (between consumer and producer + size).
+                    unsafe { r.slot(prod).write(value) };
+                    model.push_back(value);
+                    value += 1;
+                    prod = prod.wrapping_add(1);
+                }
+                r.producer_index().store(prod, Ordering::Release);
+            } else {
+                // We consume up to j entries.
+                let j = (next(&mut rng) % 9) as u32;
+                let ready = r.ready();
+                assert_eq!(ready, model.len() as u32);
+                for _ in 0..j.min(ready) {
+                    assert_eq!(Some(r.take()), model.pop_front());
+                }
+                r.publish_consumer();
+            }
+        }
+        assert!(r.local < 100_000, "the consumer index wrapped around u32");
+    }
+
+    #[test]
+    fn a_runaway_kernel_index_never_yields_more_than_a_ring() {
+        let mut r = ring(8, 0).into_consumer();
+        r.producer_index().store(1_000, Ordering::Release);
+        assert_eq!(r.ready(), 8);
+        let mut p = ring(8, 0);
+        p.consumer_index().store(500, Ordering::Release);
+        assert_eq!(p.free(8), 8);
     }
 }
