@@ -7,8 +7,9 @@
 //! 1. creates an XSKMAP and loads the redirect program ([`bpf::lanbus_redirect_program`]): frames
 //!    with EtherType 0x88B5 go to the socket registered for their receive queue, everything else
 //!    (ARP, IP, other queues) goes to the kernel as before;
-//! 2. attaches it through a BPF link in native (driver) mode, falling back to generic (SKB) mode
-//!    when the driver has no XDP; it never replaces a program already on the interface;
+//! 2. attaches it through a BPF link ([`netlink`] `RTM_SETLINK` on kernels without XDP links) in
+//!    native (driver) mode, falling back to generic (SKB) mode when the driver has no XDP; it
+//!    never replaces a program already on the interface;
 //! 3. creates the AF_XDP socket ([`xsk::Xsk`]): UMEM, fill/completion/rx/tx rings, bound with
 //!    need-wakeup, zero-copy if the driver offers it, copy mode otherwise;
 //! 4. puts the socket into the map at the queue index.
@@ -32,6 +33,7 @@
 //! plain AF_PACKET socket on a peer without XDP. Veth has no zero-copy: sockets bind in copy mode.
 
 pub mod bpf;
+pub mod netlink;
 pub mod xsk;
 
 use core::time::Duration;
@@ -55,6 +57,35 @@ pub enum XdpModeRequest {
     Native,
     /// Generic (SKB) only.
     Generic,
+}
+
+/// How to attach the XDP program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttachRequest {
+    /// A BPF link (Linux 5.9+), falling back to rtnetlink when the kernel has no XDP links.
+    #[default]
+    Auto,
+    /// A BPF link only: detached when the last file descriptor closes, even if the process dies.
+    Link,
+    /// rtnetlink only (`RTM_SETLINK`, `IFLA_XDP`): works on older kernels, but the program stays
+    /// if the process dies without dropping the port.
+    Netlink,
+}
+
+/// How the program is attached: each variant detaches on drop.
+#[derive(Debug)]
+enum Attachment {
+    Link(bpf::XdpLink),
+    Netlink(netlink::NetlinkXdp),
+}
+
+impl Attachment {
+    fn mode(&self) -> XdpMode {
+        match self {
+            Attachment::Link(l) => l.mode(),
+            Attachment::Netlink(n) => n.mode(),
+        }
+    }
 }
 
 /// Whether to try zero-copy binding.
@@ -88,6 +119,8 @@ pub struct AfXdpOptions {
     pub ring_size: u32,
     /// XDP attach mode.
     pub xdp_mode: XdpModeRequest,
+    /// XDP attach mechanism.
+    pub attach: AttachRequest,
     /// Socket bind mode.
     pub bind: BindRequest,
     /// Busy polling on the socket; `None` leaves the system default (off).
@@ -101,6 +134,7 @@ impl Default for AfXdpOptions {
             frame_size: 4096,
             ring_size: 2048,
             xdp_mode: XdpModeRequest::Auto,
+            attach: AttachRequest::Auto,
             bind: BindRequest::Auto,
             busy_poll: None,
         }
@@ -112,7 +146,7 @@ impl Default for AfXdpOptions {
 pub struct AfXdpPort {
     // Field order is drop order: the socket goes first, then the program is detached.
     xsk: xsk::Xsk,
-    link: bpf::XdpLink,
+    attachment: Attachment,
     map: OwnedFd,
     prog: OwnedFd,
     ifname: String,
@@ -181,34 +215,20 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
         ),
     })?;
 
-    let busy = |e: &io::Error| matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EEXIST));
-    let already = || {
-        unavailable(format!(
-            "{ifname} already has an XDP program attached (another lanbus port, or someone else's); \
-             lanbus does not replace it. See it with `ip link show dev {ifname}`; if it is stale, \
-             remove it with `ip link set dev {ifname} xdp off`"
-        ))
-    };
-    let attach = |mode| bpf::XdpLink::attach(&prog, facts.ifindex, mode);
-    let link = match o.xdp_mode {
-        XdpModeRequest::Native => attach(XdpMode::Native),
-        XdpModeRequest::Generic => attach(XdpMode::Generic),
-        XdpModeRequest::Auto => match attach(XdpMode::Native) {
-            Err(e) if busy(&e) => Err(e),
-            Err(e) if e.raw_os_error() == Some(libc::EPERM) => Err(e),
-            Err(_) => attach(XdpMode::Generic),
-            ok => ok,
-        },
-    }
-    .map_err(|e| match e.raw_os_error() {
-        _ if busy(&e) => already(),
-        Some(libc::EOPNOTSUPP) => unavailable(format!(
-            "the driver of {ifname} has no native XDP; open with XdpModeRequest::Auto or Generic"
-        )),
-        Some(libc::EINVAL) => unavailable(format!(
-            "the kernel refused to attach XDP to {ifname} through a BPF link (needs Linux 5.9+): {e}"
-        )),
-        _ => classify("bpf(BPF_LINK_CREATE, BPF_XDP)", e),
+    let attachment = attach(facts.ifindex, &prog, o).map_err(|(e, kernel_says)| {
+        let says = if kernel_says.is_empty() { String::new() } else { format!(" (kernel: {kernel_says})") };
+        match e.raw_os_error() {
+            Some(libc::EBUSY | libc::EEXIST) => unavailable(format!(
+                "{ifname} already has an XDP program attached (another lanbus port, or someone else's); \
+                 lanbus does not replace it. See it with `ip link show dev {ifname}`; if it is stale, \
+                 remove it with `ip link set dev {ifname} xdp off`{says}"
+            )),
+            Some(libc::EOPNOTSUPP) => unavailable(format!(
+                "the driver of {ifname} has no native XDP; open with XdpModeRequest::Auto or Generic{says}"
+            )),
+            Some(libc::EPERM | libc::EACCES) => unavailable(NEEDS_ROOT.to_string()),
+            _ => PortError::io("attaching the XDP program", io::Error::new(e.kind(), format!("{e}{says}"))),
+        }
     })?;
 
     let geometry =
@@ -240,7 +260,7 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
 
     Ok(AfXdpPort {
         xsk,
-        link,
+        attachment,
         map,
         prog,
         ifname: ifname.to_string(),
@@ -251,10 +271,49 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
     })
 }
 
+/// Attaches `prog` to `ifindex` as the options ask; on failure, the kernel's error and its
+/// explanation (if any). In `Auto` XDP mode: native first, generic when the driver cannot; an
+/// interface that already has a program is reported, never worked around.
+fn attach(
+    ifindex: u32,
+    prog: &OwnedFd,
+    o: &AfXdpOptions,
+) -> core::result::Result<Attachment, (io::Error, String)> {
+    let by_link = |mode| {
+        bpf::XdpLink::attach(prog, ifindex, mode).map(Attachment::Link).map_err(|e| (e, String::new()))
+    };
+    let by_netlink = |mode| {
+        netlink::NetlinkXdp::attach(prog, ifindex, mode)
+            .map(Attachment::Netlink)
+            .map_err(|e| (e.source, e.message))
+    };
+    let in_mode = |mode| match o.attach {
+        AttachRequest::Link => by_link(mode),
+        AttachRequest::Netlink => by_netlink(mode),
+        // Kernels before 5.9 do not know BPF_XDP links and say EINVAL.
+        AttachRequest::Auto => match by_link(mode) {
+            Err((e, _)) if e.raw_os_error() == Some(libc::EINVAL) => by_netlink(mode),
+            other => other,
+        },
+    };
+    let fatal = |e: &io::Error| {
+        matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EEXIST | libc::EPERM | libc::EACCES))
+    };
+    match o.xdp_mode {
+        XdpModeRequest::Native => in_mode(XdpMode::Native),
+        XdpModeRequest::Generic => in_mode(XdpMode::Generic),
+        XdpModeRequest::Auto => match in_mode(XdpMode::Native) {
+            Err((e, says)) if fatal(&e) => Err((e, says)),
+            Err(_) => in_mode(XdpMode::Generic),
+            ok => ok,
+        },
+    }
+}
+
 impl AfXdpPort {
     /// Where the XDP program runs.
     pub fn xdp_mode(&self) -> XdpMode {
-        self.link.mode()
+        self.attachment.mode()
     }
 
     /// How the socket is bound (zero-copy or copy).

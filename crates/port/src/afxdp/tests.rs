@@ -470,3 +470,39 @@ fn the_program_goes_when_the_process_is_killed() {
     assert!(!xdp_shown(&pair.a).contains("xdp"), "{}", xdp_shown(&pair.a));
     drop(open_ok(&pair.a));
 }
+
+#[test]
+fn netlink_attachment_carries_frames_refuses_to_replace_and_detaches() {
+    let pair = veth_or_skip!("netlink_attachment_carries_frames_refuses_to_replace_and_detaches");
+    let netlink = AfXdpOptions { attach: AttachRequest::Netlink, ..AfXdpOptions::default() };
+    let mut a = open_in(&pair.a, netlink).expect("attach through rtnetlink");
+    assert_eq!(a.xdp_mode(), XdpMode::Native);
+    assert!(xdp_shown(&pair.a).contains("prog/xdp"), "{}", xdp_shown(&pair.a));
+    for attach in [AttachRequest::Netlink, AttachRequest::Link] {
+        let err = open_in(&pair.a, AfXdpOptions { attach, ..AfXdpOptions::default() }).expect_err("replace");
+        assert!(err.to_string().contains("already has an XDP program"), "{attach:?}: {err}");
+    }
+    let mut b = open_ok(&pair.b);
+    exchange(&mut a, pair.a.mac, &mut b, pair.b.mac, 2_000, 64, 1500);
+    // Dropped on this thread, outside the namespace: the netlink socket from attach time is used.
+    drop(a);
+    assert!(!xdp_shown(&pair.a).contains("xdp"), "{}", xdp_shown(&pair.a));
+}
+
+#[test]
+fn the_kernels_explanation_reaches_the_error() {
+    let pair = veth_or_skip!("the_kernels_explanation_reaches_the_error");
+    // Loopback has no native XDP; give it an MTU the UMEM frames hold so attaching is what fails.
+    pair.a.netns.ip(&["link", "set", "dev", "lo", "mtu", "1500"]).unwrap();
+    let native = AfXdpOptions { xdp_mode: XdpModeRequest::Native, ..AfXdpOptions::default() };
+    let netlink = AfXdpOptions { attach: AttachRequest::Netlink, ..native };
+    let err = pair.a.netns.run(move || open("lo", 0, &netlink)).unwrap().unwrap_err();
+    // "(kernel: Underlying driver does not support XDP in native mode)" on Linux 6.18.
+    let text = err.to_string();
+    assert!(text.contains("has no native XDP") && text.contains("(kernel: "), "{text}");
+    let err = pair.a.netns.run(move || open("lo", 0, &native)).unwrap().unwrap_err();
+    assert!(err.to_string().contains("has no native XDP"), "{err}");
+    // Auto falls back to generic mode there.
+    let port = pair.a.netns.run(|| open("lo", 0, &AfXdpOptions::default())).unwrap().expect("generic on lo");
+    assert_eq!(port.xdp_mode(), XdpMode::Generic);
+}
