@@ -160,7 +160,8 @@ const NEEDS_ROOT: &str = "needs root (CAP_NET_ADMIN, CAP_BPF; CAP_SYS_ADMIN on k
                           run as root or grant the capabilities (setcap cap_net_admin,cap_bpf+ep)";
 
 /// Opens an AF_XDP port on `ifname`, receive queue `queue`, in the calling thread's network
-/// namespace. Needs root (or CAP_NET_ADMIN and CAP_BPF) and Linux 5.9+ (BPF links for XDP).
+/// namespace. Needs root (or CAP_NET_ADMIN and CAP_BPF) and AF_XDP with need-wakeup (Linux 5.4+;
+/// 5.9+ attaches through a BPF link, older kernels through rtnetlink).
 pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPort> {
     let spec = format!("afxdp:{ifname}:{queue}");
     let unavailable = |why: String| PortError::Unavailable { spec: spec.clone(), why };
