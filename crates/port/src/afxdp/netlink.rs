@@ -126,6 +126,14 @@ pub fn parse_ack(reply: &[u8], seq: u32) -> Result<(), (i32, String)> {
     Err(malformed())
 }
 
+/// The fuzz target's body: reads arbitrary bytes as the reply to request 1. Never panics; an
+/// ACK is only reported when the bytes hold a complete error message for that request with code 0.
+pub fn fuzz_netlink_ack(data: &[u8]) {
+    if parse_ack(data, 1).is_ok() {
+        assert!(data.len() >= 20, "an ACK needs a header and an error code");
+    }
+}
+
 /// An XDP program attached through rtnetlink: detached on drop (if it is still ours).
 #[derive(Debug)]
 pub struct NetlinkXdp {
@@ -286,6 +294,31 @@ mod tests {
         );
         // A reply to another request is skipped; then nothing is left.
         assert_eq!(parse_ack(&error_reply(4, 0, None), 5).unwrap_err().0, libc::EBADMSG);
+    }
+
+    #[test]
+    fn random_replies_never_panic() {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let seed = error_reply(1, libc::EBUSY, Some("busy"));
+        for _ in 0..20_000 {
+            // Mutate a valid reply (so the parser gets deep) or make pure noise.
+            let mut data = if next() % 4 == 0 { Vec::new() } else { seed.clone() };
+            let extra = (next() % 48) as usize;
+            data.extend((0..extra).map(|_| next() as u8));
+            for _ in 0..(next() % 4) {
+                if !data.is_empty() {
+                    let at = (next() as usize) % data.len();
+                    data[at] = next() as u8;
+                }
+            }
+            fuzz_netlink_ack(&data);
+        }
     }
 
     #[test]
