@@ -506,3 +506,29 @@ fn the_kernels_explanation_reaches_the_error() {
     let port = pair.a.netns.run(|| open("lo", 0, &AfXdpOptions::default())).unwrap().expect("generic on lo");
     assert_eq!(port.xdp_mode(), XdpMode::Generic);
 }
+
+#[test]
+fn wait_sleeps_until_a_frame_or_the_timeout() {
+    let pair = veth_or_skip!("wait_sleeps_until_a_frame_or_the_timeout");
+    let mut a = open_ok(&pair.a);
+    let mut b = open_ok(&pair.b);
+    let t0 = Instant::now();
+    a.wait(Some(Duration::from_millis(60))).unwrap();
+    let slept = t0.elapsed();
+    assert!(slept >= Duration::from_millis(50), "returned early without a frame: {slept:?}");
+    let (a_mac, b_mac) = (pair.a.mac, pair.b.mac);
+    let sender = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(b.send(&[frame(a_mac, b_mac, 0, 1500)]), 1);
+        b
+    });
+    let t0 = Instant::now();
+    let mut got = Vec::new();
+    while got.is_empty() && t0.elapsed() < Duration::from_secs(5) {
+        a.wait(Some(Duration::from_secs(5))).unwrap();
+        a.recv(&mut got);
+    }
+    assert!(t0.elapsed() < Duration::from_secs(2), "woke {:?} after the frame was sent", t0.elapsed());
+    assert_eq!(got, vec![frame(a_mac, b_mac, 0, 1500)]);
+    drop(sender.join().unwrap());
+}
