@@ -1,0 +1,94 @@
+//! PCIe for lanbus: the engine layer's view of PCI Express transactions.
+//!
+//! - [`tlp`]: the [`Tlp`] representation of every TLP lanbus carries (memory, I/O and
+//!   configuration requests, completions), parsed from and emitted into
+//!   [`lanbus_wire::tlp::Packet`] views.
+//! - [`request`]: requests from a byte address and length (byte enables, DW length), split by
+//!   max payload size / max read request size without crossing 4 KiB; completions for a read split
+//!   by max payload size and read completion boundary.
+//! - [`reassembly`]: [`ReadReassembly`] puts a read's completions back together and distrusts them.
+//! - [`tags`]: [`TagAllocator`], 10-bit tags with a completion timeout (sans-IO: `now` comes in).
+//! - [`config`]: a type 0 configuration space with BARs, the PCI Express and MSI-X capabilities,
+//!   and the MSI-X table/PBA model.
+//! - `json` (feature `json`): the JSON schema of `shared/vectors/tlp`, used by `lanbus tlp`.
+//!
+//! Everything here is sans-IO and deterministic. Bytes from a peer never panic: they give an
+//! [`Error`].
+#![deny(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod config;
+#[cfg(feature = "json")]
+pub mod json;
+pub mod reassembly;
+pub mod request;
+pub mod tags;
+pub mod tlp;
+
+pub use reassembly::{Progress, ReadReassembly};
+pub use tags::TagAllocator;
+pub use tlp::{Attr, Bdf, CompletionHeader, ConfigHeader, CplStatus, Header, MemHeader, Tag, Tlp, TlpKind};
+
+/// What went wrong in the PCIe layer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The bytes are not a well-formed TLP (truncated, or an undefined Fmt/Type).
+    #[error("TLP: {0}")]
+    Wire(#[from] lanbus_wire::Error),
+    /// A well-formed TLP of a type this codec does not model (messages, atomics, locked reads).
+    #[error("unsupported TLP type (fmt {fmt:#x}, type {ty:#x})")]
+    Unsupported {
+        /// Raw Fmt.
+        fmt: u8,
+        /// Raw Type.
+        ty: u8,
+    },
+    /// A TLP whose fields break a rule of the spec (for example a configuration request longer
+    /// than 1 DW).
+    #[error("malformed TLP: {0}")]
+    Malformed(&'static str),
+    /// Bytes follow the TLP that its header does not account for.
+    #[error("{0} bytes after the end of the TLP")]
+    TrailingBytes(usize),
+    /// A TLP representation that cannot be encoded (a local mistake, not a peer's).
+    #[error("cannot encode TLP: {0}")]
+    Invalid(String),
+    /// A request that cannot be built as asked (length, alignment or boundary).
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// A completion that does not belong to the read it was given to (wrong kind, requester or
+    /// tag, or the read is already complete).
+    #[error("unexpected completion: {0}")]
+    UnexpectedCompletion(&'static str),
+    /// A completion whose byte count, lower address or length contradicts the read so far.
+    #[error("inconsistent completion: {0}")]
+    InconsistentCompletion(&'static str),
+    /// The completer ended the read with a status other than Successful Completion.
+    #[error("completion status {0}")]
+    CompletionStatus(CplStatus),
+    /// JSON that does not describe a TLP in the vector schema.
+    #[error("JSON: {0}")]
+    Json(String),
+}
+
+/// Result of the PCIe layer.
+pub type Result<T> = core::result::Result<T, Error>;
+
+/// The fuzz target's body: decodes arbitrary bytes as a TLP; a TLP that decodes must encode,
+/// and its encoding must decode to the same TLP (reserved bits are not kept, so the bytes may
+/// differ there). Panics only if that invariant breaks.
+pub fn fuzz_tlp(data: &[u8]) {
+    lanbus_wire::tlp::fuzz_view(data);
+    if let Ok(tlp) = Tlp::decode(data) {
+        let bytes = tlp.encode().expect("a decoded TLP encodes");
+        assert_eq!(bytes.len(), data.len(), "TLP changes length");
+        assert_eq!(Tlp::decode(&bytes).as_ref(), Ok(&tlp), "TLP does not round-trip");
+        #[cfg(feature = "json")]
+        {
+            let text = json::to_json(&tlp);
+            let back = json::from_json(&text).expect("decoder output is valid encoder input");
+            assert_eq!(back, tlp, "JSON does not round-trip");
+        }
+    }
+}
