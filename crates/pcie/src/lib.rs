@@ -35,7 +35,7 @@ pub use tlp::{Attr, Bdf, CompletionHeader, ConfigHeader, CplStatus, Header, MemH
 pub enum Error {
     /// The bytes are not a well-formed TLP (truncated, or an undefined Fmt/Type).
     #[error("TLP: {0}")]
-    Wire(#[from] lanbus_wire::Error),
+    Wire(lanbus_wire::Error),
     /// A well-formed TLP of a type this codec does not model (messages, atomics, locked reads).
     #[error("unsupported TLP type (fmt {fmt:#x}, type {ty:#x})")]
     Unsupported {
@@ -70,6 +70,14 @@ pub enum Error {
     /// JSON that does not describe a TLP in the vector schema.
     #[error("JSON: {0}")]
     Json(String),
+}
+
+// Not `#[from]`: that would make the wire error the source too, and error chains would print it
+// twice.
+impl From<lanbus_wire::Error> for Error {
+    fn from(e: lanbus_wire::Error) -> Self {
+        Error::Wire(e)
+    }
 }
 
 /// Result of the PCIe layer.
