@@ -13,7 +13,9 @@
 
 use serde_json::{Map, Value};
 
-use crate::tlp::{Attr, Bdf, CompletionHeader, ConfigHeader, CplStatus, Header, MemHeader, Tag, Tlp, TlpKind};
+use crate::tlp::{
+    Attr, Bdf, CompletionHeader, ConfigHeader, CplStatus, Header, MemHeader, Tag, Tlp, TlpKind,
+};
 use crate::{Error, Result};
 
 fn hex(bytes: &[u8]) -> String {
@@ -29,7 +31,7 @@ fn hex(bytes: &[u8]) -> String {
 pub fn parse_hex(text: &str) -> Result<Vec<u8>> {
     let t: String = text.chars().filter(|c| !c.is_whitespace()).collect();
     let t = t.strip_prefix("0x").unwrap_or(&t);
-    if t.len() % 2 != 0 {
+    if !t.len().is_multiple_of(2) {
         return Err(Error::Json(format!("hex string has an odd number of digits ({})", t.len())));
     }
     (0..t.len())
@@ -158,8 +160,12 @@ pub fn from_json(text: &str) -> Result<Tlp> {
         Error::Json(format!("unknown kind {name:?} (one of {})", all.join(" ")))
     })?;
     let (fmt, ty) = kind.fmt_type();
-    if f.uint("fmt", 7)?.is_some_and(|v| v != u64::from(fmt)) || f.uint("type", 31)?.is_some_and(|v| v != u64::from(ty)) {
-        return Err(Error::Json(format!("\"fmt\"/\"type\" disagree with kind {kind} (fmt {fmt}, type {ty})")));
+    if f.uint("fmt", 7)?.is_some_and(|v| v != u64::from(fmt))
+        || f.uint("type", 31)?.is_some_and(|v| v != u64::from(ty))
+    {
+        return Err(Error::Json(format!(
+            "\"fmt\"/\"type\" disagree with kind {kind} (fmt {fmt}, type {ty})"
+        )));
     }
     f.take("hex");
     let data = parse_hex(&f.string("data")?.unwrap_or_default())?;
@@ -168,10 +174,13 @@ pub fn from_json(text: &str) -> Result<Tlp> {
         (false, None) => None,
         (true, Some(s)) => {
             let b = parse_hex(&s)?;
-            let b: [u8; 4] = b.try_into().map_err(|_| Error::Json("\"ecrc\" must be 4 bytes of hex".into()))?;
+            let b: [u8; 4] =
+                b.try_into().map_err(|_| Error::Json("\"ecrc\" must be 4 bytes of hex".into()))?;
             Some(u32::from_be_bytes(b))
         }
-        (true, None) => return Err(Error::Json("\"td\": true needs \"ecrc\" (the digest, 8 hex digits)".into())),
+        (true, None) => {
+            return Err(Error::Json("\"td\": true needs \"ecrc\" (the digest, 8 hex digits)".into()))
+        }
         (false, Some(_)) => return Err(Error::Json("\"ecrc\" given without \"td\": true".into())),
     };
     let default_len = if kind.has_data() {
@@ -202,7 +211,14 @@ pub fn from_json(text: &str) -> Result<Tlp> {
         let byte_count = f.required("byte_count", 4096, kind)? as u16;
         let requester_id = f.bdf("requester_id")?;
         let lower_address = f.uint_or("lower_address", 127, 0)? as u8;
-        Header::Completion(CompletionHeader { completer_id, status, bcm, byte_count, requester_id, lower_address })
+        Header::Completion(CompletionHeader {
+            completer_id,
+            status,
+            bcm,
+            byte_count,
+            requester_id,
+            lower_address,
+        })
     } else {
         let requester_id = f.bdf("requester_id")?;
         let first_be = f.uint_or("first_be", 15, 0xf)? as u8;
@@ -241,7 +257,8 @@ mod tests {
     fn defaults_and_errors() {
         let t = from_json(r#"{"kind": "MWr32", "address": 4096, "data": "01020304"}"#).unwrap();
         assert_eq!(t, Tlp::mem_write(Bdf(0), 4096, 0xf, 0, vec![1, 2, 3, 4]));
-        let t = from_json(r#"{"kind": "MRd64", "address": 4294967296, "length_dw": 2, "tag": 1023}"#).unwrap();
+        let t =
+            from_json(r#"{"kind": "MRd64", "address": 4294967296, "length_dw": 2, "tag": 1023}"#).unwrap();
         assert_eq!(t, Tlp::mem_read(Bdf(0), Tag::new(1023).unwrap(), 1 << 32, 2, 0xf, 0xf));
         for bad in [
             "[]",
@@ -266,7 +283,9 @@ mod tests {
 
     #[test]
     fn digest_is_carried() {
-        let t = from_json(r#"{"kind": "MRd32", "address": 0, "length_dw": 1, "td": true, "ecrc": "01020304"}"#).unwrap();
+        let t =
+            from_json(r#"{"kind": "MRd32", "address": 0, "length_dw": 1, "td": true, "ecrc": "01020304"}"#)
+                .unwrap();
         assert_eq!(t.ecrc, Some(0x01020304));
         let bytes = t.encode().unwrap();
         assert_eq!(bytes.len(), 16);

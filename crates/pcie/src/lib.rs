@@ -67,6 +67,10 @@ pub enum Error {
     /// The completer ended the read with a status other than Successful Completion.
     #[error("completion status {0}")]
     CompletionStatus(CplStatus),
+    /// A configuration space specification that cannot be built (BAR sizes or placement,
+    /// MSI-X structures outside a memory BAR): a local mistake.
+    #[error("bad configuration space: {0}")]
+    BadConfig(String),
     /// JSON that does not describe a TLP in the vector schema.
     #[error("JSON: {0}")]
     Json(String),

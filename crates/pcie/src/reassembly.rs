@@ -42,7 +42,15 @@ impl ReadReassembly {
     /// zero-length read, answered by one DW that is discarded).
     pub fn new(requester_id: Bdf, tag: Tag, address: u64, len: usize) -> Result<ReadReassembly> {
         crate::request::RequestShape::for_range(address, len)?;
-        Ok(ReadReassembly { requester_id, tag, address, received: 0, data: vec![0; len], failed: None, done: false })
+        Ok(ReadReassembly {
+            requester_id,
+            tag,
+            address,
+            received: 0,
+            data: vec![0; len],
+            failed: None,
+            done: false,
+        })
     }
 
     /// The tag the completions carry.
@@ -85,7 +93,11 @@ impl ReadReassembly {
         }
         let len = self.data.len();
         let cur = self.address + self.received as u64;
-        let (want_bc, want_la) = if len == 0 { (1, (self.address & 0x7c) as u8) } else { (len - self.received, (cur & 0x7f) as u8) };
+        let (want_bc, want_la) = if len == 0 {
+            (1, (self.address & 0x7c) as u8)
+        } else {
+            (len - self.received, (cur & 0x7f) as u8)
+        };
         if !h.bcm && usize::from(h.byte_count) != want_bc {
             return Err(Error::InconsistentCompletion("byte count is not the bytes left"));
         }

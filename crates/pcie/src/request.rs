@@ -183,7 +183,12 @@ pub fn split_completions(address: u64, len: usize, mps: usize, rcb: usize) -> Re
     let rcb = rcb as u64;
     if len == 0 {
         let a = address & !3;
-        return Ok(vec![CompletionPiece { address: a, length_dw: 1, byte_count: 1, lower_address: (a & 0x7f) as u8 }]);
+        return Ok(vec![CompletionPiece {
+            address: a,
+            length_dw: 1,
+            byte_count: 1,
+            lower_address: (a & 0x7f) as u8,
+        }]);
     }
     RequestShape::for_range(address, len)?;
     let end = address + len as u64;
@@ -225,17 +230,21 @@ pub fn completions_for_read(
     let (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) = (request.kind, &request.header) else {
         return Err(Error::BadRequest(format!("{} is not a memory read", request.kind)));
     };
-    let shape = RequestShape { address: h.address, length_dw: request.length_dw, first_be: h.first_be, last_be: h.last_be };
+    let shape = RequestShape {
+        address: h.address,
+        length_dw: request.length_dw,
+        first_be: h.first_be,
+        last_be: h.last_be,
+    };
     let (first, len) = shape.byte_range();
     let address = h.address + first;
     let pieces = if len == 0 {
         split_completions(h.address, 0, mps, rcb)?
+    } else if RequestShape::for_range(address, len).is_err() {
+        // A request crossing 4 KiB is malformed; answer it with an abort rather than data.
+        vec![]
     } else {
-        match split_completions(address, len, mps, rcb) {
-            Ok(p) => p,
-            // A request crossing 4 KiB is malformed; answer it with an abort rather than data.
-            Err(_) => vec![],
-        }
+        split_completions(address, len, mps, rcb)?
     };
     let mut out = Vec::with_capacity(pieces.len());
     for p in &pieces {
@@ -254,14 +263,23 @@ pub fn completions_for_read(
             data,
         );
         c.tc = request.tc;
-        c.attr = crate::tlp::Attr(request.attr.0 & (crate::tlp::Attr::NO_SNOOP | crate::tlp::Attr::RELAXED_ORDERING));
+        c.attr = crate::tlp::Attr(
+            request.attr.0 & (crate::tlp::Attr::NO_SNOOP | crate::tlp::Attr::RELAXED_ORDERING),
+        );
         out.push(c);
     }
     if out.is_empty() {
         let lower = (address & 0x7f) as u8;
         let bc = len.clamp(1, 4096) as u16;
-        let mut c =
-            Tlp::completion(completer_id, h.requester_id, request.tag, CplStatus::CompleterAbort, bc, lower, vec![]);
+        let mut c = Tlp::completion(
+            completer_id,
+            h.requester_id,
+            request.tag,
+            CplStatus::CompleterAbort,
+            bc,
+            lower,
+            vec![],
+        );
         c.tc = request.tc;
         out.push(c);
     }
@@ -283,7 +301,9 @@ mod tests {
         assert!(RequestShape::for_range(0x1001, 4096).is_err());
         assert!(RequestShape::for_range(0xffe, 4).is_err());
         assert!(RequestShape::for_range(u64::MAX - 1, 4).is_err());
-        for (a, l) in [(0x1001u64, 2usize), (0x1003, 2), (0x1000, 4096), (0x1002, 1), (0x17ff, 1), (0x1001, 9)] {
+        for (a, l) in
+            [(0x1001u64, 2usize), (0x1003, 2), (0x1000, 4096), (0x1002, 1), (0x17ff, 1), (0x1001, 9)]
+        {
             assert_eq!(s(a, l).byte_range(), (a & 3, l), "{a:#x} {l}");
         }
         assert_eq!(s(0x1000, 0).byte_range(), (0, 0));
@@ -291,7 +311,9 @@ mod tests {
 
     #[test]
     fn splits_never_cross_4k_nor_exceed_limit() {
-        for (addr, len, limit) in [(0xffau64, 10000usize, 512usize), (0, 4096, 4096), (0x7f, 129, 128), (5, 0, 256)] {
+        for (addr, len, limit) in
+            [(0xffau64, 10000usize, 512usize), (0, 4096, 4096), (0x7f, 129, 128), (5, 0, 256)]
+        {
             let chunks = split(addr, len, limit).unwrap();
             assert_eq!(chunks.iter().map(|c| c.len).sum::<usize>(), len);
             let mut next = addr;
@@ -320,7 +342,13 @@ mod tests {
             assert_eq!(t.kind, if h.address >> 32 == 0 { TlpKind::MWr32 } else { TlpKind::MWr64 });
             for (i, b) in t.data.iter().enumerate() {
                 let dw = i / 4;
-                let be = if dw == 0 { h.first_be } else if dw + 1 == usize::from(t.length_dw) { h.last_be } else { 0xf };
+                let be = if dw == 0 {
+                    h.first_be
+                } else if dw + 1 == usize::from(t.length_dw) {
+                    h.last_be
+                } else {
+                    0xf
+                };
                 if be >> (i % 4) & 1 == 1 {
                     mem[(h.address - base) as usize + i] = *b;
                 }
@@ -339,7 +367,8 @@ mod tests {
             Ok(())
         })
         .unwrap();
-        let (_, len) = RequestShape { address: 0x1004, length_dw: 100, first_be: 0xe, last_be: 0x3 }.byte_range();
+        let (_, len) =
+            RequestShape { address: 0x1004, length_dw: 100, first_be: 0xe, last_be: 0x3 }.byte_range();
         let mut r = crate::ReadReassembly::new(Bdf(0x100), Tag::new(5).unwrap(), 0x1005, len).unwrap();
         for c in &cpls {
             assert!(c.data.len() <= 128);

@@ -411,12 +411,32 @@ pub struct Tlp {
 
 impl Tlp {
     fn base(kind: TlpKind, tag: Tag, length_dw: u16, header: Header, data: Vec<u8>) -> Tlp {
-        Tlp { kind, tc: 0, attr: Attr(0), th: false, ep: false, at: 0, ln: false, ecrc: None, tag, length_dw, header, data }
+        Tlp {
+            kind,
+            tc: 0,
+            attr: Attr(0),
+            th: false,
+            ep: false,
+            at: 0,
+            ln: false,
+            ecrc: None,
+            tag,
+            length_dw,
+            header,
+            data,
+        }
     }
 
     /// A memory read request (MRd32 below 4 GiB, else MRd64) with explicit DW length and byte
     /// enables; see [`crate::request`] for building these from a byte range.
-    pub fn mem_read(requester_id: Bdf, tag: Tag, address: u64, length_dw: u16, first_be: u8, last_be: u8) -> Tlp {
+    pub fn mem_read(
+        requester_id: Bdf,
+        tag: Tag,
+        address: u64,
+        length_dw: u16,
+        first_be: u8,
+        last_be: u8,
+    ) -> Tlp {
         let kind = if address >> 32 == 0 { TlpKind::MRd32 } else { TlpKind::MRd64 };
         let h = MemHeader { requester_id, first_be, last_be, address, ph: 0 };
         Self::base(kind, tag, length_dw, Header::Mem(h), Vec::new())
@@ -431,7 +451,14 @@ impl Tlp {
     }
 
     /// A configuration read of the DW at byte offset `register` of `target`.
-    pub fn cfg_read(type1: bool, requester_id: Bdf, tag: Tag, target: Bdf, register: u16, first_be: u8) -> Tlp {
+    pub fn cfg_read(
+        type1: bool,
+        requester_id: Bdf,
+        tag: Tag,
+        target: Bdf,
+        register: u16,
+        first_be: u8,
+    ) -> Tlp {
         let kind = if type1 { TlpKind::CfgRd1 } else { TlpKind::CfgRd0 };
         let h = ConfigHeader { requester_id, first_be, last_be: 0, completer_id: target, register };
         Self::base(kind, tag, 1, Header::Config(h), Vec::new())
@@ -464,7 +491,8 @@ impl Tlp {
     ) -> Tlp {
         let kind = if data.is_empty() { TlpKind::Cpl } else { TlpKind::CplD };
         let len = (data.len() / 4) as u16;
-        let h = CompletionHeader { completer_id, status, bcm: false, byte_count, requester_id, lower_address };
+        let h =
+            CompletionHeader { completer_id, status, bcm: false, byte_count, requester_id, lower_address };
         Self::base(kind, tag, len, Header::Completion(h), data)
     }
 
@@ -565,7 +593,12 @@ impl Tlp {
         }
         let want_data = if self.kind.has_data() { usize::from(self.length_dw) * 4 } else { 0 };
         if self.data.len() != want_data {
-            return bad(format!("{} with length {} DW has {} data bytes", self.kind, self.length_dw, self.data.len()));
+            return bad(format!(
+                "{} with length {} DW has {} data bytes",
+                self.kind,
+                self.length_dw,
+                self.data.len()
+            ));
         }
         match (self.kind, &self.header) {
             (TlpKind::Cpl, Header::Completion(h)) | (TlpKind::CplD, Header::Completion(h)) => {
@@ -585,8 +618,16 @@ impl Tlp {
                 }
             }
             (k, Header::Config(h)) if k.is_config() => {
-                if self.length_dw != 1 || h.first_be > 15 || h.last_be > 15 || h.register > 0xffc || h.register & 3 != 0 {
-                    return bad(format!("config request: length {} / register {:#x}", self.length_dw, h.register));
+                if self.length_dw != 1
+                    || h.first_be > 15
+                    || h.last_be > 15
+                    || h.register > 0xffc
+                    || h.register & 3 != 0
+                {
+                    return bad(format!(
+                        "config request: length {} / register {:#x}",
+                        self.length_dw, h.register
+                    ));
                 }
             }
             (k, Header::Mem(h)) if k.has_address() => {

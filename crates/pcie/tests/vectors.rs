@@ -32,7 +32,9 @@ fn lines(name: &str) -> Vec<(usize, String, Value)> {
         .lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| (i + 1, l.to_string(), serde_json::from_str(l).unwrap_or_else(|e| panic!("line {}: {e}", i + 1))))
+        .map(|(i, l)| {
+            (i + 1, l.to_string(), serde_json::from_str(l).unwrap_or_else(|e| panic!("line {}: {e}", i + 1)))
+        })
         .collect();
     assert!(out.len() >= 600, "{name}: only {} vectors", out.len());
     out
@@ -57,7 +59,8 @@ fn codec_vectors_decode_and_encode() {
 fn completion_split_vectors() {
     for (n, _, v) in lines("completion_split.jsonl") {
         let u = |x: &Value| x.as_u64().unwrap();
-        let (mps, rcb, address, len) = (u(&v["mps"]) as usize, u(&v["rcb"]) as usize, u(&v["address"]), u(&v["bytes"]) as usize);
+        let (mps, rcb, address, len) =
+            (u(&v["mps"]) as usize, u(&v["rcb"]) as usize, u(&v["address"]), u(&v["bytes"]) as usize);
         let s = RequestShape::for_range(address, len).unwrap();
         let r = &v["request"];
         assert_eq!(
