@@ -788,6 +788,113 @@ mod tests {
         assert_eq!(Tlp::decode(&rd), Err(Error::TrailingBytes(1)));
     }
 
+    use proptest::prelude::*;
+
+    /// Any encodable TLP of any modelled kind.
+    fn any_tlp() -> impl Strategy<Value = Tlp> {
+        let flags = (
+            0u8..8,
+            0u8..8,
+            any::<bool>(),
+            any::<bool>(),
+            0u8..4,
+            any::<bool>(),
+            any::<Option<u32>>(),
+            0u16..1024,
+        );
+        let ids = (any::<u16>(), any::<u16>(), 0u8..16, 0u8..16, 0u8..4);
+        (
+            0usize..12,
+            flags,
+            ids,
+            any::<u64>(),
+            1u16..=64,
+            0u16..1024,
+            1u16..=4096,
+            0u8..128,
+            0u8..8,
+            any::<bool>(),
+        )
+            .prop_map(
+                |(
+                    k,
+                    (tc, attr, th, ep, at, ln, ecrc, tag),
+                    (id1, id2, fbe, lbe, ph),
+                    addr,
+                    len,
+                    reg,
+                    bc,
+                    la,
+                    st,
+                    bcm,
+                )| {
+                    let kind = TlpKind::ALL[k];
+                    let length_dw = if kind.is_config() || matches!(kind, TlpKind::IORd | TlpKind::IOWr) {
+                        1
+                    } else if kind == TlpKind::Cpl {
+                        len - 1
+                    } else {
+                        len
+                    };
+                    let header = if kind.is_completion() {
+                        Header::Completion(CompletionHeader {
+                            completer_id: Bdf(id1),
+                            status: CplStatus::from(st),
+                            bcm,
+                            byte_count: bc,
+                            requester_id: Bdf(id2),
+                            lower_address: la,
+                        })
+                    } else if kind.is_config() {
+                        Header::Config(ConfigHeader {
+                            requester_id: Bdf(id1),
+                            first_be: fbe,
+                            last_be: lbe,
+                            completer_id: Bdf(id2),
+                            register: reg & 0xffc,
+                        })
+                    } else {
+                        let address = if kind.is_4dw() { addr & !3 } else { addr & 0xffff_fffc };
+                        Header::Mem(MemHeader {
+                            requester_id: Bdf(id1),
+                            first_be: fbe,
+                            last_be: lbe,
+                            address,
+                            ph,
+                        })
+                    };
+                    let data = if kind.has_data() {
+                        (0..length_dw as usize * 4).map(|i| i as u8 ^ tc).collect()
+                    } else {
+                        vec![]
+                    };
+                    Tlp {
+                        kind,
+                        tc,
+                        attr: Attr(attr),
+                        th,
+                        ep,
+                        at,
+                        ln,
+                        ecrc,
+                        tag: Tag(tag),
+                        length_dw,
+                        header,
+                        data,
+                    }
+                },
+            )
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn repr_emit_parse_roundtrip(tlp in any_tlp()) {
+            let bytes = tlp.encode().unwrap();
+            prop_assert_eq!(bytes.len(), tlp.buffer_len());
+            prop_assert_eq!(Tlp::decode(&bytes).unwrap(), tlp);
+        }
+    }
+
     proptest::proptest! {
         #[test]
         fn random_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..80)) {
