@@ -10,6 +10,9 @@
 //! - [`tags`]: [`TagAllocator`], 10-bit tags with a completion timeout (sans-IO: `now` comes in).
 //! - [`config`]: a type 0 configuration space with BARs, the PCI Express and MSI-X capabilities,
 //!   and the MSI-X table/PBA model.
+//! - [`device`]: the [`device::DeviceModel`] trait and the [`device::Function`] that hosts a
+//!   model (configuration space, BAR routing, MSI-X, DMA toward the host), for the device bridge.
+//! - [`dma_engine`]: a DMA engine device model (copies host memory, raises MSI-X).
 //! - `json` (feature `json`): the JSON schema of `shared/vectors/tlp`, used by `lanbus tlp`.
 //!
 //! Everything here is sans-IO and deterministic. Bytes from a peer never panic: they give an
@@ -18,6 +21,8 @@
 #![deny(missing_docs)]
 
 pub mod config;
+pub mod device;
+pub mod dma_engine;
 #[cfg(feature = "json")]
 pub mod json;
 pub mod reassembly;
