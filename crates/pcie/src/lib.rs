@@ -17,6 +17,38 @@
 //!
 //! Everything here is sans-IO and deterministic. Bytes from a peer never panic: they give an
 //! [`Error`].
+//!
+//! A read of 300 bytes at an odd address, answered by a completer with max payload size 128 and
+//! read completion boundary 64, and put back together by the requester:
+//!
+//! ```
+//! use lanbus_pcie::request::{completions_for_read, read_requests};
+//! use lanbus_pcie::{Bdf, ReadReassembly, Tag, TagAllocator, Tlp};
+//! use lanbus_wire::time::Instant;
+//!
+//! let host_memory: Vec<u8> = (0..8192u32).map(|i| i as u8).collect();
+//! let me: Bdf = "01:00.0".parse()?;
+//! let mut tags = TagAllocator::new(1024, std::time::Duration::from_millis(50));
+//! let now = Instant::ZERO;
+//! let no_tag = || lanbus_pcie::Error::BadRequest("all tags in flight".into());
+//! let reqs = read_requests(me, 0x1003, 300, 512, || tags.allocate(now).ok_or_else(no_tag))?;
+//! assert_eq!(reqs.len(), 1);
+//! let (chunk, request) = &reqs[0];
+//! let wire = request.encode()?; // ... over the fabric ...
+//! let at_completer = Tlp::decode(&wire)?;
+//! let completions = completions_for_read(&at_completer, Bdf(0), 128, 64, |address, buf| {
+//!     buf.copy_from_slice(&host_memory[address as usize..address as usize + buf.len()]);
+//!     Ok(())
+//! })?;
+//! assert_eq!(completions.len(), 3);
+//! let mut read = ReadReassembly::new(me, request.tag, chunk.address, chunk.len)?;
+//! for c in &completions {
+//!     let _ = read.handle_completion(&Tlp::decode(&c.encode()?)?)?;
+//! }
+//! assert!(tags.complete(request.tag));
+//! assert_eq!(read.into_data()?, &host_memory[0x1003..0x1003 + 300]);
+//! # Ok::<(), lanbus_pcie::Error>(())
+//! ```
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
 

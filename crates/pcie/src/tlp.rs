@@ -903,7 +903,7 @@ mod tests {
 
         // Random headers of every modelled kind: the decoder sees mostly valid TLPs.
         #[test]
-        fn random_headers_roundtrip(kind in 0usize..12, hdr in proptest::array::uniform16(proptest::num::u8::ANY),
+        fn random_headers_roundtrip(kind in 0usize..12, hdr in proptest::array::uniform16(any::<u8>()),
                                     len in 1u16..=8) {
             let k = TlpKind::ALL[kind];
             let mut bytes = hdr.to_vec();
