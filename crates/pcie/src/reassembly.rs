@@ -107,7 +107,7 @@ impl ReadReassembly {
         let start_dw = cur & !3;
         let end = self.address + len as u64;
         let end_dw = if len == 0 { start_dw + 4 } else { (end + 3) & !3 };
-        let got_end = start_dw + cpl.data.len() as u64;
+        let got_end = start_dw.saturating_add(cpl.data.len() as u64);
         if got_end > end_dw {
             return Err(Error::InconsistentCompletion("more data than the read has left"));
         }

@@ -32,13 +32,17 @@ impl RequestShape {
     /// 4096 bytes, crosses a 4 KiB boundary, or wraps the address space.
     pub fn for_range(address: u64, len: usize) -> Result<RequestShape> {
         let start = address & !3;
+        let too_high = || Error::BadRequest(format!("{len} bytes at {address:#x} reach past 2^64 - 4"));
         if len == 0 {
+            start.checked_add(4).ok_or_else(too_high)?;
             return Ok(RequestShape { address: start, length_dw: 1, first_be: 0, last_be: 0 });
         }
-        let end = address
-            .checked_add(len as u64)
-            .filter(|_| len <= 4096)
-            .ok_or_else(|| Error::BadRequest(format!("{len} bytes at {address:#x}")))?;
+        if len > 4096 {
+            return Err(Error::BadRequest(format!("{len} bytes do not fit one request")));
+        }
+        // The DW-rounded end must be representable, so arithmetic on DW ends never overflows.
+        let end =
+            address.checked_add(len as u64).filter(|e| e.checked_add(3).is_some()).ok_or_else(too_high)?;
         if (address >> 12) != ((end - 1) >> 12) {
             return Err(Error::BadRequest(format!("{len} bytes at {address:#x} cross a 4 KiB boundary")));
         }
@@ -89,6 +93,13 @@ impl Chunk {
     pub fn shape(&self) -> RequestShape {
         RequestShape::for_range(self.address, self.len).expect("chunks fit one request")
     }
+}
+
+fn check_rcb(rcb: usize) -> Result<u64> {
+    if rcb != 64 && rcb != 128 {
+        return Err(Error::BadRequest(format!("read completion boundary {rcb} is not 64 or 128")));
+    }
+    Ok(rcb as u64)
 }
 
 fn check_limit(limit: usize) -> Result<u64> {
@@ -177,11 +188,9 @@ pub struct CompletionPiece {
 /// size `mps` and read completion boundary `rcb` (64 or 128) in bytes.
 pub fn split_completions(address: u64, len: usize, mps: usize, rcb: usize) -> Result<Vec<CompletionPiece>> {
     let mps = check_limit(mps)?;
-    if rcb != 64 && rcb != 128 {
-        return Err(Error::BadRequest(format!("read completion boundary {rcb} is not 64 or 128")));
-    }
-    let rcb = rcb as u64;
+    let rcb = check_rcb(rcb)?;
     if len == 0 {
+        RequestShape::for_range(address, 0)?;
         let a = address & !3;
         return Ok(vec![CompletionPiece {
             address: a,
@@ -237,15 +246,13 @@ pub fn completions_for_read(
         last_be: h.last_be,
     };
     let (first, len) = shape.byte_range();
-    let address = h.address + first;
-    let pieces = if len == 0 {
-        split_completions(h.address, 0, mps, rcb)?
-    } else if RequestShape::for_range(address, len).is_err() {
-        // A request crossing 4 KiB is malformed; answer it with an abort rather than data.
-        vec![]
-    } else {
-        split_completions(address, len, mps, rcb)?
-    };
+    let address = h.address.saturating_add(first);
+    check_limit(mps)?;
+    check_rcb(rcb)?;
+    // With valid sizes, only a malformed range (crossing 4 KiB, wrapping) fails: that gets an
+    // abort rather than data.
+    let pieces =
+        split_completions(if len == 0 { h.address } else { address }, len, mps, rcb).unwrap_or_default();
     let mut out = Vec::with_capacity(pieces.len());
     for p in &pieces {
         let mut data = vec![0u8; usize::from(p.length_dw) * 4];
@@ -356,6 +363,33 @@ mod tests {
             t.encode().unwrap();
         }
         assert_eq!(&mem[0x1ffe..0x1ffe + 1000], &bytes[..]);
+    }
+
+    proptest::proptest! {
+        // Whatever read a peer sends, the completer answers without panicking: data that
+        // reassembles, or one abort.
+        #[test]
+        fn any_read_request_is_answered(address in proptest::num::u64::ANY, length_dw in 1u16..=1024,
+                                        first_be in 0u8..16, last_be in 0u8..16, mps_pow in 7u32..=12) {
+            let rd = Tlp::mem_read(Bdf(1), Tag::new(3).unwrap(), address & !3, length_dw, first_be, last_be);
+            let cpls = completions_for_read(&rd, Bdf(2), 1 << mps_pow, 64, |_, buf| {
+                buf.fill(0xa5);
+                Ok(())
+            })
+            .unwrap();
+            proptest::prop_assert!(!cpls.is_empty());
+            let shape = RequestShape { address: address & !3, length_dw, first_be, last_be };
+            let (first, len) = shape.byte_range();
+            match crate::ReadReassembly::new(Bdf(1), Tag::new(3).unwrap(), (address & !3).saturating_add(first), len) {
+                Ok(mut r) if cpls[0].kind == TlpKind::CplD => {
+                    for c in &cpls {
+                        let _ = r.handle_completion(c).unwrap();
+                    }
+                    proptest::prop_assert!(r.into_data().unwrap().iter().all(|b| *b == 0xa5));
+                }
+                _ => proptest::prop_assert_eq!(cpls.len(), 1),
+            }
+        }
     }
 
     #[test]
