@@ -108,6 +108,9 @@ pub enum Error {
     /// MSI-X structures outside a memory BAR): a local mistake.
     #[error("bad configuration space: {0}")]
     BadConfig(String),
+    /// Text that is not a `bb:dd.f` requester/completer ID.
+    #[error("bad bus:device.function {0}")]
+    BadId(String),
     /// JSON that does not describe a TLP in the vector schema.
     #[error("JSON: {0}")]
     Json(String),
