@@ -433,7 +433,8 @@ mod tests {
             proptest::prop_assert!(!cpls.is_empty());
             let shape = RequestShape { address: address & !3, length_dw, first_be, last_be };
             let (first, len) = shape.byte_range();
-            match crate::ReadReassembly::new(Bdf(1), Tag::new(3).unwrap(), (address & !3).saturating_add(first), len) {
+            let start = (address & !3).saturating_add(first);
+            match crate::ReadReassembly::new(Bdf(1), Tag::new(3).unwrap(), start, len) {
                 Ok(mut r) if cpls[0].kind == TlpKind::CplD => {
                     for c in &cpls {
                         let _ = r.handle_completion(c).unwrap();
