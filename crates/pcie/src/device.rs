@@ -142,6 +142,12 @@ pub trait DeviceModel {
 
     /// The outcome of a read the model asked for with [`DeviceIo::dma_read`].
     fn dma_read_done(&mut self, id: DmaId, result: core::result::Result<&[u8], DmaError>, io: &mut DeviceIo);
+
+    /// Called after software wrote the configuration DW at `register` (for example to notice
+    /// Bus Master Enable going off). The default does nothing.
+    fn config_written(&mut self, register: u16, config: &ConfigSpace, io: &mut DeviceIo) {
+        let _ = (register, config, io);
+    }
 }
 
 /// What a [`Function`] could not do, counted.
@@ -235,6 +241,7 @@ impl<D: DeviceModel> Function<D> {
     pub fn config_write(&mut self, register: u16, first_be: u8, data: [u8; 4]) {
         self.config.write(register, first_be, data);
         self.msix_recheck = true;
+        self.device.config_written(register & !3, &self.config, &mut self.io);
     }
 
     /// Which MSI-X region (0 table, 1 PBA) of BAR `bar` holds `offset..offset+len`, and the
