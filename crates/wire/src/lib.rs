@@ -11,6 +11,7 @@
 
 pub mod ethernet;
 pub mod time;
+pub mod tlp;
 
 pub use ethernet::{EtherType, EthernetFrame, EthernetRepr, MacAddr};
 pub use time::{Clock, Instant, ManualClock, MonotonicClock};
