@@ -93,6 +93,9 @@ struct Shared {
     // Written by `LocalNvme::drop`, read by the device thread after each wake-up; the doorbell
     // mutex and condvar carry the wake-up, so Relaxed would do, but SeqCst keeps it obvious.
     stop: AtomicBool,
+    // Set by `LocalNvme::pause`: doorbells are recorded but no work runs (tests of timeouts).
+    // Relaxed: it only gates whether work starts; the controller mutex orders the work itself.
+    paused: AtomicBool,
 }
 
 impl Shared {
@@ -112,7 +115,7 @@ impl LocalBar {
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), BusError> {
         let mut ctrl = lock(&self.shared.ctrl);
         ctrl.bar0_write(offset, data)?;
-        if offset >= reg::DOORBELLS {
+        if offset >= reg::DOORBELLS && !self.shared.paused.load(Ordering::Relaxed) {
             match self.shared.mode {
                 ProcessMode::Inline => self.shared.run_inline(&mut ctrl),
                 ProcessMode::Thread => {
@@ -165,6 +168,7 @@ impl LocalNvme {
             doorbell: Mutex::new(false),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
         });
         let thread = (mode == ProcessMode::Thread).then(|| {
             let s = shared.clone();
@@ -203,6 +207,12 @@ impl LocalNvme {
         let mut mem = &*self.shared.region;
         let mut irq = &*self.shared.irq;
         ctrl.process(&mut mem, &mut irq)
+    }
+
+    /// Stops (true) or resumes (false) running the controller's work on doorbell writes; a
+    /// resumed controller runs what is pending at the next doorbell write or [`Self::process_now`].
+    pub fn pause(&self, paused: bool) {
+        self.shared.paused.store(paused, Ordering::Relaxed);
     }
 
     /// A driver over this controller (reset, init, I/O queues).
