@@ -198,7 +198,8 @@ impl Completion {
     /// Emits 16 bytes.
     pub fn emit(&self, b: &mut [u8; CQE_LEN]) {
         let dw2 = u32::from(self.sq_head) | (u32::from(self.sq_id) << 16);
-        let dw3 = u32::from(self.cid) | (u32::from(self.phase) << 16) | (u32::from(self.status.to_field()) << 17);
+        let dw3 =
+            u32::from(self.cid) | (u32::from(self.phase) << 16) | (u32::from(self.status.to_field()) << 17);
         b[0..4].copy_from_slice(&self.dw0.to_le_bytes());
         b[4..8].copy_from_slice(&self.dw1.to_le_bytes());
         b[8..12].copy_from_slice(&dw2.to_le_bytes());
@@ -389,7 +390,9 @@ pub fn decode_admin(sqe: &Sqe) -> Result<AdminCommand, Status> {
         DELETE_SQ => AdminCommand::DeleteSq { qid: dw10 as u16 },
         IDENTIFY => AdminCommand::Identify { cns: dw10 as u8, nsid: sqe.nsid, data },
         ABORT => AdminCommand::Abort { sqid: dw10 as u16, cid: (dw10 >> 16) as u16 },
-        SET_FEATURES => AdminCommand::SetFeatures { fid: dw10 as u8, save: dw10 & (1 << 31) != 0, value: dw11 },
+        SET_FEATURES => {
+            AdminCommand::SetFeatures { fid: dw10 as u8, save: dw10 & (1 << 31) != 0, value: dw11 }
+        }
         GET_FEATURES => {
             let select = ((dw10 >> 8) & 7) as u8;
             if select > 3 {
@@ -546,6 +549,17 @@ mod tests {
         let sqe = Sqe { opcode: 0x7F, ..Sqe::default() };
         assert_eq!(decode_io(&sqe), Err(Status::INVALID_OPCODE));
         assert_eq!(decode_admin(&sqe), Err(Status::INVALID_OPCODE));
+    }
+
+    #[test]
+    fn fuzz_corpus_passes() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/corpus/nvme_command");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            fuzz_command(&std::fs::read(entry.unwrap().path()).unwrap());
+            n += 1;
+        }
+        assert!(n >= 5);
     }
 
     proptest::proptest! {

@@ -31,8 +31,7 @@
 
 use crate::backing::Backing;
 use crate::command::{
-    decode_admin, decode_io, feature, AdminCommand, Completion, DataPtr, IoCommand, Sqe,
-    CQE_LEN, SQE_LEN,
+    decode_admin, decode_io, feature, AdminCommand, Completion, DataPtr, IoCommand, Sqe, CQE_LEN, SQE_LEN,
 };
 use crate::prp::{self, Run};
 use crate::status::Status;
@@ -370,7 +369,7 @@ impl Controller {
 
     fn check_access(&mut self, offset: u64, len: usize) -> Result<(), BusError> {
         let ok = match len {
-            4 => offset % 4 == 0,
+            4 => offset.is_multiple_of(4),
             8 => matches!(offset, reg::CAP | reg::ASQ | reg::ACQ),
             _ => false,
         };
@@ -395,7 +394,9 @@ impl Controller {
 
     fn read_reg32(&self, offset: u64) -> u32 {
         match offset {
-            0x00 | 0x04 | 0x28 | 0x2C | 0x30 | 0x34 => (self.read_reg64(offset & !7) >> ((offset & 4) * 8)) as u32,
+            0x00 | 0x04 | 0x28 | 0x2C | 0x30 | 0x34 => {
+                (self.read_reg64(offset & !7) >> ((offset & 4) * 8)) as u32
+            }
             reg::VS => 0x0001_0400,
             reg::INTMS | reg::INTMC => self.intms,
             reg::CC => self.cc,
@@ -620,7 +621,15 @@ impl Controller {
             if !status.is_success() {
                 self.stats.error_completions += 1;
             }
-            let cqe = Completion { dw0, dw1: 0, sq_head: head as u16, sq_id: qid as u16, cid: sqe.cid, phase: false, status };
+            let cqe = Completion {
+                dw0,
+                dw1: 0,
+                sq_head: head as u16,
+                sq_id: qid as u16,
+                cid: sqe.cid,
+                phase: false,
+                status,
+            };
             let mut out = [0u8; CQE_LEN];
             cqe.emit(&mut out);
             cqes.extend_from_slice(&out);
@@ -668,7 +677,13 @@ impl Controller {
     }
 
     /// Moves `len` bytes between host memory at the command's PRPs and `self.data[..len]`.
-    fn transfer(&mut self, mem: &mut dyn HostMemory, ptr: DataPtr, len: usize, to_host: bool) -> Result<(), Status> {
+    fn transfer(
+        &mut self,
+        mem: &mut dyn HostMemory,
+        ptr: DataPtr,
+        len: usize,
+        to_host: bool,
+    ) -> Result<(), Status> {
         let mut runs = std::mem::take(&mut self.runs);
         let mut lists = std::mem::take(&mut self.lists);
         let walked = prp::walk(mem, ptr.prp1, ptr.prp2, len, self.page, &mut runs, &mut lists);
@@ -736,7 +751,9 @@ impl Controller {
                     }
                     self.stats.bytes_written += len as u64;
                 } else {
-                    self.backing.read_at(slba * lba, &mut self.data[..len]).map_err(|_| Status::UNRECOVERED_READ_ERROR)?;
+                    self.backing
+                        .read_at(slba * lba, &mut self.data[..len])
+                        .map_err(|_| Status::UNRECOVERED_READ_ERROR)?;
                     self.transfer(mem, data, len, true)?;
                     self.stats.bytes_read += len as u64;
                 }
@@ -753,7 +770,11 @@ impl Controller {
                 self.check_nsid(nsid)?;
                 self.check_range(slba, u64::from(blocks))?;
                 let (off, len) = (slba * lba, u64::from(blocks) * lba);
-                let r = if deallocate { self.backing.deallocate(off, len) } else { self.backing.write_zeroes(off, len) };
+                let r = if deallocate {
+                    self.backing.deallocate(off, len)
+                } else {
+                    self.backing.write_zeroes(off, len)
+                };
                 r.map_err(|_| Status::WRITE_FAULT)?;
                 if fua {
                     self.backing.flush().map_err(|_| Status::WRITE_FAULT)?;
@@ -777,7 +798,9 @@ impl Controller {
                 if deallocate {
                     for &(slba, blocks) in &list[..usize::from(ranges)] {
                         if blocks > 0 {
-                            self.backing.deallocate(slba * lba, blocks * lba).map_err(|_| Status::WRITE_FAULT)?;
+                            self.backing
+                                .deallocate(slba * lba, blocks * lba)
+                                .map_err(|_| Status::WRITE_FAULT)?;
                         }
                     }
                 }
@@ -796,8 +819,16 @@ impl Controller {
                 if vector >= self.cfg.msix_vectors {
                     return Err(Status::INVALID_VECTOR);
                 }
-                self.cqs[usize::from(qid)] =
-                    Some(Cq { base, entries, tail: 0, head: 0, phase: true, vector, interrupts, attached_sqs: 0 });
+                self.cqs[usize::from(qid)] = Some(Cq {
+                    base,
+                    entries,
+                    tail: 0,
+                    head: 0,
+                    phase: true,
+                    vector,
+                    interrupts,
+                    attached_sqs: 0,
+                });
                 Ok(Some(0))
             }
             AdminCommand::CreateSq { qid, entries, base, contiguous, cqid } => {
@@ -891,7 +922,14 @@ impl Controller {
         }
     }
 
-    fn check_queue(&self, entries: u32, base: u64, contiguous: bool, es: u32, want_es: u32) -> Result<(), Status> {
+    fn check_queue(
+        &self,
+        entries: u32,
+        base: u64,
+        contiguous: bool,
+        es: u32,
+        want_es: u32,
+    ) -> Result<(), Status> {
         if entries < 2 || entries > self.cfg.max_queue_entries {
             return Err(Status::INVALID_QUEUE_SIZE);
         }

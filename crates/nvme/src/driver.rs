@@ -269,7 +269,9 @@ impl NvmeDriver {
         cfg: DriverConfig,
     ) -> Result<NvmeDriver> {
         if cfg.io_queues == 0 || cfg.queue_entries < 2 || cfg.admin_entries < 2 || cfg.msix_vectors == 0 {
-            return Err(DriverError::InvalidArgument("io_queues, msix_vectors >= 1; queue entries >= 2".into()));
+            return Err(DriverError::InvalidArgument(
+                "io_queues, msix_vectors >= 1; queue entries >= 2".into(),
+            ));
         }
         let cap = bar.read64(reg::CAP)?;
         let mqes = (cap & 0xFFFF) as u32 + 1;
@@ -281,7 +283,9 @@ impl NvmeDriver {
         let mpsmin = 4096usize << ((cap >> 48) & 0xF);
         let mpsmax = 4096usize << ((cap >> 52) & 0xF);
         if page < mpsmin || page > mpsmax || !page.is_power_of_two() {
-            return Err(DriverError::Unsupported(format!("memory page size {page} outside CAP.MPSMIN..MPSMAX")));
+            return Err(DriverError::Unsupported(format!(
+                "memory page size {page} outside CAP.MPSMIN..MPSMAX"
+            )));
         }
         let mps = page.trailing_zeros() - 12;
 
@@ -348,7 +352,9 @@ impl NvmeDriver {
         let lbaf = u32::from_le_bytes(ns[128 + 4 * format..132 + 4 * format].try_into().unwrap_or([0; 4]));
         let lbads = (lbaf >> 16) & 0xFF;
         if lbaf & 0xFFFF != 0 || !(9..=16).contains(&lbads) || blocks == 0 {
-            return Err(DriverError::Unsupported(format!("namespace format (LBAF {lbaf:#x}, {blocks} blocks)")));
+            return Err(DriverError::Unsupported(format!(
+                "namespace format (LBAF {lbaf:#x}, {blocks} blocks)"
+            )));
         }
         self.identity = Identity {
             serial: ascii(&ctrl[4..24]),
@@ -367,7 +373,8 @@ impl NvmeDriver {
     fn identify_page(&self, cns: u32, nsid: u32) -> Result<Vec<u8>> {
         let buf = DmaBuf::new(&*self.mem, 4096)?;
         let plan = prp::build(buf.addr, 4096, self.page, &[]);
-        let mut sqe = Sqe { opcode: admin_opcode::IDENTIFY, nsid, prp1: plan.prp1, prp2: plan.prp2, ..Sqe::default() };
+        let mut sqe =
+            Sqe { opcode: admin_opcode::IDENTIFY, nsid, prp1: plan.prp1, prp2: plan.prp2, ..Sqe::default() };
         sqe.cdw[0] = cns;
         self.admin_checked(sqe)?;
         let mut out = vec![0u8; 4096];
@@ -387,7 +394,8 @@ impl NvmeDriver {
         let entries = self.cfg.queue_entries.min(mqes);
         let interrupts = self.cfg.completion == CompletionMode::Interrupt;
         for qid in 1..=n {
-            let vector = if self.cfg.msix_vectors > 1 { 1 + (qid - 1) % (self.cfg.msix_vectors - 1) } else { 0 };
+            let vector =
+                if self.cfg.msix_vectors > 1 { 1 + (qid - 1) % (self.cfg.msix_vectors - 1) } else { 0 };
             let qp = alloc_queue_pair(&*self.mem, qid, entries, vector)?;
             let size = (entries - 1) << 16 | u32::from(qid);
             let r = self.admin_checked(Sqe {
@@ -453,7 +461,10 @@ impl NvmeDriver {
     /// Submits one command on I/O queue pair `index` (0-based; qid = index + 1) and waits for its
     /// completion, whatever its status. The caller owns any memory its PRPs point to.
     pub fn submit_io_raw(&self, index: usize, sqe: Sqe) -> Result<Completion> {
-        let q = self.io.get(index).ok_or_else(|| DriverError::InvalidArgument(format!("no I/O queue {index}")))?;
+        let q = self
+            .io
+            .get(index)
+            .ok_or_else(|| DriverError::InvalidArgument(format!("no I/O queue {index}")))?;
         let mut q = lock(q);
         let mut cmds = [Pending { sqe, _data: None, _lists: Vec::new() }];
         Ok(self.run(&mut q, &mut cmds, self.cfg.io_timeout)?[0])
@@ -557,7 +568,7 @@ impl NvmeDriver {
                     std::hint::spin_loop();
                 } else {
                     std::thread::yield_now();
-                    if spins % 4096 == 0 && self.bar.read32(reg::CSTS)? & csts::CFS != 0 {
+                    if spins.is_multiple_of(4096) && self.bar.read32(reg::CSTS)? & csts::CFS != 0 {
                         return Err(DriverError::ControllerFatal);
                     }
                 }
@@ -565,9 +576,20 @@ impl NvmeDriver {
         }
         // Statistics counter: Relaxed, nothing is ordered by it.
         self.stats.commands.fetch_add(cmds.len() as u64, Ordering::Relaxed);
-        Ok(results.into_iter().map(|c| c.unwrap_or(Completion {
-            dw0: 0, dw1: 0, sq_head: 0, sq_id: 0, cid: 0, phase: false, status: Status::INTERNAL_ERROR,
-        })).collect())
+        Ok(results
+            .into_iter()
+            .map(|c| {
+                c.unwrap_or(Completion {
+                    dw0: 0,
+                    dw1: 0,
+                    sq_head: 0,
+                    sq_id: 0,
+                    cid: 0,
+                    phase: false,
+                    status: Status::INTERNAL_ERROR,
+                })
+            })
+            .collect())
     }
 
     /// Takes a free I/O queue pair (trying each once from a rotating start), or waits for one.
@@ -609,7 +631,14 @@ impl NvmeDriver {
 
     /// A read or write command for `len` bytes at `lba` with a fresh DMA buffer (written with
     /// `data` for a write).
-    fn rw_command(&self, write: bool, lba: u64, len: usize, data: Option<&[u8]>, fua: bool) -> Result<Pending<'_>> {
+    fn rw_command(
+        &self,
+        write: bool,
+        lba: u64,
+        len: usize,
+        data: Option<&[u8]>,
+        fua: bool,
+    ) -> Result<Pending<'_>> {
         let buf = DmaBuf::new(&*self.mem, len)?;
         let n = prp::list_pages_needed(buf.addr, len, self.page);
         let mut lists = Vec::with_capacity(n);
@@ -644,8 +673,11 @@ impl NvmeDriver {
     /// Reads `buf.len()` bytes (a multiple of the block size) starting at block `lba`.
     pub fn read(&self, lba: u64, buf: &mut [u8]) -> Result<()> {
         let bs = self.identity.lba_size as usize;
-        if buf.len() % bs != 0 {
-            return Err(DriverError::InvalidArgument(format!("read length {} is not a multiple of {bs}", buf.len())));
+        if !buf.len().is_multiple_of(bs) {
+            return Err(DriverError::InvalidArgument(format!(
+                "read length {} is not a multiple of {bs}",
+                buf.len()
+            )));
         }
         self.check_blocks(lba, (buf.len() / bs) as u64)?;
         let chunk = self.chunk_bytes();
@@ -666,8 +698,11 @@ impl NvmeDriver {
     /// is durable when this returns.
     pub fn write(&self, lba: u64, data: &[u8], fua: bool) -> Result<()> {
         let bs = self.identity.lba_size as usize;
-        if data.len() % bs != 0 {
-            return Err(DriverError::InvalidArgument(format!("write length {} is not a multiple of {bs}", data.len())));
+        if !data.len().is_multiple_of(bs) {
+            return Err(DriverError::InvalidArgument(format!(
+                "write length {} is not a multiple of {bs}",
+                data.len()
+            )));
         }
         self.check_blocks(lba, (data.len() / bs) as u64)?;
         let chunk = self.chunk_bytes();
@@ -759,7 +794,7 @@ impl NvmeDriver {
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.byte_range(offset, buf.len())?;
         let bs = u64::from(self.identity.lba_size);
-        if offset % bs == 0 && buf.len() as u64 % bs == 0 {
+        if offset.is_multiple_of(bs) && (buf.len() as u64).is_multiple_of(bs) {
             return self.read(offset / bs, buf);
         }
         let first = offset / bs;
@@ -776,7 +811,7 @@ impl NvmeDriver {
     pub fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.byte_range(offset, data.len())?;
         let bs = u64::from(self.identity.lba_size);
-        if offset % bs == 0 && data.len() as u64 % bs == 0 {
+        if offset.is_multiple_of(bs) && (data.len() as u64).is_multiple_of(bs) {
             return self.write(offset / bs, data, fua);
         }
         let first = offset / bs;
@@ -837,12 +872,25 @@ impl NvmeDriver {
         for q in self.io.iter().rev() {
             let q = lock(q);
             let qid = u32::from(q.qid);
-            self.admin_checked(Sqe { opcode: admin_opcode::DELETE_SQ, cdw: [qid, 0, 0, 0, 0, 0], ..Sqe::default() })?;
-            self.admin_checked(Sqe { opcode: admin_opcode::DELETE_CQ, cdw: [qid, 0, 0, 0, 0, 0], ..Sqe::default() })?;
+            self.admin_checked(Sqe {
+                opcode: admin_opcode::DELETE_SQ,
+                cdw: [qid, 0, 0, 0, 0, 0],
+                ..Sqe::default()
+            })?;
+            self.admin_checked(Sqe {
+                opcode: admin_opcode::DELETE_CQ,
+                cdw: [qid, 0, 0, 0, 0, 0],
+                ..Sqe::default()
+            })?;
         }
         let c = self.bar.read32(reg::CC)?;
         self.bar.write32(reg::CC, (c & !(3 << cc::SHN_SHIFT)) | 1 << cc::SHN_SHIFT)?;
-        wait_csts(&*self.bar, self.ready_timeout, |s| s & csts::SHST_MASK == csts::SHST_COMPLETE, "CSTS.SHST = complete")?;
+        wait_csts(
+            &*self.bar,
+            self.ready_timeout,
+            |s| s & csts::SHST_MASK == csts::SHST_COMPLETE,
+            "CSTS.SHST = complete",
+        )?;
         Ok(())
     }
 }
@@ -986,7 +1034,9 @@ impl DmaMemory for HostRegion {
     }
 
     fn free(&self, addr: u64, pages: usize) {
-        let Some(first) = addr.checked_sub(self.base).map(|o| (o / REGION_PAGE as u64) as usize) else { return };
+        let Some(first) = addr.checked_sub(self.base).map(|o| (o / REGION_PAGE as u64) as usize) else {
+            return;
+        };
         let mut used = lock(&self.used);
         if let Some(s) = used.get_mut(first..first + pages) {
             s.iter_mut().for_each(|u| *u = false);

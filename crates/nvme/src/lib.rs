@@ -35,7 +35,9 @@ pub mod status;
 pub use backing::{Backing, FileBacking, RamBacking};
 pub use command::{fuzz_command, Completion, Sqe};
 pub use controller::{Controller, ControllerConfig, ControllerStats};
-pub use driver::{Bar, CompletionMode, DmaMemory, DriverConfig, DriverError, HostRegion, InterruptWait, NvmeDriver};
+pub use driver::{
+    Bar, CompletionMode, DmaMemory, DriverConfig, DriverError, HostRegion, InterruptWait, NvmeDriver,
+};
 pub use status::Status;
 
 /// Why a bus transaction failed: a DMA toward the host (device side) or an MMIO access to BAR0

@@ -94,7 +94,8 @@ struct Shared {
     // mutex and condvar carry the wake-up, so Relaxed would do, but SeqCst keeps it obvious.
     stop: AtomicBool,
     // Set by `LocalNvme::pause`: doorbells are recorded but no work runs (tests of timeouts).
-    // Relaxed: it only gates whether work starts; the controller mutex orders the work itself.
+    // Relaxed: `pause` writes it and the device thread reads it under the controller mutex,
+    // which orders them; the doorbell path reads it only to decide whether to start work.
     paused: AtomicBool,
 }
 
@@ -212,6 +213,7 @@ impl LocalNvme {
     /// Stops (true) or resumes (false) running the controller's work on doorbell writes; a
     /// resumed controller runs what is pending at the next doorbell write or [`Self::process_now`].
     pub fn pause(&self, paused: bool) {
+        let _ctrl = lock(&self.shared.ctrl);
         self.shared.paused.store(paused, Ordering::Relaxed);
     }
 
@@ -237,7 +239,14 @@ fn device_thread(s: &Shared) {
         }
         let mut mem = &*s.region;
         let mut irq = &*s.irq;
-        while lock(&s.ctrl).process(&mut mem, &mut irq) > 0 {}
+        loop {
+            let mut ctrl = lock(&s.ctrl);
+            // Checked under the controller lock, which `pause` also takes: once `pause(true)`
+            // returns, no more work runs.
+            if s.paused.load(Ordering::Relaxed) || ctrl.process(&mut mem, &mut irq) == 0 {
+                break;
+            }
+        }
     }
 }
 

@@ -114,6 +114,13 @@ impl fmt::Debug for Status {
 
 impl fmt::Display for Status {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} (SCT {:#x}, SC {:#04x}{})", self.text(), self.sct, self.sc, if self.dnr { ", DNR" } else { "" })
+        write!(
+            f,
+            "{} (SCT {:#x}, SC {:#04x}{})",
+            self.text(),
+            self.sct,
+            self.sc,
+            if self.dnr { ", DNR" } else { "" }
+        )
     }
 }

@@ -69,8 +69,9 @@ fn round_trips_many_sizes() {
             let (_l, d) = pair(lba as u32, 16 * MIB, mode, dcfg(completion));
             let blocks_max = (16 * MIB) as usize / lba;
             // 1 block, PRP2 sizes, lists, several MDTS chunks (1 MiB each) in flight together.
-            for (i, &bytes) in
-                [lba, 4096, 4096 + lba, 8192, 12288, 65536, 1 << 20, (1 << 20) + lba, 3 << 20].iter().enumerate()
+            for (i, &bytes) in [lba, 4096, 4096 + lba, 8192, 12288, 65536, 1 << 20, (1 << 20) + lba, 3 << 20]
+                .iter()
+                .enumerate()
             {
                 let bytes = bytes.max(lba) / lba * lba;
                 let start = (i * 977) % (blocks_max - bytes / lba);
@@ -88,7 +89,9 @@ fn round_trips_many_sizes() {
 fn byte_addressed_helpers() {
     let (_l, d) = pair(512, 4 * MIB, ProcessMode::Inline, DriverConfig::default());
     let mut model = vec![0u8; (4 * MIB) as usize];
-    for (i, &(off, len)) in [(0u64, 1usize), (511, 2), (1000, 5000), (4095, 4097), (1 << 20, 300_000)].iter().enumerate() {
+    for (i, &(off, len)) in
+        [(0u64, 1usize), (511, 2), (1000, 5000), (4095, 4097), (1 << 20, 300_000)].iter().enumerate()
+    {
         let data = pattern(i as u64, len);
         d.write_at(off, &data, false).unwrap();
         model[off as usize..off as usize + len].copy_from_slice(&data);
@@ -249,7 +252,8 @@ fn seeded_random_workload_matches_reference() {
 #[test]
 fn queue_pairs_from_threads() {
     for (mode, completion) in MODES {
-        let (l, d) = pair(4096, 16 * MIB, mode, DriverConfig { io_queues: 4, completion, ..DriverConfig::default() });
+        let (l, d) =
+            pair(4096, 16 * MIB, mode, DriverConfig { io_queues: 4, completion, ..DriverConfig::default() });
         let d = Arc::new(d);
         let threads: Vec<_> = (0..6u64)
             .map(|t| {
