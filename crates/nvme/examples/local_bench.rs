@@ -23,7 +23,9 @@ fn main() {
         )
         .expect("controller");
         let local = LocalNvme::new(ctrl, 16384, mode);
-        let drv = local.driver(DriverConfig { io_queues: 1, completion, ..DriverConfig::default() }).expect("driver");
+        let drv = local
+            .driver(DriverConfig { io_queues: 1, completion, ..DriverConfig::default() })
+            .expect("driver");
         for bs in [4096usize, 16384, 65536, 262144, 1 << 20] {
             for write in [false, true] {
                 let mut buf = vec![0x5Au8; bs];

@@ -184,6 +184,8 @@ pub struct ControllerStats {
     pub bytes_read: u64,
     /// Bytes written to the namespace by Write commands.
     pub bytes_written: u64,
+    /// Submitted commands dropped when their SQ was deleted while its CQ was full.
+    pub dropped_on_deletion: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -607,7 +609,7 @@ impl Controller {
             b.copy_from_slice(raw);
             let sqe = Sqe::parse(&b);
             head = (head + 1) % sq.entries;
-            let result = if qid == 0 { self.exec_admin(&sqe, mem) } else { self.exec_io(&sqe, mem) };
+            let result = if qid == 0 { self.exec_admin(&sqe, mem, irq) } else { self.exec_io(&sqe, mem) };
             if qid == 0 {
                 self.stats.admin_commands += 1;
             } else {
@@ -809,7 +811,12 @@ impl Controller {
         }
     }
 
-    fn exec_admin(&mut self, sqe: &Sqe, mem: &mut dyn HostMemory) -> Result<Option<u32>, Status> {
+    fn exec_admin(
+        &mut self,
+        sqe: &Sqe,
+        mem: &mut dyn HostMemory,
+        irq: &mut dyn InterruptSink,
+    ) -> Result<Option<u32>, Status> {
         match decode_admin(sqe)? {
             AdminCommand::CreateCq { qid, entries, base, contiguous, interrupts, vector } => {
                 if qid == 0 || qid > self.io_cqs_allowed || self.cqs[usize::from(qid)].is_some() {
@@ -849,8 +856,18 @@ impl Controller {
                 if qid == 0 || qid > self.cfg.max_io_queues {
                     return Err(Status::INVALID_QUEUE_ID);
                 }
-                // Commands complete synchronously, so none of this queue's is outstanding.
+                if self.sqs[usize::from(qid)].is_none() {
+                    return Err(Status::INVALID_QUEUE_ID);
+                }
+                // 1.4 section 5.6: commands submitted to the queue complete (or are aborted)
+                // before the deletion does. Commands run synchronously, so run what the host
+                // submitted; entries that find the CQ full are dropped and counted.
+                while self.run_sq(usize::from(qid), mem, irq) > 0 {}
                 let sq = self.sqs[usize::from(qid)].take().ok_or(Status::INVALID_QUEUE_ID)?;
+                if sq.head != sq.tail {
+                    self.stats.dropped_on_deletion +=
+                        u64::from((sq.tail + sq.entries - sq.head) % sq.entries);
+                }
                 if let Some(cq) = self.cqs[usize::from(sq.cqid)].as_mut() {
                     cq.attached_sqs -= 1;
                 }

@@ -866,8 +866,12 @@ impl NvmeDriver {
     /// shutdown and waits for CSTS.SHST = complete (the controller has made its data durable).
     /// Called by drop if not called before; later calls do nothing.
     pub fn shutdown(&self) -> Result<()> {
+        // AcqRel: the first caller wins; nothing else is published through this flag.
         if self.shut_down.swap(true, Ordering::AcqRel) {
             return Ok(());
+        }
+        if self.bar.read32(reg::CSTS)? & csts::CFS != 0 {
+            return Err(DriverError::ControllerFatal);
         }
         for q in self.io.iter().rev() {
             let q = lock(q);

@@ -237,6 +237,21 @@ fn full_cq_stalls_until_the_host_frees_entries() {
     assert!(h.irq.0.iter().all(|&v| v == 0));
 }
 
+#[test]
+fn deleting_an_sq_completes_what_was_submitted_first() {
+    let mut h = Harness::new();
+    let mut q = h.create_pair(2, 16, 16, None);
+    let cmds: Vec<Sqe> = (0..5).map(|i| read_cmd(i, 0, DATA)).collect();
+    h.post(&mut q, &cmds);
+    // Admin runs first in `process`: the deletion must drain the SQ before completing.
+    let del = Sqe { opcode: a::DELETE_SQ, cdw: [2, 0, 0, 0, 0, 0], ..Sqe::default() };
+    assert!(h.submit(true, del).status.is_success());
+    assert_eq!(h.reap(&mut q).len(), 5);
+    let del = Sqe { opcode: a::DELETE_CQ, cdw: [2, 0, 0, 0, 0, 0], ..Sqe::default() };
+    assert!(h.submit(true, del).status.is_success());
+    assert_eq!(h.ctrl.stats().dropped_on_deletion, 0);
+}
+
 const ADMIN_OPS: [u8; 8] = [
     a::CREATE_CQ,
     a::CREATE_SQ,
