@@ -96,6 +96,9 @@ pub struct DriverConfig {
     pub msix_vectors: u16,
     /// Time an I/O request may take before it fails with [`DriverError::Timeout`].
     pub io_timeout: Duration,
+    /// Most data one request has in flight (its DMA buffers): a larger read or write goes in
+    /// windows of this size. Size the DMA region for (threads x this) plus the queues.
+    pub max_inflight_bytes: usize,
     /// Time an admin command may take.
     pub admin_timeout: Duration,
 }
@@ -109,6 +112,7 @@ impl Default for DriverConfig {
             completion: CompletionMode::Interrupt,
             msix_vectors: 17,
             io_timeout: Duration::from_secs(30),
+            max_inflight_bytes: 4 << 20,
             admin_timeout: Duration::from_secs(10),
         }
     }
@@ -665,6 +669,12 @@ impl NvmeDriver {
         Ok(Pending { sqe, _data: Some(buf), _lists: lists })
     }
 
+    /// Bytes of one request in flight at once: whole commands, at least one.
+    fn window_bytes(&self) -> usize {
+        let chunk = self.chunk_bytes();
+        (self.cfg.max_inflight_bytes / chunk).max(1) * chunk
+    }
+
     fn chunk_bytes(&self) -> usize {
         let lba = self.identity.lba_size as usize;
         self.identity.max_transfer_bytes.min(65536 * lba) / lba * lba
@@ -681,14 +691,18 @@ impl NvmeDriver {
         }
         self.check_blocks(lba, (buf.len() / bs) as u64)?;
         let chunk = self.chunk_bytes();
-        let mut cmds = Vec::new();
-        for (i, part) in buf.chunks(chunk).enumerate() {
-            cmds.push(self.rw_command(false, lba + (i * chunk / bs) as u64, part.len(), None, false)?);
-        }
-        self.run_io(&mut cmds)?;
-        for (part, cmd) in buf.chunks_mut(chunk).zip(&cmds) {
-            if let Some(d) = &cmd._data {
-                self.mem.read(d.addr, part)?;
+        let window = self.window_bytes();
+        for (w, group) in buf.chunks_mut(window).enumerate() {
+            let lba = lba + (w * window / bs) as u64;
+            let mut cmds = Vec::new();
+            for (i, part) in group.chunks(chunk).enumerate() {
+                cmds.push(self.rw_command(false, lba + (i * chunk / bs) as u64, part.len(), None, false)?);
+            }
+            self.run_io(&mut cmds)?;
+            for (part, cmd) in group.chunks_mut(chunk).zip(&cmds) {
+                if let Some(d) = &cmd._data {
+                    self.mem.read(d.addr, part)?;
+                }
             }
         }
         Ok(())
@@ -706,11 +720,21 @@ impl NvmeDriver {
         }
         self.check_blocks(lba, (data.len() / bs) as u64)?;
         let chunk = self.chunk_bytes();
-        let mut cmds = Vec::new();
-        for (i, part) in data.chunks(chunk).enumerate() {
-            cmds.push(self.rw_command(true, lba + (i * chunk / bs) as u64, part.len(), Some(part), fua)?);
+        let window = self.window_bytes();
+        for (w, group) in data.chunks(window).enumerate() {
+            let lba = lba + (w * window / bs) as u64;
+            let mut cmds = Vec::new();
+            for (i, part) in group.chunks(chunk).enumerate() {
+                cmds.push(self.rw_command(
+                    true,
+                    lba + (i * chunk / bs) as u64,
+                    part.len(),
+                    Some(part),
+                    fua,
+                )?);
+            }
+            self.run_io(&mut cmds)?;
         }
-        self.run_io(&mut cmds)?;
         Ok(())
     }
 

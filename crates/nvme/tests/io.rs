@@ -319,3 +319,21 @@ fn file_backing_persists_after_drop_and_reopen() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn large_requests_go_in_windows_and_small_mdts_chunks() {
+    // (1, 4 MiB): 512 commands per window, more than a queue of 256 holds at once.
+    for (mdts, inflight) in [(8u8, 1usize << 20), (1, 64 << 10), (3, 1), (1, 4 << 20)] {
+        let cfg = ControllerConfig { mdts, ..ControllerConfig::default() };
+        let l = LocalNvme::new(controller(512, 16 * MIB, cfg), 4096, ProcessMode::Thread);
+        let d = l.driver(DriverConfig { max_inflight_bytes: inflight, ..DriverConfig::default() }).unwrap();
+        assert_eq!(d.identity().max_transfer_bytes, 4096 << mdts);
+        let data = pattern(u64::from(mdts), (5 << 20) + 512);
+        d.write(3, &data, false).unwrap();
+        let mut back = vec![0u8; data.len()];
+        d.read(3, &mut back).unwrap();
+        assert!(back == data, "mdts {mdts} inflight {inflight}");
+        drop(d);
+        assert_eq!(l.region().pages_in_use(), 0, "every DMA buffer freed");
+    }
+}
