@@ -21,6 +21,25 @@
 //! - [`driver`]: the host-side driver over [`driver::Bar`], [`driver::DmaMemory`] and
 //!   [`driver::InterruptWait`].
 //! - [`local`]: the in-process join (no fabric): the `local` row of `lanbus bench nvme`.
+//!
+//! ```
+//! use lanbus_nvme::local::{LocalNvme, ProcessMode};
+//! use lanbus_nvme::{Controller, ControllerConfig, DriverConfig, RamBacking};
+//!
+//! // A 4 MiB RAM namespace with 4 KiB blocks, its controller run on a device thread.
+//! let cfg = ControllerConfig { lba_size: 4096, ..ControllerConfig::default() };
+//! let ctrl = Controller::new(cfg, Box::new(RamBacking::new(4 << 20))).unwrap();
+//! let local = LocalNvme::new(ctrl, 2048, ProcessMode::Thread);
+//! let drv = local.driver(DriverConfig::default()).unwrap();
+//! drv.write_at(10_000, b"hello, remote disk", false).unwrap();
+//! drv.flush().unwrap();
+//! let mut back = [0u8; 18];
+//! drv.read_at(10_000, &mut back).unwrap();
+//! assert_eq!(&back, b"hello, remote disk");
+//! // Errors carry the NVMe status.
+//! let e = drv.submit_io_raw(0, lanbus_nvme::Sqe { opcode: 0x7e, nsid: 1, ..Default::default() }).unwrap();
+//! assert_eq!(e.status, lanbus_nvme::Status::INVALID_OPCODE);
+//! ```
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
 

@@ -1,6 +1,6 @@
 //! The in-process join of driver and controller model, no fabric: the driver's [`Bar`] calls the
 //! controller's `bar0_read`/`bar0_write` directly, [`HostRegion`] is the memory both see (the
-//! driver through [`DmaMemory`], the controller through [`HostMemory`]), and MSI-X goes to
+//! driver through [`DmaMemory`], the controller through [`crate::HostMemory`]), and MSI-X goes to
 //! [`MsixEvents`]. This is the `local` row of `lanbus bench nvme` and the harness of the tests.
 //!
 //! The controller's work ([`Controller::process`]) runs either inline, in the thread that wrote a
