@@ -251,9 +251,11 @@ fn seeded_random_workload_matches_reference() {
 
 #[test]
 fn queue_pairs_from_threads() {
-    for (mode, completion) in MODES {
-        let (l, d) =
-            pair(4096, 16 * MIB, mode, DriverConfig { io_queues: 4, completion, ..DriverConfig::default() });
+    // Own vectors per queue, then all I/O queues sharing vector 1, then everything on vector 0.
+    let vectors = [(17u16, MODES[0]), (17, MODES[1]), (17, MODES[2]), (2, MODES[1]), (1, MODES[0])];
+    for (msix_vectors, (mode, completion)) in vectors {
+        let cfg = DriverConfig { io_queues: 4, completion, msix_vectors, ..DriverConfig::default() };
+        let (l, d) = pair(4096, 16 * MIB, mode, cfg);
         let d = Arc::new(d);
         let threads: Vec<_> = (0..6u64)
             .map(|t| {
