@@ -152,6 +152,34 @@ pub enum DriverError {
     InvalidArgument(String),
 }
 
+impl DriverError {
+    /// The POSIX errno that best describes the failure to a block-device client (NBD replies,
+    /// for example): `EINVAL` for bad arguments and out-of-range or invalid-field statuses,
+    /// `ETIMEDOUT` for timeouts, `ENOMEM` for exhausted DMA memory, `ENOTSUP` for missing
+    /// features, `EIO` for everything else.
+    pub fn errno(&self) -> i32 {
+        const EIO: i32 = 5;
+        const ENOMEM: i32 = 12;
+        const EINVAL: i32 = 22;
+        const ENOTSUP: i32 = 95;
+        const ETIMEDOUT: i32 = 110;
+        match self {
+            DriverError::InvalidArgument(_) => EINVAL,
+            DriverError::Status { status, .. }
+                if status.same_code(Status::LBA_OUT_OF_RANGE)
+                    || status.same_code(Status::INVALID_FIELD)
+                    || status.same_code(Status::INVALID_NAMESPACE) =>
+            {
+                EINVAL
+            }
+            DriverError::Timeout(_) => ETIMEDOUT,
+            DriverError::OutOfDmaMemory(_) => ENOMEM,
+            DriverError::Unsupported(_) => ENOTSUP,
+            _ => EIO,
+        }
+    }
+}
+
 type Result<T, E = DriverError> = std::result::Result<T, E>;
 
 /// What Identify said about the controller and namespace 1.
@@ -233,7 +261,7 @@ impl Drop for DmaBuf<'_> {
 /// One command of a request with the memory it owns until it completes.
 struct Pending<'a> {
     sqe: Sqe,
-    _data: Option<DmaBuf<'a>>,
+    data: Option<DmaBuf<'a>>,
     _lists: Vec<DmaBuf<'a>>,
 }
 
@@ -458,7 +486,7 @@ impl NvmeDriver {
     /// Submits one admin command and waits for its completion, whatever its status.
     pub fn submit_admin_raw(&self, sqe: Sqe) -> Result<Completion> {
         let mut q = lock(&self.admin);
-        let mut cmds = [Pending { sqe, _data: None, _lists: Vec::new() }];
+        let mut cmds = [Pending { sqe, data: None, _lists: Vec::new() }];
         Ok(self.run(&mut q, &mut cmds, self.cfg.admin_timeout)?[0])
     }
 
@@ -470,7 +498,7 @@ impl NvmeDriver {
             .get(index)
             .ok_or_else(|| DriverError::InvalidArgument(format!("no I/O queue {index}")))?;
         let mut q = lock(q);
-        let mut cmds = [Pending { sqe, _data: None, _lists: Vec::new() }];
+        let mut cmds = [Pending { sqe, data: None, _lists: Vec::new() }];
         Ok(self.run(&mut q, &mut cmds, self.cfg.io_timeout)?[0])
     }
 
@@ -666,7 +694,7 @@ impl NvmeDriver {
             cdw: [lba as u32, (lba >> 32) as u32, (blocks - 1) | u32::from(fua) << 30, 0, 0, 0],
             ..Sqe::default()
         };
-        Ok(Pending { sqe, _data: Some(buf), _lists: lists })
+        Ok(Pending { sqe, data: Some(buf), _lists: lists })
     }
 
     /// Bytes of one request in flight at once: whole commands, at least one.
@@ -700,7 +728,7 @@ impl NvmeDriver {
             }
             self.run_io(&mut cmds)?;
             for (part, cmd) in group.chunks_mut(chunk).zip(&cmds) {
-                if let Some(d) = &cmd._data {
+                if let Some(d) = &cmd.data {
                     self.mem.read(d.addr, part)?;
                 }
             }
@@ -741,7 +769,7 @@ impl NvmeDriver {
     /// Flush: everything written so far is durable.
     pub fn flush(&self) -> Result<()> {
         let sqe = Sqe { opcode: nvm_opcode::FLUSH, nsid: self.identity.nsid, ..Sqe::default() };
-        self.run_io(&mut [Pending { sqe, _data: None, _lists: Vec::new() }])?;
+        self.run_io(&mut [Pending { sqe, data: None, _lists: Vec::new() }])?;
         Ok(())
     }
 
@@ -760,7 +788,7 @@ impl NvmeDriver {
                 cdw: [l as u32, (l >> 32) as u32, (n as u32 - 1) | u32::from(deallocate) << 25, 0, 0, 0],
                 ..Sqe::default()
             };
-            cmds.push(Pending { sqe, _data: None, _lists: Vec::new() });
+            cmds.push(Pending { sqe, data: None, _lists: Vec::new() });
             at += n;
         }
         self.run_io(&mut cmds)?;
@@ -795,7 +823,7 @@ impl NvmeDriver {
                 cdw: [group.len() as u32 - 1, 1 << 2, 0, 0, 0, 0],
                 ..Sqe::default()
             };
-            cmds.push(Pending { sqe, _data: Some(buf), _lists: Vec::new() });
+            cmds.push(Pending { sqe, data: Some(buf), _lists: Vec::new() });
         }
         if !cmds.is_empty() {
             self.run_io(&mut cmds)?;
@@ -1044,6 +1072,9 @@ impl DmaMemory for HostRegion {
     }
 
     fn alloc(&self, pages: usize) -> Option<u64> {
+        if pages == 0 {
+            return None;
+        }
         let mut used = lock(&self.used);
         let mut run = 0;
         for i in 0..used.len() {
