@@ -159,13 +159,23 @@ mod tests {
     use crate::BusError;
     use std::collections::HashMap;
 
+    /// Sparse host memory in 4 KiB pages.
     struct Mem(HashMap<u64, Vec<u8>>);
+    impl Mem {
+        fn put(&mut self, addr: u64, bytes: &[u8]) {
+            for (i, b) in bytes.iter().enumerate() {
+                let a = addr + i as u64;
+                self.0.entry(a & !4095).or_insert_with(|| vec![0; 4096])[(a & 4095) as usize] = *b;
+            }
+        }
+    }
     impl HostMemory for Mem {
         fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
-            let page = addr & !4095;
-            let p = self.0.get(&page).ok_or(BusError::Unsupported { addr })?;
-            let o = (addr - page) as usize;
-            buf.copy_from_slice(&p[o..o + buf.len()]);
+            for (i, b) in buf.iter_mut().enumerate() {
+                let a = addr + i as u64;
+                let p = self.0.get(&(a & !4095)).ok_or(BusError::Unsupported { addr: a })?;
+                *b = p[(a & 4095) as usize];
+            }
             Ok(())
         }
         fn write(&mut self, _: u64, _: &[u8]) -> Result<(), BusError> {
@@ -173,16 +183,15 @@ mod tests {
         }
     }
 
-    fn roundtrip(addr: u64, len: usize) {
-        let page = 4096;
+    fn roundtrip(addr: u64, len: usize, page: usize) {
         let n = list_pages_needed(addr, len, page);
-        let lps: Vec<u64> = (0..n as u64).map(|i| 0x1000_0000 + i * 0x3000).collect();
+        let lps: Vec<u64> = (0..n as u64).map(|i| 0x1000_0000 + i * 3 * page as u64).collect();
         let plan = build(addr, len, page, &lps);
+        assert_eq!(plan.lists.len(), n);
         let mut mem = Mem(HashMap::new());
         for (a, bytes) in &plan.lists {
-            let mut p = vec![0u8; 4096];
-            p[..bytes.len()].copy_from_slice(bytes);
-            mem.0.insert(*a, p);
+            assert!(bytes.len() <= page);
+            mem.put(*a, bytes);
         }
         let mut runs = Vec::new();
         walk(&mut mem, plan.prp1, plan.prp2, len, page, &mut runs, &mut Vec::new()).unwrap();
@@ -195,9 +204,25 @@ mod tests {
             for &len in
                 &[4usize, 512, 4096, 4100, 8192, 8196, 12288, 65536, 2 << 20, (2 << 20) + 4096, 5 << 20]
             {
-                roundtrip(addr, len);
+                roundtrip(addr, len, 4096);
             }
         }
+        // A 16 KiB memory page (CC.MPS = 2): lists hold 2048 entries.
+        for &addr in &[0x10_0000u64, 0x10_0004, 0x10_3ffc] {
+            for &len in &[4usize, 16384, 16388, 32768, 49152, 32 << 20, (32 << 20) + 16384 * 3] {
+                roundtrip(addr, len, 16384);
+            }
+        }
+    }
+
+    #[test]
+    fn scattered_pages_give_separate_runs() {
+        let mut mem = Mem(HashMap::new());
+        let entries: Vec<u8> = [0x7000u64, 0x3000, 0x4000].iter().flat_map(|e| e.to_le_bytes()).collect();
+        mem.put(0x9008, &entries);
+        let mut runs = Vec::new();
+        walk(&mut mem, 0x1800, 0x9008, 2048 + 3 * 4096 - 100, 4096, &mut runs, &mut Vec::new()).unwrap();
+        assert_eq!(runs, vec![(0x1800, 2048), (0x7000, 4096), (0x3000, 8192 - 100)]);
     }
 
     #[test]
@@ -209,10 +234,8 @@ mod tests {
         let e = walk(&mut mem, 0x1000, 0x2200, 8192, 4096, &mut runs, &mut Vec::new());
         assert_eq!(e, Err(Status::PRP_OFFSET_INVALID));
         // A list entry with an offset.
-        let mut p = vec![0u8; 4096];
-        p[0..8].copy_from_slice(&0x5000u64.to_le_bytes());
-        p[8..16].copy_from_slice(&0x6010u64.to_le_bytes());
-        mem.0.insert(0x9000, p);
+        mem.put(0x9000, &0x5000u64.to_le_bytes());
+        mem.put(0x9008, &0x6010u64.to_le_bytes());
         let e = walk(&mut mem, 0x1000, 0x9000, 3 * 4096, 4096, &mut runs, &mut Vec::new());
         assert_eq!(e, Err(Status::PRP_OFFSET_INVALID));
         // A list the host did not map.

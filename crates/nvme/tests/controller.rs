@@ -310,3 +310,45 @@ proptest! {
         }
     }
 }
+
+/// CC.MPS = 2 (16 KiB memory pages): queue bases and PRP entries follow the larger page.
+#[test]
+fn sixteen_kib_memory_pages() {
+    let page: u64 = 16384;
+    let mut ctrl = Controller::new(ControllerConfig::default(), Box::new(RamBacking::new(1 << 20))).unwrap();
+    let mem = HostRegion::new(BASE, 64);
+    let (asq, acq, data) = (BASE, BASE + page, BASE + 4 * page);
+    ctrl.bar0_write(reg::AQA, &(3u32 | 3 << 16).to_le_bytes()).unwrap();
+    ctrl.bar0_write(reg::ASQ, &asq.to_le_bytes()).unwrap();
+    ctrl.bar0_write(reg::ACQ, &acq.to_le_bytes()).unwrap();
+    ctrl.bar0_write(reg::CC, &(1u32 | 2 << 7 | 6 << 16 | 4 << 20).to_le_bytes()).unwrap();
+    let mut irq = Count(Vec::new());
+    let mut run = |ctrl: &mut Controller, slot: u32, sqe: Sqe| {
+        DmaMemory::write(&mem, asq + u64::from(slot) * 64, &sqe.to_bytes()).unwrap();
+        ctrl.bar0_write(reg::sq_tail(0), &(slot + 1).to_le_bytes()).unwrap();
+        let mut m = &mem;
+        while ctrl.process(&mut m, &mut irq) > 0 {}
+        let mut b = [0u8; CQE_LEN];
+        DmaMemory::read(&mem, acq + u64::from(slot) * 16, &mut b).unwrap();
+        Completion::parse(&b).status
+    };
+    // Identify into a buffer 12 KiB into a 16 KiB page: 4 KiB fit, no PRP2 needed.
+    let id = Sqe { opcode: a::IDENTIFY, prp1: data + 12288, cdw: [1, 0, 0, 0, 0, 0], ..Sqe::default() };
+    assert!(run(&mut ctrl, 0, id).is_success());
+    let mut vid = [0u8; 2];
+    DmaMemory::read(&mem, data + 12288, &mut vid).unwrap();
+    assert_eq!(u16::from_le_bytes(vid), 0x1b36);
+    // 14 KiB into the page: the rest goes to PRP2, which must be 16 KiB aligned.
+    let id = Sqe {
+        opcode: a::IDENTIFY,
+        prp1: data + 14336,
+        prp2: data + 4096 * 5,
+        cdw: [1, 0, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    assert!(run(&mut ctrl, 1, id).same_code(lanbus_nvme::Status::PRP_OFFSET_INVALID));
+    // A CQ base aligned to 4 KiB but not to the 16 KiB page.
+    let cq =
+        Sqe { opcode: a::CREATE_CQ, prp1: data + 4096, cdw: [3 << 16 | 1, 1, 0, 0, 0, 0], ..Sqe::default() };
+    assert!(run(&mut ctrl, 2, cq).same_code(lanbus_nvme::Status::PRP_OFFSET_INVALID));
+}
