@@ -214,6 +214,9 @@ pub struct DriverStats {
     pub stray_completions: AtomicU64,
     /// Interrupt waits that returned with an event.
     pub interrupts: AtomicU64,
+    /// DMA pages never freed because a command using them failed without a completion (the
+    /// device might still write to them).
+    pub quarantined_pages: AtomicU64,
 }
 
 struct QueuePair {
@@ -262,7 +265,7 @@ impl Drop for DmaBuf<'_> {
 struct Pending<'a> {
     sqe: Sqe,
     data: Option<DmaBuf<'a>>,
-    _lists: Vec<DmaBuf<'a>>,
+    lists: Vec<DmaBuf<'a>>,
 }
 
 /// The user-space NVMe driver: one controller, namespace 1, several I/O queue pairs. All
@@ -486,7 +489,7 @@ impl NvmeDriver {
     /// Submits one admin command and waits for its completion, whatever its status.
     pub fn submit_admin_raw(&self, sqe: Sqe) -> Result<Completion> {
         let mut q = lock(&self.admin);
-        let mut cmds = [Pending { sqe, data: None, _lists: Vec::new() }];
+        let mut cmds = [Pending { sqe, data: None, lists: Vec::new() }];
         Ok(self.run(&mut q, &mut cmds, self.cfg.admin_timeout)?[0])
     }
 
@@ -498,7 +501,7 @@ impl NvmeDriver {
             .get(index)
             .ok_or_else(|| DriverError::InvalidArgument(format!("no I/O queue {index}")))?;
         let mut q = lock(q);
-        let mut cmds = [Pending { sqe, data: None, _lists: Vec::new() }];
+        let mut cmds = [Pending { sqe, data: None, lists: Vec::new() }];
         Ok(self.run(&mut q, &mut cmds, self.cfg.io_timeout)?[0])
     }
 
@@ -514,6 +517,27 @@ impl NvmeDriver {
     /// Runs `cmds` on queue `q`: submits as many as fit, rings once, reaps, repeats. Returns the
     /// completions in command order.
     fn run(&self, q: &mut QueuePair, cmds: &mut [Pending<'_>], timeout: Duration) -> Result<Vec<Completion>> {
+        let r = self.run_inner(q, cmds, timeout);
+        if r.is_err() {
+            // The controller may still DMA to these buffers later (a late completion after a
+            // timeout): never hand them out again.
+            for p in cmds.iter_mut() {
+                for b in p.data.take().into_iter().chain(p.lists.drain(..)) {
+                    // Statistics counter: Relaxed, nothing is ordered by it.
+                    self.stats.quarantined_pages.fetch_add(b.pages as u64, Ordering::Relaxed);
+                    std::mem::forget(b);
+                }
+            }
+        }
+        r
+    }
+
+    fn run_inner(
+        &self,
+        q: &mut QueuePair,
+        cmds: &mut [Pending<'_>],
+        timeout: Duration,
+    ) -> Result<Vec<Completion>> {
         let deadline = Instant::now() + timeout;
         let mut results: Vec<Option<Completion>> = vec![None; cmds.len()];
         // (cid, index) of commands in flight.
@@ -694,7 +718,7 @@ impl NvmeDriver {
             cdw: [lba as u32, (lba >> 32) as u32, (blocks - 1) | u32::from(fua) << 30, 0, 0, 0],
             ..Sqe::default()
         };
-        Ok(Pending { sqe, data: Some(buf), _lists: lists })
+        Ok(Pending { sqe, data: Some(buf), lists: lists })
     }
 
     /// Bytes of one request in flight at once: whole commands, at least one.
@@ -769,7 +793,7 @@ impl NvmeDriver {
     /// Flush: everything written so far is durable.
     pub fn flush(&self) -> Result<()> {
         let sqe = Sqe { opcode: nvm_opcode::FLUSH, nsid: self.identity.nsid, ..Sqe::default() };
-        self.run_io(&mut [Pending { sqe, data: None, _lists: Vec::new() }])?;
+        self.run_io(&mut [Pending { sqe, data: None, lists: Vec::new() }])?;
         Ok(())
     }
 
@@ -788,7 +812,7 @@ impl NvmeDriver {
                 cdw: [l as u32, (l >> 32) as u32, (n as u32 - 1) | u32::from(deallocate) << 25, 0, 0, 0],
                 ..Sqe::default()
             };
-            cmds.push(Pending { sqe, data: None, _lists: Vec::new() });
+            cmds.push(Pending { sqe, data: None, lists: Vec::new() });
             at += n;
         }
         self.run_io(&mut cmds)?;
@@ -823,7 +847,7 @@ impl NvmeDriver {
                 cdw: [group.len() as u32 - 1, 1 << 2, 0, 0, 0, 0],
                 ..Sqe::default()
             };
-            cmds.push(Pending { sqe, data: Some(buf), _lists: Vec::new() });
+            cmds.push(Pending { sqe, data: Some(buf), lists: Vec::new() });
         }
         if !cmds.is_empty() {
             self.run_io(&mut cmds)?;

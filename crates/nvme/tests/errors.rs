@@ -354,6 +354,8 @@ fn driver_times_out_and_recovers() {
         l.pause(true);
         let e = d.read(0, &mut [0u8; 4096]).unwrap_err();
         assert!(matches!(e, DriverError::Timeout(_)), "{e}");
+        // The buffer the late completion may still write to is never reused.
+        assert_eq!(d.stats().quarantined_pages.load(std::sync::atomic::Ordering::Relaxed), 1);
         l.pause(false);
         // The late completion is dropped as stray; the next request works.
         let mut b = [0u8; 4096];
