@@ -718,7 +718,7 @@ impl NvmeDriver {
             cdw: [lba as u32, (lba >> 32) as u32, (blocks - 1) | u32::from(fua) << 30, 0, 0, 0],
             ..Sqe::default()
         };
-        Ok(Pending { sqe, data: Some(buf), lists: lists })
+        Ok(Pending { sqe, data: Some(buf), lists })
     }
 
     /// Bytes of one request in flight at once: whole commands, at least one.
