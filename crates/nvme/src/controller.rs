@@ -119,6 +119,27 @@ pub const PCI_CLASS: u32 = 0x01_08_02;
 /// model caps at this.
 pub const MAX_IO_QUEUES: u16 = 255;
 
+/// What the device bridge's configuration-space model needs to present the controller as a PCIe
+/// function: IDs, class, BAR0 (64-bit, non-prefetchable memory) and the MSI-X capability with
+/// its table and PBA inside BAR0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PciInfo {
+    /// Vendor ID.
+    pub vendor_id: u16,
+    /// Device ID.
+    pub device_id: u16,
+    /// Class code (base class, subclass, programming interface).
+    pub class_code: u32,
+    /// BAR0 size in bytes.
+    pub bar0_size: u64,
+    /// MSI-X table size (vectors).
+    pub msix_vectors: u16,
+    /// MSI-X table offset in BAR0.
+    pub msix_table_offset: u64,
+    /// MSI-X PBA offset in BAR0.
+    pub msix_pba_offset: u64,
+}
+
 /// Settings of the model.
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
@@ -128,7 +149,7 @@ pub struct ControllerConfig {
     pub max_io_queues: u16,
     /// Largest queue in entries (CAP.MQES + 1), 2..=65536.
     pub max_queue_entries: u32,
-    /// MSI-X table size (vectors), 1..=2048.
+    /// MSI-X table size (vectors), 1..=256 (the table has 4 KiB of BAR0 below the PBA).
     pub msix_vectors: u16,
     /// Maximum Data Transfer Size as a power of two in units of 4 KiB (Identify MDTS), 1..=12.
     pub mdts: u8,
@@ -290,8 +311,8 @@ impl Controller {
         if !(2..=65536).contains(&cfg.max_queue_entries) {
             return Err(ConfigError::Bad("max_queue_entries must be 2..=65536"));
         }
-        if cfg.msix_vectors == 0 || cfg.msix_vectors > 2048 {
-            return Err(ConfigError::Bad("msix_vectors must be 1..=2048"));
+        if cfg.msix_vectors == 0 || cfg.msix_vectors > 256 {
+            return Err(ConfigError::Bad("msix_vectors must be 1..=256"));
         }
         if !(1..=12).contains(&cfg.mdts) || cfg.mps_max > 4 || cfg.max_fetch == 0 {
             return Err(ConfigError::Bad("mdts must be 1..=12, mps_max 0..=4, max_fetch at least 1"));
@@ -331,6 +352,19 @@ impl Controller {
     /// The settings.
     pub fn config(&self) -> &ControllerConfig {
         &self.cfg
+    }
+
+    /// How the bridge presents this controller in configuration space.
+    pub fn pci_info(&self) -> PciInfo {
+        PciInfo {
+            vendor_id: PCI_VENDOR_ID,
+            device_id: PCI_DEVICE_ID,
+            class_code: PCI_CLASS,
+            bar0_size: BAR0_SIZE,
+            msix_vectors: self.cfg.msix_vectors,
+            msix_table_offset: MSIX_TABLE_OFFSET,
+            msix_pba_offset: MSIX_PBA_OFFSET,
+        }
     }
 
     /// Namespace size in logical blocks.

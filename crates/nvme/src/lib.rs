@@ -53,7 +53,7 @@ pub mod status;
 
 pub use backing::{Backing, FileBacking, RamBacking};
 pub use command::{fuzz_command, Completion, Sqe};
-pub use controller::{Controller, ControllerConfig, ControllerStats};
+pub use controller::{Controller, ControllerConfig, ControllerStats, PciInfo};
 pub use driver::{
     Bar, CompletionMode, DmaMemory, DriverConfig, DriverError, HostRegion, InterruptWait, NvmeDriver,
 };

@@ -260,6 +260,12 @@ fn io_command_errors() {
 fn register_access_rules() {
     let l = local(512, MIB, ProcessMode::Inline);
     let bar = l.bar();
+    let info = l.controller().pci_info();
+    assert_eq!(
+        (info.vendor_id, info.class_code, info.bar0_size, info.msix_vectors),
+        (0x1b36, 0x010802, 0x4000, 17)
+    );
+    assert!(info.msix_table_offset + 16 * u64::from(info.msix_vectors) <= info.msix_pba_offset);
     let cap = bar.read64(reg::CAP).unwrap();
     assert_eq!(cap & 0xFFFF, 1023, "MQES");
     assert_eq!((cap >> 16) & 1, 1, "CQR");
