@@ -53,7 +53,8 @@ pub trait DmaMemory: Send + Sync {
     fn page_size(&self) -> usize {
         4096
     }
-    /// Allocates `pages` contiguous zeroed pages; `None` when the region is exhausted.
+    /// Allocates `pages` contiguous pages (contents unspecified: the driver writes what it
+    /// needs, and zeroes completion queues itself); `None` when the region is exhausted.
     fn alloc(&self, pages: usize) -> Option<u64>;
     /// Frees what `alloc` returned.
     fn free(&self, addr: u64, pages: usize);
@@ -994,6 +995,12 @@ fn alloc_queue_pair(mem: &dyn DmaMemory, qid: u16, entries: u32, vector: u16) ->
         mem.free(sq_base, sq_pages);
         return Err(DriverError::OutOfDmaMemory(cq_pages));
     };
+    // Phase tags start at 0: the controller's first pass writes 1.
+    if let Err(e) = mem.write(cq_base, &vec![0u8; cq_pages * page]) {
+        mem.free(sq_base, sq_pages);
+        mem.free(cq_base, cq_pages);
+        return Err(e.into());
+    }
     Ok(QueuePair {
         qid,
         entries,
@@ -1106,10 +1113,6 @@ impl DmaMemory for HostRegion {
             if run == pages {
                 let first = i + 1 - pages;
                 used[first..=i].iter_mut().for_each(|u| *u = true);
-                drop(used);
-                for p in &self.pages[first..=first + pages - 1] {
-                    lock(p).fill(0);
-                }
                 return Some(self.base + (first * REGION_PAGE) as u64);
             }
         }
