@@ -339,3 +339,13 @@ fn large_requests_go_in_windows_and_small_mdts_chunks() {
         assert_eq!(l.region().pages_in_use(), 0, "every DMA buffer freed");
     }
 }
+
+#[test]
+fn thread_safety_of_the_public_types() {
+    fn send<T: Send>() {}
+    fn send_sync<T: Send + Sync>() {}
+    send::<lanbus_nvme::Controller>();
+    send_sync::<lanbus_nvme::NvmeDriver>();
+    send_sync::<lanbus_nvme::HostRegion>();
+    send_sync::<lanbus_nvme::local::LocalNvme>();
+}
