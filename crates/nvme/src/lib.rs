@@ -1,0 +1,106 @@
+//! NVMe for lanbus: the controller model that runs on the device bridge (the "I/O box") and the
+//! user-space driver that runs on the host, written against small traits so that they can be
+//! joined in-process ([`local`]) or through the PCIe bridges over the fabric.
+//!
+//! Layering (see `shared/DESIGN.md`, "PCIe over Ethernet"):
+//!
+//! ```text
+//!   host:   NvmeDriver ── Bar (MMIO to BAR0) ── DmaMemory (queues, PRP lists, data) ── InterruptWait
+//!                 │               │                                   ▲                      ▲
+//!            (host bridge: MRd/MWr TLPs)                       (device DMA lands here)  (MSI-X MWr)
+//!                 ▼               ▼                                   │                      │
+//!   device: Controller::bar0_read/bar0_write        Controller::process(HostMemory, InterruptSink)
+//! ```
+//!
+//! - [`controller`]: the NVMe controller model (NVMe base specification 1.4, with the 2.0 section
+//!   numbers where they differ): registers, admin and I/O queues, PRPs, MSI-X per CQ, a namespace
+//!   over a [`backing::Backing`] store. All host-memory traffic goes through [`HostMemory`], which
+//!   the device bridge implements with memory read/write TLPs.
+//! - [`command`]: the pure decoder of 64-byte submission queue entries and the completion queue
+//!   entry codec ([`command::fuzz_command`] is the fuzz target's body).
+//! - [`driver`]: the host-side driver over [`driver::Bar`], [`driver::DmaMemory`] and
+//!   [`driver::InterruptWait`].
+//! - [`local`]: the in-process join (no fabric): the `local` row of `lanbus bench nvme`.
+//!
+//! ```
+//! use lanbus_nvme::local::{LocalNvme, ProcessMode};
+//! use lanbus_nvme::{Controller, ControllerConfig, DriverConfig, RamBacking};
+//!
+//! // A 4 MiB RAM namespace with 4 KiB blocks, its controller run on a device thread.
+//! let cfg = ControllerConfig { lba_size: 4096, ..ControllerConfig::default() };
+//! let ctrl = Controller::new(cfg, Box::new(RamBacking::new(4 << 20))).unwrap();
+//! let local = LocalNvme::new(ctrl, 2048, ProcessMode::Thread);
+//! let drv = local.driver(DriverConfig::default()).unwrap();
+//! drv.write_at(10_000, b"hello, remote disk", false).unwrap();
+//! drv.flush().unwrap();
+//! let mut back = [0u8; 18];
+//! drv.read_at(10_000, &mut back).unwrap();
+//! assert_eq!(&back, b"hello, remote disk");
+//! // Errors carry the NVMe status.
+//! let e = drv.submit_io_raw(0, lanbus_nvme::Sqe { opcode: 0x7e, nsid: 1, ..Default::default() }).unwrap();
+//! assert_eq!(e.status, lanbus_nvme::Status::INVALID_OPCODE);
+//! ```
+#![deny(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod backing;
+pub mod command;
+pub mod controller;
+pub mod driver;
+pub mod local;
+pub mod prp;
+pub mod status;
+
+pub use backing::{Backing, FileBacking, RamBacking};
+pub use command::{fuzz_command, Completion, Sqe};
+pub use controller::{Controller, ControllerConfig, ControllerStats, PciInfo};
+pub use driver::{
+    Bar, CompletionMode, DmaMemory, DriverConfig, DriverError, HostRegion, InterruptWait, NvmeDriver,
+};
+pub use status::Status;
+
+/// Why a bus transaction failed: a DMA toward the host (device side) or an MMIO access to BAR0
+/// (host side). The bridges map their PCIe outcomes onto these.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BusError {
+    /// A non-posted request got no completion in time (PCIe completion timeout).
+    #[error("completion timeout")]
+    Timeout,
+    /// The completer answered Unsupported Request (no memory at that address).
+    #[error("unsupported request (no target at address {addr:#x})")]
+    Unsupported {
+        /// The address that was not claimed.
+        addr: u64,
+    },
+    /// The completer answered Completer Abort, or the access size or alignment is not allowed.
+    #[error("access rejected: {0}")]
+    Rejected(&'static str),
+    /// The link or the peer is down.
+    #[error("link down: {0}")]
+    Down(String),
+}
+
+/// DMA toward host memory, as the controller model sees it. The device bridge implements it with
+/// memory read requests (waiting for their completions) and posted memory writes; the in-process
+/// join implements it over a [`driver::HostRegion`].
+///
+/// Contract for implementers: `read` fills the whole buffer or fails; `write` applies the whole
+/// buffer or fails; a write of up to 64 bytes is seen by the host all at once (a completion queue
+/// entry is never observed half written), and writes become visible to the host in the order they
+/// were issued (PCIe posted-write ordering), so a completion entry never overtakes its data.
+/// Failures never panic the controller: a failed data transfer completes the command with status
+/// Data Transfer Error, a failed command fetch or completion post sets CSTS.CFS.
+pub trait HostMemory {
+    /// Reads `buf.len()` bytes of host memory at bus address `addr`.
+    fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError>;
+    /// Writes `data` to host memory at bus address `addr`.
+    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), BusError>;
+}
+
+/// MSI-X signalling, as the controller model sees it. The device bridge looks the vector up in
+/// the function's MSI-X table (masking, pending bits) and sends the message write to the host.
+pub trait InterruptSink {
+    /// Signals MSI-X table entry `vector` (always below the configured table size).
+    fn signal_msix(&mut self, vector: u16);
+}
