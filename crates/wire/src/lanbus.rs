@@ -795,8 +795,12 @@ mod tests {
 
     fn whole_frame() -> Vec<u8> {
         let mut f = vec![0u8; ETHERNET_HEADER_LEN];
-        EthernetRepr { src_addr: MacAddr::local(1), dst_addr: MacAddr::local(2), ethertype: EtherType::Lanbus }
-            .emit(&mut EthernetFrame::new_unchecked(&mut f[..]));
+        EthernetRepr {
+            src_addr: MacAddr::local(1),
+            dst_addr: MacAddr::local(2),
+            ethertype: EtherType::Lanbus,
+        }
+        .emit(&mut EthernetFrame::new_unchecked(&mut f[..]));
         f.extend_from_slice(&data_packet());
         f
     }
