@@ -12,8 +12,8 @@ use std::collections::VecDeque;
 
 use lanbus_wire::ethernet::{EtherType, EthernetFrame, EthernetRepr, HEADER_LEN as ETH_LEN};
 use lanbus_wire::lanbus::{
-    self, HeartbeatRepr, Kind, MessageRecord, Packet, Repr, FLAG_ECHO, HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN,
-    RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST,
+    self, HeartbeatRepr, Kind, Packet, Repr, FLAG_ECHO, HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN, RECORD_FIRST,
+    RECORD_HEADER_LEN, RECORD_LAST,
 };
 use lanbus_wire::{Instant, MacAddr};
 
@@ -476,10 +476,12 @@ fn start_frame(f: &mut Vec<u8>, local: MacAddr, peer: MacAddr, channel: u16, seq
 
 /// Appends one message record to a frame and updates its payload length.
 fn append_record(f: &mut Vec<u8>, flags: u8, data: &[u8]) {
-    let at = f.len();
-    let rec = MessageRecord { flags, data };
-    f.resize(at + rec.buffer_len(), 0);
-    rec.emit(&mut f[at..]);
+    // The record header of lanbus_wire::lanbus::MessageRecord, written in place: this runs once
+    // per message, and extend_from_slice avoids zero-filling bytes about to be overwritten.
+    let n = data.len() as u16;
+    let [n0, n1] = n.to_be_bytes();
+    f.extend_from_slice(&[n0, n1, flags, 0]);
+    f.extend_from_slice(data);
     let plen = (f.len() - ETH_LEN - LB_LEN) as u16;
     f[PAYLOAD_LEN_AT..PAYLOAD_LEN_AT + 2].copy_from_slice(&plen.to_be_bytes());
 }

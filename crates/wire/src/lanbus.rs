@@ -354,11 +354,21 @@ impl Repr {
 /// It detects every single-bit error and every error burst shorter than 32 bits except turning an
 /// all-zero word into all-ones; weaker than a CRC against reordered words, which links don't do.
 pub fn ones_complement_sum(bytes: &[u8]) -> u32 {
-    let mut acc: u64 = 0;
-    let mut chunks = bytes.chunks_exact(8);
+    // Eight independent lanes (low and high halves of four 64-bit words) so the loop vectorises;
+    // no lane can overflow below 2^31 words (frames are < 2^17 bytes).
+    let mut lanes = [0u64; 8];
+    let mut blocks = bytes.chunks_exact(32);
+    for b in &mut blocks {
+        for k in 0..4 {
+            let w = u64::from_le_bytes(b[8 * k..8 * k + 8].try_into().expect("8-byte slice"));
+            lanes[2 * k] += w & 0xffff_ffff;
+            lanes[2 * k + 1] += w >> 32;
+        }
+    }
+    let mut acc: u64 = lanes.iter().sum();
+    let mut chunks = blocks.remainder().chunks_exact(8);
     for c in &mut chunks {
-        let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
-        // Two 32-bit halves per add: no overflow below 2^31 words (frames are < 2^17 bytes).
+        let w = u64::from_le_bytes(c.try_into().expect("8-byte slice"));
         acc += (w & 0xffff_ffff) + (w >> 32);
     }
     let rest = chunks.remainder();
