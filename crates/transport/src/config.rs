@@ -14,7 +14,8 @@ pub struct RateConfig {
     pub line_rate_bps: u64,
     /// The lowest pacing rate, bits per second.
     pub min_rate_bps: u64,
-    /// Queueing delay tolerated above the minimum RTT before the rate is cut.
+    /// Queueing delay tolerated above the minimum RTT before the rate is cut; a channel also
+    /// keeps at most `rate * (min RTT + this)` bytes in flight.
     pub target_queue_delay: Duration,
     /// Rate added once per RTT while the delay is below target, bits per second.
     pub additive_increase_bps: u64,
@@ -30,7 +31,7 @@ impl Default for RateConfig {
             enabled: true,
             line_rate_bps: 10_000_000_000,
             min_rate_bps: 50_000_000,
-            target_queue_delay: Duration::from_micros(20),
+            target_queue_delay: Duration::from_micros(10),
             additive_increase_bps: 250_000_000,
             beta: 0.8,
             max_decrease: 0.5,
