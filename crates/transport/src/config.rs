@@ -1,4 +1,4 @@
-//! Transport settings. Defaults suit a 10 Gbit/s LAN with RTTs of a few to a few tens of
+//! Transport layer: settings. Defaults suit a 10 Gbit/s LAN with RTTs of a few to a few tens of
 //! microseconds (one switch hop), as in the ExpressEther papers.
 
 use core::time::Duration;

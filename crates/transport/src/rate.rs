@@ -1,4 +1,4 @@
-//! Delay-based rate control and pacing of one channel (in the spirit of Timely and Swift).
+//! Transport layer: delay-based rate control and pacing of one channel (in the spirit of Timely and Swift).
 //!
 //! The RTT minus the smallest RTT seen is taken as the queueing delay. Above
 //! `min_rtt + target_queue_delay` the rate is multiplied by `1 - beta * (rtt - target) / rtt`

@@ -1,4 +1,4 @@
-//! A deterministic harness for tests (feature `testing`): two transport nodes joined by a
+//! Transport layer, test support: a deterministic harness (feature `testing`): two transport nodes joined by a
 //! simulated wire with seeded loss, reordering, duplication, corruption and ACK loss, driven on a
 //! logical clock that jumps to the next event (as quinn's `tests/util.rs` `Pair`).
 //!

@@ -161,3 +161,16 @@ pub fn run(args: TransportCoreArgs) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_run_moves_every_message_in_order() {
+        for size in [0usize, 64, 1024, 5000] {
+            let r = run_once(size, 3000).unwrap();
+            assert!(r.msgs_per_s > 0.0 && r.frames_per_s > 0.0 && r.msgs_per_s_wall > 0.0);
+        }
+    }
+}
