@@ -145,8 +145,8 @@ fn rate_control_helps_an_incast() {
         // Payload at 10 Gbit/s; frames add about 5 % (headers, preamble, gap).
         let ideal = Duration::from_nanos((senders * 512 * 1024) as u64 * 8 / 10);
         let summary = format!(
-            "{senders} senders, ideal {ideal:?}: without rate control {:?}, {} drops, {} resent, {} timeouts; \
-             with {:?}, {} drops, {} resent, {} timeouts, queue up to {:?}",
+            "{senders} senders, ideal {ideal:?}: without rate control {:?}, {} drops, {} resent, \
+             {} timeouts; with {:?}, {} drops, {} resent, {} timeouts, queue up to {:?}",
             off.completion,
             off.drops,
             off.senders.retransmitted_frames,

@@ -599,13 +599,21 @@ fn sample_frames() -> Vec<Vec<u8>> {
     out
 }
 
+/// Up to 5 (position, byte) overwrites.
+fn mutations() -> impl proptest::strategy::Strategy<Value = Vec<(usize, u8)>> {
+    proptest::collection::vec((0usize..1600, proptest::num::u8::ANY), 0..6)
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, ..Default::default() })]
 
     /// Whatever a peer sends, the endpoint counts and drops or accepts it, and never panics.
     #[test]
     fn mutated_frames_never_panic(
-        picks in proptest::collection::vec((0usize..5, proptest::collection::vec((0usize..1600, proptest::num::u8::ANY), 0..6), proptest::bool::ANY, 0usize..1600), 1..12),
+        picks in proptest::collection::vec(
+            (0usize..5, mutations(), proptest::bool::ANY, 0usize..1600),
+            1..12,
+        ),
         heartbeats in proptest::bool::ANY,
     ) {
         let frames = sample_frames();
