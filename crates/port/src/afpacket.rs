@@ -1,0 +1,702 @@
+//! The `afpacket` port: raw Ethernet through an AF_PACKET socket with PACKET_MMAP rings.
+//!
+//! Layer: ports. One `AF_PACKET`/`SOCK_RAW` socket bound to one interface and to EtherType 0x88B5,
+//! with (Linux `Documentation/networking/packet_mmap.rst`):
+//!
+//! - a TPACKET_V3 receive ring: blocks of packets that the kernel hands over whole (when full, or
+//!   after `tov_ms` when partly filled); the port walks a block, lends each frame to the caller
+//!   straight from the mapping, and gives the block back;
+//! - a mapped transmit ring (TPACKET_V3 frame layout, one frame per slot): the caller writes the
+//!   frame into the slot, the port marks it `TP_STATUS_SEND_REQUEST` and kicks the kernel with a
+//!   non-blocking `send`; `PACKET_LOSS` makes the kernel skip a malformed slot rather than stall;
+//! - `PACKET_QDISC_BYPASS` (frames go straight to the driver), `PACKET_IGNORE_OUTGOING` where the
+//!   kernel has it (Linux 4.20+; otherwise outgoing frames are recognised by `sll_pkttype` and
+//!   skipped), and a classic BPF filter (`SO_ATTACH_FILTER`: accept only EtherType 0x88B5) on top
+//!   of the protocol binding, so nothing else is copied into the ring.
+//!
+//! Invariants: the port trusts nothing in the ring: every offset and length the kernel wrote is
+//! checked against the block before it is used, and a block that does not add up is given back
+//! and its remaining frames counted as dropped. Frames that are too short, too long (or cut by
+//! the ring) or of another EtherType are counted in `rx_dropped` and never delivered; so are the
+//! kernel's own ring-full drops (`PACKET_STATISTICS`). The port owns its mapping exclusively;
+//! ownership of each block and slot passes between the port and the kernel only through its status
+//! word, read with Acquire and written with Release.
+//!
+//! Latency note: TPACKET_V3 hands a partly filled block over only when its retire timer fires, so
+//! a lone frame waits up to `tov_ms` (1 ms by default) before the port can see it.
+
+use core::cell::Cell;
+use core::sync::atomic::{AtomicU32, Ordering};
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::Duration;
+
+use lanbus_wire::ethernet::HEADER_LEN;
+use lanbus_wire::{EtherType, MacAddr};
+
+use crate::check::check_frame;
+use crate::udp::poll_readable;
+use crate::{Port, PortCounters, PortError, Result};
+
+/// Bytes of `struct tpacket3_hdr` rounded to TPACKET_ALIGNMENT: where `sockaddr_ll` follows the
+/// frame header in a receive slot, and where the frame data starts in a transmit slot.
+const TPACKET3_HDR_ALIGNED: usize = 48;
+/// `TPACKET3_HDRLEN`: the aligned header plus `sockaddr_ll`.
+const TPACKET3_HDRLEN: usize = TPACKET3_HDR_ALIGNED + core::mem::size_of::<libc::sockaddr_ll>();
+
+// Offsets in `struct tpacket_block_desc` (version, offset_to_priv, then tpacket_hdr_v1).
+const BLOCK_STATUS: usize = 8;
+const BLOCK_NUM_PKTS: usize = 12;
+const BLOCK_FIRST_PKT: usize = 16;
+/// Size of the block descriptor, rounded as the kernel does (`BLK_HDR_LEN`).
+const BLOCK_DESC_LEN: usize = 48;
+
+// Offsets in `struct tpacket3_hdr`.
+const PKT_NEXT_OFFSET: usize = 0;
+const PKT_SNAPLEN: usize = 12;
+const PKT_LEN: usize = 16;
+const PKT_STATUS: usize = 20;
+const PKT_MAC: usize = 24;
+/// Offset of `sll_pkttype` in `sockaddr_ll`.
+const SLL_PKTTYPE: usize = 10;
+
+/// Frames per transmit ring.
+const TX_FRAMES: usize = 256;
+/// Receive ring blocks.
+const RX_BLOCKS: usize = 16;
+/// Smallest receive block.
+const RX_BLOCK_MIN_BYTES: usize = 1 << 18;
+
+/// How to open an [`AfPacketPort`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AfPacketConfig {
+    /// The interface name (at most 15 bytes).
+    pub ifname: String,
+    /// Milliseconds the kernel may hold a partly filled receive block (TPACKET_V3 retire timeout).
+    pub tov_ms: u32,
+}
+
+impl AfPacketConfig {
+    /// Defaults for `ifname`: 1 ms block timeout.
+    pub fn new(ifname: &str) -> Self {
+        AfPacketConfig { ifname: ifname.to_string(), tov_ms: 1 }
+    }
+
+    /// Parses `IFACE[,tov_ms=MS]` (the spec without `afpacket:`).
+    pub fn parse(args: &str) -> core::result::Result<AfPacketConfig, String> {
+        let mut parts = args.split(',');
+        let ifname = parts.next().unwrap_or("").trim();
+        check_ifname(ifname)?;
+        let mut config = AfPacketConfig::new(ifname);
+        for part in parts {
+            match part.trim().split_once('=') {
+                Some(("tov_ms", v)) => {
+                    config.tov_ms =
+                        v.trim().parse().ok().filter(|ms| (1..=1000).contains(ms)).ok_or_else(|| {
+                            format!("tov_ms={v:?} is not a number of milliseconds in 1..=1000")
+                        })?;
+                }
+                _ => return Err(format!("unknown option {part:?}; the only option is tov_ms=MS")),
+            }
+        }
+        Ok(config)
+    }
+}
+
+/// Checks that `name` can be a Linux interface name; the error says why not.
+pub fn check_ifname(name: &str) -> core::result::Result<(), String> {
+    if name.is_empty() {
+        return Err("expected an interface name, for example afpacket:eth1 (`ip link` lists them)".into());
+    }
+    if name.len() > 15 {
+        return Err(format!("{name:?} is longer than 15 bytes, which no Linux interface name is"));
+    }
+    if name.contains(['/', ' ', '\0', ',']) {
+        return Err(format!("{name:?} is not an interface name (no '/', ',', spaces)"));
+    }
+    Ok(())
+}
+
+/// What an interface looks like, read with ioctls on an ordinary socket (no privileges needed).
+struct IfaceInfo {
+    index: libc::c_int,
+    mac: MacAddr,
+    mtu: usize,
+}
+
+fn iface_info(spec: &str, ifname: &str) -> Result<IfaceInfo> {
+    let unavailable = |why: String| PortError::Unavailable { spec: spec.to_string(), why };
+    let cname = CString::new(ifname).map_err(|_| unavailable(format!("{ifname:?} contains a NUL byte")))?;
+    // SAFETY: cname is a valid NUL-terminated string for the duration of the call.
+    let index = unsafe { libc::if_nametoindex(cname.as_ptr()) };
+    if index == 0 {
+        return Err(unavailable(format!(
+            "no interface named {ifname:?} in this network namespace (`ip link` lists them)"
+        )));
+    }
+    // SAFETY: socket() has no memory preconditions; the result is checked.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(PortError::io("socket(AF_INET) for interface ioctls", std::io::Error::last_os_error()));
+    }
+    // SAFETY: raw is a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let ioctl = |request: libc::c_ulong, what: &'static str| -> Result<libc::ifreq> {
+        // SAFETY: ifreq is plain old data; all-zero is valid.
+        let mut req: libc::ifreq = unsafe { core::mem::zeroed() };
+        for (dst, src) in req.ifr_name.iter_mut().zip(ifname.bytes()) {
+            *dst = src as libc::c_char;
+        }
+        // SAFETY: the request codes used here read an ifreq whose name is set and write into it;
+        // req lives for the call.
+        let rc = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, &mut req as *mut libc::ifreq) };
+        if rc != 0 {
+            return Err(PortError::io(what, std::io::Error::last_os_error()));
+        }
+        Ok(req)
+    };
+    let flags_req = ioctl(libc::SIOCGIFFLAGS, "SIOCGIFFLAGS")?;
+    // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
+    let flags = i32::from(unsafe { flags_req.ifr_ifru.ifru_flags });
+    if flags & libc::IFF_UP == 0 {
+        return Err(unavailable(format!(
+            "interface {ifname} is down: bring it up with `ip link set {ifname} up`"
+        )));
+    }
+    let hw = ioctl(libc::SIOCGIFHWADDR, "SIOCGIFHWADDR")?;
+    // SAFETY: SIOCGIFHWADDR filled the hwaddr member of the union.
+    let hwaddr = unsafe { hw.ifr_ifru.ifru_hwaddr };
+    if hwaddr.sa_family != libc::ARPHRD_ETHER {
+        return Err(unavailable(format!(
+            "{ifname} is not an Ethernet interface (hardware type {}); lanbus needs Ethernet (a NIC, veth, \
+             bridge or macvlan), or the udp port for other links",
+            hwaddr.sa_family
+        )));
+    }
+    let mut mac = [0u8; 6];
+    for (d, s) in mac.iter_mut().zip(hwaddr.sa_data.iter()) {
+        *d = *s as u8;
+    }
+    let mtu_req = ioctl(libc::SIOCGIFMTU, "SIOCGIFMTU")?;
+    // SAFETY: SIOCGIFMTU filled the mtu member of the union.
+    let mtu = unsafe { mtu_req.ifr_ifru.ifru_mtu };
+    let mtu = usize::try_from(mtu)
+        .ok()
+        .filter(|m| *m >= 68)
+        .ok_or_else(|| unavailable(format!("{ifname} reports MTU {mtu}")))?;
+    Ok(IfaceInfo { index: index as libc::c_int, mac: MacAddr(mac), mtu })
+}
+
+fn set_option<T>(fd: &OwnedFd, level: libc::c_int, name: libc::c_int, value: &T) -> std::io::Result<()> {
+    // SAFETY: the pointer and length describe `value`, which lives for the call; the kernel only
+    // reads it.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            value as *const T as *const libc::c_void,
+            core::mem::size_of::<T>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The classic BPF program: accept a frame only if its EtherType (bytes 12..14) is 0x88B5.
+fn lanbus_filter() -> [libc::sock_filter; 4] {
+    const BPF_LD_H_ABS: u16 = 0x28;
+    const BPF_JMP_JEQ_K: u16 = 0x15;
+    const BPF_RET_K: u16 = 0x06;
+    [
+        libc::sock_filter { code: BPF_LD_H_ABS, jt: 0, jf: 0, k: 12 },
+        libc::sock_filter { code: BPF_JMP_JEQ_K, jt: 0, jf: 1, k: u32::from(EtherType::LANBUS_RAW) },
+        // Accept the whole frame (the ring cuts it if it is bigger than a block).
+        libc::sock_filter { code: BPF_RET_K, jt: 0, jf: 0, k: 0x0004_0000 },
+        libc::sock_filter { code: BPF_RET_K, jt: 0, jf: 0, k: 0 },
+    ]
+}
+
+/// Where the receive walk stands inside the current block.
+#[derive(Debug, Clone, Copy)]
+struct RxCursor {
+    /// Packets of the block not yet looked at.
+    left: u32,
+    /// Offset of the next packet header in the block.
+    offset: usize,
+}
+
+/// The AF_PACKET port; see the module docs.
+pub struct AfPacketPort {
+    fd: OwnedFd,
+    ifname: String,
+    mac: MacAddr,
+    mtu: usize,
+    map: *mut u8,
+    map_len: usize,
+    rx_block_bytes: usize,
+    rx_blocks: usize,
+    rx_block: usize,
+    /// `Some` while the port owns `rx_block` and is part-way through it.
+    rx_cursor: Option<RxCursor>,
+    tx_base: usize,
+    tx_frame_bytes: usize,
+    tx_head: usize,
+    /// Frames marked for sending that the kernel has not been told about.
+    tx_unkicked: bool,
+    ignore_outgoing: bool,
+    qdisc_bypass: bool,
+    counters: PortCounters,
+    /// Ring-full drops the kernel reported; `PACKET_STATISTICS` resets on read, so they add up here.
+    kernel_drops: Cell<u64>,
+}
+
+// SAFETY: the mapping is owned by this value alone (no other handle to it exists in the process)
+// and is only touched through `&mut self` or, for counters, not at all; the kernel side of the
+// rings synchronises through the status words. Moving the port to another thread is therefore
+// sound. (It is not Sync: `kernel_drops` is a Cell.)
+unsafe impl Send for AfPacketPort {}
+
+impl core::fmt::Debug for AfPacketPort {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("AfPacketPort")
+            .field("ifname", &self.ifname)
+            .field("mac", &self.mac)
+            .field("mtu", &self.mtu)
+            .field("ignore_outgoing", &self.ignore_outgoing)
+            .field("qdisc_bypass", &self.qdisc_bypass)
+            .field("counters", &self.counters)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AfPacketPort {
+    /// Opens the port on `config.ifname`. Unavailable (with what to do) when there is no such
+    /// interface, it is down or not Ethernet, or the process lacks CAP_NET_RAW.
+    pub fn open(config: &AfPacketConfig) -> Result<AfPacketPort> {
+        let spec = format!("afpacket:{}", config.ifname);
+        check_ifname(&config.ifname).map_err(|why| PortError::BadSpec { spec: spec.clone(), why })?;
+        let info = iface_info(&spec, &config.ifname)?;
+
+        // Protocol 0: the socket receives nothing until it is bound, after the filter and rings.
+        // SAFETY: socket() has no memory preconditions; the result is checked.
+        let raw = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+        if raw < 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EPERM) | Some(libc::EACCES) => PortError::Unavailable {
+                    spec,
+                    why: "AF_PACKET sockets need CAP_NET_RAW: run as root, or grant it once with \
+                          `sudo setcap cap_net_raw+ep $(command -v lanbus)` (or use the udp port, which \
+                          needs no privileges)"
+                        .into(),
+                },
+                Some(libc::EAFNOSUPPORT) => PortError::Unavailable {
+                    spec,
+                    why: "this kernel has no AF_PACKET support (CONFIG_PACKET); use the udp port".into(),
+                },
+                _ => PortError::io("socket(AF_PACKET)", e),
+            });
+        }
+        // SAFETY: raw is a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let version = libc::tpacket_versions::TPACKET_V3 as libc::c_int;
+        set_option(&fd, libc::SOL_PACKET, libc::PACKET_VERSION, &version)
+            .map_err(|e| PortError::io("PACKET_VERSION TPACKET_V3 (needs Linux 3.2+)", e))?;
+        let one: libc::c_int = 1;
+        set_option(&fd, libc::SOL_PACKET, libc::PACKET_LOSS, &one)
+            .map_err(|e| PortError::io("PACKET_LOSS", e))?;
+        // Optional speed-ups: the port works without them (older kernels).
+        let qdisc_bypass = set_option(&fd, libc::SOL_PACKET, libc::PACKET_QDISC_BYPASS, &one).is_ok();
+        let ignore_outgoing = set_option(&fd, libc::SOL_PACKET, libc::PACKET_IGNORE_OUTGOING, &one).is_ok();
+        let mut filter = lanbus_filter();
+        let program = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_mut_ptr() };
+        set_option(&fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &program)
+            .map_err(|e| PortError::io("SO_ATTACH_FILTER (EtherType 0x88B5 filter)", e))?;
+
+        let frame_max = HEADER_LEN + info.mtu;
+        // Receive blocks hold at least one whole maximal frame with its headers.
+        let rx_block_bytes = (BLOCK_DESC_LEN + TPACKET3_HDRLEN + 2 * 16 + frame_max)
+            .next_power_of_two()
+            .max(RX_BLOCK_MIN_BYTES);
+        let rx_frame_bytes = 2048usize.min(rx_block_bytes);
+        let rx_req = libc::tpacket_req3 {
+            tp_block_size: rx_block_bytes as u32,
+            tp_block_nr: RX_BLOCKS as u32,
+            tp_frame_size: rx_frame_bytes as u32,
+            tp_frame_nr: (RX_BLOCKS * (rx_block_bytes / rx_frame_bytes)) as u32,
+            tp_retire_blk_tov: config.tov_ms,
+            tp_sizeof_priv: 0,
+            tp_feature_req_word: 0,
+        };
+        set_option(&fd, libc::SOL_PACKET, libc::PACKET_RX_RING, &rx_req)
+            .map_err(|e| PortError::io("PACKET_RX_RING (TPACKET_V3 receive ring)", e))?;
+        let tx_frame_bytes = (TPACKET3_HDR_ALIGNED + frame_max).next_power_of_two().max(2048);
+        let tx_block_bytes = tx_frame_bytes.max(1 << 16);
+        let tx_blocks = (TX_FRAMES * tx_frame_bytes).div_ceil(tx_block_bytes);
+        let tx_frames = tx_blocks * (tx_block_bytes / tx_frame_bytes);
+        let tx_req = libc::tpacket_req3 {
+            tp_block_size: tx_block_bytes as u32,
+            tp_block_nr: tx_blocks as u32,
+            tp_frame_size: tx_frame_bytes as u32,
+            tp_frame_nr: tx_frames as u32,
+            tp_retire_blk_tov: 0,
+            tp_sizeof_priv: 0,
+            tp_feature_req_word: 0,
+        };
+        set_option(&fd, libc::SOL_PACKET, libc::PACKET_TX_RING, &tx_req)
+            .map_err(|e| PortError::io("PACKET_TX_RING (mapped transmit ring)", e))?;
+
+        let rx_len = rx_block_bytes * RX_BLOCKS;
+        let map_len = rx_len + tx_block_bytes * tx_blocks;
+        // SAFETY: mapping the socket's rings (receive first, then transmit, as the kernel lays
+        // them out) at a kernel-chosen address; the result is checked.
+        let map = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(PortError::io("mmap of the AF_PACKET rings", std::io::Error::last_os_error()));
+        }
+        let port = AfPacketPort {
+            fd,
+            ifname: config.ifname.clone(),
+            mac: info.mac,
+            mtu: info.mtu,
+            map: map as *mut u8,
+            map_len,
+            rx_block_bytes,
+            rx_blocks: RX_BLOCKS,
+            rx_block: 0,
+            rx_cursor: None,
+            tx_base: rx_len,
+            tx_frame_bytes,
+            tx_head: 0,
+            tx_unkicked: false,
+            ignore_outgoing,
+            qdisc_bypass,
+            counters: PortCounters::default(),
+            kernel_drops: Cell::new(0),
+        };
+        // SAFETY: sockaddr_ll is plain old data; all-zero is valid.
+        let mut sll: libc::sockaddr_ll = unsafe { core::mem::zeroed() };
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_protocol = EtherType::LANBUS_RAW.to_be();
+        sll.sll_ifindex = info.index;
+        // SAFETY: sll is a valid sockaddr_ll for the call.
+        let rc = unsafe {
+            libc::bind(
+                port.fd.as_raw_fd(),
+                &sll as *const libc::sockaddr_ll as *const libc::sockaddr,
+                core::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::ENETDOWN) => PortError::Unavailable {
+                    spec,
+                    why: format!("interface {} went down: `ip link set {} up`", config.ifname, config.ifname),
+                },
+                Some(libc::ENODEV) => PortError::Unavailable {
+                    spec,
+                    why: format!("interface {} disappeared while opening", config.ifname),
+                },
+                _ => PortError::io("bind of the AF_PACKET socket", e),
+            });
+        }
+        Ok(port)
+    }
+
+    /// The interface the port is bound to.
+    pub fn ifname(&self) -> &str {
+        &self.ifname
+    }
+
+    /// Whether the kernel took PACKET_IGNORE_OUTGOING (else outgoing frames are skipped in code).
+    pub fn ignores_outgoing_in_kernel(&self) -> bool {
+        self.ignore_outgoing
+    }
+
+    /// Whether transmitted frames bypass the qdisc layer.
+    pub fn qdisc_bypass(&self) -> bool {
+        self.qdisc_bypass
+    }
+
+    /// Frames the kernel dropped because the receive ring was full (included in `rx_dropped`).
+    pub fn kernel_drops(&self) -> u64 {
+        self.refresh_kernel_drops();
+        self.kernel_drops.get()
+    }
+
+    fn refresh_kernel_drops(&self) {
+        // SAFETY: tpacket_stats_v3 is plain old data; all-zero is valid.
+        let mut stats: libc::tpacket_stats_v3 = unsafe { core::mem::zeroed() };
+        let mut len = core::mem::size_of::<libc::tpacket_stats_v3>() as libc::socklen_t;
+        // SAFETY: stats and len are live and describe a buffer of the size given.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.fd.as_raw_fd(),
+                libc::SOL_PACKET,
+                libc::PACKET_STATISTICS,
+                &mut stats as *mut _ as *mut libc::c_void,
+                &mut len,
+            )
+        };
+        if rc == 0 {
+            self.kernel_drops.set(self.kernel_drops.get() + u64::from(stats.tp_drops));
+        }
+    }
+
+    /// The status word of receive block `block`.
+    fn block_status(&self, block: usize) -> &AtomicU32 {
+        debug_assert!(block < self.rx_blocks);
+        // SAFETY: the block descriptor lies at the start of the block, inside the mapping, and
+        // the status word is 4-aligned (blocks are page-aligned). The kernel writes it
+        // concurrently, hence an atomic view.
+        unsafe { &*(self.map.add(block * self.rx_block_bytes + BLOCK_STATUS) as *const AtomicU32) }
+    }
+
+    /// The status word of transmit slot `slot`.
+    fn tx_status(&self, slot: usize) -> &AtomicU32 {
+        // SAFETY: the slot lies inside the transmit part of the mapping (slot < TX frames) and
+        // tp_status is 4-aligned in a 16-aligned slot; the kernel writes it concurrently.
+        unsafe {
+            &*(self.map.add(self.tx_base + slot * self.tx_frame_bytes + PKT_STATUS) as *const AtomicU32)
+        }
+    }
+
+    fn tx_slots(&self) -> usize {
+        (self.map_len - self.tx_base) / self.tx_frame_bytes
+    }
+
+    /// Reads a u32 at `offset` of the current receive block (a field the kernel wrote before it
+    /// handed the block over).
+    fn block_u32(&self, offset: usize) -> u32 {
+        debug_assert!(offset + 4 <= self.rx_block_bytes);
+        // SAFETY: offset + 4 <= block size (checked by callers), so the read is in the mapping;
+        // the port owns the block (status USER read with Acquire), so the kernel is not writing.
+        unsafe {
+            core::ptr::read_unaligned(self.map.add(self.rx_block * self.rx_block_bytes + offset) as *const u32)
+        }
+    }
+
+    /// Reads a u16 at `offset` of the current receive block; as [`Self::block_u32`].
+    fn block_u16(&self, offset: usize) -> u16 {
+        debug_assert!(offset + 2 <= self.rx_block_bytes);
+        // SAFETY: as in block_u32.
+        unsafe {
+            core::ptr::read_unaligned(self.map.add(self.rx_block * self.rx_block_bytes + offset) as *const u16)
+        }
+    }
+
+    /// Reads a byte at `offset` of the current receive block; as [`Self::block_u32`].
+    fn block_u8(&self, offset: usize) -> u8 {
+        debug_assert!(offset < self.rx_block_bytes);
+        // SAFETY: as in block_u32.
+        unsafe { *self.map.add(self.rx_block * self.rx_block_bytes + offset) }
+    }
+
+    fn release_block(&mut self) {
+        // Release: our reads of the block happen before the kernel may refill it; pairs with
+        // the kernel's read of block_status (smp_rmb) in prb_lookup_block / prb_queue_frozen.
+        self.block_status(self.rx_block).store(libc::TP_STATUS_KERNEL, Ordering::Release);
+        self.rx_cursor = None;
+        self.rx_block = (self.rx_block + 1) % self.rx_blocks;
+    }
+
+    fn kick(&mut self) -> Result<()> {
+        // SAFETY: a zero-length send with no address tells the kernel to transmit the slots
+        // marked SEND_REQUEST; no user memory is passed.
+        let rc = unsafe { libc::send(self.fd.as_raw_fd(), core::ptr::null(), 0, libc::MSG_DONTWAIT) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) => {
+                    self.tx_unkicked = true;
+                    return Ok(());
+                }
+                Some(libc::ENETDOWN) | Some(libc::ENXIO) => {
+                    return Err(PortError::Unavailable {
+                        spec: format!("afpacket:{}", self.ifname),
+                        why: format!("interface {} went down: `ip link set {} up`", self.ifname, self.ifname),
+                    })
+                }
+                _ => return Err(PortError::io("send on the AF_PACKET transmit ring", e)),
+            }
+        }
+        self.tx_unkicked = false;
+        Ok(())
+    }
+}
+
+impl Drop for AfPacketPort {
+    fn drop(&mut self) {
+        // SAFETY: map/map_len are the mapping made in `open`; no borrow of it outlives `self`.
+        unsafe { libc::munmap(self.map as *mut libc::c_void, self.map_len) };
+    }
+}
+
+impl Port for AfPacketPort {
+    fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        let mut delivered = 0;
+        let block_bytes = self.rx_block_bytes;
+        while delivered < max {
+            let mut cursor = match self.rx_cursor {
+                Some(c) => c,
+                None => {
+                    // Acquire: the kernel's writes of the packets and the descriptor happen
+                    // before it sets TP_STATUS_USER (smp_wmb in prb_close_block); pairs with it.
+                    let status = self.block_status(self.rx_block).load(Ordering::Acquire);
+                    if status & libc::TP_STATUS_USER == 0 {
+                        break;
+                    }
+                    let c = RxCursor {
+                        left: self.block_u32(BLOCK_NUM_PKTS),
+                        offset: self.block_u32(BLOCK_FIRST_PKT) as usize,
+                    };
+                    self.rx_cursor = Some(c);
+                    c
+                }
+            };
+            if cursor.left == 0 {
+                self.release_block();
+                continue;
+            }
+            // Distrust: the packet header and its sockaddr_ll must lie inside the block.
+            if cursor.offset < BLOCK_DESC_LEN || cursor.offset + TPACKET3_HDRLEN > block_bytes {
+                self.counters.rx_dropped += u64::from(cursor.left);
+                self.release_block();
+                continue;
+            }
+            let at = cursor.offset;
+            let next = self.block_u32(at + PKT_NEXT_OFFSET) as usize;
+            let snaplen = self.block_u32(at + PKT_SNAPLEN) as usize;
+            let len = self.block_u32(at + PKT_LEN) as usize;
+            let _status = self.block_u32(at + PKT_STATUS);
+            let mac_off = usize::from(self.block_u16(at + PKT_MAC));
+            let pkttype = self.block_u8(at + TPACKET3_HDR_ALIGNED + SLL_PKTTYPE);
+            let start = at + mac_off;
+            let in_bounds = mac_off >= TPACKET3_HDRLEN && start + snaplen <= block_bytes;
+            cursor.left -= 1;
+            cursor.offset = at + next;
+            if cursor.left > 0 && (next == 0 || cursor.offset >= block_bytes) {
+                // The chain does not add up: drop the rest of the block.
+                self.counters.rx_dropped += u64::from(cursor.left);
+                cursor.left = 0;
+            }
+            self.rx_cursor = Some(cursor);
+            if !in_bounds {
+                self.counters.rx_dropped += 1;
+                continue;
+            }
+            if pkttype == libc::PACKET_OUTGOING {
+                // Our own (or this host's) transmission, looped back to packet taps: not for us.
+                continue;
+            }
+            // SAFETY: [start, start + snaplen) is inside the block (checked above), which the
+            // port owns until release_block; the slice does not outlive this iteration.
+            let frame = unsafe {
+                core::slice::from_raw_parts(self.map.add(self.rx_block * block_bytes + start), snaplen)
+            };
+            if snaplen < len || check_frame(frame, self.mtu).is_err() {
+                self.counters.rx_dropped += 1;
+                continue;
+            }
+            self.counters.rx_frames += 1;
+            self.counters.rx_bytes += frame.len() as u64;
+            delivered += 1;
+            on_frame(frame);
+        }
+        if let Some(c) = self.rx_cursor {
+            if c.left == 0 {
+                self.release_block();
+            }
+        }
+        Ok(delivered)
+    }
+
+    fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize> {
+        let capacity = self.frame_capacity();
+        let slots = self.tx_slots();
+        let mut sent = 0;
+        let mut offered = 0;
+        while offered < max {
+            let slot = self.tx_head;
+            // Acquire: the kernel finished reading the slot before it set it AVAILABLE (or
+            // WRONG_FORMAT); pairs with its smp_wmb + status store in tpacket_destruct_skb.
+            let status = self.tx_status(slot).load(Ordering::Acquire);
+            if status == libc::TP_STATUS_WRONG_FORMAT {
+                self.counters.tx_dropped += 1;
+            } else if status != libc::TP_STATUS_AVAILABLE {
+                // The ring is full: the caller keeps its frames.
+                self.tx_unkicked = true;
+                break;
+            }
+            let base = self.tx_base + slot * self.tx_frame_bytes;
+            // SAFETY: the slot's data area [base + 48, base + 48 + capacity) lies inside the slot
+            // (tx_frame_bytes >= 48 + mtu + 14) and the port owns the slot (status AVAILABLE).
+            let buf = unsafe {
+                core::slice::from_raw_parts_mut(self.map.add(base + TPACKET3_HDR_ALIGNED), capacity)
+            };
+            let Some(len) = fill(buf) else { break };
+            offered += 1;
+            if !(HEADER_LEN..=capacity).contains(&len) {
+                self.counters.tx_dropped += 1;
+                continue;
+            }
+            // SAFETY: the header fields lie at the start of the owned slot.
+            unsafe {
+                let hdr = self.map.add(base);
+                core::ptr::write_unaligned(hdr.add(PKT_NEXT_OFFSET) as *mut u32, 0);
+                core::ptr::write_unaligned(hdr.add(PKT_LEN) as *mut u32, len as u32);
+                core::ptr::write_unaligned(hdr.add(PKT_SNAPLEN) as *mut u32, len as u32);
+            }
+            // Release: the frame and tp_len are written before the kernel sees SEND_REQUEST;
+            // pairs with the kernel's status read (smp_rmb) in tpacket_snd.
+            self.tx_status(slot).store(libc::TP_STATUS_SEND_REQUEST, Ordering::Release);
+            self.tx_head = (slot + 1) % slots;
+            self.counters.tx_frames += 1;
+            self.counters.tx_bytes += len as u64;
+            sent += 1;
+        }
+        if sent > 0 || self.tx_unkicked {
+            self.kick()?;
+        }
+        Ok(sent)
+    }
+
+    fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
+        if self.rx_cursor.is_some() {
+            return Ok(());
+        }
+        // Acquire as in rx_burst: a block already handed over needs no sleep.
+        if self.block_status(self.rx_block).load(Ordering::Acquire) & libc::TP_STATUS_USER != 0 {
+            return Ok(());
+        }
+        poll_readable(self.fd.as_raw_fd(), timeout)
+    }
+
+    fn mtu(&self) -> usize {
+        self.mtu
+    }
+
+    fn mac(&self) -> MacAddr {
+        self.mac
+    }
+
+    fn counters(&self) -> PortCounters {
+        self.refresh_kernel_drops();
+        let mut c = self.counters;
+        c.rx_dropped += self.kernel_drops.get();
+        c
+    }
+}
