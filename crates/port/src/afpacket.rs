@@ -538,6 +538,13 @@ impl AfPacketPort {
     }
 }
 
+impl AsRawFd for AfPacketPort {
+    /// The packet socket, for callers that multiplex ports in their own epoll set.
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
 impl Drop for AfPacketPort {
     fn drop(&mut self) {
         // SAFETY: map/map_len are the mapping made in `open`; no borrow of it outlives `self`.

@@ -592,6 +592,13 @@ impl UdpPort {
     }
 }
 
+impl AsRawFd for UdpPort {
+    /// The UDP socket, for callers that multiplex ports in their own epoll set.
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.socket.as_raw_fd()
+    }
+}
+
 impl Port for UdpPort {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
         // SAFETY: mmsghdr is plain old data; all-zero is valid.
