@@ -228,6 +228,106 @@ struct RxCursor {
     offset: usize,
 }
 
+fn read_u32(block: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_ne_bytes(block.get(at..at.checked_add(4)?)?.try_into().ok()?))
+}
+
+fn read_u16(block: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_ne_bytes(block.get(at..at.checked_add(2)?)?.try_into().ok()?))
+}
+
+impl RxCursor {
+    /// The walk of a block the kernel just handed over: its packet count and first offset.
+    fn start(block: &[u8]) -> RxCursor {
+        match (read_u32(block, BLOCK_NUM_PKTS), read_u32(block, BLOCK_FIRST_PKT)) {
+            (Some(left), Some(offset)) => RxCursor { left, offset: offset as usize },
+            _ => RxCursor { left: 0, offset: 0 },
+        }
+    }
+}
+
+/// One step of the walk through a receive block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step {
+    /// No packets left: give the block back.
+    Done,
+    /// The chain of packet headers does not add up; `lost` packets cannot be found.
+    Corrupt {
+        /// Packets of the block not delivered.
+        lost: u32,
+    },
+    /// This packet's frame lies outside the block.
+    Bad,
+    /// A packet: the frame's bytes in the block, the length it had on the wire, and whether it
+    /// was outgoing (PACKET_OUTGOING).
+    Packet {
+        /// Byte range of the frame (as captured) in the block.
+        frame: core::ops::Range<usize>,
+        /// The frame's length on the wire (more than the range if the ring cut it).
+        wire_len: usize,
+        /// Whether this host sent it.
+        outgoing: bool,
+    },
+}
+
+/// Reads the packet at the cursor and moves past it. Trusts nothing in the block: every offset
+/// and length is checked against it, offsets must move forward by at least a header, so the walk
+/// ends after at most `block.len() / TPACKET3_HDRLEN` steps whatever the bytes say.
+fn next_packet(block: &[u8], cursor: &mut RxCursor) -> Step {
+    if cursor.left == 0 {
+        return Step::Done;
+    }
+    let at = cursor.offset;
+    let header_ok =
+        at >= BLOCK_DESC_LEN && at.checked_add(TPACKET3_HDRLEN).is_some_and(|end| end <= block.len());
+    let fields = header_ok
+        .then(|| {
+            Some((
+                read_u32(block, at + PKT_NEXT_OFFSET)? as usize,
+                read_u32(block, at + PKT_SNAPLEN)? as usize,
+                read_u32(block, at + PKT_LEN)? as usize,
+                usize::from(read_u16(block, at + PKT_MAC)?),
+                *block.get(at + TPACKET3_HDR_ALIGNED + SLL_PKTTYPE)?,
+            ))
+        })
+        .flatten();
+    let Some((next, snaplen, wire_len, mac_off, pkttype)) = fields else {
+        let lost = cursor.left;
+        cursor.left = 0;
+        return Step::Corrupt { lost };
+    };
+    cursor.left -= 1;
+    // A next offset shorter than a header would walk backwards or in place: end the walk there
+    // (the next call reports the rest as lost).
+    cursor.offset = if next >= TPACKET3_HDRLEN { at + next } else { 0 };
+    let start = at + mac_off;
+    match start.checked_add(snaplen) {
+        Some(end) if mac_off >= TPACKET3_HDRLEN && end <= block.len() => {
+            Step::Packet { frame: start..end, wire_len, outgoing: pkttype == libc::PACKET_OUTGOING }
+        }
+        _ => Step::Bad,
+    }
+}
+
+/// The fuzz target's body: walks arbitrary bytes as a TPACKET_V3 receive block, as the port walks
+/// the kernel's blocks, and admission-checks every frame found. Panics only if the walk indexes
+/// out of bounds or fails to end.
+pub fn fuzz_rx_block(data: &[u8]) {
+    let mut cursor = RxCursor::start(data);
+    let mut steps = 0usize;
+    loop {
+        match next_packet(data, &mut cursor) {
+            Step::Done | Step::Corrupt { .. } => break,
+            Step::Bad => {}
+            Step::Packet { frame, .. } => {
+                let _ = check_frame(&data[frame], 1500);
+            }
+        }
+        steps += 1;
+        assert!(steps <= data.len() / TPACKET3_HDRLEN + 1, "the walk does not move forward");
+    }
+}
+
 /// The AF_PACKET port; see the module docs.
 pub struct AfPacketPort {
     fd: OwnedFd,
@@ -478,31 +578,21 @@ impl AfPacketPort {
         (self.map_len - self.tx_base) / self.tx_frame_bytes
     }
 
-    /// Reads a u32 at `offset` of the current receive block (a field the kernel wrote before it
-    /// handed the block over).
-    fn block_u32(&self, offset: usize) -> u32 {
-        debug_assert!(offset + 4 <= self.rx_block_bytes);
-        // SAFETY: offset + 4 <= block size (checked by callers), so the read is in the mapping;
-        // the port owns the block (status USER read with Acquire), so the kernel is not writing.
+    /// The current receive block as bytes. Only call while the port owns it (its status was
+    /// seen as TP_STATUS_USER with Acquire and it has not been released).
+    ///
+    /// The lifetime is not tied to `self` so that counters can be updated while a frame is lent;
+    /// callers drop the slice before `release_block`.
+    fn owned_block<'a>(&self) -> &'a [u8] {
+        // SAFETY: the block lies inside the mapping, which lives as long as the port; while the
+        // port owns the block the kernel does not write to it (it waits for TP_STATUS_KERNEL),
+        // and rx_burst drops every slice of it before handing it back.
         unsafe {
-            core::ptr::read_unaligned(self.map.add(self.rx_block * self.rx_block_bytes + offset) as *const u32)
+            core::slice::from_raw_parts(
+                self.map.add(self.rx_block * self.rx_block_bytes),
+                self.rx_block_bytes,
+            )
         }
-    }
-
-    /// Reads a u16 at `offset` of the current receive block; as [`Self::block_u32`].
-    fn block_u16(&self, offset: usize) -> u16 {
-        debug_assert!(offset + 2 <= self.rx_block_bytes);
-        // SAFETY: as in block_u32.
-        unsafe {
-            core::ptr::read_unaligned(self.map.add(self.rx_block * self.rx_block_bytes + offset) as *const u16)
-        }
-    }
-
-    /// Reads a byte at `offset` of the current receive block; as [`Self::block_u32`].
-    fn block_u8(&self, offset: usize) -> u8 {
-        debug_assert!(offset < self.rx_block_bytes);
-        // SAFETY: as in block_u32.
-        unsafe { *self.map.add(self.rx_block * self.rx_block_bytes + offset) }
     }
 
     fn release_block(&mut self) {
@@ -555,78 +645,45 @@ impl Drop for AfPacketPort {
 impl Port for AfPacketPort {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
         let mut delivered = 0;
-        let block_bytes = self.rx_block_bytes;
         while delivered < max {
-            let mut cursor = match self.rx_cursor {
-                Some(c) => c,
-                None => {
-                    // Acquire: the kernel's writes of the packets and the descriptor happen
-                    // before it sets TP_STATUS_USER (smp_wmb in prb_close_block); pairs with it.
-                    let status = self.block_status(self.rx_block).load(Ordering::Acquire);
-                    if status & libc::TP_STATUS_USER == 0 {
-                        break;
-                    }
-                    let c = RxCursor {
-                        left: self.block_u32(BLOCK_NUM_PKTS),
-                        offset: self.block_u32(BLOCK_FIRST_PKT) as usize,
-                    };
-                    self.rx_cursor = Some(c);
-                    c
+            if self.rx_cursor.is_none() {
+                // Acquire: the kernel's writes of the packets and the descriptor happen before it
+                // sets TP_STATUS_USER (smp_wmb in prb_close_block); pairs with that store.
+                let status = self.block_status(self.rx_block).load(Ordering::Acquire);
+                if status & libc::TP_STATUS_USER == 0 {
+                    break;
                 }
-            };
-            if cursor.left == 0 {
-                self.release_block();
-                continue;
+                self.rx_cursor = Some(RxCursor::start(self.owned_block()));
             }
-            // Distrust: the packet header and its sockaddr_ll must lie inside the block.
-            if cursor.offset < BLOCK_DESC_LEN || cursor.offset + TPACKET3_HDRLEN > block_bytes {
-                self.counters.rx_dropped += u64::from(cursor.left);
-                self.release_block();
-                continue;
-            }
-            let at = cursor.offset;
-            let next = self.block_u32(at + PKT_NEXT_OFFSET) as usize;
-            let snaplen = self.block_u32(at + PKT_SNAPLEN) as usize;
-            let len = self.block_u32(at + PKT_LEN) as usize;
-            let _status = self.block_u32(at + PKT_STATUS);
-            let mac_off = usize::from(self.block_u16(at + PKT_MAC));
-            let pkttype = self.block_u8(at + TPACKET3_HDR_ALIGNED + SLL_PKTTYPE);
-            let start = at + mac_off;
-            let in_bounds = mac_off >= TPACKET3_HDRLEN && start + snaplen <= block_bytes;
-            cursor.left -= 1;
-            cursor.offset = at + next;
-            if cursor.left > 0 && (next == 0 || cursor.offset >= block_bytes) {
-                // The chain does not add up: drop the rest of the block.
-                self.counters.rx_dropped += u64::from(cursor.left);
-                cursor.left = 0;
-            }
+            let mut cursor = self.rx_cursor.expect("set above");
+            let block = self.owned_block();
+            let step = next_packet(block, &mut cursor);
             self.rx_cursor = Some(cursor);
-            if !in_bounds {
-                self.counters.rx_dropped += 1;
-                continue;
+            match step {
+                Step::Done => self.release_block(),
+                Step::Corrupt { lost } => {
+                    self.counters.rx_dropped += u64::from(lost);
+                    self.release_block();
+                }
+                Step::Bad => self.counters.rx_dropped += 1,
+                // Our own (or this host's) transmission looped back to packet taps: not for us.
+                Step::Packet { outgoing: true, .. } => {}
+                Step::Packet { frame, wire_len, outgoing: false } => {
+                    let frame = &block[frame];
+                    if frame.len() < wire_len || check_frame(frame, self.mtu).is_err() {
+                        self.counters.rx_dropped += 1;
+                        continue;
+                    }
+                    self.counters.rx_frames += 1;
+                    self.counters.rx_bytes += frame.len() as u64;
+                    delivered += 1;
+                    on_frame(frame);
+                }
             }
-            if pkttype == libc::PACKET_OUTGOING {
-                // Our own (or this host's) transmission, looped back to packet taps: not for us.
-                continue;
-            }
-            // SAFETY: [start, start + snaplen) is inside the block (checked above), which the
-            // port owns until release_block; the slice does not outlive this iteration.
-            let frame = unsafe {
-                core::slice::from_raw_parts(self.map.add(self.rx_block * block_bytes + start), snaplen)
-            };
-            if snaplen < len || check_frame(frame, self.mtu).is_err() {
-                self.counters.rx_dropped += 1;
-                continue;
-            }
-            self.counters.rx_frames += 1;
-            self.counters.rx_bytes += frame.len() as u64;
-            delivered += 1;
-            on_frame(frame);
         }
-        if let Some(c) = self.rx_cursor {
-            if c.left == 0 {
-                self.release_block();
-            }
+        // Give a finished block back now rather than on the next call, so the kernel can reuse it.
+        if let Some(RxCursor { left: 0, .. }) = self.rx_cursor {
+            self.release_block();
         }
         Ok(delivered)
     }
@@ -705,5 +762,106 @@ impl Port for AfPacketPort {
         let mut c = self.counters;
         c.rx_dropped += self.kernel_drops.get();
         c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block as the kernel lays it out, holding `packets` (frame bytes, pkttype), each slot
+    /// padded to 16 bytes.
+    fn block(packets: &[(&[u8], u8)], size: usize) -> Vec<u8> {
+        let mut b = vec![0u8; size];
+        b[BLOCK_NUM_PKTS..BLOCK_NUM_PKTS + 4].copy_from_slice(&(packets.len() as u32).to_ne_bytes());
+        b[BLOCK_FIRST_PKT..BLOCK_FIRST_PKT + 4].copy_from_slice(&(BLOCK_DESC_LEN as u32).to_ne_bytes());
+        let mut at = BLOCK_DESC_LEN;
+        for (i, (frame, pkttype)) in packets.iter().enumerate() {
+            let mac = TPACKET3_HDRLEN.next_multiple_of(16) + 2;
+            let slot = (mac + frame.len()).next_multiple_of(16);
+            let next = if i + 1 == packets.len() { 0 } else { slot as u32 };
+            b[at..at + 4].copy_from_slice(&next.to_ne_bytes());
+            b[at + PKT_SNAPLEN..at + PKT_SNAPLEN + 4].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+            b[at + PKT_LEN..at + PKT_LEN + 4].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+            b[at + PKT_MAC..at + PKT_MAC + 2].copy_from_slice(&(mac as u16).to_ne_bytes());
+            b[at + TPACKET3_HDR_ALIGNED + SLL_PKTTYPE] = *pkttype;
+            b[at + mac..at + mac + frame.len()].copy_from_slice(frame);
+            at += slot;
+        }
+        b
+    }
+
+    fn walk(b: &[u8]) -> Vec<Step> {
+        let mut c = RxCursor::start(b);
+        let mut steps = Vec::new();
+        loop {
+            let s = next_packet(b, &mut c);
+            let end = matches!(s, Step::Done | Step::Corrupt { .. });
+            steps.push(s);
+            if end {
+                return steps;
+            }
+        }
+    }
+
+    #[test]
+    fn walks_a_well_formed_block() {
+        let (one, two) = ([1u8; 60], [2u8; 100]);
+        let b = block(&[(&one, libc::PACKET_HOST), (&two, libc::PACKET_OUTGOING)], 4096);
+        let steps = walk(&b);
+        assert_eq!(steps.len(), 3);
+        let Step::Packet { frame, wire_len: 60, outgoing: false } = steps[0].clone() else {
+            panic!("{steps:?}")
+        };
+        assert_eq!(&b[frame], &one[..]);
+        let Step::Packet { frame, wire_len: 100, outgoing: true } = steps[1].clone() else {
+            panic!("{steps:?}")
+        };
+        assert_eq!(&b[frame], &two[..]);
+        assert_eq!(steps[2], Step::Done);
+    }
+
+    #[test]
+    fn distrusts_offsets_and_lengths() {
+        let frame = [3u8; 64];
+        let good = block(&[(&frame, 0), (&frame, 0), (&frame, 0)], 4096);
+        // A snap length running past the block: that packet is bad, the walk goes on.
+        let mut b = good.clone();
+        b[BLOCK_DESC_LEN + PKT_SNAPLEN..BLOCK_DESC_LEN + PKT_SNAPLEN + 4]
+            .copy_from_slice(&5000u32.to_ne_bytes());
+        assert_eq!(walk(&b).iter().filter(|s| matches!(s, Step::Packet { .. })).count(), 2);
+        assert_eq!(walk(&b)[0], Step::Bad);
+        // A next offset of zero before the last packet: the rest is lost, nothing repeats.
+        let mut b = good.clone();
+        b[BLOCK_DESC_LEN..BLOCK_DESC_LEN + 4].copy_from_slice(&0u32.to_ne_bytes());
+        let steps = walk(&b);
+        assert!(matches!(steps[0], Step::Packet { .. }));
+        assert_eq!(steps[1], Step::Corrupt { lost: 2 });
+        // A packet count far beyond what the block holds.
+        let mut b = good.clone();
+        b[BLOCK_NUM_PKTS..BLOCK_NUM_PKTS + 4].copy_from_slice(&u32::MAX.to_ne_bytes());
+        let steps = walk(&b);
+        assert_eq!(steps.len(), 4, "{steps:?}");
+        assert!(matches!(steps[3], Step::Corrupt { .. }));
+        // A first offset inside the descriptor.
+        let mut b = good;
+        b[BLOCK_FIRST_PKT..BLOCK_FIRST_PKT + 4].copy_from_slice(&4u32.to_ne_bytes());
+        assert_eq!(walk(&b), vec![Step::Corrupt { lost: 3 }]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn random_blocks_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..2048)) {
+            fuzz_rx_block(&bytes);
+        }
+
+        #[test]
+        fn mutated_blocks_never_panic(at in 0usize..512, value in proptest::num::u32::ANY) {
+            let frame = [9u8; 80];
+            let mut b = block(&[(&frame, 0), (&frame, 0), (&frame, 4)], 1024);
+            let at = at.min(b.len() - 4);
+            b[at..at + 4].copy_from_slice(&value.to_ne_bytes());
+            fuzz_rx_block(&b);
+        }
     }
 }

@@ -94,6 +94,22 @@ pub fn open(spec: &str) -> Result<Box<dyn Port>> {
     }
 }
 
+/// The fuzz target's body: parses arbitrary bytes as the arguments of every spec kind that has a
+/// parser (without opening anything). Panics only if a parser does; every error must explain
+/// itself (a non-empty message).
+pub fn fuzz_spec(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    if let Err(why) = UdpConfig::parse(&text) {
+        assert!(!why.is_empty());
+    }
+    if let Err(why) = AfPacketConfig::parse(&text) {
+        assert!(!why.is_empty());
+    }
+    if let Some((_, args)) = text.split_once(':') {
+        let _ = check_iface_and_queue(&text, args);
+    }
+}
+
 /// Checks `IFACE[:QUEUE]` of an afxdp spec.
 fn check_iface_and_queue(spec: &str, args: &str) -> Result<()> {
     let (iface, queue) = match args.split_once(':') {
@@ -165,6 +181,18 @@ mod tests {
         drop(taken);
         let port = open(&spec).expect("free again");
         assert_eq!(port.mtu(), crate::udp::DEFAULT_MTU_V4);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn random_spec_text_never_panics(text in "[a-z0-9:.,=@\\[\\]/ -]{0,80}") {
+            fuzz_spec(text.as_bytes());
+        }
+
+        #[test]
+        fn random_spec_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..80)) {
+            fuzz_spec(&bytes);
+        }
     }
 
     #[test]
