@@ -2,12 +2,13 @@
 #![deny(unsafe_code)]
 
 mod bench;
+mod port;
 
 use clap::{Parser, Subcommand};
 
 /// lanbus: share PCIe devices, messages and sockets between machines over ordinary Ethernet.
 #[derive(Debug, Parser)]
-#[command(name = "lanbus", version, about, long_about = None)]
+#[command(name = "lanbus", version, about, long_about = None, after_help = lanbus_port::SPEC_HELP)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -18,12 +19,16 @@ enum Command {
     /// Measurements, each with its peer (kernel sockets, rte_ring, qemu-nbd...) in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Packet ports: check that a port spec opens here, and see its MAC, MTU and counters.
+    #[command(subcommand)]
+    Port(port::PortCommand),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(c) => bench::run(c),
+        Command::Port(c) => port::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
