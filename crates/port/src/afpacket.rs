@@ -23,7 +23,10 @@
 //! word, read with Acquire and written with Release.
 //!
 //! Latency note: TPACKET_V3 hands a partly filled block over only when its retire timer fires, so
-//! a lone frame waits up to `tov_ms` (1 ms by default) before the port can see it.
+//! a lone frame waits up to `tov_ms` (1 ms by default) before the port can see it. Request/response
+//! traffic that cares about microseconds opens the port with `rx=v2` instead: the socket then uses
+//! TPACKET_V2 for both rings, whose receive ring hands over every frame on its own as soon as it
+//! is written (a frame-per-slot ring; the walk is the same with one packet per unit).
 
 use core::cell::Cell;
 use core::sync::atomic::{AtomicU32, Ordering};
@@ -51,6 +54,16 @@ const BLOCK_FIRST_PKT: usize = 16;
 /// Size of the block descriptor, rounded as the kernel does (`BLK_HDR_LEN`).
 const BLOCK_DESC_LEN: usize = 48;
 
+/// Bytes of `struct tpacket2_hdr` rounded to TPACKET_ALIGNMENT (as above, for TPACKET_V2).
+const TPACKET2_HDR_ALIGNED: usize = 32;
+/// `TPACKET2_HDRLEN`.
+const TPACKET2_HDRLEN: usize = TPACKET2_HDR_ALIGNED + core::mem::size_of::<libc::sockaddr_ll>();
+// Offsets in `struct tpacket2_hdr`.
+const V2_STATUS: usize = 0;
+const V2_LEN: usize = 4;
+const V2_SNAPLEN: usize = 8;
+const V2_MAC: usize = 12;
+
 // Offsets in `struct tpacket3_hdr`.
 const PKT_NEXT_OFFSET: usize = 0;
 const PKT_SNAPLEN: usize = 12;
@@ -66,6 +79,8 @@ const TX_FRAMES: usize = 256;
 const RX_BLOCKS: usize = 16;
 /// Smallest receive block.
 const RX_BLOCK_MIN_BYTES: usize = 1 << 18;
+/// Bytes a TPACKET_V2 receive ring aims for (64 to 1024 slots).
+const RX_V2_BYTES: usize = 4 << 20;
 
 /// How to open an [`AfPacketPort`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,15 +89,28 @@ pub struct AfPacketConfig {
     pub ifname: String,
     /// Milliseconds the kernel may hold a partly filled receive block (TPACKET_V3 retire timeout).
     pub tov_ms: u32,
+    /// Which TPACKET version the rings use.
+    pub rx: RxVersion,
+}
+
+/// The ring layout: TPACKET_V3 (block-based receive, the default) or TPACKET_V2 (one frame per
+/// slot, each handed over at once: lower latency for lone frames).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RxVersion {
+    /// TPACKET_V3: blocks of frames, handed over when full or after `tov_ms`.
+    #[default]
+    V3,
+    /// TPACKET_V2: a slot per frame, handed over as soon as it is written.
+    V2,
 }
 
 impl AfPacketConfig {
     /// Defaults for `ifname`: 1 ms block timeout.
     pub fn new(ifname: &str) -> Self {
-        AfPacketConfig { ifname: ifname.to_string(), tov_ms: 1 }
+        AfPacketConfig { ifname: ifname.to_string(), tov_ms: 1, rx: RxVersion::V3 }
     }
 
-    /// Parses `IFACE[,tov_ms=MS]` (the spec without `afpacket:`).
+    /// Parses `IFACE[,tov_ms=MS][,rx=v3|v2]` (the spec without `afpacket:`).
     pub fn parse(args: &str) -> core::result::Result<AfPacketConfig, String> {
         let mut parts = args.split(',');
         let ifname = parts.next().unwrap_or("").trim();
@@ -96,7 +124,18 @@ impl AfPacketConfig {
                             format!("tov_ms={v:?} is not a number of milliseconds in 1..=1000")
                         })?;
                 }
-                _ => return Err(format!("unknown option {part:?}; the only option is tov_ms=MS")),
+                Some(("rx", v)) => {
+                    config.rx = match v.trim() {
+                        "v3" => RxVersion::V3,
+                        "v2" => RxVersion::V2,
+                        other => {
+                            return Err(format!(
+                                "rx={other:?}: write rx=v3 (blocks) or rx=v2 (frame per slot)"
+                            ))
+                        }
+                    };
+                }
+                _ => return Err(format!("unknown option {part:?}; options are tov_ms=MS and rx=v3|v2")),
             }
         }
         Ok(config)
@@ -309,10 +348,34 @@ fn next_packet(block: &[u8], cursor: &mut RxCursor) -> Step {
     }
 }
 
-/// The fuzz target's body: walks arbitrary bytes as a TPACKET_V3 receive block, as the port walks
-/// the kernel's blocks, and admission-checks every frame found. Panics only if the walk indexes
-/// out of bounds or fails to end.
+/// Reads the one packet of a TPACKET_V2 receive slot, checking its offsets against the slot.
+fn v2_packet(slot: &[u8]) -> Step {
+    let fields = (|| {
+        Some((
+            read_u32(slot, V2_LEN)? as usize,
+            read_u32(slot, V2_SNAPLEN)? as usize,
+            usize::from(read_u16(slot, V2_MAC)?),
+            *slot.get(TPACKET2_HDR_ALIGNED + SLL_PKTTYPE)?,
+        ))
+    })();
+    let Some((wire_len, snaplen, mac_off, pkttype)) = fields else {
+        return Step::Bad;
+    };
+    match mac_off.checked_add(snaplen) {
+        Some(end) if mac_off >= TPACKET2_HDRLEN && end <= slot.len() => {
+            Step::Packet { frame: mac_off..end, wire_len, outgoing: pkttype == libc::PACKET_OUTGOING }
+        }
+        _ => Step::Bad,
+    }
+}
+
+/// The fuzz target's body: walks arbitrary bytes as a TPACKET_V3 receive block and reads them as a
+/// TPACKET_V2 slot, as the port does with the kernel's rings, and admission-checks every frame
+/// found. Panics only if the walk indexes out of bounds or fails to end.
 pub fn fuzz_rx_block(data: &[u8]) {
+    if let Step::Packet { frame, .. } = v2_packet(data) {
+        let _ = check_frame(&data[frame], 1500);
+    }
     let mut cursor = RxCursor::start(data);
     let mut steps = 0usize;
     loop {
@@ -328,6 +391,17 @@ pub fn fuzz_rx_block(data: &[u8]) {
     }
 }
 
+/// Where the fields of a transmit slot are, by TPACKET version.
+#[derive(Debug, Clone, Copy)]
+struct TxOffsets {
+    status: usize,
+    len: usize,
+    snaplen: usize,
+    data: usize,
+    /// `tp_next_offset` (V3 only; must be 0).
+    next: Option<usize>,
+}
+
 /// The AF_PACKET port; see the module docs.
 pub struct AfPacketPort {
     fd: OwnedFd,
@@ -336,10 +410,12 @@ pub struct AfPacketPort {
     mtu: usize,
     map: *mut u8,
     map_len: usize,
-    rx_block_bytes: usize,
-    rx_blocks: usize,
-    rx_block: usize,
-    /// `Some` while the port owns `rx_block` and is part-way through it.
+    rx_version: RxVersion,
+    /// Bytes per receive unit: a block (V3) or a frame slot (V2).
+    rx_unit_bytes: usize,
+    rx_units: usize,
+    rx_unit: usize,
+    /// `Some` while the port owns `rx_unit` and is part-way through it.
     rx_cursor: Option<RxCursor>,
     tx_base: usize,
     tx_frame_bytes: usize,
@@ -402,9 +478,12 @@ impl AfPacketPort {
         }
         // SAFETY: raw is a fresh descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let version = libc::tpacket_versions::TPACKET_V3 as libc::c_int;
+        let version = match config.rx {
+            RxVersion::V3 => libc::tpacket_versions::TPACKET_V3,
+            RxVersion::V2 => libc::tpacket_versions::TPACKET_V2,
+        } as libc::c_int;
         set_option(&fd, libc::SOL_PACKET, libc::PACKET_VERSION, &version)
-            .map_err(|e| PortError::io("PACKET_VERSION TPACKET_V3 (needs Linux 3.2+)", e))?;
+            .map_err(|e| PortError::io("PACKET_VERSION (TPACKET_V3 needs Linux 3.2+)", e))?;
         let one: libc::c_int = 1;
         set_option(&fd, libc::SOL_PACKET, libc::PACKET_LOSS, &one)
             .map_err(|e| PortError::io("PACKET_LOSS", e))?;
@@ -417,23 +496,51 @@ impl AfPacketPort {
             .map_err(|e| PortError::io("SO_ATTACH_FILTER (EtherType 0x88B5 filter)", e))?;
 
         let frame_max = HEADER_LEN + info.mtu;
-        // Receive blocks hold at least one whole maximal frame with its headers.
-        let rx_block_bytes = (BLOCK_DESC_LEN + TPACKET3_HDRLEN + 2 * 16 + frame_max)
-            .next_power_of_two()
-            .max(RX_BLOCK_MIN_BYTES);
-        let rx_frame_bytes = 2048usize.min(rx_block_bytes);
-        let rx_req = libc::tpacket_req3 {
-            tp_block_size: rx_block_bytes as u32,
-            tp_block_nr: RX_BLOCKS as u32,
-            tp_frame_size: rx_frame_bytes as u32,
-            tp_frame_nr: (RX_BLOCKS * (rx_block_bytes / rx_frame_bytes)) as u32,
-            tp_retire_blk_tov: config.tov_ms,
-            tp_sizeof_priv: 0,
-            tp_feature_req_word: 0,
+        // Receive units hold at least one whole maximal frame with its headers: a V3 block its
+        // descriptor too, a V2 slot the aligned header plus the kernel's 16 bytes of headroom.
+        let (rx_unit_bytes, rx_units, rx_req) = match config.rx {
+            RxVersion::V3 => {
+                let block = (BLOCK_DESC_LEN + TPACKET3_HDRLEN + 2 * 16 + frame_max)
+                    .next_power_of_two()
+                    .max(RX_BLOCK_MIN_BYTES);
+                let nominal_frame = 2048usize.min(block);
+                let req = libc::tpacket_req3 {
+                    tp_block_size: block as u32,
+                    tp_block_nr: RX_BLOCKS as u32,
+                    tp_frame_size: nominal_frame as u32,
+                    tp_frame_nr: (RX_BLOCKS * (block / nominal_frame)) as u32,
+                    tp_retire_blk_tov: config.tov_ms,
+                    tp_sizeof_priv: 0,
+                    tp_feature_req_word: 0,
+                };
+                (block, RX_BLOCKS, req)
+            }
+            RxVersion::V2 => {
+                let frame =
+                    (TPACKET2_HDRLEN.next_multiple_of(16) + 16 + frame_max).next_power_of_two().max(2048);
+                let block = frame.max(1 << 16);
+                let frames =
+                    ((RX_V2_BYTES / frame).clamp(64, 1024) / (block / frame)).max(1) * (block / frame);
+                // The kernel reads only the first four fields for TPACKET_V2.
+                let req = libc::tpacket_req3 {
+                    tp_block_size: block as u32,
+                    tp_block_nr: (frames / (block / frame)) as u32,
+                    tp_frame_size: frame as u32,
+                    tp_frame_nr: frames as u32,
+                    tp_retire_blk_tov: 0,
+                    tp_sizeof_priv: 0,
+                    tp_feature_req_word: 0,
+                };
+                (frame, frames, req)
+            }
         };
         set_option(&fd, libc::SOL_PACKET, libc::PACKET_RX_RING, &rx_req)
-            .map_err(|e| PortError::io("PACKET_RX_RING (TPACKET_V3 receive ring)", e))?;
-        let tx_frame_bytes = (TPACKET3_HDR_ALIGNED + frame_max).next_power_of_two().max(2048);
+            .map_err(|e| PortError::io("PACKET_RX_RING (receive ring)", e))?;
+        let tx_data = match config.rx {
+            RxVersion::V3 => TPACKET3_HDR_ALIGNED,
+            RxVersion::V2 => TPACKET2_HDR_ALIGNED,
+        };
+        let tx_frame_bytes = (tx_data + frame_max).next_power_of_two().max(2048);
         let tx_block_bytes = tx_frame_bytes.max(1 << 16);
         let tx_blocks = (TX_FRAMES * tx_frame_bytes).div_ceil(tx_block_bytes);
         let tx_frames = tx_blocks * (tx_block_bytes / tx_frame_bytes);
@@ -449,7 +556,8 @@ impl AfPacketPort {
         set_option(&fd, libc::SOL_PACKET, libc::PACKET_TX_RING, &tx_req)
             .map_err(|e| PortError::io("PACKET_TX_RING (mapped transmit ring)", e))?;
 
-        let rx_len = rx_block_bytes * RX_BLOCKS;
+        // Units are laid out back to back: V2 slots divide their blocks exactly.
+        let rx_len = rx_unit_bytes * rx_units;
         let map_len = rx_len + tx_block_bytes * tx_blocks;
         // SAFETY: mapping the socket's rings (receive first, then transmit, as the kernel lays
         // them out) at a kernel-chosen address; the result is checked.
@@ -473,9 +581,10 @@ impl AfPacketPort {
             mtu: info.mtu,
             map: map as *mut u8,
             map_len,
-            rx_block_bytes,
-            rx_blocks: RX_BLOCKS,
-            rx_block: 0,
+            rx_version: config.rx,
+            rx_unit_bytes,
+            rx_units,
+            rx_unit: 0,
             rx_cursor: None,
             tx_base: rx_len,
             tx_frame_bytes,
@@ -556,13 +665,17 @@ impl AfPacketPort {
         }
     }
 
-    /// The status word of receive block `block`.
-    fn block_status(&self, block: usize) -> &AtomicU32 {
-        debug_assert!(block < self.rx_blocks);
-        // SAFETY: the block descriptor lies at the start of the block, inside the mapping, and
-        // the status word is 4-aligned (blocks are page-aligned). The kernel writes it
-        // concurrently, hence an atomic view.
-        unsafe { &*(self.map.add(block * self.rx_block_bytes + BLOCK_STATUS) as *const AtomicU32) }
+    /// The status word of receive unit `unit` (a V3 block's `block_status`, a V2 slot's
+    /// `tp_status`).
+    fn unit_status(&self, unit: usize) -> &AtomicU32 {
+        debug_assert!(unit < self.rx_units);
+        let at = match self.rx_version {
+            RxVersion::V3 => BLOCK_STATUS,
+            RxVersion::V2 => V2_STATUS,
+        };
+        // SAFETY: the status word lies at the start of the unit, inside the mapping, and is
+        // 4-aligned (units are 16-aligned). The kernel writes it concurrently, hence an atomic view.
+        unsafe { &*(self.map.add(unit * self.rx_unit_bytes + at) as *const AtomicU32) }
     }
 
     /// The status word of transmit slot `slot`.
@@ -570,7 +683,27 @@ impl AfPacketPort {
         // SAFETY: the slot lies inside the transmit part of the mapping (slot < TX frames) and
         // tp_status is 4-aligned in a 16-aligned slot; the kernel writes it concurrently.
         unsafe {
-            &*(self.map.add(self.tx_base + slot * self.tx_frame_bytes + PKT_STATUS) as *const AtomicU32)
+            &*(self.map.add(self.tx_base + slot * self.tx_frame_bytes + self.tx_offsets().status)
+                as *const AtomicU32)
+        }
+    }
+
+    fn tx_offsets(&self) -> TxOffsets {
+        match self.rx_version {
+            RxVersion::V3 => TxOffsets {
+                status: PKT_STATUS,
+                len: PKT_LEN,
+                snaplen: PKT_SNAPLEN,
+                data: TPACKET3_HDR_ALIGNED,
+                next: Some(PKT_NEXT_OFFSET),
+            },
+            RxVersion::V2 => TxOffsets {
+                status: V2_STATUS,
+                len: V2_LEN,
+                snaplen: V2_SNAPLEN,
+                data: TPACKET2_HDR_ALIGNED,
+                next: None,
+            },
         }
     }
 
@@ -578,29 +711,26 @@ impl AfPacketPort {
         (self.map_len - self.tx_base) / self.tx_frame_bytes
     }
 
-    /// The current receive block as bytes. Only call while the port owns it (its status was
-    /// seen as TP_STATUS_USER with Acquire and it has not been released).
+    /// The current receive unit as bytes. Only call while the port owns it (its status was seen
+    /// with TP_STATUS_USER under Acquire and it has not been released).
     ///
     /// The lifetime is not tied to `self` so that counters can be updated while a frame is lent;
-    /// callers drop the slice before `release_block`.
-    fn owned_block<'a>(&self) -> &'a [u8] {
-        // SAFETY: the block lies inside the mapping, which lives as long as the port; while the
-        // port owns the block the kernel does not write to it (it waits for TP_STATUS_KERNEL),
-        // and rx_burst drops every slice of it before handing it back.
+    /// callers drop the slice before `release_unit`.
+    fn owned_unit<'a>(&self) -> &'a [u8] {
+        // SAFETY: the unit lies inside the mapping, which lives as long as the port; while the
+        // port owns the unit the kernel does not write to it (it waits for TP_STATUS_KERNEL), and
+        // rx_burst drops every slice of it before handing it back.
         unsafe {
-            core::slice::from_raw_parts(
-                self.map.add(self.rx_block * self.rx_block_bytes),
-                self.rx_block_bytes,
-            )
+            core::slice::from_raw_parts(self.map.add(self.rx_unit * self.rx_unit_bytes), self.rx_unit_bytes)
         }
     }
 
-    fn release_block(&mut self) {
-        // Release: our reads of the block happen before the kernel may refill it; pairs with
-        // the kernel's read of block_status (smp_rmb) in prb_lookup_block / prb_queue_frozen.
-        self.block_status(self.rx_block).store(libc::TP_STATUS_KERNEL, Ordering::Release);
+    fn release_unit(&mut self) {
+        // Release: our reads of the unit happen before the kernel may refill it; pairs with the
+        // kernel's status read (smp_rmb) before it writes a slot or opens a block.
+        self.unit_status(self.rx_unit).store(libc::TP_STATUS_KERNEL, Ordering::Release);
         self.rx_cursor = None;
-        self.rx_block = (self.rx_block + 1) % self.rx_blocks;
+        self.rx_unit = (self.rx_unit + 1) % self.rx_units;
     }
 
     fn kick(&mut self) -> Result<()> {
@@ -649,21 +779,32 @@ impl Port for AfPacketPort {
             if self.rx_cursor.is_none() {
                 // Acquire: the kernel's writes of the packets and the descriptor happen before it
                 // sets TP_STATUS_USER (smp_wmb in prb_close_block); pairs with that store.
-                let status = self.block_status(self.rx_block).load(Ordering::Acquire);
+                // (For V2: the slot's data and header before tp_status; tpacket_rcv's smp_wmb.)
+                let status = self.unit_status(self.rx_unit).load(Ordering::Acquire);
                 if status & libc::TP_STATUS_USER == 0 {
                     break;
                 }
-                self.rx_cursor = Some(RxCursor::start(self.owned_block()));
+                self.rx_cursor = Some(match self.rx_version {
+                    RxVersion::V3 => RxCursor::start(self.owned_unit()),
+                    RxVersion::V2 => RxCursor { left: 1, offset: 0 },
+                });
             }
             let mut cursor = self.rx_cursor.expect("set above");
-            let block = self.owned_block();
-            let step = next_packet(block, &mut cursor);
+            let block = self.owned_unit();
+            let step = match self.rx_version {
+                RxVersion::V3 => next_packet(block, &mut cursor),
+                RxVersion::V2 if cursor.left == 0 => Step::Done,
+                RxVersion::V2 => {
+                    cursor.left = 0;
+                    v2_packet(block)
+                }
+            };
             self.rx_cursor = Some(cursor);
             match step {
-                Step::Done => self.release_block(),
+                Step::Done => self.release_unit(),
                 Step::Corrupt { lost } => {
                     self.counters.rx_dropped += u64::from(lost);
-                    self.release_block();
+                    self.release_unit();
                 }
                 Step::Bad => self.counters.rx_dropped += 1,
                 // Our own (or this host's) transmission looped back to packet taps: not for us.
@@ -683,7 +824,7 @@ impl Port for AfPacketPort {
         }
         // Give a finished block back now rather than on the next call, so the kernel can reuse it.
         if let Some(RxCursor { left: 0, .. }) = self.rx_cursor {
-            self.release_block();
+            self.release_unit();
         }
         Ok(delivered)
     }
@@ -706,11 +847,10 @@ impl Port for AfPacketPort {
                 break;
             }
             let base = self.tx_base + slot * self.tx_frame_bytes;
+            let off = self.tx_offsets();
             // SAFETY: the slot's data area [base + 48, base + 48 + capacity) lies inside the slot
             // (tx_frame_bytes >= 48 + mtu + 14) and the port owns the slot (status AVAILABLE).
-            let buf = unsafe {
-                core::slice::from_raw_parts_mut(self.map.add(base + TPACKET3_HDR_ALIGNED), capacity)
-            };
+            let buf = unsafe { core::slice::from_raw_parts_mut(self.map.add(base + off.data), capacity) };
             let Some(len) = fill(buf) else { break };
             offered += 1;
             if !(HEADER_LEN..=capacity).contains(&len) {
@@ -720,9 +860,11 @@ impl Port for AfPacketPort {
             // SAFETY: the header fields lie at the start of the owned slot.
             unsafe {
                 let hdr = self.map.add(base);
-                core::ptr::write_unaligned(hdr.add(PKT_NEXT_OFFSET) as *mut u32, 0);
-                core::ptr::write_unaligned(hdr.add(PKT_LEN) as *mut u32, len as u32);
-                core::ptr::write_unaligned(hdr.add(PKT_SNAPLEN) as *mut u32, len as u32);
+                if let Some(next) = off.next {
+                    core::ptr::write_unaligned(hdr.add(next) as *mut u32, 0);
+                }
+                core::ptr::write_unaligned(hdr.add(off.len) as *mut u32, len as u32);
+                core::ptr::write_unaligned(hdr.add(off.snaplen) as *mut u32, len as u32);
             }
             // Release: the frame and tp_len are written before the kernel sees SEND_REQUEST;
             // pairs with the kernel's status read (smp_rmb) in tpacket_snd.
@@ -743,7 +885,7 @@ impl Port for AfPacketPort {
             return Ok(());
         }
         // Acquire as in rx_burst: a block already handed over needs no sleep.
-        if self.block_status(self.rx_block).load(Ordering::Acquire) & libc::TP_STATUS_USER != 0 {
+        if self.unit_status(self.rx_unit).load(Ordering::Acquire) & libc::TP_STATUS_USER != 0 {
             return Ok(());
         }
         poll_readable(self.fd.as_raw_fd(), timeout)
@@ -847,6 +989,27 @@ mod tests {
         let mut b = good;
         b[BLOCK_FIRST_PKT..BLOCK_FIRST_PKT + 4].copy_from_slice(&4u32.to_ne_bytes());
         assert_eq!(walk(&b), vec![Step::Corrupt { lost: 3 }]);
+    }
+
+    #[test]
+    fn reads_a_v2_slot_and_distrusts_it() {
+        let mut slot = vec![0u8; 2048];
+        let frame = [5u8; 90];
+        let mac = 66usize;
+        slot[V2_LEN..V2_LEN + 4].copy_from_slice(&90u32.to_ne_bytes());
+        slot[V2_SNAPLEN..V2_SNAPLEN + 4].copy_from_slice(&90u32.to_ne_bytes());
+        slot[V2_MAC..V2_MAC + 2].copy_from_slice(&(mac as u16).to_ne_bytes());
+        slot[mac..mac + 90].copy_from_slice(&frame);
+        assert_eq!(v2_packet(&slot), Step::Packet { frame: mac..mac + 90, wire_len: 90, outgoing: false });
+        slot[TPACKET2_HDR_ALIGNED + SLL_PKTTYPE] = libc::PACKET_OUTGOING;
+        assert!(matches!(v2_packet(&slot), Step::Packet { outgoing: true, .. }));
+        let mut bad = slot.clone();
+        bad[V2_SNAPLEN..V2_SNAPLEN + 4].copy_from_slice(&4000u32.to_ne_bytes());
+        assert_eq!(v2_packet(&bad), Step::Bad);
+        let mut bad = slot.clone();
+        bad[V2_MAC..V2_MAC + 2].copy_from_slice(&8u16.to_ne_bytes());
+        assert_eq!(v2_packet(&bad), Step::Bad, "frame overlapping the header");
+        assert_eq!(v2_packet(&slot[..10]), Step::Bad);
     }
 
     proptest::proptest! {

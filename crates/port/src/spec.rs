@@ -22,11 +22,12 @@ PORT SPECS (--port SPEC)
       to bcast= (IPv4 only). Datagrams from unknown senders are counted and dropped unless
       `learn` is set. Default MTU 1472 (IPv4) / 1452 (IPv6). Example, two daemons on a laptop:
         udp:127.0.0.1:7000,peer=127.0.0.1:7001   and   udp:127.0.0.1:7001,peer=127.0.0.1:7000
-  afpacket:IFACE[,tov_ms=MS]
+  afpacket:IFACE[,rx=v3|v2][,tov_ms=MS]
       Raw Ethernet (EtherType 0x88B5) on interface IFACE through AF_PACKET with PACKET_MMAP
-      rings (TPACKET_V3 receive, mapped transmit ring, qdisc bypass). Needs root or
-      CAP_NET_RAW and an interface that is up. tov_ms: how long the kernel holds a partly
-      filled receive block (default 1 ms).
+      rings (receive ring, mapped transmit ring, qdisc bypass, BPF filter). Needs root or
+      CAP_NET_RAW and an Ethernet interface that is up. rx=v3 (default): TPACKET_V3 receive
+      blocks, handed over when full or after tov_ms (default 1 ms), so a lone frame may wait
+      that long; rx=v2: TPACKET_V2, every frame handed over at once (use it for latency).
   afxdp:IFACE[:QUEUE]
       AF_XDP socket on IFACE's queue QUEUE (default 0) with an XDP program that takes only
       EtherType 0x88B5. Needs root, Linux 5.x+ and an XDP-capable driver (generic mode otherwise).

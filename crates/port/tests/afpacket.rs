@@ -6,7 +6,7 @@ use std::net::{SocketAddr, UdpSocket};
 use std::time::Duration;
 
 use common::{frame, frame_typed, len_for, recv_n, send_all, seq_of};
-use lanbus_port::afpacket::{AfPacketConfig, AfPacketPort};
+use lanbus_port::afpacket::{AfPacketConfig, AfPacketPort, RxVersion};
 use lanbus_port::netns::VethPair;
 use lanbus_port::{Port, PortError};
 
@@ -22,18 +22,24 @@ fn pair_or_skip(test: &str) -> Option<VethPair> {
     }
 }
 
-fn open_in(end: &lanbus_port::netns::VethEnd) -> AfPacketPort {
-    let config = AfPacketConfig::new(&end.ifname);
+fn open_in(end: &lanbus_port::netns::VethEnd, rx: RxVersion) -> AfPacketPort {
+    let config = AfPacketConfig { rx, ..AfPacketConfig::new(&end.ifname) };
     end.netns.run(move || AfPacketPort::open(&config)).unwrap().expect("afpacket port opens")
 }
 
 #[test]
 fn frames_cross_both_ways_in_order_and_other_traffic_still_works() {
+    for rx in [RxVersion::V3, RxVersion::V2] {
+        exchange(rx);
+    }
+}
+
+fn exchange(rx: RxVersion) {
     let Some(pair) = pair_or_skip("frames_cross_both_ways_in_order_and_other_traffic_still_works") else {
         return;
     };
-    let mut a = open_in(&pair.a);
-    let mut b = open_in(&pair.b);
+    let mut a = open_in(&pair.a, rx);
+    let mut b = open_in(&pair.b, rx);
     assert_eq!((a.mac(), b.mac()), (pair.a.mac, pair.b.mac));
     assert_eq!(a.mtu(), 1500);
     assert!(a.ignores_outgoing_in_kernel() && a.qdisc_bypass(), "Linux 4.20+ has both");
@@ -52,9 +58,9 @@ fn frames_cross_both_ways_in_order_and_other_traffic_still_works() {
         send_all(&mut b, &to_a, SECOND);
         let at_b = recv_n(&mut b, BURST as usize, 5 * SECOND);
         let at_a = recv_n(&mut a, BURST as usize, 5 * SECOND);
-        assert_eq!((at_a.len(), at_b.len()), (BURST as usize, BURST as usize), "round {round}");
-        assert_eq!(at_b, to_b, "round {round}: frames reach b unchanged and in order");
-        assert_eq!(at_a, to_a, "round {round}: frames reach a unchanged and in order");
+        assert_eq!((at_a.len(), at_b.len()), (BURST as usize, BURST as usize), "{rx:?} round {round}");
+        assert_eq!(at_b, to_b, "{rx:?} round {round}: frames reach b unchanged and in order");
+        assert_eq!(at_a, to_a, "{rx:?} round {round}: frames reach a unchanged and in order");
     }
     // Neither port saw its own frames.
     assert!(recv_n(&mut a, 1, Duration::from_millis(20)).is_empty());
@@ -78,13 +84,19 @@ fn frames_cross_both_ways_in_order_and_other_traffic_still_works() {
 
 #[test]
 fn malformed_and_foreign_frames_are_not_delivered() {
+    for rx in [RxVersion::V3, RxVersion::V2] {
+        malformed(rx);
+    }
+}
+
+fn malformed(rx: RxVersion) {
     let Some(pair) = pair_or_skip("malformed_and_foreign_frames_are_not_delivered") else {
         return;
     };
     // a may send 4 bytes more than b accepts: veth lets such a frame through (mtu + VLAN tag).
     pair.a.netns.ip(&["link", "set", &pair.a.ifname, "mtu", "1504"]).unwrap();
-    let mut a = open_in(&pair.a);
-    let mut b = open_in(&pair.b);
+    let mut a = open_in(&pair.a, rx);
+    let mut b = open_in(&pair.b, rx);
     assert_eq!((a.mtu(), b.mtu()), (1504, 1500));
     let junk = [
         frame_typed(b.mac(), a.mac(), 0x88b6, 1, 100), // another EtherType: filtered out
