@@ -21,6 +21,12 @@
 //! given), up to [`MAX_LEARNED_PEERS`]. Learning is off by default: a port should not take frames
 //! from whoever can reach its UDP port.
 //!
+//! Broadcast over IP: a socket bound to a specific address does not receive IPv4 broadcasts, so a
+//! port meant to hear `bcast=` traffic binds `0.0.0.0` and therefore names its own MAC (`mac=`).
+//! Senders it learns get MACs derived from their addresses, which match their own only if they
+//! bound a specific address without `mac=`. A peer that is both named and reached through the
+//! broadcast address receives each broadcast frame twice (the transport drops duplicates).
+//!
 //! Invariants: the socket is non-blocking; datagrams move in batches of [`BATCH`] with
 //! `recvmmsg`/`sendmmsg`; a datagram longer than the MTU (seen as `MSG_TRUNC`) or shorter than the
 //! lanbus header is dropped and counted; frames the kernel could not take yet (`EAGAIN`) stay

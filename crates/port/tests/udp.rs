@@ -192,3 +192,34 @@ fn udp_across_a_veth_pair_leaves_other_traffic_alone() {
     assert!(recv_n(&mut *b, 1, Duration::from_millis(100)).is_empty());
     assert_eq!(b.counters().rx_frames, 1000);
 }
+
+#[test]
+fn udp_broadcast_address_reaches_a_port_bound_to_any() {
+    let Ok(pair) = VethPair::create()
+        .map_err(|skip| eprintln!("udp_broadcast_address_reaches_a_port_bound_to_any {skip}"))
+    else {
+        return;
+    };
+    // a listens on 0.0.0.0 (the only way to receive IPv4 broadcasts), so it names its own MAC and
+    // learns senders; b names a as a peer under a's MAC and also broadcasts to the subnet.
+    let a_mac = MacAddr::local(0x00aa_0001);
+    let spec_a = format!("udp:0.0.0.0:7100,mac={a_mac},learn");
+    let spec_b = format!("udp:{}:7100,peer={a_mac}@{}:7100,bcast=10.77.0.255:7100", pair.b.ipv4, pair.a.ipv4);
+    let mut a = pair.a.netns.run(move || lanbus_port::open(&spec_a)).unwrap().unwrap();
+    let mut b = pair.b.netns.run(move || lanbus_port::open(&spec_b)).unwrap().unwrap();
+    assert_eq!(a.mac(), a_mac);
+    let hello = frame(MacAddr::BROADCAST, b.mac(), 1, 80);
+    send_all(&mut *b, &[hello.clone()], SECOND);
+    // Once as a unicast to the named peer, once through the subnet broadcast address.
+    let got = recv_n(&mut *a, 2, 2 * SECOND);
+    assert_eq!(got.len(), 2, "{:?}", a.counters());
+    for g in &got {
+        check_received(g, &hello, a_mac);
+        assert_eq!(&g[6..12], &b.mac().0, "b was learned under its derived MAC, which is its own");
+    }
+    // a can answer b now that it learned it.
+    send_all(&mut *a, &[frame(b.mac(), a_mac, 2, 80)], SECOND);
+    let back = recv_n(&mut *b, 1, 2 * SECOND);
+    assert_eq!(back.len(), 1);
+    assert_eq!(seq_of(&back[0]), 2);
+}
