@@ -209,7 +209,7 @@ fn udp_broadcast_address_reaches_a_port_bound_to_any() {
     let mut b = pair.b.netns.run(move || lanbus_port::open(&spec_b)).unwrap().unwrap();
     assert_eq!(a.mac(), a_mac);
     let hello = frame(MacAddr::BROADCAST, b.mac(), 1, 80);
-    send_all(&mut *b, &[hello.clone()], SECOND);
+    send_all(&mut *b, std::slice::from_ref(&hello), SECOND);
     // Once as a unicast to the named peer, once through the subnet broadcast address.
     let got = recv_n(&mut *a, 2, 2 * SECOND);
     assert_eq!(got.len(), 2, "{:?}", a.counters());
