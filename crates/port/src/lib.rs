@@ -24,7 +24,13 @@ use core::time::Duration;
 use lanbus_wire::MacAddr;
 
 pub mod afxdp;
+pub mod afpacket;
+pub mod check;
 pub mod netns;
+pub mod spec;
+pub mod udp;
+
+pub use spec::{open, SPEC_HELP};
 
 /// What a port counts. Counters only grow; read them with [`Port::counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
