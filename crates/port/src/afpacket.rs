@@ -884,6 +884,10 @@ impl Port for AfPacketPort {
         Ok(sent)
     }
 
+    fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.as_raw_fd())
+    }
+
     fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
         if self.rx_cursor.is_some() {
             return Ok(());

@@ -371,6 +371,11 @@ impl Port for AfXdpPort {
         Ok(n as usize)
     }
 
+    fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        Some(self.xsk.fd().as_raw_fd())
+    }
+
     fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
         if self.xsk.rx_ready() {
             return Ok(());

@@ -73,9 +73,9 @@ pub fn open(spec: &str) -> Result<Box<dyn Port>> {
             Ok(Box::new(AfPacketPort::open(&config).map_err(whole)?))
         }
         ("afxdp", Some(args)) => {
-            check_iface_and_queue(spec, args)?;
-            // Wired at merge: the AF_XDP port lives on another branch (crates/port/src/afxdp.rs).
-            Err(unavailable(spec, "the afxdp port is not part of this build yet (crates/port/src/afxdp.rs)"))
+            let (iface, queue) = check_iface_and_queue(spec, args)?;
+            let options = crate::afxdp::AfXdpOptions::default();
+            Ok(Box::new(crate::afxdp::open(iface, queue, &options).map_err(whole)?))
         }
         ("shm", Some(path)) => {
             if path.is_empty() {
@@ -112,18 +112,19 @@ pub fn fuzz_spec(data: &[u8]) {
 }
 
 /// Checks `IFACE[:QUEUE]` of an afxdp spec.
-fn check_iface_and_queue(spec: &str, args: &str) -> Result<()> {
+fn check_iface_and_queue<'a>(spec: &str, args: &'a str) -> Result<(&'a str, u32)> {
     let (iface, queue) = match args.split_once(':') {
         Some((i, q)) => (i, Some(q)),
         None => (args, None),
     };
     crate::afpacket::check_ifname(iface).map_err(|why| bad(spec, why))?;
-    if let Some(q) = queue {
-        q.parse::<u32>().map_err(|_| {
+    let queue = match queue {
+        Some(q) => q.parse::<u32>().map_err(|_| {
             bad(spec, format!("queue {q:?} is not a number: write afxdp:IFACE or afxdp:IFACE:QUEUE"))
-        })?;
-    }
-    Ok(())
+        })?,
+        None => 0,
+    };
+    Ok((iface, queue))
 }
 
 #[cfg(test)]
@@ -153,7 +154,7 @@ mod tests {
             ("shm:", true, "shm:PATH"),
             ("sim", false, "created in-process"),
             ("dpdk:-l 1", false, "--features dpdk"),
-            ("afxdp:lo", false, "afxdp"),
+            ("afxdp:lbnosuchif0", false, "lbnosuchif0"),
             ("shm:/tmp/x.sock", false, "shm"),
             ("afpacket:lbnosuchif0", false, "no interface named"),
             ("udp:192.0.2.77:7000", false, "not an address of this machine"),

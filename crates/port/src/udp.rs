@@ -718,6 +718,10 @@ impl Port for UdpPort {
         Ok(accepted)
     }
 
+    fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.as_raw_fd())
+    }
+
     fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
         // With datagrams still queued, room in the socket is also a reason to wake up.
         poll_ready(self.socket.as_raw_fd(), self.has_pending(), timeout)
