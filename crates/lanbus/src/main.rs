@@ -2,6 +2,7 @@
 #![deny(unsafe_code)]
 
 mod bench;
+mod nbd;
 
 use clap::{Parser, Subcommand};
 
@@ -18,12 +19,16 @@ enum Command {
     /// Measurements, each with its peer (kernel sockets, rte_ring, qemu-nbd...) in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Network Block Device tools: export a file or RAM disk to fio, qemu-img, QEMU.
+    #[command(subcommand)]
+    Nbd(nbd::NbdCommand),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(c) => bench::run(c),
+        Command::Nbd(c) => nbd::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

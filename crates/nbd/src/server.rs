@@ -602,8 +602,7 @@ fn run_connection(inner: &Arc<Inner>, id: u64, stream: Stream) {
     let result = serve_connection(inner, stream);
     let stopping = inner.stopping.load(Ordering::Relaxed);
     match result {
-        Ok(Ended::Aborted) => inner.log(format_args!("conn {id} ({peer}): client aborted the handshake")),
-        Ok(Ended::Disconnected) | Ok(Ended::ClosedBetweenRequests) => {}
+        Ok(Ended::Aborted) | Ok(Ended::Disconnected) | Ok(Ended::ClosedBetweenRequests) => {}
         Err(ConnError::Io(e)) if !stopping => inner.log(format_args!("conn {id} ({peer}): I/O error: {e}")),
         Err(ConnError::Io(_)) => {}
         Err(ConnError::Handshake(HandshakeError::Io(e))) => {
