@@ -212,6 +212,19 @@ impl Client {
         })
     }
 
+    /// Wraps a stream whose handshake is already done (for example by `NBD_OPT_EXPORT_NAME`).
+    pub fn from_transmission(stream: Stream, size_bytes: u64, transmission_flags: u16) -> io::Result<Client> {
+        Ok(Client {
+            writer: stream.try_clone()?,
+            reader: BufReader::new(stream),
+            size_bytes,
+            transmission_flags,
+            block_sizes: None,
+            next_handle: 1,
+            pending: HashMap::new(),
+        })
+    }
+
     /// Export size in bytes.
     pub fn size_bytes(&self) -> u64 {
         self.size_bytes

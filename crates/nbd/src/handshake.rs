@@ -52,7 +52,11 @@ pub enum HandshakeError {
     /// `NBD_OPT_EXPORT_NAME` named an export that does not exist (the spec says: disconnect).
     #[error("NBD_OPT_EXPORT_NAME for unknown export {0:?}")]
     UnknownExport(String),
-    /// The socket failed or the client closed it.
+    /// The client closed the connection between options (or before sending its flags): it left,
+    /// which is not a protocol violation.
+    #[error("client closed the connection during the handshake")]
+    Closed,
+    /// The socket failed or the client closed it in the middle of a message.
     #[error(transparent)]
     Io(#[from] io::Error),
 }
@@ -78,6 +82,20 @@ fn info_string(kind: u16, s: &str) -> Vec<u8> {
     out
 }
 
+/// Reads a whole message; end of stream before its first byte is [`HandshakeError::Closed`].
+fn read_message(r: &mut impl Read, buf: &mut [u8]) -> Result<(), HandshakeError> {
+    loop {
+        match r.read(&mut buf[..1]) {
+            Ok(0) => return Err(HandshakeError::Closed),
+            Ok(_) => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    r.read_exact(&mut buf[1..])?;
+    Ok(())
+}
+
 /// Runs the server's side of the handshake: greeting, client flags, then options until one
 /// selects an export (`EXPORT_NAME` or a successful `GO`) or the client aborts. Writes are not
 /// flushed: pass an unbuffered writer or flush it afterwards.
@@ -88,12 +106,12 @@ pub fn negotiate(
 ) -> Result<Outcome, HandshakeError> {
     w.write_all(&emit_greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES))?;
     let mut flags = [0u8; 4];
-    r.read_exact(&mut flags)?;
+    read_message(r, &mut flags)?;
     let client_flags = parse_client_flags(&flags)?;
     let no_zeroes = client_flags & CLIENT_FLAG_NO_ZEROES != 0;
     loop {
         let mut hb = [0u8; OptionHeader::LEN];
-        r.read_exact(&mut hb)?;
+        read_message(r, &mut hb)?;
         let header = OptionHeader::parse(&hb)?;
         // Bounded by MAX_OPTION_BYTES in OptionHeader::parse.
         let mut payload = vec![0u8; header.length as usize];

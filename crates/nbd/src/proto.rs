@@ -611,7 +611,7 @@ pub fn check_request(h: &RequestHeader, limits: &ExportLimits) -> Result<Action,
     }
     let range = |beyond_end: Errno| -> Result<(), Errno> {
         let min = u64::from(limits.min_block.max(1));
-        if h.offset % min != 0 || u64::from(h.length) % min != 0 {
+        if !h.offset.is_multiple_of(min) || !u64::from(h.length).is_multiple_of(min) {
             return Err(Errno::Inval);
         }
         match h.offset.checked_add(u64::from(h.length)) {

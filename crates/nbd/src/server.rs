@@ -604,7 +604,7 @@ fn run_connection(inner: &Arc<Inner>, id: u64, stream: Stream) {
     match result {
         Ok(Ended::Aborted) | Ok(Ended::Disconnected) | Ok(Ended::ClosedBetweenRequests) => {}
         Err(ConnError::Io(e)) if !stopping => inner.log(format_args!("conn {id} ({peer}): I/O error: {e}")),
-        Err(ConnError::Io(_)) => {}
+        Err(ConnError::Io(_)) | Err(ConnError::Handshake(HandshakeError::Closed)) => {}
         Err(ConnError::Handshake(HandshakeError::Io(e))) => {
             if !stopping {
                 if e.kind() == io::ErrorKind::UnexpectedEof {
