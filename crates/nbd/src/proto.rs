@@ -835,6 +835,24 @@ mod tests {
         fuzz_option(&emit_info_request(b"x", &[3]));
     }
 
+    #[test]
+    fn committed_fuzz_corpus_runs() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
+        let mut n = 0;
+        for (target, f) in [
+            ("nbd_request", fuzz_request as fn(&[u8])),
+            ("nbd_handshake", crate::handshake::fuzz_handshake as fn(&[u8])),
+        ] {
+            for entry in std::fs::read_dir(root.join(target)).unwrap() {
+                let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+                f(&bytes);
+                fuzz_option(&bytes);
+                n += 1;
+            }
+        }
+        assert!(n >= 7, "corpus files missing");
+    }
+
     proptest::proptest! {
         #[test]
         fn random_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
