@@ -49,7 +49,7 @@ pub struct ServeArgs {
 }
 
 /// Parses `4096`, `64K`, `1M`, `2G`, `1T` (binary units).
-fn parse_size(s: &str) -> anyhow::Result<u64> {
+pub(crate) fn parse_size(s: &str) -> anyhow::Result<u64> {
     let s = s.trim();
     let (digits, shift) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
         Some('K') => (&s[..s.len() - 1], 10),
