@@ -261,7 +261,8 @@ pub struct Stats {
 }
 
 /// Counters, updated with `Relaxed` ordering: they are statistics, read only as a snapshot, and
-/// nothing else is synchronised through them.
+/// nothing else is synchronised through them (except the decrement of `connections_active`, see
+/// `bump_down`).
 #[derive(Default)]
 struct Counters {
     connections_accepted: AtomicU64,
@@ -290,7 +291,8 @@ impl Counters {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         Stats {
             connections_accepted: g(&self.connections_accepted),
-            connections_active: g(&self.connections_active),
+            // Acquire: pairs with the Release decrement in `bump_down`.
+            connections_active: self.connections_active.load(Ordering::Acquire),
             connections_refused: g(&self.connections_refused),
             handshakes_completed: g(&self.handshakes_completed),
             requests_read: g(&self.requests_read),
@@ -619,12 +621,16 @@ fn run_connection(inner: &Arc<Inner>, id: u64, stream: Stream) {
             inner.log(format_args!("conn {id} ({peer}): disconnected: {e}"));
         }
     }
-    bump_down(&inner.counters.connections_active);
+    // Deregister before the count drops, so that a caller who sees no active connection can rely
+    // on the slot being free for `max_connections`.
     inner.registry().connections.remove(&id);
+    bump_down(&inner.counters.connections_active);
 }
 
+/// Release: pairs with the Acquire load of `connections_active` in `Counters::snapshot`, so that
+/// whoever sees the count drop also sees the connection's deregistration before it.
 fn bump_down(c: &AtomicU64) {
-    c.fetch_sub(1, Ordering::Relaxed);
+    c.fetch_sub(1, Ordering::Release);
 }
 
 fn serve_connection(inner: &Arc<Inner>, stream: Stream) -> Result<Ended, ConnError> {
