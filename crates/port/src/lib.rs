@@ -23,6 +23,7 @@ use core::time::Duration;
 
 use lanbus_wire::MacAddr;
 
+pub mod afxdp;
 pub mod netns;
 
 /// What a port counts. Counters only grow; read them with [`Port::counters`].

@@ -1,0 +1,755 @@
+//! The AF_XDP socket: the UMEM (frames shared with the kernel) and its four single-producer,
+//! single-consumer rings, mapped into this process.
+//!
+//! Layer: ports (kernel interface), following `Documentation/networking/af_xdp.rst` and
+//! `include/uapi/linux/if_xdp.h`. Ownership of UMEM frames moves with ring entries:
+//!
+//! - a frame address in the **fill** ring belongs to the kernel until it comes back in an **rx**
+//!   descriptor;
+//! - a frame address in a **tx** descriptor belongs to the kernel until it comes back in the
+//!   **completion** ring;
+//! - every other frame is ours: either on the transmit free list or being lent to a callback.
+//!
+//! We only ever form slices over frames we own, so the kernel never writes memory a Rust
+//! reference points to. Ring indices are free-running `u32`s masked on access. The kernel's
+//! memory-ordering scheme (`net/xdp/xsk_queue.h`) is:
+//!
+//! ```text
+//! producer                         consumer
+//! if (LOAD ->consumer) {  (A)      LOAD.acq ->producer  (C)
+//!    STORE $data                   LOAD $data
+//!    STORE.rel ->producer (B)      STORE.rel ->consumer (D)
+//! }
+//! ```
+//!
+//! and each atomic below names which letter it is and which kernel access it pairs with.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Bytes the kernel reserves in front of each received frame in a UMEM chunk (`XDP_PACKET_HEADROOM`).
+pub const XDP_PACKET_HEADROOM: u32 = 256;
+
+/// An anonymous memory mapping, unmapped on drop.
+#[derive(Debug)]
+struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` at `offset` (shared), or anonymous memory when `fd` is `None`.
+    fn new(len: usize, fd: Option<&OwnedFd>, offset: u64) -> io::Result<Mapping> {
+        let (flags, raw_fd) = match fd {
+            Some(fd) => (libc::MAP_SHARED | libc::MAP_POPULATE, fd.as_raw_fd()),
+            None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE, -1),
+        };
+        // SAFETY: a fresh mapping at an address of the kernel's choosing; it aliases nothing in
+        // this process.
+        let ptr = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                raw_fd,
+                offset as libc::off_t,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+        Ok(Mapping { base, len })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` is exactly the range mmap returned, and nothing borrows it any more
+        // (its users hold `&self` of the owner, which is being dropped).
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A mapped ring of `T` (a `u64` frame address for fill/completion, an `xdp_desc` for rx/tx).
+#[derive(Debug)]
+struct Ring<T: Copy> {
+    /// Keeps the ring mapped while the pointers below are in use.
+    _map: Mapping,
+    producer: NonNull<AtomicU32>,
+    consumer: NonNull<AtomicU32>,
+    flags: NonNull<AtomicU32>,
+    descs: NonNull<T>,
+    mask: u32,
+    /// Our copy of the index we own (producer for fill/tx, consumer for rx/completion).
+    local: u32,
+    /// The last value we read of the index the kernel owns.
+    cached_remote: u32,
+}
+
+impl<T: Copy> Ring<T> {
+    /// Maps the ring of `size` entries at page offset `pgoff` of the socket, using the offsets the
+    /// kernel reported.
+    fn map(fd: &OwnedFd, size: u32, pgoff: u64, off: &libc::xdp_ring_offset) -> io::Result<Ring<T>> {
+        let len = off.desc as usize + size as usize * size_of::<T>();
+        let map = Mapping::new(len, Some(fd), pgoff)?;
+        Ring::over(map, size, off)
+    }
+
+    /// A ring laid out in `map` at the offsets `off`.
+    fn over(map: Mapping, size: u32, off: &libc::xdp_ring_offset) -> io::Result<Ring<T>> {
+        let len = map.len;
+        if !size.is_power_of_two() || off.desc as usize + size as usize * size_of::<T>() > len {
+            return Err(io::Error::other("ring does not fit its mapping"));
+        }
+        let at = |o: u64| -> io::Result<NonNull<u8>> {
+            if o as usize + 4 > len {
+                return Err(io::Error::other("XDP_MMAP_OFFSETS points outside the ring"));
+            }
+            // SAFETY: `o` is inside the mapping (checked above).
+            Ok(unsafe { map.base.add(o as usize) })
+        };
+        let (producer, consumer, flags) =
+            (at(off.producer)?.cast(), at(off.consumer)?.cast(), at(off.flags)?.cast());
+        let descs = at(off.desc)?.cast();
+        let mut ring =
+            Ring { _map: map, producer, consumer, flags, descs, mask: size - 1, local: 0, cached_remote: 0 };
+        // Fresh rings start at zero; read them anyway so a mapping's state is what we track.
+        ring.local = ring.producer_index().load(Ordering::Relaxed);
+        ring.cached_remote = ring.consumer_index().load(Ordering::Relaxed);
+        Ok(ring)
+    }
+
+    /// The consumer side keeps its index in `local`: fix up after mapping (rx, completion).
+    fn into_consumer(mut self) -> Ring<T> {
+        self.local = self.consumer_index().load(Ordering::Relaxed);
+        self.cached_remote = self.producer_index().load(Ordering::Relaxed);
+        self
+    }
+
+    fn producer_index(&self) -> &AtomicU32 {
+        // SAFETY: points into `self.map` (checked in `map`), 4-aligned as the kernel lays out the
+        // ring header, and the kernel accesses it only atomically (READ_ONCE / smp_store_release).
+        unsafe { self.producer.as_ref() }
+    }
+
+    fn consumer_index(&self) -> &AtomicU32 {
+        // SAFETY: as for `producer_index`.
+        unsafe { self.consumer.as_ref() }
+    }
+
+    fn size(&self) -> u32 {
+        self.mask + 1
+    }
+
+    /// Whether the kernel asked to be woken (`XDP_RING_NEED_WAKEUP`) to process this ring.
+    fn needs_wakeup(&self) -> bool {
+        // SAFETY: as for `producer_index`.
+        let flags = unsafe { self.flags.as_ref() };
+        // Relaxed: the flag is a hint; a stale read costs at most one extra or one late kick,
+        // and `Xsk::wait` polls, which wakes the kernel side regardless.
+        flags.load(Ordering::Relaxed) & libc::XDP_RING_NEED_WAKEUP != 0
+    }
+
+    fn slot(&self, index: u32) -> *mut T {
+        // SAFETY: `index & mask < size`, and the mapping holds `size` entries from `descs`.
+        unsafe { self.descs.as_ptr().add((index & self.mask) as usize) }
+    }
+
+    // ---- we produce (fill, tx) ----
+
+    /// Free slots we may produce into, at least `want` when possible.
+    fn free(&mut self, want: u32) -> u32 {
+        let mut free = self.size().wrapping_sub(self.local.wrapping_sub(self.cached_remote));
+        if free < want {
+            // (A) Acquire: pairs with the kernel's STORE.rel of ->consumer (D, xskq_cons_release /
+            // __xskq_cons_release), so the kernel is done reading the slots we will overwrite.
+            self.cached_remote = self.consumer_index().load(Ordering::Acquire);
+            free = self.size().wrapping_sub(self.local.wrapping_sub(self.cached_remote));
+        }
+        // Distrust: a consumer index ahead of our producer would make this exceed the ring.
+        free.min(self.size())
+    }
+
+    /// Writes entry `i` (0-based) of the batch being produced.
+    fn write(&mut self, i: u32, value: T) {
+        // SAFETY: the slot is in the mapping and free (the caller checked `free`), so the kernel
+        // does not read it until we publish it in `submit`.
+        unsafe { self.slot(self.local.wrapping_add(i)).write(value) };
+    }
+
+    /// Publishes `n` written entries to the kernel.
+    fn submit(&mut self, n: u32) {
+        self.local = self.local.wrapping_add(n);
+        // (B) Release: pairs with the kernel's LOAD.acq of ->producer (C, __xskq_cons_peek), so
+        // it sees the entries written above.
+        self.producer_index().store(self.local, Ordering::Release);
+    }
+
+    /// Entries produced and not yet consumed by the kernel (for deciding whether to kick).
+    fn outstanding(&self) -> u32 {
+        // Relaxed: only a hint for whether a kick is needed; no data is read on its strength.
+        self.local.wrapping_sub(self.consumer_index().load(Ordering::Relaxed)).min(self.size())
+    }
+
+    // ---- we consume (rx, completion) ----
+
+    /// Entries ready to be consumed.
+    fn ready(&mut self) -> u32 {
+        // (C) Acquire: pairs with the kernel's STORE.rel of ->producer (B, __xskq_prod_submit /
+        // xskq_prod_submit_n), so the entries up to it are visible.
+        self.cached_remote = self.producer_index().load(Ordering::Acquire);
+        // Distrust: never read more than a ring's worth.
+        self.cached_remote.wrapping_sub(self.local).min(self.size())
+    }
+
+    /// Takes the next ready entry (the caller checked [`Ring::ready`]). The slot goes back to the
+    /// kernel at the next [`Ring::publish_consumer`]; until then a panic in between cannot make
+    /// us read it twice.
+    fn take(&mut self) -> T {
+        // SAFETY: the slot is in the mapping and was published by the kernel (see `ready`); the
+        // kernel does not reuse it before we publish our consumer index past it.
+        let value = unsafe { self.slot(self.local).read() };
+        self.local = self.local.wrapping_add(1);
+        value
+    }
+
+    /// Hands the slots taken so far back to the kernel.
+    fn publish_consumer(&mut self) {
+        // (D) Release: pairs with the kernel's LOAD of ->consumer (A, xskq_prod_is_full /
+        // xskq_prod_nb_free), so our reads of the slots happen before it reuses them.
+        self.consumer_index().store(self.local, Ordering::Release);
+    }
+}
+
+/// How the socket was bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BindMode {
+    /// The NIC DMAs straight into UMEM.
+    ZeroCopy,
+    /// The kernel copies between its buffers and UMEM (every driver; veth always).
+    Copy,
+}
+
+/// UMEM and ring sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct Geometry {
+    /// Frames in the UMEM (half receive, half transmit).
+    pub frame_count: u32,
+    /// Bytes per frame (a power of two, 2048 or 4096).
+    pub frame_size: u32,
+    /// Entries in each ring (power of two).
+    pub ring_size: u32,
+}
+
+/// An AF_XDP socket with its UMEM and rings.
+#[derive(Debug)]
+pub struct Xsk {
+    // Field order is drop order: the socket closes first, then the rings and UMEM are unmapped.
+    fd: OwnedFd,
+    rx: Ring<libc::xdp_desc>,
+    tx: Ring<libc::xdp_desc>,
+    fill: Ring<u64>,
+    comp: Ring<u64>,
+    umem: Mapping,
+    frame_size: u32,
+    /// Transmit frames we own.
+    free_tx: Vec<u64>,
+    /// Receive frames consumed from rx and not yet back in the fill ring.
+    refill: Vec<u64>,
+    bind_mode: BindMode,
+    /// Busy polling is on: empty receives and every transmit enter the kernel, which polls the
+    /// device queue in that system call.
+    busy_poll: bool,
+    /// Descriptors the rx ring delivered that pointed outside UMEM (never expected).
+    pub(crate) bad_descs: u64,
+}
+
+// SAFETY: the mappings and descriptor belong to this value alone; the raw pointers point into
+// those mappings, and nothing is tied to the creating thread. (Not `Sync`: the rings are
+// single-producer, single-consumer on our side.)
+unsafe impl Send for Xsk {}
+
+fn setsockopt<T>(fd: &OwnedFd, level: i32, name: i32, value: &T) -> io::Result<()> {
+    // SAFETY: `value` is a live `T` and we pass its exact size.
+    let rc = unsafe {
+        libc::setsockopt(fd.as_raw_fd(), level, name, (value as *const T).cast(), size_of::<T>() as u32)
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+impl Xsk {
+    /// Creates the socket, registers a fresh UMEM, maps the rings, puts the receive half of the
+    /// frames in the fill ring and binds to `ifindex`/`queue` with need-wakeup, zero-copy first
+    /// when `try_zero_copy` (falling back to copy mode), copy mode otherwise.
+    /// Errors name the step that failed.
+    pub fn create(
+        ifindex: u32,
+        queue: u32,
+        geo: Geometry,
+        try_zero_copy: bool,
+    ) -> Result<Xsk, (&'static str, io::Error)> {
+        // SAFETY: plain socket(2) call.
+        let raw = unsafe { libc::socket(libc::AF_XDP, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+        if raw < 0 {
+            return Err(("socket(AF_XDP)", io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+
+        let umem_len = geo.frame_count as usize * geo.frame_size as usize;
+        let umem = Mapping::new(umem_len, None, 0).map_err(|e| ("mmap UMEM", e))?;
+        let reg = libc::xdp_umem_reg {
+            addr: umem.base.as_ptr() as u64,
+            len: umem_len as u64,
+            chunk_size: geo.frame_size,
+            headroom: 0,
+            flags: 0,
+            tx_metadata_len: 0,
+        };
+        setsockopt(&fd, libc::SOL_XDP, libc::XDP_UMEM_REG, &reg).map_err(|e| ("XDP_UMEM_REG", e))?;
+        let n = geo.ring_size as i32;
+        for (name, opt) in [
+            ("XDP_UMEM_FILL_RING", libc::XDP_UMEM_FILL_RING),
+            ("XDP_UMEM_COMPLETION_RING", libc::XDP_UMEM_COMPLETION_RING),
+            ("XDP_RX_RING", libc::XDP_RX_RING),
+            ("XDP_TX_RING", libc::XDP_TX_RING),
+        ] {
+            setsockopt(&fd, libc::SOL_XDP, opt, &n).map_err(|e| (name, e))?;
+        }
+
+        // SAFETY: all-zero is a valid xdp_mmap_offsets (plain integers).
+        let mut off: libc::xdp_mmap_offsets = unsafe { core::mem::zeroed() };
+        let mut len = size_of::<libc::xdp_mmap_offsets>() as u32;
+        // SAFETY: `off` is writable for `len` bytes; the kernel writes at most that and sets `len`.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_XDP,
+                libc::XDP_MMAP_OFFSETS,
+                (&raw mut off).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(("XDP_MMAP_OFFSETS", io::Error::last_os_error()));
+        }
+        if len as usize != size_of::<libc::xdp_mmap_offsets>() {
+            // Kernels before 5.4 report offsets without the flags word: no need-wakeup support.
+            return Err((
+                "XDP_MMAP_OFFSETS",
+                io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "kernel too old for XDP need-wakeup (needs Linux 5.4+)",
+                ),
+            ));
+        }
+        let size = geo.ring_size;
+        let rx =
+            Ring::map(&fd, size, libc::XDP_PGOFF_RX_RING as u64, &off.rx).map_err(|e| ("mmap rx ring", e))?;
+        let tx =
+            Ring::map(&fd, size, libc::XDP_PGOFF_TX_RING as u64, &off.tx).map_err(|e| ("mmap tx ring", e))?;
+        let fill = Ring::map(&fd, size, libc::XDP_UMEM_PGOFF_FILL_RING, &off.fr)
+            .map_err(|e| ("mmap fill ring", e))?;
+        let comp = Ring::map(&fd, size, libc::XDP_UMEM_PGOFF_COMPLETION_RING, &off.cr)
+            .map_err(|e| ("mmap completion ring", e))?;
+
+        let rx_frames = (geo.frame_count / 2).min(geo.ring_size);
+        let mut xsk = Xsk {
+            fd,
+            rx: rx.into_consumer(),
+            tx,
+            fill,
+            comp: comp.into_consumer(),
+            umem,
+            frame_size: geo.frame_size,
+            free_tx: (rx_frames..geo.frame_count)
+                .rev()
+                .map(|i| u64::from(i) * u64::from(geo.frame_size))
+                .collect(),
+            refill: (0..rx_frames).map(|i| u64::from(i) * u64::from(geo.frame_size)).collect(),
+            bind_mode: BindMode::Copy,
+            busy_poll: false,
+            bad_descs: 0,
+        };
+        xsk.refill_fill_ring();
+
+        let bind = |flags: u16| -> io::Result<()> {
+            let addr = libc::sockaddr_xdp {
+                sxdp_family: libc::AF_XDP as u16,
+                sxdp_flags: flags | libc::XDP_USE_NEED_WAKEUP,
+                sxdp_ifindex: ifindex,
+                sxdp_queue_id: queue,
+                sxdp_shared_umem_fd: 0,
+            };
+            // SAFETY: `addr` is a live sockaddr_xdp of the size passed.
+            let rc = unsafe {
+                libc::bind(
+                    xsk.fd.as_raw_fd(),
+                    (&raw const addr).cast(),
+                    size_of::<libc::sockaddr_xdp>() as u32,
+                )
+            };
+            if rc != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        };
+        // A socket closed just before (by a port dropped and reopened, say) releases its claim on
+        // the queue from a kernel work item (xp_release_deferred), so for a moment the queue still
+        // looks taken: retry EBUSY briefly before reporting it.
+        let bind = |flags: u16| -> io::Result<()> {
+            let mut tries = 0;
+            loop {
+                match bind(flags) {
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 100 => {
+                        tries += 1;
+                        std::thread::sleep(std::time::Duration::from_millis(5));
+                    }
+                    other => return other,
+                }
+            }
+        };
+        let zero_copy = try_zero_copy
+            && match bind(libc::XDP_ZEROCOPY) {
+                Ok(()) => true,
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => return Err(("bind", e)),
+                Err(_) => false,
+            };
+        if !zero_copy {
+            bind(libc::XDP_COPY).map_err(|e| ("bind", e))?;
+        }
+        xsk.bind_mode = if zero_copy { BindMode::ZeroCopy } else { BindMode::Copy };
+        Ok(xsk)
+    }
+
+    /// Turns on busy polling (`SO_PREFER_BUSY_POLL`, `SO_BUSY_POLL` for `usecs`,
+    /// `SO_BUSY_POLL_BUDGET`); from then on an empty receive makes a system call that polls.
+    pub fn set_busy_poll(&mut self, usecs: u32, budget: u32) -> io::Result<()> {
+        const SO_PREFER_BUSY_POLL: i32 = 69;
+        const SO_BUSY_POLL_BUDGET: i32 = 70;
+        setsockopt(&self.fd, libc::SOL_SOCKET, SO_PREFER_BUSY_POLL, &1i32)?;
+        setsockopt(&self.fd, libc::SOL_SOCKET, libc::SO_BUSY_POLL, &(usecs as i32))?;
+        setsockopt(&self.fd, libc::SOL_SOCKET, SO_BUSY_POLL_BUDGET, &(budget as i32))?;
+        self.busy_poll = true;
+        Ok(())
+    }
+
+    /// The socket (for the XSKMAP, poll and socket options).
+    pub fn fd(&self) -> &OwnedFd {
+        &self.fd
+    }
+
+    /// How the socket is bound.
+    pub fn bind_mode(&self) -> BindMode {
+        self.bind_mode
+    }
+
+    /// Bytes per UMEM frame.
+    pub fn frame_size(&self) -> u32 {
+        self.frame_size
+    }
+
+    /// Gives received frames back to the kernel through the fill ring.
+    fn refill_fill_ring(&mut self) {
+        let n = self.fill.free(self.refill.len() as u32).min(self.refill.len() as u32);
+        for i in 0..n {
+            let addr = self.refill[self.refill.len() - 1 - i as usize];
+            self.fill.write(i, addr);
+        }
+        self.fill.submit(n);
+        self.refill.truncate(self.refill.len() - n as usize);
+    }
+
+    /// Moves transmitted frames from the completion ring back to the free list.
+    fn reap_completions(&mut self) {
+        let n = self.comp.ready();
+        for _ in 0..n {
+            let addr = self.comp.take();
+            // Distrust: only addresses inside UMEM go back on the free list.
+            if addr < self.umem.len as u64 {
+                self.free_tx.push(self.frame_base(addr));
+            } else {
+                self.bad_descs += 1;
+            }
+        }
+        self.comp.publish_consumer();
+    }
+
+    fn frame_base(&self, addr: u64) -> u64 {
+        addr & !(u64::from(self.frame_size) - 1)
+    }
+
+    /// A kick: tells the kernel there is work on the tx ring (copy mode transmits inside this
+    /// call) or that the fill ring has entries again.
+    fn kick(&self) -> io::Result<()> {
+        // SAFETY: sendto with no buffer is the documented AF_XDP wake-up; no memory is passed.
+        let rc = unsafe {
+            libc::sendto(self.fd.as_raw_fd(), core::ptr::null(), 0, libc::MSG_DONTWAIT, core::ptr::null(), 0)
+        };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            // The kernel is busy or out of buffers: the entries stay in the ring and the next kick
+            // (or poll) sends them. ENETDOWN: the link went down under us; same handling.
+            match e.raw_os_error() {
+                Some(libc::EAGAIN | libc::EBUSY | libc::ENOBUFS | libc::ENETDOWN) => return Ok(()),
+                _ => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives up to `max` frames, lending each (its bytes in UMEM) to `on_frame`, then returns
+    /// the frames to the fill ring. Returns (frames delivered, bytes delivered).
+    pub fn rx_burst(&mut self, max: u32, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<(u32, u64)> {
+        let n = self.rx.ready().min(max);
+        let mut bytes = 0u64;
+        let mut delivered = 0;
+        for _ in 0..n {
+            let desc = self.rx.take();
+            let base = self.frame_base(desc.addr);
+            if base >= self.umem.len as u64 {
+                self.bad_descs += 1; // not one of our frames: nothing to give back
+                continue;
+            }
+            // The frame goes back to the fill ring at the end of this call or, if `on_frame`
+            // panics, of the next one: in both cases after the borrow below has ended.
+            self.refill.push(base);
+            // Distrust: the frame must lie inside its UMEM chunk.
+            if desc.addr - base + u64::from(desc.len) > u64::from(self.frame_size) {
+                self.bad_descs += 1;
+                continue;
+            }
+            // SAFETY: the kernel handed this frame to us in an rx descriptor; it lies inside the
+            // UMEM mapping (checked above) and the kernel does not write it until we put it in the
+            // fill ring, which happens only after this borrow has ended.
+            let frame = unsafe {
+                core::slice::from_raw_parts(
+                    self.umem.base.as_ptr().add(desc.addr as usize),
+                    desc.len as usize,
+                )
+            };
+            on_frame(frame);
+            bytes += u64::from(desc.len);
+            delivered += 1;
+        }
+        self.rx.publish_consumer();
+        self.refill_fill_ring();
+        if n == 0 && (self.busy_poll || self.fill.needs_wakeup()) {
+            // The driver sleeps until told the fill ring has buffers (zero-copy drivers do this);
+            // with busy polling, this system call is what polls the device queue.
+            // SAFETY: recvfrom with no buffer is the documented wake-up for the fill ring.
+            unsafe {
+                libc::recvfrom(
+                    self.fd.as_raw_fd(),
+                    core::ptr::null_mut(),
+                    0,
+                    libc::MSG_DONTWAIT,
+                    core::ptr::null_mut(),
+                    core::ptr::null_mut(),
+                )
+            };
+        }
+        Ok((delivered, bytes))
+    }
+
+    /// Transmits up to `max` frames: each is filled by `fill` straight into a UMEM frame of
+    /// `capacity` bytes. Returns (frames queued, bytes queued, frames the caller over- or
+    /// under-filled and that were not sent).
+    pub fn tx_burst(
+        &mut self,
+        max: u32,
+        capacity: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) -> io::Result<(u32, u64, u64)> {
+        self.reap_completions();
+        let room = self.tx.free(max).min(max).min(self.free_tx.len() as u32);
+        let capacity = capacity.min(self.frame_size as usize);
+        let (mut queued, mut bytes, mut bad) = (0u32, 0u64, 0u64);
+        // Every call of `fill` counts against `room`, so a caller that keeps returning bad lengths
+        // cannot keep us here.
+        let mut calls = 0;
+        while calls < room {
+            calls += 1;
+            let Some(&addr) = self.free_tx.last() else { break };
+            // SAFETY: `addr` is a frame we own (in `free_tx`: not in any ring), inside UMEM, and
+            // `capacity <= frame_size`; the kernel reads it only after we publish the descriptor.
+            let buf = unsafe {
+                core::slice::from_raw_parts_mut(self.umem.base.as_ptr().add(addr as usize), capacity)
+            };
+            let Some(len) = fill(buf) else { break };
+            if len == 0 || len > capacity {
+                bad += 1;
+                continue; // the frame stays free for the next fill
+            }
+            self.free_tx.pop();
+            self.tx.write(queued, libc::xdp_desc { addr, len: len as u32, options: 0 });
+            queued += 1;
+            bytes += len as u64;
+        }
+        if queued > 0 {
+            self.tx.submit(queued);
+        }
+        // Kick when the kernel asks (copy mode always does: it transmits inside sendto, at most
+        // 32 frames per call), also for entries an earlier kick left behind. Keep kicking while
+        // each kick makes progress, so what we queued is on the wire when we return.
+        let mut outstanding = self.tx.outstanding();
+        while outstanding > 0 && (self.busy_poll || self.tx.needs_wakeup()) {
+            self.kick()?;
+            self.reap_completions();
+            let now = self.tx.outstanding();
+            if now >= outstanding {
+                break; // no progress (out of buffers, link down): the next call retries
+            }
+            outstanding = now;
+        }
+        Ok((queued, bytes, bad))
+    }
+
+    /// Whether a received frame is waiting.
+    pub fn rx_ready(&mut self) -> bool {
+        self.rx.ready() > 0
+    }
+
+    /// Kernel statistics (`XDP_STATISTICS`).
+    pub fn statistics(&self) -> io::Result<libc::xdp_statistics> {
+        // SAFETY: all-zero is valid for this struct of integers.
+        let mut st: libc::xdp_statistics = unsafe { core::mem::zeroed() };
+        let mut len = size_of::<libc::xdp_statistics>() as u32;
+        // SAFETY: `st` is writable for `len` bytes.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.fd.as_raw_fd(),
+                libc::SOL_XDP,
+                libc::XDP_STATISTICS,
+                (&raw mut st).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(st)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use super::*;
+
+    /// A ring in anonymous memory whose indices both start at `start`, with the kernel's side
+    /// played by the test through the same shared words.
+    fn ring(size: u32, start: u32) -> Ring<u64> {
+        let off = libc::xdp_ring_offset { producer: 0, consumer: 64, flags: 128, desc: 192 };
+        let map = Mapping::new(192 + size as usize * 8, None, 0).unwrap();
+        let ring = Ring::<u64>::over(map, size, &off).unwrap();
+        ring.producer_index().store(start, Ordering::Relaxed);
+        ring.consumer_index().store(start, Ordering::Relaxed);
+        ring
+    }
+
+    /// xorshift64: deterministic, no dependencies.
+    fn next(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    #[test]
+    fn producer_side_behaves_like_a_queue_across_index_wrap() {
+        let mut r = ring(8, u32::MAX - 40);
+        r.local = r.producer_index().load(Ordering::Relaxed);
+        r.cached_remote = r.consumer_index().load(Ordering::Relaxed);
+        let mut model = VecDeque::new();
+        let (mut rng, mut value) = (0x9E37_79B9_7F4A_7C15u64, 0u64);
+        for _ in 0..10_000 {
+            if next(&mut rng).is_multiple_of(2) {
+                // We produce up to k entries.
+                let k = (next(&mut rng) % 6) as u32;
+                let free = r.free(k);
+                // The cached count may be stale but only ever low; below `k` it is refreshed.
+                let actual = 8 - model.len() as u32;
+                assert!(free <= actual && (free >= k || free == actual), "free {free} of {actual}");
+                let n = k.min(free);
+                for i in 0..n {
+                    r.write(i, value);
+                    model.push_back(value);
+                    value += 1;
+                }
+                r.submit(n);
+            } else {
+                // The kernel consumes up to j entries.
+                let j = next(&mut rng) % 6;
+                let prod = r.producer_index().load(Ordering::Acquire);
+                let mut cons = r.consumer_index().load(Ordering::Relaxed);
+                for _ in 0..j {
+                    if cons == prod {
+                        break;
+                    }
+                    // SAFETY: the slot was published by the producer side above.
+                    let entry = unsafe { r.slot(cons).read() };
+                    assert_eq!(Some(entry), model.pop_front());
+                    cons = cons.wrapping_add(1);
+                }
+                r.consumer_index().store(cons, Ordering::Release);
+            }
+            assert_eq!(r.outstanding(), model.len() as u32);
+        }
+        assert!(r.local < 100_000, "the producer index wrapped around u32");
+    }
+
+    #[test]
+    fn consumer_side_behaves_like_a_queue_across_index_wrap() {
+        let mut r = ring(16, u32::MAX - 70).into_consumer();
+        let mut model = VecDeque::new();
+        let (mut rng, mut value) = (0xD1B5_4A32_D192_ED03u64, 0u64);
+        for _ in 0..10_000 {
+            if next(&mut rng).is_multiple_of(2) {
+                // The kernel produces up to k entries into free slots.
+                let k = next(&mut rng) % 9;
+                let cons = r.consumer_index().load(Ordering::Acquire);
+                let mut prod = r.producer_index().load(Ordering::Relaxed);
+                for _ in 0..k {
+                    if prod.wrapping_sub(cons) == 16 {
+                        break;
+                    }
+                    // SAFETY: the slot is free (between consumer and producer + size).
+                    unsafe { r.slot(prod).write(value) };
+                    model.push_back(value);
+                    value += 1;
+                    prod = prod.wrapping_add(1);
+                }
+                r.producer_index().store(prod, Ordering::Release);
+            } else {
+                // We consume up to j entries.
+                let j = (next(&mut rng) % 9) as u32;
+                let ready = r.ready();
+                assert_eq!(ready, model.len() as u32);
+                for _ in 0..j.min(ready) {
+                    assert_eq!(Some(r.take()), model.pop_front());
+                }
+                r.publish_consumer();
+            }
+        }
+        assert!(r.local < 100_000, "the consumer index wrapped around u32");
+    }
+
+    #[test]
+    fn a_runaway_kernel_index_never_yields_more_than_a_ring() {
+        let mut r = ring(8, 0).into_consumer();
+        r.producer_index().store(1_000, Ordering::Release);
+        assert_eq!(r.ready(), 8);
+        let mut p = ring(8, 0);
+        p.consumer_index().store(500, Ordering::Release);
+        assert_eq!(p.free(8), 8);
+    }
+}
