@@ -14,7 +14,8 @@
 //! payload is read and discarded through a 64 KiB buffer. A client that breaks the protocol (bad
 //! magic, oversized option, unusable flags, close in the middle of a request) is disconnected, logged
 //! and counted; no other connection notices. Replies to a client that stops reading time out
-//! (`write_timeout`) and end that connection only.
+//! (`write_timeout`) and end that connection only; so does a handshake that takes longer than
+//! `handshake_timeout` (a client that connects and says nothing would otherwise hold a slot).
 //!
 //! Shutdown: stop accepting, shut the read side of every connection (readers see end of stream
 //! between requests), let workers finish what was already read and send its replies, then flush
@@ -59,6 +60,14 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.shutdown(how),
             Stream::Unix(s) => s.shutdown(how),
+        }
+    }
+
+    /// Sets the read timeout.
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(t),
+            Stream::Unix(s) => s.set_read_timeout(t),
         }
     }
 
@@ -317,6 +326,7 @@ struct Config {
     inflight_bytes_per_connection: u64,
     max_connections: u64,
     write_timeout: Duration,
+    handshake_timeout: Duration,
     log: bool,
 }
 
@@ -361,6 +371,12 @@ impl ServerBuilder {
     /// How long a reply may block on a client that does not read (default 30 s).
     pub fn write_timeout(mut self, t: Duration) -> Self {
         self.config.write_timeout = t;
+        self
+    }
+
+    /// How long a client may take to finish the handshake (default 30 s).
+    pub fn handshake_timeout(mut self, t: Duration) -> Self {
+        self.config.handshake_timeout = t.max(Duration::from_millis(1));
         self
     }
 
@@ -449,6 +465,7 @@ impl Server {
                 inflight_bytes_per_connection: 64 << 20,
                 max_connections: 64,
                 write_timeout: Duration::from_secs(30),
+                handshake_timeout: Duration::from_secs(30),
                 log: true,
             },
         }
@@ -609,7 +626,7 @@ fn run_connection(inner: &Arc<Inner>, id: u64, stream: Stream) {
         Err(ConnError::Io(_)) | Err(ConnError::Handshake(HandshakeError::Closed)) => {}
         Err(ConnError::Handshake(HandshakeError::Io(e))) => {
             if !stopping {
-                if e.kind() == io::ErrorKind::UnexpectedEof {
+                if matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::TimedOut) {
                     bump(&inner.counters.protocol_disconnects, 1);
                 }
                 inner.log(format_args!("conn {id} ({peer}): handshake ended: {e}"));
@@ -636,12 +653,16 @@ fn bump_down(c: &AtomicU64) {
 fn serve_connection(inner: &Arc<Inner>, stream: Stream) -> Result<Ended, ConnError> {
     let mut writer = stream.try_clone().map_err(ConnError::Io)?;
     writer.set_write_timeout(Some(inner.config.write_timeout)).map_err(ConnError::Io)?;
-    let mut reader = BufReader::with_capacity(128 << 10, stream);
+    // Each read of the handshake waits at most until the deadline.
+    let deadline = Some(std::time::Instant::now() + inner.config.handshake_timeout);
+    let mut reader = BufReader::with_capacity(128 << 10, DeadlineReader { inner: stream, deadline });
     let index = match negotiate(&mut reader, &mut writer, &inner.infos) {
         Ok(Outcome::Transmit(i)) => i,
         Ok(Outcome::Aborted) => return Ok(Ended::Aborted),
         Err(e) => return Err(ConnError::Handshake(e)),
     };
+    // Transmission: connections may idle for as long as the client likes.
+    reader.get_mut().deadline_off().map_err(ConnError::Io)?;
     bump(&inner.counters.handshakes_completed, 1);
     let export = &inner.exports[index];
     let limits = export.limits();
@@ -671,6 +692,37 @@ fn serve_connection(inner: &Arc<Inner>, stream: Stream) -> Result<Ended, ConnErr
         }
     }
     result
+}
+
+/// A reader that fails with `TimedOut` once a deadline passes (the handshake's), until the
+/// deadline is switched off for the transmission phase.
+struct DeadlineReader {
+    inner: Stream,
+    deadline: Option<std::time::Instant>,
+}
+
+impl DeadlineReader {
+    fn deadline_off(&mut self) -> io::Result<()> {
+        self.deadline = None;
+        self.inner.set_read_timeout(None)
+    }
+}
+
+impl Read for DeadlineReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let timed_out = || io::Error::new(io::ErrorKind::TimedOut, "handshake took too long");
+        if let Some(deadline) = self.deadline {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(timed_out());
+            }
+            self.inner.set_read_timeout(Some(left))?;
+        }
+        match self.inner.read(buf) {
+            Err(e) if self.deadline.is_some() && e.kind() == io::ErrorKind::WouldBlock => Err(timed_out()),
+            r => r,
+        }
+    }
 }
 
 /// One request handed to a worker.

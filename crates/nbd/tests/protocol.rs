@@ -383,6 +383,34 @@ fn hostile_clients_are_cut_off_and_others_carry_on() {
 }
 
 #[test]
+fn silent_or_slow_handshakes_time_out() {
+    let (_, export) = mem_export("export", 1 << 20);
+    let srv = TestServer::start_with("hs-timeout", vec![export], |b| {
+        b.handshake_timeout(Duration::from_millis(300)).max_connections(2)
+    });
+    let t = Instant::now();
+    let mut silent = raw(&srv);
+    let mut trickle = raw(&srv);
+    read_n(&mut trickle, 18);
+    trickle.write_all(&3u32.to_be_bytes()).unwrap();
+    // One byte of an option every 100 ms: each read is quick, the handshake as a whole is not.
+    for b in option(OPT_GO, &emit_info_request(b"export", &[])).iter().take(8) {
+        if trickle.write_all(&[*b]).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(closed_by_server(&mut silent) && closed_by_server(&mut trickle));
+    assert!(t.elapsed() < Duration::from_secs(5));
+    wait_for("both counted", || srv.server.stats().protocol_disconnects == 2);
+    // The slots are free again, and a prompt client is unaffected by the timeout.
+    let mut c = Client::connect_unix(&srv.socket, "export").unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    c.flush().unwrap();
+    c.disconnect().unwrap();
+}
+
+#[test]
 fn connection_limit_refuses_extra_clients() {
     let (_, export) = mem_export("export", 1 << 20);
     let srv = TestServer::start_with("limit", vec![export], |b| b.max_connections(1));
