@@ -4,6 +4,7 @@
 mod bench;
 mod port;
 mod tlp;
+mod nbd;
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +27,9 @@ enum Command {
     /// Packet ports: check that a port spec opens here, and see its MAC, MTU and counters.
     #[command(subcommand)]
     Port(port::PortCommand),
+    /// Network Block Device tools: export a file or RAM disk to fio, qemu-img, QEMU.
+    #[command(subcommand)]
+    Nbd(nbd::NbdCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -34,6 +38,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(c) => bench::run(c),
         Command::Tlp(c) => tlp::run(c),
         Command::Port(c) => port::run(c),
+        Command::Nbd(c) => nbd::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
