@@ -381,6 +381,13 @@ impl<N: Node> Sim<N> {
         (SwitchPort(pa), SwitchPort(pb))
     }
 
+    /// Changes the link from a switch port toward what it connects to (say, to make only the
+    /// switch's output lossy).
+    pub fn set_downlink_config(&mut self, switch: SwitchId, port: SwitchPort, config: LinkConfig) {
+        let link = self.switches[switch.0].out_links[port.0];
+        self.links[link].config = config;
+    }
+
     /// Adds a forwarding entry: frames for `mac` leave `switch` by `port`.
     pub fn add_route(&mut self, switch: SwitchId, mac: MacAddr, port: SwitchPort) {
         self.switches[switch.0].table.insert(mac, port.0);
