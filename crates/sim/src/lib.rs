@@ -22,6 +22,8 @@
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod host;
+pub mod scenario;
 pub mod stats;
 pub mod traffic;
 

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use lanbus_port::sim::{SimWire, SimWireConfig, SimWireStats};
 use lanbus_port::Port;
 use lanbus_transport::{Config, Counters, Endpoint, SendError};
-use lanbus_wire::{Instant, MacAddr, ManualClock};
+use lanbus_wire::{Clock, Instant, MacAddr, ManualClock};
 
 use crate::host::{BurstSink, BurstSource, Host, StreamSink, StreamSource};
 use crate::stats::Samples;
