@@ -124,7 +124,8 @@ fn create_dir(dir: &Path) -> anyhow::Result<()> {
 }
 
 fn run_transfer(a: TransferArgs) -> anyhow::Result<()> {
-    for (name, p) in [("loss", a.loss), ("reorder", a.reorder), ("duplicate", a.duplicate), ("corrupt", a.corrupt)]
+    for (name, p) in
+        [("loss", a.loss), ("reorder", a.reorder), ("duplicate", a.duplicate), ("corrupt", a.corrupt)]
     {
         check_probability(name, p)?;
     }
@@ -238,18 +239,37 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
         "{:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7}",
         "loss", "mean_us", "p99_us", "max_us", "rtt_us", "gbit/s", "retx", "lost"
     );
-    let mut csv = String::from("loss_rate,mean_latency_us,p99_latency_us,base_rtt_us,goodput_gbps,retransmitted_frames\n");
+    let mut csv = String::from(
+        "loss_rate,mean_latency_us,p99_latency_us,base_rtt_us,goodput_gbps,retransmitted_frames\n",
+    );
     for p in &points {
         println!(
             "{:>9.0e} {:>10.3} {:>10.3} {:>10.3} {:>9.3} {:>9.3} {:>8} {:>7}",
-            p.loss, p.mean_us, p.p99_us, p.max_us, p.base_rtt_us, p.goodput_gbps, p.retransmitted_frames, p.lost_frames
+            p.loss,
+            p.mean_us,
+            p.p99_us,
+            p.max_us,
+            p.base_rtt_us,
+            p.goodput_gbps,
+            p.retransmitted_frames,
+            p.lost_frames
         );
         csv += &format!(
             "{},{:.4},{:.4},{:.4},{:.4},{}\n",
             p.loss, p.mean_us, p.p99_us, p.base_rtt_us, p.goodput_gbps, p.retransmitted_frames
         );
-        anyhow::ensure!(p.errors == 0, "loss {}: {} messages arrived out of order or corrupted", p.loss, p.errors);
-        anyhow::ensure!(p.delivered == a.messages, "loss {}: only {} messages delivered", p.loss, p.delivered);
+        anyhow::ensure!(
+            p.errors == 0,
+            "loss {}: {} messages arrived out of order or corrupted",
+            p.loss,
+            p.errors
+        );
+        anyhow::ensure!(
+            p.delivered == a.messages,
+            "loss {}: only {} messages delivered",
+            p.loss,
+            p.delivered
+        );
     }
     let csv_path = a.out.join("latency_vs_loss.csv");
     std::fs::write(&csv_path, csv).with_context(|| format!("writing {}", csv_path.display()))?;
@@ -279,8 +299,14 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
         y_log: true,
         series: vec![
             Series { name: "mean".into(), points: points.iter().map(|p| (x(p), p.mean_us)).collect() },
-            Series { name: "99th percentile".into(), points: points.iter().map(|p| (x(p), p.p99_us)).collect() },
-            Series { name: "base RTT".into(), points: points.iter().map(|p| (x(p), p.base_rtt_us)).collect() },
+            Series {
+                name: "99th percentile".into(),
+                points: points.iter().map(|p| (x(p), p.p99_us)).collect(),
+            },
+            Series {
+                name: "base RTT".into(),
+                points: points.iter().map(|p| (x(p), p.base_rtt_us)).collect(),
+            },
         ],
     };
     let png = a.out.join("latency_vs_loss.png");
@@ -343,7 +369,13 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         );
         csv += &format!(
             "{},{:.4},{},{:.4},{:.4},{},{}\n",
-            p.sessions, p.utilization, p.rate_control, p.mean_ratio, p.p10_ratio, p.switch_drops, p.retransmitted_frames
+            p.sessions,
+            p.utilization,
+            p.rate_control,
+            p.mean_ratio,
+            p.p10_ratio,
+            p.switch_drops,
+            p.retransmitted_frames
         );
         if p.incomplete > 0 {
             println!("  warning: {} bursts of this point did not complete before the bound", p.incomplete);
@@ -359,14 +391,17 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         "claim (paper): without rate control the mean ratio is below 0.9 beyond ~20% utilisation: {}",
         if below { "holds" } else { "does NOT hold" }
     );
-    let better = off.iter().zip(&on).filter(|(f, _)| f.utilization >= 0.28).all(|(f, n)| {
-        n.mean_ratio > f.mean_ratio && n.switch_drops <= f.switch_drops
-    });
+    let better = off
+        .iter()
+        .zip(&on)
+        .filter(|(f, _)| f.utilization >= 0.28)
+        .all(|(f, n)| n.mean_ratio > f.mean_ratio && n.switch_drops <= f.switch_drops);
     println!(
         "claim (lanbus): with rate control, fewer drops and a higher mean ratio from 30% up: {}",
         if better { "holds" } else { "does NOT hold" }
     );
-    let line = |pts: &[&MultiPoint], f: fn(&MultiPoint) -> f64| pts.iter().map(|p| (p.utilization, f(p))).collect();
+    let line =
+        |pts: &[&MultiPoint], f: fn(&MultiPoint) -> f64| pts.iter().map(|p| (p.utilization, f(p))).collect();
     let plot = Plot {
         title: "Fig. 3: 1 MB bursts through one 10 Gbit/s switch port".into(),
         x_label: "utilisation of the switch output port".into(),

@@ -191,7 +191,11 @@ impl App for StreamSink {
             }
             let sent = u64::from_be_bytes(data[0..8].try_into().unwrap_or_default());
             let index = u64::from_be_bytes(data[8..16].try_into().unwrap_or_default());
-            if data[STREAM_HEADER_LEN..].iter().enumerate().any(|(j, &b)| b != stream_byte(index, j + STREAM_HEADER_LEN)) {
+            if data[STREAM_HEADER_LEN..]
+                .iter()
+                .enumerate()
+                .any(|(j, &b)| b != stream_byte(index, j + STREAM_HEADER_LEN))
+            {
                 self.corrupted += 1;
                 continue;
             }

@@ -34,7 +34,8 @@ fn explore_multi() {
     for rc in [false, true] {
         for s in [1u16, 3, 4, 7, 10, 13] {
             let t = std::time::Instant::now();
-            let p = multi_session_point(&MultiParams::paper(s, rc, Duration::from_millis(200), 1), &mut |_| {});
+            let p =
+                multi_session_point(&MultiParams::paper(s, rc, Duration::from_millis(200), 1), &mut |_| {});
             println!("{p:?} wall {:?}", t.elapsed());
         }
     }
@@ -45,11 +46,19 @@ fn explore_multi() {
 fn explore_multi_one() {
     let t = std::time::Instant::now();
     let mut last = 0.0;
-    let p = multi_session_point(&MultiParams::paper(std::env::var("S").map_or(3, |s| s.parse().unwrap()), std::env::var("RC").is_ok(), Duration::from_millis(std::env::var("D").map_or(30, |s| s.parse().unwrap())), 1), &mut |f| {
-        if f - last > 0.05 {
-            last = f;
-            println!("{f} {:?}", t.elapsed());
-        }
-    });
+    let p = multi_session_point(
+        &MultiParams::paper(
+            std::env::var("S").map_or(3, |s| s.parse().unwrap()),
+            std::env::var("RC").is_ok(),
+            Duration::from_millis(std::env::var("D").map_or(30, |s| s.parse().unwrap())),
+            1,
+        ),
+        &mut |f| {
+            if f - last > 0.05 {
+                last = f;
+                println!("{f} {:?}", t.elapsed());
+            }
+        },
+    );
     println!("{p:?} wall {:?}", t.elapsed());
 }

@@ -4,14 +4,21 @@
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
 pub mod report;
+pub mod transport_core;
 
 use clap::Subcommand;
 
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
-pub enum BenchCommand {}
+pub enum BenchCommand {
+    /// Messages/s through two transport endpoints in one thread, frames handed over directly (no
+    /// wire). There is no peer program for an in-process protocol core; frames/s are shown too.
+    TransportCore(transport_core::TransportCoreArgs),
+}
 
 /// Runs one benchmark.
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
-    match command {}
+    match command {
+        BenchCommand::TransportCore(args) => transport_core::run(args),
+    }
 }
