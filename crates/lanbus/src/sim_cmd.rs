@@ -59,6 +59,9 @@ pub struct TransferArgs {
     /// Also write the report to DIR/transfer.txt.
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// Turn the transport's frame checksum off (to see corruption get through).
+    #[arg(long)]
+    no_checksum: bool,
 }
 
 /// Arguments of `lanbus sim latency-vs-loss`.
@@ -130,7 +133,8 @@ fn run_transfer(a: TransferArgs) -> anyhow::Result<()> {
         check_probability(name, p)?;
     }
     anyhow::ensure!(a.loss < 0.5, "--loss {}: the transfer would never finish; use less than 0.5", a.loss);
-    let params = TransferParams::new(a.messages, a.loss, a.reorder, a.duplicate, a.corrupt, a.seed);
+    let mut params = TransferParams::new(a.messages, a.loss, a.reorder, a.duplicate, a.corrupt, a.seed);
+    params.transport.checksum = !a.no_checksum;
     let started = std::time::Instant::now();
     let mut bar = Progress::new(format!("transfer of {} messages", a.messages));
     let n = a.messages.max(1) as f64;
