@@ -75,7 +75,17 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         ..SimWireConfig::default()
     };
     let (pa, pb) = SimWire::pair_realtime(wire, clock.clone(), [a_mac, b_mac])?;
-    let config = Config::point_to_point();
+    let mut config = Config::point_to_point();
+    // Real threads on a shared machine are scheduled late by milliseconds at times: acknowledge
+    // every frame at once (no ACK timer to wake up for) and keep the RTO above scheduling noise,
+    // so that losses are repaired by fast retransmit rather than by spurious timeouts.
+    config.ack_every_frames = 1;
+    config.min_rto = Duration::from_millis(2);
+    config.initial_rto = Duration::from_millis(2);
+    // One point-to-point session has no switch queue to control, and the RTT of threads includes
+    // their scheduling delay, which delay-based rate control would read as congestion (it pins the
+    // rate at its minimum on a busy machine). Pacing stays for the simulator's multi-session runs.
+    config.rate.enabled = false;
     let stop_offering = clock.now() + Duration::from_millis(a.duration_ms);
     let give_up = stop_offering + Duration::from_secs(5);
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -108,6 +108,20 @@ fn bounds(values: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
     }
 }
 
+/// A short tick label: scientific for very small or large values, else at most three decimals.
+fn tick(v: f64) -> String {
+    let a = v.abs();
+    if a == 0.0 {
+        return "0".into();
+    }
+    if !(1e-3..1e5).contains(&a) {
+        let s = format!("{v:.1e}");
+        return s.replace(".0e", "e");
+    }
+    let s = format!("{v:.3}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
 type DrawResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn draw<DB: DrawingBackend>(plot: &Plot, root: &DrawingArea<DB, Shift>, with_text: bool) -> DrawResult<()>
@@ -155,7 +169,9 @@ where
     let mut mesh = chart.configure_mesh();
     mesh.light_line_style(RGBColor(235, 235, 235));
     if with_text {
-        mesh.x_desc(plot.x_label.as_str())
+        mesh.x_label_formatter(&|v| tick(*v))
+            .y_label_formatter(&|v| tick(*v))
+            .x_desc(plot.x_label.as_str())
             .y_desc(plot.y_label.as_str())
             .label_style(("sans-serif", 15))
             .axis_desc_style(("sans-serif", 17));
@@ -194,6 +210,16 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ticks_are_short() {
+        assert_eq!(tick(1e-5 * 0.9999999999), "1e-5");
+        assert_eq!(tick(0.001), "0.001");
+        assert_eq!(tick(2.5), "2.5");
+        assert_eq!(tick(1000.0), "1000");
+        assert_eq!(tick(0.0), "0");
+        assert_eq!(tick(2.5e-7), "2.5e-7");
+    }
 
     #[test]
     fn writes_a_png() {
