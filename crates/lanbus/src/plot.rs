@@ -34,6 +34,8 @@ pub struct Plot {
     pub x_log: bool,
     /// Logarithmic y axis (all y must be positive).
     pub y_log: bool,
+    /// Put the legend in the upper right corner (else upper left), away from the data.
+    pub legend_right: bool,
     /// The lines.
     pub series: Vec<Series>,
 }
@@ -201,7 +203,11 @@ where
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK)
             .label_font(("sans-serif", 15))
-            .position(SeriesLabelPosition::UpperLeft)
+            .position(if plot.legend_right {
+                SeriesLabelPosition::UpperRight
+            } else {
+                SeriesLabelPosition::UpperLeft
+            })
             .draw()?;
     }
     Ok(())
@@ -222,6 +228,28 @@ mod tests {
     }
 
     #[test]
+    fn draws_lines_without_a_font() {
+        let mut rgb = vec![255u8; (WIDTH * HEIGHT * 3) as usize];
+        let plot = Plot {
+            title: "t".into(),
+            x_label: "x".into(),
+            y_label: "y".into(),
+            x_log: false,
+            y_log: true,
+            legend_right: true,
+            series: vec![Series { name: "a".into(), points: vec![(0.0, 1.0), (1.0, 100.0)] }],
+        };
+        {
+            let root = BitMapBackend::with_buffer(&mut rgb, (WIDTH, HEIGHT)).into_drawing_area();
+            draw(&plot, &root, false).unwrap();
+            root.present().unwrap();
+        }
+        // The line's colour appears.
+        let blue = rgb.chunks(3).filter(|p| *p == [31, 119, 180]).count();
+        assert!(blue > 500, "{blue} pixels of the line");
+    }
+
+    #[test]
     fn writes_a_png() {
         let dir = std::env::temp_dir().join(format!("lanbus-plot-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -232,6 +260,7 @@ mod tests {
             y_label: "y".into(),
             x_log: true,
             y_log: false,
+            legend_right: false,
             series: vec![Series { name: "a".into(), points: vec![(1e-6, 1.0), (1e-3, 3.0), (1e-2, 2.0)] }],
         };
         write_png(&plot, &path).unwrap();

@@ -301,6 +301,7 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
         y_label: "one-way latency (us)".into(),
         x_log: true,
         y_log: true,
+        legend_right: false,
         series: vec![
             Series { name: "mean".into(), points: points.iter().map(|p| (x(p), p.mean_us)).collect() },
             Series {
@@ -412,6 +413,7 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         y_label: "throughput ratio (ideal / actual burst time)".into(),
         x_log: false,
         y_log: false,
+        legend_right: true,
         series: vec![
             Series { name: "mean, no rate control".into(), points: line(&off, |p| p.mean_ratio) },
             Series { name: "mean, rate control".into(), points: line(&on, |p| p.mean_ratio) },
