@@ -83,6 +83,9 @@ pub struct LatencyArgs {
     /// Pack several TLPs per frame (off by default: one TLP per frame, as in the paper).
     #[arg(long)]
     packing: bool,
+    /// Turn the transport's rate control on (off by default: one session has no queue to control).
+    #[arg(long)]
+    rate_control: bool,
     /// Loss rates simulated at once (threads); the output does not depend on it.
     #[arg(long, default_value_t = 2)]
     jobs: usize,
@@ -231,6 +234,7 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
     let points: Vec<LatencyPoint> = parallel_map(&a.loss_rates, a.jobs, |_, &loss| {
         let mut p = LatencyParams::paper(loss, a.messages, a.seed);
         p.transport.pack_messages = a.packing;
+        p.transport.rate.enabled = a.rate_control;
         let r = latency_point(&p, &mut |_| {});
         // Relaxed: a count for the progress bar only.
         let k = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
