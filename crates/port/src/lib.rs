@@ -31,6 +31,9 @@ pub mod spec;
 pub mod udp;
 
 pub use spec::{open, SPEC_HELP};
+pub mod sim;
+
+pub use sim::{SimPort, SimWire, SimWireConfig, SimWireStats};
 
 /// What a port counts. Counters only grow; read them with [`Port::counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

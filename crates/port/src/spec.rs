@@ -60,10 +60,13 @@ pub fn open(spec: &str) -> Result<Box<dyn Port>> {
         other => other,
     };
     match (kind, args) {
-        // Wired at merge: the simulated wire lives on another branch (crates/port/src/sim.rs).
-        ("sim", None) => {
-            Err(unavailable(spec, "the sim port is created in-process by the demo/simulator, not by spec"))
-        }
+        // A simulated wire joins two ends inside one process (`SimWire::pair_realtime`), so a
+        // spec string, which opens one end, cannot name it.
+        ("sim", None) => Err(unavailable(
+            spec,
+            "the sim wire is created in-process by `lanbus demo` and the simulator, which hold both \
+             ends; to join two daemons without root, use udp:127.0.0.1:PORT,peer=127.0.0.1:PORT2",
+        )),
         ("udp", Some(args)) => {
             let config = UdpConfig::parse(args).map_err(|why| bad(spec, why))?;
             Ok(Box::new(UdpPort::open(&config).map_err(whole)?))
