@@ -24,6 +24,8 @@ use core::time::Duration;
 use lanbus_wire::MacAddr;
 
 pub mod afxdp;
+#[cfg(feature = "dpdk")]
+pub mod dpdk;
 pub mod netns;
 
 /// What a port counts. Counters only grow; read them with [`Port::counters`].
