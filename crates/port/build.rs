@@ -15,17 +15,23 @@ mod dpdk {
         `apt-get install libdpdk-dev dpdk` (pkg-config and a C compiler too: `apt-get install \
         pkg-config gcc`), or build without `--features dpdk`";
 
+    /// Stops the build with a message cargo shows as is.
+    fn fail(msg: String) -> ! {
+        eprintln!("error: {msg}");
+        std::process::exit(1);
+    }
+
     fn pkg_config(args: &[&str]) -> Vec<String> {
         let out = match Command::new("pkg-config").args(args).arg("libdpdk").output() {
             Ok(out) => out,
-            Err(e) => panic!("cannot run pkg-config ({e}); {HOW_TO_FIX}"),
+            Err(e) => fail(format!("cannot run pkg-config ({e}); {HOW_TO_FIX}")),
         };
         if !out.status.success() {
-            panic!(
+            fail(format!(
                 "pkg-config {} libdpdk failed: {}; {HOW_TO_FIX}",
                 args.join(" "),
                 String::from_utf8_lossy(&out.stderr).trim()
-            );
+            ));
         }
         String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect()
     }
@@ -33,6 +39,7 @@ mod dpdk {
     pub fn build() {
         println!("cargo:rerun-if-changed=dpdk/shim.c");
         println!("cargo:rerun-if-env-changed=PKG_CONFIG_PATH");
+        println!("cargo:rerun-if-env-changed=PKG_CONFIG_LIBDIR");
         let version = pkg_config(&["--modversion"]).join(" ");
         let cflags = pkg_config(&["--cflags"]);
         let libs = pkg_config(&["--libs"]);
