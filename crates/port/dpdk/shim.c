@@ -52,6 +52,12 @@ int lb_dpdk_port_valid(uint16_t port)
     return rte_eth_dev_is_valid_port(port);
 }
 
+/* The port id of the ethdev named `name` (a vdev's name such as "net_ring0", or a PCI address). */
+int lb_dpdk_port_by_name(const char *name, uint16_t *port)
+{
+    return rte_eth_dev_get_port_by_name(name, port);
+}
+
 /* Writes the driver's name (e.g. "net_af_packet") into buf, NUL-terminated. */
 int lb_dpdk_port_driver(uint16_t port, char *buf, size_t len)
 {
@@ -77,6 +83,7 @@ int lb_dpdk_port_open(uint16_t port, const char *pool_name, uint32_t n_mbufs, ui
     struct rte_eth_conf conf;
     struct rte_mempool *pool;
     int socket = rte_eth_dev_socket_id(port);
+    unsigned cache;
     int ret;
 
     *pool_out = NULL;
@@ -89,7 +96,9 @@ int lb_dpdk_port_open(uint16_t port, const char *pool_name, uint32_t n_mbufs, ui
     if (socket < 0)
         socket = 0;
 
-    pool = rte_pktmbuf_pool_create(pool_name, n_mbufs, 256, 0,
+    /* Per-lcore cache: DPDK requires cache <= n / 1.5; threads that are not EAL lcores skip it. */
+    cache = n_mbufs / 2 < 256 ? n_mbufs / 2 : 256;
+    pool = rte_pktmbuf_pool_create(pool_name, n_mbufs, cache, 0,
                                    (uint16_t)(RTE_PKTMBUF_HEADROOM + frame_room), socket);
     if (pool == NULL) {
         *stage = "rte_pktmbuf_pool_create";

@@ -195,6 +195,26 @@ pub fn eal_init(eal_args: &str) -> Result<()> {
     Ok(())
 }
 
+/// The DPDK port id of the ethdev called `name`: a virtual device's name as given to `--vdev`
+/// without its arguments (`net_ring0`, `net_af_packet0`) or a PCI address (`0000:01:00.0`), for
+/// [`DpdkOptions::port_id`]. The EAL must be initialised ([`eal_init`]).
+pub fn port_by_name(name: &str) -> Result<u16> {
+    if !matches!(*EAL.lock().unwrap_or_else(|p| p.into_inner()), EalState::Ready(_)) {
+        return Err(PortError::Misuse("dpdk::port_by_name before the EAL is initialised".into()));
+    }
+    let c = CString::new(name).map_err(|_| PortError::Misuse(format!("device name {name:?} has a NUL")))?;
+    let mut port = 0u16;
+    // SAFETY: the EAL is initialised; the name is NUL-terminated; the shim writes one u16.
+    let rc = unsafe { ffi::lb_dpdk_port_by_name(c.as_ptr(), &mut port) };
+    if rc < 0 {
+        return Err(PortError::Unavailable {
+            spec: format!("dpdk device {name}"),
+            why: format!("no DPDK ethdev named {name:?}: {}", dpdk_strerror(rc)),
+        });
+    }
+    Ok(port)
+}
+
 /// Counters the device keeps (`rte_eth_stats_get`), beside the port's own [`PortCounters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DeviceStats {

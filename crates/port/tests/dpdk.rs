@@ -123,7 +123,7 @@ fn dpdk_af_packet_vdev_exchanges_frames_both_ways() {
     let prefix = RunDir(format!("lanbus-test-{}", std::process::id()));
     let eal_args = format!(
         "--no-huge --no-pci -m 256 --no-shconf --no-telemetry --file-prefix={} \
-         --proc-type=primary -l 0 --log-level=notice --vdev=net_af_packet0,iface={}",
+         --proc-type=primary -l 0 --log-level=notice --vdev=net_af_packet0,iface={} --vdev=net_ring0 --vdev=net_ring1",
         prefix.0, pair.a.ifname
     );
     // The vdev opens its socket during EAL init: do that inside a's namespace.
@@ -143,6 +143,8 @@ fn dpdk_af_packet_vdev_exchanges_frames_both_ways() {
     }
     // One DpdkPort per ethdev; a port that does not exist says how to get one.
     assert!(matches!(dpdk::open(&eal_args, DpdkOptions::default()), Err(PortError::Misuse(_))));
+    assert_eq!(dpdk::port_by_name("net_af_packet0").unwrap(), 0);
+    assert!(matches!(dpdk::port_by_name("net_nothing9"), Err(PortError::Unavailable { .. })));
     let missing = DpdkOptions { port_id: 7, ..DpdkOptions::default() };
     match dpdk::open(&eal_args, missing) {
         Err(PortError::Unavailable { why, .. }) => assert!(why.contains("--vdev"), "{why}"),
@@ -237,10 +239,78 @@ fn dpdk_af_packet_vdev_exchanges_frames_both_ways() {
     assert!(stats.opackets >= u64::from(FRAMES), "{stats:?}");
     assert!(stats.ipackets > u64::from(FRAMES), "lanbus frames plus the 0x88B6 one: {stats:?}");
 
+    // The ring (1024 entries) fills before the mempool runs out: refused frames wait in the backlog.
+    let largest_backlog = ring_loopback_backpressure(&eal_args, "net_ring0", 2047);
+    assert!(largest_backlog > 0);
+    // The mempool (600 mbufs) runs out before the ring fills: the port stops taking frames.
+    let largest_backlog = ring_loopback_backpressure(&eal_args, "net_ring1", 600);
+    assert_eq!(largest_backlog, 0);
+
     // Closing releases the vdev for good: it cannot be opened again in this process.
     drop(port);
     match dpdk::open(&eal_args, DpdkOptions::default()) {
         Err(PortError::Unavailable { why, .. }) => assert!(why.contains("closed"), "{why}"),
         other => panic!("reopening a closed vdev: {other:?}"),
     }
+}
+
+/// DPDK's `net_ring` vdev is a loopback (transmit enqueues into the ring receive reads): it fills
+/// up, so it shows the port's back-pressure. The caller offers far more frames than fit; the port
+/// takes what it can (keeping the device's refusals in its backlog or stopping when the mempool
+/// is empty) and every frame it took comes back once, in order, intact. Returns the largest
+/// backlog seen.
+fn ring_loopback_backpressure(eal_args: &str, vdev: &str, mbufs: u32) -> usize {
+    const TOTAL: u32 = 5000;
+    let port_id = dpdk::port_by_name(vdev).unwrap();
+    let options = DpdkOptions { port_id, mbufs, ..DpdkOptions::default() };
+    let mut port = dpdk::open(eal_args, options).unwrap();
+    assert_eq!(port.driver(), "net_ring");
+    let (me, peer) = (port.mac(), MacAddr::local(7));
+    let (mut next_tx, mut next_rx) = (0u32, 0u32);
+    let mut stalls = 0;
+    let mut max_backlog = 0;
+    while next_rx < TOTAL {
+        // Offer everything that is left in one call, then keep offering until the port refuses.
+        loop {
+            let before = next_tx;
+            let taken = port
+                .tx_burst((TOTAL - next_tx) as usize, &mut |out: &mut [u8]| {
+                    if next_tx >= TOTAL {
+                        return None;
+                    }
+                    let f = frame(peer, me, 4, next_tx);
+                    out[..f.len()].copy_from_slice(&f);
+                    next_tx += 1;
+                    Some(f.len())
+                })
+                .unwrap();
+            assert_eq!(taken as u32, next_tx - before, "tx_burst counts every frame it took");
+            max_backlog = max_backlog.max(port.tx_backlog());
+            if taken == 0 || next_tx == TOTAL {
+                break;
+            }
+        }
+        if next_tx < TOTAL {
+            stalls += 1;
+        }
+        let before = next_rx;
+        loop {
+            let got = port
+                .rx_burst(64, &mut |f: &[u8]| {
+                    assert_eq!(f, &frame(peer, me, 4, next_rx)[..], "ring frame {next_rx}");
+                    next_rx += 1;
+                })
+                .unwrap();
+            if got == 0 {
+                break;
+            }
+        }
+        assert!(next_rx > before || next_tx == TOTAL, "no progress at {next_rx}");
+        assert!(next_rx <= next_tx);
+    }
+    let c = port.counters();
+    eprintln!("{vdev} loopback, {mbufs} mbufs: {stalls} stalls, largest backlog {max_backlog}, {c:?}");
+    assert!(stalls > 0, "the ring never filled: the test did not exercise back-pressure");
+    assert_eq!((c.tx_frames, c.rx_frames, c.tx_dropped), (u64::from(TOTAL), u64::from(TOTAL), 0));
+    max_backlog
 }

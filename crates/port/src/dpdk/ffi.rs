@@ -17,6 +17,8 @@ extern "C" {
     pub fn lb_dpdk_port_count() -> c_int;
     /// Whether `port` is a probed ethdev (non-zero: yes).
     pub fn lb_dpdk_port_valid(port: u16) -> c_int;
+    /// The port id of the ethdev called `name` into `*port`; 0 or a negative errno.
+    pub fn lb_dpdk_port_by_name(name: *const c_char, port: *mut u16) -> c_int;
     /// The driver name into `buf` (NUL-terminated, truncated to `len`).
     pub fn lb_dpdk_port_driver(port: u16, buf: *mut c_char, len: usize) -> c_int;
     /// Creates the mempool, configures one rx and one tx queue, starts the port.
