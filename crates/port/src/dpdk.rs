@@ -26,9 +26,12 @@
 //!   No frame the caller filled is dropped for back-pressure.
 //!
 //! Idle waiting: DPDK is poll-mode and offers no file descriptor to block on (its interrupt mode
-//! is driver-specific and absent from most virtual devices), so [`Port::wait`] sleeps briefly
-//! ([`WAIT_SLICE`], or less when the timeout is shorter) and returns: a spurious wake-up, which
-//! the trait allows. A driver loop that calls `wait` when idle therefore polls every ~50 us.
+//! is driver-specific and absent from most virtual devices). [`Port::wait`] therefore polls the
+//! receive queue itself, sleeping between polls with a back-off that doubles from [`NAP_MIN`] to
+//! [`NAP_MAX`]; it returns as soon as a poll finds frames (kept for the next `rx_burst`, not lost)
+//! or the timeout passes. So a frame arriving on an idle port is seen within about the current
+//! nap (plus the kernel's timer slack), and an idle port wakes at most ~1,000 times a second.
+//! Latency-critical drivers spin on `rx_burst` instead of calling `wait`.
 //!
 //! Threads: the EAL makes the thread that calls [`eal_init`] its main lcore and pins it to the
 //! first core of `-l`/`--lcores`; threads that thread spawns afterwards inherit that affinity, so
@@ -51,8 +54,12 @@ use crate::{Port, PortCounters, PortError, Result};
 /// The DPDK version the shim was built against (from `pkg-config --modversion libdpdk`).
 pub const DPDK_VERSION: &str = env!("LANBUS_DPDK_VERSION");
 
-/// How long [`Port::wait`] sleeps at most: DPDK has nothing to block on.
-pub const WAIT_SLICE: Duration = Duration::from_micros(50);
+/// [`Port::wait`]'s first sleep between polls of the receive queue.
+pub const NAP_MIN: Duration = Duration::from_micros(10);
+
+/// [`Port::wait`]'s longest sleep between polls: the worst added latency for a frame that arrives
+/// after a long idle spell.
+pub const NAP_MAX: Duration = Duration::from_millis(1);
 
 /// Frames moved per call into the shim (the arrays on the stack).
 const BURST: usize = 32;
@@ -244,6 +251,9 @@ pub struct DpdkPort {
     mtu: usize,
     driver: String,
     counters: PortCounters,
+    /// Received mbufs not yet handed to the caller (`wait` polls into it; `rx_burst` drains it
+    /// first).
+    stash: Stash,
     /// Filled mbufs the device has not accepted yet, oldest first: `backlog[head..len]`.
     backlog: [*mut c_void; BURST],
     backlog_head: usize,
@@ -380,20 +390,59 @@ pub fn open(eal_args: &str, options: DpdkOptions) -> Result<DpdkPort> {
         backlog: [core::ptr::null_mut(); BURST],
         backlog_head: 0,
         backlog_len: 0,
+        stash: Stash {
+            mbufs: [core::ptr::null_mut(); BURST],
+            data: [core::ptr::null(); BURST],
+            len: [0; BURST],
+            head: 0,
+            n: 0,
+        },
     })
 }
 
-/// The received mbufs of one burst, freed on drop (also when the callback panics).
-struct RxBurst {
+/// One received burst: `mbufs[head..n]` (with their data pointers and lengths) are still to be
+/// handed out; `mbufs[..head]` are freed already.
+struct Stash {
     mbufs: [*mut c_void; BURST],
+    data: [*const u8; BURST],
+    len: [u32; BURST],
+    head: usize,
     n: usize,
 }
 
-impl Drop for RxBurst {
+impl Stash {
+    fn pending(&self) -> usize {
+        self.n - self.head
+    }
+
+    /// Polls the device for up to `want` (<= BURST) frames into the empty stash; returns how many.
+    fn refill(&mut self, port_id: u16, want: usize) -> usize {
+        debug_assert_eq!(self.pending(), 0);
+        // SAFETY: the port is open; each array holds BURST >= want entries; the previous contents
+        // were all handed out and freed.
+        let n = unsafe {
+            ffi::lb_dpdk_rx_burst(
+                port_id,
+                self.mbufs.as_mut_ptr(),
+                self.data.as_mut_ptr(),
+                self.len.as_mut_ptr(),
+                want.min(BURST) as u16,
+            )
+        };
+        self.head = 0;
+        self.n = usize::from(n);
+        self.n
+    }
+}
+
+/// Frees a range of received mbufs when dropped, also when the receive callback panics.
+struct FreeOnDrop<'a>(&'a mut [*mut c_void]);
+
+impl Drop for FreeOnDrop<'_> {
     fn drop(&mut self) {
-        // SAFETY: mbufs[..n] came from lb_dpdk_rx_burst and have not been freed; the slices lent
-        // to the callback ended with the callback.
-        unsafe { ffi::lb_dpdk_free_bulk(self.mbufs.as_mut_ptr(), self.n as c_uint) };
+        // SAFETY: the range holds received mbufs this port owns and nothing refers to any more
+        // (the slices lent to the callback ended with its calls).
+        unsafe { ffi::lb_dpdk_free_bulk(self.0.as_mut_ptr(), self.0.len() as c_uint) };
     }
 }
 
@@ -463,33 +512,36 @@ impl Port for DpdkPort {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
         let mut delivered = 0;
         let mut polled = 0;
-        while polled < max {
-            let want = (max - polled).min(BURST);
-            let mut burst = RxBurst { mbufs: [core::ptr::null_mut(); BURST], n: 0 };
-            let mut data = [core::ptr::null::<u8>(); BURST];
-            let mut len = [0u32; BURST];
-            // SAFETY: the port is open; each array holds BURST >= want entries.
-            let n = unsafe {
-                ffi::lb_dpdk_rx_burst(
-                    self.port_id,
-                    burst.mbufs.as_mut_ptr(),
-                    data.as_mut_ptr(),
-                    len.as_mut_ptr(),
-                    want as u16,
-                )
-            };
-            burst.n = usize::from(n);
-            polled += burst.n;
-            for i in 0..burst.n {
-                let frame_len = len[i] as usize;
+        while delivered < max {
+            if self.stash.pending() == 0 {
+                // Poll again only while the device keeps filling whole requests.
+                if polled >= max {
+                    break;
+                }
+                let want = (max - polled).min(BURST);
+                let got = self.stash.refill(self.port_id, want);
+                polled += got;
+                if got == 0 {
+                    break;
+                }
+                if got < want {
+                    polled = max;
+                }
+            }
+            let start = self.stash.head;
+            let end = self.stash.n.min(start + (max - delivered));
+            self.stash.head = end;
+            let Stash { mbufs, data, len, .. } = &mut self.stash;
+            let _free = FreeOnDrop(&mut mbufs[start..end]);
+            for i in start..end {
                 if data[i].is_null() {
                     // Spread over several mbufs: longer than this port's MTU allows.
                     self.counters.rx_dropped += 1;
                     continue;
                 }
                 // SAFETY: the shim gave the data pointer and length of a single-segment mbuf that
-                // stays allocated until `burst` drops, after this loop; nothing writes to it.
-                let frame = unsafe { core::slice::from_raw_parts(data[i], frame_len) };
+                // stays allocated until `_free` drops, after this loop; nothing writes to it.
+                let frame = unsafe { core::slice::from_raw_parts(data[i], len[i] as usize) };
                 if frame.len() < ethernet::HEADER_LEN
                     || EtherType::from(u16::from_be_bytes([frame[12], frame[13]])) != EtherType::Lanbus
                 {
@@ -500,10 +552,6 @@ impl Port for DpdkPort {
                 self.counters.rx_bytes += frame.len() as u64;
                 delivered += 1;
                 on_frame(frame);
-            }
-            drop(burst);
-            if usize::from(n) < want {
-                break;
             }
         }
         Ok(delivered)
@@ -585,13 +633,26 @@ impl Port for DpdkPort {
         Ok(taken)
     }
 
+    /// Polls the receive queue with growing sleeps in between ([`NAP_MIN`] doubling to
+    /// [`NAP_MAX`]) until it finds frames or `timeout` passes; see the module docs.
     fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
-        self.flush_backlog();
-        let nap = timeout.map_or(WAIT_SLICE, |t| t.min(WAIT_SLICE));
-        if !nap.is_zero() {
-            std::thread::sleep(nap);
+        let start = std::time::Instant::now();
+        let mut nap = NAP_MIN;
+        loop {
+            self.flush_backlog();
+            if self.stash.pending() > 0 || self.stash.refill(self.port_id, BURST) > 0 {
+                return Ok(());
+            }
+            let left = match timeout {
+                Some(t) => match t.checked_sub(start.elapsed()) {
+                    Some(left) if !left.is_zero() => left,
+                    _ => return Ok(()),
+                },
+                None => nap,
+            };
+            std::thread::sleep(nap.min(left));
+            nap = (nap * 2).min(NAP_MAX);
         }
-        Ok(())
     }
 
     fn mtu(&self) -> usize {
@@ -617,7 +678,10 @@ impl Port for DpdkPort {
 impl Drop for DpdkPort {
     fn drop(&mut self) {
         let pending = self.backlog_len - self.backlog_head;
-        // SAFETY: the backlog mbufs are owned by the port and not sent; freeing them and then
+        let stashed = self.stash.head..self.stash.n;
+        drop(FreeOnDrop(&mut self.stash.mbufs[stashed]));
+        // SAFETY: the backlog mbufs are owned by the port and not sent; freeing them (and the
+        // stash, above) and then
         // stopping and closing the port (which returns the rings' mbufs) before freeing its pool
         // leaves no mbuf of the pool in use. Nothing uses the port afterwards.
         unsafe {
