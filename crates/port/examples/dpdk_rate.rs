@@ -4,8 +4,9 @@
 //! spinning) and ping-pong round trips (a's DPDK port sends, b echoes), spinning and with `wait()`.
 //!
 //! `cargo run --release -p lanbus-port --features dpdk --example dpdk_rate [seconds] [vdev]`, vdev
-//! `af_packet` (default: DPDK's `net_af_packet`) or `af_xdp` (DPDK's `net_af_xdp`, which attaches
-//! its own XDP program to a's veth).
+//! `af_packet` (default: DPDK's `net_af_packet`) or another DPDK vdev taking `iface=` (`af_xdp`:
+//! DPDK's `net_af_xdp`, which attaches its own XDP program to a's veth; on this machine's veth,
+//! without hugepages, it receives only a small fraction of the frames sent to it).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -133,7 +134,10 @@ fn main() {
         stop.store(true, Ordering::Relaxed);
         b = echoer.join().unwrap();
         rtts.sort();
-        let pct = |p: f64| rtts[((rtts.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6;
+        let pct = |p: f64| match rtts.len() {
+            0 => f64::NAN,
+            n => rtts[((n - 1) as f64 * p) as usize].as_secs_f64() * 1e6,
+        };
         let mode = if blocking { "both in wait() when idle" } else { "both spinning" };
         println!(
             "ping-pong dpdk a <-> afxdp b, 64 B, {mode}: {} round trips ({lost} lost), p50 {:.1} us, p99 {:.1} us",
