@@ -11,7 +11,10 @@
  * the DPDK call that failed (a static string). One rx queue (0) and one tx queue (0) per port.
  * Built against DPDK 22.11 (Debian bookworm's libdpdk-dev).
  */
+#define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -23,10 +26,18 @@
 #include <rte_mempool.h>
 
 /* Initialises the EAL with the given argv (argv[0] is a program name). Returns the number of
- * arguments EAL consumed, or a negative errno (rte_errno) on failure. */
+ * arguments EAL consumed, or a negative errno (rte_errno) on failure.
+ *
+ * rte_eal_init pins the calling thread to its main lcore's CPU. lanbus does not run on EAL lcores
+ * (the port is polled by whichever thread owns it), so the thread's CPU affinity is put back as it
+ * was: otherwise every thread the caller spawns later would inherit the pinning. */
 int lb_dpdk_eal_init(int argc, char **argv)
 {
+    cpu_set_t before;
+    int have_before = pthread_getaffinity_np(pthread_self(), sizeof(before), &before) == 0;
     int ret = rte_eal_init(argc, argv);
+    if (have_before)
+        pthread_setaffinity_np(pthread_self(), sizeof(before), &before);
     if (ret < 0) {
         int e = rte_errno;
         return e > 0 ? -e : -EINVAL;

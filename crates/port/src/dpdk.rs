@@ -7,7 +7,7 @@
 //! [`DpdkOptions::port_id`] (0, the first probed device, by default) with one receive and one
 //! transmit queue and a mempool of mbufs, and starts it.
 //!
-//! The DPDK calls live in a small C shim (`crates/port/dpdk/shim.c`, declared in [`ffi`]): DPDK's
+//! The DPDK calls live in a small C shim (`crates/port/dpdk/shim.c`, declared in `dpdk/ffi.rs`): DPDK's
 //! rx/tx bursts and mbuf accessors are static inline functions Rust cannot call. Rust handles
 //! mbufs only as opaque pointers plus the (data, length) pairs the shim reads out of them.
 //!
@@ -33,10 +33,11 @@
 //! nap (plus the kernel's timer slack), and an idle port wakes at most ~1,000 times a second.
 //! Latency-critical drivers spin on `rx_burst` instead of calling `wait`.
 //!
-//! Threads: the EAL makes the thread that calls [`eal_init`] its main lcore and pins it to the
-//! first core of `-l`/`--lcores`; threads that thread spawns afterwards inherit that affinity, so
-//! call it on a thread meant to be pinned, or give `-l` the core the driver should run on. The
-//! port itself may be moved to, and used from, any one thread at a time.
+//! Threads: the port does not use EAL lcores; it is polled by whichever one thread owns it, and may
+//! be moved between threads. The EAL makes the thread that calls [`eal_init`] its main lcore and
+//! pins it to the first core of `-l`/`--lcores`; the shim restores that thread's CPU affinity
+//! afterwards, so the pinning does not leak into threads spawned later. Pin the driver thread
+//! yourself (taskset, sched_setaffinity) if wanted.
 
 mod ffi;
 

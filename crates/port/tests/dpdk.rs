@@ -100,6 +100,17 @@ fn raw_recv(fd: &OwnedFd, buf: &mut [u8]) -> usize {
     n as usize
 }
 
+/// The CPUs the calling thread may run on.
+fn cpu_affinity() -> Vec<usize> {
+    // SAFETY: cpu_set_t is plain data; all-zero is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; the size matches the set.
+    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    assert_eq!(rc, 0, "sched_getaffinity: {}", std::io::Error::last_os_error());
+    // SAFETY: CPU_ISSET reads the set within its size (CPU_SETSIZE bits).
+    (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
+}
+
 /// The EAL's run directory for a `--file-prefix` (empty with `--no-shconf`), removed on drop.
 struct RunDir(String);
 
@@ -128,7 +139,17 @@ fn dpdk_af_packet_vdev_exchanges_frames_both_ways() {
     );
     // The vdev opens its socket during EAL init: do that inside a's namespace.
     let args = eal_args.clone();
-    let mut port = pair.a.netns.run(move || dpdk::open(&args, DpdkOptions::default())).unwrap().unwrap();
+    let (port, affinity_before, affinity_after) = pair
+        .a
+        .netns
+        .run(move || {
+            let before = cpu_affinity();
+            let port = dpdk::open(&args, DpdkOptions::default());
+            (port, before, cpu_affinity())
+        })
+        .unwrap();
+    let mut port = port.unwrap();
+    assert_eq!(affinity_before, affinity_after, "EAL init leaves the caller's CPU affinity alone");
     eprintln!("dpdk port open after {:?}: {port:?}", started.elapsed());
     assert_eq!(port.driver(), "net_af_packet");
     assert_eq!(port.mac(), a_mac, "the af_packet vdev takes the interface's MAC");
