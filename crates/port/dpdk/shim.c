@@ -83,7 +83,7 @@ int lb_dpdk_port_driver(uint16_t port, char *buf, size_t len)
 /*
  * Configures and starts `port` with one rx and one tx queue. Creates a mempool named `pool_name`
  * of `n_mbufs` mbufs whose data room holds `frame_room` bytes after the default headroom. If
- * `mtu` is non-zero the port's MTU is set first. `promiscuous` non-zero receives every frame;
+ * `mtu` is non-zero and differs from the port's, the port's MTU is set first. `promiscuous` non-zero receives every frame;
  * otherwise the NIC's MAC filter applies (own address, broadcast, and all multicast).
  * On success *pool_out is the mempool (for lb_dpdk_tx_alloc and lb_dpdk_port_close).
  */
@@ -122,7 +122,8 @@ int lb_dpdk_port_open(uint16_t port, const char *pool_name, uint32_t n_mbufs, ui
         *stage = "rte_eth_dev_configure";
         goto fail;
     }
-    if (mtu != 0) {
+    uint16_t current = 0;
+    if (mtu != 0 && (rte_eth_dev_get_mtu(port, &current) != 0 || current != mtu)) {
         ret = rte_eth_dev_set_mtu(port, mtu);
         if (ret < 0) {
             *stage = "rte_eth_dev_set_mtu";
