@@ -285,10 +285,11 @@ fn dpdk_af_packet_vdev_exchanges_frames_both_ways() {
     assert!(stats.ipackets > u64::from(FRAMES), "lanbus frames plus the 0x88B6 one: {stats:?}");
 
     // The ring (1024 entries) fills before the mempool runs out: refused frames wait in the backlog.
-    let largest_backlog = ring_loopback_backpressure(&eal_args, "net_ring0", 2047);
+    let largest_backlog = ring_loopback_backpressure(&eal_args, "net_ring0", 2047, false);
     assert!(largest_backlog > 0);
-    // The mempool (600 mbufs) runs out before the ring fills: the port stops taking frames.
-    let largest_backlog = ring_loopback_backpressure(&eal_args, "net_ring1", 600);
+    // The mempool (600 mbufs) runs out before the ring fills: the port stops taking frames. (Also
+    // promiscuous mode, and an MTU option equal to the device's.)
+    let largest_backlog = ring_loopback_backpressure(&eal_args, "net_ring1", 600, true);
     assert_eq!(largest_backlog, 0);
 
     // Closing releases the vdev for good: it cannot be opened again in this process.
@@ -304,13 +305,27 @@ fn dpdk_af_packet_vdev_exchanges_frames_both_ways() {
 /// takes what it can (keeping the device's refusals in its backlog or stopping when the mempool
 /// is empty) and every frame it took comes back once, in order, intact. Returns the largest
 /// backlog seen.
-fn ring_loopback_backpressure(eal_args: &str, vdev: &str, mbufs: u32) -> usize {
+fn ring_loopback_backpressure(eal_args: &str, vdev: &str, mbufs: u32, promiscuous: bool) -> usize {
     const TOTAL: u32 = 5000;
     let port_id = dpdk::port_by_name(vdev).unwrap();
-    let options = DpdkOptions { port_id, mbufs, ..DpdkOptions::default() };
+    let mtu = promiscuous.then_some(1500);
+    let options = DpdkOptions { port_id, mbufs, promiscuous, mtu, ..DpdkOptions::default() };
     let mut port = dpdk::open(eal_args, options).unwrap();
     assert_eq!(port.driver(), "net_ring");
     let (me, peer) = (port.mac(), MacAddr::local(7));
+    // Malformed and foreign frames on the loopback: a runt and an IPv4 frame are counted and
+    // dropped, the lanbus frame after them delivered.
+    let mut ipv4 = frame(peer, me, 5, 0);
+    ipv4[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    let good = frame(peer, me, 5, 1);
+    assert_eq!(port.send_frames(&[&ipv4[..10], &ipv4, &good]).unwrap(), 3);
+    let mut seen = Vec::new();
+    while seen.is_empty() {
+        port.rx_burst(32, &mut |f: &[u8]| seen.push(f.to_vec())).unwrap();
+    }
+    assert_eq!(seen, [good]);
+    assert_eq!(port.counters().rx_dropped, 2);
+
     let (mut next_tx, mut next_rx) = (0u32, 0u32);
     let mut stalls = 0;
     let mut max_backlog = 0;
@@ -356,6 +371,7 @@ fn ring_loopback_backpressure(eal_args: &str, vdev: &str, mbufs: u32) -> usize {
     let c = port.counters();
     eprintln!("{vdev} loopback, {mbufs} mbufs: {stalls} stalls, largest backlog {max_backlog}, {c:?}");
     assert!(stalls > 0, "the ring never filled: the test did not exercise back-pressure");
-    assert_eq!((c.tx_frames, c.rx_frames, c.tx_dropped), (u64::from(TOTAL), u64::from(TOTAL), 0));
+    assert_eq!((c.tx_frames, c.rx_frames), (u64::from(TOTAL) + 3, u64::from(TOTAL) + 1));
+    assert_eq!((c.rx_dropped, c.tx_dropped), (2, 0));
     max_backlog
 }
