@@ -2,13 +2,13 @@
 #![deny(unsafe_code)]
 
 mod bench;
-mod port;
-mod tlp;
-mod nbd;
 mod demo;
+mod nbd;
 mod plot;
+mod port;
 mod progress;
 mod sim_cmd;
+mod tlp;
 
 use clap::{Parser, Subcommand};
 

@@ -26,6 +26,8 @@ use lanbus_wire::MacAddr;
 pub mod afpacket;
 pub mod afxdp;
 pub mod check;
+#[cfg(feature = "dpdk")]
+pub mod dpdk;
 pub mod netns;
 pub mod spec;
 pub mod udp;

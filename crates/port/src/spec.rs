@@ -87,7 +87,17 @@ pub fn open(spec: &str) -> Result<Box<dyn Port>> {
             // Wired at merge: the shared-memory port lives on another branch (the rings work).
             Err(unavailable(spec, "the shm port is not part of this build yet (shared-memory rings port)"))
         }
-        ("dpdk", _) => Err(unavailable(spec, "DPDK support is not built in: rebuild with --features dpdk")),
+        #[cfg(feature = "dpdk")]
+        ("dpdk", args) => {
+            let port =
+                crate::dpdk::open(args.unwrap_or(""), crate::dpdk::DpdkOptions::default()).map_err(whole)?;
+            Ok(Box::new(port))
+        }
+        #[cfg(not(feature = "dpdk"))]
+        ("dpdk", _) => Err(unavailable(
+            spec,
+            "DPDK support is not built in: rebuild with `--features dpdk` (needs libdpdk-dev)",
+        )),
         ("sim", Some(_)) => Err(bad(spec, "sim takes no arguments: write just `sim`")),
         ("udp" | "afpacket" | "afxdp" | "shm", None) => {
             Err(bad(spec, format!("{kind} needs arguments after a colon; see `lanbus --help`")))
