@@ -109,6 +109,7 @@ pub enum Error {
 }
 
 impl Error {
+    #[cfg_attr(loom, allow(dead_code))]
     pub(crate) fn io(op: &'static str, source: std::io::Error) -> Self {
         Error::Io { op, source }
     }

@@ -55,6 +55,7 @@ pub struct Desc {
 // a valid `Desc`.
 unsafe impl Pod for Desc {}
 
+#[cfg(not(loom))]
 const FLAGS_OFFSET: usize = 14;
 const HEADER: usize = 192;
 
