@@ -42,7 +42,11 @@ unsafe impl Send for Pool {}
 
 #[cfg(not(loom))]
 fn check_params(count: u32, buf_size: u32) -> Result<()> {
-    if count == 0 || buf_size == 0 || !buf_size.is_multiple_of(64) || (count as u64) * (buf_size as u64) > 1 << 36 {
+    if count == 0
+        || buf_size == 0
+        || !buf_size.is_multiple_of(64)
+        || (count as u64) * (buf_size as u64) > 1 << 36
+    {
         return Err(Error::Misuse(
             "pool needs count > 0 and a buffer size that is a non-zero multiple of 64",
         ));

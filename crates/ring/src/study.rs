@@ -169,6 +169,24 @@ pub fn pin_current_thread(cpu: usize) -> bool {
     }
 }
 
+/// The time-stamp counter's frequency in Hz, measured against the monotonic clock over ~200 ms
+/// (to turn DPDK's cycle counts into nanoseconds). `None` off x86-64.
+pub fn tsc_hz() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: rdtsc has no preconditions on x86-64.
+        let c0 = unsafe { core::arch::x86_64::_rdtsc() };
+        let t0 = Instant::now();
+        std::thread::sleep(Duration::from_millis(200));
+        // SAFETY: as above.
+        let c1 = unsafe { core::arch::x86_64::_rdtsc() };
+        let dt = t0.elapsed().as_secs_f64();
+        Some(c1.wrapping_sub(c0) as f64 / dt)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
 /// The memory of one model instance: queue struct, guest pool, host packet pool.
 struct Model {
     f: Factors,

@@ -4,14 +4,24 @@
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
 pub mod report;
+mod ring;
+mod vring;
 
 use clap::Subcommand;
 
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
-pub enum BenchCommand {}
+pub enum BenchCommand {
+    /// The vhost-user cache study (seed 003): factors (a)-(e) on a two-thread virtqueue model.
+    Vring(vring::Args),
+    /// Our SPSC ring against DPDK rte_ring (dpdk-test) and the rtrb crate, ns per element.
+    Ring(ring::Args),
+}
 
 /// Runs one benchmark.
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
-    match command {}
+    match command {
+        BenchCommand::Vring(a) => vring::run(a),
+        BenchCommand::Ring(a) => ring::run(a),
+    }
 }

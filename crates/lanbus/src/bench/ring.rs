@@ -1,0 +1,268 @@
+//! `lanbus bench ring`: our SPSC ring against DPDK's rte_ring and the rtrb crate, across two cores.
+//!
+//! Method (the same as DPDK's `ring_perf_autotest`, "Testing using two physical cores"): a ring of
+//! 4096 8-byte elements, a producer thread on one CPU doing `iterations` bulk enqueues of `burst`
+//! elements (spinning while full), a consumer thread on another doing as many bulk dequeues; each
+//! thread times its own loop, and the figure is producer ns/element + consumer ns/element, exactly
+//! as DPDK sums its two threads' cycles/element. DPDK's cycles are turned into ns with the TSC
+//! frequency measured here. rte_ring is measured by running `dpdk-test` (Debian package
+//! `dpdk-dev`) with `ring_perf_autotest`; when it is missing the bench says how to install it and
+//! reports the other rows. Rows `lanbus`, `peer:rte_ring`, `peer:rtrb`, metric `ns_per_elem`,
+//! param `burst`; rows `ratio_to_rte_ring` (ours / rte_ring; below 1 is better).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use lanbus_ring::study;
+
+use super::report::{median, Report, Row};
+
+/// Arguments of `lanbus bench ring`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Runs per configuration (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Bulk operations per thread and run (DPDK uses 2^23).
+    #[arg(long, default_value_t = 1 << 23)]
+    pub iterations: u64,
+    /// Skip dpdk-test even if installed.
+    #[arg(long)]
+    pub no_dpdk: bool,
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+const RING_SIZE: usize = 4096;
+const BURSTS: [usize; 2] = [8, 32];
+
+/// Runs producer and consumer on two threads; returns producer + consumer ns per element.
+fn pair<P: Send + 'static, C: Send + 'static>(
+    (mut p, mut c): (P, C),
+    enqueue: fn(&mut P, &[u64]) -> bool,
+    dequeue: fn(&mut C, &mut [u64]) -> bool,
+    burst: usize,
+    iterations: u64,
+    cpus: Option<(usize, usize)>,
+) -> f64 {
+    let ready = Arc::new(AtomicUsize::new(0));
+    let start = |ready: &AtomicUsize, cpu: Option<usize>| {
+        if let Some(c) = cpu {
+            study::pin_current_thread(c);
+        }
+        // AcqRel: both threads start timing only once both are pinned and spinning.
+        ready.fetch_add(1, Ordering::AcqRel);
+        while ready.load(Ordering::Acquire) < 2 {
+            std::hint::spin_loop();
+        }
+    };
+    let r2 = ready.clone();
+    let producer = std::thread::spawn(move || {
+        start(&r2, cpus.map(|c| c.0));
+        let items: Vec<u64> = (0..burst as u64).collect();
+        let t0 = Instant::now();
+        for _ in 0..iterations {
+            while !enqueue(&mut p, &items) {
+                std::hint::spin_loop();
+            }
+        }
+        t0.elapsed().as_nanos() as f64 / (iterations as f64 * burst as f64)
+    });
+    start(&ready, cpus.map(|c| c.1));
+    let mut out = vec![0u64; burst];
+    let mut check = 0u64;
+    let t0 = Instant::now();
+    for _ in 0..iterations {
+        while !dequeue(&mut c, &mut out) {
+            std::hint::spin_loop();
+        }
+        check = check.wrapping_add(out[burst - 1]);
+    }
+    let consumer_ns = t0.elapsed().as_nanos() as f64 / (iterations as f64 * burst as f64);
+    let producer_ns = producer.join().expect("producer thread");
+    assert_eq!(check, iterations * (burst as u64 - 1), "ring delivered wrong elements");
+    producer_ns + consumer_ns
+}
+
+fn lanbus_once(burst: usize, iterations: u64, cpus: Option<(usize, usize)>) -> anyhow::Result<f64> {
+    let ends = lanbus_ring::channel::<u64>(RING_SIZE as u32)?;
+    Ok(pair(
+        ends,
+        |p, items| p.enqueue_bulk(items).expect("in-process ring cannot be corrupted"),
+        |c, out| c.dequeue_bulk(out).expect("in-process ring cannot be corrupted"),
+        burst,
+        iterations,
+        cpus,
+    ))
+}
+
+fn rtrb_once(burst: usize, iterations: u64, cpus: Option<(usize, usize)>) -> f64 {
+    // rtrb's capacity is exact; DPDK's 4096-slot ring holds 4095.
+    pair(
+        rtrb::RingBuffer::<u64>::new(RING_SIZE - 1),
+        |p, items| p.push_entire_slice(items).is_ok(),
+        |c, out| c.pop_entire_slice(out).is_ok(),
+        burst,
+        iterations,
+        cpus,
+    )
+}
+
+/// Parses the two-core SP/SC bulk lines (legacy 8-byte-element API) of `ring_perf_autotest`:
+/// cycles per element (producer + consumer) for each burst.
+fn parse_dpdk(text: &str) -> Vec<(usize, f64)> {
+    let Some(start) = text.find("two physical cores") else { return Vec::new() };
+    let section = &text[start..];
+    let end = section.find("### Testing using all").unwrap_or(section.len());
+    let mut found = Vec::new();
+    for line in section[..end].lines() {
+        let line = line.trim();
+        // 22.11: "legacy APIs: SP/SC: bulk (size: 8): 150.07"; older: "SP/SC bulk enq/dequeue (size: 8): 150.07".
+        let sp = line.starts_with("legacy APIs: SP/SC: bulk") || line.starts_with("SP/SC bulk enq/dequeue");
+        if !sp {
+            continue;
+        }
+        let Some((head, value)) = line.rsplit_once("):") else { continue };
+        let Some(size) = head.rsplit_once("size:").and_then(|(_, s)| s.trim().parse().ok()) else { continue };
+        if let Ok(v) = value.trim().parse::<f64>() {
+            if !found.iter().any(|(s, _)| *s == size) {
+                found.push((size, v));
+            }
+        }
+    }
+    found
+}
+
+fn dpdk_once(cpus: Option<(usize, usize)>) -> anyhow::Result<Vec<(usize, f64)>> {
+    let (a, b) = cpus.unwrap_or((0, 0));
+    let mut child = Command::new("dpdk-test")
+        .args(["--no-huge", "--no-pci", "-m", "512", "-l", &format!("{a},{b}"), "--log-level=error"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("starting dpdk-test")?;
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        stdin.write_all(b"ring_perf_autotest\nquit\n")?;
+    }
+    let out = child.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let found = parse_dpdk(&text);
+    if found.len() < BURSTS.len() {
+        bail!(
+            "could not find the two-core SP/SC lines in dpdk-test's output (exit {}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+        );
+    }
+    Ok(found)
+}
+
+/// Runs the comparison.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.runs == 0 || args.iterations == 0 {
+        bail!("--runs and --iterations must be positive");
+    }
+    let cpus = study::allowed_cpus();
+    let pin = if cpus.len() >= 2 {
+        println!("producer on CPU {}, consumer on CPU {}", cpus[0], cpus[1]);
+        Some((cpus[0], cpus[1]))
+    } else {
+        println!("only one CPU available: running unpinned on it (not a two-core figure)");
+        None
+    };
+    let mut report = Report::new("ring");
+    let mut ours = Vec::new();
+    for &burst in &BURSTS {
+        let mut lanbus = Vec::new();
+        let mut rtrb = Vec::new();
+        for run in 0..args.runs {
+            lanbus.push(lanbus_once(burst, args.iterations, pin)?);
+            rtrb.push(rtrb_once(burst, args.iterations, pin));
+            eprintln!(
+                "  burst {burst} run {}/{}: lanbus {:.2} ns/elem, rtrb {:.2} ns/elem",
+                run + 1,
+                args.runs,
+                lanbus[run],
+                rtrb[run]
+            );
+        }
+        let m = median(&lanbus).unwrap_or(f64::NAN);
+        ours.push((burst, m));
+        report.push(Row::new("lanbus", "ns_per_elem", m).with("burst", burst as u64));
+        report.push(
+            Row::new("peer:rtrb", "ns_per_elem", median(&rtrb).unwrap_or(f64::NAN))
+                .with("burst", burst as u64),
+        );
+    }
+    let have_dpdk = !args.no_dpdk && Command::new("dpdk-test").arg("--help").output().is_ok();
+    if !have_dpdk {
+        println!(
+            "peer:rte_ring not measured: dpdk-test is not installed (it ships in Debian's dpdk-dev: \
+             `apt-get install dpdk-dev`), or --no-dpdk was given"
+        );
+    } else {
+        let hz = study::tsc_hz().context("the TSC frequency is needed to convert DPDK's cycles")?;
+        println!("TSC at {:.3} GHz (measured)", hz / 1e9);
+        let mut cycles: Vec<Vec<f64>> = vec![Vec::new(); BURSTS.len()];
+        for run in 0..args.runs {
+            eprintln!("  dpdk-test ring_perf_autotest run {}/{} (takes a while)", run + 1, args.runs);
+            match dpdk_once(pin) {
+                Ok(found) => {
+                    for (k, b) in BURSTS.iter().enumerate() {
+                        if let Some((_, c)) = found.iter().find(|(s, _)| s == b) {
+                            cycles[k].push(*c);
+                        }
+                    }
+                }
+                Err(e) => println!("dpdk-test run failed: {e:#}"),
+            }
+        }
+        for (k, &burst) in BURSTS.iter().enumerate() {
+            let Some(c) = median(&cycles[k]) else { continue };
+            let ns = c / (hz / 1e9);
+            report.push(Row::new("peer:rte_ring", "ns_per_elem", ns).with("burst", burst as u64));
+            let mine = ours[k].1;
+            report.push(Row::new("lanbus", "ratio_to_rte_ring", mine / ns).with("burst", burst as u64));
+        }
+    }
+    report.finish(args.json.as_deref())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_dpdk_22_output() {
+        let text = "### Testing empty bulk deq ###\nlegacy APIs: SP/SC: bulk (size: 8): 26.61\n\
+                    ### Testing using two physical cores ###\n\
+                    legacy APIs: SP/SC: bulk (size: 8): 150.07\n\
+                    legacy APIs: MP/MC: bulk (size: 8): 15732.16\n\
+                    legacy APIs: SP/SC: bulk (size: 32): 34.74\n\
+                    ### Testing using all worker nodes ###\n\
+                    ### Testing using two physical cores ###\n\
+                    elem APIs: element size 16B: SP/SC: bulk (size: 8): 28.10\n";
+        assert_eq!(parse_dpdk(text), vec![(8, 150.07), (32, 34.74)]);
+        assert_eq!(parse_dpdk("SP/SC bulk enq/dequeue (size: 8): 9.5"), vec![]);
+        assert_eq!(
+            parse_dpdk("two physical cores\nSP/SC bulk enq/dequeue (size: 8): 9.5\nSP/SC bulk enq/dequeue (size: 32): 3.25"),
+            vec![(8, 9.5), (32, 3.25)]
+        );
+    }
+
+    #[test]
+    fn rings_agree_on_a_short_run() {
+        // Small, unpinned: checks the harness and the element checksum, not speed.
+        assert!(lanbus_once(8, 2000, None).unwrap() > 0.0);
+        assert!(rtrb_once(32, 500, None) > 0.0);
+    }
+}
