@@ -117,3 +117,57 @@ impl Error {
 
 /// Result of a ring operation.
 pub type Result<T> = core::result::Result<T, Error>;
+
+/// Fuzz entry (`fuzz/fuzz_targets/shared_region.rs`, and the property test `garbage_region`): a
+/// peer writes `data` over a formatted region holding a pipe and an SPSC ring, at offsets the data
+/// itself chooses, between and after operations of this side. Whatever it writes, every attach
+/// and every operation returns a value or an error: no panic, no out-of-bounds access.
+///
+/// Layout of `data`: repeated records of `[offset: u16 le][len: u8][len bytes]`.
+#[cfg(not(loom))]
+pub fn fuzz_shared_region(data: &[u8]) {
+    use std::sync::Arc;
+    let cfg = pipe::PipeConfig { slots: 8, buffers: 16, buf_size: 128 };
+    let ring_at = cfg.bytes_needed().next_multiple_of(64);
+    let Ok(region) = Region::memfd("fuzz", ring_at + spsc::bytes_needed::<u64>(8)) else { return };
+    let region = Arc::new(region);
+    let (Ok(()), Ok(())) = (cfg.format(&region, 0), spsc::format::<u64>(&region, ring_at, 8)) else { return };
+    let (Ok(mut tx), Ok(mut rx)) = (
+        pipe::Sender::attach(region.clone(), 0, CopyMode::Ordinary),
+        pipe::Receiver::attach(region.clone(), 0),
+    ) else {
+        return;
+    };
+    let (Ok(mut p), Ok(mut c)) =
+        (Producer::<u64>::attach(region.clone(), ring_at), Consumer::<u64>::attach(region.clone(), ring_at))
+    else {
+        return;
+    };
+    let mut rest = data;
+    let mut k = 0u8;
+    loop {
+        k = k.wrapping_add(1);
+        let _ = tx.send(&[k; 60]);
+        let _ = p.enqueue_burst(&[k as u64; 3]);
+        // The "peer" writes one record.
+        let [o0, o1, len, tail @ ..] = rest else { break };
+        let len = (*len as usize).min(tail.len());
+        let at = u16::from_le_bytes([*o0, *o1]) as usize % region.len();
+        let len = len.min(region.len() - at);
+        // SAFETY: `at..at+len` lies inside the mapped region (both clamped above). This process
+        // plays the faulty peer; the handles read shared memory only volatilely and validate it.
+        unsafe { core::ptr::copy_nonoverlapping(tail.as_ptr(), region.as_ptr().add(at), len) };
+        rest = &tail[len..];
+        let _ = rx.recv(|f| assert!(f.len() <= 128, "a frame longer than the buffers was delivered"));
+        let _ = tx.reclaim();
+        let mut out = [0u64; 4];
+        if let Ok(n) = c.dequeue_burst(&mut out) {
+            assert!(n <= 4);
+        }
+    }
+    // Attaching afresh to the scribbled region validates instead of trusting.
+    let _ = pipe::Receiver::attach(region.clone(), 0).map(|mut r| r.recv(|_| ()));
+    let _ = pipe::Sender::attach(region.clone(), 0, CopyMode::NonTemporal).map(|mut s| s.send(&[1; 10]));
+    let _ = Consumer::<u64>::attach(region.clone(), ring_at).map(|mut c| c.try_pop());
+    let _ = Producer::<u64>::attach(region, ring_at).map(|mut p| p.try_push(1));
+}
