@@ -8,7 +8,10 @@
 //! frequency measured here. rte_ring is measured by running `dpdk-test` (Debian package
 //! `dpdk-dev`) with `ring_perf_autotest`; when it is missing the bench says how to install it and
 //! reports the other rows. Rows `lanbus`, `peer:rte_ring`, `peer:rtrb`, metric `ns_per_elem`,
-//! param `burst`; rows `ratio_to_rte_ring` (ours / rte_ring; below 1 is better).
+//! params `burst` and `cores`; rows `lanbus` / `ratio_to_rte_ring` (ours over rte_ring; below 1 is
+//! better). `cores=2` is the two-core figure above; `cores=1` is DPDK's one-lcore "burst enq/deq"
+//! test (enqueue a burst, dequeue it, same thread), which a machine shared with other jobs distorts
+//! far less, because it does not depend on both threads being scheduled at once.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -89,6 +92,50 @@ fn pair<P: Send + 'static, C: Send + 'static>(
     producer_ns + consumer_ns
 }
 
+/// One thread: `iterations` times enqueue a burst then dequeue it (DPDK's "Testing burst
+/// enq/deq" on one lcore); ns per element (its enqueue plus its dequeue). Free of scheduling
+/// noise between two cores, so it compares the rings' own instruction cost on a busy machine.
+fn one_core<P, C>(
+    (mut p, mut c): (P, C),
+    enqueue: fn(&mut P, &[u64]) -> bool,
+    dequeue: fn(&mut C, &mut [u64]) -> bool,
+    burst: usize,
+    iterations: u64,
+) -> f64 {
+    let items: Vec<u64> = (0..burst as u64).collect();
+    let mut out = vec![0u64; burst];
+    let mut check = 0u64;
+    let t0 = Instant::now();
+    for _ in 0..iterations {
+        assert!(enqueue(&mut p, std::hint::black_box(&items)), "an empty ring takes a burst");
+        assert!(dequeue(&mut c, &mut out), "the burst comes back");
+        check = check.wrapping_add(std::hint::black_box(&out)[burst - 1]);
+    }
+    let ns = t0.elapsed().as_nanos() as f64 / (iterations as f64 * burst as f64);
+    assert_eq!(check, iterations * (burst as u64 - 1), "ring delivered wrong elements");
+    ns
+}
+
+fn lanbus_one_core(burst: usize, iterations: u64) -> anyhow::Result<f64> {
+    Ok(one_core(
+        lanbus_ring::channel::<u64>(RING_SIZE as u32)?,
+        |p, items| p.enqueue_bulk(items).expect("in-process ring cannot be corrupted"),
+        |c, out| c.dequeue_bulk(out).expect("in-process ring cannot be corrupted"),
+        burst,
+        iterations,
+    ))
+}
+
+fn rtrb_one_core(burst: usize, iterations: u64) -> f64 {
+    one_core(
+        rtrb::RingBuffer::<u64>::new(RING_SIZE - 1),
+        |p, items| p.push_entire_slice(items).is_ok(),
+        |c, out| c.pop_entire_slice(out).is_ok(),
+        burst,
+        iterations,
+    )
+}
+
 fn lanbus_once(burst: usize, iterations: u64, cpus: Option<(usize, usize)>) -> anyhow::Result<f64> {
     let ends = lanbus_ring::channel::<u64>(RING_SIZE as u32)?;
     Ok(pair(
@@ -138,10 +185,46 @@ fn parse_dpdk(text: &str) -> Vec<(usize, f64)> {
     found
 }
 
-fn dpdk_once(cpus: Option<(usize, usize)>) -> anyhow::Result<Vec<(usize, f64)>> {
+/// Parses the one-lcore SP/SC burst lines ("### Testing burst enq/deq ###", legacy API). DPDK 22.11
+/// and older print cycles per enqueue+dequeue of one whole burst; newer releases print cycles per
+/// element. Returns cycles per element.
+fn parse_dpdk_one_core(text: &str, dpdk_major: u32) -> Vec<(usize, f64)> {
+    let Some(start) = text.find("### Testing burst enq/deq ###") else { return Vec::new() };
+    let section = &text[start..];
+    let mut found = Vec::new();
+    for line in section.lines().skip(1) {
+        let line = line.trim();
+        if line.starts_with("###") {
+            break;
+        }
+        if !line.starts_with("legacy APIs: SP/SC: burst") {
+            continue;
+        }
+        let Some((head, value)) = line.rsplit_once("):") else { continue };
+        let Some(size) = head.rsplit_once("size:").and_then(|(_, s)| s.trim().parse::<usize>().ok()) else {
+            continue;
+        };
+        if let Ok(v) = value.trim().parse::<f64>() {
+            let per_elem = if dpdk_major <= 22 { v / size as f64 } else { v };
+            found.push((size, per_elem));
+        }
+    }
+    found
+}
+
+/// The DPDK major version from the EAL banner ("RTE Version: 'DPDK 22.11.11'").
+fn parse_dpdk_major(text: &str) -> Option<u32> {
+    let at = text.find("RTE Version: 'DPDK ")? + "RTE Version: 'DPDK ".len();
+    text[at..].split('.').next()?.parse().ok()
+}
+
+/// One `ring_perf_autotest` run: (two-core, one-core) cycles per element for each burst.
+type DpdkRun = (Vec<(usize, f64)>, Vec<(usize, f64)>);
+
+fn dpdk_once(cpus: Option<(usize, usize)>) -> anyhow::Result<DpdkRun> {
     let (a, b) = cpus.unwrap_or((0, 0));
     let mut child = Command::new("dpdk-test")
-        .args(["--no-huge", "--no-pci", "-m", "512", "-l", &format!("{a},{b}"), "--log-level=error"])
+        .args(["--no-huge", "--no-pci", "--no-shconf", "-v", "-m", "512", "-l", &format!("{a},{b}")])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -153,8 +236,10 @@ fn dpdk_once(cpus: Option<(usize, usize)>) -> anyhow::Result<Vec<(usize, f64)>> 
         stdin.write_all(b"ring_perf_autotest\nquit\n")?;
     }
     let out = child.wait_with_output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     let found = parse_dpdk(&text);
+    let major = parse_dpdk_major(&text).unwrap_or(22);
+    let one = parse_dpdk_one_core(&text, major);
     if found.len() < BURSTS.len() {
         bail!(
             "could not find the two-core SP/SC lines in dpdk-test's output (exit {}): {}",
@@ -162,7 +247,7 @@ fn dpdk_once(cpus: Option<(usize, usize)>) -> anyhow::Result<Vec<(usize, f64)>> 
             String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
         );
     }
-    Ok(found)
+    Ok((found, one))
 }
 
 /// Runs the comparison.
@@ -172,35 +257,42 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let cpus = study::allowed_cpus();
     let pin = if cpus.len() >= 2 {
-        println!("producer on CPU {}, consumer on CPU {}", cpus[0], cpus[1]);
+        println!("two-core rows: producer on CPU {}, consumer on CPU {}", cpus[0], cpus[1]);
         Some((cpus[0], cpus[1]))
     } else {
-        println!("only one CPU available: running unpinned on it (not a two-core figure)");
+        println!("only one CPU available: the two-core rows run unpinned on it (not a two-core figure)");
         None
     };
     let mut report = Report::new("ring");
-    let mut ours = Vec::new();
-    for &burst in &BURSTS {
-        let mut lanbus = Vec::new();
-        let mut rtrb = Vec::new();
+    // ours[cores - 1][burst index]
+    let mut ours = [[f64::NAN; BURSTS.len()]; 2];
+    for (k, &burst) in BURSTS.iter().enumerate() {
+        let (mut lanbus2, mut rtrb2, mut lanbus1, mut rtrb1) = (vec![], vec![], vec![], vec![]);
         for run in 0..args.runs {
-            lanbus.push(lanbus_once(burst, args.iterations, pin)?);
-            rtrb.push(rtrb_once(burst, args.iterations, pin));
+            lanbus2.push(lanbus_once(burst, args.iterations, pin)?);
+            rtrb2.push(rtrb_once(burst, args.iterations, pin));
+            lanbus1.push(lanbus_one_core(burst, args.iterations)?);
+            rtrb1.push(rtrb_one_core(burst, args.iterations));
             eprintln!(
-                "  burst {burst} run {}/{}: lanbus {:.2} ns/elem, rtrb {:.2} ns/elem",
+                "  burst {burst} run {}/{}: two cores: lanbus {:.2}, rtrb {:.2} ns/elem; one core: lanbus {:.2}, rtrb {:.2} ns/elem",
                 run + 1,
                 args.runs,
-                lanbus[run],
-                rtrb[run]
+                lanbus2[run],
+                rtrb2[run],
+                lanbus1[run],
+                rtrb1[run]
             );
         }
-        let m = median(&lanbus).unwrap_or(f64::NAN);
-        ours.push((burst, m));
-        report.push(Row::new("lanbus", "ns_per_elem", m).with("burst", burst as u64));
-        report.push(
-            Row::new("peer:rtrb", "ns_per_elem", median(&rtrb).unwrap_or(f64::NAN))
-                .with("burst", burst as u64),
-        );
+        for (cores, lanbus, rtrb) in [(2u64, &lanbus2, &rtrb2), (1, &lanbus1, &rtrb1)] {
+            let m = median(lanbus).unwrap_or(f64::NAN);
+            ours[cores as usize - 1][k] = m;
+            report
+                .push(Row::new("lanbus", "ns_per_elem", m).with("burst", burst as u64).with("cores", cores));
+            let r = median(rtrb).unwrap_or(f64::NAN);
+            report.push(
+                Row::new("peer:rtrb", "ns_per_elem", r).with("burst", burst as u64).with("cores", cores),
+            );
+        }
     }
     let have_dpdk = !args.no_dpdk && Command::new("dpdk-test").arg("--help").output().is_ok();
     if !have_dpdk {
@@ -211,26 +303,39 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         let hz = study::tsc_hz().context("the TSC frequency is needed to convert DPDK's cycles")?;
         println!("TSC at {:.3} GHz (measured)", hz / 1e9);
-        let mut cycles: Vec<Vec<f64>> = vec![Vec::new(); BURSTS.len()];
+        // cycles[cores - 1][burst index]
+        let mut cycles: [Vec<Vec<f64>>; 2] = [vec![Vec::new(); BURSTS.len()], vec![Vec::new(); BURSTS.len()]];
         for run in 0..args.runs {
             eprintln!("  dpdk-test ring_perf_autotest run {}/{} (takes a while)", run + 1, args.runs);
             match dpdk_once(pin) {
-                Ok(found) => {
+                Ok((two, one)) => {
                     for (k, b) in BURSTS.iter().enumerate() {
-                        if let Some((_, c)) = found.iter().find(|(s, _)| s == b) {
-                            cycles[k].push(*c);
+                        for (c, found) in [(1, &two), (0, &one)] {
+                            if let Some((_, v)) = found.iter().find(|(s, _)| s == b) {
+                                cycles[c][k].push(*v);
+                            }
                         }
                     }
                 }
                 Err(e) => println!("dpdk-test run failed: {e:#}"),
             }
         }
-        for (k, &burst) in BURSTS.iter().enumerate() {
-            let Some(c) = median(&cycles[k]) else { continue };
-            let ns = c / (hz / 1e9);
-            report.push(Row::new("peer:rte_ring", "ns_per_elem", ns).with("burst", burst as u64));
-            let mine = ours[k].1;
-            report.push(Row::new("lanbus", "ratio_to_rte_ring", mine / ns).with("burst", burst as u64));
+        for cores in [2u64, 1] {
+            for (k, &burst) in BURSTS.iter().enumerate() {
+                let Some(c) = median(&cycles[cores as usize - 1][k]) else { continue };
+                let ns = c / (hz / 1e9);
+                report.push(
+                    Row::new("peer:rte_ring", "ns_per_elem", ns)
+                        .with("burst", burst as u64)
+                        .with("cores", cores),
+                );
+                let mine = ours[cores as usize - 1][k];
+                report.push(
+                    Row::new("lanbus", "ratio_to_rte_ring", mine / ns)
+                        .with("burst", burst as u64)
+                        .with("cores", cores),
+                );
+            }
         }
     }
     report.finish(args.json.as_deref())?;
@@ -260,7 +365,21 @@ mod tests {
     }
 
     #[test]
+    fn parses_dpdk_one_core_and_version() {
+        let text = "EAL: RTE Version: 'DPDK 22.11.11'\n### Testing burst enq/deq ###\n\
+                    legacy APIs: SP/SC: burst (size: 8): 80.00\n\
+                    legacy APIs: MP/MC: burst (size: 8): 99.00\n\
+                    legacy APIs: SP/SC: burst (size: 32): 160.00\n\
+                    ### Testing bulk enq/deq ###\nlegacy APIs: SP/SC: burst (size: 8): 1.0\n";
+        assert_eq!(parse_dpdk_major(text), Some(22));
+        assert_eq!(parse_dpdk_one_core(text, 22), vec![(8, 10.0), (32, 5.0)]);
+        assert_eq!(parse_dpdk_one_core(text, 23), vec![(8, 80.0), (32, 160.0)]);
+    }
+
+    #[test]
     fn rings_agree_on_a_short_run() {
+        assert!(lanbus_one_core(32, 1000).unwrap() > 0.0);
+        assert!(rtrb_one_core(8, 1000) > 0.0);
         // Small, unpinned: checks the harness and the element checksum, not speed.
         assert!(lanbus_once(8, 2000, None).unwrap() > 0.0);
         assert!(rtrb_once(32, 500, None) > 0.0);
