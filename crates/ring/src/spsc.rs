@@ -94,22 +94,29 @@ mod storage {
             Slots { ptr }
         }
 
+        /// Copies slots `start..start + out.len()` into `out`.
+        ///
         /// # Safety
-        /// `i < capacity`, and the protocol gives this side the slot (consumer: `head <= i < tail`).
+        /// The range is below capacity, and the protocol gives this side the slots (consumer:
+        /// published by the producer and not yet released).
         #[inline(always)]
-        pub(crate) unsafe fn read(&self, i: usize) -> T {
-            // SAFETY: in bounds by the caller's contract. Volatile: the value is fetched exactly
-            // once even if a faulty peer rewrites it meanwhile (T is Pod: any bits are a value).
-            unsafe { self.ptr.add(i).read_volatile() }
+        pub(crate) unsafe fn read_run(&self, start: usize, out: &mut [T]) {
+            // SAFETY: in bounds by the caller's contract; `out` is private memory. The values are
+            // copied out once, so a faulty peer rewriting them meanwhile can only change what we
+            // read (T is Pod: any bits are a value), never make us read twice.
+            unsafe { core::ptr::copy_nonoverlapping(self.ptr.add(start), out.as_mut_ptr(), out.len()) }
         }
 
+        /// Copies `items` into slots `start..start + items.len()`.
+        ///
         /// # Safety
-        /// `i < capacity`, and the protocol gives this side the slot (producer: `tail <= i < head + cap`).
+        /// The range is below capacity, and the protocol gives this side the slots (producer:
+        /// released by the consumer); the consumer reads none of them before the Release store of
+        /// `tail` that follows.
         #[inline(always)]
-        pub(crate) unsafe fn write(&self, i: usize, v: T) {
-            // SAFETY: in bounds by the caller's contract; the consumer does not read this slot until
-            // the Release store of `tail` that follows.
-            unsafe { self.ptr.add(i).write(v) }
+        pub(crate) unsafe fn write_run(&self, start: usize, items: &[T]) {
+            // SAFETY: in bounds and exclusively ours by the caller's contract.
+            unsafe { core::ptr::copy_nonoverlapping(items.as_ptr(), self.ptr.add(start), items.len()) }
         }
     }
 }
@@ -139,16 +146,20 @@ mod storage {
 
         /// # Safety
         /// As the non-loom version.
-        pub(crate) unsafe fn read(&self, i: usize) -> T {
-            // SAFETY: loom checks that no write to this cell is concurrent with the read.
-            self.cells[i].with(|p| unsafe { *p })
+        pub(crate) unsafe fn read_run(&self, start: usize, out: &mut [T]) {
+            for (k, o) in out.iter_mut().enumerate() {
+                // SAFETY: loom checks that no write to this cell is concurrent with the read.
+                *o = self.cells[start + k].with(|p| unsafe { *p });
+            }
         }
 
         /// # Safety
         /// As the non-loom version.
-        pub(crate) unsafe fn write(&self, i: usize, v: T) {
-            // SAFETY: loom checks that no other access to this cell is concurrent with the write.
-            self.cells[i].with_mut(|p| unsafe { *p = v })
+        pub(crate) unsafe fn write_run(&self, start: usize, items: &[T]) {
+            for (k, v) in items.iter().enumerate() {
+                // SAFETY: loom checks that no other access to this cell is concurrent with the write.
+                self.cells[start + k].with_mut(|p| unsafe { *p = *v });
+            }
         }
     }
 }
@@ -325,12 +336,15 @@ impl<T: Pod> Producer<T> {
 
     #[inline(always)]
     fn write_and_publish(&mut self, items: &[T]) {
-        let mask = self.ring.mask;
-        for (k, item) in items.iter().enumerate() {
-            let slot = (self.tail.wrapping_add(k as u32) & mask) as usize;
-            // SAFETY: slot < capacity (masked); `free` showed these `items.len()` slots after tail
-            // are released by the consumer, and it reads none of them until the store below.
-            unsafe { self.ring.slots.write(slot, *item) };
+        let start = (self.tail & self.ring.mask) as usize;
+        // At most two runs: up to the end of the array, then from its start.
+        let first = items.len().min(self.ring.capacity as usize - start);
+        // SAFETY: both runs lie below capacity (start is masked, first <= capacity - start, and
+        // items.len() <= capacity); `free` showed these slots after tail are released by the
+        // consumer, and it reads none of them until the store below.
+        unsafe {
+            self.ring.slots.write_run(start, &items[..first]);
+            self.ring.slots.write_run(0, &items[first..]);
         }
         self.tail = self.tail.wrapping_add(items.len() as u32);
         // Release, pairing with the consumer's Acquire load of `tail` in `available`: the slot
@@ -422,13 +436,15 @@ impl<T: Pod> Consumer<T> {
 
     #[inline(always)]
     fn read_and_release(&mut self, out: &mut [T]) {
-        let mask = self.ring.mask;
-        for (k, o) in out.iter_mut().enumerate() {
-            let slot = (self.head.wrapping_add(k as u32) & mask) as usize;
-            // SAFETY: slot < capacity (masked); `available` showed these slots are published by
-            // the producer (its Release store of tail was observed by our Acquire load), and the
-            // producer does not overwrite them before our store below.
-            *o = unsafe { self.ring.slots.read(slot) };
+        let start = (self.head & self.ring.mask) as usize;
+        let first = out.len().min(self.ring.capacity as usize - start);
+        let (a, b) = out.split_at_mut(first);
+        // SAFETY: both runs lie below capacity (as in write_and_publish); `available` showed
+        // these slots are published by the producer (its Release store of tail was observed by
+        // our Acquire load), and the producer does not overwrite them before our store below.
+        unsafe {
+            self.ring.slots.read_run(start, a);
+            self.ring.slots.read_run(0, b);
         }
         self.head = self.head.wrapping_add(out.len() as u32);
         // Release, pairing with the producer's Acquire load of `head` in `free`: our slot reads

@@ -9,7 +9,7 @@
 //! `dpdk-dev`) with `ring_perf_autotest`; when it is missing the bench says how to install it and
 //! reports the other rows. Rows `lanbus`, `peer:rte_ring`, `peer:rtrb`, metric `ns_per_elem`,
 //! params `burst` and `cores`; rows `lanbus` / `ratio_to_rte_ring` (ours over rte_ring; below 1 is
-//! better). `cores=2` is the two-core figure above; `cores=1` is DPDK's one-lcore "burst enq/deq"
+//! better). `cores=2` is the two-core figure above; `cores=1` is DPDK's one-lcore "bulk enq/deq"
 //! test (enqueue a burst, dequeue it, same thread), which a machine shared with other jobs distorts
 //! far less, because it does not depend on both threads being scheduled at once.
 
@@ -92,7 +92,7 @@ fn pair<P: Send + 'static, C: Send + 'static>(
     producer_ns + consumer_ns
 }
 
-/// One thread: `iterations` times enqueue a burst then dequeue it (DPDK's "Testing burst
+/// One thread: `iterations` times enqueue a burst then dequeue it (DPDK's "Testing bulk
 /// enq/deq" on one lcore); ns per element (its enqueue plus its dequeue). Free of scheduling
 /// noise between two cores, so it compares the rings' own instruction cost on a busy machine.
 fn one_core<P, C>(
@@ -185,11 +185,11 @@ fn parse_dpdk(text: &str) -> Vec<(usize, f64)> {
     found
 }
 
-/// Parses the one-lcore SP/SC burst lines ("### Testing burst enq/deq ###", legacy API). DPDK 22.11
+/// Parses the one-lcore SP/SC bulk lines ("### Testing bulk enq/deq ###", legacy API). DPDK 22.11
 /// and older print cycles per enqueue+dequeue of one whole burst; newer releases print cycles per
 /// element. Returns cycles per element.
 fn parse_dpdk_one_core(text: &str, dpdk_major: u32) -> Vec<(usize, f64)> {
-    let Some(start) = text.find("### Testing burst enq/deq ###") else { return Vec::new() };
+    let Some(start) = text.find("### Testing bulk enq/deq ###") else { return Vec::new() };
     let section = &text[start..];
     let mut found = Vec::new();
     for line in section.lines().skip(1) {
@@ -197,7 +197,7 @@ fn parse_dpdk_one_core(text: &str, dpdk_major: u32) -> Vec<(usize, f64)> {
         if line.starts_with("###") {
             break;
         }
-        if !line.starts_with("legacy APIs: SP/SC: burst") {
+        if !line.starts_with("legacy APIs: SP/SC: bulk") {
             continue;
         }
         let Some((head, value)) = line.rsplit_once("):") else { continue };
@@ -367,10 +367,12 @@ mod tests {
     #[test]
     fn parses_dpdk_one_core_and_version() {
         let text = "EAL: RTE Version: 'DPDK 22.11.11'\n### Testing burst enq/deq ###\n\
-                    legacy APIs: SP/SC: burst (size: 8): 80.00\n\
-                    legacy APIs: MP/MC: burst (size: 8): 99.00\n\
-                    legacy APIs: SP/SC: burst (size: 32): 160.00\n\
-                    ### Testing bulk enq/deq ###\nlegacy APIs: SP/SC: burst (size: 8): 1.0\n";
+                    legacy APIs: SP/SC: burst (size: 8): 1.0\n\
+                    ### Testing bulk enq/deq ###\n\
+                    legacy APIs: SP/SC: bulk (size: 8): 80.00\n\
+                    legacy APIs: MP/MC: bulk (size: 8): 99.00\n\
+                    legacy APIs: SP/SC: bulk (size: 32): 160.00\n\
+                    ### Testing empty bulk deq ###\nlegacy APIs: SP/SC: bulk (size: 8): 1.0\n";
         assert_eq!(parse_dpdk_major(text), Some(22));
         assert_eq!(parse_dpdk_one_core(text, 22), vec![(8, 10.0), (32, 5.0)]);
         assert_eq!(parse_dpdk_one_core(text, 23), vec![(8, 80.0), (32, 160.0)]);
