@@ -344,7 +344,9 @@ impl<T: Pod> Producer<T> {
         // consumer, and it reads none of them until the store below.
         unsafe {
             self.ring.slots.write_run(start, &items[..first]);
-            self.ring.slots.write_run(0, &items[first..]);
+            if first < items.len() {
+                self.ring.slots.write_run(0, &items[first..]);
+            }
         }
         self.tail = self.tail.wrapping_add(items.len() as u32);
         // Release, pairing with the consumer's Acquire load of `tail` in `available`: the slot
@@ -444,7 +446,9 @@ impl<T: Pod> Consumer<T> {
         // our Acquire load), and the producer does not overwrite them before our store below.
         unsafe {
             self.ring.slots.read_run(start, a);
-            self.ring.slots.read_run(0, b);
+            if !b.is_empty() {
+                self.ring.slots.read_run(0, b);
+            }
         }
         self.head = self.head.wrapping_add(out.len() as u32);
         // Release, pairing with the producer's Acquire load of `head` in `free`: our slot reads
