@@ -250,7 +250,8 @@ fn dpdk_once(cpus: Option<(usize, usize)>) -> anyhow::Result<DpdkRun> {
     Ok((found, one))
 }
 
-/// Runs the comparison.
+/// Runs the comparison. Runs are interleaved (run 1 of every ring and of dpdk-test, then run 2...)
+/// so that load changing over time on a shared machine biases no ring against another.
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.runs == 0 || args.iterations == 0 {
         bail!("--runs and --iterations must be positive");
@@ -263,56 +264,51 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("only one CPU available: the two-core rows run unpinned on it (not a two-core figure)");
         None
     };
-    let mut report = Report::new("ring");
-    // ours[cores - 1][burst index]
-    let mut ours = [[f64::NAN; BURSTS.len()]; 2];
-    for (k, &burst) in BURSTS.iter().enumerate() {
-        let (mut lanbus2, mut rtrb2, mut lanbus1, mut rtrb1) = (vec![], vec![], vec![], vec![]);
-        for run in 0..args.runs {
-            lanbus2.push(lanbus_once(burst, args.iterations, pin)?);
-            rtrb2.push(rtrb_once(burst, args.iterations, pin));
-            lanbus1.push(lanbus_one_core(burst, args.iterations)?);
-            rtrb1.push(rtrb_one_core(burst, args.iterations));
-            eprintln!(
-                "  burst {burst} run {}/{}: two cores: lanbus {:.2}, rtrb {:.2} ns/elem; one core: lanbus {:.2}, rtrb {:.2} ns/elem",
-                run + 1,
-                args.runs,
-                lanbus2[run],
-                rtrb2[run],
-                lanbus1[run],
-                rtrb1[run]
-            );
-        }
-        for (cores, lanbus, rtrb) in [(2u64, &lanbus2, &rtrb2), (1, &lanbus1, &rtrb1)] {
-            let m = median(lanbus).unwrap_or(f64::NAN);
-            ours[cores as usize - 1][k] = m;
-            report
-                .push(Row::new("lanbus", "ns_per_elem", m).with("burst", burst as u64).with("cores", cores));
-            let r = median(rtrb).unwrap_or(f64::NAN);
-            report.push(
-                Row::new("peer:rtrb", "ns_per_elem", r).with("burst", burst as u64).with("cores", cores),
-            );
-        }
-    }
     let have_dpdk = !args.no_dpdk && Command::new("dpdk-test").arg("--help").output().is_ok();
     if !have_dpdk {
         println!(
             "peer:rte_ring not measured: dpdk-test is not installed (it ships in Debian's dpdk-dev: \
              `apt-get install dpdk-dev`), or --no-dpdk was given"
         );
-    } else {
+    }
+    let hz = if have_dpdk {
         let hz = study::tsc_hz().context("the TSC frequency is needed to convert DPDK's cycles")?;
         println!("TSC at {:.3} GHz (measured)", hz / 1e9);
-        // cycles[cores - 1][burst index]
-        let mut cycles: [Vec<Vec<f64>>; 2] = [vec![Vec::new(); BURSTS.len()], vec![Vec::new(); BURSTS.len()]];
-        for run in 0..args.runs {
-            eprintln!("  dpdk-test ring_perf_autotest run {}/{} (takes a while)", run + 1, args.runs);
+        hz
+    } else {
+        f64::NAN
+    };
+    // samples[ring][cores - 1][burst index], ns per element; ring 0 lanbus, 1 rtrb, 2 rte_ring.
+    let mut samples = vec![vec![vec![Vec::<f64>::new(); BURSTS.len()]; 2]; 3];
+    for run in 0..args.runs {
+        for (k, &burst) in BURSTS.iter().enumerate() {
+            let got = [
+                (0, 1, lanbus_once(burst, args.iterations, pin)?),
+                (1, 1, rtrb_once(burst, args.iterations, pin)),
+                (0, 0, lanbus_one_core(burst, args.iterations)?),
+                (1, 0, rtrb_one_core(burst, args.iterations)),
+            ];
+            for (ring, c, v) in got {
+                samples[ring][c][k].push(v);
+            }
+            eprintln!(
+                "  run {}/{} burst {burst}: two cores: lanbus {:.2}, rtrb {:.2} ns/elem; one core: lanbus {:.2}, rtrb {:.2} ns/elem",
+                run + 1,
+                args.runs,
+                got[0].2,
+                got[1].2,
+                got[2].2,
+                got[3].2
+            );
+        }
+        if have_dpdk {
+            eprintln!("  run {}/{} dpdk-test ring_perf_autotest (takes a while)", run + 1, args.runs);
             match dpdk_once(pin) {
                 Ok((two, one)) => {
                     for (k, b) in BURSTS.iter().enumerate() {
                         for (c, found) in [(1, &two), (0, &one)] {
                             if let Some((_, v)) = found.iter().find(|(s, _)| s == b) {
-                                cycles[c][k].push(*v);
+                                samples[2][c][k].push(v / (hz / 1e9));
                             }
                         }
                     }
@@ -320,18 +316,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 Err(e) => println!("dpdk-test run failed: {e:#}"),
             }
         }
-        for cores in [2u64, 1] {
-            for (k, &burst) in BURSTS.iter().enumerate() {
-                let Some(c) = median(&cycles[cores as usize - 1][k]) else { continue };
-                let ns = c / (hz / 1e9);
+    }
+    let mut report = Report::new("ring");
+    for cores in [2u64, 1] {
+        for (k, &burst) in BURSTS.iter().enumerate() {
+            let c = cores as usize - 1;
+            let m: Vec<Option<f64>> = (0..3).map(|r| median(&samples[r][c][k])).collect();
+            for (r, name) in ["lanbus", "peer:rtrb", "peer:rte_ring"].iter().enumerate() {
+                if let Some(v) = m[r] {
+                    report.push(
+                        Row::new(*name, "ns_per_elem", v).with("burst", burst as u64).with("cores", cores),
+                    );
+                }
+            }
+            if let (Some(ours), Some(rte)) = (m[0], m[2]) {
                 report.push(
-                    Row::new("peer:rte_ring", "ns_per_elem", ns)
-                        .with("burst", burst as u64)
-                        .with("cores", cores),
-                );
-                let mine = ours[cores as usize - 1][k];
-                report.push(
-                    Row::new("lanbus", "ratio_to_rte_ring", mine / ns)
+                    Row::new("lanbus", "ratio_to_rte_ring", ours / rte)
                         .with("burst", burst as u64)
                         .with("cores", cores),
                 );
