@@ -19,6 +19,8 @@
 //! fill. That keeps the hot path free of allocation and lets kernel-bypass ports avoid copies.
 #![deny(missing_docs)]
 
+pub mod shm;
+
 use core::time::Duration;
 
 use lanbus_wire::MacAddr;

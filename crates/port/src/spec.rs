@@ -84,8 +84,14 @@ pub fn open(spec: &str) -> Result<Box<dyn Port>> {
             if path.is_empty() {
                 return Err(bad(spec, "expected shm:PATH, for example shm:/run/lanbus/a.sock"));
             }
-            // Wired at merge: the shared-memory port lives on another branch (the rings work).
-            Err(unavailable(spec, "the shm port is not part of this build yet (shared-memory rings port)"))
+            let port = crate::shm::ShmPort::open(spec).map_err(|e| match e {
+                PortError::Io { op, source } => unavailable(
+                    spec,
+                    format!("{op} at {path}: {source} (the directory must exist and be writable)"),
+                ),
+                other => whole(other),
+            })?;
+            Ok(Box::new(port))
         }
         #[cfg(feature = "dpdk")]
         ("dpdk", args) => {
@@ -168,7 +174,7 @@ mod tests {
             ("sim", false, "created in-process"),
             ("dpdk:-l 1", false, "--features dpdk"),
             ("afxdp:lbnosuchif0", false, "lbnosuchif0"),
-            ("shm:/tmp/x.sock", false, "shm"),
+            ("shm:/nonexistent-dir/x.sock", false, "nonexistent-dir"),
             ("afpacket:lbnosuchif0", false, "no interface named"),
             ("udp:192.0.2.77:7000", false, "not an address of this machine"),
         ];

@@ -5,7 +5,9 @@
 
 pub mod nbd;
 pub mod report;
+mod ring;
 pub mod transport_core;
+mod vring;
 
 use clap::Subcommand;
 
@@ -17,6 +19,10 @@ pub enum BenchCommand {
     TransportCore(transport_core::TransportCoreArgs),
     /// fio (nbd engine) against lanbus's NBD server (file and RAM) and qemu-nbd on the same file.
     Nbd(nbd::NbdBenchArgs),
+    /// The vhost-user cache study (seed 003): factors (a)-(e) on a two-thread virtqueue model.
+    Vring(vring::Args),
+    /// Our SPSC ring against DPDK rte_ring (dpdk-test) and the rtrb crate, ns per element.
+    Ring(ring::Args),
 }
 
 /// Runs one benchmark.
@@ -24,5 +30,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::TransportCore(args) => transport_core::run(args),
         BenchCommand::Nbd(args) => nbd::run(args),
+        BenchCommand::Vring(a) => vring::run(a),
+        BenchCommand::Ring(a) => ring::run(a),
     }
 }

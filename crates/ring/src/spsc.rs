@@ -1,0 +1,515 @@
+//! Single-producer single-consumer ring of `Pod` elements, in one process or across two.
+//!
+//! Layer: rings. The layout follows DPDK's `rte_ring` (`rte_ring_core.h`) and the vhost-user cache
+//! study (seed 003, factor (a)): every variable one core writes and the other reads sits on its own
+//! cache line, with an unused guard line after each so the adjacent-line prefetcher does not pull
+//! the neighbour's line in:
+//!
+//! ```text
+//! offset   0  config line   magic, capacity, element size (written once by `format`)
+//! offset  64  producer line  tail: next index the producer writes (free-running u32)
+//! offset 128  guard line
+//! offset 192  consumer line  head: next index the consumer reads (free-running u32)
+//! offset 256  guard line
+//! offset 320  wait line      consumer "about to sleep" flag for eventfd wake-ups
+//! offset 384  slots          capacity * size_of::<T>(), capacity a power of two
+//! ```
+//!
+//! Invariants: indices run freely and wrap at 2^32; a slot is `index & (capacity - 1)`; always
+//! `tail - head <= capacity` (wrapping). Each side keeps its own index privately (the copy in shared
+//! memory is only published, never read back) and caches the other side's, reloading it only when
+//! the cached value says the ring is full (producer) or empty (consumer). A reloaded index that
+//! breaks `tail - head <= capacity` can only come from a faulty peer: the call returns
+//! [`Error::Corrupt`] and touches no slot. Slot positions are masked, so no index value whatever can
+//! make either side access memory outside the ring.
+
+use std::sync::Arc;
+
+use crate::sync::{fence, AtomicU32, CacheAligned, Ordering};
+use crate::{Error, Pod, Result};
+
+/// The magic number in a ring's config line ("LBRG").
+pub const RING_MAGIC: u32 = 0x4c42_5247;
+
+/// Byte offsets inside a formatted ring (for tests and tools that inspect shared memory).
+pub mod layout {
+    /// The producer's published index (u32).
+    pub const TAIL: usize = 64;
+    /// The consumer's published index (u32).
+    pub const HEAD: usize = 192;
+    /// The consumer's wait flag (u32).
+    pub const WAITING: usize = 320;
+    /// Where the slots start.
+    pub const SLOTS: usize = 384;
+}
+
+#[repr(C)]
+struct Config {
+    magic: u32,
+    capacity: u32,
+    elem_size: u32,
+}
+
+/// The shared header of a ring; see the module docs for the layout.
+#[repr(C)]
+pub(crate) struct RingHeader {
+    config: CacheAligned<Config>,
+    tail: CacheAligned<AtomicU32>,
+    _guard0: [u8; 64],
+    head: CacheAligned<AtomicU32>,
+    _guard1: [u8; 64],
+    waiting: CacheAligned<AtomicU32>,
+}
+
+const _: () = assert!(core::mem::size_of::<RingHeader>() == layout::SLOTS);
+
+/// Bytes a ring of `capacity` elements of `T` occupies in a region (a multiple of 64).
+pub fn bytes_needed<T: Pod>(capacity: u32) -> usize {
+    (layout::SLOTS + capacity as usize * core::mem::size_of::<T>()).next_multiple_of(64)
+}
+
+fn check_capacity(capacity: u32) -> Result<()> {
+    if capacity.is_power_of_two() && capacity <= 1 << 24 {
+        Ok(())
+    } else {
+        Err(Error::Misuse("ring capacity must be a power of two no larger than 2^24"))
+    }
+}
+
+#[cfg(not(loom))]
+mod storage {
+    use super::*;
+    use crate::region::Region;
+
+    /// What keeps the ring's memory alive.
+    pub(crate) type Keep = Arc<Region>;
+
+    /// The slot array: a raw pointer into the region.
+    pub(crate) struct Slots<T> {
+        ptr: *mut T,
+    }
+
+    impl<T: Pod> Slots<T> {
+        pub(crate) fn new(ptr: *mut T) -> Self {
+            Slots { ptr }
+        }
+
+        /// Copies slots `start..start + out.len()` into `out`.
+        ///
+        /// # Safety
+        /// The range is below capacity, and the protocol gives this side the slots (consumer:
+        /// published by the producer and not yet released).
+        #[inline(always)]
+        pub(crate) unsafe fn read_run(&self, start: usize, out: &mut [T]) {
+            // SAFETY: in bounds by the caller's contract; `out` is private memory. The values are
+            // copied out once, so a faulty peer rewriting them meanwhile can only change what we
+            // read (T is Pod: any bits are a value), never make us read twice.
+            unsafe { core::ptr::copy_nonoverlapping(self.ptr.add(start), out.as_mut_ptr(), out.len()) }
+        }
+
+        /// Copies `items` into slots `start..start + items.len()`.
+        ///
+        /// # Safety
+        /// The range is below capacity, and the protocol gives this side the slots (producer:
+        /// released by the consumer); the consumer reads none of them before the Release store of
+        /// `tail` that follows.
+        #[inline(always)]
+        pub(crate) unsafe fn write_run(&self, start: usize, items: &[T]) {
+            // SAFETY: in bounds and exclusively ours by the caller's contract.
+            unsafe { core::ptr::copy_nonoverlapping(items.as_ptr(), self.ptr.add(start), items.len()) }
+        }
+    }
+}
+
+#[cfg(loom)]
+mod storage {
+    use super::*;
+
+    /// What keeps the ring's memory alive (the loom header).
+    pub(crate) type Keep = Arc<RingHeader>;
+
+    /// The slot array as loom cells, so loom reports any access not ordered by the index protocol.
+    pub(crate) struct Slots<T> {
+        cells: Arc<[loom::cell::UnsafeCell<T>]>,
+    }
+
+    impl<T: Pod> Slots<T> {
+        pub(crate) fn new_loom(capacity: usize) -> Self {
+            // SAFETY: T is Pod, so all-zero bytes are a valid value.
+            let cells = (0..capacity).map(|_| loom::cell::UnsafeCell::new(unsafe { core::mem::zeroed() }));
+            Slots { cells: cells.collect() }
+        }
+
+        pub(crate) fn clone_ref(&self) -> Self {
+            Slots { cells: self.cells.clone() }
+        }
+
+        /// # Safety
+        /// As the non-loom version.
+        pub(crate) unsafe fn read_run(&self, start: usize, out: &mut [T]) {
+            for (k, o) in out.iter_mut().enumerate() {
+                // SAFETY: loom checks that no write to this cell is concurrent with the read.
+                *o = self.cells[start + k].with(|p| unsafe { *p });
+            }
+        }
+
+        /// # Safety
+        /// As the non-loom version.
+        pub(crate) unsafe fn write_run(&self, start: usize, items: &[T]) {
+            for (k, v) in items.iter().enumerate() {
+                // SAFETY: loom checks that no other access to this cell is concurrent with the write.
+                self.cells[start + k].with_mut(|p| unsafe { *p = *v });
+            }
+        }
+    }
+}
+
+use storage::{Keep, Slots};
+
+struct Ring<T> {
+    hdr: *const RingHeader,
+    slots: Slots<T>,
+    mask: u32,
+    capacity: u32,
+    _keep: Keep,
+}
+
+// SAFETY: the ring's memory is kept alive by `_keep`; the producer and consumer halves access it
+// only through atomics and through slots the index protocol hands to one side at a time.
+unsafe impl<T: Pod> Send for Ring<T> {}
+
+impl<T: Pod> Ring<T> {
+    #[inline(always)]
+    fn hdr(&self) -> &RingHeader {
+        // SAFETY: `hdr` points to a header inside memory that `_keep` keeps mapped; the header's
+        // fields are atomics or plain u32s written before the ring was shared.
+        unsafe { &*self.hdr }
+    }
+}
+
+/// Creates an in-process ring of `capacity` (a power of two) elements.
+pub fn channel<T: Pod>(capacity: u32) -> Result<(Producer<T>, Consumer<T>)> {
+    check_capacity(capacity)?;
+    #[cfg(not(loom))]
+    {
+        let region = Arc::new(crate::Region::anonymous(bytes_needed::<T>(capacity))?);
+        format::<T>(&region, 0, capacity)?;
+        Ok((Producer::attach(region.clone(), 0)?, Consumer::attach(region, 0)?))
+    }
+    #[cfg(loom)]
+    {
+        let hdr = Arc::new(RingHeader {
+            config: CacheAligned(Config { magic: RING_MAGIC, capacity, elem_size: 0 }),
+            tail: CacheAligned(AtomicU32::new(0)),
+            _guard0: [0; 64],
+            head: CacheAligned(AtomicU32::new(0)),
+            _guard1: [0; 64],
+            waiting: CacheAligned(AtomicU32::new(0)),
+        });
+        let slots = Slots::new_loom(capacity as usize);
+        let ring =
+            |slots| Ring { hdr: Arc::as_ptr(&hdr), slots, mask: capacity - 1, capacity, _keep: hdr.clone() };
+        let p = Producer { ring: ring(slots.clone_ref()), tail: 0, cached_head: 0 };
+        let c = Consumer { ring: ring(slots), head: 0, cached_tail: 0 };
+        Ok((p, c))
+    }
+}
+
+/// Writes an empty ring of `capacity` elements of `T` at `offset` in `region` (64-byte aligned,
+/// [`bytes_needed`] long). Done once, by the side that creates the shared memory, before the peer
+/// attaches.
+#[cfg(not(loom))]
+pub fn format<T: Pod>(region: &crate::Region, offset: usize, capacity: u32) -> Result<()> {
+    check_capacity(capacity)?;
+    let base = region.range(offset, bytes_needed::<T>(capacity), 64)?;
+    // SAFETY: `base..base+bytes_needed` is inside the region (checked), 64-byte aligned; no handle
+    // to this ring exists yet, so plain writes race with nobody in this process.
+    unsafe {
+        core::ptr::write_bytes(base, 0, layout::SLOTS);
+        let cfg = base.cast::<Config>();
+        (*cfg).magic = RING_MAGIC;
+        (*cfg).capacity = capacity;
+        (*cfg).elem_size = core::mem::size_of::<T>() as u32;
+    }
+    Ok(())
+}
+
+/// Reads and validates a ring's config line at `offset`: magic, element size, capacity, bounds.
+#[cfg(not(loom))]
+fn attach<T: Pod>(region: Arc<crate::Region>) -> impl FnOnce(usize) -> Result<Ring<T>> {
+    move |offset| {
+        let base = region.range(offset, layout::SLOTS, 64)?;
+        // SAFETY: the config line is inside the region (checked); volatile reads because the peer
+        // may be writing it: each field is fetched once and validated below.
+        let (magic, capacity, elem_size) = unsafe {
+            let cfg = base.cast::<Config>();
+            (
+                core::ptr::addr_of!((*cfg).magic).read_volatile(),
+                core::ptr::addr_of!((*cfg).capacity).read_volatile(),
+                core::ptr::addr_of!((*cfg).elem_size).read_volatile(),
+            )
+        };
+        if magic != RING_MAGIC {
+            return Err(Error::Corrupt("ring magic missing (not a formatted ring)"));
+        }
+        if elem_size as usize != core::mem::size_of::<T>() {
+            return Err(Error::Corrupt("ring element size differs from this side's type"));
+        }
+        check_capacity(capacity).map_err(|_| Error::Corrupt("ring capacity is not a power of two"))?;
+        region.range(offset, bytes_needed::<T>(capacity), 64)?;
+        // SAFETY: the slots lie inside the region (checked just above) and are aligned: 64-byte
+        // aligned base + 384, and Pod types have alignment at most 64.
+        let slots = unsafe { base.add(layout::SLOTS) }.cast::<T>();
+        Ok(Ring { hdr: base.cast(), slots: Slots::new(slots), mask: capacity - 1, capacity, _keep: region })
+    }
+}
+
+/// The producing half. Not `Clone`: exactly one producer.
+pub struct Producer<T: Pod> {
+    ring: Ring<T>,
+    /// Our own index (authoritative; the shared copy is only published).
+    tail: u32,
+    /// The consumer's index as last loaded.
+    cached_head: u32,
+}
+
+/// The consuming half. Not `Clone`: exactly one consumer.
+pub struct Consumer<T: Pod> {
+    ring: Ring<T>,
+    /// Our own index (authoritative; the shared copy is only published).
+    head: u32,
+    /// The producer's index as last loaded.
+    cached_tail: u32,
+}
+
+impl<T: Pod> core::fmt::Debug for Producer<T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Producer").field("tail", &self.tail).field("capacity", &self.ring.capacity).finish()
+    }
+}
+
+impl<T: Pod> core::fmt::Debug for Consumer<T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Consumer").field("head", &self.head).field("capacity", &self.ring.capacity).finish()
+    }
+}
+
+impl<T: Pod> Producer<T> {
+    /// Attaches the producer to a ring formatted at `offset` in a (possibly peer-made) region,
+    /// validating its config and current indices.
+    #[cfg(not(loom))]
+    pub fn attach(region: Arc<crate::Region>, offset: usize) -> Result<Self> {
+        let ring = attach::<T>(region)(offset)?;
+        // Acquire, pairing with the peer's Release stores of its index (a consumer that attached
+        // earlier): we then see the slots as it left them. Relaxed would do for a fresh ring.
+        let tail = ring.hdr().tail.load(Ordering::Acquire);
+        let head = ring.hdr().head.load(Ordering::Acquire);
+        if tail.wrapping_sub(head) > ring.capacity {
+            return Err(Error::Corrupt("ring indices out of range at attach"));
+        }
+        Ok(Producer { ring, tail, cached_head: head })
+    }
+
+    /// The ring's capacity.
+    pub fn capacity(&self) -> usize {
+        self.ring.capacity as usize
+    }
+
+    /// Free slots, reloading the consumer's index only if the cache says fewer than `want`.
+    #[inline(always)]
+    fn free(&mut self, want: u32) -> Result<u32> {
+        let cap = self.ring.capacity;
+        let free = cap - self.tail.wrapping_sub(self.cached_head);
+        if free >= want {
+            return Ok(free);
+        }
+        // Acquire, pairing with the consumer's Release store of `head` in `dequeue`: the consumer's
+        // reads of the slots it released happen before our overwriting them.
+        let head = self.ring.hdr().head.load(Ordering::Acquire);
+        let used = self.tail.wrapping_sub(head);
+        if used > cap {
+            return Err(Error::Corrupt("consumer index out of range"));
+        }
+        self.cached_head = head;
+        Ok(cap - used)
+    }
+
+    #[inline(always)]
+    fn write_and_publish(&mut self, items: &[T]) {
+        let start = (self.tail & self.ring.mask) as usize;
+        // At most two runs: up to the end of the array, then from its start.
+        let first = items.len().min(self.ring.capacity as usize - start);
+        // SAFETY: both runs lie below capacity (start is masked, first <= capacity - start, and
+        // items.len() <= capacity); `free` showed these slots after tail are released by the
+        // consumer, and it reads none of them until the store below.
+        unsafe {
+            self.ring.slots.write_run(start, &items[..first]);
+            if first < items.len() {
+                self.ring.slots.write_run(0, &items[first..]);
+            }
+        }
+        self.tail = self.tail.wrapping_add(items.len() as u32);
+        // Release, pairing with the consumer's Acquire load of `tail` in `available`: the slot
+        // writes above happen before the consumer reads them.
+        self.ring.hdr().tail.store(self.tail, Ordering::Release);
+    }
+
+    /// Enqueues as many of `items` as fit; returns how many (0 when full).
+    #[inline]
+    pub fn enqueue_burst(&mut self, items: &[T]) -> Result<usize> {
+        let want = items.len().min(self.ring.capacity as usize) as u32;
+        let n = self.free(want)?.min(want) as usize;
+        if n > 0 {
+            self.write_and_publish(&items[..n]);
+        }
+        Ok(n)
+    }
+
+    /// Enqueues all of `items` or none; returns whether it did.
+    #[inline]
+    pub fn enqueue_bulk(&mut self, items: &[T]) -> Result<bool> {
+        if items.len() > self.ring.capacity as usize {
+            return Ok(false);
+        }
+        if (self.free(items.len() as u32)? as usize) < items.len() {
+            return Ok(false);
+        }
+        self.write_and_publish(items);
+        Ok(true)
+    }
+
+    /// Enqueues one element; `Ok(false)` when the ring is full.
+    #[inline]
+    pub fn try_push(&mut self, item: T) -> Result<bool> {
+        self.enqueue_bulk(core::slice::from_ref(&item))
+    }
+
+    /// Whether the consumer said it is about to sleep and should be woken (write its eventfd).
+    /// Call after publishing. Pairs with [`Consumer::prepare_wait`]: each side stores its own
+    /// flag/index, then a SeqCst fence, then loads the other's, so at least one of them sees the
+    /// other's store and a wake-up is never lost.
+    pub fn wake_needed(&self) -> bool {
+        // SeqCst fence: orders our Release store of `tail` before the load of `waiting` (a plain
+        // Release/Acquire pair would allow the store-load reordering that loses wake-ups).
+        fence(Ordering::SeqCst);
+        // Relaxed: ordering comes from the fence above, pairing with the fence in prepare_wait.
+        self.ring.hdr().waiting.load(Ordering::Relaxed) != 0
+    }
+}
+
+impl<T: Pod> Consumer<T> {
+    /// Attaches the consumer to a ring formatted at `offset` in a (possibly peer-made) region,
+    /// validating its config and current indices.
+    #[cfg(not(loom))]
+    pub fn attach(region: Arc<crate::Region>, offset: usize) -> Result<Self> {
+        let ring = attach::<T>(region)(offset)?;
+        // Acquire, pairing with the producer's Release store of `tail`: slots it published are
+        // visible to us.
+        let tail = ring.hdr().tail.load(Ordering::Acquire);
+        let head = ring.hdr().head.load(Ordering::Acquire);
+        if tail.wrapping_sub(head) > ring.capacity {
+            return Err(Error::Corrupt("ring indices out of range at attach"));
+        }
+        Ok(Consumer { ring, head, cached_tail: tail })
+    }
+
+    /// The ring's capacity.
+    pub fn capacity(&self) -> usize {
+        self.ring.capacity as usize
+    }
+
+    /// Elements ready, reloading the producer's index only if the cache says fewer than `want`.
+    #[inline(always)]
+    fn available(&mut self, want: u32) -> Result<u32> {
+        let ready = self.cached_tail.wrapping_sub(self.head);
+        if ready >= want {
+            return Ok(ready);
+        }
+        // Acquire, pairing with the producer's Release store of `tail` in `write_and_publish`: the
+        // producer's slot writes happen before our reads of them.
+        let tail = self.ring.hdr().tail.load(Ordering::Acquire);
+        let ready = tail.wrapping_sub(self.head);
+        if ready > self.ring.capacity {
+            return Err(Error::Corrupt("producer index out of range"));
+        }
+        self.cached_tail = tail;
+        Ok(ready)
+    }
+
+    #[inline(always)]
+    fn read_and_release(&mut self, out: &mut [T]) {
+        let start = (self.head & self.ring.mask) as usize;
+        let first = out.len().min(self.ring.capacity as usize - start);
+        let (a, b) = out.split_at_mut(first);
+        // SAFETY: both runs lie below capacity (as in write_and_publish); `available` showed
+        // these slots are published by the producer (its Release store of tail was observed by
+        // our Acquire load), and the producer does not overwrite them before our store below.
+        unsafe {
+            self.ring.slots.read_run(start, a);
+            if !b.is_empty() {
+                self.ring.slots.read_run(0, b);
+            }
+        }
+        self.head = self.head.wrapping_add(out.len() as u32);
+        // Release, pairing with the producer's Acquire load of `head` in `free`: our slot reads
+        // happen before the producer reuses the slots.
+        self.ring.hdr().head.store(self.head, Ordering::Release);
+    }
+
+    /// Dequeues up to `out.len()` elements into `out`; returns how many (0 when empty).
+    #[inline]
+    pub fn dequeue_burst(&mut self, out: &mut [T]) -> Result<usize> {
+        let want = out.len().min(self.ring.capacity as usize) as u32;
+        let n = self.available(want)?.min(want) as usize;
+        if n > 0 {
+            self.read_and_release(&mut out[..n]);
+        }
+        Ok(n)
+    }
+
+    /// Fills all of `out` or takes nothing; returns whether it did.
+    #[inline]
+    pub fn dequeue_bulk(&mut self, out: &mut [T]) -> Result<bool> {
+        if out.len() > self.ring.capacity as usize {
+            return Ok(false);
+        }
+        if (self.available(out.len() as u32)? as usize) < out.len() {
+            return Ok(false);
+        }
+        self.read_and_release(out);
+        Ok(true)
+    }
+
+    /// Dequeues one element.
+    #[inline]
+    pub fn try_pop(&mut self) -> Result<Option<T>> {
+        let mut one = [T::zeroed()];
+        Ok(if self.dequeue_bulk(&mut one)? { Some(one[0]) } else { None })
+    }
+
+    /// Elements ready now (loads the producer's index).
+    pub fn len(&mut self) -> Result<usize> {
+        self.available(u32::MAX).map(|n| n as usize)
+    }
+
+    /// Whether nothing is ready now (loads the producer's index if the cache says empty).
+    pub fn is_empty(&mut self) -> Result<bool> {
+        self.available(1).map(|n| n == 0)
+    }
+
+    /// Announces that the consumer is about to block. Then re-check [`Consumer::is_empty`]: only if
+    /// the ring is still empty may the consumer sleep (on its eventfd); call
+    /// [`Consumer::finish_wait`] when awake. See [`Producer::wake_needed`] for the pairing.
+    pub fn prepare_wait(&self) {
+        // Relaxed store + SeqCst fence: the fence orders this store before the re-check's load of
+        // `tail`, pairing with the SeqCst fence in `Producer::wake_needed`.
+        self.ring.hdr().waiting.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Clears the wait flag after waking (or after the re-check found work).
+    pub fn finish_wait(&self) {
+        // Relaxed: a stale 1 seen by the producer only costs a spurious eventfd write.
+        self.ring.hdr().waiting.store(0, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,541 @@
+//! The vhost-user cache study of seed 003, as a runnable model (`lanbus bench vring`).
+//!
+//! Layer: rings (measurement code; not used by the data plane). An **Rx thread** (the vhost
+//! back-end) takes free guest buffers from a packed virtqueue, copies 64 B packets into them from
+//! a host packet pool and marks them used; a **guest thread** (the virtio-net driver) takes used
+//! buffers, reads each packet and gives a fresh buffer back. Both run in bursts of 32. Five
+//! factors, each switchable ([`Factors`]):
+//!
+//! - (a) `last_avail_idx` (written by Rx per packet) and `last_used_idx` (written by the guest per
+//!   packet) each on its own cache line with a guard line, away from the descriptors. Off: packed
+//!   together at the head of the queue struct, sharing a line with the first descriptors (as in
+//!   the paper's base: `struct vq { int32 last_avail_idx, last_used_idx; desc descs[256]; }`).
+//! - (b) the Rx copy uses non-temporal stores (one `sfence` per burst, before publishing).
+//! - (c) 8 B descriptors (buffer index u32, len u16, flags u16) instead of 16 B (address u64,
+//!   len u32, id u16, flags u16).
+//! - (d) no 128 B per-packet header (the `rte_mbuf`): off, the guest writes 128 B of metadata at
+//!   the head of every buffer it receives, and packet data starts at +128.
+//! - (e) 64 B of packet space per buffer instead of 2048 B.
+//!
+//! Buffer stride = header (128 or 0) + data (2048 or 64): base 2176 B, (e) 192 B, (d) 2048 B,
+//! (d)+(e) 64 B. The guest allocates buffers round-robin from a pool of [`StudyConfig::pool_buffers`]
+//! (a DPDK mempool), the Rx thread copies from [`SOURCE_PACKETS`] host packets of the same layout.
+//! Every packet carries its sequence number, which the guest checks, so a broken protocol fails
+//! the run instead of producing a number.
+//!
+//! Invariants of the queue protocol are those of [`crate::virtqueue`] (avail/used flags with wrap
+//! counters, Release on the flags store, Acquire on the flags load); the model re-implements it on
+//! raw memory because the layouts under study are not the ones the real queue uses.
+
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::copy::{copy_bytes, store_fence, CopyMode};
+use crate::{Region, Result};
+
+/// Host packets the Rx thread copies from, cycled.
+pub const SOURCE_PACKETS: usize = 512;
+/// Bytes per packet.
+pub const PACKET_BYTES: usize = 64;
+/// Packets per burst on both threads.
+pub const BURST: usize = 32;
+
+const F_AVAIL: u16 = 1 << 7;
+const F_USED: u16 = 1 << 15;
+
+/// Which of the paper's factors are on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Factors {
+    /// Shared variables on separate cache lines.
+    pub a: bool,
+    /// Non-temporal copy.
+    pub b: bool,
+    /// 8 B descriptors.
+    pub c: bool,
+    /// No per-packet 128 B header.
+    pub d: bool,
+    /// 64 B packet buffers.
+    pub e: bool,
+}
+
+impl Factors {
+    /// Parses a row name: `base`, `all`, or letters joined by `+` (`a+d`).
+    pub fn parse(name: &str) -> Option<Factors> {
+        let mut f = Factors::default();
+        match name {
+            "base" => return Some(f),
+            "all" => return Some(Factors { a: true, b: true, c: true, d: true, e: true }),
+            _ => {}
+        }
+        for part in name.split('+') {
+            match part {
+                "a" => f.a = true,
+                "b" => f.b = true,
+                "c" => f.c = true,
+                "d" => f.d = true,
+                "e" => f.e = true,
+                _ => return None,
+            }
+        }
+        Some(f)
+    }
+
+    fn header_bytes(&self) -> usize {
+        if self.d {
+            0
+        } else {
+            128
+        }
+    }
+
+    /// Bytes per buffer (header + packet space).
+    pub fn stride(&self) -> usize {
+        self.header_bytes() + if self.e { PACKET_BYTES } else { 2048 }
+    }
+
+    fn desc_bytes(&self) -> usize {
+        if self.c {
+            8
+        } else {
+            16
+        }
+    }
+}
+
+/// One run's parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct StudyConfig {
+    /// The factors.
+    pub factors: Factors,
+    /// Packets to move.
+    pub packets: u64,
+    /// Descriptors in the virtqueue (a power of two).
+    pub queue_size: usize,
+    /// Guest buffers, allocated round-robin (at least twice the queue size).
+    pub pool_buffers: usize,
+    /// CPUs to pin the Rx and guest threads to; `None` runs unpinned.
+    pub cpus: Option<(usize, usize)>,
+}
+
+impl StudyConfig {
+    /// The defaults used by `lanbus bench vring`: 256 descriptors, 8192 guest buffers.
+    pub fn new(factors: Factors, packets: u64) -> Self {
+        StudyConfig { factors, packets, queue_size: 256, pool_buffers: 8192, cpus: None }
+    }
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, Copy)]
+pub struct StudyResult {
+    /// Packets moved.
+    pub packets: u64,
+    /// Wall time from both threads ready to the guest's last packet.
+    pub elapsed: Duration,
+    /// Whether both threads were pinned as asked.
+    pub pinned: bool,
+}
+
+impl StudyResult {
+    /// Millions of packets per second.
+    pub fn mpps(&self) -> f64 {
+        self.packets as f64 / self.elapsed.as_secs_f64() / 1e6
+    }
+}
+
+/// The CPUs this process may run on (sched_getaffinity).
+pub fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it; the result is checked.
+    unsafe {
+        let mut set: libc::cpu_set_t = core::mem::zeroed();
+        if libc::sched_getaffinity(0, core::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
+    }
+}
+
+/// Pins the calling thread to `cpu`; returns whether it worked.
+pub fn pin_current_thread(cpu: usize) -> bool {
+    // SAFETY: cpu_set_t is plain data; CPU_SET writes inside it (cpu < CPU_SETSIZE checked);
+    // sched_setaffinity(0) applies to the calling thread.
+    unsafe {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return false;
+        }
+        let mut set: libc::cpu_set_t = core::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, core::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// The time-stamp counter's frequency in Hz, measured against the monotonic clock over ~200 ms
+/// (to turn DPDK's cycle counts into nanoseconds). `None` off x86-64.
+pub fn tsc_hz() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: rdtsc has no preconditions on x86-64.
+        let c0 = unsafe { core::arch::x86_64::_rdtsc() };
+        let t0 = Instant::now();
+        std::thread::sleep(Duration::from_millis(200));
+        // SAFETY: as above.
+        let c1 = unsafe { core::arch::x86_64::_rdtsc() };
+        let dt = t0.elapsed().as_secs_f64();
+        Some(c1.wrapping_sub(c0) as f64 / dt)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
+/// The memory of one model instance: queue struct, guest pool, host packet pool.
+struct Model {
+    f: Factors,
+    qsize: usize,
+    avail_idx_off: usize,
+    used_idx_off: usize,
+    desc_off: usize,
+    queue: Region,
+    guest: Region,
+    host: Region,
+    pool_buffers: usize,
+}
+
+// SAFETY: the model's regions are accessed by the two threads under the packed-ring protocol
+// (flags with Release/Acquire) and otherwise only through atomics.
+unsafe impl Sync for Model {}
+
+impl Model {
+    fn new(cfg: &StudyConfig) -> Result<Model> {
+        let f = cfg.factors;
+        let qsize = cfg.queue_size;
+        let descs = (qsize * f.desc_bytes()).next_multiple_of(64);
+        let (avail_idx_off, used_idx_off, desc_off, qbytes) = if f.a {
+            // last_avail_idx line, guard, descriptors, guard, last_used_idx line, guard.
+            (0, 128 + descs + 64, 128, 128 + descs + 64 + 128)
+        } else {
+            // Both indices packed at the head, descriptors right after (16-aligned).
+            (0, 4, 16, 16 + descs)
+        };
+        let stride = f.stride();
+        let queue = Region::anonymous(qbytes)?;
+        let guest = Region::anonymous(cfg.pool_buffers * stride)?;
+        let host = Region::anonymous(SOURCE_PACKETS * stride)?;
+        // Fault every page in before timing.
+        // SAFETY: each region is at least as long as written here and private to this thread.
+        unsafe {
+            core::ptr::write_bytes(guest.as_ptr(), 0, cfg.pool_buffers * stride);
+            core::ptr::write_bytes(host.as_ptr(), 0, SOURCE_PACKETS * stride);
+            for p in 0..SOURCE_PACKETS {
+                let pkt = host.as_ptr().add(p * stride + f.header_bytes());
+                for w in 0..PACKET_BYTES / 8 {
+                    pkt.cast::<u64>().add(w).write(p as u64 + w as u64);
+                }
+            }
+        }
+        Ok(Model {
+            f,
+            qsize,
+            avail_idx_off,
+            used_idx_off,
+            desc_off,
+            queue,
+            guest,
+            host,
+            pool_buffers: cfg.pool_buffers,
+        })
+    }
+
+    #[inline(always)]
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: offsets are inside the queue region and 4-aligned (see `new`).
+        unsafe { &*self.queue.as_ptr().add(off).cast::<AtomicU32>() }
+    }
+
+    #[inline(always)]
+    fn desc(&self, i: usize) -> *mut u8 {
+        // SAFETY: i < qsize, so the descriptor is inside the queue region.
+        unsafe { self.queue.as_ptr().add(self.desc_off + i * self.f.desc_bytes()) }
+    }
+
+    #[inline(always)]
+    fn flags(&self, i: usize) -> &AtomicU16 {
+        let at = if self.f.c { 6 } else { 14 };
+        // SAFETY: inside descriptor i, 2-aligned.
+        unsafe { &*self.desc(i).add(at).cast::<AtomicU16>() }
+    }
+
+    #[inline(always)]
+    fn buffer(&self, b: usize) -> *mut u8 {
+        // SAFETY: b < pool_buffers.
+        unsafe { self.guest.as_ptr().add(b * self.f.stride()) }
+    }
+
+    /// Writes descriptor i's body: buffer b, length.
+    #[inline(always)]
+    fn write_desc(&self, i: usize, b: usize, len: usize) {
+        let d = self.desc(i);
+        // SAFETY: the descriptor is inside the queue and owned by this side until its flags store.
+        unsafe {
+            if self.f.c {
+                d.cast::<u32>().write(b as u32);
+                d.add(4).cast::<u16>().write(len as u16);
+            } else {
+                d.cast::<u64>().write(self.buffer(b) as u64);
+                d.add(8).cast::<u32>().write(len as u32);
+                d.add(12).cast::<u16>().write(b as u16);
+            }
+        }
+    }
+
+    /// The buffer address descriptor i names.
+    #[inline(always)]
+    fn desc_buffer(&self, i: usize) -> *mut u8 {
+        let d = self.desc(i);
+        // SAFETY: inside the queue; the flags load (Acquire) before this made the body visible.
+        unsafe {
+            if self.f.c {
+                self.buffer(d.cast::<u32>().read() as usize)
+            } else {
+                d.cast::<u64>().read() as *mut u8
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn set_len(&self, i: usize, len: usize) {
+        let d = self.desc(i);
+        // SAFETY: inside the queue; this side owns the descriptor until its flags store.
+        unsafe {
+            if self.f.c {
+                d.add(4).cast::<u16>().write(len as u16);
+            } else {
+                d.add(8).cast::<u32>().write(len as u32);
+            }
+        }
+    }
+}
+
+/// The Rx (vhost back-end) thread.
+fn rx_thread(m: &Model, packets: u64, mode: CopyMode) {
+    let hdr = m.f.header_bytes();
+    let stride = m.f.stride();
+    let mut wrap = true;
+    let mut src = 0usize;
+    let mut done = 0u64;
+    let mut idle = 0u32;
+    let mut slots = [0usize; BURST];
+    let mut wraps = [false; BURST];
+    while done < packets {
+        let want = ((packets - done) as usize).min(BURST);
+        let mut n = 0;
+        while n < want {
+            // The device's position lives in the shared struct, read and written per packet.
+            // Relaxed: only this thread writes it; it is shared state in the paper's layout.
+            let i = m.u32_at(m.avail_idx_off).load(Ordering::Relaxed) as usize;
+            // Acquire, pairing with the guest's Release store of the avail flags.
+            let fl = m.flags(i).load(Ordering::Acquire);
+            if ((fl & F_AVAIL != 0) != wrap) || ((fl & F_USED != 0) == wrap) {
+                break;
+            }
+            let dst = m.desc_buffer(i);
+            let mut pkt = [0u8; PACKET_BYTES];
+            // SAFETY: the source packet lies inside the host pool (src < SOURCE_PACKETS).
+            unsafe {
+                let s = m.host.as_ptr().add(src * stride + hdr);
+                core::ptr::copy_nonoverlapping(s, pkt.as_mut_ptr(), PACKET_BYTES);
+            }
+            // Stamp the sequence number (the guest checks it).
+            pkt[..8].copy_from_slice(&(done + n as u64).to_le_bytes());
+            // SAFETY: `dst` is a guest buffer the guest made available (so ours until the used
+            // flag), stride bytes long. For NT copies the sfence below precedes the Release store
+            // that publishes the buffer.
+            unsafe { copy_bytes(mode, dst.add(hdr), pkt.as_ptr(), PACKET_BYTES) };
+            m.set_len(i, PACKET_BYTES);
+            src = (src + 1) % SOURCE_PACKETS;
+            slots[n] = i;
+            wraps[n] = wrap;
+            let next = (i + 1) & (m.qsize - 1);
+            if next == 0 {
+                wrap = !wrap;
+            }
+            // Relaxed: own state; see above.
+            m.u32_at(m.avail_idx_off).store(next as u32, Ordering::Relaxed);
+            n += 1;
+        }
+        if n == 0 {
+            idle = idle.wrapping_add(1);
+            if idle.is_multiple_of(1024) {
+                std::thread::yield_now();
+            }
+            core::hint::spin_loop();
+            continue;
+        }
+        store_fence(mode);
+        for k in 0..n {
+            let used = if wraps[k] { F_AVAIL | F_USED } else { 0 };
+            // Release, pairing with the guest's Acquire load of the used flags.
+            m.flags(slots[k]).store(used, Ordering::Release);
+        }
+        done += n as u64;
+    }
+}
+
+/// The guest (virtio-net driver) thread. Returns a checksum of the packets read.
+fn guest_thread(m: &Model, packets: u64) -> std::result::Result<u64, String> {
+    let hdr = m.f.header_bytes();
+    let cap = if m.f.e { PACKET_BYTES } else { 2048 };
+    let mut wrap = true;
+    // The initial fill used up the first lap of avail wrap counter 1: refills start at 0.
+    let mut avail_wrap = false;
+    let mut next_buffer = m.qsize % m.pool_buffers;
+    let mut done = 0u64;
+    let mut sum = 0u64;
+    let mut idle = 0u32;
+    while done < packets {
+        let mut n = 0;
+        while n < BURST {
+            // Relaxed: own state stored in the shared struct, per packet (as the paper's model).
+            let i = m.u32_at(m.used_idx_off).load(Ordering::Relaxed) as usize;
+            // Acquire, pairing with the Rx thread's Release store of the used flags.
+            let fl = m.flags(i).load(Ordering::Acquire);
+            if ((fl & F_AVAIL != 0) != wrap) || ((fl & F_USED != 0) != wrap) {
+                break;
+            }
+            let buf = m.desc_buffer(i);
+            // SAFETY: the buffer was returned used, so it is the guest's; all offsets are inside
+            // its stride.
+            unsafe {
+                if hdr != 0 {
+                    // The mbuf header: 128 B of metadata per packet.
+                    for w in 0..16 {
+                        buf.cast::<u64>().add(w).write_volatile(done ^ w as u64);
+                    }
+                }
+                let pkt = buf.add(hdr).cast::<u64>();
+                let seq = u64::from_le(pkt.read_volatile());
+                if seq != done + n as u64 {
+                    return Err(format!("packet {} carried sequence {seq}", done + n as u64));
+                }
+                for w in 1..PACKET_BYTES / 8 {
+                    sum = sum.wrapping_add(pkt.add(w).read_volatile());
+                }
+            }
+            // Give a fresh buffer back in the same slot (the queue is in order).
+            m.write_desc(i, next_buffer, cap);
+            next_buffer += 1;
+            if next_buffer == m.pool_buffers {
+                next_buffer = 0;
+            }
+            let avail = if avail_wrap { F_AVAIL } else { F_USED };
+            // Release, pairing with the Rx thread's Acquire load of the avail flags.
+            m.flags(i).store(avail, Ordering::Release);
+            let next = (i + 1) & (m.qsize - 1);
+            if next == 0 {
+                wrap = !wrap;
+                avail_wrap = !avail_wrap;
+            }
+            // Relaxed: own state; see above.
+            m.u32_at(m.used_idx_off).store(next as u32, Ordering::Relaxed);
+            n += 1;
+        }
+        if n == 0 {
+            idle = idle.wrapping_add(1);
+            if idle.is_multiple_of(1024) {
+                std::thread::yield_now();
+            }
+            core::hint::spin_loop();
+        }
+        done += n as u64;
+    }
+    Ok(sum)
+}
+
+/// Runs the model once.
+pub fn run(cfg: &StudyConfig) -> std::result::Result<StudyResult, String> {
+    if !cfg.queue_size.is_power_of_two() || cfg.queue_size < 2 || cfg.pool_buffers < 2 * cfg.queue_size {
+        return Err("queue size must be a power of two and the pool at least twice as large".into());
+    }
+    if cfg.factors.c && cfg.pool_buffers > u32::MAX as usize {
+        return Err("pool too large for 8 B descriptors".into());
+    }
+    let model = Arc::new(Model::new(cfg).map_err(|e| e.to_string())?);
+    // The guest makes every descriptor available with buffers 0..qsize.
+    for i in 0..model.qsize {
+        model.write_desc(i, i, if cfg.factors.e { PACKET_BYTES } else { 2048 });
+        // Release: published before the threads start (thread spawn also synchronises).
+        model.flags(i).store(F_AVAIL, Ordering::Release);
+    }
+    let ready = Arc::new(AtomicU32::new(0));
+    let go = Arc::new(AtomicBool::new(false));
+    let pinned_ok = Arc::new(AtomicU32::new(0));
+    let mode = if cfg.factors.b { CopyMode::NonTemporal } else { CopyMode::Ordinary };
+    let packets = cfg.packets;
+    let spawn = |role: usize| {
+        let (m, ready, go, pinned_ok) = (model.clone(), ready.clone(), go.clone(), pinned_ok.clone());
+        let cpu = cfg.cpus.map(|(r, g)| if role == 0 { r } else { g });
+        std::thread::spawn(move || {
+            if let Some(c) = cpu {
+                if pin_current_thread(c) {
+                    // Relaxed: a counter read after join.
+                    pinned_ok.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            // Release/Acquire with the main thread's spin on `ready` and store of `go`.
+            ready.fetch_add(1, Ordering::Release);
+            while !go.load(Ordering::Acquire) {
+                core::hint::spin_loop();
+            }
+            if role == 0 {
+                rx_thread(&m, packets, mode);
+                Ok(0)
+            } else {
+                guest_thread(&m, packets)
+            }
+        })
+    };
+    let rx = spawn(0);
+    let guest = spawn(1);
+    while ready.load(Ordering::Acquire) < 2 {
+        std::thread::yield_now();
+    }
+    let t0 = Instant::now();
+    go.store(true, Ordering::Release);
+    let g = guest.join().map_err(|_| "guest thread panicked".to_string())?;
+    let elapsed = t0.elapsed();
+    rx.join().map_err(|_| "rx thread panicked".to_string())??;
+    core::hint::black_box(g?);
+    Ok(StudyResult { packets, elapsed, pinned: cfg.cpus.is_some() && pinned_ok.load(Ordering::Relaxed) == 2 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_combination_moves_every_packet_in_order() {
+        for bits in 0..32u8 {
+            let f = Factors {
+                a: bits & 1 != 0,
+                b: bits & 2 != 0,
+                c: bits & 4 != 0,
+                d: bits & 8 != 0,
+                e: bits & 16 != 0,
+            };
+            let cfg =
+                StudyConfig { factors: f, packets: 20_000, queue_size: 64, pool_buffers: 256, cpus: None };
+            let r = run(&cfg).unwrap_or_else(|e| panic!("{f:?}: {e}"));
+            assert_eq!(r.packets, 20_000);
+            assert!(r.mpps() > 0.0);
+        }
+    }
+
+    #[test]
+    fn names_parse() {
+        assert_eq!(Factors::parse("base"), Some(Factors::default()));
+        assert_eq!(Factors::parse("a+d"), Some(Factors { a: true, d: true, ..Factors::default() }));
+        assert!(Factors::parse("all").unwrap().e);
+        assert_eq!(Factors::parse("x"), None);
+        assert_eq!(Factors { d: true, e: true, ..Factors::default() }.stride(), 64);
+        assert_eq!(Factors::default().stride(), 2176);
+    }
+}
