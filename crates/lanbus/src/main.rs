@@ -2,6 +2,7 @@
 #![deny(unsafe_code)]
 
 mod bench;
+mod tlp;
 
 use clap::{Parser, Subcommand};
 
@@ -18,12 +19,16 @@ enum Command {
     /// Measurements, each with its peer (kernel sockets, rte_ring, qemu-nbd...) in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// The PCIe TLP codec: decode hex to JSON, encode JSON to hex.
+    #[command(subcommand)]
+    Tlp(tlp::TlpCommand),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(c) => bench::run(c),
+        Command::Tlp(c) => tlp::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

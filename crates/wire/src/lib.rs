@@ -12,6 +12,7 @@
 pub mod ethernet;
 pub mod lanbus;
 pub mod time;
+pub mod tlp;
 
 pub use ethernet::{EtherType, EthernetFrame, EthernetRepr, MacAddr};
 pub use time::{Clock, Instant, ManualClock, MonotonicClock};
