@@ -23,6 +23,10 @@ use core::time::Duration;
 
 use lanbus_wire::MacAddr;
 
+pub mod sim;
+
+pub use sim::{SimPort, SimWire, SimWireConfig, SimWireStats};
+
 /// What a port counts. Counters only grow; read them with [`Port::counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PortCounters {
