@@ -3,12 +3,13 @@
 
 mod bench;
 mod tlp;
+mod port;
 
 use clap::{Parser, Subcommand};
 
 /// lanbus: share PCIe devices, messages and sockets between machines over ordinary Ethernet.
 #[derive(Debug, Parser)]
-#[command(name = "lanbus", version, about, long_about = None)]
+#[command(name = "lanbus", version, about, long_about = None, after_help = lanbus_port::SPEC_HELP)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -22,6 +23,9 @@ enum Command {
     /// The PCIe TLP codec: decode hex to JSON, encode JSON to hex.
     #[command(subcommand)]
     Tlp(tlp::TlpCommand),
+    /// Packet ports: check that a port spec opens here, and see its MAC, MTU and counters.
+    #[command(subcommand)]
+    Port(port::PortCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -29,6 +33,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Bench(c) => bench::run(c),
         Command::Tlp(c) => tlp::run(c),
+        Command::Port(c) => port::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
