@@ -2,8 +2,8 @@
 #![deny(unsafe_code)]
 
 mod bench;
-mod tlp;
 mod port;
+mod tlp;
 
 use clap::{Parser, Subcommand};
 
