@@ -25,11 +25,13 @@ use lanbus_wire::MacAddr;
 
 pub mod afpacket;
 pub mod check;
+pub mod hub;
 pub mod netns;
 pub mod sim;
 pub mod spec;
 pub mod udp;
 
+pub use hub::{Hub, HubConfig, HubPort, HubStats};
 pub use sim::{SimPort, SimWire, SimWireConfig, SimWireStats};
 pub use spec::{open, SPEC_HELP};
 
