@@ -2,7 +2,9 @@
 #![deny(unsafe_code)]
 
 mod bench;
+mod pcie;
 mod port;
+mod signals;
 mod tlp;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +28,12 @@ enum Command {
     /// Packet ports: check that a port spec opens here, and see its MAC, MTU and counters.
     #[command(subcommand)]
     Port(port::PortCommand),
+    /// A host bridge that lists the remote PCIe functions of its group like `lspci -v`.
+    Lspci(pcie::LspciArgs),
+    /// A device bridge hosting PCIe functions (the DMA engine) until SIGINT/SIGTERM.
+    Device(pcie::DeviceArgs),
+    /// Sends a command (`group N`, `status`) to a running `lanbus device --control PATH`.
+    DeviceCtl(pcie::DeviceCtlArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -34,6 +42,9 @@ fn main() -> std::process::ExitCode {
         Command::Bench(c) => bench::run(c),
         Command::Tlp(c) => tlp::run(c),
         Command::Port(c) => port::run(c),
+        Command::Lspci(a) => pcie::lspci(a),
+        Command::Device(a) => pcie::device(a),
+        Command::DeviceCtl(a) => pcie::device_ctl(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

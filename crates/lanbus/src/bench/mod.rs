@@ -3,6 +3,7 @@
 //! Every benchmark prints a table, writes the common JSON format with `--json FILE` (see
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
+pub mod pcie;
 pub mod report;
 pub mod transport_core;
 
@@ -14,11 +15,15 @@ pub enum BenchCommand {
     /// Messages/s through two transport endpoints in one thread, frames handed over directly (no
     /// wire). There is no peer program for an in-process protocol core; frames/s are shown too.
     TransportCore(transport_core::TransportCoreArgs),
+    /// DMA engine throughput and 4 B MMIO read latency through the PCIe bridges over sim, udp
+    /// and afpacket (root: a veth pair), against the same device in-process (`local`).
+    Pcie(pcie::PcieArgs),
 }
 
 /// Runs one benchmark.
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::TransportCore(args) => transport_core::run(args),
+        BenchCommand::Pcie(args) => pcie::run(args),
     }
 }
