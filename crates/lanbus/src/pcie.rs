@@ -36,9 +36,18 @@ impl From<Mode> for ThreadMode {
     }
 }
 
-fn runtime(mode: Mode, name: &str, rate_control: bool) -> RuntimeConfig {
-    let mut c = RuntimeConfig { threads: mode.into(), name: name.into(), ..RuntimeConfig::default() };
-    c.transport.rate.enabled = rate_control;
+/// The runtime settings for a port spec.
+///
+/// Rate control is off (one host and its devices; its delay target reads a loaded machine's
+/// scheduling delays as congestion). The transport's frame checksum is off over `udp`: the udp
+/// port rewrites the destination MAC of broadcast frames (heartbeats), which the checksum covers,
+/// and UDP has its own checksum.
+pub fn runtime_for(spec: &str, mode: ThreadMode, name: &str) -> RuntimeConfig {
+    let mut c = RuntimeConfig { threads: mode, name: name.into(), ..RuntimeConfig::default() };
+    c.transport.rate.enabled = false;
+    if spec.starts_with("udp:") {
+        c.transport.checksum = false;
+    }
     c
 }
 
@@ -115,10 +124,12 @@ pub fn format_function(f: &RemoteFunction) -> String {
     }
     for (id, off) in &f.capabilities {
         match *id {
-            cap_id::PCI_EXPRESS => s += &format!(
+            cap_id::PCI_EXPRESS => {
+                s += &format!(
                 "\tCapabilities: [{off:02x}] Express Endpoint, MaxPayload {} bytes, MaxReadReq {} bytes\n",
                 f.mps, f.mrrs
-            ),
+            )
+            }
             cap_id::MSIX => {
                 if let Some(m) = f.msix {
                     s += &format!("\tCapabilities: [{off:02x}] MSI-X: Enable+ Count={} Masked-\n", m.vectors);
@@ -138,7 +149,7 @@ pub fn lspci(args: LspciArgs) -> anyhow::Result<()> {
     let config = HostBridgeConfig {
         group: args.group,
         name: "lanbus-lspci".into(),
-        runtime: runtime(args.mode, "lspci", false),
+        runtime: runtime_for(&args.port, args.mode.into(), "lspci"),
         ..HostBridgeConfig::default()
     };
     let host = HostBridge::start(port, config)?;
@@ -187,8 +198,9 @@ pub struct DeviceArgs {
 
 fn status_line(d: &DeviceBridge) -> String {
     let s = d.stats();
+    let rt = d.runtime_stats();
     format!(
-        "mac {} group {} host {} tlps {} dma_reads {} dma_writes {} foreign {} ur {}",
+        "mac {} group {} host {} tlps {} dma_reads {} dma_writes {} foreign {} ur {} frames_rx {} frames_tx {}",
         d.local_mac(),
         d.group(),
         d.host().map_or("none".to_string(), |m| m.to_string()),
@@ -196,7 +208,9 @@ fn status_line(d: &DeviceBridge) -> String {
         s.dma_reads,
         s.dma_writes,
         s.foreign_requests,
-        s.ur_sent
+        s.ur_sent,
+        rt.port.rx_frames,
+        rt.port.tx_frames,
     )
 }
 
@@ -232,7 +246,7 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     let config = DeviceBridgeConfig {
         group: args.group,
         name: args.name.clone(),
-        runtime: runtime(args.mode, "device", false),
+        runtime: runtime_for(&args.port, args.mode.into(), "device"),
         ..DeviceBridgeConfig::default()
     };
     let bridge = Arc::new(DeviceBridge::start(port, config, vec![HostedFunction::model(DmaEngine::new())?])?);

@@ -19,7 +19,7 @@ use lanbus_pcie::bridge::{
 };
 use lanbus_pcie::dma_engine::{regs, DmaEngine};
 use lanbus_port::{Port, SimWire, SimWireConfig};
-use lanbus_runtime::{RuntimeConfig, ThreadMode};
+use lanbus_runtime::ThreadMode;
 use lanbus_wire::{Clock, MacAddr, MonotonicClock};
 
 use super::report::{Report, Row};
@@ -38,12 +38,6 @@ pub struct PcieArgs {
 const SRC: u64 = 0x1_0000_0000;
 const DST: u64 = 0x2_0000_0000;
 const MAX: usize = 1 << 20;
-
-fn runtime(mode: ThreadMode, name: &str) -> RuntimeConfig {
-    let mut c = RuntimeConfig { threads: mode, name: name.into(), ..RuntimeConfig::default() };
-    c.transport.rate.enabled = false;
-    c
-}
 
 fn mode_name(m: ThreadMode) -> &'static str {
     match m {
@@ -195,13 +189,13 @@ fn over_fabric(
     let hc = HostBridgeConfig {
         group: 1,
         mps,
-        runtime: runtime(mode, "bench-host"),
+        runtime: crate::pcie::runtime_for(&format!("{name}:"), mode, "bench-host"),
         completion_timeout: Duration::from_secs(5),
         ..HostBridgeConfig::default()
     };
     let dc = DeviceBridgeConfig {
         group: 1,
-        runtime: runtime(mode, "bench-dev"),
+        runtime: crate::pcie::runtime_for(&format!("{name}:"), mode, "bench-dev"),
         completion_timeout: Duration::from_secs(5),
         ..DeviceBridgeConfig::default()
     };
@@ -258,7 +252,7 @@ fn real_ports(
         (_, Some(v)) => {
             let spec = |end: &lanbus_port::netns::VethEnd, peer: &lanbus_port::netns::VethEnd| match kind {
                 "udp" => format!("udp:{}:7400,peer={}:7400", end.ipv4, peer.ipv4),
-                _ => format!("{kind}:{}", end.ifname),
+                _ => format!("{kind}:{},rx=v2", end.ifname),
             };
             let (sa, sb) = (spec(&v.a, &v.b), spec(&v.b, &v.a));
             let a = v.a.netns.run(move || lanbus_port::open(&sa).map_err(|e| e.to_string()))?;
