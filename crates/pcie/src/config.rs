@@ -504,6 +504,15 @@ impl ConfigSpace {
         (128usize << code.min(5)).min(usize::from(self.spec.max_payload_supported))
     }
 
+    /// Read completion boundary in bytes (Link Control bit 3: 64 or 128).
+    pub fn read_completion_boundary(&self) -> usize {
+        if self.read_u16(PCIE_CAP_OFFSET + 0x10) & 0x8 != 0 {
+            128
+        } else {
+            64
+        }
+    }
+
     /// Max read request size in bytes, as programmed in Device Control.
     pub fn max_read_request_size(&self) -> usize {
         128usize << ((self.read_u16(PCIE_CAP_OFFSET + 8) >> 12) & 7).min(5)

@@ -20,7 +20,9 @@
 use std::collections::VecDeque;
 
 use crate::config::{ConfigSpace, ConfigSpec, MsixTable};
-use crate::{CplStatus, Result};
+use crate::request::{completions_for_read, refuse, RequestShape};
+use crate::tlp::{Bdf, Header, Tlp, TlpKind};
+use crate::{CplStatus, Error, Result};
 
 /// Names one DMA read of a device model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -140,6 +142,12 @@ pub trait DeviceModel {
 
     /// The outcome of a read the model asked for with [`DeviceIo::dma_read`].
     fn dma_read_done(&mut self, id: DmaId, result: core::result::Result<&[u8], DmaError>, io: &mut DeviceIo);
+
+    /// Called after software wrote the configuration DW at `register` (for example to notice
+    /// Bus Master Enable going off). The default does nothing.
+    fn config_written(&mut self, register: u16, config: &ConfigSpace, io: &mut DeviceIo) {
+        let _ = (register, config, io);
+    }
 }
 
 /// What a [`Function`] could not do, counted.
@@ -155,11 +163,19 @@ pub struct FunctionCounters {
     pub interrupts_pended: u64,
     /// Interrupts sent.
     pub interrupts_sent: u64,
+    /// Memory writes no BAR decoded (posted, so only counted).
+    pub unsupported_writes: u64,
+    /// Poisoned writes dropped.
+    pub poisoned_writes: u64,
+    /// Non-posted requests answered with Unsupported Request or Completer Abort.
+    pub refused_requests: u64,
 }
 
 /// One PCIe function: configuration space, MSI-X, and the model behind its BARs.
 #[derive(Debug)]
 pub struct Function<D> {
+    /// The function's ID, captured from type 0 configuration writes (PCIe 2.2.6.2).
+    id: Bdf,
     config: ConfigSpace,
     msix: Option<MsixTable>,
     /// Set when a write may have unmasked something: the pending vectors are looked at again.
@@ -175,6 +191,7 @@ impl<D: DeviceModel> Function<D> {
         let config = ConfigSpace::new(device.config_spec())?;
         let msix = config.spec().msix.map(|m| MsixTable::new(m.table_size));
         Ok(Function {
+            id: Bdf::default(),
             config,
             msix,
             msix_recheck: false,
@@ -182,6 +199,12 @@ impl<D: DeviceModel> Function<D> {
             io: DeviceIo::default(),
             counters: FunctionCounters::default(),
         })
+    }
+
+    /// The function's ID as captured from the last type 0 configuration write addressed to it
+    /// (00:00.0 before any); completions for memory reads carry it.
+    pub fn id(&self) -> Bdf {
+        self.id
     }
 
     /// The configuration space.
@@ -218,6 +241,7 @@ impl<D: DeviceModel> Function<D> {
     pub fn config_write(&mut self, register: u16, first_be: u8, data: [u8; 4]) {
         self.config.write(register, first_be, data);
         self.msix_recheck = true;
+        self.device.config_written(register & !3, &self.config, &mut self.io);
     }
 
     /// Which MSI-X region (0 table, 1 PBA) of BAR `bar` holds `offset..offset+len`, and the
@@ -268,6 +292,137 @@ impl<D: DeviceModel> Function<D> {
     /// Hands the outcome of a [`HostRequest::Read`] to the model.
     pub fn dma_read_done(&mut self, id: DmaId, result: core::result::Result<&[u8], DmaError>) {
         self.device.dma_read_done(id, result, &mut self.io);
+    }
+
+    /// Answers a request routed to this function (PCIe completer rules, 2.2.8 and 2.3): the
+    /// completions to send back, in order; none for posted writes. Configuration type 0 requests
+    /// go to the configuration space (a write also captures the function's ID); memory requests
+    /// go through the BARs (reads only touch the enabled bytes, and their completions are split
+    /// by the programmed max payload size and read completion boundary); poisoned writes are
+    /// dropped; I/O and type 1 configuration requests, and addresses no BAR decodes, get
+    /// Unsupported Request; a device refusal gets Completer Abort. A completion is not a request:
+    /// that is an error (the caller routes completions to the DMA reads).
+    pub fn handle_request(&mut self, req: &Tlp) -> Result<Vec<Tlp>> {
+        let status_of = |e: MmioError| match e {
+            MmioError::Unsupported => CplStatus::UnsupportedRequest,
+            MmioError::Abort => CplStatus::CompleterAbort,
+        };
+        let out = match (req.kind, &req.header) {
+            (TlpKind::CfgRd0, Header::Config(h)) => {
+                let d = self.config_read(h.register, h.first_be);
+                let mut c = Tlp::completion(
+                    h.completer_id,
+                    h.requester_id,
+                    req.tag,
+                    CplStatus::Success,
+                    4,
+                    0,
+                    d.to_vec(),
+                );
+                c.tc = req.tc;
+                c.attr = req.attr;
+                vec![c]
+            }
+            (TlpKind::CfgWr0, Header::Config(h)) => {
+                self.id = h.completer_id;
+                if let (false, Ok(d)) = (req.ep, <[u8; 4]>::try_from(&req.data[..])) {
+                    self.config_write(h.register, h.first_be, d);
+                }
+                let mut c = Tlp::completion(
+                    h.completer_id,
+                    h.requester_id,
+                    req.tag,
+                    CplStatus::Success,
+                    4,
+                    0,
+                    vec![],
+                );
+                c.tc = req.tc;
+                c.attr = req.attr;
+                vec![c]
+            }
+            (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) => {
+                let shape = RequestShape {
+                    address: h.address,
+                    length_dw: req.length_dw,
+                    first_be: h.first_be,
+                    last_be: h.last_be,
+                };
+                let (first, len) = shape.byte_range();
+                let address = h.address.saturating_add(first);
+                let mut bytes = vec![0u8; len];
+                let result = if RequestShape::for_range(address, len).is_err() {
+                    Err(MmioError::Unsupported)
+                } else if len == 0 {
+                    // A zero-length read only asks whether the address is there.
+                    self.config.decode_memory(h.address, 4).map(|_| ()).ok_or(MmioError::Unsupported)
+                } else {
+                    self.memory_read(address, &mut bytes)
+                };
+                match result {
+                    Ok(()) => {
+                        let (mps, rcb) =
+                            (self.config.max_payload_size(), self.config.read_completion_boundary());
+                        completions_for_read(req, self.id, mps, rcb, |a, buf| {
+                            for (i, b) in buf.iter_mut().enumerate() {
+                                let at = (a + i as u64).wrapping_sub(address);
+                                *b =
+                                    usize::try_from(at).ok().and_then(|k| bytes.get(k)).copied().unwrap_or(0);
+                            }
+                            Ok(())
+                        })?
+                    }
+                    Err(e) => {
+                        self.counters.refused_requests += 1;
+                        refuse(req, self.id, status_of(e)).into_iter().collect()
+                    }
+                }
+            }
+            (TlpKind::MWr32 | TlpKind::MWr64, Header::Mem(h)) => {
+                if req.ep {
+                    self.counters.poisoned_writes += 1;
+                    return Ok(vec![]);
+                }
+                // Contiguous runs of enabled bytes, each one BAR write.
+                let n = req.data.len();
+                let enabled = |i: usize| {
+                    let be = if i < 4 {
+                        h.first_be
+                    } else if i + 4 >= n {
+                        h.last_be
+                    } else {
+                        0xf
+                    };
+                    be >> (i % 4) & 1 == 1
+                };
+                let mut i = 0;
+                while i < n {
+                    if !enabled(i) {
+                        i += 1;
+                        continue;
+                    }
+                    let start = i;
+                    while i < n && enabled(i) {
+                        i += 1;
+                    }
+                    let Some(address) = h.address.checked_add(start as u64) else { break };
+                    if self.memory_write(address, &req.data[start..i]).is_err() {
+                        self.counters.unsupported_writes += 1;
+                        break;
+                    }
+                }
+                vec![]
+            }
+            (TlpKind::Cpl | TlpKind::CplD, _) => {
+                return Err(Error::BadRequest("a completion is not a request".into()));
+            }
+            // I/O space is not decoded by device models; type 1 configuration is for bridges.
+            _ => {
+                self.counters.refused_requests += 1;
+                refuse(req, self.id, CplStatus::UnsupportedRequest).into_iter().collect()
+            }
+        };
+        Ok(out)
     }
 
     fn msi_write(msg: crate::config::MsiMessage) -> HostRequest {

@@ -224,6 +224,7 @@ mod tests {
     use super::*;
     use crate::config::{command, reg, MSIX_CAP_OFFSET, MSIX_ENABLE};
     use crate::device::{Function, HostRequest};
+    use crate::tlp::{Bdf, CplStatus, Header, Tag, Tlp, TlpKind};
     use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
 
@@ -315,6 +316,76 @@ mod tests {
         }
         f.memory_write(BAR0, &regs).unwrap();
         f.memory_write(BAR0 + regs::DOORBELL, &1u32.to_le_bytes()).unwrap();
+    }
+
+    /// The request as it crosses the wire, and the answers likewise.
+    fn over_wire(f: &mut Function<DmaEngine>, req: Tlp) -> Vec<Tlp> {
+        let req = Tlp::decode(&req.encode().unwrap()).unwrap();
+        let out = f.handle_request(&req).unwrap();
+        out.iter().map(|c| Tlp::decode(&c.encode().unwrap()).unwrap()).collect()
+    }
+
+    fn status_of(c: &Tlp) -> CplStatus {
+        match c.header {
+            Header::Completion(h) => h.status,
+            _ => panic!("not a completion: {c:?}"),
+        }
+    }
+
+    #[test]
+    fn answers_tlps() {
+        let host: Bdf = "00:00.0".parse().unwrap();
+        let me: Bdf = "03:00.0".parse().unwrap();
+        let t = Tag::new(77).unwrap();
+        let mut f = Function::new(DmaEngine::new()).unwrap();
+        // Enumeration by configuration TLPs: IDs, BAR sizing, BAR assignment, enable.
+        let c = over_wire(&mut f, Tlp::cfg_read(false, host, t, me, 0, 0xf));
+        assert_eq!((c.len(), c[0].kind, c[0].data.clone()), (1, TlpKind::CplD, vec![0x42, 0x4c, 0x01, 0x00]));
+        let c = over_wire(&mut f, Tlp::cfg_write(false, host, t, me, 0x10, 0xf, [0xff; 4]));
+        assert_eq!((c[0].kind, status_of(&c[0])), (TlpKind::Cpl, CplStatus::Success));
+        assert_eq!(f.id(), me, "the ID is captured from the write");
+        let c = over_wire(&mut f, Tlp::cfg_read(false, host, t, me, 0x10, 0xf));
+        assert_eq!(c[0].data, 0xffff_f000u32.to_le_bytes());
+        over_wire(&mut f, Tlp::cfg_write(false, host, t, me, 0x10, 0xf, (BAR0 as u32).to_le_bytes()));
+        assert_eq!(
+            status_of(&over_wire(&mut f, Tlp::mem_read(host, t, BAR0, 1, 0xf, 0))[0]),
+            CplStatus::UnsupportedRequest
+        );
+        over_wire(&mut f, Tlp::cfg_write(false, host, t, me, 0x04, 0x3, [0x06, 0, 0, 0]));
+        // Registers through memory TLPs: write SRC and DST in one 4 DW write, read them back
+        // with partial byte enables.
+        let regs: Vec<u8> =
+            [0x1111_2222u32, 0x3, 0x4444_5555, 0x6].iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert!(over_wire(&mut f, Tlp::mem_write(host, BAR0, 0xf, 0xf, regs.clone())).is_empty());
+        let c = over_wire(&mut f, Tlp::mem_read(host, t, BAR0, 4, 0xf, 0xf));
+        assert_eq!((c.len(), &c[0].data), (1, &regs));
+        let Header::Completion(h) = c[0].header else { panic!() };
+        assert_eq!((h.completer_id, h.requester_id, h.byte_count, h.lower_address), (me, host, 16, 0));
+        let c = over_wire(&mut f, Tlp::mem_read(host, t, BAR0, 2, 0xc, 0x1));
+        let Header::Completion(h) = c[0].header else { panic!() };
+        assert_eq!((h.byte_count, h.lower_address, &c[0].data[2..5]), (3, 2, &regs[2..5]));
+        // A write with a hole in its byte enables leaves the hole alone.
+        over_wire(&mut f, Tlp::mem_write(host, BAR0 + 0x10, 0xf, 0, 100u32.to_le_bytes().to_vec()));
+        assert_eq!(reg32(&mut f, regs::LEN), 100);
+        // Zero-length read, unsupported kinds and addresses.
+        let c = over_wire(&mut f, Tlp::mem_read(host, t, BAR0 + 0x40, 1, 0, 0));
+        assert_eq!((c[0].kind, status_of(&c[0]), c[0].length_dw), (TlpKind::CplD, CplStatus::Success, 1));
+        let c = over_wire(&mut f, Tlp::mem_read(host, t, BAR0 + 0x1000 - 8, 4, 0xf, 0xf));
+        assert_eq!(status_of(&c[0]), CplStatus::UnsupportedRequest, "runs past the BAR");
+        let c = over_wire(&mut f, Tlp::cfg_read(true, host, t, me, 0, 0xf));
+        assert_eq!(status_of(&c[0]), CplStatus::UnsupportedRequest);
+        let mut io = Tlp::mem_read(host, t, 0x100, 1, 0xf, 0);
+        io.kind = TlpKind::IORd;
+        assert_eq!(status_of(&over_wire(&mut f, io)[0]), CplStatus::UnsupportedRequest);
+        assert!(over_wire(&mut f, Tlp::mem_write(host, 0x1234_0000, 0xf, 0, vec![0; 4])).is_empty());
+        let mut poisoned = Tlp::mem_write(host, BAR0 + 0x10, 0xf, 0, 7u32.to_le_bytes().to_vec());
+        poisoned.ep = true;
+        over_wire(&mut f, poisoned);
+        assert_eq!(reg32(&mut f, regs::LEN), 100);
+        let cnt = f.counters();
+        assert_eq!((cnt.refused_requests, cnt.unsupported_writes, cnt.poisoned_writes), (4, 1, 1));
+        let cpl = Tlp::completion(host, me, t, CplStatus::Success, 4, 0, vec![]);
+        assert!(f.handle_request(&cpl).is_err());
     }
 
     #[test]

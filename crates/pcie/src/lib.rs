@@ -7,6 +7,8 @@
 //!   max payload size / max read request size without crossing 4 KiB; completions for a read split
 //!   by max payload size and read completion boundary.
 //! - [`reassembly`]: [`ReadReassembly`] puts a read's completions back together and distrusts them.
+//! - [`requester`]: [`requester::Requester`], the requester side as a sans-IO state machine
+//!   (reads of any length, configuration reads/writes, posted writes; tags, reassembly, timeouts).
 //! - [`tags`]: [`TagAllocator`], 10-bit tags with a completion timeout (sans-IO: `now` comes in).
 //! - [`config`]: a type 0 configuration space with BARs, the PCI Express and MSI-X capabilities,
 //!   and the MSI-X table/PBA model.
@@ -64,6 +66,7 @@ pub mod dma_engine;
 pub mod json;
 pub mod reassembly;
 pub mod request;
+pub mod requester;
 pub mod tags;
 pub mod tlp;
 
@@ -113,6 +116,15 @@ pub enum Error {
     /// MSI-X structures outside a memory BAR): a local mistake.
     #[error("bad configuration space: {0}")]
     BadConfig(String),
+    /// Text that is not a `bb:dd.f` requester/completer ID.
+    #[error("bad bus:device.function {0}")]
+    BadId(String),
+    /// A non-posted request's completions did not arrive before its timeout.
+    #[error("completion timeout")]
+    CompletionTimeout,
+    /// The completer is gone (heartbeats stopped, or it moved to another group).
+    #[error("completer unreachable: {0}")]
+    Unreachable(String),
     /// JSON that does not describe a TLP in the vector schema.
     #[error("JSON: {0}")]
     Json(String),

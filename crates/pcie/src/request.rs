@@ -293,6 +293,59 @@ pub fn completions_for_read(
     Ok(out)
 }
 
+/// The completion that refuses a request with `status` (Unsupported Request, Completer Abort):
+/// `None` for posted requests (memory writes) and completions, which get no answer. The byte
+/// count is the read's for memory reads and 4 otherwise, as for the first completion of a
+/// successful answer (PCIe 2.2.9).
+pub fn refuse(request: &Tlp, completer_id: Bdf, status: CplStatus) -> Option<Tlp> {
+    if !request.kind.is_non_posted() {
+        return None;
+    }
+    let (byte_count, lower_address) = match (request.kind, &request.header) {
+        (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) => {
+            let s = RequestShape {
+                address: h.address,
+                length_dw: request.length_dw,
+                first_be: h.first_be,
+                last_be: h.last_be,
+            };
+            let (first, len) = s.byte_range();
+            (len.clamp(1, 4096) as u16, (h.address.wrapping_add(first) & 0x7f) as u8)
+        }
+        _ => (4, 0),
+    };
+    let mut c = Tlp::completion(
+        completer_id,
+        request.requester_id(),
+        request.tag,
+        status,
+        byte_count,
+        lower_address,
+        vec![],
+    );
+    c.tc = request.tc;
+    c.attr = request.attr;
+    Some(c)
+}
+
+/// The completion that refuses a non-posted TLP this codec does not model (locked reads,
+/// AtomicOps) from its view, so that a requester is never left waiting: `None` for posted TLPs
+/// (messages, writes) and completions.
+pub fn refuse_packet<T: AsRef<[u8]>>(
+    packet: &lanbus_wire::tlp::Packet<T>,
+    completer_id: Bdf,
+    status: CplStatus,
+) -> Option<Tlp> {
+    if !packet.tlp_type()?.is_non_posted() {
+        return None;
+    }
+    let tag = Tag::new(packet.tag())?;
+    let mut c = Tlp::completion(completer_id, Bdf(packet.requester_id()), tag, status, 4, 0, vec![]);
+    c.tc = packet.tc();
+    c.attr = crate::tlp::Attr(packet.attr());
+    Some(c)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -380,7 +433,8 @@ mod tests {
             proptest::prop_assert!(!cpls.is_empty());
             let shape = RequestShape { address: address & !3, length_dw, first_be, last_be };
             let (first, len) = shape.byte_range();
-            match crate::ReadReassembly::new(Bdf(1), Tag::new(3).unwrap(), (address & !3).saturating_add(first), len) {
+            let start = (address & !3).saturating_add(first);
+            match crate::ReadReassembly::new(Bdf(1), Tag::new(3).unwrap(), start, len) {
                 Ok(mut r) if cpls[0].kind == TlpKind::CplD => {
                     for c in &cpls {
                         let _ = r.handle_completion(c).unwrap();
@@ -390,6 +444,43 @@ mod tests {
                 _ => proptest::prop_assert_eq!(cpls.len(), 1),
             }
         }
+    }
+
+    #[test]
+    fn refusals() {
+        let t = Tag::new(700).unwrap();
+        let rd = Tlp::mem_read(Bdf(5), t, 0x1004, 4, 0xe, 0x7);
+        let ur = refuse(&rd, Bdf(9), CplStatus::UnsupportedRequest).unwrap();
+        let Header::Completion(h) = ur.header else { panic!() };
+        assert_eq!((ur.kind, ur.tag, h.requester_id, h.completer_id), (TlpKind::Cpl, t, Bdf(5), Bdf(9)));
+        assert_eq!((h.status, h.byte_count, h.lower_address), (CplStatus::UnsupportedRequest, 14, 5));
+        let cfg = Tlp::cfg_read(true, Bdf(5), t, Bdf(0x100), 0, 0xf);
+        let Header::Completion(h) = refuse(&cfg, Bdf(9), CplStatus::UnsupportedRequest).unwrap().header
+        else {
+            panic!()
+        };
+        assert_eq!((h.byte_count, h.lower_address), (4, 0));
+        assert_eq!(
+            refuse(&Tlp::mem_write(Bdf(5), 0, 0xf, 0, vec![0; 4]), Bdf(9), CplStatus::UnsupportedRequest),
+            None
+        );
+        // An AtomicOp FetchAdd (not modelled) still gets its UR; a message gets nothing.
+        let mut fetch_add = [0u8; 16];
+        fetch_add[0] = 0x4c;
+        fetch_add[3] = 1;
+        fetch_add[4..7].copy_from_slice(&[0x01, 0x00, 0x2a]);
+        let p = lanbus_wire::tlp::Packet::new_checked(&fetch_add[..]).unwrap();
+        let c = refuse_packet(&p, Bdf(9), CplStatus::UnsupportedRequest).unwrap();
+        assert_eq!((c.requester_id(), c.tag), (Bdf(0x100), Tag::new(0x2a).unwrap()));
+        let msg = [0x30u8, 0, 0, 0, 0, 0, 0, 0x7f, 0, 0, 0, 0, 0, 0, 0, 0];
+        assert_eq!(
+            refuse_packet(
+                &lanbus_wire::tlp::Packet::new_checked(&msg[..]).unwrap(),
+                Bdf(9),
+                CplStatus::UnsupportedRequest
+            ),
+            None
+        );
     }
 
     #[test]

@@ -64,7 +64,7 @@ impl FromStr for Bdf {
 
     /// Parses `bb:dd.f` (hexadecimal; one or two digits for bus and device).
     fn from_str(s: &str) -> Result<Bdf> {
-        let bad = || Error::Json(format!("bad bus:device.function {s:?} (want bb:dd.f, hexadecimal)"));
+        let bad = || Error::BadId(format!("{s:?} (want bb:dd.f, hexadecimal)"));
         let (bus, rest) = s.split_once(':').ok_or_else(bad)?;
         let (dev, func) = rest.split_once('.').ok_or_else(bad)?;
         let hex = |t: &str, max: u8| -> Result<u8> {
