@@ -6,6 +6,10 @@ mod pcie;
 mod port;
 mod signals;
 mod tlp;
+mod demo;
+mod plot;
+mod progress;
+mod sim_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -34,6 +38,12 @@ enum Command {
     Device(pcie::DeviceArgs),
     /// Sends a command (`group N`, `status`) to a running `lanbus device --control PATH`.
     DeviceCtl(pcie::DeviceCtlArgs),
+    /// The main job for now: two transport endpoints over a simulated wire with 1% loss; prints
+    /// goodput, retransmissions and latency, and fails unless every message arrived intact.
+    Demo(demo::DemoArgs),
+    /// Simulator scenarios: the faulty-wire transfer and the retransmission paper's figures.
+    #[command(subcommand)]
+    Sim(sim_cmd::SimCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -45,6 +55,8 @@ fn main() -> std::process::ExitCode {
         Command::Lspci(a) => pcie::lspci(a),
         Command::Device(a) => pcie::device(a),
         Command::DeviceCtl(a) => pcie::device_ctl(a),
+        Command::Demo(a) => demo::run(a),
+        Command::Sim(c) => sim_cmd::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

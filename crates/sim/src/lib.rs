@@ -22,6 +22,8 @@
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod host;
+pub mod scenario;
 pub mod stats;
 pub mod traffic;
 
@@ -610,9 +612,18 @@ impl<N: Node> Sim<N> {
                 }
             }
         }
+        let line_busy = self.nodes[n].out_link.is_some_and(|l| self.links[l].busy);
         let slot = &mut self.nodes[n];
         if let Some(t) = slot.node.poll_timeout() {
-            let t = t.max(now);
+            // A deadline already due after the timeout was handled means "I want to transmit"
+            // (pacing allows the next frame): the line's LineFree event asks the node when the
+            // line is busy; when it is free the node was just asked, so come back a nanosecond
+            // later rather than spin at this instant.
+            let t = match t {
+                t if t > now => t,
+                _ if line_busy => return,
+                _ => now + Duration::from_nanos(1),
+            };
             if slot.timer.is_none_or(|s| t < s) {
                 slot.timer = Some(t);
                 self.schedule(t, Event::Timer { node: n });

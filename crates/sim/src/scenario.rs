@@ -17,7 +17,7 @@ use std::sync::Arc;
 use lanbus_port::sim::{SimWire, SimWireConfig, SimWireStats};
 use lanbus_port::Port;
 use lanbus_transport::{Config, Counters, Endpoint, SendError};
-use lanbus_wire::{Instant, MacAddr, ManualClock};
+use lanbus_wire::{Clock, Instant, MacAddr, ManualClock};
 
 use crate::host::{BurstSink, BurstSource, Host, StreamSink, StreamSource};
 use crate::stats::Samples;
@@ -206,7 +206,10 @@ pub fn transfer(params: &TransferParams, progress: &mut dyn FnMut(u64)) -> Trans
             report.completed = true;
             break;
         }
-        let next = [pa.next_event(), pb.next_event(), a.poll_timeout(), b.poll_timeout()].into_iter().flatten().min();
+        let next = [pa.next_event(), pb.next_event(), a.poll_timeout(), b.poll_timeout()]
+            .into_iter()
+            .flatten()
+            .min();
         let next = match next {
             Some(t) if t > now => t,
             // Something is due now (a frame the callbacks produced, a timer at `now`): go round
@@ -303,6 +306,8 @@ pub struct LatencyPoint {
 }
 
 /// The simulated world of the figures: hosts of either kind of app.
+// A simulation holds a handful of these; their sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum FigureHost {
     /// A stream source (Fig. 2 sender).
     Source(Host<StreamSource<ConstantRate>>),
@@ -391,7 +396,8 @@ pub fn latency_point(p: &LatencyParams, progress: &mut dyn FnMut(f64)) -> Latenc
     sim.add_route(sw, src_mac, src_port);
     sim.add_route(sw, dst_mac, dst_port);
 
-    let frame_bytes = lanbus_wire::ethernet::HEADER_LEN + lanbus_wire::lanbus::HEADER_LEN + 4 + p.message_bytes;
+    let frame_bytes =
+        lanbus_wire::ethernet::HEADER_LEN + lanbus_wire::lanbus::HEADER_LEN + 4 + p.message_bytes;
     let ack_bytes = (lanbus_wire::ethernet::HEADER_LEN + lanbus_wire::lanbus::HEADER_LEN).max(60);
     let hop = |len: usize| crate::serialisation(len + p.link.overhead_bytes, p.link.rate_bps) + p.link.delay;
     let base_rtt = 2 * hop(frame_bytes) + 2 * hop(ack_bytes);
@@ -414,8 +420,7 @@ pub fn latency_point(p: &LatencyParams, progress: &mut dyn FnMut(f64)) -> Latenc
     };
     let src_counters = sim.node(src).endpoint().counters();
     let mut lat = sink.latency_us;
-    let lost_frames =
-        sim.downlink_stats(sw, src_port).lost + sim.downlink_stats(sw, dst_port).lost;
+    let lost_frames = sim.downlink_stats(sw, src_port).lost + sim.downlink_stats(sw, dst_port).lost;
     let span = sink.last_delivery.map(|t| t - Instant::ZERO).unwrap_or(Duration::from_nanos(1));
     LatencyPoint {
         loss: p.loss,

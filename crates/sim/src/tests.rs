@@ -204,3 +204,17 @@ fn runs_are_bounded() {
     assert_eq!(sim.run_while(FAR, u64::MAX, |s| s.node(b).received.len() < 100), Stop::Condition);
     assert_eq!(sim.node(b).received.len(), 100);
 }
+
+#[test]
+fn pacing_faster_than_the_line_does_not_spin() {
+    // The node's pacing deadline passes while its line is still busy: the engine must wait for
+    // the line, not fire the timer again and again at the same instant.
+    let mut sim = Sim::new(1);
+    let a = sim.add_node(Blaster::new(1, 2, 125, 50, Duration::from_nanos(100)));
+    let b = sim.add_node(Blaster::new(2, 1, 125, 0, Duration::ZERO));
+    let link = LinkConfig { rate_bps: 1_000_000_000, delay: Duration::ZERO, loss: 0.0, overhead_bytes: 0 };
+    sim.connect_nodes(a, b, link);
+    assert_eq!(sim.run_until(FAR, 10_000), Stop::Idle);
+    assert_eq!(sim.node(b).received.len(), 50);
+    assert!(sim.events() < 1_000, "{} events for 50 frames", sim.events());
+}
