@@ -2,14 +2,14 @@
 #![deny(unsafe_code)]
 
 mod bench;
-mod pcie;
-mod port;
-mod signals;
-mod tlp;
 mod demo;
+mod pcie;
 mod plot;
+mod port;
 mod progress;
+mod signals;
 mod sim_cmd;
+mod tlp;
 
 use clap::{Parser, Subcommand};
 

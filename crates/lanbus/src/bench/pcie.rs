@@ -186,16 +186,21 @@ fn over_fabric(
     mode: ThreadMode,
     plan: &Plan,
 ) -> anyhow::Result<()> {
+    // No false "device down" under load while measuring: 2 s without heartbeats.
+    let mut host_rt = crate::pcie::runtime_for(&format!("{name}:"), mode, "bench-host");
+    host_rt.transport.heartbeat.missed_limit = 20;
+    let mut dev_rt = crate::pcie::runtime_for(&format!("{name}:"), mode, "bench-dev");
+    dev_rt.transport.heartbeat.missed_limit = 20;
     let hc = HostBridgeConfig {
         group: 1,
         mps,
-        runtime: crate::pcie::runtime_for(&format!("{name}:"), mode, "bench-host"),
+        runtime: host_rt,
         completion_timeout: Duration::from_secs(5),
         ..HostBridgeConfig::default()
     };
     let dc = DeviceBridgeConfig {
         group: 1,
-        runtime: crate::pcie::runtime_for(&format!("{name}:"), mode, "bench-dev"),
+        runtime: dev_rt,
         completion_timeout: Duration::from_secs(5),
         ..DeviceBridgeConfig::default()
     };

@@ -267,7 +267,14 @@ impl Handler for DevHandler {
         {
             let mut s = lock(&self.shared.session);
             match s.host {
-                Some(h) if h == m.peer => s.channel = m.channel,
+                Some(h) if h == m.peer => {
+                    // A host opens every session with configuration requests on a fresh channel;
+                    // other traffic may still be retransmissions of an older session, so only
+                    // configuration requests move our DMA to their channel.
+                    if m.data.first().is_some_and(|b| b & 0x1e == 0x04) {
+                        s.channel = m.channel;
+                    }
+                }
                 None if s.peers.get(&m.peer).is_none_or(|(r, g)| *r == Role::Host && *g == s.group) => {
                     // A host of our group (the transport drops other groups' data) that spoke
                     // before its heartbeat event reached us.

@@ -939,13 +939,19 @@ fn config_thread(sh: Arc<Shared>, jobs: mpsc::Receiver<Job>) {
         }
         match job {
             Job::Enumerate { mac, generation, bus } => {
-                if let Err(e) = enumerate(&sh, mac, generation, bus) {
+                // A failure while the device is still there (a timeout on a loaded machine) is
+                // retried twice; a device that went away meanwhile is left alone.
+                for attempt in 1..=3 {
+                    let Err(e) = enumerate(&sh, mac, generation, bus) else { break };
                     bump(&sh.counters.enumeration_failures);
                     let still_there =
                         lock(&sh.state).devices.get(&mac).is_some_and(|d| d.generation == generation);
-                    if still_there {
-                        eprintln!("lanbus host bridge: {e}");
+                    if !still_there || sh.stop.load(Ordering::Acquire) {
+                        break;
                     }
+                    eprintln!("lanbus host bridge: {e} (attempt {attempt} of 3)");
+                    lock(&sh.state).allocations.retain(|(_, _, m)| *m != mac);
+                    std::thread::sleep(Duration::from_millis(100));
                 }
             }
         }
