@@ -143,6 +143,13 @@ fn enumerate_and_copy(mode: ThreadMode, total_bytes: usize) {
     h.add_region(SRC, src).unwrap();
     h.add_region(DST, dst.clone()).unwrap();
     let efd = h.interrupt_eventfd(f.bdf, 0).unwrap();
+    let called = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (c2, bdf) = (called.clone(), f.bdf);
+    h.on_interrupt(move |b, v| {
+        if b == bdf && v == 0 {
+            c2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
 
     let sizes = [4096usize, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1 << 20];
     let (mut copied, mut n) = (0usize, 0u64);
@@ -169,6 +176,7 @@ fn enumerate_and_copy(mode: ThreadMode, total_bytes: usize) {
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(h.interrupt_count(f.bdf, 0), n);
     assert_eq!(efd.take(), n, "the eventfd counted every interrupt");
+    assert_eq!(called.load(std::sync::atomic::Ordering::Relaxed), n, "the callback saw every interrupt");
     let hs = h.stats();
     assert_eq!((hs.unknown_address_reads, hs.spurious_interrupts, hs.timeouts), (0, 0, 0));
     let ds = d.stats();
