@@ -101,10 +101,18 @@ impl Bus for Local {
     }
 }
 
-/// Copies `len` bytes `reps` times; returns MB/s.
-fn throughput(bus: &mut dyn Bus, irqs: &mut u64, len: usize, reps: usize) -> anyhow::Result<f64> {
+/// Copies `len` bytes `reps` times, or fewer (at least 2) once `budget` is spent; returns MB/s.
+fn throughput(
+    bus: &mut dyn Bus,
+    irqs: &mut u64,
+    len: usize,
+    reps: usize,
+    budget: Duration,
+) -> anyhow::Result<f64> {
     let start = Instant::now();
-    for _ in 0..reps {
+    let mut done = 0;
+    while done < reps && (done < 2 || start.elapsed() < budget) {
+        done += 1;
         *irqs += 1;
         for (off, v) in [
             (regs::SRC, SRC as u32),
@@ -123,7 +131,7 @@ fn throughput(bus: &mut dyn Bus, irqs: &mut u64, len: usize, reps: usize) -> any
     if status & regs::STATUS_ERROR != 0 {
         bail!("the DMA engine reports an error (status {status:#x})");
     }
-    Ok((len * reps) as f64 / secs / 1e6)
+    Ok((len * done) as f64 / secs / 1e6)
 }
 
 /// p50 and p99 of `n` 4-byte MMIO reads, in microseconds.
@@ -140,6 +148,8 @@ fn latency(bus: &mut dyn Bus, n: usize) -> anyhow::Result<(f64, f64)> {
 
 struct Plan {
     sizes: Vec<usize>,
+    /// Time spent on one size at most (beyond two transfers).
+    budget: Duration,
     bytes_per_size: usize,
     reads: usize,
 }
@@ -158,7 +168,7 @@ fn measure(
     for &size in &plan.sizes {
         dst.with(|b| b[..size].fill(0));
         let reps = (plan.bytes_per_size / size).clamp(2, 2000);
-        let mbs = throughput(bus, &mut irqs, size, reps)?;
+        let mbs = throughput(bus, &mut irqs, size, reps, plan.budget)?;
         if dst.read_vec(0, size) != src[..size] {
             bail!("{name}: {size}-byte transfer arrived corrupted");
         }
@@ -271,9 +281,19 @@ fn real_ports(
 /// Runs the benchmark.
 pub fn run(args: PcieArgs) -> anyhow::Result<()> {
     let plan = if args.quick {
-        Plan { sizes: vec![4096, 65536, 1 << 20], bytes_per_size: 4 << 20, reads: 300 }
+        Plan {
+            sizes: vec![4096, 65536, 1 << 20],
+            budget: Duration::from_millis(500),
+            bytes_per_size: 4 << 20,
+            reads: 300,
+        }
     } else {
-        Plan { sizes: vec![4096, 16384, 65536, 262144, 1 << 20], bytes_per_size: 16 << 20, reads: 2000 }
+        Plan {
+            sizes: vec![4096, 16384, 65536, 262144, 1 << 20],
+            budget: Duration::from_secs(2),
+            bytes_per_size: 16 << 20,
+            reads: 2000,
+        }
     };
     let mpss: &[usize] = if args.quick { &[256] } else { &[128, 256, 512] };
     let modes = [ThreadMode::RunToCompletion, ThreadMode::Pipeline];
