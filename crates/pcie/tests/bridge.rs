@@ -440,3 +440,27 @@ fn many_small_transfers_in_a_row() {
     many_small_transfers(ThreadMode::RunToCompletion, 128, count);
     many_small_transfers(ThreadMode::Pipeline, 512, count);
 }
+
+#[test]
+fn a_second_host_of_the_group_is_ignored_and_counted() {
+    let mode = ThreadMode::RunToCompletion;
+    let hub = Hub::new(HubConfig { seed: 41, ..HubConfig::default() }).unwrap();
+    let first = HostBridge::start(hub_node(&hub, 1), host_config(mode, 1)).unwrap();
+    let d = DeviceBridge::start(hub_node(&hub, 9), device_config(mode, 1), dma_engine()).unwrap();
+    let f = one_device(&first);
+    assert_eq!(d.host(), Some(first.local_mac()));
+    // A second host of the same group: the device serves only its current host.
+    let mut hc = host_config(mode, 1);
+    hc.completion_timeout = Duration::from_millis(200);
+    let second = HostBridge::start(hub_node(&hub, 2), hc).unwrap();
+    let t = Instant::now();
+    while second.stats().enumeration_failures < 3 && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(second.stats().enumeration_failures, 3, "three attempts, all ignored");
+    assert!(second.devices().is_empty());
+    assert!(d.stats().foreign_requests >= 3);
+    // The first host still has it.
+    assert_eq!(d.host(), Some(first.local_mac()));
+    assert!(first.mmio_read32(f.bdf, f.bar(0).unwrap().address + regs::STATUS).is_ok());
+}
