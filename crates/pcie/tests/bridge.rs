@@ -10,7 +10,7 @@ use lanbus_pcie::bridge::{
     HostedFunction, RemoteFunction,
 };
 use lanbus_pcie::config::{cap_id, Bar, BarKind, ConfigSpec, MsixSpec};
-use lanbus_pcie::device::CompleterAbort;
+use lanbus_pcie::device::{CompleterAbort, DmaError};
 use lanbus_pcie::dma_engine::{self, regs, DmaEngine};
 use lanbus_pcie::{Bdf, CplStatus};
 use lanbus_port::{Hub, HubConfig, Port, SimWire, SimWireConfig};
@@ -231,6 +231,9 @@ struct Copier {
     regs: [u32; 8],
     pending: bool,
     copies: u32,
+    /// Pause before the DMA (ms), and what the last read returned.
+    delay_ms: u64,
+    last: Arc<std::sync::Mutex<Option<Result<(), DmaError>>>>,
 }
 
 impl BlockingDevice for Copier {
@@ -281,7 +284,10 @@ impl BlockingDevice for Copier {
         let src = u64::from(self.regs[0]) | u64::from(self.regs[1]) << 32;
         let dst = u64::from(self.regs[2]) | u64::from(self.regs[3]) << 32;
         let mut buf = vec![0u8; self.regs[4] as usize];
-        let ok = host.read(src, &mut buf).is_ok() && host.write(dst, &buf).is_ok();
+        std::thread::sleep(Duration::from_millis(self.delay_ms));
+        let read = host.read(src, &mut buf);
+        *self.last.lock().unwrap() = Some(read);
+        let ok = read.is_ok() && host.write(dst, &buf).is_ok();
         self.copies += u32::from(ok);
         host.signal_msix(1);
         1
@@ -291,7 +297,7 @@ impl BlockingDevice for Copier {
 fn blocking_model(mode: ThreadMode) {
     let mut hc = host_config(mode, 4);
     hc.completion_timeout = Duration::from_millis(300);
-    let copier = Copier { regs: [0; 8], pending: false, copies: 0 };
+    let copier = Copier { regs: [0; 8], pending: false, copies: 0, delay_ms: 0, last: Default::default() };
     let (h, _d) = over_sim(mode, 0.01, 13, hc, vec![HostedFunction::blocking(copier).unwrap()]);
     let f = one_device(&h);
     assert_eq!(f.bar(0).map(|b| (b.size, b.kind)), Some((16384, BarKind::Memory64 { prefetchable: true })));
@@ -463,4 +469,37 @@ fn a_second_host_of_the_group_is_ignored_and_counted() {
     // The first host still has it.
     assert_eq!(d.host(), Some(first.local_mac()));
     assert!(first.mmio_read32(f.bdf, f.bar(0).unwrap().address + regs::STATUS).is_ok());
+}
+
+#[test]
+fn a_device_dma_read_without_completions_times_out() {
+    let mode = ThreadMode::Pipeline;
+    let hub = Hub::new(HubConfig { seed: 51, ..HubConfig::default() }).unwrap();
+    let h = HostBridge::start(hub_node(&hub, 1), host_config(mode, 2)).unwrap();
+    let last = Arc::new(std::sync::Mutex::new(None));
+    let copier = Copier { regs: [0; 8], pending: false, copies: 0, delay_ms: 200, last: last.clone() };
+    let mut dc = device_config(mode, 2);
+    dc.completion_timeout = Duration::from_millis(150);
+    let d =
+        DeviceBridge::start(hub_node(&hub, 9), dc, vec![HostedFunction::blocking(copier).unwrap()]).unwrap();
+    let f = one_device(&h);
+    h.add_region(SRC, DmaBuffer::new(4096)).unwrap();
+    h.add_region(DST, DmaBuffer::new(4096)).unwrap();
+    let bar0 = f.bar(0).unwrap().address;
+    for (off, v) in [(0u64, SRC as u32), (4, 1), (8, DST as u32), (12, 2), (16, 4096), (0x14, 1)] {
+        h.mmio_write32(f.bdf, bar0 + off, v).unwrap();
+    }
+    // The doorbell is in once its register reads back; then nothing reaches the device any more
+    // (its own frames still leave), so its read's completions never come.
+    assert_eq!(h.mmio_read32(f.bdf, bar0 + 16).unwrap(), 4096);
+    hub.set_receive(d.local_mac(), false);
+    let t = Instant::now();
+    while last.lock().unwrap().is_none() && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(*last.lock().unwrap(), Some(Err(DmaError::Timeout)));
+    assert!(t.elapsed() < Duration::from_secs(1), "timed out after {:?}", t.elapsed());
+    assert!(d.stats().dma_read_failures >= 1);
+    // The interrupt still reaches the host: the device is not wedged.
+    assert_eq!(h.wait_interrupts(f.bdf, 1, 1, WAIT), 1);
 }
