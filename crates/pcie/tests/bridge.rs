@@ -486,12 +486,13 @@ fn a_device_dma_read_without_completions_times_out() {
     h.add_region(SRC, DmaBuffer::new(4096)).unwrap();
     h.add_region(DST, DmaBuffer::new(4096)).unwrap();
     let bar0 = f.bar(0).unwrap().address;
+    let before = d.stats().tlps_received;
     for (off, v) in [(0u64, SRC as u32), (4, 1), (8, DST as u32), (12, 2), (16, 4096), (0x14, 1)] {
         h.mmio_write32(f.bdf, bar0 + off, v).unwrap();
     }
-    // The doorbell is in once its register reads back; then nothing reaches the device any more
-    // (its own frames still leave), so its read's completions never come.
-    assert_eq!(h.mmio_read32(f.bdf, bar0 + 16).unwrap(), 4096);
+    // Once the doorbell is in, nothing reaches the device any more (its own frames still
+    // leave), so the completions of the read it makes 200 ms later never come.
+    wait_received(&d, before + 6);
     hub.set_receive(d.local_mac(), false);
     let t = Instant::now();
     while last.lock().unwrap().is_none() && t.elapsed() < WAIT {
@@ -502,4 +503,44 @@ fn a_device_dma_read_without_completions_times_out() {
     assert!(d.stats().dma_read_failures >= 1);
     // The interrupt still reaches the host: the device is not wedged.
     assert_eq!(h.wait_interrupts(f.bdf, 1, 1, WAIT), 1);
+}
+
+#[test]
+fn device_dma_fails_at_once_when_its_host_goes_down() {
+    let mode = ThreadMode::RunToCompletion;
+    let hub = Hub::new(HubConfig { seed: 61, ..HubConfig::default() }).unwrap();
+    let h = HostBridge::start(hub_node(&hub, 1), host_config(mode, 2)).unwrap();
+    let last = Arc::new(std::sync::Mutex::new(None));
+    let copier = Copier { regs: [0; 8], pending: false, copies: 0, delay_ms: 200, last: last.clone() };
+    let mut dc = device_config(mode, 2);
+    dc.completion_timeout = Duration::from_secs(10);
+    let d =
+        DeviceBridge::start(hub_node(&hub, 9), dc, vec![HostedFunction::blocking(copier).unwrap()]).unwrap();
+    let f = one_device(&h);
+    h.add_region(SRC, DmaBuffer::new(4096)).unwrap();
+    let bar0 = f.bar(0).unwrap().address;
+    let before = d.stats().tlps_received;
+    for (off, v) in [(0u64, SRC as u32), (4, 1), (8, DST as u32), (12, 2), (16, 4096), (0x14, 1)] {
+        h.mmio_write32(f.bdf, bar0 + off, v).unwrap();
+    }
+    wait_received(&d, before + 6);
+    // The host vanishes while the device's read is outstanding (its completion timeout is 10 s):
+    // the read fails as soon as the host's heartbeats are missed.
+    hub.set_link(h.local_mac(), false);
+    let t = Instant::now();
+    while last.lock().unwrap().is_none() && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(*last.lock().unwrap(), Some(Err(DmaError::HostUnreachable)));
+    assert!(t.elapsed() < Duration::from_secs(3), "failed after {:?}", t.elapsed());
+    assert_eq!(d.host(), None);
+}
+
+/// Waits until the device bridge has received `n` TLPs.
+fn wait_received(d: &DeviceBridge, n: u64) {
+    let t = Instant::now();
+    while d.stats().tlps_received < n && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(d.stats().tlps_received >= n);
 }
