@@ -4,9 +4,11 @@
 mod bench;
 mod demo;
 mod nbd;
+mod pcie;
 mod plot;
 mod port;
 mod progress;
+mod signals;
 mod sim_cmd;
 mod tlp;
 
@@ -34,6 +36,12 @@ enum Command {
     /// Network Block Device tools: export a file or RAM disk to fio, qemu-img, QEMU.
     #[command(subcommand)]
     Nbd(nbd::NbdCommand),
+    /// A host bridge that lists the remote PCIe functions of its group like `lspci -v`.
+    Lspci(pcie::LspciArgs),
+    /// A device bridge hosting PCIe functions (the DMA engine) until SIGINT/SIGTERM.
+    Device(pcie::DeviceArgs),
+    /// Sends a command (`group N`, `status`) to a running `lanbus device --control PATH`.
+    DeviceCtl(pcie::DeviceCtlArgs),
     /// The main job for now: two transport endpoints over a simulated wire with 1% loss; prints
     /// goodput, retransmissions and latency, and fails unless every message arrived intact.
     Demo(demo::DemoArgs),
@@ -49,6 +57,9 @@ fn main() -> std::process::ExitCode {
         Command::Tlp(c) => tlp::run(c),
         Command::Port(c) => port::run(c),
         Command::Nbd(c) => nbd::run(c),
+        Command::Lspci(a) => pcie::lspci(a),
+        Command::Device(a) => pcie::device(a),
+        Command::DeviceCtl(a) => pcie::device_ctl(a),
         Command::Demo(a) => demo::run(a),
         Command::Sim(c) => sim_cmd::run(c),
     };

@@ -19,8 +19,6 @@
 //! fill. That keeps the hot path free of allocation and lets kernel-bypass ports avoid copies.
 #![deny(missing_docs)]
 
-pub mod shm;
-
 use core::time::Duration;
 
 use lanbus_wire::MacAddr;
@@ -30,14 +28,16 @@ pub mod afxdp;
 pub mod check;
 #[cfg(feature = "dpdk")]
 pub mod dpdk;
+pub mod hub;
 pub mod netns;
+pub mod shm;
+pub mod sim;
 pub mod spec;
 pub mod udp;
 
-pub use spec::{open, SPEC_HELP};
-pub mod sim;
-
+pub use hub::{Hub, HubConfig, HubPort, HubStats};
 pub use sim::{SimPort, SimWire, SimWireConfig, SimWireStats};
+pub use spec::{open, SPEC_HELP};
 
 /// What a port counts. Counters only grow; read them with [`Port::counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

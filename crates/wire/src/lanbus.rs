@@ -17,8 +17,8 @@
 //!
 //! then `payload length` bytes: message records for DATA ([`MessageRecord`]), nothing for ACK, a
 //! [`HeartbeatRepr`] for HEARTBEAT. Bytes after the payload (Ethernet minimum-size padding) are
-//! ignored. All fields are big-endian; the checksum is the CRC-32C of the whole frame with the field
-//! itself taken as zero (see [`fill_checksum`]).
+//! ignored. All fields are big-endian; the checksum is the CRC-32C of the frame from the source MAC
+//! on, with the field itself taken as zero (see [`fill_checksum`]).
 //!
 //! Invariants: after [`Packet::new_checked`] succeeds, every accessor is infallible and
 //! `payload()` has exactly `payload_len` bytes. Nothing here panics on bytes from the network.
@@ -41,6 +41,9 @@ pub const MAX_MESSAGE_LEN: usize = 65_536;
 pub const FLAG_CHECKSUM: u8 = 0x01;
 /// Flag: the echoed timestamp field is valid.
 pub const FLAG_ECHO: u8 = 0x02;
+
+/// Where the checksum's coverage starts: the source MAC (see [`fill_checksum`]).
+const CHECKSUM_START: usize = 6;
 
 /// Offset of the checksum field from the start of the Ethernet frame.
 pub const CHECKSUM_FRAME_OFFSET: usize = ETHERNET_HEADER_LEN + field::CHECKSUM.start;
@@ -349,11 +352,14 @@ impl Repr {
 }
 
 /// The CRC-32C (Castagnoli polynomial 0x1EDC6F41, reflected, as iSCSI, SCTP and ext4 use) of a
-/// whole frame with the checksum field taken as zero. A CRC of degree 32 detects every error of
+/// whole frame from its source MAC on, with the checksum field taken as zero. The destination MAC
+/// is left out: tunnels that carry lanbus frames without an Ethernet header (the UDP port) rebuild
+/// it, addressing a broadcast to the one receiver, and a corrupted destination is caught by the
+/// receiver's address check anyway. A CRC of degree 32 detects every error of
 /// up to three flipped bits in frames this size and every burst of up to 32 bits; a sum of words
 /// does not (two flips of the same bit in two words cancel). SSE 4.2 computes it at memory speed.
 fn frame_crc(frame: &[u8]) -> u32 {
-    let crc = crc32c::crc32c(&frame[..CHECKSUM_FRAME_OFFSET]);
+    let crc = crc32c::crc32c(&frame[CHECKSUM_START..CHECKSUM_FRAME_OFFSET]);
     let crc = crc32c::crc32c_append(crc, &[0; 4]);
     crc32c::crc32c_append(crc, &frame[CHECKSUM_FRAME_OFFSET + 4..])
 }
@@ -796,7 +802,11 @@ mod tests {
         fill_checksum(&mut f);
         assert!(verify_checksum(&f));
         assert_eq!(f[ETHERNET_HEADER_LEN + 2] & FLAG_CHECKSUM, FLAG_CHECKSUM);
-        for bit in 0..f.len() * 8 {
+        // The destination MAC (bits 0..48) is not covered: a tunnel may rewrite it.
+        let mut g = f.clone();
+        g[..6].copy_from_slice(&[0xff; 6]);
+        assert!(verify_checksum(&g), "a rebuilt destination must not fail the checksum");
+        for bit in 48..f.len() * 8 {
             let mut g = f.clone();
             g[bit / 8] ^= 1 << (bit % 8);
             assert!(!verify_checksum(&g), "flip of bit {bit} undetected");
@@ -810,7 +820,7 @@ mod tests {
         // encoded by a separate Python script (a table CRC-32C from RFC 3720's definition) from
         // docs/wire.md's description.
         let hex =
-            "024c42000001024c4200000288b5010203000007000300000000ffffffff000007d0000003e8000000000c21baf8";
+            "024c42000001024c4200000288b5010203000007000300000000ffffffff000007d0000003e800000000ba9e0e30";
         let f: Vec<u8> =
             (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
         assert!(verify_checksum(&f));
@@ -841,7 +851,7 @@ mod tests {
             let mut zeroed = bytes.clone();
             zeroed[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].fill(0);
             let field = &bytes[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4];
-            assert_eq!(field, bitwise(&zeroed).to_be_bytes(), "len {len}");
+            assert_eq!(field, bitwise(&zeroed[6..]).to_be_bytes(), "len {len}");
         }
     }
 
@@ -851,7 +861,7 @@ mod tests {
         let mut f = whole_frame();
         fill_checksum(&mut f);
         let bits = f.len() * 8;
-        for a in 0..bits {
+        for a in 48..bits {
             for b in (a + 1..bits).step_by(7) {
                 let mut g = f.clone();
                 g[a / 8] ^= 1 << (a % 8);

@@ -4,6 +4,7 @@
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
 pub mod nbd;
+pub mod pcie;
 pub mod report;
 mod ring;
 pub mod transport_core;
@@ -23,6 +24,9 @@ pub enum BenchCommand {
     Vring(vring::Args),
     /// Our SPSC ring against DPDK rte_ring (dpdk-test) and the rtrb crate, ns per element.
     Ring(ring::Args),
+    /// DMA engine throughput and 4 B MMIO read latency through the PCIe bridges over sim, udp
+    /// and afpacket (root: a veth pair), against the same device in-process (`local`).
+    Pcie(pcie::PcieArgs),
 }
 
 /// Runs one benchmark.
@@ -32,5 +36,6 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Nbd(args) => nbd::run(args),
         BenchCommand::Vring(a) => vring::run(a),
         BenchCommand::Ring(a) => ring::run(a),
+        BenchCommand::Pcie(args) => pcie::run(args),
     }
 }
