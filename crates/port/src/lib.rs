@@ -26,6 +26,7 @@ use lanbus_wire::MacAddr;
 pub mod afpacket;
 pub mod afxdp;
 pub mod check;
+pub mod fault;
 pub mod netns;
 pub mod spec;
 pub mod udp;
