@@ -172,7 +172,11 @@ mod tests {
             }
             Ok(n)
         }
-        fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize> {
+        fn tx_burst(
+            &mut self,
+            max: usize,
+            fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+        ) -> Result<usize> {
             let mut buf = [0u8; 64];
             let mut n = 0;
             while n < max {
