@@ -4,6 +4,7 @@
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
 pub mod report;
+pub mod transport;
 pub mod transport_core;
 
 use clap::Subcommand;
@@ -14,11 +15,20 @@ pub enum BenchCommand {
     /// Messages/s through two transport endpoints in one thread, frames handed over directly (no
     /// wire). There is no peer program for an in-process protocol core; frames/s are shown too.
     TransportCore(transport_core::TransportCoreArgs),
+    /// The transport over real ports (udp, afpacket, afxdp) on a veth pair between two network
+    /// namespaces, one process each: ping-pong latency, streaming goodput, idle CPU; peers
+    /// sockperf and iperf3 on the same veth. Needs root.
+    Transport(transport::TransportArgs),
+    /// One side of `bench transport` (started by it inside a namespace).
+    #[command(hide = true)]
+    TransportPeer(transport::PeerArgs),
 }
 
 /// Runs one benchmark.
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::TransportCore(args) => transport_core::run(args),
+        BenchCommand::Transport(args) => transport::run(args),
+        BenchCommand::TransportPeer(args) => transport::run_peer(args),
     }
 }
