@@ -40,8 +40,10 @@
 //! says which copy was answered (as RFC 7323 §4 argues for TCP timestamps).
 //!
 //! *Receiver*: accepts only the frame whose sequence is the next expected one; any other DATA frame
-//! is dropped (counted as out of order or duplicate) and answered at once with a duplicate ACK.
-//! Accepted frames are acknowledged every [`Config::ack_every_frames`] frames or after
+//! is dropped (counted as out of order or duplicate). A frame ahead of the expected one is answered
+//! at once with a duplicate ACK (it tells the sender what is missing); a frame already received is
+//! answered by one delayed cumulative ACK per burst ([`Config::ack_delay`]), since a run of
+//! duplicate ACKs for the echoes of a go-back would read as a new loss and start another. Accepted frames are acknowledged every [`Config::ack_every_frames`] frames or after
 //! [`Config::ack_delay`], whichever comes first.
 //!
 //! *Rate control* ([`RateConfig`], Timely/Swift spirit): each channel paces its frames at a rate

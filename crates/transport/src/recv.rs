@@ -321,6 +321,19 @@ impl ReceiveHalf {
                 self.counters.drop_out_of_order += 1;
             } else {
                 self.counters.drop_duplicate += 1;
+                // Already here (a go-back resent it, or our ACK was lost): one delayed
+                // cumulative ACK answers a whole burst of duplicates. An immediate ACK for each
+                // would reach the sender as a run of duplicate ACKs for the frame after them,
+                // which it must read as that frame's loss and answer with another go-back, whose
+                // duplicates start the next run: a storm that, measured on a veth at full rate,
+                // resent 30-50% of all frames without a single loss.
+                if !self.config.ack_delay.is_zero() {
+                    if ch.ack_deadline.is_none() {
+                        ch.ack_deadline = Some(now + self.config.ack_delay);
+                        self.armed_acks += 1;
+                    }
+                    return;
+                }
             }
             // Answer at once: a duplicate ACK tells the sender what is missing.
             if ch.ack_deadline.take().is_some() {

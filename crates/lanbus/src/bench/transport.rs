@@ -135,6 +135,10 @@ pub struct PeerArgs {
     /// runtime's).
     #[arg(long)]
     spin_us: Option<u64>,
+    /// The transport's lower bound on the retransmission timeout, microseconds (default: the
+    /// transport's).
+    #[arg(long)]
+    min_rto_us: Option<u64>,
 }
 
 /// The message with index `i`: the index, then bytes derived from it.
@@ -158,6 +162,9 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     let port = lanbus_port::open(&args.port)?;
     let mut transport = if args.role == Role::Idle { Config::default() } else { Config::point_to_point() };
     transport.rate.enabled = args.rate_control;
+    if let Some(us) = args.min_rto_us {
+        transport.min_rto = Duration::from_micros(us);
+    }
     if let Some(us) = args.target_delay_us {
         transport.rate.target_queue_delay = Duration::from_micros(us);
     }
@@ -192,6 +199,9 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
             // Serve until the bench closes our stdin (or dies).
             let mut sink = Vec::new();
             let _ = std::io::stdin().read_to_end(&mut sink);
+            if std::env::var_os("LANBUS_BENCH_VERBOSE").is_some() {
+                eprintln!("{:?} server: {:?}", args.role, runtime.stats());
+            }
             runtime.shutdown();
             Ok(())
         }
@@ -419,6 +429,9 @@ fn stream_client(
         "gbit_per_s": msgs_per_s * args.size as f64 * 8.0 / 1e9,
         "retransmitted_frames": stats.transport.retransmitted_frames,
         "frames_sent": stats.transport.data_frames_sent,
+        "timeouts": stats.transport.timeouts,
+        "fast_retransmits": stats.transport.fast_retransmits,
+        "paced_out": stats.transport.paced_out,
     });
     println!("{out}");
     Ok(())
@@ -815,7 +828,7 @@ pub fn run(args: TransportArgs) -> anyhow::Result<()> {
     let plan = if args.quick {
         Plan { runs: args.runs.unwrap_or(1), seconds: 0.3, idle_seconds: 1.0 }
     } else {
-        Plan { runs: args.runs.unwrap_or(3).max(1), seconds: 1.5, idle_seconds: 3.0 }
+        Plan { runs: args.runs.unwrap_or(3).max(1), seconds: 1.5, idle_seconds: 5.0 }
     };
     let pair = VethPair::create().map_err(|skip| anyhow!("bench transport needs a veth pair: {skip}"))?;
     let exe = std::env::current_exe().context("finding this program")?;
