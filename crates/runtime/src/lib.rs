@@ -487,13 +487,14 @@ impl Worker {
 
     fn run_to_completion(&mut self, endpoint: &mut Endpoint, handler: &mut dyn Handler) {
         let mut backlog: VecDeque<Outgoing> = VecDeque::new();
+        let mut replies = Replies::default();
         while !self.stopping() {
             let now = self.clock.now();
             let mut work = self.rx_burst(now, &mut |now, frame| endpoint.handle_frame(now, frame));
             if endpoint.poll_timeout().is_some_and(|t| t <= now) {
                 endpoint.handle_timeout(now);
             }
-            work += deliver_rtc(endpoint, handler, &mut backlog, now);
+            work += deliver_rtc(endpoint, handler, &mut backlog, &mut replies, now);
             let requests: Vec<Control> = lock(&self.shared.control_tx).drain(..).collect();
             for c in requests {
                 match c {
@@ -523,34 +524,56 @@ fn deliver_rtc(
     endpoint: &mut Endpoint,
     handler: &mut dyn Handler,
     backlog: &mut VecDeque<Outgoing>,
+    replies: &mut Replies,
     now: Instant,
 ) -> usize {
-    let mut replies: Vec<Outgoing> = Vec::new();
+    replies.clear();
     let mut n = 0;
     while let Some(m) = endpoint.poll_message() {
-        let mut out = Collect(&mut replies);
-        handler.on_message(m, &mut out);
+        handler.on_message(m, replies);
         n += 1;
     }
     while let Some(ev) = endpoint.poll_event() {
-        let mut out = Collect(&mut replies);
-        handler.on_event(&ev, &mut out);
+        handler.on_event(&ev, replies);
         n += 1;
     }
-    for r in replies {
-        if !backlog.is_empty() || endpoint.send(now, r.peer, r.channel, &r.data).is_err() {
-            backlog.push_back(r);
+    for r in &replies.items {
+        let data = &replies.bytes[r.start..r.start + r.len];
+        if !backlog.is_empty() || endpoint.send(now, r.peer, r.channel, data).is_err() {
+            backlog.push_back(Outgoing { peer: r.peer, channel: r.channel, data: data.to_vec() });
         }
     }
     n
 }
 
-/// An outbox that collects replies while the endpoint is borrowed by `poll_message`.
-struct Collect<'a>(&'a mut Vec<Outgoing>);
+/// One reply collected by [`Replies`]: its bytes are `bytes[start..start + len]`.
+struct Reply {
+    peer: MacAddr,
+    channel: u16,
+    start: usize,
+    len: usize,
+}
 
-impl Outbox for Collect<'_> {
+/// An outbox that collects replies while the endpoint is borrowed by `poll_message`, in one byte
+/// arena reused from burst to burst (a reply costs no allocation once the arena has grown).
+#[derive(Default)]
+struct Replies {
+    bytes: Vec<u8>,
+    items: Vec<Reply>,
+}
+
+impl Replies {
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.items.clear();
+    }
+}
+
+impl Outbox for Replies {
     fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
-        self.0.push(Outgoing { peer, channel, data: data.to_vec() });
+        let start = self.bytes.len();
+        self.bytes.extend_from_slice(data);
+        self.items.push(Reply { peer, channel, start, len: data.len() });
     }
 }
 
