@@ -164,11 +164,16 @@ fn deliver(
     ra.shutdown();
     rb.shutdown();
     eprintln!(
-        "{label}: {count} messages in {:.2} s; sender retransmitted {} frames ({} timeouts, {} fast)",
+        "{label}: {count} messages in {:.2} s; sender retransmitted {} frames ({} timeouts, {} fast), \
+         RTT mean {:?} max {} us; receiver dropped {} out of order, {} duplicates",
         started.elapsed().as_secs_f64(),
         sa.transport.retransmitted_frames,
         sa.transport.timeouts,
-        sa.transport.fast_retransmits
+        sa.transport.fast_retransmits,
+        sa.transport.rtt_mean(),
+        sa.transport.rtt_max_ns / 1000,
+        sb.transport.drop_out_of_order,
+        sb.transport.drop_duplicate,
     );
     Outcome { receiver: sb.transport, sender: sa.transport, receiver_port_rx_dropped: sb.port.rx_dropped }
 }
