@@ -28,6 +28,7 @@ pub mod afxdp;
 pub mod check;
 #[cfg(feature = "dpdk")]
 pub mod dpdk;
+pub mod fault;
 pub mod hub;
 pub mod netns;
 pub mod shm;

@@ -199,10 +199,43 @@ impl VethPair {
             ns.ip(&["addr", "add", &format!("{addr}/24"), "dev", ifname])?;
             ns.ip(&["link", "set", ifname, "up"])?;
         }
-        Ok(VethPair {
+        let pair = VethPair {
             a: VethEnd { netns: a_ns, ifname: a_if, mac: a_mac, ipv4: a_ip },
             b: VethEnd { netns: b_ns, ifname: b_if, mac: b_mac, ipv4: b_ip },
-        })
+        };
+        pair.wait_until_carrying()?;
+        Ok(pair)
+    }
+
+    /// Waits (at most 3 s) until plain UDP datagrams cross from a to b and back. Right after the
+    /// link comes up the kernel may still drop traffic (carrier and qdisc activation are
+    /// asynchronous) and neighbours are unresolved, so a fresh pair sometimes loses its very
+    /// first burst; after this, both directions carry and ARP is resolved.
+    fn wait_until_carrying(&self) -> std::io::Result<()> {
+        use std::net::{SocketAddr, UdpSocket};
+        use std::time::{Duration, Instant};
+        let (a_addr, b_addr) = (SocketAddr::from((self.a.ipv4, 7999)), SocketAddr::from((self.b.ipv4, 7999)));
+        let a = self.a.netns.run(move || UdpSocket::bind(a_addr))??;
+        let b = self.b.netns.run(move || UdpSocket::bind(b_addr))??;
+        for s in [&a, &b] {
+            s.set_read_timeout(Some(Duration::from_millis(20)))?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut buf = [0u8; 8];
+        for (from, to, to_addr) in [(&a, &b, b_addr), (&b, &a, a_addr)] {
+            loop {
+                from.send_to(b"warm", to_addr)?;
+                if to.recv_from(&mut buf).is_ok() {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    return Err(std::io::Error::other(
+                        "datagrams do not cross the fresh veth pair within 3 s",
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 }
 

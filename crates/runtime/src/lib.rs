@@ -52,7 +52,8 @@ pub enum ThreadMode {
 /// How an idle thread waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Polling {
-    /// Spin forever: lowest latency, one core per thread.
+    /// Poll forever, never blocking (yielding the core to other runnable threads between empty
+    /// polls): lowest latency, one core per thread.
     Busy,
     /// Spin for `spin` after the last work, then block until a frame, a local send or a timer.
     Adaptive {
@@ -446,13 +447,20 @@ impl Worker {
         }
         let spin = match self.polling {
             Polling::Busy => {
-                std::hint::spin_loop();
+                // Never block, but let a runnable thread on this core have it: with fewer free
+                // cores than busy threads (a busy pair plus anything else on 2 cores) a pure
+                // spin holds the peer off for a whole time slice (measured: 20 ms round trips).
+                std::thread::yield_now();
                 return;
             }
             Polling::Adaptive { spin } => spin,
         };
         if now - self.last_work < spin {
-            std::hint::spin_loop();
+            // Yield rather than spin: on a machine with fewer free cores than spinning threads,
+            // the peer this thread waits for (the other end of a ping-pong, the other pipeline
+            // thread) may be runnable on this very core, and a pure spin would hold it off for
+            // the whole spin time (measured: round trips of twice the spin time on 2 cores).
+            std::thread::yield_now();
             return;
         }
         let timeout = deadline.map(|d| d - now);
@@ -479,13 +487,14 @@ impl Worker {
 
     fn run_to_completion(&mut self, endpoint: &mut Endpoint, handler: &mut dyn Handler) {
         let mut backlog: VecDeque<Outgoing> = VecDeque::new();
+        let mut replies = Replies::default();
         while !self.stopping() {
             let now = self.clock.now();
             let mut work = self.rx_burst(now, &mut |now, frame| endpoint.handle_frame(now, frame));
             if endpoint.poll_timeout().is_some_and(|t| t <= now) {
                 endpoint.handle_timeout(now);
             }
-            work += deliver_rtc(endpoint, handler, &mut backlog, now);
+            work += deliver_rtc(endpoint, handler, &mut backlog, &mut replies, now);
             let requests: Vec<Control> = lock(&self.shared.control_tx).drain(..).collect();
             for c in requests {
                 match c {
@@ -515,34 +524,56 @@ fn deliver_rtc(
     endpoint: &mut Endpoint,
     handler: &mut dyn Handler,
     backlog: &mut VecDeque<Outgoing>,
+    replies: &mut Replies,
     now: Instant,
 ) -> usize {
-    let mut replies: Vec<Outgoing> = Vec::new();
+    replies.clear();
     let mut n = 0;
     while let Some(m) = endpoint.poll_message() {
-        let mut out = Collect(&mut replies);
-        handler.on_message(m, &mut out);
+        handler.on_message(m, replies);
         n += 1;
     }
     while let Some(ev) = endpoint.poll_event() {
-        let mut out = Collect(&mut replies);
-        handler.on_event(&ev, &mut out);
+        handler.on_event(&ev, replies);
         n += 1;
     }
-    for r in replies {
-        if !backlog.is_empty() || endpoint.send(now, r.peer, r.channel, &r.data).is_err() {
-            backlog.push_back(r);
+    for r in &replies.items {
+        let data = &replies.bytes[r.start..r.start + r.len];
+        if !backlog.is_empty() || endpoint.send(now, r.peer, r.channel, data).is_err() {
+            backlog.push_back(Outgoing { peer: r.peer, channel: r.channel, data: data.to_vec() });
         }
     }
     n
 }
 
-/// An outbox that collects replies while the endpoint is borrowed by `poll_message`.
-struct Collect<'a>(&'a mut Vec<Outgoing>);
+/// One reply collected by [`Replies`]: its bytes are `bytes[start..start + len]`.
+struct Reply {
+    peer: MacAddr,
+    channel: u16,
+    start: usize,
+    len: usize,
+}
 
-impl Outbox for Collect<'_> {
+/// An outbox that collects replies while the endpoint is borrowed by `poll_message`, in one byte
+/// arena reused from burst to burst (a reply costs no allocation once the arena has grown).
+#[derive(Default)]
+struct Replies {
+    bytes: Vec<u8>,
+    items: Vec<Reply>,
+}
+
+impl Replies {
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.items.clear();
+    }
+}
+
+impl Outbox for Replies {
     fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
-        self.0.push(Outgoing { peer, channel, data: data.to_vec() });
+        let start = self.bytes.len();
+        self.bytes.extend_from_slice(data);
+        self.items.push(Reply { peer, channel, start, len: data.len() });
     }
 }
 

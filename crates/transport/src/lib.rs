@@ -32,7 +32,12 @@
 //! 32-bit [`Seq`]. At most [`Config::window_frames`] frames past the oldest unacknowledged one are
 //! ever transmitted. A cumulative ACK `a` releases every frame before `a`. An ACK that does not
 //! advance is a duplicate; after exactly [`Config::dup_ack_threshold`] duplicates the sender goes
-//! back to the first unacknowledged frame and resends from there (fast retransmit, once per loss).
+//! back to the first unacknowledged frame and resends from there (fast retransmit). A duplicate
+//! counts only if it echoes the timestamp of a frame sent no earlier than the latest transmission
+//! of that first unacknowledged frame: duplicates answering older frames (the receiver's answers
+//! to a go-back's resends of frames it already had) carry no news of a loss, and counting them
+//! would start go-back after go-back; a duplicate answering a later frame means the resend itself
+//! was lost, and fast retransmit fires again without waiting for the timer.
 //! When the retransmission timer (RFC 6298 RTO from the smoothed RTT, bounded, doubled on every
 //! expiry) fires, it also goes back. RTT samples come from timestamps the receiver echoes, so
 //! every sample belongs to exactly one transmission and Karn's rule (ignore samples of

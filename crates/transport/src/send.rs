@@ -28,6 +28,11 @@ const PAYLOAD_LEN_AT: usize = ETH_LEN + 24;
 const GROUP_AT: usize = ETH_LEN + 4;
 const TIMESTAMP_AT: usize = ETH_LEN + 16;
 const FLAGS_AT: usize = ETH_LEN + 2;
+/// The send timestamp stored in a frame.
+fn read_stamp(frame: &[u8]) -> u32 {
+    u32::from_be_bytes(frame[TIMESTAMP_AT..TIMESTAMP_AT + 4].try_into().expect("4-byte range"))
+}
+
 /// A large message does not start in a queued frame with less room than this.
 const MIN_SPLIT_ROOM: usize = 256;
 
@@ -39,8 +44,6 @@ struct TxChannel {
     next: usize,
     high: usize,
     dup_acks: u32,
-    /// A fast retransmit already happened for the current `base`.
-    recovering: bool,
     rto_deadline: Option<Instant>,
     rtt: RttEstimator,
     rate: RateControl,
@@ -57,6 +60,7 @@ impl TxChannel {
 
     /// Go back to the first unacknowledged frame.
     fn go_back(&mut self) {
+        self.dup_acks = 0;
         self.next = 0;
         self.inflight_bytes = 0;
     }
@@ -163,7 +167,6 @@ impl SendHalf {
                     next: 0,
                     high: 0,
                     dup_acks: 0,
-                    recovering: false,
                     rto_deadline: None,
                     rtt: RttEstimator::new(self.config.initial_rto, self.config.min_rto, self.config.max_rto),
                     rate: RateControl::new(&self.config.rate),
@@ -283,11 +286,22 @@ impl SendHalf {
             }
         }
         if advance == 0 {
-            if ch.high > 0 {
+            // A duplicate ACK is news that the frame at `base` was lost only if it answers a frame
+            // sent no earlier than that frame's latest transmission (the receiver echoes the
+            // timestamp of the frame it discards). Duplicates answering older frames are the
+            // echoes of a go-back's own resends of frames the receiver already had; counting them
+            // would start another go-back, whose resends draw the next run of duplicates (a storm
+            // that resent 30-50% of the frames on a loss-free veth). The same rule lets a lost
+            // retransmission be fast-retransmitted again, without waiting for the RTO.
+            let base_sent = ch.frames.front().map(|f| read_stamp(f));
+            let news = match (echo_ns, base_sent) {
+                (Some(echo), Some(sent)) => echo.wrapping_sub(sent) as i32 >= 0,
+                _ => true,
+            };
+            if ch.high > 0 && news {
                 ch.dup_acks += 1;
                 self.counters.dup_acks_received += 1;
-                if ch.dup_acks == self.config.dup_ack_threshold.max(1) && !ch.recovering {
-                    ch.recovering = true;
+                if ch.dup_acks == self.config.dup_ack_threshold.max(1) {
                     ch.go_back();
                     ch.rto_deadline = None;
                     self.counters.fast_retransmits += 1;
@@ -307,7 +321,6 @@ impl SendHalf {
         ch.high -= advance;
         ch.next = ch.next.saturating_sub(advance);
         ch.dup_acks = 0;
-        ch.recovering = false;
         ch.rtt.on_progress();
         ch.rto_deadline = (ch.high > 0).then(|| now + ch.rtt.rto());
     }
@@ -321,7 +334,6 @@ impl SendHalf {
                 if ch.high > 0 {
                     ch.go_back();
                     ch.dup_acks = 0;
-                    ch.recovering = false;
                     ch.rtt.on_timeout();
                     ch.rate.on_timeout(&self.config.rate, now);
                     self.counters.timeouts += 1;
@@ -384,12 +396,13 @@ impl SendHalf {
                 continue;
             }
             self.rr = (ci + 1) % n;
-            let frame = &ch.frames[ch.next];
+            let frame = &mut ch.frames[ch.next];
+            // The stored frame keeps the stamp of its latest transmission (see `on_ack`).
+            frame[TIMESTAMP_AT..TIMESTAMP_AT + 4].copy_from_slice(&stamp(now).to_be_bytes());
             let len = frame.len();
             buf[..len].copy_from_slice(frame);
             let out = &mut buf[..len];
             out[GROUP_AT..GROUP_AT + 2].copy_from_slice(&self.group.to_be_bytes());
-            out[TIMESTAMP_AT..TIMESTAMP_AT + 4].copy_from_slice(&stamp(now).to_be_bytes());
             if self.config.checksum {
                 lanbus::fill_checksum(out);
             } else {

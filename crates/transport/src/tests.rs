@@ -7,7 +7,7 @@ use lanbus_wire::lanbus::{self, Kind, Packet, Repr, FLAG_ECHO, HEADER_LEN as LB_
 use lanbus_wire::{Instant, MacAddr};
 
 use crate::testutil::{test_message, Dir, Faults, Node, Pair};
-use crate::{Config, Endpoint, Event, Role, SendError, Seq};
+use crate::{stamp, Config, Endpoint, Event, Role, SendError, Seq};
 
 const A: MacAddr = MacAddr::local(1);
 const B: MacAddr = MacAddr::local(2);
@@ -233,13 +233,52 @@ fn fast_retransmit_after_exactly_n_duplicate_acks() {
             (cs.fast_retransmits, cs.dup_acks_received, cs.retransmitted_frames),
             (1, u64::from(n), 8)
         );
-        // More duplicates for the same loss do not resend again.
+        // More duplicates for the same loss, answering frames sent before the resend (at 0 us),
+        // do not resend again.
         for k in 0..5 {
-            a.handle_frame(at_us(30 + k), &ack_frame(B, A, 0, 2, None));
+            a.handle_frame(at_us(30 + k), &ack_frame(B, A, 0, 2, Some(stamp(at_us(0)))));
         }
         assert!(drain(&mut a, at_us(40)).is_empty());
         assert_eq!(a.counters().fast_retransmits, 1);
+        // Duplicates answering frames sent after the resend (at 20 us) say the resend was lost too.
+        for k in 0..n {
+            a.handle_frame(at_us(50 + u64::from(k)), &ack_frame(B, A, 0, 2, Some(stamp(at_us(20)))));
+        }
+        let again: Vec<u32> = drain(&mut a, at_us(60)).iter().map(|f| header(f).sequence).collect();
+        assert_eq!(again, (2..10).collect::<Vec<_>>(), "threshold {n}: a lost resend goes back again");
+        assert_eq!(a.counters().fast_retransmits, 2);
     }
+}
+
+#[test]
+fn duplicates_of_a_spurious_go_back_do_not_start_another() {
+    // 16 frames arrive but every ACK is lost: the RTO resends them. The receiver answers each
+    // resent duplicate with a duplicate ACK for 16; the first releases the window, and the sender
+    // moves on to frames 16..32. The other duplicates echo the resends' stamps, older than frame
+    // 16's transmission: no news of a loss, so no go-back (which would resend 16..32 and draw the
+    // next run of duplicates: a storm).
+    let mut c = p2p();
+    c.window_frames = 16;
+    let mut a = Endpoint::new(c, A, Instant::ZERO);
+    for i in 0..32 {
+        a.send(Instant::ZERO, B, 0, &test_message(i, 1000)).unwrap();
+    }
+    assert_eq!(drain(&mut a, Instant::ZERO).len(), 16, "the window holds 16");
+    let rto = a.poll_timeout().expect("RTO armed");
+    a.handle_timeout(rto);
+    let resent = drain(&mut a, rto);
+    assert_eq!(resent.len(), 16);
+    let resent_at = stamp(rto);
+    let t = rto + Duration::from_micros(10);
+    a.handle_frame(t, &ack_frame(B, A, 0, 16, Some(resent_at)));
+    let fresh: Vec<u32> = drain(&mut a, t).iter().map(|f| header(f).sequence).collect();
+    assert_eq!(fresh, (16..32).collect::<Vec<_>>());
+    for k in 1..16u64 {
+        let tk = t + Duration::from_micros(k);
+        a.handle_frame(tk, &ack_frame(B, A, 0, 16, Some(resent_at)));
+        assert!(drain(&mut a, tk).is_empty(), "go-back on the echo of an old resend");
+    }
+    assert_eq!(a.counters().fast_retransmits, 0);
 }
 
 #[test]

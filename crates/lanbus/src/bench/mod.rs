@@ -7,6 +7,7 @@ pub mod nbd;
 pub mod pcie;
 pub mod report;
 mod ring;
+pub mod transport;
 pub mod transport_core;
 mod vring;
 
@@ -27,6 +28,13 @@ pub enum BenchCommand {
     /// DMA engine throughput and 4 B MMIO read latency through the PCIe bridges over sim, udp
     /// and afpacket (root: a veth pair), against the same device in-process (`local`).
     Pcie(pcie::PcieArgs),
+    /// The transport over real ports (udp, afpacket, afxdp) on a veth pair between two network
+    /// namespaces, one process each: ping-pong latency, streaming goodput, idle CPU; peers
+    /// sockperf and iperf3 on the same veth. Needs root.
+    Transport(transport::TransportArgs),
+    /// One side of `bench transport` (started by it inside a namespace).
+    #[command(hide = true)]
+    TransportPeer(transport::PeerArgs),
 }
 
 /// Runs one benchmark.
@@ -37,5 +45,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Vring(a) => vring::run(a),
         BenchCommand::Ring(a) => ring::run(a),
         BenchCommand::Pcie(args) => pcie::run(args),
+        BenchCommand::Transport(args) => transport::run(args),
+        BenchCommand::TransportPeer(args) => transport::run_peer(args),
     }
 }
