@@ -3,6 +3,7 @@
 
 mod bench;
 mod tlp;
+mod nbd;
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +23,9 @@ enum Command {
     /// The PCIe TLP codec: decode hex to JSON, encode JSON to hex.
     #[command(subcommand)]
     Tlp(tlp::TlpCommand),
+    /// Network Block Device tools: export a file or RAM disk to fio, qemu-img, QEMU.
+    #[command(subcommand)]
+    Nbd(nbd::NbdCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -29,6 +33,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Bench(c) => bench::run(c),
         Command::Tlp(c) => tlp::run(c),
+        Command::Nbd(c) => nbd::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

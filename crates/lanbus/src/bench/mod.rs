@@ -3,15 +3,21 @@
 //! Every benchmark prints a table, writes the common JSON format with `--json FILE` (see
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
+pub mod nbd;
 pub mod report;
 
 use clap::Subcommand;
 
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
-pub enum BenchCommand {}
+pub enum BenchCommand {
+    /// fio (nbd engine) against lanbus's NBD server (file and RAM) and qemu-nbd on the same file.
+    Nbd(nbd::NbdBenchArgs),
+}
 
 /// Runs one benchmark.
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
-    match command {}
+    match command {
+        BenchCommand::Nbd(args) => nbd::run(args),
+    }
 }

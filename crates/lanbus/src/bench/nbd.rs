@@ -1,0 +1,202 @@
+//! `lanbus bench nbd`: fio (`--ioengine=nbd`) against lanbus's NBD server and against qemu-nbd
+//! serving the same backing file, in the same run.
+//!
+//! Rows: `lanbus-nbd:file` (the in-process server over a [`FileDevice`]), `lanbus-nbd:ram` (over a
+//! [`MemDevice`]) and `peer:qemu-nbd` (qemu-nbd on the same file, writeback cache like ours);
+//! metrics `mb_per_s` and `iops` with `block_size`, `rw` and `iodepth`, each the median of
+//! `--runs` fio runs. The file lives in /dev/shm when it exists, so both servers measure protocol
+//! and threading cost rather than the disk.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use lanbus_nbd::{BlockDevice, Client, Export, FileDevice, MemDevice, Server};
+
+use super::report::{median, Report, Row};
+
+/// `lanbus bench nbd` options.
+#[derive(Debug, Args)]
+pub struct NbdBenchArgs {
+    /// Write the common JSON report here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// fio runs per configuration (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Seconds per fio run.
+    #[arg(long, default_value_t = 2)]
+    runtime: u64,
+    /// Export size in MiB.
+    #[arg(long, default_value_t = 256)]
+    size_mib: u64,
+    /// Block sizes (comma-separated, fio syntax).
+    #[arg(long, default_value = "4k,64k,1m", value_delimiter = ',')]
+    block_sizes: Vec<String>,
+    /// fio I/O depth (the paper's Fig. 6 uses 1).
+    #[arg(long, default_value_t = 1)]
+    iodepth: u32,
+    /// Skip the qemu-nbd peer.
+    #[arg(long)]
+    no_peer: bool,
+}
+
+/// One fio measurement.
+#[derive(Debug, Clone, Copy)]
+pub struct FioResult {
+    /// Megabytes (10^6) per second.
+    pub mb_per_s: f64,
+    /// Operations per second.
+    pub iops: f64,
+}
+
+/// Runs one time-based fio job with the nbd engine against `uri` and reads its JSON output.
+pub fn run_fio(
+    uri: &str,
+    rw: &str,
+    bs: &str,
+    iodepth: u32,
+    size_mib: u64,
+    runtime: u64,
+) -> anyhow::Result<FioResult> {
+    let out = Command::new("fio")
+        .args(["--name=bench", "--ioengine=nbd", "--numjobs=1", "--time_based", "--output-format=json"])
+        .arg(format!("--uri={uri}"))
+        .arg(format!("--rw={rw}"))
+        .arg(format!("--bs={bs}"))
+        .arg(format!("--iodepth={iodepth}"))
+        .arg(format!("--size={size_mib}M"))
+        .arg(format!("--runtime={runtime}"))
+        .arg("--ramp_time=1")
+        .output()
+        .context("running fio (Debian package fio)")?;
+    if !out.status.success() {
+        bail!("fio failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let start = text.find('{').context("fio printed no JSON")?;
+    let v: serde_json::Value = serde_json::from_str(&text[start..]).context("parsing fio JSON")?;
+    let dir = if rw.contains("read") { "read" } else { "write" };
+    let job = &v["jobs"][0][dir];
+    let bw = job["bw_bytes"].as_f64().context("fio JSON without bw_bytes")?;
+    let iops = job["iops"].as_f64().context("fio JSON without iops")?;
+    Ok(FioResult { mb_per_s: bw / 1e6, iops })
+}
+
+fn scratch_dir() -> PathBuf {
+    let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+    base.join(format!("lanbus-bench-nbd-{}", std::process::id()))
+}
+
+fn wait_for_socket(socket: &Path) -> anyhow::Result<()> {
+    let t = Instant::now();
+    while Client::connect_unix(socket, "export").is_err() {
+        if t.elapsed() > Duration::from_secs(10) {
+            bail!("no NBD server came up on {}", socket.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+struct KillOnDrop(Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs the benchmark.
+pub fn run(args: NbdBenchArgs) -> anyhow::Result<()> {
+    let help = Command::new("fio").arg("--enghelp=nbd").output().context("fio is not installed")?;
+    if !String::from_utf8_lossy(&help.stdout).contains("uri") {
+        bail!("this fio has no nbd engine");
+    }
+    let dir = scratch_dir();
+    std::fs::create_dir_all(&dir)?;
+    let result = measure(&args, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    let report = result?;
+    report.finish(args.json.as_deref())?;
+    Ok(())
+}
+
+fn measure(args: &NbdBenchArgs, dir: &Path) -> anyhow::Result<Report> {
+    let size = args.size_mib << 20;
+    let image = dir.join("backing.img");
+    {
+        // Real blocks, not a sparse file: both servers read allocated data.
+        let dev = FileDevice::create(&image, size)?;
+        let chunk: Vec<u8> = (0..1 << 20).map(|i| (i * 31 + 7) as u8).collect();
+        for off in (0..size).step_by(chunk.len()) {
+            dev.write_at(off, &chunk, false)?;
+        }
+        dev.flush()?;
+    }
+    let mut targets: Vec<(String, String, Option<Server>, Option<KillOnDrop>)> = Vec::new();
+    for kind in ["file", "ram"] {
+        let socket = dir.join(format!("lanbus-{kind}.sock"));
+        let device: Arc<dyn BlockDevice> = if kind == "file" {
+            Arc::new(FileDevice::open(&image, false)?)
+        } else {
+            Arc::new(MemDevice::new(size))
+        };
+        let server = Server::builder().export(Export::new("export", device)).log(false).build()?;
+        server.serve(std::os::unix::net::UnixListener::bind(&socket)?)?;
+        let uri = format!("nbd+unix:///export?socket={}", socket.display());
+        targets.push((format!("lanbus-nbd:{kind}"), uri, Some(server), None));
+    }
+    if !args.no_peer {
+        let socket = dir.join("qemu-nbd.sock");
+        match Command::new("qemu-nbd")
+            .args(["--format=raw", "--persistent", "--shared=4", "--export-name=export", "--cache=writeback"])
+            .arg(format!("--socket={}", socket.display()))
+            .arg(&image)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+        {
+            Ok(child) => {
+                let child = KillOnDrop(child);
+                wait_for_socket(&socket)?;
+                let uri = format!("nbd+unix:///export?socket={}", socket.display());
+                targets.push(("peer:qemu-nbd".into(), uri, None, Some(child)));
+            }
+            Err(e) => eprintln!("bench nbd: qemu-nbd not run ({e}); install qemu-utils for the peer row"),
+        }
+    }
+    let mut report = Report::new("nbd");
+    for rw in ["randread", "randwrite"] {
+        for bs in &args.block_sizes {
+            for (name, uri, _, _) in &targets {
+                let mut mbs = Vec::new();
+                let mut iops = Vec::new();
+                for _ in 0..args.runs.max(1) {
+                    let r = run_fio(uri, rw, bs, args.iodepth, args.size_mib, args.runtime)?;
+                    mbs.push(r.mb_per_s);
+                    iops.push(r.iops);
+                }
+                for (metric, values) in [("mb_per_s", &mbs), ("iops", &iops)] {
+                    let value = median(values).context("no runs")?;
+                    report.push(
+                        Row::new(name.clone(), metric, value)
+                            .with("rw", rw)
+                            .with("block_size", crate::nbd::parse_size(bs)?)
+                            .with("iodepth", args.iodepth),
+                    );
+                }
+                eprintln!("bench nbd: {name} {rw} bs={bs}: {:.1} MB/s", median(&mbs).unwrap_or(0.0));
+            }
+        }
+    }
+    for (_, _, server, _) in targets {
+        if let Some(s) = server {
+            s.shutdown()?;
+        }
+    }
+    Ok(report)
+}

@@ -1,0 +1,5 @@
+#![no_main]
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    lanbus_nbd::fuzz_handshake(data);
+    lanbus_nbd::fuzz_option(data);
+});
