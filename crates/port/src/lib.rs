@@ -116,6 +116,13 @@ pub trait Port: Send {
         self.mtu() + lanbus_wire::ethernet::HEADER_LEN
     }
 
+    /// A file descriptor that polls readable when a frame may be waiting, for drivers that wait
+    /// on several things at once (the port and a wake-up eventfd) with poll(2) instead of
+    /// [`Port::wait`]. `None` (the default) means the port has no such descriptor: use `wait`.
+    fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+
     /// This port's own MAC address (source of the frames it sends).
     fn mac(&self) -> MacAddr;
 
@@ -150,6 +157,9 @@ impl<P: Port + ?Sized> Port for Box<P> {
     }
     fn mtu(&self) -> usize {
         (**self).mtu()
+    }
+    fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
+        (**self).readiness_fd()
     }
     fn mac(&self) -> MacAddr {
         (**self).mac()

@@ -10,6 +10,7 @@
 #![deny(missing_docs)]
 
 pub mod ethernet;
+pub mod lanbus;
 pub mod time;
 pub mod tlp;
 

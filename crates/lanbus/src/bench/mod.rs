@@ -5,6 +5,7 @@
 
 pub mod nbd;
 pub mod report;
+pub mod transport_core;
 
 use clap::Subcommand;
 
@@ -13,11 +14,15 @@ use clap::Subcommand;
 pub enum BenchCommand {
     /// fio (nbd engine) against lanbus's NBD server (file and RAM) and qemu-nbd on the same file.
     Nbd(nbd::NbdBenchArgs),
+    /// Messages/s through two transport endpoints in one thread, frames handed over directly (no
+    /// wire). There is no peer program for an in-process protocol core; frames/s are shown too.
+    TransportCore(transport_core::TransportCoreArgs),
 }
 
 /// Runs one benchmark.
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Nbd(args) => nbd::run(args),
+        BenchCommand::TransportCore(args) => transport_core::run(args),
     }
 }

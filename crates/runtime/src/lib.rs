@@ -1,0 +1,677 @@
+//! The runtime layer: drives a sans-IO transport [`Endpoint`] over a [`Port`] on real threads and
+//! hands delivered messages to an engine (a PCIe bridge, the messaging layer...).
+//!
+//! Two thread models, chosen by [`ThreadMode`], pass the same tests:
+//!
+//! - **Run to completion**: one thread receives a burst, feeds the endpoint, runs the engine's
+//!   [`Handler`] on every delivered message, queues what other threads asked to send, transmits,
+//!   and waits when idle.
+//! - **Pipeline** (Software ExpEther's design): a TX thread owns the [`SendHalf`] (segmentation,
+//!   window, pacing, retransmission, ACK and heartbeat transmission) and an RX thread owns the
+//!   [`ReceiveHalf`] (ordering, ACK generation, delivery to the handler, peer table). The RX
+//!   thread passes [`Feedback`] (ACKs received, ACKs to send) and the handler's replies to the TX
+//!   thread through queues and wakes it. The paper's bridge threads are the engine's own threads,
+//!   which send through a [`Sender`]; its timer thread is the halves' own timers, which each
+//!   thread serves from `poll_timeout`.
+//!
+//! Polling is adaptive by default: a thread spins while there is work and for a short while
+//! after, then blocks in poll(2) on the port's readiness descriptor and its own wake-up eventfd,
+//! with the transport's next timeout as the limit, so an idle node costs almost nothing and two
+//! busy nodes still share a 2-core machine. [`Polling::Busy`] never blocks.
+//!
+//! Invariants: the endpoint (or each half) is touched by exactly one thread; the port is shared
+//! by the two pipeline threads under a mutex held only for one burst; nothing a local thread asks
+//! to send is dropped (a full transport queue keeps it in the runtime's queue until there is room).
+#![deny(missing_docs)]
+
+mod wake;
+
+use std::collections::VecDeque;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use lanbus_port::{Port, PortCounters};
+use lanbus_transport::{Config, Counters, Endpoint, Event, Feedback, Message, ReceiveHalf, SendHalf};
+use lanbus_wire::{Clock, Instant, MacAddr, MonotonicClock};
+
+use wake::Waker;
+
+/// Which threads run the transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ThreadMode {
+    /// One thread does everything.
+    #[default]
+    RunToCompletion,
+    /// A TX thread and an RX thread, joined by queues.
+    Pipeline,
+}
+
+/// How an idle thread waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Polling {
+    /// Spin forever: lowest latency, one core per thread.
+    Busy,
+    /// Spin for `spin` after the last work, then block until a frame, a local send or a timer.
+    Adaptive {
+        /// How long to keep spinning after the last work.
+        spin: Duration,
+    },
+}
+
+impl Default for Polling {
+    fn default() -> Self {
+        Polling::Adaptive { spin: Duration::from_micros(50) }
+    }
+}
+
+/// How to run a node.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// The transport's settings.
+    pub transport: Config,
+    /// Thread model.
+    pub threads: ThreadMode,
+    /// How idle threads wait.
+    pub polling: Polling,
+    /// Frames per rx/tx burst.
+    pub burst: usize,
+    /// Prefix of the threads' names.
+    pub name: String,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig {
+            transport: Config::default(),
+            threads: ThreadMode::default(),
+            polling: Polling::default(),
+            burst: 32,
+            name: "lanbus".into(),
+        }
+    }
+}
+
+/// Where a handler puts replies. Sending never fails and never drops: if the transport's queue is
+/// full the message waits in the runtime until there is room.
+pub trait Outbox {
+    /// Queues `data` for `peer` on `channel`.
+    fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]);
+}
+
+/// An engine's receive side, run on the thread that owns reception.
+pub trait Handler: Send + 'static {
+    /// A message arrived, in order for its channel.
+    fn on_message(&mut self, message: Message<'_>, out: &mut dyn Outbox);
+
+    /// A peer event (up, down, group change).
+    fn on_event(&mut self, event: &Event, out: &mut dyn Outbox) {
+        let _ = (event, out);
+    }
+}
+
+/// Counters of a running node.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stats {
+    /// The transport's counters (both halves).
+    pub transport: Counters,
+    /// The port's counters.
+    pub port: PortCounters,
+    /// Messages local threads queued that wait for room in the transport.
+    pub backlog_messages: usize,
+}
+
+struct Outgoing {
+    peer: MacAddr,
+    channel: u16,
+    data: Vec<u8>,
+}
+
+enum Control {
+    SetGroup(u16),
+}
+
+/// State shared by the node's threads and its handles.
+struct Shared {
+    stop: AtomicBool,
+    /// Messages from other threads (and, in pipeline mode, the handler) for the sending side.
+    outgoing: Mutex<VecDeque<Outgoing>>,
+    /// Pipeline mode: feedback from the RX thread to the TX thread.
+    feedback: Mutex<VecDeque<Feedback>>,
+    /// Requests for the sending thread (the only thread in run-to-completion mode)...
+    control_tx: Mutex<VecDeque<Control>>,
+    /// ...and for the RX thread in pipeline mode.
+    control_rx: Mutex<VecDeque<Control>>,
+    mode: ThreadMode,
+    /// Wakes the sending thread (the only thread in run-to-completion mode).
+    tx_waker: Waker,
+    /// Wakes the RX thread in pipeline mode (for control requests and shutdown).
+    rx_waker: Waker,
+    /// Latest counter snapshots, published by the threads.
+    tx_counters: Mutex<Counters>,
+    rx_counters: Mutex<Counters>,
+    port_counters: Mutex<PortCounters>,
+    /// Whether the sending side has nothing unacknowledged and nothing queued.
+    idle: AtomicBool,
+    local_mac: MacAddr,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic on another thread leaves plain data behind; keep going with it.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    fn push_outgoing(&self, peer: MacAddr, channel: u16, data: &[u8]) {
+        lock(&self.outgoing).push_back(Outgoing { peer, channel, data: data.to_vec() });
+        // Relaxed is enough for the flag: the queue's mutex orders the data.
+        self.idle.store(false, Ordering::Relaxed);
+        self.tx_waker.wake();
+    }
+}
+
+/// A handle other threads use to send messages through the node. Cheap to clone.
+#[derive(Clone)]
+pub struct Sender {
+    shared: Arc<Shared>,
+}
+
+impl Sender {
+    /// Queues `data` for `peer` on `channel` (copied; never dropped).
+    pub fn send(&self, peer: MacAddr, channel: u16, data: &[u8]) {
+        self.shared.push_outgoing(peer, channel, data);
+    }
+
+    /// The node's own MAC address.
+    pub fn local_mac(&self) -> MacAddr {
+        self.shared.local_mac
+    }
+}
+
+/// A running node: a port, a transport endpoint and a handler on their threads. Dropping it stops
+/// the threads.
+pub struct Runtime {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Runtime {
+    /// Starts the node's threads.
+    pub fn start(
+        port: Box<dyn Port>,
+        config: RuntimeConfig,
+        handler: Box<dyn Handler>,
+    ) -> std::io::Result<Runtime> {
+        let clock = MonotonicClock::new();
+        let local_mac = port.mac();
+        let mut transport = config.transport.clone();
+        // The transport never writes frames larger than the port carries.
+        transport.mtu = transport.mtu.min(port.mtu());
+        let endpoint = Endpoint::new(transport, local_mac, clock.now());
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            outgoing: Mutex::new(VecDeque::new()),
+            feedback: Mutex::new(VecDeque::new()),
+            control_tx: Mutex::new(VecDeque::new()),
+            control_rx: Mutex::new(VecDeque::new()),
+            mode: config.threads,
+            tx_waker: Waker::new()?,
+            rx_waker: Waker::new()?,
+            tx_counters: Mutex::new(Counters::default()),
+            rx_counters: Mutex::new(Counters::default()),
+            port_counters: Mutex::new(PortCounters::default()),
+            idle: AtomicBool::new(true),
+            local_mac,
+        });
+        let mut threads = Vec::new();
+        let spawn =
+            |name: String, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name).spawn(f);
+        match config.threads {
+            ThreadMode::RunToCompletion => {
+                let mut worker = Worker::new(&config, shared.clone(), clock, port);
+                let mut handler = handler;
+                let mut endpoint = endpoint;
+                threads.push(spawn(
+                    format!("{}-rtc", config.name),
+                    Box::new(move || worker.run_to_completion(&mut endpoint, &mut *handler)),
+                )?);
+            }
+            ThreadMode::Pipeline => {
+                let (tx_half, rx_half) = endpoint.split();
+                let port = Arc::new(Mutex::new(port));
+                let mut tx = PipeTx {
+                    worker: Worker::shared_port(&config, shared.clone(), clock, port.clone()),
+                    half: tx_half,
+                };
+                let mut rx = PipeRx {
+                    worker: Worker::shared_port(&config, shared.clone(), clock, port),
+                    half: rx_half,
+                    handler,
+                };
+                threads.push(spawn(format!("{}-tx", config.name), Box::new(move || tx.run()))?);
+                threads.push(spawn(format!("{}-rx", config.name), Box::new(move || rx.run()))?);
+            }
+        }
+        Ok(Runtime { shared, threads })
+    }
+
+    /// A handle for sending from other threads.
+    pub fn sender(&self) -> Sender {
+        Sender { shared: self.shared.clone() }
+    }
+
+    /// The node's MAC address (its port's).
+    pub fn local_mac(&self) -> MacAddr {
+        self.shared.local_mac
+    }
+
+    /// Changes the node's group (announced in the next heartbeat; frames of other groups are
+    /// dropped from then on).
+    pub fn set_group(&self, group: u16) {
+        lock(&self.shared.control_tx).push_back(Control::SetGroup(group));
+        self.shared.tx_waker.wake();
+        if self.shared.mode == ThreadMode::Pipeline {
+            lock(&self.shared.control_rx).push_back(Control::SetGroup(group));
+            self.shared.rx_waker.wake();
+        }
+    }
+
+    /// The latest counters (published by the threads at least every millisecond while busy and
+    /// whenever they go idle).
+    pub fn stats(&self) -> Stats {
+        let mut transport = *lock(&self.shared.tx_counters);
+        transport.merge(&lock(&self.shared.rx_counters));
+        Stats {
+            transport,
+            port: *lock(&self.shared.port_counters),
+            backlog_messages: lock(&self.shared.outgoing).len(),
+        }
+    }
+
+    /// Waits until everything sent so far is acknowledged, or `timeout` passes. Returns whether
+    /// the node went idle.
+    pub fn wait_idle(&self, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            // Acquire pairs with the Release store of the sending thread after its last check.
+            if self.shared.idle.load(Ordering::Acquire) && lock(&self.shared.outgoing).is_empty() {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Stops the threads and waits for them.
+    pub fn shutdown(mut self) {
+        self.stop_threads();
+    }
+
+    fn stop_threads(&mut self) {
+        // Release pairs with the Acquire loads in the loops: they see every send queued before.
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.tx_waker.wake();
+        self.shared.rx_waker.wake();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.stop_threads();
+    }
+}
+
+/// How a worker reaches the port: owned (run to completion) or shared by the pipeline threads.
+enum PortAccess {
+    Owned(Box<dyn Port>),
+    Shared(Arc<Mutex<Box<dyn Port>>>),
+}
+
+/// What every runtime thread has: the clock, the shared state, the port, the idle policy.
+struct Worker {
+    shared: Arc<Shared>,
+    clock: MonotonicClock,
+    port: PortAccess,
+    readiness_fd: Option<RawFd>,
+    polling: Polling,
+    burst: usize,
+    last_work: Instant,
+    last_publish: Instant,
+}
+
+impl Worker {
+    fn new(
+        config: &RuntimeConfig,
+        shared: Arc<Shared>,
+        clock: MonotonicClock,
+        port: Box<dyn Port>,
+    ) -> Worker {
+        let readiness_fd = port.readiness_fd();
+        Worker::with(config, shared, clock, PortAccess::Owned(port), readiness_fd)
+    }
+
+    fn shared_port(
+        config: &RuntimeConfig,
+        shared: Arc<Shared>,
+        clock: MonotonicClock,
+        port: Arc<Mutex<Box<dyn Port>>>,
+    ) -> Worker {
+        let readiness_fd = lock(&port).readiness_fd();
+        Worker::with(config, shared, clock, PortAccess::Shared(port), readiness_fd)
+    }
+
+    fn with(
+        config: &RuntimeConfig,
+        shared: Arc<Shared>,
+        clock: MonotonicClock,
+        port: PortAccess,
+        readiness_fd: Option<RawFd>,
+    ) -> Worker {
+        let now = clock.now();
+        Worker {
+            shared,
+            clock,
+            port,
+            readiness_fd,
+            polling: config.polling,
+            burst: config.burst.max(1),
+            last_work: now,
+            last_publish: now,
+        }
+    }
+
+    fn stopping(&self) -> bool {
+        self.shared.stop.load(Ordering::Acquire)
+    }
+
+    fn with_port<R>(&mut self, f: impl FnOnce(&mut dyn Port) -> R) -> R {
+        match &mut self.port {
+            PortAccess::Owned(p) => f(&mut **p),
+            PortAccess::Shared(p) => f(&mut **lock(p)),
+        }
+    }
+
+    /// Receives one burst, feeding each frame to `on_frame`. Port errors are transient here
+    /// (an interface flap, a full socket buffer): they are reported once a second and retried.
+    fn rx_burst(&mut self, now: Instant, on_frame: &mut dyn FnMut(Instant, &[u8])) -> usize {
+        let burst = self.burst;
+        let r = self.with_port(|p| p.rx_burst(burst, &mut |frame| on_frame(now, frame)));
+        self.count_port_result(r)
+    }
+
+    fn tx_burst(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> usize {
+        let burst = self.burst;
+        let r = self.with_port(|p| p.tx_burst(burst, fill));
+        self.count_port_result(r)
+    }
+
+    fn count_port_result(&mut self, r: lanbus_port::Result<usize>) -> usize {
+        match r {
+            Ok(n) => n,
+            Err(e) => {
+                if self.clock.now() - self.last_publish >= Duration::from_secs(1) {
+                    eprintln!("lanbus runtime: port error (retrying): {e}");
+                }
+                0
+            }
+        }
+    }
+
+    /// Publishes port counters now and then; returns true when it is time to publish the
+    /// thread's transport counters too.
+    fn publish_due(&mut self, now: Instant, idle: bool) -> bool {
+        if !idle && now - self.last_publish < Duration::from_millis(1) {
+            return false;
+        }
+        self.last_publish = now;
+        let counters = self.with_port(|p| p.counters());
+        *lock(&self.shared.port_counters) = counters;
+        true
+    }
+
+    /// Called after an iteration that did `work` units; blocks if the thread has been idle long
+    /// enough, until a frame (when `watch_port`), a wake-up, or `deadline`.
+    fn idle(&mut self, work: usize, deadline: Option<Instant>, watch_port: bool, waker: &Waker) {
+        let now = self.clock.now();
+        if work > 0 {
+            self.last_work = now;
+            return;
+        }
+        let spin = match self.polling {
+            Polling::Busy => {
+                std::hint::spin_loop();
+                return;
+            }
+            Polling::Adaptive { spin } => spin,
+        };
+        if now - self.last_work < spin {
+            std::hint::spin_loop();
+            return;
+        }
+        let timeout = deadline.map(|d| d - now);
+        if timeout == Some(Duration::ZERO) {
+            return;
+        }
+        match (watch_port, self.readiness_fd) {
+            (true, Some(fd)) => waker.wait(Some(fd), timeout),
+            (true, None) => {
+                // The port has no descriptor: wait on it briefly so local sends are not delayed
+                // by more than that.
+                let cap = Duration::from_micros(200);
+                let t = Some(timeout.map_or(cap, |t| t.min(cap)));
+                let r = self.with_port(|p| p.wait(t));
+                if let Err(e) = r {
+                    eprintln!("lanbus runtime: port wait failed: {e}");
+                    std::thread::sleep(cap);
+                }
+                waker.drain();
+            }
+            (false, _) => waker.wait(None, timeout),
+        }
+    }
+
+    fn run_to_completion(&mut self, endpoint: &mut Endpoint, handler: &mut dyn Handler) {
+        let mut backlog: VecDeque<Outgoing> = VecDeque::new();
+        while !self.stopping() {
+            let now = self.clock.now();
+            let mut work = self.rx_burst(now, &mut |now, frame| endpoint.handle_frame(now, frame));
+            if endpoint.poll_timeout().is_some_and(|t| t <= now) {
+                endpoint.handle_timeout(now);
+            }
+            work += deliver_rtc(endpoint, handler, &mut backlog, now);
+            let requests: Vec<Control> = lock(&self.shared.control_tx).drain(..).collect();
+            for c in requests {
+                match c {
+                    Control::SetGroup(g) => endpoint.set_group(g, now),
+                }
+            }
+            work +=
+                feed(&mut backlog, &self.shared, |o| endpoint.send(now, o.peer, o.channel, &o.data).is_ok());
+            work += self.tx_burst(&mut |frame| endpoint.poll_transmit(now, frame));
+            let idle = endpoint.is_idle() && backlog.is_empty();
+            if self.publish_due(now, work == 0) {
+                *lock(&self.shared.tx_counters) = endpoint.counters();
+            }
+            // Release pairs with the Acquire in `wait_idle`.
+            self.shared.idle.store(idle, Ordering::Release);
+            let deadline = endpoint.poll_timeout();
+            let waker = self.shared.tx_waker.clone();
+            self.idle(work, deadline, true, &waker);
+        }
+        *lock(&self.shared.tx_counters) = endpoint.counters();
+    }
+}
+
+/// Drains delivered messages and events into the handler (run-to-completion mode), whose replies
+/// go straight into the endpoint or, when its queue is full, into `backlog`.
+fn deliver_rtc(
+    endpoint: &mut Endpoint,
+    handler: &mut dyn Handler,
+    backlog: &mut VecDeque<Outgoing>,
+    now: Instant,
+) -> usize {
+    let mut replies: Vec<Outgoing> = Vec::new();
+    let mut n = 0;
+    while let Some(m) = endpoint.poll_message() {
+        let mut out = Collect(&mut replies);
+        handler.on_message(m, &mut out);
+        n += 1;
+    }
+    while let Some(ev) = endpoint.poll_event() {
+        let mut out = Collect(&mut replies);
+        handler.on_event(&ev, &mut out);
+        n += 1;
+    }
+    for r in replies {
+        if !backlog.is_empty() || endpoint.send(now, r.peer, r.channel, &r.data).is_err() {
+            backlog.push_back(r);
+        }
+    }
+    n
+}
+
+/// An outbox that collects replies while the endpoint is borrowed by `poll_message`.
+struct Collect<'a>(&'a mut Vec<Outgoing>);
+
+impl Outbox for Collect<'_> {
+    fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
+        self.0.push(Outgoing { peer, channel, data: data.to_vec() });
+    }
+}
+
+/// Moves queued messages into the transport in order while it accepts them: first the thread's
+/// own backlog, then the shared queue. Returns how many went in.
+fn feed(backlog: &mut VecDeque<Outgoing>, shared: &Shared, mut send: impl FnMut(&Outgoing) -> bool) -> usize {
+    let mut n = 0;
+    while let Some(o) = backlog.front() {
+        if !send(o) {
+            return n;
+        }
+        backlog.pop_front();
+        n += 1;
+    }
+    let mut queue = lock(&shared.outgoing);
+    while let Some(o) = queue.front() {
+        if !send(o) {
+            // Keep the rest where it is, in order.
+            return n;
+        }
+        queue.pop_front();
+        n += 1;
+    }
+    n
+}
+
+/// The pipeline's sending thread.
+struct PipeTx {
+    worker: Worker,
+    half: SendHalf,
+}
+
+impl PipeTx {
+    fn run(&mut self) {
+        let shared = self.worker.shared.clone();
+        let mut backlog: VecDeque<Outgoing> = VecDeque::new();
+        let mut feedback: Vec<Feedback> = Vec::new();
+        while !self.worker.stopping() {
+            let now = self.worker.clock.now();
+            feedback.extend(lock(&shared.feedback).drain(..));
+            let mut work = feedback.len();
+            for f in feedback.drain(..) {
+                self.half.handle_feedback(now, f);
+            }
+            let requests: Vec<Control> = lock(&shared.control_tx).drain(..).collect();
+            for c in requests {
+                match c {
+                    Control::SetGroup(g) => self.half.set_group(g, now),
+                }
+            }
+            if self.half.poll_timeout().is_some_and(|t| t <= now) {
+                self.half.handle_timeout(now);
+            }
+            let half = &mut self.half;
+            work += feed(&mut backlog, &shared, |o| half.send(now, o.peer, o.channel, &o.data).is_ok());
+            let half = &mut self.half;
+            work += self.worker.tx_burst(&mut |frame| half.poll_transmit(now, frame));
+            let idle = self.half.is_idle() && backlog.is_empty();
+            if self.worker.publish_due(now, work == 0) {
+                *lock(&shared.tx_counters) = self.half.counters();
+            }
+            shared.idle.store(idle, Ordering::Release);
+            let deadline = self.half.poll_timeout();
+            self.worker.idle(work, deadline, false, &shared.tx_waker);
+        }
+        *lock(&shared.tx_counters) = self.half.counters();
+    }
+}
+
+/// The pipeline's receiving thread; the handler runs here.
+struct PipeRx {
+    worker: Worker,
+    half: ReceiveHalf,
+    handler: Box<dyn Handler>,
+}
+
+/// In pipeline mode the handler's replies go to the TX thread's queue.
+struct ToTx<'a>(&'a Shared);
+
+impl Outbox for ToTx<'_> {
+    fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
+        self.0.push_outgoing(peer, channel, data);
+    }
+}
+
+impl PipeRx {
+    fn run(&mut self) {
+        let shared = self.worker.shared.clone();
+        while !self.worker.stopping() {
+            let now = self.worker.clock.now();
+            let half = &mut self.half;
+            let mut work = self.worker.rx_burst(now, &mut |now, frame| half.handle_frame(now, frame));
+            let requests: Vec<Control> = lock(&shared.control_rx).drain(..).collect();
+            for c in requests {
+                // The TX thread gets the same request in its own queue.
+                match c {
+                    Control::SetGroup(g) => self.half.set_group(g),
+                }
+            }
+            if self.half.poll_timeout().is_some_and(|t| t <= now) {
+                self.half.handle_timeout(now);
+            }
+            let mut fed = false;
+            while let Some(f) = self.half.poll_feedback() {
+                lock(&shared.feedback).push_back(f);
+                fed = true;
+            }
+            if fed {
+                shared.tx_waker.wake();
+                work += 1;
+            }
+            let mut out = ToTx(&shared);
+            while let Some(m) = self.half.poll_message() {
+                self.handler.on_message(m, &mut out);
+                work += 1;
+            }
+            while let Some(ev) = self.half.poll_event() {
+                self.handler.on_event(&ev, &mut out);
+                work += 1;
+            }
+            if self.worker.publish_due(now, work == 0) {
+                *lock(&shared.rx_counters) = self.half.counters();
+            }
+            let deadline = self.half.poll_timeout();
+            self.worker.idle(work, deadline, true, &shared.rx_waker);
+        }
+        *lock(&shared.rx_counters) = self.half.counters();
+    }
+}
+
+#[cfg(test)]
+mod tests;

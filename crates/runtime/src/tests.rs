@@ -1,0 +1,214 @@
+//! The runtime over an in-memory port pair that drops frames on a fixed schedule: every message
+//! arrives once, in order, intact, in both thread models.
+
+use std::collections::VecDeque;
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use lanbus_port::{Port, PortCounters};
+use lanbus_transport::{Config, Message};
+use lanbus_wire::MacAddr;
+
+use super::*;
+
+#[derive(Default)]
+struct Queue {
+    frames: Mutex<VecDeque<Vec<u8>>>,
+    ready: Condvar,
+}
+
+/// One end of an in-memory link; every `drop_every`-th frame it sends is lost.
+struct MemPort {
+    mac: MacAddr,
+    rx: Arc<Queue>,
+    tx: Arc<Queue>,
+    drop_every: u64,
+    sent: u64,
+    counters: PortCounters,
+}
+
+fn mem_pair(drop_every: u64) -> (MemPort, MemPort) {
+    let (q1, q2) = (Arc::new(Queue::default()), Arc::new(Queue::default()));
+    let a = MemPort {
+        mac: MacAddr::local(1),
+        rx: q1.clone(),
+        tx: q2.clone(),
+        drop_every,
+        sent: 0,
+        counters: Default::default(),
+    };
+    let b =
+        MemPort { mac: MacAddr::local(2), rx: q2, tx: q1, drop_every, sent: 0, counters: Default::default() };
+    (a, b)
+}
+
+impl Port for MemPort {
+    fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> lanbus_port::Result<usize> {
+        let mut n = 0;
+        while n < max {
+            let Some(f) = lock(&self.rx.frames).pop_front() else { break };
+            on_frame(&f);
+            self.counters.rx_frames += 1;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    fn tx_burst(
+        &mut self,
+        max: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) -> lanbus_port::Result<usize> {
+        let mut buf = vec![0u8; self.frame_capacity()];
+        let mut n = 0;
+        while n < max {
+            let Some(len) = fill(&mut buf) else { break };
+            self.sent += 1;
+            n += 1;
+            self.counters.tx_frames += 1;
+            if self.drop_every != 0 && self.sent.is_multiple_of(self.drop_every) {
+                continue;
+            }
+            lock(&self.tx.frames).push_back(buf[..len].to_vec());
+            self.tx.ready.notify_one();
+        }
+        Ok(n)
+    }
+
+    fn wait(&mut self, timeout: Option<Duration>) -> lanbus_port::Result<()> {
+        let q = lock(&self.rx.frames);
+        if q.is_empty() {
+            let _ = self.rx.ready.wait_timeout(q, timeout.unwrap_or(Duration::from_secs(1)));
+        }
+        Ok(())
+    }
+
+    fn mtu(&self) -> usize {
+        1500
+    }
+
+    fn mac(&self) -> MacAddr {
+        self.mac
+    }
+
+    fn counters(&self) -> PortCounters {
+        self.counters
+    }
+}
+
+/// Forwards every message to a channel; optionally echoes it back.
+struct Forward {
+    to: mpsc::Sender<(MacAddr, u16, Vec<u8>)>,
+    echo: bool,
+}
+
+impl Handler for Forward {
+    fn on_message(&mut self, m: Message<'_>, out: &mut dyn Outbox) {
+        if self.echo {
+            out.send(m.peer, m.channel, m.data);
+        }
+        let _ = self.to.send((m.peer, m.channel, m.data.to_vec()));
+    }
+}
+
+fn config(mode: ThreadMode) -> RuntimeConfig {
+    RuntimeConfig { transport: Config::point_to_point(), threads: mode, ..RuntimeConfig::default() }
+}
+
+fn payload(i: u32) -> Vec<u8> {
+    let len = 1 + (i as usize * 7919) % 3000;
+    (0..len).map(|k| (i as usize + k) as u8).chain(i.to_be_bytes()).collect()
+}
+
+fn one_way(mode: ThreadMode, messages: u32) {
+    let (pa, pb) = mem_pair(97);
+    let (ta, _ra) = mpsc::channel();
+    let (tb, rb) = mpsc::channel();
+    let a = Runtime::start(Box::new(pa), config(mode), Box::new(Forward { to: ta, echo: false })).unwrap();
+    let b = Runtime::start(Box::new(pb), config(mode), Box::new(Forward { to: tb, echo: false })).unwrap();
+    let sender = a.sender();
+    for i in 0..messages {
+        sender.send(b.local_mac(), (i % 3) as u16, &payload(i));
+    }
+    let mut next = [0u32; 3];
+    for _ in 0..messages {
+        let (peer, channel, data) = rb.recv_timeout(Duration::from_secs(30)).expect("message delivered");
+        assert_eq!(peer, a.local_mac());
+        let i = u32::from_be_bytes(data[data.len() - 4..].try_into().unwrap());
+        assert_eq!(i % 3, u32::from(channel));
+        assert_eq!(i, next[channel as usize] * 3 + u32::from(channel), "in order per channel");
+        next[channel as usize] += 1;
+        assert_eq!(data, payload(i), "intact");
+    }
+    assert!(rb.recv_timeout(Duration::from_millis(50)).is_err(), "nothing delivered twice");
+    assert!(a.wait_idle(Duration::from_secs(10)), "sender drained");
+    let stats = a.stats();
+    assert!(stats.transport.retransmitted_frames > 0, "the lossy link made it retransmit");
+    assert_eq!(stats.backlog_messages, 0);
+}
+
+#[test]
+fn run_to_completion_delivers_everything_once_in_order() {
+    one_way(ThreadMode::RunToCompletion, 5_000);
+}
+
+#[test]
+fn pipeline_delivers_everything_once_in_order() {
+    one_way(ThreadMode::Pipeline, 5_000);
+}
+
+fn echo(mode: ThreadMode) {
+    let (pa, pb) = mem_pair(0);
+    let (ta, ra) = mpsc::channel();
+    let (tb, _rb) = mpsc::channel();
+    let a = Runtime::start(Box::new(pa), config(mode), Box::new(Forward { to: ta, echo: false })).unwrap();
+    let b = Runtime::start(Box::new(pb), config(mode), Box::new(Forward { to: tb, echo: true })).unwrap();
+    for i in 0..200u32 {
+        a.sender().send(b.local_mac(), 7, &payload(i));
+        let (peer, channel, data) = ra.recv_timeout(Duration::from_secs(10)).expect("echo");
+        assert_eq!((peer, channel), (b.local_mac(), 7));
+        assert_eq!(data, payload(i));
+    }
+}
+
+#[test]
+fn handler_replies_reach_the_peer_run_to_completion() {
+    echo(ThreadMode::RunToCompletion);
+}
+
+#[test]
+fn handler_replies_reach_the_peer_pipeline() {
+    echo(ThreadMode::Pipeline);
+}
+
+#[test]
+fn a_node_in_another_group_drops_the_traffic() {
+    for mode in [ThreadMode::RunToCompletion, ThreadMode::Pipeline] {
+        let (pa, pb) = mem_pair(0);
+        let (ta, _ra) = mpsc::channel();
+        let (tb, rb) = mpsc::channel();
+        let a =
+            Runtime::start(Box::new(pa), config(mode), Box::new(Forward { to: ta, echo: false })).unwrap();
+        let b =
+            Runtime::start(Box::new(pb), config(mode), Box::new(Forward { to: tb, echo: false })).unwrap();
+        a.sender().send(b.local_mac(), 1, b"before");
+        assert_eq!(rb.recv_timeout(Duration::from_secs(10)).unwrap().2, b"before");
+        b.set_group(9);
+        // Let the request reach B's threads before the next frame does.
+        std::thread::sleep(Duration::from_millis(50));
+        a.sender().send(b.local_mac(), 1, b"after");
+        assert!(rb.recv_timeout(Duration::from_millis(300)).is_err(), "{mode:?}: delivered across groups");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while b.stats().transport.drop_wrong_group == 0 {
+            assert!(std::time::Instant::now() < deadline, "{mode:?}: wrong-group drops not counted");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        a.set_group(9);
+        assert_eq!(
+            rb.recv_timeout(Duration::from_secs(10)).unwrap().2,
+            b"after",
+            "{mode:?}: same group again"
+        );
+    }
+}

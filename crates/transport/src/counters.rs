@@ -1,0 +1,181 @@
+//! What the transport counts. Counters only grow.
+
+use core::time::Duration;
+
+/// Counts of everything an endpoint (or one half of it) did. Read with `counters()`; the halves'
+/// counters add up to the endpoint's ([`Counters::merge`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Frames written by `poll_transmit` (all kinds).
+    pub frames_sent: u64,
+    /// DATA frames among them (first transmissions and retransmissions).
+    pub data_frames_sent: u64,
+    /// ACK frames among them.
+    pub ack_frames_sent: u64,
+    /// HEARTBEAT frames among them.
+    pub heartbeats_sent: u64,
+    /// DATA frames sent again (Go-Back-N resends).
+    pub retransmitted_frames: u64,
+    /// Fast retransmits (go-backs on duplicate ACKs).
+    pub fast_retransmits: u64,
+    /// Retransmission timeouts (go-backs on the timer).
+    pub timeouts: u64,
+    /// Times `poll_transmit` had data but was held back by pacing.
+    pub paced_out: u64,
+    /// Frames handed to `handle_frame`.
+    pub frames_received: u64,
+    /// ACKs received (duplicates included).
+    pub acks_received: u64,
+    /// Duplicate ACKs received (ACKs that did not advance while data was outstanding).
+    pub dup_acks_received: u64,
+    /// ACKs that acknowledged data never sent, or from a channel we never sent on.
+    pub bad_acks: u64,
+    /// Duplicate ACKs sent for out-of-order or duplicate DATA.
+    pub dup_acks_sent: u64,
+    /// Frames dropped: too short, not lanbus, bad lengths, malformed records or heartbeat.
+    pub drop_bad_frame: u64,
+    /// Frames dropped: unknown lanbus version.
+    pub drop_bad_version: u64,
+    /// Frames dropped: unknown kind.
+    pub drop_unknown_kind: u64,
+    /// Frames dropped: checksum missing or wrong.
+    pub drop_bad_checksum: u64,
+    /// Frames dropped: addressed to another MAC, or sent by ourselves.
+    pub drop_not_for_us: u64,
+    /// DATA/ACK frames dropped: the sender's group is not ours.
+    pub drop_wrong_group: u64,
+    /// DATA/ACK frames dropped: heartbeats are on and the sender was never heard (or is down).
+    pub drop_unknown_peer: u64,
+    /// DATA frames dropped: ahead of the next expected sequence.
+    pub drop_out_of_order: u64,
+    /// DATA frames dropped: already received.
+    pub drop_duplicate: u64,
+    /// DATA frames dropped: the application has not drained enough delivered messages.
+    pub drop_backlog: u64,
+    /// DATA frames dropped: they would open more than `max_channels` receive channels.
+    pub drop_too_many_channels: u64,
+    /// Messages accepted by `send`.
+    pub messages_sent: u64,
+    /// Bytes in them.
+    pub bytes_sent: u64,
+    /// Messages received in order and made available to `poll_message`.
+    pub messages_delivered: u64,
+    /// Bytes in them.
+    pub bytes_delivered: u64,
+    /// RTT samples taken.
+    pub rtt_samples: u64,
+    /// Smallest RTT sample, ns (0 before the first).
+    pub rtt_min_ns: u64,
+    /// Largest RTT sample, ns.
+    pub rtt_max_ns: u64,
+    /// Sum of RTT samples, ns (see [`Counters::rtt_mean`]).
+    pub rtt_sum_ns: u64,
+}
+
+impl Counters {
+    /// Mean RTT, if any sample was taken.
+    pub fn rtt_mean(&self) -> Option<Duration> {
+        self.rtt_sum_ns.checked_div(self.rtt_samples).map(Duration::from_nanos)
+    }
+
+    /// Smallest RTT, if any sample was taken.
+    pub fn rtt_min(&self) -> Option<Duration> {
+        (self.rtt_samples > 0).then(|| Duration::from_nanos(self.rtt_min_ns))
+    }
+
+    /// Largest RTT, if any sample was taken.
+    pub fn rtt_max(&self) -> Option<Duration> {
+        (self.rtt_samples > 0).then(|| Duration::from_nanos(self.rtt_max_ns))
+    }
+
+    /// Frames dropped for any reason.
+    pub fn drops(&self) -> u64 {
+        self.drop_bad_frame
+            + self.drop_bad_version
+            + self.drop_unknown_kind
+            + self.drop_bad_checksum
+            + self.drop_not_for_us
+            + self.drop_wrong_group
+            + self.drop_unknown_peer
+            + self.drop_out_of_order
+            + self.drop_duplicate
+            + self.drop_backlog
+            + self.drop_too_many_channels
+    }
+
+    pub(crate) fn record_rtt(&mut self, ns: u64) {
+        if self.rtt_samples == 0 || ns < self.rtt_min_ns {
+            self.rtt_min_ns = ns;
+        }
+        self.rtt_max_ns = self.rtt_max_ns.max(ns);
+        self.rtt_sum_ns = self.rtt_sum_ns.saturating_add(ns);
+        self.rtt_samples += 1;
+    }
+
+    /// Adds `other` into `self` (RTT min/max combine as min/max).
+    pub fn merge(&mut self, other: &Counters) {
+        let (min_a, na) = (self.rtt_min_ns, self.rtt_samples);
+        macro_rules! add {
+            ($($f:ident),*) => { $( self.$f += other.$f; )* };
+        }
+        add!(
+            frames_sent,
+            data_frames_sent,
+            ack_frames_sent,
+            heartbeats_sent,
+            retransmitted_frames,
+            fast_retransmits,
+            timeouts,
+            paced_out,
+            frames_received,
+            acks_received,
+            dup_acks_received,
+            bad_acks,
+            dup_acks_sent,
+            drop_bad_frame,
+            drop_bad_version,
+            drop_unknown_kind,
+            drop_bad_checksum,
+            drop_not_for_us,
+            drop_wrong_group,
+            drop_unknown_peer,
+            drop_out_of_order,
+            drop_duplicate,
+            drop_backlog,
+            drop_too_many_channels,
+            messages_sent,
+            bytes_sent,
+            messages_delivered,
+            bytes_delivered,
+            rtt_samples
+        );
+        self.rtt_sum_ns = self.rtt_sum_ns.saturating_add(other.rtt_sum_ns);
+        self.rtt_max_ns = self.rtt_max_ns.max(other.rtt_max_ns);
+        self.rtt_min_ns = match (na, other.rtt_samples) {
+            (0, _) => other.rtt_min_ns,
+            (_, 0) => min_a,
+            _ => min_a.min(other.rtt_min_ns),
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rtt_statistics_merge() {
+        let mut a = Counters::default();
+        assert_eq!(a.rtt_mean(), None);
+        a.record_rtt(10);
+        a.record_rtt(30);
+        let mut b = Counters::default();
+        b.record_rtt(5);
+        b.frames_sent = 2;
+        let mut m = Counters::default();
+        m.merge(&a);
+        m.merge(&b);
+        assert_eq!((m.rtt_min_ns, m.rtt_max_ns, m.rtt_samples, m.frames_sent), (5, 30, 3, 2));
+        assert_eq!(m.rtt_mean(), Some(Duration::from_nanos(15)));
+    }
+}

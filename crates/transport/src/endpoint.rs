@@ -1,0 +1,139 @@
+//! The single-threaded endpoint: a [`SendHalf`] and a [`ReceiveHalf`] wired directly together.
+
+use lanbus_wire::{Instant, MacAddr};
+
+use crate::{Config, Counters, Event, Message, ReceiveHalf, SendError, SendHalf};
+
+/// One transport endpoint: all channels of one MAC address. See the crate docs for the call order.
+///
+/// ```
+/// use lanbus_transport::{Config, Endpoint};
+/// use lanbus_wire::{Instant, MacAddr};
+///
+/// let (ma, mb) = (MacAddr::local(1), MacAddr::local(2));
+/// let now = Instant::ZERO;
+/// let mut a = Endpoint::new(Config::point_to_point(), ma, now);
+/// let mut b = Endpoint::new(Config::point_to_point(), mb, now);
+/// a.send(now, mb, 7, b"hello").unwrap();
+/// let mut buf = vec![0u8; a.config().frame_capacity()];
+/// while let Some(n) = a.poll_transmit(now, &mut buf) {
+///     b.handle_frame(now, &buf[..n]);
+/// }
+/// let m = b.poll_message().unwrap();
+/// assert_eq!((m.peer, m.channel, m.data), (ma, 7, &b"hello"[..]));
+/// ```
+pub struct Endpoint {
+    tx: SendHalf,
+    rx: ReceiveHalf,
+    config: Config,
+    local: MacAddr,
+}
+
+impl Endpoint {
+    /// An endpoint for `local_mac` with `config`, starting at `now`.
+    pub fn new(config: Config, local_mac: MacAddr, now: Instant) -> Self {
+        Endpoint {
+            tx: SendHalf::new(config.clone(), local_mac, now),
+            rx: ReceiveHalf::new(config.clone(), local_mac),
+            config,
+            local: local_mac,
+        }
+    }
+
+    /// The settings it was made with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Its MAC address.
+    pub fn local_mac(&self) -> MacAddr {
+        self.local
+    }
+
+    /// Splits into halves for a sender thread and a receiver thread. The driver must move every
+    /// [`ReceiveHalf::poll_feedback`] value into [`SendHalf::handle_feedback`].
+    pub fn split(self) -> (SendHalf, ReceiveHalf) {
+        (self.tx, self.rx)
+    }
+
+    /// Queues a message (up to 64 KiB) for `peer` on `channel`; see [`SendHalf::send`].
+    pub fn send(&mut self, now: Instant, peer: MacAddr, channel: u16, data: &[u8]) -> Result<(), SendError> {
+        self.tx.send(now, peer, channel, data)
+    }
+
+    fn route(&mut self, now: Instant) {
+        while let Some(f) = self.rx.poll_feedback() {
+            self.tx.handle_feedback(now, f);
+        }
+    }
+
+    /// Takes one received Ethernet frame.
+    pub fn handle_frame(&mut self, now: Instant, frame: &[u8]) {
+        self.rx.handle_frame(now, frame);
+        self.route(now);
+    }
+
+    /// Fires due timers (ACK coalescing, peer expiry, retransmission, heartbeats).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.rx.handle_timeout(now);
+        self.route(now);
+        self.tx.handle_timeout(now);
+    }
+
+    /// Writes the next frame to send into `buf` (at least [`Config::frame_capacity`] bytes);
+    /// `None` when nothing may be sent now. See [`SendHalf::poll_transmit`].
+    #[must_use]
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
+        self.tx.poll_transmit(now, buf)
+    }
+
+    /// When to call [`Endpoint::handle_timeout`] / [`Endpoint::poll_transmit`] next.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match (self.tx.poll_timeout(), self.rx.poll_timeout()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The next delivered message; see [`ReceiveHalf::poll_message`].
+    #[must_use]
+    pub fn poll_message(&mut self) -> Option<Message<'_>> {
+        self.rx.poll_message()
+    }
+
+    /// The next peer event.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.rx.poll_event()
+    }
+
+    /// Both halves' counters, added.
+    pub fn counters(&self) -> Counters {
+        let mut c = self.tx.counters();
+        c.merge(&self.rx.counters());
+        c
+    }
+
+    /// Changes the local group at run time: frames are stamped with it, only DATA/ACK frames of
+    /// this group are accepted, and a heartbeat announces it at the next `poll_transmit`.
+    pub fn set_group(&mut self, group: u16, now: Instant) {
+        self.tx.set_group(group, now);
+        self.rx.set_group(group);
+    }
+
+    /// Whether every message sent has been acknowledged and no ACK waits to be sent.
+    pub fn is_idle(&self) -> bool {
+        self.tx.is_idle()
+    }
+
+    /// The sending half, for inspection (queue lengths, pacing rate).
+    pub fn send_half(&self) -> &SendHalf {
+        &self.tx
+    }
+
+    /// The receiving half, for inspection (peer table).
+    pub fn receive_half(&self) -> &ReceiveHalf {
+        &self.rx
+    }
+}

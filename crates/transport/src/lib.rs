@@ -1,0 +1,171 @@
+//! The reliable lanbus transport (transport layer): ordered message channels between MAC addresses
+//! over Ethernet, as a sans-IO state machine.
+//!
+//! Nothing here reads a clock, touches a socket or spawns a thread: the driver passes `now` into
+//! every call and moves frames between the core and a port. The same code runs in the daemon and in
+//! the simulator. Frames are Ethernet II with EtherType 0x88B5 and the header of
+//! [`lanbus_wire::lanbus`] (`docs/wire.md` draws every byte).
+//!
+//! # Call order
+//!
+//! A driver owns one [`Endpoint`] and loops:
+//!
+//! 1. feed every received frame to [`Endpoint::handle_frame`];
+//! 2. if [`Endpoint::poll_timeout`] is due, call [`Endpoint::handle_timeout`];
+//! 3. drain [`Endpoint::poll_message`] and [`Endpoint::poll_event`];
+//! 4. queue new messages with [`Endpoint::send`] (it fails with [`SendError::QueueFull`] when the
+//!    channel's send queue is full: retry after draining transmits and ACKs);
+//! 5. call [`Endpoint::poll_transmit`] until it returns `None` (nothing to send, window full, or
+//!    paced out), sending each frame it writes;
+//! 6. sleep or spin until [`Endpoint::poll_timeout`] or the next frame.
+//!
+//! Time never goes back: every `now` passed in must be `>=` the previous one. All polls are
+//! `#[must_use]`: a frame written by `poll_transmit` that is not sent is simply lost (the protocol
+//! recovers, slowly).
+//!
+//! # State machine
+//!
+//! Per (peer MAC, channel id) there is one ordered stream in each direction.
+//!
+//! *Sender* (Go-Back-N): messages are segmented by the MTU into frames (several small messages
+//! packed into one frame when [`Config::pack_messages`]), queued, and numbered with a wrapping
+//! 32-bit [`Seq`]. At most [`Config::window_frames`] frames past the oldest unacknowledged one are
+//! ever transmitted. A cumulative ACK `a` releases every frame before `a`. An ACK that does not
+//! advance is a duplicate; after exactly [`Config::dup_ack_threshold`] duplicates the sender goes
+//! back to the first unacknowledged frame and resends from there (fast retransmit, once per loss).
+//! When the retransmission timer (RFC 6298 RTO from the smoothed RTT, bounded, doubled on every
+//! expiry) fires, it also goes back. RTT samples come from timestamps the receiver echoes, so
+//! every sample belongs to exactly one transmission and Karn's rule (ignore samples of
+//! retransmitted frames) is unnecessary: a retransmission carries a fresh timestamp, and the echo
+//! says which copy was answered (as RFC 7323 §4 argues for TCP timestamps).
+//!
+//! *Receiver*: accepts only the frame whose sequence is the next expected one; any other DATA frame
+//! is dropped (counted as out of order or duplicate) and answered at once with a duplicate ACK.
+//! Accepted frames are acknowledged every [`Config::ack_every_frames`] frames or after
+//! [`Config::ack_delay`], whichever comes first.
+//!
+//! *Rate control* ([`RateConfig`], Timely/Swift spirit): each channel paces its frames at a rate
+//! that is cut multiplicatively when the RTT exceeds the minimum RTT plus a target queueing delay
+//! and raised additively when it is below; `poll_transmit` returns `None` while paced out.
+//!
+//! *Heartbeats* ([`HeartbeatConfig`]): each endpoint broadcasts its role, name and group; a peer
+//! table expires peers after K missed heartbeats and reports [`Event`]s. DATA and ACK frames whose
+//! header group differs from the local group are dropped and counted; with heartbeats enabled,
+//! DATA and ACK frames from a MAC never heard in a heartbeat are dropped too.
+//!
+//! # Threads
+//!
+//! [`Endpoint::split`] gives a [`SendHalf`] (segmentation, window, pacing, retransmission, ACK and
+//! heartbeat transmission) and a [`ReceiveHalf`] (validation, ordering, delivery, ACK generation,
+//! peer table) that may live on different threads: the receive half produces [`Feedback`] values
+//! that the driver moves (through any queue) into [`SendHalf::handle_feedback`]. `Endpoint` is
+//! exactly the two halves with the queue replaced by a direct call.
+#![deny(unsafe_code)]
+#![deny(missing_docs)]
+
+mod config;
+mod counters;
+mod endpoint;
+mod map;
+mod rate;
+mod recv;
+mod rtt;
+mod send;
+mod seq;
+#[cfg(test)]
+mod tests;
+#[cfg(any(test, feature = "testing"))]
+pub mod testutil;
+
+use lanbus_wire::MacAddr;
+
+pub use config::{Config, HeartbeatConfig, RateConfig};
+pub use counters::Counters;
+pub use endpoint::Endpoint;
+pub use lanbus_wire::lanbus::Role;
+pub use recv::{Message, ReceiveHalf};
+pub use send::SendHalf;
+pub use seq::Seq;
+
+/// Why [`Endpoint::send`] refused a message. Nothing was queued in either case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SendError {
+    /// The channel's send queue ([`Config::send_queue_frames`]) is full: transmit, let ACKs
+    /// arrive, and try again.
+    #[error("send queue full: drain poll_transmit and retry")]
+    QueueFull,
+    /// The message is longer than 64 KiB.
+    #[error("message of {len} bytes exceeds the 65536-byte limit")]
+    TooLarge {
+        /// The message's length.
+        len: usize,
+    },
+    /// The destination is a broadcast or multicast address; channels are point to point.
+    #[error("destination {0} is not a unicast MAC address")]
+    NotUnicast(MacAddr),
+}
+
+/// Something the application may want to know about peers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// A peer was heard for the first time (or again after it went down).
+    PeerUp {
+        /// Its MAC address.
+        peer: MacAddr,
+        /// Its role.
+        role: Role,
+        /// Its group.
+        group: u16,
+        /// Its name.
+        name: String,
+    },
+    /// A peer missed [`HeartbeatConfig::missed_limit`] heartbeats.
+    PeerDown {
+        /// Its MAC address.
+        peer: MacAddr,
+    },
+    /// A live peer announced a different group.
+    GroupChanged {
+        /// Its MAC address.
+        peer: MacAddr,
+        /// The group it had.
+        old: u16,
+        /// The group it has now.
+        new: u16,
+    },
+}
+
+/// A value the [`ReceiveHalf`] hands to the [`SendHalf`] (through a queue the driver moves, or
+/// directly inside [`Endpoint`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Feedback {
+    /// An ACK arrived for data this endpoint sent.
+    AckReceived {
+        /// The peer that acknowledged.
+        peer: MacAddr,
+        /// The channel.
+        channel: u16,
+        /// The next sequence the peer expects.
+        ack: Seq,
+        /// The timestamp of ours that the ACK echoes (ns, truncated to 32 bits).
+        echo_ns: Option<u32>,
+    },
+    /// The receiver wants an ACK sent to a peer.
+    SendAck {
+        /// The peer to acknowledge.
+        peer: MacAddr,
+        /// The channel.
+        channel: u16,
+        /// The next sequence expected from the peer.
+        ack: Seq,
+        /// The peer's timestamp to echo back (ns, truncated).
+        echo_ns: Option<u32>,
+    },
+}
+
+/// The 32-bit truncated nanosecond timestamp frames carry.
+fn stamp(now: lanbus_wire::Instant) -> u32 {
+    now.as_nanos() as u32
+}

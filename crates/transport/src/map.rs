@@ -1,0 +1,37 @@
+//! The (peer MAC, channel id) → index map both halves use on the hot path.
+//!
+//! The key packs the 48-bit MAC and the 16-bit channel into one `u64`, hashed with one multiply
+//! (keys come from peers, but a peer can only choose among its own channels and MAC, and the map
+//! is bounded by `max_channels`, so flooding buys an attacker nothing beyond that bound).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use lanbus_wire::MacAddr;
+
+pub(crate) fn key(peer: MacAddr, channel: u16) -> u64 {
+    let m = peer.0;
+    u64::from_be_bytes([m[0], m[1], m[2], m[3], m[4], m[5], 0, 0]) | u64::from(channel)
+}
+
+#[derive(Default)]
+pub(crate) struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        // Fibonacci hashing: mix all bits into the high ones, which hashbrown uses.
+        self.0 = (self.0 ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+    }
+}
+
+pub(crate) type ChannelMap = HashMap<u64, usize, BuildHasherDefault<KeyHasher>>;

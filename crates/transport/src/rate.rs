@@ -1,0 +1,150 @@
+//! Delay-based rate control and pacing of one channel (in the spirit of Timely and Swift).
+//!
+//! The RTT minus the smallest RTT seen is taken as the queueing delay. Above
+//! `min_rtt + target_queue_delay` the rate is multiplied by `1 - beta * (rtt - target) / rtt`
+//! (at most once per smoothed RTT, never by less than `1 - max_decrease`); at or below target it
+//! grows by `additive_increase_bps` once per smoothed RTT. A timeout cuts by `max_decrease`.
+//! Pacing: each frame of `n` bytes moves the earliest next send time `n * 8 / rate` later; one
+//! frame of slack is kept so a driver that polls a little late does not lose rate.
+//!
+//! Invariant: `min_rate <= rate <= line_rate`.
+
+use core::time::Duration;
+
+use lanbus_wire::Instant;
+
+use crate::config::RateConfig;
+
+#[derive(Debug, Clone)]
+pub(crate) struct RateControl {
+    enabled: bool,
+    rate_bps: f64,
+    min_rtt_ns: u64,
+    last_decrease: Option<Instant>,
+    last_increase: Option<Instant>,
+    next_send: Instant,
+}
+
+impl RateControl {
+    pub(crate) fn new(cfg: &RateConfig) -> Self {
+        RateControl {
+            enabled: cfg.enabled,
+            rate_bps: cfg.line_rate_bps.max(1) as f64,
+            min_rtt_ns: u64::MAX,
+            last_decrease: None,
+            last_increase: None,
+            next_send: Instant::ZERO,
+        }
+    }
+
+    /// The current pacing rate, bits per second.
+    pub(crate) fn rate_bps(&self) -> f64 {
+        self.rate_bps
+    }
+
+    /// When the next frame may leave (`None` when pacing is off).
+    pub(crate) fn next_send(&self) -> Option<Instant> {
+        self.enabled.then_some(self.next_send)
+    }
+
+    pub(crate) fn may_send(&self, now: Instant) -> bool {
+        !self.enabled || self.next_send <= now
+    }
+
+    pub(crate) fn on_send(&mut self, now: Instant, bytes: usize) {
+        if !self.enabled {
+            return;
+        }
+        let gap = Duration::from_nanos((bytes as f64 * 8.0 * 1e9 / self.rate_bps) as u64);
+        let floor = Instant::from_nanos(now.as_nanos().saturating_sub(gap.as_nanos() as u64));
+        self.next_send = self.next_send.max(floor) + gap;
+    }
+
+    fn clamp(&mut self, cfg: &RateConfig) {
+        let max = cfg.line_rate_bps.max(1) as f64;
+        let min = (cfg.min_rate_bps as f64).min(max);
+        self.rate_bps = self.rate_bps.clamp(min, max);
+    }
+
+    pub(crate) fn on_rtt(&mut self, cfg: &RateConfig, now: Instant, rtt_ns: u64, srtt_ns: u64) {
+        if !self.enabled {
+            return;
+        }
+        self.min_rtt_ns = self.min_rtt_ns.min(rtt_ns);
+        let target = self.min_rtt_ns.saturating_add(cfg.target_queue_delay.as_nanos() as u64);
+        let once_per_rtt =
+            |last: Option<Instant>| last.is_none_or(|t| now - t >= Duration::from_nanos(srtt_ns));
+        if rtt_ns > target {
+            if once_per_rtt(self.last_decrease) {
+                let over = (rtt_ns - target) as f64 / rtt_ns as f64;
+                let factor = (1.0 - cfg.beta * over).max(1.0 - cfg.max_decrease);
+                self.rate_bps *= factor;
+                self.last_decrease = Some(now);
+            }
+        } else if once_per_rtt(self.last_increase) {
+            self.rate_bps += cfg.additive_increase_bps as f64;
+            self.last_increase = Some(now);
+        }
+        self.clamp(cfg);
+    }
+
+    pub(crate) fn on_timeout(&mut self, cfg: &RateConfig, now: Instant) {
+        if !self.enabled {
+            return;
+        }
+        self.rate_bps *= 1.0 - cfg.max_decrease;
+        self.last_decrease = Some(now);
+        self.clamp(cfg);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(us: u64) -> Instant {
+        Instant::from_nanos(us * 1000)
+    }
+
+    #[test]
+    fn decreases_above_target_and_increases_below() {
+        let cfg = RateConfig::default();
+        let mut r = RateControl::new(&cfg);
+        r.on_rtt(&cfg, t(0), 10_000, 10_000);
+        assert_eq!(r.rate_bps(), 10e9, "at line rate already");
+        // 100 us RTT: target 30 us, over = 0.7, factor = 1 - 0.56 = 0.44 -> limited to 0.5.
+        r.on_rtt(&cfg, t(1), 100_000, 10_000);
+        assert_eq!(r.rate_bps(), 5e9);
+        // Within the same RTT: no second cut.
+        r.on_rtt(&cfg, t(2), 100_000, 10_000);
+        assert_eq!(r.rate_bps(), 5e9);
+        // 40 us later, 35 us RTT: over = 5/35, factor = 1 - 0.8/7.
+        r.on_rtt(&cfg, t(42), 35_000, 10_000);
+        assert!((r.rate_bps() - 5e9 * (1.0 - 0.8 / 7.0)).abs() < 1.0);
+        let before = r.rate_bps();
+        r.on_rtt(&cfg, t(60), 12_000, 10_000);
+        assert_eq!(r.rate_bps(), before + 250e6);
+        for i in 0..1000 {
+            r.on_timeout(&cfg, t(100 + i));
+        }
+        assert_eq!(r.rate_bps(), 50e6, "bounded below");
+    }
+
+    #[test]
+    fn paces_frames() {
+        // 1 Gbit/s: 1000 bytes take 8 us.
+        let cfg = RateConfig { line_rate_bps: 1_000_000_000, ..RateConfig::default() };
+        let mut r = RateControl::new(&cfg);
+        assert!(r.may_send(t(0)));
+        r.on_send(t(0), 1000);
+        assert_eq!(r.next_send(), Some(t(8)));
+        assert!(!r.may_send(t(7)));
+        r.on_send(t(8), 1000);
+        assert_eq!(r.next_send(), Some(t(16)));
+        // Late by 100 us: one frame of slack, not 12.
+        r.on_send(t(116), 1000);
+        assert_eq!(r.next_send(), Some(t(116)));
+        let off = RateControl::new(&RateConfig { enabled: false, ..cfg });
+        assert!(off.may_send(t(0)) && off.next_send().is_none());
+    }
+}

@@ -1,0 +1,457 @@
+//! The receiving half (transport layer): frame validation, the group rule, in-order acceptance,
+//! reassembly, delivery without per-message allocation, ACK generation and the peer table.
+//!
+//! Every byte here comes from the network and is distrusted: lengths are checked by the wire
+//! views, record flags must form whole messages, reassembled messages are bounded by 64 KiB, the
+//! channel table by `max_channels` and the undelivered bytes by `max_receive_backlog_bytes`. A
+//! frame is accepted whole or not at all (validated before any state changes).
+//!
+//! Delivery: accepted payloads are copied once into an arena; `poll_message` lends slices of it.
+//! The arena is reset when everything was taken and compacted when its consumed prefix is large,
+//! so a steady stream reuses one buffer.
+
+use std::collections::{HashMap, VecDeque};
+
+use lanbus_wire::ethernet::{EtherType, EthernetFrame, HEADER_LEN as ETH_LEN};
+use lanbus_wire::lanbus::{
+    self, HeartbeatRepr, Kind, Packet, Records, Role, FLAG_CHECKSUM, FLAG_ECHO, HEADER_LEN as LB_LEN,
+    MAX_MESSAGE_LEN, RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST,
+};
+use lanbus_wire::{Instant, MacAddr};
+
+use crate::map::{key, ChannelMap};
+use crate::{Config, Counters, Event, Feedback, Seq};
+
+/// A delivered message, lent by [`ReceiveHalf::poll_message`] until the next call that changes
+/// the endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Message<'a> {
+    /// The peer that sent it.
+    pub peer: MacAddr,
+    /// Its channel.
+    pub channel: u16,
+    /// Its bytes.
+    pub data: &'a [u8],
+}
+
+struct RxChannel {
+    peer: MacAddr,
+    channel: u16,
+    expected: Seq,
+    /// Fragments of a message being reassembled (reused between messages).
+    partial: Vec<u8>,
+    in_partial: bool,
+    unacked: u32,
+    ack_deadline: Option<Instant>,
+    last_timestamp: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Delivered {
+    peer: MacAddr,
+    channel: u16,
+    start: usize,
+    len: usize,
+}
+
+struct Peer {
+    role: Role,
+    group: u16,
+    name: String,
+    expires: Instant,
+}
+
+/// The receiving half of an [`Endpoint`](crate::Endpoint): owns everything that reads frames.
+///
+/// Call order: [`ReceiveHalf::handle_frame`] for each frame, [`ReceiveHalf::handle_timeout`] when
+/// [`ReceiveHalf::poll_timeout`] is due, then drain [`ReceiveHalf::poll_feedback`] (into the
+/// [`SendHalf`](crate::SendHalf)), [`ReceiveHalf::poll_message`] and [`ReceiveHalf::poll_event`].
+/// Time never goes back.
+pub struct ReceiveHalf {
+    config: Config,
+    local: MacAddr,
+    group: u16,
+    channels: Vec<RxChannel>,
+    index: ChannelMap,
+    last: Option<(u64, usize)>,
+    armed_acks: usize,
+    peers: HashMap<MacAddr, Peer>,
+    arena: Vec<u8>,
+    consumed: usize,
+    delivered: VecDeque<Delivered>,
+    feedback: VecDeque<Feedback>,
+    events: VecDeque<Event>,
+    counters: Counters,
+}
+
+impl ReceiveHalf {
+    pub(crate) fn new(config: Config, local: MacAddr) -> Self {
+        ReceiveHalf {
+            group: config.group,
+            config,
+            local,
+            channels: Vec::new(),
+            index: ChannelMap::default(),
+            last: None,
+            armed_acks: 0,
+            peers: HashMap::new(),
+            arena: Vec::new(),
+            consumed: 0,
+            delivered: VecDeque::new(),
+            feedback: VecDeque::new(),
+            events: VecDeque::new(),
+            counters: Counters::default(),
+        }
+    }
+
+    /// What this half counted (frames received, drops by reason, messages delivered...).
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// Changes the group DATA/ACK frames must carry to be accepted.
+    pub fn set_group(&mut self, group: u16) {
+        self.group = group;
+    }
+
+    /// Peers currently alive (heard within their expiry): MAC, role, group, name.
+    pub fn peers(&self) -> impl Iterator<Item = (MacAddr, Role, u16, &str)> {
+        self.peers.iter().map(|(m, p)| (*m, p.role, p.group, p.name.as_str()))
+    }
+
+    /// The next delivered message, in arrival order (in order per channel). The slice stays valid
+    /// until the next `&mut` call.
+    #[must_use]
+    pub fn poll_message(&mut self) -> Option<Message<'_>> {
+        let d = self.delivered.pop_front()?;
+        self.consumed = d.start + d.len;
+        Some(Message { peer: d.peer, channel: d.channel, data: &self.arena[d.start..d.start + d.len] })
+    }
+
+    /// The next peer event.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// The next value for the [`SendHalf`](crate::SendHalf) (ACKs received, ACKs to send).
+    #[must_use]
+    pub fn poll_feedback(&mut self) -> Option<Feedback> {
+        self.feedback.pop_front()
+    }
+
+    /// The earliest ACK-coalescing deadline or peer expiry.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let mut t: Option<Instant> = None;
+        let mut consider = |x: Instant| t = Some(t.map_or(x, |t| t.min(x)));
+        if self.armed_acks > 0 {
+            for ch in &self.channels {
+                if let Some(d) = ch.ack_deadline {
+                    consider(d);
+                }
+            }
+        }
+        for p in self.peers.values() {
+            consider(p.expires);
+        }
+        t
+    }
+
+    /// Sends due coalesced ACKs and expires silent peers.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.armed_acks > 0 {
+            for ch in &mut self.channels {
+                if ch.ack_deadline.is_some_and(|d| d <= now) {
+                    ch.ack_deadline = None;
+                    ch.unacked = 0;
+                    self.armed_acks -= 1;
+                    self.feedback.push_back(Feedback::SendAck {
+                        peer: ch.peer,
+                        channel: ch.channel,
+                        ack: ch.expected,
+                        echo_ns: Some(ch.last_timestamp),
+                    });
+                }
+            }
+        }
+        let mut down = Vec::new();
+        for (mac, p) in &self.peers {
+            if p.expires <= now {
+                down.push(*mac);
+            }
+        }
+        down.sort();
+        for mac in down {
+            self.peers.remove(&mac);
+            self.events.push_back(Event::PeerDown { peer: mac });
+        }
+    }
+
+    /// Takes one received Ethernet frame (padding after the lanbus payload is allowed). Never
+    /// panics; whatever is wrong is counted and dropped.
+    pub fn handle_frame(&mut self, now: Instant, frame: &[u8]) {
+        self.counters.frames_received += 1;
+        self.reclaim();
+        let Ok(eth) = EthernetFrame::new_checked(frame) else {
+            self.counters.drop_bad_frame += 1;
+            return;
+        };
+        if eth.ethertype() != EtherType::Lanbus {
+            self.counters.drop_bad_frame += 1;
+            return;
+        }
+        let src = eth.src_addr();
+        let dst = eth.dst_addr();
+        if src == self.local || src.is_multicast() {
+            self.counters.drop_not_for_us += 1;
+            return;
+        }
+        let Ok(packet) = Packet::new_checked(eth.payload()) else {
+            self.counters.drop_bad_frame += 1;
+            return;
+        };
+        if packet.version() != lanbus::VERSION {
+            self.counters.drop_bad_version += 1;
+            return;
+        }
+        let whole = &frame[..ETH_LEN + LB_LEN + usize::from(packet.payload_len())];
+        let has_sum = packet.flags() & FLAG_CHECKSUM != 0;
+        if (self.config.checksum && !has_sum) || (has_sum && !lanbus::verify_checksum(whole)) {
+            self.counters.drop_bad_checksum += 1;
+            return;
+        }
+        let kind = packet.kind();
+        if kind == Kind::Heartbeat {
+            if dst != self.local && !dst.is_broadcast() {
+                self.counters.drop_not_for_us += 1;
+            } else {
+                self.handle_heartbeat(now, src, packet.payload());
+            }
+            return;
+        }
+        if let Kind::Unknown(_) = kind {
+            self.counters.drop_unknown_kind += 1;
+            return;
+        }
+        if dst != self.local {
+            self.counters.drop_not_for_us += 1;
+            return;
+        }
+        if packet.group() != self.group {
+            self.counters.drop_wrong_group += 1;
+            return;
+        }
+        if self.config.heartbeat.enabled && !self.peers.contains_key(&src) {
+            self.counters.drop_unknown_peer += 1;
+            return;
+        }
+        let channel = packet.channel();
+        if kind == Kind::Ack {
+            let echo_ns = (packet.flags() & FLAG_ECHO != 0).then(|| packet.echo());
+            self.feedback.push_back(Feedback::AckReceived {
+                peer: src,
+                channel,
+                ack: Seq(packet.ack()),
+                echo_ns,
+            });
+            return;
+        }
+        self.handle_data(now, src, channel, Seq(packet.sequence()), packet.timestamp(), packet.payload());
+    }
+
+    /// Drops the delivered prefix of the arena once the application has taken it.
+    fn reclaim(&mut self) {
+        if self.delivered.is_empty() {
+            self.arena.clear();
+            self.consumed = 0;
+        } else if self.consumed > 0 && self.consumed >= self.arena.len() / 2 {
+            let c = self.consumed;
+            self.arena.copy_within(c.., 0);
+            self.arena.truncate(self.arena.len() - c);
+            for d in &mut self.delivered {
+                d.start -= c;
+            }
+            self.consumed = 0;
+        }
+    }
+
+    fn channel_index(&mut self, peer: MacAddr, channel: u16) -> Option<usize> {
+        let k = key(peer, channel);
+        if let Some((lk, li)) = self.last {
+            if lk == k {
+                return Some(li);
+            }
+        }
+        let i = match self.index.get(&k) {
+            Some(&i) => i,
+            None => {
+                if self.channels.len() >= self.config.max_channels {
+                    return None;
+                }
+                let i = self.channels.len();
+                self.channels.push(RxChannel {
+                    peer,
+                    channel,
+                    expected: Seq(self.config.initial_sequence),
+                    partial: Vec::new(),
+                    in_partial: false,
+                    unacked: 0,
+                    ack_deadline: None,
+                    last_timestamp: 0,
+                });
+                self.index.insert(k, i);
+                i
+            }
+        };
+        self.last = Some((k, i));
+        Some(i)
+    }
+
+    fn handle_data(&mut self, now: Instant, src: MacAddr, channel: u16, seq: Seq, ts: u32, payload: &[u8]) {
+        let Some(ci) = self.channel_index(src, channel) else {
+            self.counters.drop_too_many_channels += 1;
+            return;
+        };
+        let ch = &mut self.channels[ci];
+        if seq != ch.expected {
+            if ch.expected.is_before(seq) {
+                self.counters.drop_out_of_order += 1;
+            } else {
+                self.counters.drop_duplicate += 1;
+            }
+            // Answer at once: a duplicate ACK tells the sender what is missing.
+            if ch.ack_deadline.take().is_some() {
+                self.armed_acks -= 1;
+            }
+            ch.unacked = 0;
+            self.counters.dup_acks_sent += 1;
+            self.feedback.push_back(Feedback::SendAck {
+                peer: src,
+                channel,
+                ack: ch.expected,
+                echo_ns: Some(ts),
+            });
+            return;
+        }
+        if self.arena.len() - self.consumed + payload.len() > self.config.max_receive_backlog_bytes {
+            self.counters.drop_backlog += 1;
+            return;
+        }
+        // Validate the whole frame before changing anything.
+        let mut in_partial = ch.in_partial;
+        let mut partial_len = ch.partial.len();
+        for rec in Records::new(payload) {
+            let Ok(rec) = rec else {
+                self.counters.drop_bad_frame += 1;
+                return;
+            };
+            let first = rec.flags & RECORD_FIRST != 0;
+            if first == in_partial {
+                // A FIRST inside a message, or a continuation outside one.
+                self.counters.drop_bad_frame += 1;
+                return;
+            }
+            partial_len = if first { 0 } else { partial_len } + rec.data.len();
+            if partial_len > MAX_MESSAGE_LEN {
+                self.counters.drop_bad_frame += 1;
+                return;
+            }
+            in_partial = rec.flags & RECORD_LAST == 0;
+        }
+        // Accept.
+        let base = self.arena.len();
+        self.arena.extend_from_slice(payload);
+        let mut off = 0;
+        while off < payload.len() {
+            let n = usize::from(u16::from_be_bytes([payload[off], payload[off + 1]]));
+            let flags = payload[off + 2];
+            let start = off + RECORD_HEADER_LEN;
+            let data = start..start + n;
+            off = data.end;
+            match (flags & RECORD_FIRST != 0, flags & RECORD_LAST != 0) {
+                (true, true) => {
+                    self.delivered.push_back(Delivered {
+                        peer: src,
+                        channel,
+                        start: base + data.start,
+                        len: n,
+                    });
+                    self.counters.messages_delivered += 1;
+                    self.counters.bytes_delivered += n as u64;
+                }
+                (true, false) => {
+                    ch.partial.clear();
+                    ch.partial.extend_from_slice(&payload[data]);
+                    ch.in_partial = true;
+                }
+                (false, last) => {
+                    ch.partial.extend_from_slice(&payload[data]);
+                    if last {
+                        ch.in_partial = false;
+                        let start = self.arena.len();
+                        self.arena.extend_from_slice(&ch.partial);
+                        let len = ch.partial.len();
+                        self.delivered.push_back(Delivered { peer: src, channel, start, len });
+                        self.counters.messages_delivered += 1;
+                        self.counters.bytes_delivered += len as u64;
+                    }
+                }
+            }
+        }
+        ch.expected = ch.expected + 1;
+        ch.unacked += 1;
+        ch.last_timestamp = ts;
+        if ch.unacked >= self.config.ack_every_frames.max(1) || self.config.ack_delay.is_zero() {
+            ch.unacked = 0;
+            if ch.ack_deadline.take().is_some() {
+                self.armed_acks -= 1;
+            }
+            self.feedback.push_back(Feedback::SendAck {
+                peer: src,
+                channel,
+                ack: ch.expected,
+                echo_ns: Some(ts),
+            });
+        } else if ch.ack_deadline.is_none() {
+            ch.ack_deadline = Some(now + self.config.ack_delay);
+            self.armed_acks += 1;
+        }
+    }
+
+    fn handle_heartbeat(&mut self, now: Instant, src: MacAddr, payload: &[u8]) {
+        let Ok(hb) = HeartbeatRepr::parse(payload) else {
+            self.counters.drop_bad_frame += 1;
+            return;
+        };
+        if !self.config.heartbeat.enabled {
+            return;
+        }
+        // Distrust the announced interval: between 1 ms and 60 s.
+        let interval = core::time::Duration::from_micros(u64::from(hb.interval_us).clamp(1_000, 60_000_000));
+        let expires = now + interval * self.config.heartbeat.missed_limit.max(1);
+        match self.peers.get_mut(&src) {
+            Some(p) => {
+                p.expires = expires;
+                p.role = hb.role;
+                if p.name != hb.name {
+                    p.name = hb.name.to_string();
+                }
+                if p.group != hb.group {
+                    self.events.push_back(Event::GroupChanged { peer: src, old: p.group, new: hb.group });
+                    p.group = hb.group;
+                }
+            }
+            None => {
+                self.peers
+                    .insert(src, Peer { role: hb.role, group: hb.group, name: hb.name.to_string(), expires });
+                self.events.push_back(Event::PeerUp {
+                    peer: src,
+                    role: hb.role,
+                    group: hb.group,
+                    name: hb.name.to_string(),
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,487 @@
+//! The sending half (transport layer): segmentation and packing, the Go-Back-N window, fast
+//! retransmit, the retransmission timer, pacing, and transmission of ACKs and heartbeats.
+//!
+//! Per channel the frames live in one queue: `frames[0]` carries sequence `base` (the oldest
+//! unacknowledged), `frames[..high]` have been transmitted at least once (sealed: nothing more is
+//! packed into them), `frames[high..]` are queued, and `next` is the index the next transmission
+//! takes (it goes back to 0 on fast retransmit or timeout). Invariants: `next <= high <=
+//! frames.len()`, `next < window` whenever a DATA frame is written, and an ACK only advances `base`
+//! up to `base + high` (the frames actually sent).
+
+use std::collections::VecDeque;
+
+use lanbus_wire::ethernet::{EtherType, EthernetFrame, EthernetRepr, HEADER_LEN as ETH_LEN};
+use lanbus_wire::lanbus::{
+    self, HeartbeatRepr, Kind, Packet, Repr, FLAG_ECHO, HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN, RECORD_FIRST,
+    RECORD_HEADER_LEN, RECORD_LAST,
+};
+use lanbus_wire::{Instant, MacAddr};
+
+use crate::map::{key, ChannelMap};
+use crate::rate::RateControl;
+use crate::rtt::RttEstimator;
+use crate::{stamp, Config, Counters, Feedback, SendError, Seq};
+
+/// Offset of the payload-length field within a stored frame.
+const PAYLOAD_LEN_AT: usize = ETH_LEN + 24;
+/// Offsets of the fields patched at each transmission.
+const GROUP_AT: usize = ETH_LEN + 4;
+const TIMESTAMP_AT: usize = ETH_LEN + 16;
+const FLAGS_AT: usize = ETH_LEN + 2;
+/// A large message does not start in a queued frame with less room than this.
+const MIN_SPLIT_ROOM: usize = 256;
+
+struct TxChannel {
+    peer: MacAddr,
+    channel: u16,
+    frames: VecDeque<Vec<u8>>,
+    base: Seq,
+    next: usize,
+    high: usize,
+    dup_acks: u32,
+    /// A fast retransmit already happened for the current `base`.
+    recovering: bool,
+    rto_deadline: Option<Instant>,
+    rtt: RttEstimator,
+    rate: RateControl,
+}
+
+impl TxChannel {
+    fn has_sendable(&self, window: usize) -> bool {
+        self.next < self.frames.len() && self.next < window
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct AckDue {
+    peer: MacAddr,
+    channel: u16,
+    ack: Seq,
+    echo_ns: Option<u32>,
+}
+
+/// The sending half of an [`Endpoint`](crate::Endpoint): owns everything that writes frames.
+///
+/// Call order as for `Endpoint`: [`SendHalf::send`], [`SendHalf::handle_feedback`] with each
+/// value from [`ReceiveHalf::poll_feedback`](crate::ReceiveHalf::poll_feedback),
+/// [`SendHalf::handle_timeout`] when [`SendHalf::poll_timeout`] is due, and
+/// [`SendHalf::poll_transmit`] until `None`. Time never goes back.
+pub struct SendHalf {
+    config: Config,
+    local: MacAddr,
+    group: u16,
+    channels: Vec<TxChannel>,
+    index: ChannelMap,
+    last: Option<(u64, usize)>,
+    pool: Vec<Vec<u8>>,
+    acks: VecDeque<AckDue>,
+    next_heartbeat: Option<Instant>,
+    rr: usize,
+    counters: Counters,
+    window: usize,
+}
+
+impl SendHalf {
+    pub(crate) fn new(config: Config, local: MacAddr, now: Instant) -> Self {
+        let window = config.window_frames.max(1) as usize;
+        SendHalf {
+            group: config.group,
+            next_heartbeat: config.heartbeat.enabled.then_some(now),
+            config,
+            local,
+            channels: Vec::new(),
+            index: ChannelMap::default(),
+            last: None,
+            pool: Vec::new(),
+            acks: VecDeque::new(),
+            rr: 0,
+            counters: Counters::default(),
+            window,
+        }
+    }
+
+    /// What this half counted (frames sent, retransmissions, timeouts, RTT...).
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// Changes the group stamped on every frame from now on (heartbeats announce it at once).
+    pub fn set_group(&mut self, group: u16, now: Instant) {
+        self.group = group;
+        if self.config.heartbeat.enabled {
+            self.next_heartbeat = Some(now);
+        }
+    }
+
+    /// The local group.
+    pub fn group(&self) -> u16 {
+        self.group
+    }
+
+    /// Frames queued or in flight to `peer` on `channel` (0 if the channel is unknown).
+    pub fn queued_frames(&self, peer: MacAddr, channel: u16) -> usize {
+        self.index.get(&key(peer, channel)).map_or(0, |&i| self.channels[i].frames.len())
+    }
+
+    /// Whether every message sent has been acknowledged.
+    pub fn is_idle(&self) -> bool {
+        self.channels.iter().all(|c| c.frames.is_empty()) && self.acks.is_empty()
+    }
+
+    /// The current pacing rate of a channel in bits per second (`None` if unknown or pacing is off).
+    pub fn pacing_rate_bps(&self, peer: MacAddr, channel: u16) -> Option<f64> {
+        let c = &self.channels[*self.index.get(&key(peer, channel))?];
+        c.rate.next_send().map(|_| c.rate.rate_bps())
+    }
+
+    fn channel_index(&mut self, peer: MacAddr, channel: u16) -> usize {
+        let k = key(peer, channel);
+        if let Some((lk, li)) = self.last {
+            if lk == k {
+                return li;
+            }
+        }
+        let i = match self.index.get(&k) {
+            Some(&i) => i,
+            None => {
+                let i = self.channels.len();
+                self.channels.push(TxChannel {
+                    peer,
+                    channel,
+                    frames: VecDeque::new(),
+                    base: Seq(self.config.initial_sequence),
+                    next: 0,
+                    high: 0,
+                    dup_acks: 0,
+                    recovering: false,
+                    rto_deadline: None,
+                    rtt: RttEstimator::new(self.config.initial_rto, self.config.min_rto, self.config.max_rto),
+                    rate: RateControl::new(&self.config.rate),
+                });
+                self.index.insert(k, i);
+                i
+            }
+        };
+        self.last = Some((k, i));
+        i
+    }
+
+    /// Queues one message (at most 64 KiB) for `peer` on `channel`. All or nothing: on error
+    /// nothing is queued. Does not transmit: call [`SendHalf::poll_transmit`].
+    pub fn send(&mut self, _now: Instant, peer: MacAddr, channel: u16, data: &[u8]) -> Result<(), SendError> {
+        if data.len() > MAX_MESSAGE_LEN {
+            return Err(SendError::TooLarge { len: data.len() });
+        }
+        if peer.is_multicast() {
+            return Err(SendError::NotUnicast(peer));
+        }
+        let max_payload = self.config.max_payload();
+        let max_fragment = max_payload - RECORD_HEADER_LEN;
+        let limit = self.config.send_queue_frames.max(1);
+        let pack = self.config.pack_messages;
+        let local = self.local;
+        let ci = self.channel_index(peer, channel);
+        let ch = &mut self.channels[ci];
+
+        // Room left in the last queued (unsealed) frame.
+        let tail_room = match ch.frames.back() {
+            Some(f) if pack && ch.frames.len() > ch.high => max_payload - (f.len() - ETH_LEN - LB_LEN),
+            _ => 0,
+        };
+        let whole = RECORD_HEADER_LEN + data.len();
+        let into_tail = if whole <= tail_room {
+            whole
+        } else if data.len() > max_fragment && tail_room >= MIN_SPLIT_ROOM {
+            tail_room
+        } else {
+            0
+        };
+        let rest = data.len() - into_tail.saturating_sub(RECORD_HEADER_LEN).min(data.len());
+        let new_frames = if into_tail == whole { 0 } else { rest.div_ceil(max_fragment).max(1) };
+        if ch.frames.len() + new_frames > limit {
+            return Err(SendError::QueueFull);
+        }
+
+        let mut off = 0;
+        let mut first = true;
+        if into_tail > 0 {
+            let n = into_tail - RECORD_HEADER_LEN;
+            let flags = RECORD_FIRST | if n == data.len() { RECORD_LAST } else { 0 };
+            let f = ch.frames.back_mut().expect("tail room implies a tail frame");
+            append_record(f, flags, &data[..n]);
+            off = n;
+            first = false;
+        }
+        while off < data.len() || first {
+            let n = (data.len() - off).min(max_fragment);
+            let mut flags = if first { RECORD_FIRST } else { 0 };
+            if off + n == data.len() {
+                flags |= RECORD_LAST;
+            }
+            let seq = ch.base + ch.frames.len() as u32;
+            let mut f = self.pool.pop().unwrap_or_default();
+            start_frame(&mut f, local, ch.peer, ch.channel, seq);
+            append_record(&mut f, flags, &data[off..off + n]);
+            ch.frames.push_back(f);
+            off += n;
+            first = false;
+        }
+        self.counters.messages_sent += 1;
+        self.counters.bytes_sent += data.len() as u64;
+        Ok(())
+    }
+
+    /// Takes one value from the receive half: an ACK that arrived, or an ACK to send.
+    pub fn handle_feedback(&mut self, now: Instant, feedback: Feedback) {
+        match feedback {
+            Feedback::SendAck { peer, channel, ack, echo_ns } => {
+                self.acks.push_back(AckDue { peer, channel, ack, echo_ns });
+            }
+            Feedback::AckReceived { peer, channel, ack, echo_ns } => {
+                self.on_ack(now, peer, channel, ack, echo_ns)
+            }
+        }
+    }
+
+    fn on_ack(&mut self, now: Instant, peer: MacAddr, channel: u16, ack: Seq, echo_ns: Option<u32>) {
+        let Some(&ci) = self.index.get(&key(peer, channel)) else {
+            self.counters.bad_acks += 1;
+            return;
+        };
+        let ch = &mut self.channels[ci];
+        let advance = ack - ch.base;
+        if advance < 0 {
+            // An old ACK overtaken by a newer one: harmless, nothing to learn.
+            return;
+        }
+        let advance = advance as usize;
+        if advance > ch.high {
+            self.counters.bad_acks += 1;
+            return;
+        }
+        self.counters.acks_received += 1;
+        if let Some(echo) = echo_ns {
+            let rtt_ns = u64::from(stamp(now).wrapping_sub(echo));
+            // An echo more than the RTO bound old is from another epoch of the 4.3 s timestamp
+            // wheel (or a confused peer): no sample.
+            if rtt_ns <= self.config.max_rto.as_nanos() as u64 {
+                ch.rtt.on_sample(rtt_ns);
+                self.counters.record_rtt(rtt_ns);
+                let srtt = ch.rtt.srtt().unwrap_or(rtt_ns);
+                ch.rate.on_rtt(&self.config.rate, now, rtt_ns, srtt);
+            }
+        }
+        if advance == 0 {
+            if ch.high > 0 {
+                ch.dup_acks += 1;
+                self.counters.dup_acks_received += 1;
+                if ch.dup_acks == self.config.dup_ack_threshold.max(1) && !ch.recovering {
+                    ch.recovering = true;
+                    ch.next = 0;
+                    ch.rto_deadline = None;
+                    self.counters.fast_retransmits += 1;
+                }
+            }
+            return;
+        }
+        for _ in 0..advance {
+            if let Some(f) = ch.frames.pop_front() {
+                self.pool.push(f);
+            }
+        }
+        ch.base = ack;
+        ch.high -= advance;
+        ch.next = ch.next.saturating_sub(advance);
+        ch.dup_acks = 0;
+        ch.recovering = false;
+        ch.rtt.on_progress();
+        ch.rto_deadline = (ch.high > 0).then(|| now + ch.rtt.rto());
+    }
+
+    /// Fires due timers: retransmission timeouts (go back to the first unacknowledged frame,
+    /// double the RTO) and the heartbeat schedule.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        for ch in &mut self.channels {
+            if ch.rto_deadline.is_some_and(|d| d <= now) {
+                ch.rto_deadline = None;
+                if ch.high > 0 {
+                    ch.next = 0;
+                    ch.dup_acks = 0;
+                    ch.recovering = false;
+                    ch.rtt.on_timeout();
+                    ch.rate.on_timeout(&self.config.rate, now);
+                    self.counters.timeouts += 1;
+                }
+            }
+        }
+    }
+
+    /// The earliest time this half needs [`SendHalf::handle_timeout`] or a
+    /// [`SendHalf::poll_transmit`] (a retransmission timer, a paced frame, a heartbeat).
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let mut t = self.next_heartbeat;
+        let mut consider = |x: Instant| t = Some(t.map_or(x, |t| t.min(x)));
+        for ch in &self.channels {
+            if let Some(d) = ch.rto_deadline {
+                consider(d);
+            }
+            if ch.has_sendable(self.window) {
+                if let Some(p) = ch.rate.next_send() {
+                    consider(p);
+                }
+            }
+        }
+        t
+    }
+
+    /// Writes the next frame into `buf` and returns its length, or `None` when there is nothing to
+    /// send now (no ACK due, no heartbeat due, and every channel empty, window-limited or paced
+    /// out: [`SendHalf::poll_timeout`] then says when to come back). ACKs go first, then
+    /// heartbeats, then DATA round-robin over channels.
+    ///
+    /// # Panics
+    /// If `buf` is shorter than [`Config::frame_capacity`].
+    #[must_use]
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
+        assert!(
+            buf.len() >= self.config.frame_capacity(),
+            "poll_transmit needs a buffer of Config::frame_capacity() = {} bytes, got {}",
+            self.config.frame_capacity(),
+            buf.len()
+        );
+        if let Some(a) = self.acks.pop_front() {
+            return Some(self.write_ack(now, a, buf));
+        }
+        if self.next_heartbeat.is_some_and(|t| t <= now) {
+            self.next_heartbeat = Some(now + self.config.heartbeat.interval);
+            return Some(self.write_heartbeat(now, buf));
+        }
+        let n = self.channels.len();
+        let mut paced = false;
+        for i in 0..n {
+            let ci = (self.rr + i) % n;
+            let ch = &mut self.channels[ci];
+            if !ch.has_sendable(self.window) {
+                continue;
+            }
+            if !ch.rate.may_send(now) {
+                paced = true;
+                continue;
+            }
+            self.rr = (ci + 1) % n;
+            let frame = &ch.frames[ch.next];
+            let len = frame.len();
+            buf[..len].copy_from_slice(frame);
+            let out = &mut buf[..len];
+            out[GROUP_AT..GROUP_AT + 2].copy_from_slice(&self.group.to_be_bytes());
+            out[TIMESTAMP_AT..TIMESTAMP_AT + 4].copy_from_slice(&stamp(now).to_be_bytes());
+            if self.config.checksum {
+                lanbus::fill_checksum(out);
+            } else {
+                out[FLAGS_AT] = 0;
+            }
+            if ch.next < ch.high {
+                self.counters.retransmitted_frames += 1;
+            }
+            ch.next += 1;
+            ch.high = ch.high.max(ch.next);
+            if ch.rto_deadline.is_none() {
+                ch.rto_deadline = Some(now + ch.rtt.rto());
+            }
+            ch.rate.on_send(now, len);
+            self.counters.frames_sent += 1;
+            self.counters.data_frames_sent += 1;
+            return Some(len);
+        }
+        if paced {
+            self.counters.paced_out += 1;
+        }
+        None
+    }
+
+    fn write_header(&self, buf: &mut [u8], dst: MacAddr, repr: &Repr) -> usize {
+        EthernetRepr { src_addr: self.local, dst_addr: dst, ethertype: EtherType::Lanbus }
+            .emit(&mut EthernetFrame::new_unchecked(&mut buf[..]));
+        repr.emit(&mut Packet::new_unchecked(&mut buf[ETH_LEN..]));
+        let len = ETH_LEN + LB_LEN + usize::from(repr.payload_len);
+        if self.config.checksum {
+            lanbus::fill_checksum(&mut buf[..len]);
+        }
+        len
+    }
+
+    fn write_ack(&mut self, now: Instant, a: AckDue, buf: &mut [u8]) -> usize {
+        let repr = Repr {
+            kind: Kind::Ack,
+            flags: if a.echo_ns.is_some() { FLAG_ECHO } else { 0 },
+            group: self.group,
+            channel: a.channel,
+            sequence: 0,
+            ack: a.ack.0,
+            timestamp: stamp(now),
+            echo: a.echo_ns.unwrap_or(0),
+            payload_len: 0,
+        };
+        self.counters.frames_sent += 1;
+        self.counters.ack_frames_sent += 1;
+        self.write_header(buf, a.peer, &repr)
+    }
+
+    fn write_heartbeat(&mut self, now: Instant, buf: &mut [u8]) -> usize {
+        let hb = &self.config.heartbeat;
+        let payload = HeartbeatRepr {
+            role: hb.role,
+            group: self.group,
+            interval_us: u32::try_from(hb.interval.as_micros()).unwrap_or(u32::MAX),
+            name: &hb.name,
+        };
+        let plen = payload.emit(&mut buf[ETH_LEN + LB_LEN..]);
+        let repr = Repr {
+            kind: Kind::Heartbeat,
+            flags: 0,
+            group: self.group,
+            channel: 0,
+            sequence: 0,
+            ack: 0,
+            timestamp: stamp(now),
+            echo: 0,
+            payload_len: plen as u16,
+        };
+        self.counters.frames_sent += 1;
+        self.counters.heartbeats_sent += 1;
+        self.write_header(buf, MacAddr::BROADCAST, &repr)
+    }
+}
+
+/// Resets `f` to an empty DATA frame (Ethernet + lanbus header, no records).
+fn start_frame(f: &mut Vec<u8>, local: MacAddr, peer: MacAddr, channel: u16, seq: Seq) {
+    f.clear();
+    f.resize(ETH_LEN + LB_LEN, 0);
+    EthernetRepr { src_addr: local, dst_addr: peer, ethertype: EtherType::Lanbus }
+        .emit(&mut EthernetFrame::new_unchecked(&mut f[..]));
+    Repr {
+        kind: Kind::Data,
+        flags: 0,
+        group: 0,
+        channel,
+        sequence: seq.0,
+        ack: 0,
+        timestamp: 0,
+        echo: 0,
+        payload_len: 0,
+    }
+    .emit(&mut Packet::new_unchecked(&mut f[ETH_LEN..]));
+}
+
+/// Appends one message record to a frame and updates its payload length.
+fn append_record(f: &mut Vec<u8>, flags: u8, data: &[u8]) {
+    // The record header of lanbus_wire::lanbus::MessageRecord, written in place: this runs once
+    // per message, and extend_from_slice avoids zero-filling bytes about to be overwritten.
+    let n = data.len() as u16;
+    let [n0, n1] = n.to_be_bytes();
+    f.extend_from_slice(&[n0, n1, flags, 0]);
+    f.extend_from_slice(data);
+    let plen = (f.len() - ETH_LEN - LB_LEN) as u16;
+    f[PAYLOAD_LEN_AT..PAYLOAD_LEN_AT + 2].copy_from_slice(&plen.to_be_bytes());
+}

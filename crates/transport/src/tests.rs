@@ -1,0 +1,562 @@
+//! Protocol tests: deterministic, on a logical clock, reproducible from their seeds.
+
+use core::time::Duration;
+
+use lanbus_wire::ethernet::{EtherType, EthernetFrame, EthernetRepr, HEADER_LEN as ETH_LEN};
+use lanbus_wire::lanbus::{self, Kind, Packet, Repr, FLAG_ECHO, HEADER_LEN as LB_LEN};
+use lanbus_wire::{Instant, MacAddr};
+
+use crate::testutil::{test_message, Dir, Faults, Node, Pair};
+use crate::{Config, Endpoint, Event, Role, SendError, Seq};
+
+const A: MacAddr = MacAddr::local(1);
+const B: MacAddr = MacAddr::local(2);
+
+fn us(n: u64) -> Duration {
+    Duration::from_micros(n)
+}
+
+fn at_us(n: u64) -> Instant {
+    Instant::from_nanos(n * 1000)
+}
+
+fn p2p() -> Config {
+    let mut c = Config::point_to_point();
+    c.rate.enabled = false;
+    c
+}
+
+/// Everything `e` wants to send now.
+fn drain(e: &mut Endpoint, now: Instant) -> Vec<Vec<u8>> {
+    let mut buf = vec![0u8; e.config().frame_capacity()];
+    let mut out = vec![];
+    while let Some(n) = e.poll_transmit(now, &mut buf) {
+        out.push(buf[..n].to_vec());
+    }
+    out
+}
+
+fn header(frame: &[u8]) -> Repr {
+    let eth = EthernetFrame::new_checked(frame).unwrap();
+    Repr::parse(&Packet::new_checked(eth.payload()).unwrap()).unwrap()
+}
+
+/// An ACK frame from `from` to `to`.
+fn ack_frame(from: MacAddr, to: MacAddr, channel: u16, ack: u32, echo: Option<u32>) -> Vec<u8> {
+    let mut f = vec![0u8; ETH_LEN + LB_LEN];
+    EthernetRepr { src_addr: from, dst_addr: to, ethertype: EtherType::Lanbus }
+        .emit(&mut EthernetFrame::new_unchecked(&mut f[..]));
+    Repr {
+        kind: Kind::Ack,
+        flags: if echo.is_some() { FLAG_ECHO } else { 0 },
+        group: 0,
+        channel,
+        sequence: 0,
+        ack,
+        timestamp: 0,
+        echo: echo.unwrap_or(0),
+        payload_len: 0,
+    }
+    .emit(&mut Packet::new_unchecked(&mut f[ETH_LEN..]));
+    lanbus::fill_checksum(&mut f);
+    f
+}
+
+/// Checks that `got` is exactly messages `0..count` of `len(i)` bytes, in order, on `channel`.
+fn assert_stream(
+    got: &[(MacAddr, u16, Vec<u8>)],
+    from: MacAddr,
+    channel: u16,
+    count: u64,
+    len: impl Fn(u64) -> usize,
+) {
+    let mine: Vec<_> = got.iter().filter(|m| m.0 == from && m.1 == channel).collect();
+    assert_eq!(mine.len() as u64, count, "message count on channel {channel}");
+    for (i, m) in mine.iter().enumerate() {
+        assert!(m.2 == test_message(i as u64, len(i as u64)), "message {i} on channel {channel} differs");
+    }
+}
+
+fn mixed_len(i: u64) -> usize {
+    match i % 7 {
+        0 => 0,
+        1 => 3000,
+        2 => 1,
+        3 => 65_536 * usize::from(i % 70 == 3),
+        4 => 1464,
+        5 => 1465,
+        _ => 64,
+    }
+}
+
+#[test]
+fn delivers_in_both_modes() {
+    let mut p = Pair::endpoints(p2p(), Faults::default(), 1);
+    assert!(p.transfer(500, 3, at_us(1_000_000), mixed_len));
+    assert_stream(&p.at_b, A, 3, 500, mixed_len);
+    let c = p.a.counters();
+    assert_eq!((c.retransmitted_frames, c.timeouts, c.fast_retransmits), (0, 0, 0));
+    assert_eq!(c.messages_sent, 500);
+    assert_eq!(p.b.counters().messages_delivered, 500);
+    assert!(c.rtt_samples > 0 && c.rtt_min().unwrap() >= us(10));
+
+    let mut s = Pair::split(p2p(), Faults::default(), 1);
+    assert!(s.transfer(500, 3, at_us(1_000_000), mixed_len));
+    assert_stream(&s.at_b, A, 3, 500, mixed_len);
+}
+
+#[test]
+fn packs_small_messages_and_segments_big_ones() {
+    let mut a = Endpoint::new(p2p(), A, Instant::ZERO);
+    let mut b = Endpoint::new(p2p(), B, Instant::ZERO);
+    for i in 0..100 {
+        a.send(Instant::ZERO, B, 0, &test_message(i, 64)).unwrap();
+    }
+    let frames = drain(&mut a, Instant::ZERO);
+    // 68 bytes per record, 1468 bytes per frame: 21 per frame.
+    assert_eq!(frames.len(), 5);
+    assert!(frames.iter().all(|f| f.len() <= 1514));
+    for f in &frames {
+        b.handle_frame(Instant::ZERO, f);
+    }
+    for i in 0..100 {
+        assert_eq!(b.poll_message().unwrap().data, &test_message(i, 64)[..]);
+    }
+    assert!(b.poll_message().is_none());
+    // Packing off: one frame per message.
+    let mut c = p2p();
+    c.pack_messages = false;
+    let mut a = Endpoint::new(c, A, Instant::ZERO);
+    for i in 0..10 {
+        a.send(Instant::ZERO, B, 0, &test_message(i, 64)).unwrap();
+    }
+    assert_eq!(drain(&mut a, Instant::ZERO).len(), 10);
+    // A 64 KiB message takes ceil(65536 / 1464) = 45 frames; one byte more is refused.
+    let mut a = Endpoint::new(p2p(), A, Instant::ZERO);
+    a.send(Instant::ZERO, B, 0, &test_message(9, 65_536)).unwrap();
+    assert_eq!(drain(&mut a, Instant::ZERO).len(), 45);
+    assert_eq!(a.send(Instant::ZERO, B, 0, &[0; 65_537]), Err(SendError::TooLarge { len: 65_537 }));
+    assert_eq!(
+        a.send(Instant::ZERO, MacAddr::BROADCAST, 0, b"x"),
+        Err(SendError::NotUnicast(MacAddr::BROADCAST))
+    );
+}
+
+#[test]
+fn send_queue_applies_backpressure() {
+    let mut c = p2p();
+    c.send_queue_frames = 10;
+    c.pack_messages = false;
+    let mut a = Endpoint::new(c, A, Instant::ZERO);
+    for i in 0..10 {
+        a.send(Instant::ZERO, B, 0, &test_message(i, 100)).unwrap();
+    }
+    assert_eq!(a.send(Instant::ZERO, B, 0, b"one more"), Err(SendError::QueueFull));
+    // Another channel has its own queue.
+    a.send(Instant::ZERO, B, 1, b"other channel").unwrap();
+    let frames = drain(&mut a, Instant::ZERO);
+    assert_eq!(frames.len(), 11);
+    a.handle_frame(at_us(10), &ack_frame(B, A, 0, 3, None));
+    a.send(at_us(10), B, 0, b"now it fits").unwrap();
+    assert_eq!(a.counters().messages_sent, 12);
+}
+
+#[test]
+fn window_is_never_exceeded() {
+    let mut c = p2p();
+    c.window_frames = 4;
+    c.pack_messages = false;
+    let mut a = Endpoint::new(c.clone(), A, Instant::ZERO);
+    for i in 0..20 {
+        a.send(Instant::ZERO, B, 0, &test_message(i, 10)).unwrap();
+    }
+    let seqs: Vec<u32> = drain(&mut a, Instant::ZERO).iter().map(|f| header(f).sequence).collect();
+    assert_eq!(seqs, vec![0, 1, 2, 3]);
+    a.handle_frame(at_us(10), &ack_frame(B, A, 0, 2, None));
+    let seqs: Vec<u32> = drain(&mut a, at_us(10)).iter().map(|f| header(f).sequence).collect();
+    assert_eq!(seqs, vec![4, 5]);
+    // An ACK for frames never sent is refused.
+    a.handle_frame(at_us(11), &ack_frame(B, A, 0, 9, None));
+    assert_eq!(a.counters().bad_acks, 1);
+    assert!(drain(&mut a, at_us(11)).is_empty());
+
+    // Under random loss: every DATA frame is below (highest ACK value B ever sent) + window.
+    for seed in 0..4 {
+        let mut p =
+            Pair::endpoints(c.clone(), Faults { loss: 0.1, reorder: 0.05, ..Faults::default() }, seed);
+        let high_ack = std::rc::Rc::new(std::cell::Cell::new(0u32));
+        let h = high_ack.clone();
+        p.filter = Some(Box::new(move |dir, f| {
+            let r = header(f);
+            match (dir, r.kind) {
+                (Dir::BtoA, Kind::Ack) => h.set(h.get().max(r.ack)),
+                (Dir::AtoB, Kind::Data) => {
+                    assert!(r.sequence < h.get() + 4, "seq {} ack {}", r.sequence, h.get())
+                }
+                _ => {}
+            }
+            true
+        }));
+        assert!(p.transfer(300, 0, at_us(5_000_000), |_| 100));
+        assert_stream(&p.at_b, A, 0, 300, |_| 100);
+    }
+}
+
+/// Sends `frames` one-frame messages from a fresh endpoint and returns it with the frames.
+fn loaded(config: Config, frames: u64) -> (Endpoint, Vec<Vec<u8>>) {
+    let mut a = Endpoint::new(config, A, Instant::ZERO);
+    for i in 0..frames {
+        a.send(Instant::ZERO, B, 0, &test_message(i, 1000)).unwrap();
+    }
+    let out = drain(&mut a, Instant::ZERO);
+    assert_eq!(out.len() as u64, frames);
+    (a, out)
+}
+
+#[test]
+fn fast_retransmit_after_exactly_n_duplicate_acks() {
+    for n in [1u32, 2, 3, 5] {
+        let mut c = p2p();
+        c.dup_ack_threshold = n;
+        let (mut a, _) = loaded(c, 10);
+        // Frames 0 and 1 arrive, 2 is lost; each later frame draws a duplicate ACK for 2.
+        a.handle_frame(at_us(10), &ack_frame(B, A, 0, 2, None));
+        for k in 1..n {
+            a.handle_frame(at_us(10 + u64::from(k)), &ack_frame(B, A, 0, 2, None));
+            assert!(drain(&mut a, at_us(10 + u64::from(k))).is_empty(), "resent after {k} < {n} duplicates");
+        }
+        a.handle_frame(at_us(20), &ack_frame(B, A, 0, 2, None));
+        let resent: Vec<u32> = drain(&mut a, at_us(20)).iter().map(|f| header(f).sequence).collect();
+        assert_eq!(resent, (2..10).collect::<Vec<_>>(), "threshold {n}: go back to 2");
+        let cs = a.counters();
+        assert_eq!(
+            (cs.fast_retransmits, cs.dup_acks_received, cs.retransmitted_frames),
+            (1, u64::from(n), 8)
+        );
+        // More duplicates for the same loss do not resend again.
+        for k in 0..5 {
+            a.handle_frame(at_us(30 + k), &ack_frame(B, A, 0, 2, None));
+        }
+        assert!(drain(&mut a, at_us(40)).is_empty());
+        assert_eq!(a.counters().fast_retransmits, 1);
+    }
+}
+
+#[test]
+fn rto_backs_off_within_bounds() {
+    let mut c = p2p();
+    c.initial_rto = us(300);
+    c.min_rto = us(200);
+    c.max_rto = us(2000);
+    let (mut a, _) = loaded(c, 3);
+    let mut fired = vec![];
+    let mut last = Instant::ZERO;
+    for _ in 0..8 {
+        let t = a.poll_timeout().expect("a retransmission timer runs");
+        a.handle_timeout(t);
+        let frames = drain(&mut a, t);
+        // Go-Back-N: everything from the first unacknowledged frame again.
+        assert_eq!(frames.iter().map(|f| header(f).sequence).collect::<Vec<_>>(), vec![0, 1, 2]);
+        fired.push((t - last).as_micros());
+        last = t;
+    }
+    assert_eq!(fired, vec![300, 600, 1200, 2000, 2000, 2000, 2000, 2000]);
+    assert_eq!(a.counters().timeouts, 8);
+    // An ACK with an echo ends the backoff; the RTO follows the RTT, bounded below.
+    let t = last + us(50);
+    let echo = (last.as_nanos() as u32).wrapping_add(0);
+    a.handle_frame(t, &ack_frame(B, A, 0, 1, Some(echo)));
+    assert_eq!(a.counters().rtt_min(), Some(us(50)));
+    assert_eq!(a.poll_timeout(), Some(t + us(200)), "RTO = max(50 + 4*25, 200) us");
+}
+
+#[test]
+fn out_of_order_frames_are_discarded_with_a_duplicate_ack() {
+    let (_, frames) = loaded(p2p(), 3);
+    let mut b = Endpoint::new(p2p(), B, Instant::ZERO);
+    b.handle_frame(at_us(1), &frames[1]);
+    b.handle_frame(at_us(2), &frames[2]);
+    assert!(b.poll_message().is_none());
+    let acks = drain(&mut b, at_us(2));
+    assert_eq!(acks.len(), 2);
+    for f in &acks {
+        let r = header(f);
+        assert_eq!((r.kind, r.ack), (Kind::Ack, 0));
+    }
+    b.handle_frame(at_us(3), &frames[0]);
+    b.handle_frame(at_us(4), &frames[0]);
+    let cs = b.counters();
+    assert_eq!(
+        (cs.drop_out_of_order, cs.drop_duplicate, cs.messages_delivered, cs.dup_acks_sent),
+        (2, 1, 1, 3)
+    );
+    assert_eq!(b.poll_message().unwrap().data, &test_message(0, 1000)[..]);
+    assert!(b.poll_message().is_none());
+}
+
+#[test]
+fn acks_are_coalesced_by_count_and_by_time() {
+    let mut c = p2p();
+    c.ack_every_frames = 4;
+    c.ack_delay = us(7);
+    let (_, frames) = loaded(c.clone(), 6);
+    let mut b = Endpoint::new(c, B, Instant::ZERO);
+    for (i, f) in frames.iter().enumerate() {
+        b.handle_frame(at_us(i as u64), f);
+    }
+    let acks: Vec<u32> = drain(&mut b, at_us(5)).iter().map(|f| header(f).ack).collect();
+    assert_eq!(acks, vec![4], "one ACK after 4 frames");
+    // Frames 4 and 5 wait at most ack_delay after frame 4 (t = 4 us).
+    assert_eq!(b.poll_timeout(), Some(at_us(11)));
+    b.handle_timeout(at_us(11));
+    let acks: Vec<u32> = drain(&mut b, at_us(11)).iter().map(|f| header(f).ack).collect();
+    assert_eq!(acks, vec![6]);
+    assert_eq!(b.poll_timeout(), None);
+}
+
+#[test]
+fn sequence_numbers_wrap() {
+    for (split, seed) in [(false, 3u64), (true, 4)] {
+        let mut c = p2p();
+        c.initial_sequence = u32::MAX - 20;
+        let f = Faults { loss: 0.05, reorder: 0.02, duplicate: 0.02, ..Faults::default() };
+        let ok = if split {
+            let mut p = Pair::split(c, f, seed);
+            let ok = p.transfer(400, 1, at_us(5_000_000), |_| 900);
+            assert_stream(&p.at_b, A, 1, 400, |_| 900);
+            ok
+        } else {
+            let mut p = Pair::endpoints(c, f, seed);
+            let ok = p.transfer(400, 1, at_us(5_000_000), |_| 900);
+            assert_stream(&p.at_b, A, 1, 400, |_| 900);
+            ok
+        };
+        assert!(ok);
+    }
+    // The first frame carries the configured initial sequence, the 22nd wraps to 0.
+    let mut c = p2p();
+    c.initial_sequence = u32::MAX - 20;
+    let (_, frames) = loaded(c, 23);
+    assert_eq!(header(&frames[0]).sequence, u32::MAX - 20);
+    assert_eq!(header(&frames[21]).sequence, 0);
+    assert_eq!(Seq(u32::MAX) + 1, Seq(0));
+}
+
+#[test]
+fn corrupted_frames_are_detected_and_recovered() {
+    let f = Faults { corrupt: 0.05, ..Faults::default() };
+    let mut p = Pair::endpoints(p2p(), f, 11);
+    assert!(p.transfer(2000, 0, at_us(10_000_000), |i| (i % 300) as usize));
+    assert_stream(&p.at_b, A, 0, 2000, |i| (i % 300) as usize);
+    // Every corrupted frame is dropped: mostly by the checksum, some earlier (a flipped EtherType,
+    // version, source group bit or length).
+    let caught: u64 = [p.a.counters(), p.b.counters()]
+        .iter()
+        .map(|c| c.drop_bad_checksum + c.drop_bad_frame + c.drop_bad_version + c.drop_not_for_us)
+        .sum();
+    assert!(
+        p.wire.corrupted > 10 && caught == p.wire.corrupted,
+        "{} corrupted, {caught} caught",
+        p.wire.corrupted
+    );
+    // Without the checksum flag a checksumming receiver refuses the frame.
+    let mut c = p2p();
+    c.checksum = false;
+    let (_, frames) = loaded(c, 1);
+    let mut b = Endpoint::new(p2p(), B, Instant::ZERO);
+    b.handle_frame(at_us(1), &frames[0]);
+    assert_eq!(b.counters().drop_bad_checksum, 1);
+}
+
+#[test]
+fn groups_filter_data_and_can_change_at_run_time() {
+    let mut c = Config::default();
+    c.rate.enabled = false;
+    c.heartbeat.interval = Duration::from_millis(1);
+    c.group = 1;
+    let mut cb = c.clone();
+    cb.group = 2;
+    cb.heartbeat.role = Role::Device;
+    cb.heartbeat.name = "io-box".into();
+    let mut p = Pair::new(
+        Endpoint::new(c, A, Instant::ZERO),
+        Endpoint::new(cb, B, Instant::ZERO),
+        Faults::default(),
+        5,
+    );
+    p.a.send(Instant::ZERO, B, 0, b"hello").unwrap();
+    p.run_until(at_us(3000), |_| false);
+    assert!(p.at_b.is_empty());
+    assert!(p.b.counters().drop_wrong_group > 0);
+    assert!(p.events_a.contains(&Event::PeerUp {
+        peer: B,
+        role: Role::Device,
+        group: 2,
+        name: "io-box".into()
+    }));
+    let now = p.now;
+    p.b.set_group(1, now);
+    assert!(p.run_until(now + Duration::from_millis(200), |p| !p.at_b.is_empty()));
+    assert_eq!(p.at_b[0].2, b"hello");
+    // A retransmission already in flight may beat B's heartbeat to the other side.
+    p.run_until(p.now + us(100), |_| false);
+    assert!(p.events_a.contains(&Event::GroupChanged { peer: B, old: 2, new: 1 }), "{:?}", p.events_a);
+}
+
+#[test]
+fn heartbeats_bring_peers_up_and_expire_them() {
+    let mut c = Config::default();
+    c.heartbeat.interval = Duration::from_millis(10);
+    c.heartbeat.missed_limit = 3;
+    let mut p = Pair::endpoints(c, Faults::default(), 6);
+    p.run_until(at_us(1000), |_| false);
+    assert!(matches!(p.events_a.as_slice(), [Event::PeerUp { peer: B, role: Role::Host, group: 0, .. }]));
+    assert!(matches!(p.events_b.as_slice(), [Event::PeerUp { peer: A, .. }]));
+    assert_eq!(p.a.receive_half().peers().count(), 1);
+    // Data flows while the peer is up.
+    p.a.send(p.now, B, 0, b"up").unwrap();
+    p.run_until(at_us(2000), |p| !p.at_b.is_empty());
+    // B falls silent at t = 25 ms; its last heartbeat was at 20 ms, so it is down at 50 ms.
+    p.run_until(at_us(25_000), |_| false);
+    p.filter = Some(Box::new(|dir, _| dir == Dir::AtoB));
+    p.run_until(at_us(49_000), |_| false);
+    assert_eq!(p.events_a.len(), 1, "still up at 49 ms: {:?}", p.events_a);
+    p.run_until(at_us(51_000), |_| false);
+    assert_eq!(p.events_a.last(), Some(&Event::PeerDown { peer: B }));
+    assert_eq!(p.a.receive_half().peers().count(), 0);
+    // DATA from a peer that is down is dropped.
+    p.filter = None;
+    let drops = p.a.counters().drop_unknown_peer;
+    p.b.send(p.now, A, 0, b"late").unwrap();
+    let mut buf = vec![0u8; 1514];
+    while let Some(n) = p.b.poll_transmit(p.now, &mut buf) {
+        if header(&buf[..n]).kind == Kind::Data {
+            p.a.handle_frame(p.now, &buf[..n]);
+        }
+    }
+    assert_eq!(p.a.counters().drop_unknown_peer, drops + 1);
+}
+
+#[test]
+fn bad_frames_never_panic_and_are_counted() {
+    let mut b = Endpoint::new(p2p(), B, Instant::ZERO);
+    let (_, frames) = loaded(p2p(), 1);
+    let good = &frames[0];
+    b.handle_frame(at_us(1), &good[..10]);
+    b.handle_frame(at_us(1), &good[..40]);
+    let mut wrong_type = good.clone();
+    wrong_type[12] = 0x08;
+    b.handle_frame(at_us(1), &wrong_type);
+    let mut v2 = good.clone();
+    v2[ETH_LEN] = 2;
+    b.handle_frame(at_us(1), &v2);
+    let mut other = good.clone();
+    other[0..6].copy_from_slice(&MacAddr::local(9).0);
+    lanbus::fill_checksum(&mut other);
+    b.handle_frame(at_us(1), &other);
+    let mut kind = good.clone();
+    kind[ETH_LEN + 1] = 77;
+    lanbus::fill_checksum(&mut kind);
+    b.handle_frame(at_us(1), &kind);
+    let mut records = good.clone();
+    records[ETH_LEN + LB_LEN + 2] = 0x02; // a LAST fragment with no FIRST
+    lanbus::fill_checksum(&mut records);
+    b.handle_frame(at_us(1), &records);
+    let c = b.counters();
+    assert_eq!(c.drop_bad_frame, 4, "{c:?}");
+    assert_eq!((c.drop_bad_version, c.drop_not_for_us, c.drop_unknown_kind), (1, 1, 1));
+    assert_eq!(c.messages_delivered, 0);
+    // Padding after the payload (Ethernet minimum size) is fine.
+    let mut padded = good.clone();
+    padded.extend_from_slice(&[0; 20]);
+    b.handle_frame(at_us(2), &padded);
+    assert_eq!(b.counters().messages_delivered, 1);
+}
+
+#[test]
+fn rate_control_paces_and_reacts_to_delay() {
+    let mut c = p2p();
+    c.rate.enabled = true;
+    c.rate.line_rate_bps = 1_000_000_000;
+    let (mut a, frames) = {
+        let mut a = Endpoint::new(c.clone(), A, Instant::ZERO);
+        for i in 0..5 {
+            a.send(Instant::ZERO, B, 0, &test_message(i, 1000)).unwrap();
+        }
+        let f = drain(&mut a, Instant::ZERO);
+        (a, f)
+    };
+    assert_eq!(frames.len(), 1, "paced: one frame, then wait");
+    let gap = a.poll_timeout().unwrap();
+    assert!(gap > Instant::ZERO && gap <= at_us(9), "next send at {gap:?}");
+    assert_eq!(drain(&mut a, gap).len(), 1);
+    // A 200 us RTT against a 0 baseline... first sample sets the minimum; a later bigger one cuts.
+    let rate0 = a.send_half().pacing_rate_bps(B, 0).unwrap();
+    a.handle_frame(at_us(20), &ack_frame(B, A, 0, 1, Some(at_us(10).as_nanos() as u32)));
+    a.handle_frame(at_us(300), &ack_frame(B, A, 0, 2, Some(at_us(100).as_nanos() as u32)));
+    let rate1 = a.send_half().pacing_rate_bps(B, 0).unwrap();
+    assert!(rate1 < rate0 * 0.6, "{rate0} -> {rate1}");
+}
+
+#[test]
+fn traffic_in_both_directions_and_many_channels() {
+    let f = Faults { loss: 0.02, reorder: 0.02, duplicate: 0.01, corrupt: 0.01, ack_loss: 0.05 };
+    let mut p = Pair::endpoints(p2p(), f, 21);
+    for round in 0..50u64 {
+        for ch in 0..4u16 {
+            let i = round;
+            p.a.send(p.now, B, ch, &test_message(i, (i as usize * 37 + usize::from(ch)) % 2000)).unwrap();
+            p.b.send(p.now, A, ch, &test_message(i, (i as usize * 37 + usize::from(ch)) % 2000)).unwrap();
+        }
+        p.step();
+    }
+    assert!(p.run_until_idle(at_us(10_000_000)));
+    for ch in 0..4u16 {
+        let len = move |i: u64| (i as usize * 37 + usize::from(ch)) % 2000;
+        assert_stream(&p.at_b, A, ch, 50, len);
+        assert_stream(&p.at_a, B, ch, 50, len);
+    }
+}
+
+fn run_schedule(split: bool, f: Faults, seed: u64, count: u64, size: usize, ack_every: u32) {
+    let mut c = p2p();
+    c.initial_sequence = u32::MAX - (seed as u32 % 64);
+    c.ack_every_frames = ack_every;
+    c.window_frames = 32;
+    let len = move |i: u64| (i as usize * 131 + seed as usize) % (size + 1);
+    let deadline = at_us(60_000_000);
+    let (ok, got, a_counters) = if split {
+        let mut p = Pair::split(c, f, seed);
+        let ok = p.transfer(count, 9, deadline, len);
+        (ok, p.at_b, p.a.counters())
+    } else {
+        let mut p = Pair::endpoints(c, f, seed);
+        let ok = p.transfer(count, 9, deadline, len);
+        (ok, p.at_b, p.a.counters())
+    };
+    assert!(ok, "transfer did not finish: {a_counters:?}");
+    assert_stream(&got, A, 9, count, len);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..Default::default() })]
+
+    #[test]
+    fn exactly_once_in_order_intact_under_faults(
+        split in proptest::bool::ANY,
+        loss in 0.0f64..0.15, reorder in 0.0f64..0.1, duplicate in 0.0f64..0.1,
+        corrupt in 0.0f64..0.05, ack_loss in 0.0f64..0.3,
+        seed in 0u64..1_000_000, size in proptest::sample::select(vec![16usize, 200, 3000]),
+        ack_every in 1u32..6,
+    ) {
+        let f = Faults { loss, reorder, duplicate, corrupt, ack_loss };
+        run_schedule(split, f, seed, 150, size, ack_every);
+    }
+}
+
+#[test]
+fn harsh_schedule_both_modes() {
+    let f = Faults { loss: 0.2, reorder: 0.1, duplicate: 0.1, corrupt: 0.05, ack_loss: 0.3 };
+    run_schedule(false, f, 99, 300, 2000, 3);
+    run_schedule(true, f, 99, 300, 2000, 3);
+}

@@ -1,0 +1,877 @@
+//! The lanbus header (wire layer): what follows an Ethernet II header with EtherType 0x88B5.
+//!
+//! `docs/wire.md` draws every byte. In short, a 32-byte header:
+//!
+//! ```text
+//!  0       1       2       3       4               6               8
+//! +-------+-------+-------+-------+---------------+---------------+
+//! |version| kind  | flags |  rsvd |     group     |    channel    |
+//! +-------+-------+-------+-------+---------------+---------------+
+//! |            sequence           |        cumulative ack         |   8..16
+//! +-------------------------------+-------------------------------+
+//! |     send timestamp (ns)       |    echoed timestamp (ns)      |  16..24
+//! +---------------+---------------+-------------------------------+
+//! | payload length|     rsvd      |           checksum            |  24..32
+//! +---------------+---------------+-------------------------------+
+//! ```
+//!
+//! then `payload length` bytes: message records for DATA ([`MessageRecord`]), nothing for ACK, a
+//! [`HeartbeatRepr`] for HEARTBEAT. Bytes after the payload (Ethernet minimum-size padding) are
+//! ignored. All fields are big-endian except the checksum, which is an opaque 32-bit value chosen
+//! so that the ones'-complement sum of the whole frame is all ones (see [`fill_checksum`]).
+//!
+//! Invariants: after [`Packet::new_checked`] succeeds, every accessor is infallible and
+//! `payload()` has exactly `payload_len` bytes. Nothing here panics on bytes from the network.
+
+use core::fmt;
+
+use crate::ethernet::HEADER_LEN as ETHERNET_HEADER_LEN;
+use crate::{Error, Result};
+
+/// The only version this implementation speaks. Frames with another version are dropped.
+pub const VERSION: u8 = 1;
+
+/// Length of the lanbus header.
+pub const HEADER_LEN: usize = 32;
+
+/// Largest message the transport carries (64 KiB), segmented over as many frames as needed.
+pub const MAX_MESSAGE_LEN: usize = 65_536;
+
+/// Flag: the checksum field is valid and covers the frame.
+pub const FLAG_CHECKSUM: u8 = 0x01;
+/// Flag: the echoed timestamp field is valid.
+pub const FLAG_ECHO: u8 = 0x02;
+
+/// Offset of the checksum field from the start of the Ethernet frame.
+pub const CHECKSUM_FRAME_OFFSET: usize = ETHERNET_HEADER_LEN + field::CHECKSUM.start;
+
+mod field {
+    use core::ops::Range;
+    pub const VERSION: usize = 0;
+    pub const KIND: usize = 1;
+    pub const FLAGS: usize = 2;
+    pub const RESERVED0: usize = 3;
+    pub const GROUP: Range<usize> = 4..6;
+    pub const CHANNEL: Range<usize> = 6..8;
+    pub const SEQUENCE: Range<usize> = 8..12;
+    pub const ACK: Range<usize> = 12..16;
+    pub const TIMESTAMP: Range<usize> = 16..20;
+    pub const ECHO: Range<usize> = 20..24;
+    pub const PAYLOAD_LEN: Range<usize> = 24..26;
+    pub const RESERVED1: Range<usize> = 26..28;
+    pub const CHECKSUM: Range<usize> = 28..32;
+}
+
+/// What a frame carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// Message records of one channel, with a sequence number (1).
+    Data,
+    /// A cumulative acknowledgement of one channel (2).
+    Ack,
+    /// A periodic broadcast announcement of a node (3).
+    Heartbeat,
+    /// A code point this version does not know; receivers count and drop such frames.
+    Unknown(u8),
+}
+
+impl From<u8> for Kind {
+    fn from(v: u8) -> Self {
+        match v {
+            1 => Kind::Data,
+            2 => Kind::Ack,
+            3 => Kind::Heartbeat,
+            other => Kind::Unknown(other),
+        }
+    }
+}
+
+impl From<Kind> for u8 {
+    fn from(k: Kind) -> u8 {
+        match k {
+            Kind::Data => 1,
+            Kind::Ack => 2,
+            Kind::Heartbeat => 3,
+            Kind::Unknown(other) => other,
+        }
+    }
+}
+
+fn be16(b: &[u8]) -> u16 {
+    u16::from_be_bytes([b[0], b[1]])
+}
+
+fn be32(b: &[u8]) -> u32 {
+    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// A view of a lanbus header and its payload (the bytes after the Ethernet header).
+#[derive(Debug, Clone)]
+pub struct Packet<T: AsRef<[u8]>> {
+    buffer: T,
+}
+
+impl<T: AsRef<[u8]>> Packet<T> {
+    /// Wraps a buffer without checking; accessors panic if it is shorter than [`HEADER_LEN`] and
+    /// `payload()` if it is shorter than the declared payload.
+    pub const fn new_unchecked(buffer: T) -> Self {
+        Packet { buffer }
+    }
+
+    /// Wraps untrusted bytes after [`Packet::check_len`].
+    pub fn new_checked(buffer: T) -> Result<Self> {
+        let p = Packet { buffer };
+        p.check_len()?;
+        Ok(p)
+    }
+
+    /// Checks that the buffer holds the header and the payload it declares.
+    pub fn check_len(&self) -> Result<()> {
+        let have = self.buffer.as_ref().len();
+        if have < HEADER_LEN {
+            return Err(Error::Truncated { need: HEADER_LEN, have });
+        }
+        let need = HEADER_LEN + usize::from(self.payload_len());
+        if have < need {
+            return Err(Error::Truncated { need, have });
+        }
+        Ok(())
+    }
+
+    /// The wrapped buffer.
+    pub fn into_inner(self) -> T {
+        self.buffer
+    }
+
+    /// Protocol version.
+    pub fn version(&self) -> u8 {
+        self.buffer.as_ref()[field::VERSION]
+    }
+
+    /// Frame kind.
+    pub fn kind(&self) -> Kind {
+        Kind::from(self.buffer.as_ref()[field::KIND])
+    }
+
+    /// Flag bits ([`FLAG_CHECKSUM`], [`FLAG_ECHO`]).
+    pub fn flags(&self) -> u8 {
+        self.buffer.as_ref()[field::FLAGS]
+    }
+
+    /// The sender's group.
+    pub fn group(&self) -> u16 {
+        be16(&self.buffer.as_ref()[field::GROUP])
+    }
+
+    /// Channel id.
+    pub fn channel(&self) -> u16 {
+        be16(&self.buffer.as_ref()[field::CHANNEL])
+    }
+
+    /// DATA: this frame's sequence number (wraps at 2^32).
+    pub fn sequence(&self) -> u32 {
+        be32(&self.buffer.as_ref()[field::SEQUENCE])
+    }
+
+    /// ACK: the next sequence number the receiver expects (all before it arrived).
+    pub fn ack(&self) -> u32 {
+        be32(&self.buffer.as_ref()[field::ACK])
+    }
+
+    /// The sender's clock when it sent the frame: nanoseconds, truncated to 32 bits.
+    pub fn timestamp(&self) -> u32 {
+        be32(&self.buffer.as_ref()[field::TIMESTAMP])
+    }
+
+    /// The timestamp of the frame this one answers (valid if [`FLAG_ECHO`] is set).
+    pub fn echo(&self) -> u32 {
+        be32(&self.buffer.as_ref()[field::ECHO])
+    }
+
+    /// Bytes of payload after the header.
+    pub fn payload_len(&self) -> u16 {
+        be16(&self.buffer.as_ref()[field::PAYLOAD_LEN])
+    }
+
+    /// The raw checksum field.
+    pub fn checksum(&self) -> u32 {
+        be32(&self.buffer.as_ref()[field::CHECKSUM])
+    }
+
+    /// The payload (exactly `payload_len` bytes; padding after it is not included).
+    pub fn payload(&self) -> &[u8] {
+        let end = HEADER_LEN + usize::from(self.payload_len());
+        &self.buffer.as_ref()[HEADER_LEN..end]
+    }
+}
+
+impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
+    fn set16(&mut self, r: core::ops::Range<usize>, v: u16) {
+        self.buffer.as_mut()[r].copy_from_slice(&v.to_be_bytes());
+    }
+
+    fn set32(&mut self, r: core::ops::Range<usize>, v: u32) {
+        self.buffer.as_mut()[r].copy_from_slice(&v.to_be_bytes());
+    }
+
+    /// Sets the version.
+    pub fn set_version(&mut self, v: u8) {
+        self.buffer.as_mut()[field::VERSION] = v;
+    }
+
+    /// Sets the kind.
+    pub fn set_kind(&mut self, k: Kind) {
+        self.buffer.as_mut()[field::KIND] = k.into();
+    }
+
+    /// Sets the flag bits.
+    pub fn set_flags(&mut self, f: u8) {
+        self.buffer.as_mut()[field::FLAGS] = f;
+    }
+
+    /// Sets the group.
+    pub fn set_group(&mut self, g: u16) {
+        self.set16(field::GROUP, g);
+    }
+
+    /// Sets the channel.
+    pub fn set_channel(&mut self, c: u16) {
+        self.set16(field::CHANNEL, c);
+    }
+
+    /// Sets the sequence number.
+    pub fn set_sequence(&mut self, s: u32) {
+        self.set32(field::SEQUENCE, s);
+    }
+
+    /// Sets the cumulative ACK.
+    pub fn set_ack(&mut self, a: u32) {
+        self.set32(field::ACK, a);
+    }
+
+    /// Sets the send timestamp.
+    pub fn set_timestamp(&mut self, t: u32) {
+        self.set32(field::TIMESTAMP, t);
+    }
+
+    /// Sets the echoed timestamp.
+    pub fn set_echo(&mut self, t: u32) {
+        self.set32(field::ECHO, t);
+    }
+
+    /// Sets the payload length.
+    pub fn set_payload_len(&mut self, n: u16) {
+        self.set16(field::PAYLOAD_LEN, n);
+    }
+
+    /// Sets the raw checksum field.
+    pub fn set_checksum(&mut self, c: u32) {
+        self.set32(field::CHECKSUM, c);
+    }
+
+    /// Zeroes the reserved bytes.
+    pub fn clear_reserved(&mut self) {
+        self.buffer.as_mut()[field::RESERVED0] = 0;
+        self.buffer.as_mut()[field::RESERVED1].fill(0);
+    }
+
+    /// The payload, writable (panics if the buffer is shorter than the declared payload).
+    pub fn payload_mut(&mut self) -> &mut [u8] {
+        let end = HEADER_LEN + usize::from(self.payload_len());
+        &mut self.buffer.as_mut()[HEADER_LEN..end]
+    }
+}
+
+/// The decoded lanbus header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Repr {
+    /// Frame kind.
+    pub kind: Kind,
+    /// Flag bits.
+    pub flags: u8,
+    /// The sender's group.
+    pub group: u16,
+    /// Channel id.
+    pub channel: u16,
+    /// Sequence number (DATA).
+    pub sequence: u32,
+    /// Cumulative ACK (ACK).
+    pub ack: u32,
+    /// Send timestamp, ns truncated to 32 bits.
+    pub timestamp: u32,
+    /// Echoed timestamp (valid with [`FLAG_ECHO`]).
+    pub echo: u32,
+    /// Payload length.
+    pub payload_len: u16,
+}
+
+impl Repr {
+    /// Decodes a checked packet. Fails on a version other than [`VERSION`]; an unknown kind is
+    /// returned as [`Kind::Unknown`] for the caller to count.
+    pub fn parse<T: AsRef<[u8]>>(p: &Packet<T>) -> Result<Repr> {
+        if p.version() != VERSION {
+            return Err(Error::Malformed { what: "lanbus version" });
+        }
+        Ok(Repr {
+            kind: p.kind(),
+            flags: p.flags(),
+            group: p.group(),
+            channel: p.channel(),
+            sequence: p.sequence(),
+            ack: p.ack(),
+            timestamp: p.timestamp(),
+            echo: p.echo(),
+            payload_len: p.payload_len(),
+        })
+    }
+
+    /// Bytes the header takes (the payload is the caller's).
+    pub const fn buffer_len(&self) -> usize {
+        HEADER_LEN
+    }
+
+    /// Writes the header (version [`VERSION`], reserved bytes and checksum zero) into a buffer of
+    /// at least [`HEADER_LEN`] bytes.
+    pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, p: &mut Packet<T>) {
+        p.set_version(VERSION);
+        p.set_kind(self.kind);
+        p.set_flags(self.flags);
+        p.clear_reserved();
+        p.set_group(self.group);
+        p.set_channel(self.channel);
+        p.set_sequence(self.sequence);
+        p.set_ack(self.ack);
+        p.set_timestamp(self.timestamp);
+        p.set_echo(self.echo);
+        p.set_payload_len(self.payload_len);
+        p.set_checksum(0);
+    }
+}
+
+/// The 32-bit ones'-complement sum (end-around carry) of `bytes` read as little-endian 32-bit words,
+/// the last one zero-padded. Adding 64-bit words and folding gives the same value because
+/// 2^32 ≡ 1 (mod 2^32 − 1); that is what makes it cheap (8 bytes per add, vectorisable).
+/// It detects every single-bit error and every error burst shorter than 32 bits except turning an
+/// all-zero word into all-ones; weaker than a CRC against reordered words, which links don't do.
+pub fn ones_complement_sum(bytes: &[u8]) -> u32 {
+    // Eight independent lanes (low and high halves of four 64-bit words) so the loop vectorises;
+    // no lane can overflow below 2^31 words (frames are < 2^17 bytes).
+    let mut lanes = [0u64; 8];
+    let mut blocks = bytes.chunks_exact(32);
+    for b in &mut blocks {
+        for k in 0..4 {
+            let w = u64::from_le_bytes(b[8 * k..8 * k + 8].try_into().expect("8-byte slice"));
+            lanes[2 * k] += w & 0xffff_ffff;
+            lanes[2 * k + 1] += w >> 32;
+        }
+    }
+    let mut acc: u64 = lanes.iter().sum();
+    let mut chunks = blocks.remainder().chunks_exact(8);
+    for c in &mut chunks {
+        let w = u64::from_le_bytes(c.try_into().expect("8-byte slice"));
+        acc += (w & 0xffff_ffff) + (w >> 32);
+    }
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        let mut tail = [0u8; 8];
+        tail[..rest.len()].copy_from_slice(rest);
+        let w = u64::from_le_bytes(tail);
+        acc += (w & 0xffff_ffff) + (w >> 32);
+    }
+    while acc >> 32 != 0 {
+        acc = (acc & 0xffff_ffff) + (acc >> 32);
+    }
+    acc as u32
+}
+
+/// Writes the checksum of a whole frame (`frame` = Ethernet header + lanbus header + payload,
+/// nothing after) so that [`verify_checksum`] holds, and sets [`FLAG_CHECKSUM`]. Panics if `frame`
+/// is shorter than the two headers (callers build frames themselves).
+pub fn fill_checksum(frame: &mut [u8]) {
+    let lb = ETHERNET_HEADER_LEN;
+    frame[lb + field::FLAGS] |= FLAG_CHECKSUM;
+    frame[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].fill(0);
+    let s = ones_complement_sum(frame);
+    // The field sits at frame offset 42 ≡ 2 (mod 4): its little-endian value x contributes
+    // rotl(x, 16) to the sum, so store x = rotr(!s, 16) and the total becomes s + !s = all ones.
+    let rot = (8 * (CHECKSUM_FRAME_OFFSET % 4)) as u32;
+    let x = (!s).rotate_right(rot);
+    frame[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].copy_from_slice(&x.to_le_bytes());
+}
+
+/// Whether a whole frame (exactly header + payload, without padding) carries a correct checksum.
+pub fn verify_checksum(frame: &[u8]) -> bool {
+    frame.len() >= CHECKSUM_FRAME_OFFSET + 4 && ones_complement_sum(frame) == u32::MAX
+}
+
+/// Message-record flag: the first fragment of a message.
+pub const RECORD_FIRST: u8 = 0x01;
+/// Message-record flag: the last fragment of a message.
+pub const RECORD_LAST: u8 = 0x02;
+/// Length of a message record header.
+pub const RECORD_HEADER_LEN: usize = 4;
+
+/// One message record inside a DATA payload: a 4-byte header (fragment length u16, flags u8
+/// with [`RECORD_FIRST`]/[`RECORD_LAST`], reserved u8) and the fragment. A whole small message is
+/// one record with both flags; a big one is a FIRST record, middle records, and a LAST record, in
+/// consecutive frames of one channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageRecord<'a> {
+    /// [`RECORD_FIRST`] | [`RECORD_LAST`] bits.
+    pub flags: u8,
+    /// The fragment's bytes.
+    pub data: &'a [u8],
+}
+
+impl<'a> MessageRecord<'a> {
+    /// Bytes the record takes on the wire.
+    pub fn buffer_len(&self) -> usize {
+        RECORD_HEADER_LEN + self.data.len()
+    }
+
+    /// Writes the record at the start of `buf` and returns its length. Panics if `buf` is too short
+    /// or the fragment is longer than 65535 bytes (callers size fragments by the MTU).
+    pub fn emit(&self, buf: &mut [u8]) -> usize {
+        let n = u16::try_from(self.data.len()).expect("fragment longer than 65535 bytes");
+        buf[0..2].copy_from_slice(&n.to_be_bytes());
+        buf[2] = self.flags;
+        buf[3] = 0;
+        buf[RECORD_HEADER_LEN..RECORD_HEADER_LEN + self.data.len()].copy_from_slice(self.data);
+        self.buffer_len()
+    }
+}
+
+/// Iterates over the message records of a DATA payload. Yields an error (once, then stops) if a
+/// record header is truncated, declares more bytes than remain, or has unknown flag bits.
+#[derive(Debug, Clone)]
+pub struct Records<'a> {
+    rest: &'a [u8],
+    failed: bool,
+}
+
+impl<'a> Records<'a> {
+    /// Records of `payload`.
+    pub fn new(payload: &'a [u8]) -> Self {
+        Records { rest: payload, failed: false }
+    }
+}
+
+impl<'a> Iterator for Records<'a> {
+    type Item = Result<MessageRecord<'a>>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed || self.rest.is_empty() {
+            return None;
+        }
+        let rest = self.rest;
+        if rest.len() < RECORD_HEADER_LEN {
+            self.failed = true;
+            return Some(Err(Error::Truncated { need: RECORD_HEADER_LEN, have: rest.len() }));
+        }
+        let n = usize::from(be16(&rest[0..2]));
+        let flags = rest[2];
+        if flags & !(RECORD_FIRST | RECORD_LAST) != 0 {
+            self.failed = true;
+            return Some(Err(Error::Malformed { what: "message record flags" }));
+        }
+        let end = RECORD_HEADER_LEN + n;
+        if rest.len() < end {
+            self.failed = true;
+            return Some(Err(Error::Truncated { need: end, have: rest.len() }));
+        }
+        self.rest = &rest[end..];
+        Some(Ok(MessageRecord { flags, data: &rest[RECORD_HEADER_LEN..end] }))
+    }
+}
+
+/// A node's role, announced in heartbeats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// A host that uses devices (1).
+    Host,
+    /// An I/O box that offers devices (2).
+    Device,
+    /// A code point this version does not know.
+    Unknown(u8),
+}
+
+impl From<u8> for Role {
+    fn from(v: u8) -> Self {
+        match v {
+            1 => Role::Host,
+            2 => Role::Device,
+            other => Role::Unknown(other),
+        }
+    }
+}
+
+impl From<Role> for u8 {
+    fn from(r: Role) -> u8 {
+        match r {
+            Role::Host => 1,
+            Role::Device => 2,
+            Role::Unknown(other) => other,
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Role::Host => f.write_str("host"),
+            Role::Device => f.write_str("device"),
+            Role::Unknown(v) => write!(f, "role#{v}"),
+        }
+    }
+}
+
+/// Longest node name a heartbeat carries.
+pub const MAX_NAME_LEN: usize = 64;
+/// Fixed part of a heartbeat payload.
+pub const HEARTBEAT_FIXED_LEN: usize = 8;
+
+/// A HEARTBEAT payload: role u8, name length u8 (≤ [`MAX_NAME_LEN`]), group u16, interval in
+/// microseconds u32, then the name (UTF-8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeartbeatRepr<'a> {
+    /// The node's role.
+    pub role: Role,
+    /// The node's group (the same as the header's group field).
+    pub group: u16,
+    /// How often the node announces itself, in microseconds.
+    pub interval_us: u32,
+    /// The node's name.
+    pub name: &'a str,
+}
+
+impl<'a> HeartbeatRepr<'a> {
+    /// Decodes a heartbeat payload (trailing bytes after the name are rejected).
+    pub fn parse(payload: &'a [u8]) -> Result<Self> {
+        if payload.len() < HEARTBEAT_FIXED_LEN {
+            return Err(Error::Truncated { need: HEARTBEAT_FIXED_LEN, have: payload.len() });
+        }
+        let name_len = usize::from(payload[1]);
+        if name_len > MAX_NAME_LEN {
+            return Err(Error::Malformed { what: "heartbeat name length" });
+        }
+        let need = HEARTBEAT_FIXED_LEN + name_len;
+        if payload.len() < need {
+            return Err(Error::Truncated { need, have: payload.len() });
+        }
+        if payload.len() > need {
+            return Err(Error::Malformed { what: "heartbeat length" });
+        }
+        let name = core::str::from_utf8(&payload[HEARTBEAT_FIXED_LEN..need])
+            .map_err(|_| Error::Malformed { what: "heartbeat name" })?;
+        Ok(HeartbeatRepr {
+            role: Role::from(payload[0]),
+            group: be16(&payload[2..4]),
+            interval_us: be32(&payload[4..8]),
+            name,
+        })
+    }
+
+    /// Bytes the payload takes (the name is cut to [`MAX_NAME_LEN`] bytes by [`HeartbeatRepr::emit`]).
+    pub fn buffer_len(&self) -> usize {
+        HEARTBEAT_FIXED_LEN + self.name_bytes().len()
+    }
+
+    fn name_bytes(&self) -> &[u8] {
+        let mut n = self.name.len().min(MAX_NAME_LEN);
+        while !self.name.is_char_boundary(n) {
+            n -= 1;
+        }
+        &self.name.as_bytes()[..n]
+    }
+
+    /// Writes the payload into `buf` (at least [`HeartbeatRepr::buffer_len`] bytes) and returns
+    /// its length.
+    pub fn emit(&self, buf: &mut [u8]) -> usize {
+        let name = self.name_bytes();
+        buf[0] = self.role.into();
+        buf[1] = name.len() as u8;
+        buf[2..4].copy_from_slice(&self.group.to_be_bytes());
+        buf[4..8].copy_from_slice(&self.interval_us.to_be_bytes());
+        buf[HEARTBEAT_FIXED_LEN..HEARTBEAT_FIXED_LEN + name.len()].copy_from_slice(name);
+        HEARTBEAT_FIXED_LEN + name.len()
+    }
+}
+
+/// The fuzz target's body: decodes arbitrary bytes as an Ethernet frame carrying lanbus, walks
+/// every structure inside, and checks that what parses emits back to the same bytes. Panics only
+/// if such an invariant breaks.
+pub fn fuzz_lanbus_frame(data: &[u8]) {
+    let Ok(eth) = crate::EthernetFrame::new_checked(data) else { return };
+    let Ok(packet) = Packet::new_checked(eth.payload()) else { return };
+    let end = ETHERNET_HEADER_LEN + HEADER_LEN + usize::from(packet.payload_len());
+    let _ = verify_checksum(&data[..end]);
+    let Ok(repr) = Repr::parse(&packet) else { return };
+    let mut out = [0u8; HEADER_LEN];
+    let mut view = Packet::new_unchecked(&mut out[..]);
+    repr.emit(&mut view);
+    view.set_checksum(packet.checksum());
+    let raw = &eth.payload()[..HEADER_LEN];
+    // Reserved bytes are emitted as zero; everything else must round-trip.
+    let mut expect = [0u8; HEADER_LEN];
+    expect.copy_from_slice(raw);
+    expect[field::RESERVED0] = 0;
+    expect[field::RESERVED1].fill(0);
+    assert_eq!(out, expect, "lanbus header does not round-trip");
+    match repr.kind {
+        Kind::Data => {
+            let mut total = 0;
+            for rec in Records::new(packet.payload()) {
+                let Ok(rec) = rec else { break };
+                total += rec.buffer_len();
+                let mut buf = vec![0u8; rec.buffer_len()];
+                rec.emit(&mut buf);
+                let mut again = Records::new(&buf);
+                assert_eq!(again.next(), Some(Ok(rec)));
+            }
+            assert!(total <= packet.payload().len());
+        }
+        Kind::Heartbeat => {
+            if let Ok(hb) = HeartbeatRepr::parse(packet.payload()) {
+                let mut buf = [0u8; HEARTBEAT_FIXED_LEN + MAX_NAME_LEN];
+                let n = hb.emit(&mut buf);
+                assert_eq!(&buf[..n], packet.payload(), "heartbeat does not round-trip");
+            }
+        }
+        Kind::Ack | Kind::Unknown(_) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{EtherType, EthernetFrame, EthernetRepr, MacAddr};
+
+    // DATA, flags ECHO, group 7, channel 3, seq 0xfffffffe, ack 0, ts 0x01020304, echo 0x0a0b0c0d,
+    // payload 7 bytes: one record (len 3, FIRST|LAST, "abc").
+    static DATA_HEADER: [u8; 32] = [
+        0x01, 0x01, 0x02, 0x00, 0x00, 0x07, 0x00, 0x03, //
+        0xff, 0xff, 0xff, 0xfe, 0x00, 0x00, 0x00, 0x00, //
+        0x01, 0x02, 0x03, 0x04, 0x0a, 0x0b, 0x0c, 0x0d, //
+        0x00, 0x07, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    ];
+    static RECORD: [u8; 7] = [0x00, 0x03, 0x03, 0x00, b'a', b'b', b'c'];
+
+    fn data_repr() -> Repr {
+        Repr {
+            kind: Kind::Data,
+            flags: FLAG_ECHO,
+            group: 7,
+            channel: 3,
+            sequence: 0xffff_fffe,
+            ack: 0,
+            timestamp: 0x0102_0304,
+            echo: 0x0a0b_0c0d,
+            payload_len: 7,
+        }
+    }
+
+    fn data_packet() -> Vec<u8> {
+        let mut v = DATA_HEADER.to_vec();
+        v.extend_from_slice(&RECORD);
+        v
+    }
+
+    #[test]
+    fn deconstruct() {
+        let bytes = data_packet();
+        let p = Packet::new_checked(&bytes[..]).unwrap();
+        assert_eq!(p.version(), 1);
+        assert_eq!(p.kind(), Kind::Data);
+        assert_eq!(p.flags(), FLAG_ECHO);
+        assert_eq!(p.group(), 7);
+        assert_eq!(p.channel(), 3);
+        assert_eq!(p.sequence(), 0xffff_fffe);
+        assert_eq!(p.ack(), 0);
+        assert_eq!(p.timestamp(), 0x0102_0304);
+        assert_eq!(p.echo(), 0x0a0b_0c0d);
+        assert_eq!(p.payload_len(), 7);
+        assert_eq!(p.payload(), &RECORD);
+        assert_eq!(Repr::parse(&p).unwrap(), data_repr());
+        let recs: Vec<_> = Records::new(p.payload()).collect();
+        assert_eq!(recs, vec![Ok(MessageRecord { flags: RECORD_FIRST | RECORD_LAST, data: b"abc" })]);
+    }
+
+    #[test]
+    fn construct() {
+        let mut buf = vec![0xaau8; 39];
+        let mut p = Packet::new_unchecked(&mut buf[..]);
+        data_repr().emit(&mut p);
+        let n = MessageRecord { flags: RECORD_FIRST | RECORD_LAST, data: b"abc" }.emit(p.payload_mut());
+        assert_eq!(n, 7);
+        assert_eq!(buf, data_packet());
+    }
+
+    // ACK from group 1 channel 0: ack 5, echo valid.
+    static ACK_HEADER: [u8; 32] = [
+        0x01, 0x02, 0x02, 0x00, 0x00, 0x01, 0x00, 0x00, //
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x05, //
+        0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00, 0x08, //
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    ];
+
+    #[test]
+    fn ack_fixture() {
+        let repr = Repr {
+            kind: Kind::Ack,
+            flags: FLAG_ECHO,
+            group: 1,
+            channel: 0,
+            sequence: 0,
+            ack: 5,
+            timestamp: 9,
+            echo: 8,
+            payload_len: 0,
+        };
+        let p = Packet::new_checked(&ACK_HEADER[..]).unwrap();
+        assert_eq!(Repr::parse(&p).unwrap(), repr);
+        assert!(p.payload().is_empty());
+        let mut out = [0u8; 32];
+        repr.emit(&mut Packet::new_unchecked(&mut out[..]));
+        assert_eq!(out, ACK_HEADER);
+    }
+
+    // Heartbeat payload: device, group 0x0102, 100000 us, name "io1".
+    static HEARTBEAT: [u8; 11] = [0x02, 0x03, 0x01, 0x02, 0x00, 0x01, 0x86, 0xa0, b'i', b'o', b'1'];
+
+    #[test]
+    fn heartbeat_fixture() {
+        let hb = HeartbeatRepr::parse(&HEARTBEAT).unwrap();
+        let want = HeartbeatRepr { role: Role::Device, group: 0x0102, interval_us: 100_000, name: "io1" };
+        assert_eq!(hb, want);
+        let mut buf = [0u8; 72];
+        let n = want.emit(&mut buf);
+        assert_eq!(&buf[..n], &HEARTBEAT);
+        assert_eq!(want.buffer_len(), 11);
+        // Malformed: long name length, truncated, trailing bytes, bad UTF-8.
+        let mut bad = HEARTBEAT;
+        bad[1] = 65;
+        assert_eq!(HeartbeatRepr::parse(&bad), Err(Error::Malformed { what: "heartbeat name length" }));
+        assert_eq!(HeartbeatRepr::parse(&HEARTBEAT[..10]), Err(Error::Truncated { need: 11, have: 10 }));
+        assert_eq!(HeartbeatRepr::parse(&HEARTBEAT[..5]), Err(Error::Truncated { need: 8, have: 5 }));
+        let mut long = HEARTBEAT.to_vec();
+        long.push(0);
+        assert!(HeartbeatRepr::parse(&long).is_err());
+        let mut utf = HEARTBEAT;
+        utf[8] = 0xff;
+        assert_eq!(HeartbeatRepr::parse(&utf), Err(Error::Malformed { what: "heartbeat name" }));
+        // Long names are cut on a character boundary.
+        let name = "é".repeat(40);
+        let hb = HeartbeatRepr { role: Role::Host, group: 0, interval_us: 1, name: &name };
+        let n = hb.emit(&mut buf);
+        assert_eq!(HeartbeatRepr::parse(&buf[..n]).unwrap().name, "é".repeat(32));
+    }
+
+    #[test]
+    fn truncated_and_malformed() {
+        let bytes = data_packet();
+        assert_eq!(Packet::new_checked(&bytes[..31]).unwrap_err(), Error::Truncated { need: 32, have: 31 });
+        assert_eq!(Packet::new_checked(&bytes[..38]).unwrap_err(), Error::Truncated { need: 39, have: 38 });
+        // Padding after the payload is allowed and ignored.
+        let mut padded = bytes.clone();
+        padded.extend_from_slice(&[0; 10]);
+        assert_eq!(Packet::new_checked(&padded[..]).unwrap().payload(), &RECORD);
+        let mut v2 = bytes.clone();
+        v2[0] = 2;
+        let p = Packet::new_checked(&v2[..]).unwrap();
+        assert_eq!(Repr::parse(&p), Err(Error::Malformed { what: "lanbus version" }));
+        let mut k = bytes.clone();
+        k[1] = 9;
+        assert_eq!(Repr::parse(&Packet::new_checked(&k[..]).unwrap()).unwrap().kind, Kind::Unknown(9));
+        // Records: truncated header, overlong length, unknown flags.
+        let r: Vec<_> = Records::new(&[0, 3, 3]).collect();
+        assert_eq!(r, vec![Err(Error::Truncated { need: 4, have: 3 })]);
+        let r: Vec<_> = Records::new(&[0, 9, 3, 0, 1, 2]).collect();
+        assert_eq!(r, vec![Err(Error::Truncated { need: 13, have: 6 })]);
+        let r: Vec<_> = Records::new(&[0, 0, 0x80, 0]).collect();
+        assert_eq!(r, vec![Err(Error::Malformed { what: "message record flags" })]);
+        let two = [0, 1, 1, 0, b'x', 0, 0, 2, 0];
+        let r: Vec<_> = Records::new(&two).map(|r| r.unwrap()).collect();
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].flags, r[0].data, r[1].flags, r[1].data), (1, &b"x"[..], 2, &b""[..]));
+    }
+
+    #[test]
+    fn kind_and_role_codes_roundtrip() {
+        for v in 0..=255u8 {
+            assert_eq!(u8::from(Kind::from(v)), v);
+            assert_eq!(u8::from(Role::from(v)), v);
+        }
+    }
+
+    fn whole_frame() -> Vec<u8> {
+        let mut f = vec![0u8; ETHERNET_HEADER_LEN];
+        EthernetRepr {
+            src_addr: MacAddr::local(1),
+            dst_addr: MacAddr::local(2),
+            ethertype: EtherType::Lanbus,
+        }
+        .emit(&mut EthernetFrame::new_unchecked(&mut f[..]));
+        f.extend_from_slice(&data_packet());
+        f
+    }
+
+    #[test]
+    fn checksum_detects_every_single_bit_flip() {
+        let mut f = whole_frame();
+        fill_checksum(&mut f);
+        assert!(verify_checksum(&f));
+        assert_eq!(f[ETHERNET_HEADER_LEN + 2] & FLAG_CHECKSUM, FLAG_CHECKSUM);
+        for bit in 0..f.len() * 8 {
+            let mut g = f.clone();
+            g[bit / 8] ^= 1 << (bit % 8);
+            assert!(!verify_checksum(&g), "flip of bit {bit} undetected");
+        }
+        assert!(!verify_checksum(&f[..f.len() - 1]));
+    }
+
+    #[test]
+    fn checksum_matches_a_naive_word_sum() {
+        // Reference: 32-bit little-endian words, end-around carry, one at a time.
+        for len in 0..40usize {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 37 + 11) as u8).collect();
+            let mut s: u64 = 0;
+            for c in bytes.chunks(4) {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                s += u64::from(u32::from_le_bytes(w));
+                s = (s & 0xffff_ffff) + (s >> 32);
+            }
+            assert_eq!(ones_complement_sum(&bytes), s as u32, "len {len}");
+        }
+    }
+
+    #[test]
+    fn fuzz_body_accepts_fixtures() {
+        let mut f = whole_frame();
+        fill_checksum(&mut f);
+        fuzz_lanbus_frame(&f);
+        fuzz_lanbus_frame(&f[..20]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
+            fuzz_lanbus_frame(&bytes);
+        }
+
+        #[test]
+        fn random_lanbus_headers_never_panic(
+            body in proptest::collection::vec(proptest::num::u8::ANY, 0..120),
+            version in 0u8..3, kind in 0u8..5,
+        ) {
+            let mut f = whole_frame();
+            f.truncate(ETHERNET_HEADER_LEN);
+            f.extend_from_slice(&body);
+            if f.len() > ETHERNET_HEADER_LEN + 1 {
+                f[ETHERNET_HEADER_LEN] = version;
+                f[ETHERNET_HEADER_LEN + 1] = kind;
+            }
+            fuzz_lanbus_frame(&f);
+        }
+    }
+}
