@@ -4,6 +4,10 @@
 mod bench;
 mod tlp;
 mod nbd;
+mod demo;
+mod plot;
+mod progress;
+mod sim_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +30,12 @@ enum Command {
     /// Network Block Device tools: export a file or RAM disk to fio, qemu-img, QEMU.
     #[command(subcommand)]
     Nbd(nbd::NbdCommand),
+    /// The main job for now: two transport endpoints over a simulated wire with 1% loss; prints
+    /// goodput, retransmissions and latency, and fails unless every message arrived intact.
+    Demo(demo::DemoArgs),
+    /// Simulator scenarios: the faulty-wire transfer and the retransmission paper's figures.
+    #[command(subcommand)]
+    Sim(sim_cmd::SimCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -34,6 +44,8 @@ fn main() -> std::process::ExitCode {
         Command::Bench(c) => bench::run(c),
         Command::Tlp(c) => tlp::run(c),
         Command::Nbd(c) => nbd::run(c),
+        Command::Demo(a) => demo::run(a),
+        Command::Sim(c) => sim_cmd::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

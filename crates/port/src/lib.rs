@@ -25,6 +25,9 @@ use lanbus_wire::MacAddr;
 
 pub mod afxdp;
 pub mod netns;
+pub mod sim;
+
+pub use sim::{SimPort, SimWire, SimWireConfig, SimWireStats};
 
 /// What a port counts. Counters only grow; read them with [`Port::counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -52,7 +52,8 @@ pub struct Counters {
     pub drop_duplicate: u64,
     /// DATA frames dropped: the application has not drained enough delivered messages.
     pub drop_backlog: u64,
-    /// DATA frames dropped: they would open more than `max_channels` receive channels.
+    /// DATA frames dropped: they would open more than `max_channels` receive channels (or
+    /// heartbeats: more than `max_channels` peers).
     pub drop_too_many_channels: u64,
     /// Messages accepted by `send`.
     pub messages_sent: u64,

@@ -227,6 +227,7 @@ pub struct Faults {
 
 /// Which way a frame travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
 pub enum Dir {
     /// From `a` to `b`.
     AtoB,
@@ -272,6 +273,19 @@ pub struct WireStats {
     pub duplicated: u64,
     /// Frames corrupted.
     pub corrupted: u64,
+    /// Frames dropped because the bottleneck's buffer was full.
+    pub queue_drops: u64,
+    /// Largest queueing delay a frame met at the bottleneck.
+    pub max_queue_delay: Duration,
+}
+
+/// A rate-limited link with a drop-tail buffer in each direction (an output-queued switch port).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bottleneck {
+    /// Link rate, bits per second.
+    pub rate_bps: u64,
+    /// Bytes the buffer holds; a frame that does not fit is dropped.
+    pub buffer_bytes: u64,
 }
 
 /// Decides per frame whether the wire drops it (`false` = drop), for targeted tests.
@@ -293,6 +307,9 @@ pub struct Pair<A: Node, B: Node> {
     pub faults: Faults,
     /// Optional per-frame drop decision.
     pub filter: Option<Filter>,
+    /// Optional rate limit and finite buffer in each direction.
+    pub bottleneck: Option<Bottleneck>,
+    link_free: [Instant; 2],
     /// Messages `a` received.
     pub at_a: Vec<(MacAddr, u16, Vec<u8>)>,
     /// Messages `b` received.
@@ -347,6 +364,8 @@ impl<A: Node, B: Node> Pair<A, B> {
             reorder_delay: Duration::from_micros(20),
             faults,
             filter: None,
+            bottleneck: None,
+            link_free: [Instant::ZERO; 2],
             at_a: Vec::new(),
             at_b: Vec::new(),
             events_a: Vec::new(),
@@ -375,6 +394,20 @@ impl<A: Node, B: Node> Pair<A, B> {
             return;
         }
         let mut at = self.now + self.delay;
+        if let Some(bn) = self.bottleneck {
+            let lane = dir as usize;
+            let start = self.link_free[lane].max(self.now);
+            let queued_ns = (start - self.now).as_nanos() as u64;
+            let backlog_bytes = queued_ns.saturating_mul(bn.rate_bps) / 8_000_000_000;
+            if backlog_bytes + bytes.len() as u64 > bn.buffer_bytes {
+                self.wire.queue_drops += 1;
+                return;
+            }
+            self.wire.max_queue_delay = self.wire.max_queue_delay.max(start - self.now);
+            let tx = Duration::from_nanos(bytes.len() as u64 * 8_000_000_000 / bn.rate_bps.max(1));
+            self.link_free[lane] = start + tx;
+            at = start + tx + self.delay;
+        }
         if self.rng.chance(f.reorder) {
             self.wire.reordered += 1;
             at += Duration::from_nanos(1 + self.rng.below(self.reorder_delay.as_nanos() as u64));

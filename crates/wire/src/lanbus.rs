@@ -830,9 +830,25 @@ mod tests {
     }
 
     #[test]
+    fn checksum_fixture_from_an_independent_encoder() {
+        // An ACK frame (02:4c:42:00:00:02 -> ...:01, group 7, channel 3, ack 0xffffffff, echo 1000)
+        // encoded by a separate Python script from docs/wire.md's description.
+        let hex =
+            "024c42000001024c4200000288b5010203000007000300000000ffffffff000007d0000003e800000000b8a82642";
+        let f: Vec<u8> =
+            (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+        assert!(verify_checksum(&f));
+        let p = Packet::new_checked(&f[ETHERNET_HEADER_LEN..]).unwrap();
+        assert_eq!((p.kind(), p.group(), p.channel(), p.ack(), p.echo()), (Kind::Ack, 7, 3, u32::MAX, 1000));
+        let mut again = f.clone();
+        fill_checksum(&mut again);
+        assert_eq!(again, f);
+    }
+
+    #[test]
     fn checksum_matches_a_naive_word_sum() {
         // Reference: 32-bit little-endian words, end-around carry, one at a time.
-        for len in 0..40usize {
+        for len in (0..80usize).chain([1513, 1514, 9014]) {
             let bytes: Vec<u8> = (0..len).map(|i| (i * 37 + 11) as u8).collect();
             let mut s: u64 = 0;
             for c in bytes.chunks(4) {

@@ -1,0 +1,427 @@
+//! `lanbus sim ...`: the simulator scenarios on the command line.
+//!
+//! Each command runs a scenario of `lanbus_sim::scenario` (the real transport code on a logical
+//! clock), prints a table on stdout, and writes CSV and PNG files under `--out`. Stdout depends
+//! only on the arguments (same seed, same output); wall-clock times and the progress bar go to
+//! stderr.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use lanbus_sim::scenario::{
+    latency_point, multi_session_point, transfer, LatencyParams, LatencyPoint, MultiParams, MultiPoint,
+    TransferParams,
+};
+
+use crate::plot::{write_png, Plot, Series};
+use crate::progress::Progress;
+
+/// The simulator scenarios.
+#[derive(Debug, Subcommand)]
+pub enum SimCommand {
+    /// Two transport endpoints through a faulty simulated wire: checks that every message arrives
+    /// once, in order, intact. The last line is `delivered=N lost=0 duplicated=0 reordered=0
+    /// corrupted=0` when all is well; otherwise the real counts, and the exit status is 1.
+    Transfer(TransferArgs),
+    /// The paper's Fig. 2: latency of one 7 Gbit/s session of 128-byte TLPs against the switch's
+    /// loss rate. Writes latency_vs_loss.csv and latency_vs_loss.png under --out.
+    LatencyVsLoss(LatencyArgs),
+    /// The paper's Fig. 3: sessions of 1 MB bursts (exponential gaps, mean 11.4 ms) into one
+    /// 10 Gbit/s switch port, with and without rate control. Writes multi_session.csv and
+    /// multi_session.png under --out.
+    MultiSession(MultiArgs),
+}
+
+/// Arguments of `lanbus sim transfer`.
+#[derive(Debug, Args)]
+pub struct TransferArgs {
+    /// Messages to send (sizes 16..316 bytes, every 97th one 1..7 KB).
+    #[arg(long, default_value_t = 100_000)]
+    messages: u64,
+    /// Probability that the wire loses a frame.
+    #[arg(long, default_value_t = 0.0)]
+    loss: f64,
+    /// Probability that a frame is held back (up to 20 µs) so later ones overtake it.
+    #[arg(long, default_value_t = 0.0)]
+    reorder: f64,
+    /// Probability that a frame is delivered twice.
+    #[arg(long, default_value_t = 0.0)]
+    duplicate: f64,
+    /// Probability that 1..3 bits of a frame are flipped (the wire has no FCS).
+    #[arg(long, default_value_t = 0.0)]
+    corrupt: f64,
+    /// Seed of every random decision.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Also write the report to DIR/transfer.txt.
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Turn the transport's frame checksum off (to see corruption get through).
+    #[arg(long)]
+    no_checksum: bool,
+}
+
+/// Arguments of `lanbus sim latency-vs-loss`.
+#[derive(Debug, Args)]
+pub struct LatencyArgs {
+    /// Directory for latency_vs_loss.csv and .png (created if missing).
+    #[arg(long, value_name = "DIR", default_value = "sim-out")]
+    out: PathBuf,
+    /// Messages (TLPs) per loss rate. At 5.15 M TLPs/s, 2 M is 0.39 s of simulated time, which
+    /// sees about 0.4 losses at 1e-7 and 4 at 1e-6: raise it to resolve the lowest rates.
+    #[arg(long, default_value_t = 2_000_000)]
+    messages: u64,
+    /// Loss rates to run, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0,1e-7,1e-6,1e-5,1e-4,1e-3,1e-2")]
+    loss_rates: Vec<f64>,
+    /// Seed of the loss decisions.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Pack several TLPs per frame (off by default: one TLP per frame, as in the paper).
+    #[arg(long)]
+    packing: bool,
+}
+
+/// Arguments of `lanbus sim multi-session`.
+#[derive(Debug, Args)]
+pub struct MultiArgs {
+    /// Directory for multi_session.csv and .png (created if missing).
+    #[arg(long, value_name = "DIR", default_value = "sim-out")]
+    out: PathBuf,
+    /// Simulated time during which bursts arrive, per point, in ms (the first 5 ms are warm-up).
+    #[arg(long, default_value_t = 1000)]
+    duration_ms: u64,
+    /// Session counts to run, comma-separated (each session offers 0.70 Gbit/s on average).
+    #[arg(long, value_delimiter = ',', default_value = "1,3,4,6,7,9,10,11,13")]
+    sessions: Vec<u16>,
+    /// Switch output buffer per port, KiB.
+    #[arg(long, default_value_t = 128)]
+    buffer_kib: usize,
+    /// Seed of the burst arrivals.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Points simulated at once (threads); the output does not depend on it.
+    #[arg(long, default_value_t = 2)]
+    jobs: usize,
+}
+
+/// Runs one scenario.
+pub fn run(command: SimCommand) -> anyhow::Result<()> {
+    match command {
+        SimCommand::Transfer(a) => run_transfer(a),
+        SimCommand::LatencyVsLoss(a) => run_latency(a),
+        SimCommand::MultiSession(a) => run_multi(a),
+    }
+}
+
+fn check_probability(name: &str, p: f64) -> anyhow::Result<()> {
+    anyhow::ensure!((0.0..=1.0).contains(&p), "--{name} {p}: a probability must be between 0 and 1");
+    Ok(())
+}
+
+fn create_dir(dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating output directory {}", dir.display()))
+}
+
+fn run_transfer(a: TransferArgs) -> anyhow::Result<()> {
+    for (name, p) in
+        [("loss", a.loss), ("reorder", a.reorder), ("duplicate", a.duplicate), ("corrupt", a.corrupt)]
+    {
+        check_probability(name, p)?;
+    }
+    anyhow::ensure!(a.loss < 0.5, "--loss {}: the transfer would never finish; use less than 0.5", a.loss);
+    let mut params = TransferParams::new(a.messages, a.loss, a.reorder, a.duplicate, a.corrupt, a.seed);
+    params.transport.checksum = !a.no_checksum;
+    let started = std::time::Instant::now();
+    let mut bar = Progress::new(format!("transfer of {} messages", a.messages));
+    let n = a.messages.max(1) as f64;
+    let r = transfer(&params, &mut |done| bar.set(done as f64 / n));
+    drop(bar);
+    let [ab, ba] = r.wire;
+    let [ca, cb] = r.counters;
+    let secs = r.elapsed.as_secs_f64().max(1e-12);
+    let mut out = String::new();
+    out += &format!(
+        "wire: 10 Gbit/s, 2 us each way, loss={} reorder={} duplicate={} corrupt={} seed={}\n",
+        a.loss, a.reorder, a.duplicate, a.corrupt, a.seed
+    );
+    for (name, w) in [("A->B", ab), ("B->A", ba)] {
+        out += &format!(
+            "wire {name}: frames={} lost={} reordered={} duplicated={} corrupted={} bits_flipped={}\n",
+            w.sent, w.lost, w.reordered, w.duplicated, w.corrupted, w.bits_flipped
+        );
+    }
+    out += &format!(
+        "sender: data_frames={} retransmitted={} fast_retransmits={} timeouts={} dup_acks_received={} bad_checksum={} rtt_mean_us={:.2}\n",
+        ca.data_frames_sent,
+        ca.retransmitted_frames,
+        ca.fast_retransmits,
+        ca.timeouts,
+        ca.dup_acks_received,
+        ca.drop_bad_checksum,
+        ca.rtt_mean().map_or(0.0, |d| d.as_secs_f64() * 1e6)
+    );
+    out += &format!(
+        "receiver: acks_sent={} dup_acks_sent={} out_of_order={} duplicate={} bad_checksum={} bad_frame={}\n",
+        cb.ack_frames_sent,
+        cb.dup_acks_sent,
+        cb.drop_out_of_order,
+        cb.drop_duplicate,
+        cb.drop_bad_checksum,
+        cb.drop_bad_frame
+    );
+    out += &format!(
+        "logical time {:.3} ms, goodput {:.3} Gbit/s{}\n",
+        secs * 1e3,
+        r.bytes as f64 * 8.0 / secs / 1e9,
+        if r.completed { "" } else { " (stopped at the time limit before completing)" }
+    );
+    out += &r.summary();
+    out += "\n";
+    print!("{out}");
+    std::io::stdout().flush()?;
+    eprintln!("(wall time {:.2} s)", started.elapsed().as_secs_f64());
+    if let Some(dir) = &a.out {
+        create_dir(dir)?;
+        let path = dir.join("transfer.txt");
+        std::fs::write(&path, &out).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if r.ok() && r.completed {
+        Ok(())
+    } else {
+        // The counts are the message; the exit status says it failed.
+        std::process::exit(1)
+    }
+}
+
+/// Runs `f` over `items` on `jobs` threads, results in the order of `items`.
+fn parallel_map<T: Sync, R: Send>(items: &[T], jobs: usize, f: impl Fn(usize, &T) -> R + Sync) -> Vec<R> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results = std::sync::Mutex::new((0..items.len()).map(|_| None).collect::<Vec<Option<R>>>());
+    std::thread::scope(|s| {
+        for _ in 0..jobs.clamp(1, items.len().max(1)) {
+            s.spawn(|| loop {
+                // Relaxed: the counter only hands out distinct indices; results go through the mutex.
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                let r = f(i, item);
+                results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+            });
+        }
+    });
+    results.into_inner().unwrap_or_else(|e| e.into_inner()).into_iter().flatten().collect()
+}
+
+fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
+    for &p in &a.loss_rates {
+        check_probability("loss-rates", p)?;
+    }
+    anyhow::ensure!(a.messages > 0, "--messages must be positive");
+    create_dir(&a.out)?;
+    let started = std::time::Instant::now();
+    let mut bar = Progress::new("latency vs loss");
+    let total = a.loss_rates.len() as f64;
+    let mut points: Vec<LatencyPoint> = Vec::new();
+    for (i, &loss) in a.loss_rates.iter().enumerate() {
+        let mut p = LatencyParams::paper(loss, a.messages, a.seed);
+        p.transport.pack_messages = a.packing;
+        points.push(latency_point(&p, &mut |f| bar.set((i as f64 + f) / total)));
+    }
+    drop(bar);
+    let frame = points.first().map_or(0, |p| p.frame_bytes);
+    println!(
+        "one session, {} TLPs of 128 B offered at 7 Gbit/s (counted in the paper's 170 B frames: 5.15 M/s),",
+        a.messages
+    );
+    println!(
+        "{frame} B frames (+24 B preamble/FCS/gap) on 10 Gbit/s links of 1 us, one switch losing frames at random"
+    );
+    println!(
+        "{:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7}",
+        "loss", "mean_us", "p99_us", "max_us", "rtt_us", "gbit/s", "retx", "lost"
+    );
+    let mut csv = String::from(
+        "loss_rate,mean_latency_us,p99_latency_us,base_rtt_us,goodput_gbps,retransmitted_frames\n",
+    );
+    for p in &points {
+        println!(
+            "{:>9.0e} {:>10.3} {:>10.3} {:>10.3} {:>9.3} {:>9.3} {:>8} {:>7}",
+            p.loss,
+            p.mean_us,
+            p.p99_us,
+            p.max_us,
+            p.base_rtt_us,
+            p.goodput_gbps,
+            p.retransmitted_frames,
+            p.lost_frames
+        );
+        csv += &format!(
+            "{},{:.4},{:.4},{:.4},{:.4},{}\n",
+            p.loss, p.mean_us, p.p99_us, p.base_rtt_us, p.goodput_gbps, p.retransmitted_frames
+        );
+        anyhow::ensure!(
+            p.errors == 0,
+            "loss {}: {} messages arrived out of order or corrupted",
+            p.loss,
+            p.errors
+        );
+        anyhow::ensure!(
+            p.delivered == a.messages,
+            "loss {}: only {} messages delivered",
+            p.loss,
+            p.delivered
+        );
+    }
+    let csv_path = a.out.join("latency_vs_loss.csv");
+    std::fs::write(&csv_path, csv).with_context(|| format!("writing {}", csv_path.display()))?;
+    if let Some(base) = points.iter().find(|p| p.loss == 0.0) {
+        let low = points.iter().filter(|p| p.loss > 0.0 && p.loss <= 1e-5);
+        let within = low.clone().all(|p| p.mean_us <= base.mean_us * 1.1 && p.p99_us <= base.p99_us * 1.1);
+        println!(
+            "claim (paper): up to 1e-5 loss, mean and p99 within 10% of loss-free: {}",
+            if within { "holds" } else { "does NOT hold" }
+        );
+        if let Some(high) = points.iter().find(|p| p.loss >= 1e-3) {
+            println!(
+                "at {:.0e}: mean {:.2}x, p99 {:.2}x the loss-free values",
+                high.loss,
+                high.mean_us / base.mean_us,
+                high.p99_us / base.p99_us
+            );
+        }
+    }
+    // Log axes: loss 0 is drawn at 1e-8.
+    let x = |p: &LatencyPoint| if p.loss > 0.0 { p.loss } else { 1e-8 };
+    let plot = Plot {
+        title: "Fig. 2: one 7 Gbit/s session, latency vs loss (loss 0 at 1e-8)".into(),
+        x_label: "frame loss rate".into(),
+        y_label: "one-way latency (us)".into(),
+        x_log: true,
+        y_log: true,
+        series: vec![
+            Series { name: "mean".into(), points: points.iter().map(|p| (x(p), p.mean_us)).collect() },
+            Series {
+                name: "99th percentile".into(),
+                points: points.iter().map(|p| (x(p), p.p99_us)).collect(),
+            },
+            Series {
+                name: "base RTT".into(),
+                points: points.iter().map(|p| (x(p), p.base_rtt_us)).collect(),
+            },
+        ],
+    };
+    let png = a.out.join("latency_vs_loss.png");
+    write_png(&plot, &png)?;
+    println!("wrote {} and {}", csv_path.display(), png.display());
+    eprintln!("(wall time {:.1} s)", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!a.sessions.is_empty(), "--sessions needs at least one count");
+    anyhow::ensure!(a.sessions.iter().all(|&s| s > 0), "--sessions: counts must be positive");
+    anyhow::ensure!(a.duration_ms > 5, "--duration-ms must exceed the 5 ms warm-up");
+    create_dir(&a.out)?;
+    let started = std::time::Instant::now();
+    let duration = Duration::from_millis(a.duration_ms);
+    let mut cases = Vec::new();
+    for rc in [false, true] {
+        for &s in &a.sessions {
+            let mut p = MultiParams::paper(s, rc, duration, a.seed);
+            p.switch_buffer_bytes = a.buffer_kib * 1024;
+            cases.push(p);
+        }
+    }
+    let bar = std::sync::Mutex::new(Progress::new("multi-session"));
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let n = cases.len() as f64;
+    let points: Vec<MultiPoint> = parallel_map(&cases, a.jobs, |_, p| {
+        let r = multi_session_point(p, &mut |_| {});
+        // Relaxed: a count for the progress bar only.
+        let k = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        bar.lock().unwrap_or_else(|e| e.into_inner()).set(k as f64 / n);
+        r
+    });
+    drop(bar);
+    println!(
+        "sessions of 1 MB bursts, exponential gaps of mean 11.4 ms (0.70 Gbit/s each), {} ms of arrivals per point,",
+        a.duration_ms
+    );
+    println!("10 Gbit/s links of 1 us into one switch port with {} KiB of buffer", a.buffer_kib);
+    println!(
+        "{:>8} {:>6} {:>5} {:>10} {:>9} {:>7} {:>8} {:>8} {:>8}",
+        "sessions", "util", "rc", "mean_ratio", "p10_ratio", "bursts", "drops", "retx", "timeouts"
+    );
+    let mut csv = String::from(
+        "sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,retransmitted_frames\n",
+    );
+    for p in &points {
+        println!(
+            "{:>8} {:>6.3} {:>5} {:>10.3} {:>9.3} {:>7} {:>8} {:>8} {:>8}",
+            p.sessions,
+            p.utilization,
+            if p.rate_control { "on" } else { "off" },
+            p.mean_ratio,
+            p.p10_ratio,
+            p.bursts,
+            p.switch_drops,
+            p.retransmitted_frames,
+            p.timeouts
+        );
+        csv += &format!(
+            "{},{:.4},{},{:.4},{:.4},{},{}\n",
+            p.sessions,
+            p.utilization,
+            p.rate_control,
+            p.mean_ratio,
+            p.p10_ratio,
+            p.switch_drops,
+            p.retransmitted_frames
+        );
+        if p.incomplete > 0 {
+            println!("  warning: {} bursts of this point did not complete before the bound", p.incomplete);
+        }
+    }
+    let csv_path = a.out.join("multi_session.csv");
+    std::fs::write(&csv_path, csv).with_context(|| format!("writing {}", csv_path.display()))?;
+    // The paper's claims, checked on these numbers.
+    let off: Vec<&MultiPoint> = points.iter().filter(|p| !p.rate_control).collect();
+    let on: Vec<&MultiPoint> = points.iter().filter(|p| p.rate_control).collect();
+    let below = off.iter().filter(|p| p.utilization > 0.25).all(|p| p.mean_ratio < 0.9);
+    println!(
+        "claim (paper): without rate control the mean ratio is below 0.9 beyond ~20% utilisation: {}",
+        if below { "holds" } else { "does NOT hold" }
+    );
+    let better = off
+        .iter()
+        .zip(&on)
+        .filter(|(f, _)| f.utilization >= 0.28)
+        .all(|(f, n)| n.mean_ratio > f.mean_ratio && n.switch_drops <= f.switch_drops);
+    println!(
+        "claim (lanbus): with rate control, fewer drops and a higher mean ratio from 30% up: {}",
+        if better { "holds" } else { "does NOT hold" }
+    );
+    let line =
+        |pts: &[&MultiPoint], f: fn(&MultiPoint) -> f64| pts.iter().map(|p| (p.utilization, f(p))).collect();
+    let plot = Plot {
+        title: "Fig. 3: 1 MB bursts through one 10 Gbit/s switch port".into(),
+        x_label: "utilisation of the switch output port".into(),
+        y_label: "throughput ratio (ideal / actual burst time)".into(),
+        x_log: false,
+        y_log: false,
+        series: vec![
+            Series { name: "mean, no rate control".into(), points: line(&off, |p| p.mean_ratio) },
+            Series { name: "mean, rate control".into(), points: line(&on, |p| p.mean_ratio) },
+            Series { name: "10th pct, no rate control".into(), points: line(&off, |p| p.p10_ratio) },
+            Series { name: "10th pct, rate control".into(), points: line(&on, |p| p.p10_ratio) },
+        ],
+    };
+    let png = a.out.join("multi_session.png");
+    write_png(&plot, &png)?;
+    println!("wrote {} and {}", csv_path.display(), png.display());
+    eprintln!("(wall time {:.1} s)", started.elapsed().as_secs_f64());
+    Ok(())
+}

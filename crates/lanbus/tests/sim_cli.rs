@@ -1,0 +1,133 @@
+//! `lanbus sim ...` and `lanbus demo` through the binary: exit status, last line, files.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn lanbus(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lanbus")).args(args).output().expect("run lanbus")
+}
+
+fn last_line(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_string()
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("lanbus-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+const FAULTS: [&str; 10] =
+    ["--loss", "0.05", "--reorder", "0.02", "--duplicate", "0.01", "--corrupt", "0.002", "--seed", "7"];
+
+#[test]
+fn transfer_with_faults_ends_with_the_clean_line_and_is_deterministic() {
+    let mut args = vec!["sim", "transfer", "--messages", "20000"];
+    args.extend(FAULTS);
+    let first = lanbus(&args);
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    assert_eq!(last_line(&first), "delivered=20000 lost=0 duplicated=0 reordered=0 corrupted=0");
+    let stdout = String::from_utf8_lossy(&first.stdout);
+    assert!(stdout.contains("retransmitted="), "{stdout}");
+    let second = lanbus(&args);
+    assert_eq!(first.stdout, second.stdout, "same seed, same output");
+    let mut other = args.clone();
+    *other.last_mut().unwrap() = "8";
+    let third = lanbus(&other);
+    assert!(third.status.success());
+    assert_ne!(first.stdout, third.stdout, "another seed, another run");
+}
+
+#[test]
+fn transfer_reports_corruption_when_the_checksum_is_off() {
+    // The wire flips bits and has no FCS: only the transport's checksum stops them. Without it,
+    // the command must see the damage, say so in the last line and fail.
+    let out = lanbus(&[
+        "sim",
+        "transfer",
+        "--messages",
+        "20000",
+        "--corrupt",
+        "0.02",
+        "--seed",
+        "3",
+        "--no-checksum",
+    ]);
+    assert!(!out.status.success());
+    let line = last_line(&out);
+    assert!(line.starts_with("delivered="), "{line}");
+    assert_ne!(line, "delivered=20000 lost=0 duplicated=0 reordered=0 corrupted=0");
+}
+
+#[test]
+fn transfer_rejects_bad_probabilities() {
+    let out = lanbus(&["sim", "transfer", "--loss", "1.5"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("between 0 and 1"));
+}
+
+#[test]
+fn latency_vs_loss_writes_csv_and_png() {
+    let dir = temp_dir("latency");
+    let out = lanbus(&[
+        "sim",
+        "latency-vs-loss",
+        "--messages",
+        "20000",
+        "--loss-rates",
+        "0,1e-3",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let csv = std::fs::read_to_string(dir.join("latency_vs_loss.csv")).unwrap();
+    let mut lines = csv.lines();
+    assert_eq!(
+        lines.next(),
+        Some("loss_rate,mean_latency_us,p99_latency_us,base_rtt_us,goodput_gbps,retransmitted_frames")
+    );
+    assert_eq!(lines.count(), 2);
+    let png = std::fs::read(dir.join("latency_vs_loss.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn multi_session_writes_csv_and_png() {
+    let dir = temp_dir("multi");
+    let out = lanbus(&[
+        "sim",
+        "multi-session",
+        "--sessions",
+        "1,4",
+        "--duration-ms",
+        "30",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let csv = std::fs::read_to_string(dir.join("multi_session.csv")).unwrap();
+    let mut lines = csv.lines();
+    assert_eq!(
+        lines.next(),
+        Some("sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,retransmitted_frames")
+    );
+    let rows: Vec<&str> = lines.collect();
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    assert!(rows.iter().any(|r| r.starts_with("4,0.2807,false,")), "{rows:?}");
+    assert!(rows.iter().any(|r| r.starts_with("4,0.2807,true,")), "{rows:?}");
+    let png = std::fs::read(dir.join("multi_session.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn demo_delivers_everything_and_prints_the_table() {
+    let out = lanbus(&["demo", "--duration-ms", "300"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for row in ["goodput", "retransmitted frames", "latency p50", "latency p99", "latency max"] {
+        assert!(stdout.contains(row), "missing {row}: {stdout}");
+    }
+    assert!(stdout.contains("ok: all"), "{stdout}");
+}
