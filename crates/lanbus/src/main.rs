@@ -2,6 +2,7 @@
 #![deny(unsafe_code)]
 
 mod bench;
+mod port;
 mod tlp;
 mod nbd;
 mod demo;
@@ -13,7 +14,7 @@ use clap::{Parser, Subcommand};
 
 /// lanbus: share PCIe devices, messages and sockets between machines over ordinary Ethernet.
 #[derive(Debug, Parser)]
-#[command(name = "lanbus", version, about, long_about = None)]
+#[command(name = "lanbus", version, about, long_about = None, after_help = lanbus_port::SPEC_HELP)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -36,6 +37,9 @@ enum Command {
     /// Simulator scenarios: the faulty-wire transfer and the retransmission paper's figures.
     #[command(subcommand)]
     Sim(sim_cmd::SimCommand),
+    /// Packet ports: check that a port spec opens here, and see its MAC, MTU and counters.
+    #[command(subcommand)]
+    Port(port::PortCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -46,6 +50,7 @@ fn main() -> std::process::ExitCode {
         Command::Nbd(c) => nbd::run(c),
         Command::Demo(a) => demo::run(a),
         Command::Sim(c) => sim_cmd::run(c),
+        Command::Port(c) => port::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -14,6 +14,9 @@
 //!   and the MSI-X table/PBA model.
 //! - [`device`]: the [`device::DeviceModel`] trait and the [`device::Function`] that hosts a
 //!   model (configuration space, BAR routing, MSI-X, DMA toward the host), for the device bridge.
+//! - [`blocking`]: [`blocking::BlockingDevice`], models with synchronous DMA, and the
+//!   [`blocking::BlockingFunction`] that hosts one.
+//! - [`bridge`]: the device and host bridges over the lanbus runtime (the only threaded part).
 //! - [`dma_engine`]: a DMA engine device model (copies host memory, raises MSI-X).
 //! - `json` (feature `json`): the JSON schema of `shared/vectors/tlp`, used by `lanbus tlp`.
 //!
@@ -54,6 +57,8 @@
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod blocking;
+pub mod bridge;
 pub mod config;
 pub mod device;
 pub mod dma_engine;

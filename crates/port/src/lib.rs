@@ -24,10 +24,17 @@ use core::time::Duration;
 use lanbus_wire::MacAddr;
 
 pub mod afxdp;
+pub mod afpacket;
+pub mod check;
+pub mod hub;
 pub mod netns;
 pub mod sim;
+pub mod spec;
+pub mod udp;
 
+pub use hub::{Hub, HubConfig, HubPort, HubStats};
 pub use sim::{SimPort, SimWire, SimWireConfig, SimWireStats};
+pub use spec::{open, SPEC_HELP};
 
 /// What a port counts. Counters only grow; read them with [`Port::counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

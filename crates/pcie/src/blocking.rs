@@ -1,0 +1,248 @@
+//! Device models with synchronous DMA, and the PCIe function that hosts one.
+//!
+//! Layer: pcie engine, device side; no threads, no clock. Some models are simplest written as
+//! straight-line code that reads host memory and waits for the bytes (an NVMe controller fetching
+//! a command, then its PRP list, then the data). A [`BlockingDevice`] does that through a
+//! [`HostAccess`] whose `read` returns only when the data is there (or failed). The
+//! [`BlockingFunction`] around it owns the configuration space and the MSI-X table/PBA exactly as
+//! [`crate::device::Function`] does (PCIe Base Specification 7.5.1, 7.7.2), and turns the model's
+//! MSI-X signals into memory writes of the vector's message, only with Bus Master Enable set.
+//!
+//! Where the blocking happens is the caller's business: the device bridge runs
+//! [`BlockingFunction::process`] on a worker thread of its own, never on the thread that receives
+//! completions, so a read can wait for them.
+//!
+//! Invariants: no DMA leaves while Bus Master Enable is clear (the access fails with
+//! [`DmaError::BusMasterDisabled`]); a masked vector becomes pending and is sent once unmasked;
+//! MSI-X structures are never handed to the model.
+
+use crate::config::{ConfigSpace, ConfigSpec, MsiMessage, MsixTable};
+use crate::device::{CompleterAbort, DmaError, MmioError};
+use crate::Result;
+
+/// What a blocking model gets to reach the host: memory reads that wait for their data, posted
+/// memory writes, and MSI-X.
+pub trait HostAccess {
+    /// Reads `buf.len()` bytes of host memory at `address`; returns when they are in `buf`.
+    fn read(&mut self, address: u64, buf: &mut [u8]) -> core::result::Result<(), DmaError>;
+    /// Writes `data` to host memory at `address` (posted: an error means it could not be sent).
+    fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
+    /// Raises MSI-X `vector`. Writes made before it reach the host first.
+    fn signal_msix(&mut self, vector: u16);
+}
+
+/// The raw path toward the host a bridge gives a [`BlockingFunction`]: reads and posted writes.
+pub trait DmaPath {
+    /// Reads `buf.len()` bytes at `address`, waiting for them.
+    fn read(&mut self, address: u64, buf: &mut [u8]) -> core::result::Result<(), DmaError>;
+    /// Writes `data` at `address` (posted).
+    fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
+}
+
+/// A PCIe function model whose DMA is synchronous.
+pub trait BlockingDevice {
+    /// The configuration space the function is built with (IDs, class, BARs, MSI-X placement).
+    fn config_spec(&self) -> ConfigSpec;
+
+    /// Reads `data.len()` bytes at `offset` of memory BAR `bar` (MSI-X regions never reach the
+    /// model). Unimplemented registers should read as zero.
+    fn bar_read(
+        &mut self,
+        bar: usize,
+        offset: u64,
+        data: &mut [u8],
+    ) -> core::result::Result<(), CompleterAbort>;
+
+    /// Writes `data` at `offset` of memory BAR `bar`.
+    fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]);
+
+    /// Whether [`process`](Self::process) has something to do (a doorbell was rung...).
+    fn has_work(&self) -> bool;
+
+    /// Does the pending work, reaching the host through `host`. Returns how many units of work
+    /// were done (0: nothing could progress).
+    fn process(&mut self, host: &mut dyn HostAccess) -> usize;
+}
+
+/// What a [`BlockingFunction`] could not do, counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlockingCounters {
+    /// DMA refused because bus mastering was off.
+    pub dma_refused: u64,
+    /// Interrupts dropped (bus mastering or MSI-X off, or no such vector).
+    pub interrupts_dropped: u64,
+    /// Interrupts left pending by a mask.
+    pub interrupts_pended: u64,
+    /// Interrupts sent.
+    pub interrupts_sent: u64,
+}
+
+/// One PCIe function: configuration space, MSI-X, and a blocking model behind its BARs.
+#[derive(Debug)]
+pub struct BlockingFunction<B> {
+    config: ConfigSpace,
+    msix: Option<MsixTable>,
+    msix_recheck: bool,
+    device: B,
+    counters: BlockingCounters,
+}
+
+/// The [`HostAccess`] a model sees: checks bus mastering, sends MSI-X through the table.
+struct Access<'a> {
+    config: &'a ConfigSpace,
+    msix: Option<&'a mut MsixTable>,
+    path: &'a mut dyn DmaPath,
+    counters: &'a mut BlockingCounters,
+}
+
+impl Access<'_> {
+    fn send_msi(&mut self, msg: MsiMessage) {
+        if self.path.write(msg.address, &msg.data.to_le_bytes()).is_ok() {
+            self.counters.interrupts_sent += 1;
+        } else {
+            self.counters.interrupts_dropped += 1;
+        }
+    }
+}
+
+impl HostAccess for Access<'_> {
+    fn read(&mut self, address: u64, buf: &mut [u8]) -> core::result::Result<(), DmaError> {
+        if !self.config.bus_master() {
+            self.counters.dma_refused += 1;
+            return Err(DmaError::BusMasterDisabled);
+        }
+        self.path.read(address, buf)
+    }
+
+    fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError> {
+        if !self.config.bus_master() {
+            self.counters.dma_refused += 1;
+            return Err(DmaError::BusMasterDisabled);
+        }
+        self.path.write(address, data)
+    }
+
+    fn signal_msix(&mut self, vector: u16) {
+        let (en, masked) = (self.config.msix_enabled(), self.config.msix_function_masked());
+        let bus_master = self.config.bus_master();
+        let Some(table) = self.msix.as_deref_mut().filter(|_| bus_master && en) else {
+            self.counters.interrupts_dropped += 1;
+            return;
+        };
+        if usize::from(vector) >= table.len() {
+            self.counters.interrupts_dropped += 1;
+            return;
+        }
+        match table.signal(vector, en, masked) {
+            Some(msg) => self.send_msi(msg),
+            None => self.counters.interrupts_pended += 1,
+        }
+    }
+}
+
+impl<B: BlockingDevice> BlockingFunction<B> {
+    /// Builds the function around `device`.
+    pub fn new(device: B) -> Result<BlockingFunction<B>> {
+        let config = ConfigSpace::new(device.config_spec())?;
+        let msix = config.spec().msix.map(|m| MsixTable::new(m.table_size));
+        Ok(BlockingFunction { config, msix, msix_recheck: false, device, counters: Default::default() })
+    }
+
+    /// The configuration space.
+    pub fn config(&self) -> &ConfigSpace {
+        &self.config
+    }
+
+    /// The model.
+    pub fn device(&self) -> &B {
+        &self.device
+    }
+
+    /// The model, mutably.
+    pub fn device_mut(&mut self) -> &mut B {
+        &mut self.device
+    }
+
+    /// What could not be done so far.
+    pub fn counters(&self) -> BlockingCounters {
+        self.counters
+    }
+
+    /// A configuration read (CfgRd0 to this function).
+    pub fn config_read(&mut self, register: u16, first_be: u8) -> [u8; 4] {
+        self.config.read(register, first_be)
+    }
+
+    /// A configuration write (CfgWr0 to this function).
+    pub fn config_write(&mut self, register: u16, first_be: u8, data: [u8; 4]) {
+        self.config.write(register, first_be, data);
+        self.msix_recheck = true;
+    }
+
+    fn msix_region(&self, bar: usize, offset: u64, len: usize) -> Option<(u8, u64)> {
+        let spec = self.config.spec().msix?;
+        let table = self.msix.as_ref()?;
+        let regions = [
+            (0u8, spec.table_bar, u64::from(spec.table_offset), table.table_len()),
+            (1u8, spec.pba_bar, u64::from(spec.pba_offset), table.pba_len()),
+        ];
+        regions.into_iter().find_map(|(which, b, start, size)| {
+            let off = offset.checked_sub(start)?;
+            (usize::from(b) == bar && off.checked_add(len as u64)? <= size as u64).then_some((which, off))
+        })
+    }
+
+    /// A memory read request to the function's BARs.
+    pub fn memory_read(&mut self, address: u64, data: &mut [u8]) -> core::result::Result<(), MmioError> {
+        let (bar, offset) =
+            self.config.decode_memory(address, data.len() as u64).ok_or(MmioError::Unsupported)?;
+        if let Some((which, off)) = self.msix_region(bar, offset, data.len()) {
+            let Some(t) = self.msix.as_ref() else { return Err(MmioError::Abort) };
+            let ok = if which == 0 { t.read_table(off, data) } else { t.read_pba(off, data) };
+            return if ok { Ok(()) } else { Err(MmioError::Abort) };
+        }
+        self.device.bar_read(bar, offset, data).map_err(|_| MmioError::Abort)
+    }
+
+    /// A memory write request to the function's BARs (posted: the error is for counting).
+    pub fn memory_write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), MmioError> {
+        let (bar, offset) =
+            self.config.decode_memory(address, data.len() as u64).ok_or(MmioError::Unsupported)?;
+        if let Some((which, off)) = self.msix_region(bar, offset, data.len()) {
+            if which == 0 {
+                if let Some(t) = self.msix.as_mut() {
+                    t.write_table(off, data);
+                }
+                self.msix_recheck = true;
+            }
+            return Ok(());
+        }
+        self.device.bar_write(bar, offset, data);
+        Ok(())
+    }
+
+    /// Whether [`process`](Self::process) has something to do: the model's work, or MSI-X
+    /// messages left pending by a mask that may have been lifted.
+    pub fn has_work(&self) -> bool {
+        self.msix_recheck || self.device.has_work()
+    }
+
+    /// Sends pending MSI-X messages whose mask was lifted, then runs the model's work with
+    /// blocking access to the host through `path`. Returns the units of work done.
+    pub fn process(&mut self, path: &mut dyn DmaPath) -> usize {
+        let mut done = 0;
+        let BlockingFunction { config, msix, msix_recheck, device, counters } = self;
+        let mut access = Access { config, msix: msix.as_mut(), path, counters };
+        if std::mem::take(msix_recheck) && access.config.bus_master() {
+            let (en, masked) = (access.config.msix_enabled(), access.config.msix_function_masked());
+            while let Some((_, msg)) = access.msix.as_deref_mut().and_then(|t| t.poll_pending(en, masked)) {
+                access.send_msi(msg);
+                done += 1;
+            }
+        }
+        if device.has_work() {
+            done += device.process(&mut access);
+        }
+        done
+    }
+}

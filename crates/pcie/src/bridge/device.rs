@@ -1,0 +1,783 @@
+//! The device bridge: hosts PCIe functions in an I/O box and serves the host of its group.
+//!
+//! Layer: pcie engine over the runtime. Threads: the runtime's (which run [`DevHandler`], the
+//! receive side) and one worker per hosted function that owns the model.
+//!
+//! - The receive handler parses each TLP and routes it: configuration type 0 requests by
+//!   function number (function number = index in the list given to [`DeviceBridge::start`]),
+//!   memory requests to the function whose BAR claims the address (from a decode snapshot the
+//!   worker refreshes after every configuration write), completions to the completion table of
+//!   the function named by the requester ID. It answers at once with Unsupported Request what no
+//!   function claims and every non-posted request of a type it does not serve (I/O, type 1
+//!   configuration, undecodable requests), so the host never waits in silence.
+//! - A worker answers its function's queued requests, then runs the model: DMA reads are split by
+//!   the programmed max read request size into tagged MRd TLPs whose completions are reassembled
+//!   ([`crate::ReadReassembly`]); writes are split by max payload size into posted MWr TLPs; MSI-X
+//!   is a write of the vector's message. A blocking model's read waits on the worker.
+//!
+//! Host selection: the bridge announces role Device and its group in heartbeats. Its host is a
+//! live Host of the same group (the first heard; a request from a host of the group before its
+//! heartbeat was seen makes that host current). Requests from any other peer are ignored and
+//! counted. When the host goes down, leaves the group, or the bridge's own group changes, every
+//! DMA read in flight fails at once with [`DmaError::HostUnreachable`].
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lanbus_port::Port;
+use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
+use lanbus_transport::{Event, Message, Role};
+use lanbus_wire::MacAddr;
+
+use super::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, Path};
+use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL};
+use crate::device::DmaError;
+use crate::request::{split, write_requests, Chunk};
+use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
+
+/// How to run a device bridge.
+#[derive(Debug, Clone)]
+pub struct DeviceBridgeConfig {
+    /// The group whose host we serve.
+    pub group: u16,
+    /// Our name in heartbeats.
+    pub name: String,
+    /// The runtime (its transport's group, role and name are set from the fields above).
+    pub runtime: RuntimeConfig,
+    /// How long a DMA read may go without progress before it fails with a timeout.
+    pub completion_timeout: Duration,
+    /// Tags each function may have in flight (at most 1024).
+    pub tags_per_function: u16,
+}
+
+impl Default for DeviceBridgeConfig {
+    fn default() -> Self {
+        DeviceBridgeConfig {
+            group: 0,
+            name: "lanbus-device".into(),
+            runtime: RuntimeConfig::default(),
+            completion_timeout: super::DEFAULT_COMPLETION_TIMEOUT,
+            tags_per_function: 256,
+        }
+    }
+}
+
+/// Counters of a device bridge.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceBridgeStats {
+    /// TLPs received from our host.
+    pub tlps_received: u64,
+    /// Messages from peers that are not our current host (ignored).
+    pub foreign_requests: u64,
+    /// Messages on other channels (ignored).
+    pub other_channel: u64,
+    /// Bytes that are not a TLP this bridge serves.
+    pub malformed: u64,
+    /// Unsupported Request completions sent by the receive side.
+    pub ur_sent: u64,
+    /// Posted writes no function claims (dropped).
+    pub unclaimed_writes: u64,
+    /// Completions that match no read in flight.
+    pub unexpected_completions: u64,
+    /// DMA reads the functions issued (whole reads, before splitting).
+    pub dma_reads: u64,
+    /// DMA reads that failed (timeout, host gone, error status).
+    pub dma_read_failures: u64,
+    /// DMA writes sent (whole writes, MSI-X included).
+    pub dma_writes: u64,
+    /// DMA writes dropped because there was no host.
+    pub dma_writes_dropped: u64,
+    /// Times the current host changed (set or lost).
+    pub host_changes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    tlps_received: AtomicU64,
+    foreign_requests: AtomicU64,
+    other_channel: AtomicU64,
+    malformed: AtomicU64,
+    ur_sent: AtomicU64,
+    unclaimed_writes: AtomicU64,
+    unexpected_completions: AtomicU64,
+    dma_reads: AtomicU64,
+    dma_read_failures: AtomicU64,
+    dma_writes: AtomicU64,
+    dma_writes_dropped: AtomicU64,
+    host_changes: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    // Relaxed: a statistics counter orders nothing.
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Who we serve.
+struct Session {
+    group: u16,
+    host: Option<MacAddr>,
+    /// Live peers: role and group.
+    peers: HashMap<MacAddr, (Role, u16)>,
+}
+
+/// One read TLP in flight.
+struct PendingTag {
+    op: OpId,
+    offset: usize,
+    peer: MacAddr,
+    asm: Option<ReadReassembly>,
+    result: Option<Result<Vec<u8>, DmaError>>,
+}
+
+/// What the receive side and a function's worker share.
+struct FnState {
+    /// Requests for the function, with the peer that sent them.
+    inbox: VecDeque<(MacAddr, Tlp)>,
+    /// Read TLPs in flight by tag.
+    reads: HashMap<u16, PendingTag>,
+    /// Tags whose read finished (result set), for the worker to collect.
+    done: VecDeque<u16>,
+    free_tags: Vec<u16>,
+    /// Memory ranges the function decodes (refreshed by the worker after configuration writes).
+    bars: Vec<(u64, u64)>,
+    /// The function's ID as its host addressed it.
+    bdf: Bdf,
+    stop: bool,
+}
+
+struct FnShared {
+    state: Mutex<FnState>,
+    wake: Condvar,
+}
+
+struct Shared {
+    session: Mutex<Session>,
+    fns: Vec<Arc<FnShared>>,
+    counters: Counters,
+    timeout: Duration,
+}
+
+impl Shared {
+    /// Fails every read in flight (the host is gone). Called with the session locked.
+    fn fail_all(&self) {
+        for f in &self.fns {
+            let mut st = lock(&f.state);
+            let st = &mut *st;
+            for (tag, p) in st.reads.iter_mut() {
+                if p.result.is_none() {
+                    p.result = Some(Err(DmaError::HostUnreachable));
+                    st.done.push_back(*tag);
+                }
+            }
+            f.wake.notify_all();
+        }
+    }
+
+    /// Drops the current host (if any) and picks another live host of our group.
+    fn lose_host(&self, s: &mut Session) {
+        if s.host.take().is_some() {
+            bump(&self.counters.host_changes);
+            self.fail_all();
+        }
+        self.pick_host(s);
+    }
+
+    fn pick_host(&self, s: &mut Session) {
+        if s.host.is_some() {
+            return;
+        }
+        let mut hosts: Vec<MacAddr> =
+            s.peers.iter().filter(|(_, (r, g))| *r == Role::Host && *g == s.group).map(|(m, _)| *m).collect();
+        hosts.sort();
+        if let Some(h) = hosts.first() {
+            s.host = Some(*h);
+            bump(&self.counters.host_changes);
+        }
+    }
+}
+
+/// The receive side: routes TLPs, never waits for a model.
+struct DevHandler {
+    shared: Arc<Shared>,
+}
+
+impl DevHandler {
+    fn send(&self, out: &mut dyn Outbox, peer: MacAddr, tlp: &Tlp) {
+        if let Ok(bytes) = tlp.encode() {
+            out.send(peer, PCIE_CHANNEL, &bytes);
+        }
+    }
+
+    fn ur(&self, out: &mut dyn Outbox, peer: MacAddr, tlp: &Tlp) {
+        bump(&self.shared.counters.ur_sent);
+        let me = self.shared.fns.first().map_or(Bdf(0), |f| lock(&f.state).bdf);
+        self.send(out, peer, &ur_completion(me, tlp.requester_id(), tlp.tag));
+    }
+
+    fn push(&self, f: &FnShared, peer: MacAddr, tlp: Tlp) {
+        lock(&f.state).inbox.push_back((peer, tlp));
+        f.wake.notify_all();
+    }
+
+    fn complete(&self, peer: MacAddr, tlp: &Tlp) {
+        let Header::Completion(c) = &tlp.header else { return };
+        let Some(f) = self.shared.fns.get(usize::from(c.requester_id.function())) else {
+            bump(&self.shared.counters.unexpected_completions);
+            return;
+        };
+        let mut st = lock(&f.state);
+        let tag = tlp.tag.get();
+        let Some(p) = st.reads.get_mut(&tag).filter(|p| p.peer == peer && p.result.is_none()) else {
+            bump(&self.shared.counters.unexpected_completions);
+            return;
+        };
+        let Some(asm) = p.asm.as_mut() else { return };
+        let result = match asm.handle_completion(tlp) {
+            Ok(Progress::Partial) => return,
+            Ok(Progress::Complete) => p
+                .asm
+                .take()
+                .map(|a| a.into_data().map_err(|_| DmaError::Completion(CplStatus::CompleterAbort)))
+                .unwrap_or(Err(DmaError::Completion(CplStatus::CompleterAbort))),
+            Err(Error::CompletionStatus(s)) => Err(DmaError::Completion(s)),
+            Err(_) => {
+                bump(&self.shared.counters.unexpected_completions);
+                return;
+            }
+        };
+        p.result = Some(result);
+        st.done.push_back(tag);
+        drop(st);
+        f.wake.notify_all();
+    }
+}
+
+impl Handler for DevHandler {
+    fn on_message(&mut self, m: Message<'_>, out: &mut dyn Outbox) {
+        let c = &self.shared.counters;
+        if m.channel != PCIE_CHANNEL {
+            bump(&c.other_channel);
+            return;
+        }
+        {
+            let mut s = lock(&self.shared.session);
+            match s.host {
+                Some(h) if h == m.peer => {}
+                None if s.peers.get(&m.peer).is_none_or(|(r, g)| *r == Role::Host && *g == s.group) => {
+                    // A host of our group (the transport drops other groups' data) that spoke
+                    // before its heartbeat event reached us.
+                    s.host = Some(m.peer);
+                    bump(&c.host_changes);
+                }
+                _ => {
+                    bump(&c.foreign_requests);
+                    return;
+                }
+            }
+        }
+        bump(&c.tlps_received);
+        let tlp = match Tlp::decode(m.data) {
+            Ok(t) => t,
+            Err(_) => {
+                bump(&c.malformed);
+                let me = self.shared.fns.first().map_or(Bdf(0), |f| lock(&f.state).bdf);
+                if let Some(ur) = ur_for_raw(m.data, me) {
+                    bump(&c.ur_sent);
+                    self.send(out, m.peer, &ur);
+                }
+                return;
+            }
+        };
+        match (&tlp.kind, &tlp.header) {
+            (TlpKind::CfgRd0 | TlpKind::CfgWr0, Header::Config(h)) => {
+                match self.shared.fns.get(usize::from(h.completer_id.function())) {
+                    Some(f) => self.push(f, m.peer, tlp),
+                    None => self.ur(out, m.peer, &tlp),
+                }
+            }
+            (TlpKind::MRd32 | TlpKind::MRd64 | TlpKind::MWr32 | TlpKind::MWr64, Header::Mem(h)) => {
+                let len = u64::from(tlp.length_dw.max(1)) * 4;
+                let target =
+                    self.shared.fns.iter().find(|f| decodes(&lock(&f.state).bars, h.address, len)).cloned();
+                match target {
+                    Some(f) => self.push(&f, m.peer, tlp),
+                    None if super::is_non_posted(&tlp) => self.ur(out, m.peer, &tlp),
+                    None => bump(&c.unclaimed_writes),
+                }
+            }
+            (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp),
+            _ if super::is_non_posted(&tlp) => self.ur(out, m.peer, &tlp),
+            _ => bump(&c.malformed),
+        }
+    }
+
+    fn on_event(&mut self, event: &Event, _out: &mut dyn Outbox) {
+        let mut s = lock(&self.shared.session);
+        match event {
+            Event::PeerUp { peer, role, group, .. } => {
+                s.peers.insert(*peer, (*role, *group));
+                self.shared.pick_host(&mut s);
+            }
+            Event::PeerDown { peer } => {
+                s.peers.remove(peer);
+                if s.host == Some(*peer) {
+                    self.shared.lose_host(&mut s);
+                }
+            }
+            Event::GroupChanged { peer, new, .. } => {
+                if let Some(p) = s.peers.get_mut(peer) {
+                    p.1 = *new;
+                }
+                if s.host == Some(*peer) && *new != s.group {
+                    self.shared.lose_host(&mut s);
+                } else {
+                    self.shared.pick_host(&mut s);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A read started by a function, in pieces of at most MRRS bytes.
+struct Op {
+    buf: Vec<u8>,
+    todo: VecDeque<Chunk>,
+    /// Tags in flight for this read.
+    tags: Vec<u16>,
+    error: Option<DmaError>,
+    /// When the read fails unless it progresses.
+    deadline: Instant,
+}
+
+/// The fabric [`Path`] of one function's worker.
+struct FabricPath {
+    shared: Arc<Shared>,
+    f: Arc<FnShared>,
+    sender: Sender,
+    next_op: OpId,
+    ops: BTreeMap<OpId, Op>,
+    finished: VecDeque<(OpId, Result<Vec<u8>, DmaError>)>,
+    mps: usize,
+    mrrs: usize,
+}
+
+impl FabricPath {
+    /// Sends read TLPs for the reads' pieces while tags are free.
+    fn pump(&mut self) {
+        if self.ops.values().all(|o| o.todo.is_empty()) {
+            return;
+        }
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let s = lock(&self.shared.session);
+        let Some(host) = s.host else {
+            drop(s);
+            for o in self.ops.values_mut().filter(|o| !o.todo.is_empty()) {
+                o.todo.clear();
+                o.error.get_or_insert(DmaError::HostUnreachable);
+            }
+            return;
+        };
+        let mut st = lock(&self.f.state);
+        let me = st.bdf;
+        for (id, o) in self.ops.iter_mut() {
+            while o.error.is_none() && !o.todo.is_empty() {
+                let Some(tag) = st.free_tags.pop() else { break };
+                let c = o.todo.pop_front().expect("not empty");
+                let Some(t) = Tag::new(tag) else { continue };
+                let shape = c.shape();
+                let asm = match ReadReassembly::new(me, t, c.address, c.len) {
+                    Ok(a) => a,
+                    Err(_) => {
+                        st.free_tags.push(tag);
+                        o.error = Some(DmaError::Completion(CplStatus::UnsupportedRequest));
+                        break;
+                    }
+                };
+                st.reads.insert(
+                    tag,
+                    PendingTag { op: *id, offset: c.offset, peer: host, asm: Some(asm), result: None },
+                );
+                o.tags.push(tag);
+                o.deadline = now + self.shared.timeout;
+                out.push(Tlp::mem_read(me, t, shape.address, shape.length_dw, shape.first_be, shape.last_be));
+            }
+        }
+        drop(st);
+        drop(s);
+        for t in out {
+            if let Ok(b) = t.encode() {
+                self.sender.send(host, PCIE_CHANNEL, &b);
+            }
+        }
+    }
+
+    /// Collects finished tags and expired reads; moves finished reads to `finished`.
+    fn collect(&mut self) {
+        let now = Instant::now();
+        {
+            let mut st = lock(&self.f.state);
+            while let Some(tag) = st.done.pop_front() {
+                let Some(p) = st.reads.remove(&tag) else { continue };
+                st.free_tags.push(tag);
+                let Some(o) = self.ops.get_mut(&p.op) else { continue };
+                o.tags.retain(|t| *t != tag);
+                o.deadline = now + self.shared.timeout;
+                match p.result {
+                    Some(Ok(data)) => {
+                        if let Some(dst) = o.buf.get_mut(p.offset..p.offset + data.len()) {
+                            dst.copy_from_slice(&data);
+                        }
+                    }
+                    Some(Err(e)) => {
+                        o.error.get_or_insert(e);
+                    }
+                    None => {
+                        o.error.get_or_insert(DmaError::Timeout);
+                    }
+                }
+            }
+            for o in self.ops.values_mut() {
+                if !o.tags.is_empty() && o.deadline <= now {
+                    for tag in o.tags.drain(..) {
+                        if st.reads.remove(&tag).is_some() {
+                            st.free_tags.push(tag);
+                        }
+                    }
+                    o.error.get_or_insert(DmaError::Timeout);
+                }
+            }
+        }
+        let ended: Vec<OpId> = self
+            .ops
+            .iter()
+            .filter(|(_, o)| o.tags.is_empty() && (o.todo.is_empty() || o.error.is_some()))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ended {
+            let o = self.ops.remove(&id).expect("listed");
+            let result = match o.error {
+                Some(e) => {
+                    bump(&self.shared.counters.dma_read_failures);
+                    Err(e)
+                }
+                None => Ok(o.buf),
+            };
+            self.finished.push_back((id, result));
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.ops.values().filter(|o| !o.tags.is_empty()).map(|o| o.deadline).min()
+    }
+}
+
+impl Path for FabricPath {
+    fn start_read(&mut self, address: u64, len: usize) -> OpId {
+        let id = self.next_op;
+        self.next_op += 1;
+        bump(&self.shared.counters.dma_reads);
+        match split(address, len, self.mrrs) {
+            Ok(chunks) => {
+                let deadline = Instant::now() + self.shared.timeout;
+                let op =
+                    Op { buf: vec![0; len], todo: chunks.into(), tags: Vec::new(), error: None, deadline };
+                self.ops.insert(id, op);
+                self.pump();
+            }
+            Err(_) => {
+                bump(&self.shared.counters.dma_read_failures);
+                self.finished.push_back((id, Err(DmaError::Completion(CplStatus::UnsupportedRequest))));
+            }
+        }
+        id
+    }
+
+    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError> {
+        let c = &self.shared.counters;
+        let Some(host) = lock(&self.shared.session).host else {
+            bump(&c.dma_writes_dropped);
+            return Err(DmaError::HostUnreachable);
+        };
+        let me = lock(&self.f.state).bdf;
+        let tlps = write_requests(me, address, data, self.mps)
+            .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))?;
+        bump(&c.dma_writes);
+        for t in tlps {
+            if let Ok(b) = t.encode() {
+                self.sender.send(host, PCIE_CHANNEL, &b);
+            }
+        }
+        Ok(())
+    }
+
+    fn poll_read(&mut self) -> Option<(OpId, Result<Vec<u8>, DmaError>)> {
+        if self.finished.is_empty() {
+            self.collect();
+            self.pump();
+            self.collect();
+        }
+        self.finished.pop_front()
+    }
+
+    fn wait_read(&mut self, op: OpId) -> Result<Vec<u8>, DmaError> {
+        loop {
+            self.collect();
+            self.pump();
+            if let Some(i) = self.finished.iter().position(|(id, _)| *id == op) {
+                return self.finished.remove(i).expect("found").1;
+            }
+            if !self.ops.contains_key(&op) {
+                return Err(DmaError::Timeout);
+            }
+            let limit = self.next_deadline().unwrap_or_else(|| Instant::now() + self.shared.timeout);
+            let st = lock(&self.f.state);
+            if st.stop {
+                return Err(DmaError::HostUnreachable);
+            }
+            if st.done.is_empty() {
+                let wait = limit.saturating_duration_since(Instant::now());
+                let _ = self.f.wake.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+    }
+
+    fn set_limits(&mut self, mps: usize, mrrs: usize) {
+        self.mps = mps;
+        self.mrrs = mrrs;
+    }
+}
+
+/// A worker: owns one function.
+fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender: Sender) {
+    let f = shared.fns[index].clone();
+    let mut path = FabricPath {
+        shared: shared.clone(),
+        f: f.clone(),
+        sender: sender.clone(),
+        next_op: 0,
+        ops: BTreeMap::new(),
+        finished: VecDeque::new(),
+        mps: hosted.config().max_payload_size(),
+        mrrs: hosted.config().max_read_request_size(),
+    };
+    let mut idle_runs = 0u32;
+    loop {
+        let inbox: Vec<(MacAddr, Tlp)> = {
+            let mut st = lock(&f.state);
+            loop {
+                if st.stop {
+                    return;
+                }
+                let due = path.next_deadline().is_some_and(|d| d <= Instant::now());
+                if !st.inbox.is_empty()
+                    || !st.done.is_empty()
+                    || due
+                    || (hosted.wants_run() && idle_runs == 0)
+                {
+                    break;
+                }
+                let wait = match path.next_deadline() {
+                    Some(d) => d.saturating_duration_since(Instant::now()),
+                    None if hosted.wants_run() => Duration::from_millis(1),
+                    None => Duration::from_millis(100),
+                };
+                let (g, timeout) = f.wake.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner());
+                st = g;
+                if timeout.timed_out() {
+                    idle_runs = 0;
+                    break;
+                }
+            }
+            st.inbox.drain(..).collect()
+        };
+        for (peer, tlp) in inbox {
+            let is_config = matches!(tlp.kind, TlpKind::CfgRd0 | TlpKind::CfgWr0);
+            let me = if let (true, Header::Config(h)) = (is_config, &tlp.header) {
+                let bdf = Bdf::new(h.completer_id.bus(), h.completer_id.device(), index as u8)
+                    .unwrap_or(h.completer_id);
+                lock(&f.state).bdf = bdf;
+                bdf
+            } else {
+                lock(&f.state).bdf
+            };
+            let replies = serve(&mut *hosted, me, &tlp);
+            if tlp.kind == TlpKind::CfgWr0 {
+                lock(&f.state).bars = decode_table(&*hosted);
+                path.set_limits(hosted.config().max_payload_size(), hosted.config().max_read_request_size());
+            }
+            for r in replies {
+                if r.header_status_is_ur() {
+                    bump(&shared.counters.ur_sent);
+                }
+                if let Ok(b) = r.encode() {
+                    sender.send(peer, PCIE_CHANNEL, &b);
+                }
+            }
+        }
+        let work = hosted.run(&mut path);
+        idle_runs = if work == 0 { idle_runs.saturating_add(1) } else { 0 };
+    }
+}
+
+trait StatusExt {
+    fn header_status_is_ur(&self) -> bool;
+}
+
+impl StatusExt for Tlp {
+    fn header_status_is_ur(&self) -> bool {
+        matches!(&self.header, Header::Completion(c) if c.status == CplStatus::UnsupportedRequest)
+    }
+}
+
+/// A running device bridge. Dropping it stops its threads.
+pub struct DeviceBridge {
+    runtime: Option<Runtime>,
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl DeviceBridge {
+    /// Starts the runtime on `port` and one worker per function (function number = index).
+    pub fn start(
+        port: Box<dyn Port>,
+        config: DeviceBridgeConfig,
+        functions: Vec<HostedFunction>,
+    ) -> BridgeResult<DeviceBridge> {
+        if functions.is_empty() || functions.len() > 8 {
+            return Err(BridgeError::BadRequest(format!(
+                "a device bridge hosts 1 to 8 functions, not {}",
+                functions.len()
+            )));
+        }
+        let tags = config.tags_per_function.clamp(1, Tag::COUNT);
+        let fns: Vec<Arc<FnShared>> = (0..functions.len())
+            .map(|i| {
+                Arc::new(FnShared {
+                    state: Mutex::new(FnState {
+                        inbox: VecDeque::new(),
+                        reads: HashMap::new(),
+                        done: VecDeque::new(),
+                        free_tags: (0..tags).rev().collect(),
+                        bars: Vec::new(),
+                        bdf: Bdf::new(0, 0, i as u8).unwrap_or_default(),
+                        stop: false,
+                    }),
+                    wake: Condvar::new(),
+                })
+            })
+            .collect();
+        let shared = Arc::new(Shared {
+            session: Mutex::new(Session { group: config.group, host: None, peers: HashMap::new() }),
+            fns,
+            counters: Counters::default(),
+            timeout: config.completion_timeout,
+        });
+        let mut rc = config.runtime.clone();
+        rc.transport.group = config.group;
+        rc.transport.heartbeat.enabled = true;
+        rc.transport.heartbeat.role = Role::Device;
+        rc.transport.heartbeat.name = config.name.clone();
+        let handler = DevHandler { shared: shared.clone() };
+        let runtime =
+            Runtime::start(port, rc, Box::new(handler)).map_err(|e| BridgeError::Start(e.to_string()))?;
+        let mut bridge = DeviceBridge { runtime: Some(runtime), shared: shared.clone(), workers: Vec::new() };
+        for (i, f) in functions.into_iter().enumerate() {
+            let sender = bridge.sender();
+            let shared = shared.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("{}-fn{i}", config.name))
+                .spawn(move || worker(i, f.inner, shared, sender))
+                .map_err(|e| BridgeError::Start(e.to_string()))?;
+            bridge.workers.push(h);
+        }
+        Ok(bridge)
+    }
+
+    fn sender(&self) -> Sender {
+        self.runtime.as_ref().expect("running").sender()
+    }
+
+    /// Our MAC address.
+    pub fn local_mac(&self) -> MacAddr {
+        self.runtime.as_ref().expect("running").local_mac()
+    }
+
+    /// The group we serve now.
+    pub fn group(&self) -> u16 {
+        lock(&self.shared.session).group
+    }
+
+    /// The host we serve now, if any.
+    pub fn host(&self) -> Option<MacAddr> {
+        lock(&self.shared.session).host
+    }
+
+    /// Moves the bridge to group `group`: the next heartbeat announces it (the old host sees its
+    /// device leave, a host of the new group enumerates it); DMA in flight toward the old host
+    /// fails at once.
+    pub fn set_group(&self, group: u16) {
+        if let Some(r) = self.runtime.as_ref() {
+            r.set_group(group);
+        }
+        let mut s = lock(&self.shared.session);
+        if s.group == group {
+            return;
+        }
+        s.group = group;
+        self.shared.lose_host(&mut s);
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> DeviceBridgeStats {
+        let c = &self.shared.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DeviceBridgeStats {
+            tlps_received: g(&c.tlps_received),
+            foreign_requests: g(&c.foreign_requests),
+            other_channel: g(&c.other_channel),
+            malformed: g(&c.malformed),
+            ur_sent: g(&c.ur_sent),
+            unclaimed_writes: g(&c.unclaimed_writes),
+            unexpected_completions: g(&c.unexpected_completions),
+            dma_reads: g(&c.dma_reads),
+            dma_read_failures: g(&c.dma_read_failures),
+            dma_writes: g(&c.dma_writes),
+            dma_writes_dropped: g(&c.dma_writes_dropped),
+            host_changes: g(&c.host_changes),
+        }
+    }
+
+    /// The runtime's counters (transport and port).
+    pub fn runtime_stats(&self) -> lanbus_runtime::Stats {
+        self.runtime.as_ref().expect("running").stats()
+    }
+
+    /// Stops the workers and the runtime.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        for f in &self.shared.fns {
+            lock(&f.state).stop = true;
+            f.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+        if let Some(r) = self.runtime.take() {
+            r.shutdown();
+        }
+    }
+}
+
+impl Drop for DeviceBridge {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

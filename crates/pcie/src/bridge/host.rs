@@ -1,0 +1,1192 @@
+//! The host bridge: finds the devices of its group, enumerates them, and lets local users reach
+//! them; serves their DMA from host memory regions and turns their MSI-X writes into interrupts.
+//!
+//! Layer: pcie engine over the runtime. Threads: the runtime's (the receive handler below), one
+//! configuration thread (enumeration), and the users' own threads, which block in
+//! `config_read`/`mmio_read` until their completions arrive, the device goes, or the completion
+//! timeout passes.
+//!
+//! Enumeration (PCIe Base Specification 7.5.1): each device bridge of our group gets a bus number;
+//! functions 0..7 of device 0 are probed (function 0 alone unless its header type says
+//! multi-function; an Unsupported Request means no function); BARs are sized by writing all ones
+//! (32/64-bit, prefetchable) and placed in `bar_window` aligned to their size; the capability list
+//! is walked; the PCI Express capability gets our max payload size and max read request size; the
+//! MSI-X table gets one entry per vector (address `msix_window.0`, data = vector number), then
+//! memory space, bus mastering and MSI-X are enabled.
+//!
+//! Invariants: the receive handler never blocks on a user; what a device sends is distrusted (a
+//! memory request outside every region is answered with Unsupported Request and counted, an MSI-X
+//! write from a MAC that does not own the requester ID is counted and dropped); every request a
+//! user makes ends with data, an error status, [`BridgeError::DeviceGone`] or
+//! [`BridgeError::Timeout`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lanbus_port::Port;
+use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
+use lanbus_transport::{Event, Message, Role};
+use lanbus_wire::MacAddr;
+
+use super::region::{DmaRegion, RegionMap};
+use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd, PCIE_CHANNEL};
+use crate::config::{cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK};
+use crate::request::{completions_for_read, split, write_requests, RequestShape};
+use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
+
+/// The host's own requester ID (the root complex).
+pub const HOST_BDF: Bdf = Bdf(0);
+
+/// How to run a host bridge.
+#[derive(Debug, Clone)]
+pub struct HostBridgeConfig {
+    /// Our group: we use the devices that announce it.
+    pub group: u16,
+    /// Our name in heartbeats.
+    pub name: String,
+    /// Bus addresses for BARs: (base, size).
+    pub bar_window: (u64, u64),
+    /// Bus addresses that are MSI-X targets: (base, size). Every vector's address is the base.
+    pub msix_window: (u64, u64),
+    /// Max payload size programmed into devices and used for our completions and writes.
+    pub mps: usize,
+    /// Max read request size programmed into devices and used for our reads.
+    pub mrrs: usize,
+    /// Read completion boundary of our completions (64 or 128).
+    pub rcb: usize,
+    /// How long a user's request may wait for its completions.
+    pub completion_timeout: Duration,
+    /// The runtime (its transport's group, role and name are set from the fields above).
+    pub runtime: RuntimeConfig,
+}
+
+impl Default for HostBridgeConfig {
+    fn default() -> Self {
+        HostBridgeConfig {
+            group: 0,
+            name: "lanbus-host".into(),
+            bar_window: (0xe000_0000, 0x1000_0000),
+            msix_window: (0xfee0_0000, 0x10_0000),
+            mps: 256,
+            mrrs: 512,
+            rcb: 64,
+            completion_timeout: super::DEFAULT_COMPLETION_TIMEOUT,
+            runtime: RuntimeConfig::default(),
+        }
+    }
+}
+
+/// A BAR as assigned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteBar {
+    /// BAR index (0..=5).
+    pub index: usize,
+    /// Assigned bus address (0 for I/O BARs, which are not assigned).
+    pub address: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Kind (32/64-bit memory, prefetchable, or I/O).
+    pub kind: BarKind,
+}
+
+/// A function's MSI-X capability as enumerated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteMsix {
+    /// Vectors (table size).
+    pub vectors: u16,
+    /// BAR of the table, and offset in it.
+    pub table_bar: u8,
+    /// Offset of the table.
+    pub table_offset: u32,
+    /// BAR of the PBA.
+    pub pba_bar: u8,
+    /// Offset of the PBA.
+    pub pba_offset: u32,
+}
+
+/// A remote PCIe function as the host bridge enumerated it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteFunction {
+    /// The device bridge's MAC.
+    pub mac: MacAddr,
+    /// The device bridge's name.
+    pub name: String,
+    /// Its group.
+    pub group: u16,
+    /// The address we gave the function.
+    pub bdf: Bdf,
+    /// Vendor ID.
+    pub vendor_id: u16,
+    /// Device ID.
+    pub device_id: u16,
+    /// Revision ID.
+    pub revision_id: u8,
+    /// Class code (base << 16 | sub << 8 | interface).
+    pub class_code: u32,
+    /// Header type (bit 7: multi-function).
+    pub header_type: u8,
+    /// Subsystem vendor ID.
+    pub subsystem_vendor_id: u16,
+    /// Subsystem ID.
+    pub subsystem_id: u16,
+    /// BARs.
+    pub bars: Vec<RemoteBar>,
+    /// Capabilities: (ID, offset).
+    pub capabilities: Vec<(u8, u16)>,
+    /// MSI-X, if present (all vectors are assigned).
+    pub msix: Option<RemoteMsix>,
+    /// Max payload size programmed.
+    pub mps: usize,
+    /// Max read request size programmed.
+    pub mrrs: usize,
+}
+
+impl RemoteFunction {
+    /// The assigned address of BAR `index`.
+    pub fn bar(&self, index: usize) -> Option<RemoteBar> {
+        self.bars.iter().find(|b| b.index == index).copied()
+    }
+
+    /// MSI-X vectors assigned (0 without MSI-X).
+    pub fn msix_vectors(&self) -> u16 {
+        self.msix.map_or(0, |m| m.vectors)
+    }
+}
+
+/// Something users may want to know about devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostEvent {
+    /// A function was enumerated and is ready.
+    DeviceAdded(RemoteFunction),
+    /// A function is gone (its bridge stopped heartbeating or left our group).
+    DeviceRemoved {
+        /// Its address.
+        bdf: Bdf,
+        /// Its device bridge.
+        mac: MacAddr,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Counters of a host bridge.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostBridgeStats {
+    /// TLPs received.
+    pub tlps_received: u64,
+    /// Memory reads from devices served from regions.
+    pub dma_reads_served: u64,
+    /// Memory writes from devices applied to regions.
+    pub dma_writes_applied: u64,
+    /// Device memory reads outside every region (answered UR).
+    pub unknown_address_reads: u64,
+    /// Device memory writes outside every region and the MSI-X window (dropped).
+    pub unknown_address_writes: u64,
+    /// Unsupported Request completions sent.
+    pub ur_sent: u64,
+    /// TLPs from peers that are not devices of our group (ignored).
+    pub foreign: u64,
+    /// Bytes that are not a TLP we handle.
+    pub malformed: u64,
+    /// Completions matching no request in flight.
+    pub unexpected_completions: u64,
+    /// Interrupts delivered.
+    pub interrupts: u64,
+    /// MSI-X writes that name no assigned function and vector (dropped).
+    pub spurious_interrupts: u64,
+    /// User requests that timed out.
+    pub timeouts: u64,
+    /// User requests failed because their device went away.
+    pub device_gone: u64,
+    /// Enumerations that failed.
+    pub enumeration_failures: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    tlps_received: AtomicU64,
+    dma_reads_served: AtomicU64,
+    dma_writes_applied: AtomicU64,
+    unknown_address_reads: AtomicU64,
+    unknown_address_writes: AtomicU64,
+    ur_sent: AtomicU64,
+    foreign: AtomicU64,
+    malformed: AtomicU64,
+    unexpected_completions: AtomicU64,
+    interrupts: AtomicU64,
+    spurious_interrupts: AtomicU64,
+    timeouts: AtomicU64,
+    device_gone: AtomicU64,
+    enumeration_failures: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    // Relaxed: a statistics counter orders nothing.
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// One device bridge of our group.
+struct DevEntry {
+    name: String,
+    bus: u8,
+    /// Changes every time the device (re)appears, so a stale enumeration is not stored.
+    generation: u64,
+    functions: Vec<RemoteFunction>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Live peers: role, group, name.
+    peers: HashMap<MacAddr, (Role, u16, String)>,
+    devices: HashMap<MacAddr, DevEntry>,
+    /// Which device bridge owns a bus.
+    buses: HashMap<u8, MacAddr>,
+    /// BAR ranges in use: (base, size, owner).
+    allocations: Vec<(u64, u64, MacAddr)>,
+    next_generation: u64,
+}
+
+/// A user's request in flight.
+struct Waiter {
+    state: Mutex<WaitState>,
+    done: Condvar,
+}
+
+struct WaitState {
+    remaining: usize,
+    data: Vec<u8>,
+    error: Option<BridgeError>,
+}
+
+impl Waiter {
+    fn finish_part(&self, result: Result<(usize, Vec<u8>), BridgeError>) {
+        let mut w = lock(&self.state);
+        match result {
+            Ok((offset, bytes)) => {
+                if let Some(dst) = w.data.get_mut(offset..offset + bytes.len()) {
+                    dst.copy_from_slice(&bytes);
+                }
+            }
+            Err(e) => {
+                w.error.get_or_insert(e);
+            }
+        }
+        w.remaining = w.remaining.saturating_sub(1);
+        drop(w);
+        self.done.notify_all();
+    }
+}
+
+struct PendingReq {
+    peer: MacAddr,
+    bdf: Bdf,
+    offset: usize,
+    /// Memory reads: the reassembly; configuration requests: `None`.
+    asm: Option<ReadReassembly>,
+    waiter: Arc<Waiter>,
+}
+
+struct Pending {
+    free: Vec<u16>,
+    by_tag: HashMap<u16, PendingReq>,
+}
+
+#[derive(Default)]
+struct Vector {
+    count: u64,
+    eventfd: Option<Arc<EventFd>>,
+}
+
+type Callback = Arc<dyn Fn(Bdf, u16) + Send + Sync>;
+
+#[derive(Default)]
+struct Interrupts {
+    vectors: HashMap<(Bdf, u16), Vector>,
+    callbacks: Vec<Callback>,
+}
+
+enum Job {
+    Enumerate { mac: MacAddr, generation: u64, bus: u8 },
+}
+
+struct Shared {
+    config: HostBridgeConfig,
+    state: Mutex<State>,
+    /// Signalled when devices are added or removed.
+    changed: Condvar,
+    pending: Mutex<Pending>,
+    /// Signalled when tags are freed.
+    tags_freed: Condvar,
+    regions: RwLock<RegionMap>,
+    interrupts: Mutex<Interrupts>,
+    interrupted: Condvar,
+    subscribers: Mutex<Vec<mpsc::Sender<HostEvent>>>,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    /// The runtime's sender, set once the runtime runs, cleared at shutdown.
+    sender_slot: Mutex<Option<Sender>>,
+    counters: Counters,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn emit(&self, e: HostEvent) {
+        lock(&self.subscribers).retain(|s| s.send(e.clone()).is_ok());
+    }
+
+    /// A device of our group appeared: give it a bus and queue its enumeration.
+    fn add_device(&self, mac: MacAddr, name: String) {
+        let mut st = lock(&self.state);
+        if st.devices.contains_key(&mac) {
+            return;
+        }
+        let Some(bus) = (1..=255u8).find(|b| !st.buses.contains_key(b)) else {
+            bump(&self.counters.enumeration_failures);
+            return;
+        };
+        st.next_generation += 1;
+        let generation = st.next_generation;
+        st.buses.insert(bus, mac);
+        st.devices.insert(mac, DevEntry { name, bus, generation, functions: Vec::new() });
+        drop(st);
+        if let Some(j) = lock(&self.jobs).as_ref() {
+            let _ = j.send(Job::Enumerate { mac, generation, bus });
+        }
+    }
+
+    /// A device went down or left the group: forget it, fail its requests, tell the users.
+    fn remove_device(&self, mac: MacAddr, reason: &str) {
+        let mut st = lock(&self.state);
+        let Some(d) = st.devices.remove(&mac) else { return };
+        st.buses.remove(&d.bus);
+        st.allocations.retain(|(_, _, m)| *m != mac);
+        drop(st);
+        self.changed.notify_all();
+        {
+            let mut p = lock(&self.pending);
+            let gone: Vec<u16> = p.by_tag.iter().filter(|(_, r)| r.peer == mac).map(|(t, _)| *t).collect();
+            for t in gone {
+                if let Some(r) = p.by_tag.remove(&t) {
+                    p.free.push(t);
+                    bump(&self.counters.device_gone);
+                    r.waiter.finish_part(Err(BridgeError::DeviceGone { bdf: r.bdf, mac }));
+                }
+            }
+        }
+        self.tags_freed.notify_all();
+        for f in d.functions {
+            self.emit(HostEvent::DeviceRemoved { bdf: f.bdf, mac, reason: reason.to_string() });
+        }
+    }
+
+    fn mac_of(&self, bdf: Bdf) -> BridgeResult<MacAddr> {
+        lock(&self.state).buses.get(&bdf.bus()).copied().ok_or(BridgeError::NoSuchDevice(bdf))
+    }
+
+    /// Sends requests built by `build` (one per part, given its tag) to `bdf`'s device and waits
+    /// for all their completions. `parts`: (offset in the result, reassembly address and length
+    /// for memory reads).
+    fn transact(
+        &self,
+        bdf: Bdf,
+        total: usize,
+        parts: Vec<(usize, Option<(u64, usize)>)>,
+        mut build: impl FnMut(usize, Tag) -> Tlp,
+    ) -> BridgeResult<Vec<u8>> {
+        let mac = self.mac_of(bdf)?;
+        let timeout = self.config.completion_timeout;
+        let deadline = Instant::now() + timeout;
+        if parts.len() > usize::from(Tag::COUNT) {
+            return Err(BridgeError::BadRequest(format!("{} requests at once", parts.len())));
+        }
+        let waiter = Arc::new(Waiter {
+            state: Mutex::new(WaitState { remaining: parts.len(), data: vec![0; total], error: None }),
+            done: Condvar::new(),
+        });
+        let mut tlps = Vec::with_capacity(parts.len());
+        let mut tags = Vec::with_capacity(parts.len());
+        {
+            let mut p = lock(&self.pending);
+            while p.free.len() < parts.len() {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    bump(&self.counters.timeouts);
+                    return Err(BridgeError::Timeout(timeout));
+                }
+                p = self.tags_freed.wait_timeout(p, left).unwrap_or_else(|e| e.into_inner()).0;
+            }
+            for (i, (offset, read)) in parts.iter().enumerate() {
+                let t = p.free.pop().expect("counted");
+                let tag = Tag::new(t).expect("tags are below 1024");
+                let asm = match read {
+                    Some((a, l)) => Some(
+                        ReadReassembly::new(HOST_BDF, tag, *a, *l)
+                            .map_err(|e| BridgeError::BadRequest(e.to_string()))?,
+                    ),
+                    None => None,
+                };
+                p.by_tag
+                    .insert(t, PendingReq { peer: mac, bdf, offset: *offset, asm, waiter: waiter.clone() });
+                tags.push(t);
+                tlps.push(build(i, tag));
+            }
+        }
+        // The device may have gone between the lookup and the registration.
+        if !lock(&self.state).devices.contains_key(&mac) {
+            self.forget(&tags);
+            return Err(BridgeError::DeviceGone { bdf, mac });
+        }
+        let sender = self.sender()?;
+        for t in &tlps {
+            let b = t.encode().map_err(|e| BridgeError::BadRequest(e.to_string()))?;
+            sender.send(mac, PCIE_CHANNEL, &b);
+        }
+        let mut w = lock(&waiter.state);
+        while w.remaining > 0 && w.error.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                drop(w);
+                self.forget(&tags);
+                bump(&self.counters.timeouts);
+                return Err(BridgeError::Timeout(timeout));
+            }
+            w = waiter.done.wait_timeout(w, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        if let Some(e) = w.error.take() {
+            drop(w);
+            self.forget(&tags);
+            return Err(e);
+        }
+        Ok(std::mem::take(&mut w.data))
+    }
+
+    /// Drops requests still in flight (timed out or failed) and frees their tags.
+    fn forget(&self, tags: &[u16]) {
+        let mut p = lock(&self.pending);
+        for t in tags {
+            if p.by_tag.remove(t).is_some() {
+                p.free.push(*t);
+            }
+        }
+        drop(p);
+        self.tags_freed.notify_all();
+    }
+
+    fn sender(&self) -> BridgeResult<Sender> {
+        lock(&self.sender_slot).clone().ok_or(BridgeError::Shutdown)
+    }
+
+    fn config_read(&self, bdf: Bdf, register: u16) -> BridgeResult<u32> {
+        let r = register & !3;
+        let d = self
+            .transact(bdf, 4, vec![(0, None)], |_, tag| Tlp::cfg_read(false, HOST_BDF, tag, bdf, r, 0xf))?;
+        Ok(u32::from_le_bytes([d[0], d[1], d[2], d[3]]))
+    }
+
+    fn config_write(&self, bdf: Bdf, register: u16, first_be: u8, value: u32) -> BridgeResult<()> {
+        let r = register & !3;
+        self.transact(bdf, 0, vec![(0, None)], |_, tag| {
+            Tlp::cfg_write(false, HOST_BDF, tag, bdf, r, first_be, value.to_le_bytes())
+        })?;
+        Ok(())
+    }
+
+    fn mmio_read(&self, bdf: Bdf, address: u64, buf: &mut [u8]) -> BridgeResult<()> {
+        let chunks = split(address, buf.len(), self.config.mrrs)
+            .map_err(|e| BridgeError::BadRequest(e.to_string()))?;
+        let parts = chunks.iter().map(|c| (c.offset, Some((c.address, c.len)))).collect();
+        let data = self.transact(bdf, buf.len(), parts, |i, tag| {
+            let s = chunks[i].shape();
+            Tlp::mem_read(HOST_BDF, tag, s.address, s.length_dw, s.first_be, s.last_be)
+        })?;
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+
+    fn mmio_write(&self, bdf: Bdf, address: u64, data: &[u8]) -> BridgeResult<()> {
+        let mac = self.mac_of(bdf)?;
+        let tlps = write_requests(HOST_BDF, address, data, self.config.mps)
+            .map_err(|e| BridgeError::BadRequest(e.to_string()))?;
+        let sender = self.sender()?;
+        for t in tlps {
+            let b = t.encode().map_err(|e| BridgeError::BadRequest(e.to_string()))?;
+            sender.send(mac, PCIE_CHANNEL, &b);
+        }
+        Ok(())
+    }
+}
+
+/// The receive side: serves device DMA, routes completions, never waits for a user.
+struct HostHandler {
+    shared: Arc<Shared>,
+}
+
+impl HostHandler {
+    fn send(&self, out: &mut dyn Outbox, peer: MacAddr, tlp: &Tlp) {
+        if let Ok(b) = tlp.encode() {
+            out.send(peer, PCIE_CHANNEL, &b);
+        }
+    }
+
+    fn ur(&self, out: &mut dyn Outbox, peer: MacAddr, tlp: &Tlp) {
+        bump(&self.shared.counters.ur_sent);
+        self.send(out, peer, &ur_completion(HOST_BDF, tlp.requester_id(), tlp.tag));
+    }
+
+    fn complete(&self, peer: MacAddr, tlp: &Tlp) {
+        let Header::Completion(c) = &tlp.header else { return };
+        let mut p = lock(&self.shared.pending);
+        let t = tlp.tag.get();
+        let Some(r) = p.by_tag.get_mut(&t).filter(|r| r.peer == peer && c.requester_id == HOST_BDF) else {
+            bump(&self.shared.counters.unexpected_completions);
+            return;
+        };
+        let result = match r.asm.as_mut() {
+            None if c.status == CplStatus::Success => Ok((r.offset, tlp.data.clone())),
+            None => Err(BridgeError::Completion(c.status)),
+            Some(asm) => match asm.handle_completion(tlp) {
+                Ok(Progress::Partial) => return,
+                Ok(Progress::Complete) => match r.asm.take().map(|a| a.into_data()) {
+                    Some(Ok(d)) => Ok((r.offset, d)),
+                    Some(Err(e)) => Err(BridgeError::BadCompletion(e)),
+                    None => return,
+                },
+                Err(Error::CompletionStatus(s)) => Err(BridgeError::Completion(s)),
+                Err(_) => {
+                    bump(&self.shared.counters.unexpected_completions);
+                    return;
+                }
+            },
+        };
+        let r = p.by_tag.remove(&t).expect("found above");
+        p.free.push(t);
+        drop(p);
+        self.shared.tags_freed.notify_all();
+        r.waiter.finish_part(result);
+    }
+
+    fn interrupt(&self, peer: MacAddr, requester: Bdf, data: &[u8]) {
+        let sh = &self.shared;
+        let owner = lock(&sh.state).buses.get(&requester.bus()).copied();
+        let vector = (data.len() == 4).then(|| u32::from_le_bytes([data[0], data[1], data[2], data[3]]));
+        let ok_vector = |v: u32| {
+            lock(&sh.state).devices.get(&peer).is_some_and(|d| {
+                d.functions.iter().any(|f| f.bdf == requester && v < u32::from(f.msix_vectors()))
+            })
+        };
+        let (Some(owner), Some(v)) = (owner, vector) else {
+            bump(&sh.counters.spurious_interrupts);
+            return;
+        };
+        if owner != peer || !ok_vector(v) {
+            bump(&sh.counters.spurious_interrupts);
+            return;
+        }
+        let v = v as u16;
+        bump(&sh.counters.interrupts);
+        let callbacks = {
+            let mut irq = lock(&sh.interrupts);
+            let e = irq.vectors.entry((requester, v)).or_default();
+            e.count += 1;
+            if let Some(fd) = &e.eventfd {
+                fd.signal();
+            }
+            irq.callbacks.clone()
+        };
+        sh.interrupted.notify_all();
+        for cb in callbacks {
+            cb(requester, v);
+        }
+    }
+}
+
+impl Handler for HostHandler {
+    fn on_message(&mut self, m: Message<'_>, out: &mut dyn Outbox) {
+        let sh = self.shared.clone();
+        let c = &sh.counters;
+        if m.channel != PCIE_CHANNEL || !lock(&sh.state).devices.contains_key(&m.peer) {
+            bump(&c.foreign);
+            return;
+        }
+        bump(&c.tlps_received);
+        let tlp = match Tlp::decode(m.data) {
+            Ok(t) => t,
+            Err(_) => {
+                bump(&c.malformed);
+                if let Some(ur) = ur_for_raw(m.data, HOST_BDF) {
+                    bump(&c.ur_sent);
+                    self.send(out, m.peer, &ur);
+                }
+                return;
+            }
+        };
+        match (&tlp.kind, &tlp.header) {
+            (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp),
+            (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) => {
+                let shape = RequestShape {
+                    address: h.address,
+                    length_dw: tlp.length_dw,
+                    first_be: h.first_be,
+                    last_be: h.last_be,
+                };
+                let (first, len) = shape.byte_range();
+                let want = h.address.saturating_add(first);
+                let regions = sh.regions.read().unwrap_or_else(|e| e.into_inner());
+                if regions.find(want, (len as u64).max(1)).is_none() {
+                    drop(regions);
+                    bump(&c.unknown_address_reads);
+                    self.ur(out, m.peer, &tlp);
+                    return;
+                }
+                let cpls = completions_for_read(&tlp, HOST_BDF, sh.config.mps, sh.config.rcb, |a, buf| {
+                    regions.read_dws(want, len as u64, a, buf).ok_or(())
+                });
+                drop(regions);
+                match cpls {
+                    Ok(cpls) => {
+                        bump(&c.dma_reads_served);
+                        for cpl in &cpls {
+                            self.send(out, m.peer, cpl);
+                        }
+                    }
+                    Err(_) => self.ur(out, m.peer, &tlp),
+                }
+            }
+            (TlpKind::MWr32 | TlpKind::MWr64, Header::Mem(h)) => {
+                let shape = RequestShape {
+                    address: h.address,
+                    length_dw: tlp.length_dw,
+                    first_be: h.first_be,
+                    last_be: h.last_be,
+                };
+                let (first, len) = shape.byte_range();
+                let at = h.address.saturating_add(first);
+                let Some(bytes) = tlp.data.get(first as usize..first as usize + len) else {
+                    bump(&c.malformed);
+                    return;
+                };
+                let (mb, ms) = sh.config.msix_window;
+                if at.checked_sub(mb).is_some_and(|o| o < ms) {
+                    self.interrupt(m.peer, h.requester_id, bytes);
+                    return;
+                }
+                let regions = sh.regions.read().unwrap_or_else(|e| e.into_inner());
+                match regions.find(at, len as u64) {
+                    Some((r, off)) => {
+                        r.write(off, bytes);
+                        bump(&c.dma_writes_applied);
+                    }
+                    None => bump(&c.unknown_address_writes),
+                }
+            }
+            _ if super::is_non_posted(&tlp) => self.ur(out, m.peer, &tlp),
+            _ => bump(&c.malformed),
+        }
+    }
+
+    fn on_event(&mut self, event: &Event, _out: &mut dyn Outbox) {
+        let sh = &self.shared;
+        let group = sh.config.group;
+        match event {
+            Event::PeerUp { peer, role, group: g, name } => {
+                lock(&sh.state).peers.insert(*peer, (*role, *g, name.clone()));
+                if *role == Role::Device && *g == group {
+                    sh.add_device(*peer, name.clone());
+                }
+            }
+            Event::PeerDown { peer } => {
+                lock(&sh.state).peers.remove(peer);
+                sh.remove_device(*peer, "stopped heartbeating");
+            }
+            Event::GroupChanged { peer, new, .. } => {
+                let info = {
+                    let mut st = lock(&sh.state);
+                    st.peers.get_mut(peer).map(|p| {
+                        p.1 = *new;
+                        (p.0, p.2.clone())
+                    })
+                };
+                match info {
+                    Some((Role::Device, name)) if *new == group => sh.add_device(*peer, name),
+                    _ if *new != group => sh.remove_device(*peer, &format!("moved to group {new}")),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Finds room for `size` bytes aligned to `size` in the window, avoiding `used`.
+fn place(window: (u64, u64), size: u64, below_4g: bool, used: &[(u64, u64, MacAddr)]) -> Option<u64> {
+    let (base, len) = window;
+    let end = base.checked_add(len)?;
+    let limit = if below_4g { end.min(1 << 32) } else { end };
+    let mut at = base.checked_next_multiple_of(size)?;
+    loop {
+        let stop = at.checked_add(size)?;
+        if stop > limit {
+            return None;
+        }
+        match used.iter().find(|(b, l, _)| at < b + l && *b < stop) {
+            Some((b, l, _)) => at = (b + l).checked_next_multiple_of(size)?,
+            None => return Some(at),
+        }
+    }
+}
+
+fn size_code(bytes: usize) -> u32 {
+    (bytes.clamp(128, 4096).trailing_zeros() - 7).min(5)
+}
+
+/// Enumerates one function; `Ok(None)` when there is none at `bdf`.
+fn enumerate_function(sh: &Shared, mac: MacAddr, bdf: Bdf) -> BridgeResult<Option<RemoteFunction>> {
+    let id = match sh.config_read(bdf, reg::VENDOR_ID) {
+        Ok(v) => v,
+        Err(BridgeError::Completion(CplStatus::UnsupportedRequest)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if id & 0xffff == 0xffff || id & 0xffff == 0 {
+        return Ok(None);
+    }
+    let class_rev = sh.config_read(bdf, 0x08)?;
+    let header_type = (sh.config_read(bdf, 0x0c)? >> 16) as u8;
+    let subsys = sh.config_read(bdf, reg::SUBSYSTEM_VENDOR_ID)?;
+    // Decoding off while the BARs are sized and moved.
+    sh.config_write(bdf, reg::COMMAND, 0b0011, 0)?;
+    let mut bars = Vec::new();
+    let mut i = 0;
+    while i < 6 {
+        let off = reg::BAR0 + 4 * i as u16;
+        sh.config_write(bdf, off, 0xf, 0xffff_ffff)?;
+        let v = sh.config_read(bdf, off)?;
+        if v == 0 {
+            i += 1;
+            continue;
+        }
+        if v & 1 == 1 {
+            let size = u64::from((!(v & !3)).wrapping_add(1) & 0xffff);
+            bars.push(RemoteBar { index: i, address: 0, size, kind: BarKind::Io });
+            i += 1;
+            continue;
+        }
+        let prefetchable = v & 8 != 0;
+        let is64 = (v >> 1) & 3 == 2;
+        let mask = if is64 {
+            sh.config_write(bdf, off + 4, 0xf, 0xffff_ffff)?;
+            u64::from(sh.config_read(bdf, off + 4)?) << 32 | u64::from(v & !0xf)
+        } else {
+            0xffff_ffff_0000_0000 | u64::from(v & !0xf)
+        };
+        let size = (!mask).wrapping_add(1);
+        if size == 0 || !size.is_power_of_two() {
+            return Err(BridgeError::Enumeration { mac, why: format!("{bdf} BAR{i} reads back {v:#x}") });
+        }
+        let address = {
+            let mut st = lock(&sh.state);
+            let a = place(sh.config.bar_window, size, !is64, &st.allocations).ok_or_else(|| {
+                BridgeError::Enumeration { mac, why: format!("no room for {bdf} BAR{i} ({size:#x} bytes)") }
+            })?;
+            st.allocations.push((a, size, mac));
+            a
+        };
+        sh.config_write(bdf, off, 0xf, address as u32)?;
+        let kind = if is64 {
+            sh.config_write(bdf, off + 4, 0xf, (address >> 32) as u32)?;
+            BarKind::Memory64 { prefetchable }
+        } else {
+            BarKind::Memory32 { prefetchable }
+        };
+        bars.push(RemoteBar { index: i, address, size, kind });
+        i += if is64 { 2 } else { 1 };
+    }
+    let status = (sh.config_read(bdf, reg::COMMAND)? >> 16) as u16;
+    let mut capabilities = Vec::new();
+    if status & crate::config::status::CAPABILITIES_LIST != 0 {
+        let mut failed = None;
+        capabilities = walk_capabilities(|off| match sh.config_read(bdf, off) {
+            Ok(v) => v,
+            Err(e) => {
+                failed.get_or_insert(e);
+                0
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+    }
+    let (mut mps, mut mrrs) = (128, 128);
+    let mut msix = None;
+    for (cap, off) in &capabilities {
+        match *cap {
+            cap_id::PCI_EXPRESS => {
+                let devcap = sh.config_read(bdf, off + 4)?;
+                let supported = 128usize << (devcap & 7).min(5);
+                mps = sh.config.mps.min(supported).clamp(128, 4096);
+                mrrs = sh.config.mrrs.clamp(128, 4096);
+                let ctl = sh.config_read(bdf, off + 8)? & 0xffff;
+                let ctl = (ctl & !(7 << 5) & !(7 << 12)) | size_code(mps) << 5 | size_code(mrrs) << 12;
+                sh.config_write(bdf, off + 8, 0b0011, ctl)?;
+            }
+            cap_id::MSIX => {
+                let control = sh.config_read(bdf, *off)? >> 16;
+                let table = sh.config_read(bdf, off + 4)?;
+                let pba = sh.config_read(bdf, off + 8)?;
+                msix = Some((
+                    *off,
+                    control,
+                    RemoteMsix {
+                        vectors: (control & 0x7ff) as u16 + 1,
+                        table_bar: (table & 7) as u8,
+                        table_offset: table & !7,
+                        pba_bar: (pba & 7) as u8,
+                        pba_offset: pba & !7,
+                    },
+                ));
+            }
+            _ => {}
+        }
+    }
+    sh.config_write(bdf, reg::COMMAND, 0b0011, u32::from(command::MEMORY_SPACE | command::BUS_MASTER))?;
+    if let Some((off, control, m)) = msix {
+        let table = bars.iter().find(|b| b.index == usize::from(m.table_bar) && b.kind != BarKind::Io);
+        let Some(table) = table else {
+            return Err(BridgeError::Enumeration { mac, why: format!("{bdf} MSI-X table in a missing BAR") });
+        };
+        let mask_on = (control | u32::from(MSIX_ENABLE | MSIX_FUNCTION_MASK)) << 16;
+        sh.config_write(bdf, off, 0b1100, mask_on)?;
+        let address = sh.config.msix_window.0;
+        for v in 0..u32::from(m.vectors) {
+            let mut entry = [0u8; 16];
+            entry[0..4].copy_from_slice(&(address as u32).to_le_bytes());
+            entry[4..8].copy_from_slice(&((address >> 32) as u32).to_le_bytes());
+            entry[8..12].copy_from_slice(&v.to_le_bytes());
+            let at = table.address + u64::from(m.table_offset) + 16 * u64::from(v);
+            sh.mmio_write(bdf, at, &entry)?;
+        }
+        let enabled = ((control | u32::from(MSIX_ENABLE)) & !u32::from(MSIX_FUNCTION_MASK)) << 16;
+        sh.config_write(bdf, off, 0b1100, enabled)?;
+    }
+    let (name, group) = {
+        let st = lock(&sh.state);
+        let name = st.devices.get(&mac).map(|d| d.name.clone()).unwrap_or_default();
+        (name, sh.config.group)
+    };
+    Ok(Some(RemoteFunction {
+        mac,
+        name,
+        group,
+        bdf,
+        vendor_id: id as u16,
+        device_id: (id >> 16) as u16,
+        revision_id: class_rev as u8,
+        class_code: class_rev >> 8,
+        header_type,
+        subsystem_vendor_id: subsys as u16,
+        subsystem_id: (subsys >> 16) as u16,
+        bars,
+        capabilities,
+        msix: msix.map(|(_, _, m)| m),
+        mps,
+        mrrs,
+    }))
+}
+
+fn enumerate(sh: &Shared, mac: MacAddr, generation: u64, bus: u8) -> BridgeResult<()> {
+    let mut found = Vec::new();
+    for f in 0..8u8 {
+        let bdf = Bdf::new(bus, 0, f).expect("valid numbers");
+        match enumerate_function(sh, mac, bdf)? {
+            Some(rf) => {
+                let multi = rf.header_type & 0x80 != 0;
+                found.push(rf);
+                if f == 0 && !multi {
+                    break;
+                }
+            }
+            None if f == 0 => break,
+            None => {}
+        }
+    }
+    let mut st = lock(&sh.state);
+    match st.devices.get_mut(&mac) {
+        Some(d) if d.generation == generation => d.functions = found.clone(),
+        _ => return Ok(()),
+    }
+    drop(st);
+    sh.changed.notify_all();
+    for f in found {
+        sh.emit(HostEvent::DeviceAdded(f));
+    }
+    Ok(())
+}
+
+fn config_thread(sh: Arc<Shared>, jobs: mpsc::Receiver<Job>) {
+    while let Ok(job) = jobs.recv() {
+        if sh.stop.load(Ordering::Acquire) {
+            return;
+        }
+        match job {
+            Job::Enumerate { mac, generation, bus } => {
+                if let Err(e) = enumerate(&sh, mac, generation, bus) {
+                    bump(&sh.counters.enumeration_failures);
+                    let still_there =
+                        lock(&sh.state).devices.get(&mac).is_some_and(|d| d.generation == generation);
+                    if still_there {
+                        eprintln!("lanbus host bridge: {e}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A running host bridge. Dropping it stops its threads.
+pub struct HostBridge {
+    shared: Arc<Shared>,
+    runtime: Option<Runtime>,
+    config_thread: Option<JoinHandle<()>>,
+}
+
+impl HostBridge {
+    /// Starts the runtime on `port` and the configuration thread.
+    pub fn start(port: Box<dyn Port>, config: HostBridgeConfig) -> BridgeResult<HostBridge> {
+        for (what, v) in [("mps", config.mps), ("mrrs", config.mrrs)] {
+            if !v.is_power_of_two() || !(128..=4096).contains(&v) {
+                return Err(BridgeError::BadRequest(format!("{what} {v}: a power of two in 128..=4096")));
+            }
+        }
+        if config.rcb != 64 && config.rcb != 128 {
+            return Err(BridgeError::BadRequest(format!("rcb {}: 64 or 128", config.rcb)));
+        }
+        let (jobs_tx, jobs_rx) = mpsc::channel();
+        let mut rc = config.runtime.clone();
+        rc.transport.group = config.group;
+        rc.transport.heartbeat.enabled = true;
+        rc.transport.heartbeat.role = Role::Host;
+        rc.transport.heartbeat.name = config.name.clone();
+        let shared = Arc::new(Shared {
+            config,
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            pending: Mutex::new(Pending { free: (0..Tag::COUNT).rev().collect(), by_tag: HashMap::new() }),
+            tags_freed: Condvar::new(),
+            regions: RwLock::new(RegionMap::default()),
+            interrupts: Mutex::new(Interrupts::default()),
+            interrupted: Condvar::new(),
+            subscribers: Mutex::new(Vec::new()),
+            jobs: Mutex::new(Some(jobs_tx)),
+            sender_slot: Mutex::new(None),
+            counters: Counters::default(),
+            stop: AtomicBool::new(false),
+        });
+        let runtime = Runtime::start(port, rc, Box::new(HostHandler { shared: shared.clone() }))
+            .map_err(|e| BridgeError::Start(e.to_string()))?;
+        *lock(&shared.sender_slot) = Some(runtime.sender());
+        let sh = shared.clone();
+        let name = format!("{}-cfg", shared.config.name);
+        let t = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || config_thread(sh, jobs_rx))
+            .map_err(|e| BridgeError::Start(e.to_string()))?;
+        Ok(HostBridge { shared, runtime: Some(runtime), config_thread: Some(t) })
+    }
+
+    /// Our MAC address.
+    pub fn local_mac(&self) -> MacAddr {
+        self.runtime.as_ref().expect("running").local_mac()
+    }
+
+    /// The enumerated functions, by address.
+    pub fn devices(&self) -> Vec<RemoteFunction> {
+        let st = lock(&self.shared.state);
+        let mut v: Vec<RemoteFunction> = st.devices.values().flat_map(|d| d.functions.clone()).collect();
+        v.sort_by_key(|f| f.bdf);
+        v
+    }
+
+    /// The function at `bdf`, if enumerated.
+    pub fn device(&self, bdf: Bdf) -> Option<RemoteFunction> {
+        self.devices().into_iter().find(|f| f.bdf == bdf)
+    }
+
+    /// Waits until at least `count` functions are enumerated (or `timeout` passes) and returns
+    /// them.
+    pub fn wait_devices(&self, count: usize, timeout: Duration) -> Vec<RemoteFunction> {
+        let deadline = Instant::now() + timeout;
+        let mut st = lock(&self.shared.state);
+        loop {
+            let n: usize = st.devices.values().map(|d| d.functions.len()).sum();
+            let left = deadline.saturating_duration_since(Instant::now());
+            if n >= count || left.is_zero() {
+                break;
+            }
+            st = self.shared.changed.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        drop(st);
+        self.devices()
+    }
+
+    /// Waits until no function of device bridge `mac` is present (or `timeout` passes);
+    /// whether it is gone.
+    pub fn wait_gone(&self, mac: MacAddr, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut st = lock(&self.shared.state);
+        loop {
+            if !st.devices.contains_key(&mac) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            st = self.shared.changed.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// A stream of device events from now on.
+    pub fn subscribe(&self) -> mpsc::Receiver<HostEvent> {
+        let (tx, rx) = mpsc::channel();
+        lock(&self.shared.subscribers).push(tx);
+        rx
+    }
+
+    /// Reads the configuration DW at `register` (rounded down to a DW) of `bdf`.
+    pub fn config_read(&self, bdf: Bdf, register: u16) -> BridgeResult<u32> {
+        self.shared.config_read(bdf, register)
+    }
+
+    /// Writes the configuration DW at `register` of `bdf`, bytes enabled by `first_be`; waits
+    /// for its completion.
+    pub fn config_write(&self, bdf: Bdf, register: u16, first_be: u8, value: u32) -> BridgeResult<()> {
+        self.shared.config_write(bdf, register, first_be, value)
+    }
+
+    /// Reads `buf.len()` bytes of `bdf`'s memory space at `address` (split by MRRS, at most 4 KiB
+    /// per request and never across 4 KiB; waits for every completion).
+    pub fn mmio_read(&self, bdf: Bdf, address: u64, buf: &mut [u8]) -> BridgeResult<()> {
+        self.shared.mmio_read(bdf, address, buf)
+    }
+
+    /// Writes `data` to `bdf`'s memory space at `address` (posted, split by MPS).
+    pub fn mmio_write(&self, bdf: Bdf, address: u64, data: &[u8]) -> BridgeResult<()> {
+        self.shared.mmio_write(bdf, address, data)
+    }
+
+    /// Reads a little-endian 32-bit register.
+    pub fn mmio_read32(&self, bdf: Bdf, address: u64) -> BridgeResult<u32> {
+        let mut b = [0u8; 4];
+        self.mmio_read(bdf, address, &mut b)?;
+        Ok(u32::from_le_bytes(b))
+    }
+
+    /// Writes a little-endian 32-bit register.
+    pub fn mmio_write32(&self, bdf: Bdf, address: u64, value: u32) -> BridgeResult<()> {
+        self.mmio_write(bdf, address, &value.to_le_bytes())
+    }
+
+    /// Lends `region` to devices at bus address `bus_addr`.
+    pub fn add_region(&self, bus_addr: u64, region: Arc<dyn DmaRegion>) -> BridgeResult<()> {
+        let mut r = self.shared.regions.write().unwrap_or_else(|e| e.into_inner());
+        r.add(bus_addr, region).map_err(BridgeError::BadRequest)
+    }
+
+    /// Takes back the region at `bus_addr`; whether there was one.
+    pub fn remove_region(&self, bus_addr: u64) -> bool {
+        self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).remove(bus_addr)
+    }
+
+    /// The eventfd MSI-X vector `vector` of `bdf` is delivered to (made on first use).
+    pub fn interrupt_eventfd(&self, bdf: Bdf, vector: u16) -> BridgeResult<Arc<EventFd>> {
+        let mut irq = lock(&self.shared.interrupts);
+        let v = irq.vectors.entry((bdf, vector)).or_default();
+        if v.eventfd.is_none() {
+            v.eventfd = Some(Arc::new(EventFd::new().map_err(|e| BridgeError::Start(e.to_string()))?));
+        }
+        Ok(v.eventfd.clone().expect("set above"))
+    }
+
+    /// Calls `f(bdf, vector)` on every interrupt, on the receive thread: it must not block.
+    pub fn on_interrupt(&self, f: impl Fn(Bdf, u16) + Send + Sync + 'static) {
+        lock(&self.shared.interrupts).callbacks.push(Arc::new(f));
+    }
+
+    /// Interrupts received so far on `bdf`'s `vector`.
+    pub fn interrupt_count(&self, bdf: Bdf, vector: u16) -> u64 {
+        lock(&self.shared.interrupts).vectors.get(&(bdf, vector)).map_or(0, |v| v.count)
+    }
+
+    /// Waits until `bdf`'s `vector` has seen at least `count` interrupts (or `timeout` passes);
+    /// returns the count.
+    pub fn wait_interrupts(&self, bdf: Bdf, vector: u16, count: u64, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        let mut irq = lock(&self.shared.interrupts);
+        loop {
+            let n = irq.vectors.get(&(bdf, vector)).map_or(0, |v| v.count);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if n >= count || left.is_zero() {
+                return n;
+            }
+            irq = self.shared.interrupted.wait_timeout(irq, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> HostBridgeStats {
+        let c = &self.shared.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        HostBridgeStats {
+            tlps_received: g(&c.tlps_received),
+            dma_reads_served: g(&c.dma_reads_served),
+            dma_writes_applied: g(&c.dma_writes_applied),
+            unknown_address_reads: g(&c.unknown_address_reads),
+            unknown_address_writes: g(&c.unknown_address_writes),
+            ur_sent: g(&c.ur_sent),
+            foreign: g(&c.foreign),
+            malformed: g(&c.malformed),
+            unexpected_completions: g(&c.unexpected_completions),
+            interrupts: g(&c.interrupts),
+            spurious_interrupts: g(&c.spurious_interrupts),
+            timeouts: g(&c.timeouts),
+            device_gone: g(&c.device_gone),
+            enumeration_failures: g(&c.enumeration_failures),
+        }
+    }
+
+    /// The runtime's counters (transport and port).
+    pub fn runtime_stats(&self) -> lanbus_runtime::Stats {
+        self.runtime.as_ref().expect("running").stats()
+    }
+
+    /// Stops the threads.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        // Release pairs with the Acquire in the configuration thread.
+        self.shared.stop.store(true, Ordering::Release);
+        lock(&self.shared.jobs).take();
+        *lock(&self.shared.sender_slot) = None;
+        if let Some(r) = self.runtime.take() {
+            r.shutdown();
+        }
+        // Fail whatever users still wait for.
+        let macs: Vec<MacAddr> = lock(&self.shared.state).devices.keys().copied().collect();
+        for m in macs {
+            self.shared.remove_device(m, "host bridge shut down");
+        }
+        if let Some(t) = self.config_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for HostBridge {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,294 @@
+//! One device path for every kind of hosted function.
+//!
+//! Layer: pcie engine, device side. [`HostedFunction`] wraps either a sans-IO
+//! [`Function`](crate::device::Function) (its DMA reads are started, and their completions fed
+//! back with `dma_read_done`, without blocking, so a model like the DMA engine keeps many reads
+//! in flight) or a [`BlockingFunction`] (its DMA reads wait). Both answer configuration and memory
+//! requests through [`serve`], and reach the host through a [`Path`]: the fabric (the device
+//! bridge) or local memory ([`super::LocalBus`]).
+
+use std::collections::HashMap;
+
+use crate::blocking::{BlockingDevice, BlockingFunction, DmaPath};
+use crate::config::{ConfigSpace, ConfigSpec};
+use crate::device::{DeviceModel, DmaError, DmaId, Function, HostRequest, MmioError};
+use crate::request::{completions_for_read, RequestShape};
+use crate::{Bdf, CplStatus, Header, Tlp, TlpKind};
+
+use super::ur_completion;
+
+/// Names one read started on a [`Path`].
+pub(crate) type OpId = u64;
+
+/// A function's way to host memory.
+pub(crate) trait Path {
+    /// Starts a read of `len` bytes at `address`; its result comes from `poll_read`/`wait_read`.
+    fn start_read(&mut self, address: u64, len: usize) -> OpId;
+    /// A posted write.
+    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError>;
+    /// A finished read, if any, without waiting.
+    fn poll_read(&mut self) -> Option<(OpId, Result<Vec<u8>, DmaError>)>;
+    /// Waits for read `op` (other reads that finish meanwhile stay for `poll_read`).
+    fn wait_read(&mut self, op: OpId) -> Result<Vec<u8>, DmaError>;
+    /// The function's max payload size and max read request size, as its host programmed them.
+    fn set_limits(&mut self, mps: usize, mrrs: usize);
+}
+
+/// What the bridge needs of a hosted function.
+pub(crate) trait Hosted: Send {
+    fn config(&self) -> &ConfigSpace;
+    fn config_read(&mut self, register: u16, first_be: u8) -> [u8; 4];
+    fn config_write(&mut self, register: u16, first_be: u8, data: [u8; 4]);
+    fn memory_read(&mut self, address: u64, data: &mut [u8]) -> Result<(), MmioError>;
+    fn memory_write(&mut self, address: u64, data: &[u8]) -> Result<(), MmioError>;
+    /// Whether `run` has something to do without new input.
+    fn wants_run(&self) -> bool;
+    /// Runs pending work through `path`; returns the units of work done.
+    fn run(&mut self, path: &mut dyn Path) -> usize;
+}
+
+/// A PCIe function ready to be hosted by a [`super::DeviceBridge`] or a [`super::LocalBus`].
+pub struct HostedFunction {
+    pub(crate) inner: Box<dyn Hosted>,
+}
+
+impl core::fmt::Debug for HostedFunction {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let s = self.inner.config().spec();
+        write!(f, "HostedFunction({:04x}:{:04x})", s.vendor_id, s.device_id)
+    }
+}
+
+impl HostedFunction {
+    /// A sans-IO device model inside a new [`Function`].
+    pub fn model<D: DeviceModel + Send + 'static>(device: D) -> crate::Result<HostedFunction> {
+        Ok(Self::from_function(Function::new(device)?))
+    }
+
+    /// An existing [`Function`].
+    pub fn from_function<D: DeviceModel + Send + 'static>(function: Function<D>) -> HostedFunction {
+        HostedFunction { inner: Box::new(ModelHosted { function, reads: HashMap::new() }) }
+    }
+
+    /// A model with synchronous DMA inside a new [`BlockingFunction`].
+    pub fn blocking<B: BlockingDevice + Send + 'static>(device: B) -> crate::Result<HostedFunction> {
+        Ok(Self::from_blocking(BlockingFunction::new(device)?))
+    }
+
+    /// An existing [`BlockingFunction`].
+    pub fn from_blocking<B: BlockingDevice + Send + 'static>(
+        function: BlockingFunction<B>,
+    ) -> HostedFunction {
+        HostedFunction { inner: Box::new(BlockingHosted { function }) }
+    }
+
+    /// The function's configuration space specification.
+    pub fn config_spec(&self) -> ConfigSpec {
+        self.inner.config().spec().clone()
+    }
+}
+
+struct ModelHosted<D> {
+    function: Function<D>,
+    /// Reads in flight: path op -> the model's id.
+    reads: HashMap<OpId, DmaId>,
+}
+
+impl<D: DeviceModel + Send> Hosted for ModelHosted<D> {
+    fn config(&self) -> &ConfigSpace {
+        self.function.config()
+    }
+    fn config_read(&mut self, register: u16, first_be: u8) -> [u8; 4] {
+        self.function.config_read(register, first_be)
+    }
+    fn config_write(&mut self, register: u16, first_be: u8, data: [u8; 4]) {
+        self.function.config_write(register, first_be, data)
+    }
+    fn memory_read(&mut self, address: u64, data: &mut [u8]) -> Result<(), MmioError> {
+        self.function.memory_read(address, data)
+    }
+    fn memory_write(&mut self, address: u64, data: &[u8]) -> Result<(), MmioError> {
+        self.function.memory_write(address, data)
+    }
+    fn wants_run(&self) -> bool {
+        false
+    }
+    fn run(&mut self, path: &mut dyn Path) -> usize {
+        let mut work = 0;
+        loop {
+            let before = work;
+            while let Some(r) = self.function.poll_host_request() {
+                work += 1;
+                match r {
+                    HostRequest::Read { id, address, len } => {
+                        let op = path.start_read(address, len);
+                        self.reads.insert(op, id);
+                    }
+                    // Posted: a write that cannot leave (no host) is counted by the path.
+                    HostRequest::Write { address, data } => {
+                        let _ = path.write(address, &data);
+                    }
+                }
+            }
+            while let Some((op, result)) = path.poll_read() {
+                if let Some(id) = self.reads.remove(&op) {
+                    work += 1;
+                    self.function.dma_read_done(id, result.as_deref().map_err(|e| *e));
+                }
+            }
+            if work == before {
+                return work;
+            }
+        }
+    }
+}
+
+struct BlockingHosted<B> {
+    function: BlockingFunction<B>,
+}
+
+/// A [`Path`] seen as the blocking [`DmaPath`] a [`BlockingFunction`] wants.
+struct Blocking<'a>(&'a mut dyn Path);
+
+impl DmaPath for Blocking<'_> {
+    fn read(&mut self, address: u64, buf: &mut [u8]) -> Result<(), DmaError> {
+        let op = self.0.start_read(address, buf.len());
+        let data = self.0.wait_read(op)?;
+        if data.len() != buf.len() {
+            return Err(DmaError::Completion(CplStatus::CompleterAbort));
+        }
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError> {
+        self.0.write(address, data)
+    }
+}
+
+impl<B: BlockingDevice + Send> Hosted for BlockingHosted<B> {
+    fn config(&self) -> &ConfigSpace {
+        self.function.config()
+    }
+    fn config_read(&mut self, register: u16, first_be: u8) -> [u8; 4] {
+        self.function.config_read(register, first_be)
+    }
+    fn config_write(&mut self, register: u16, first_be: u8, data: [u8; 4]) {
+        self.function.config_write(register, first_be, data)
+    }
+    fn memory_read(&mut self, address: u64, data: &mut [u8]) -> Result<(), MmioError> {
+        self.function.memory_read(address, data)
+    }
+    fn memory_write(&mut self, address: u64, data: &[u8]) -> Result<(), MmioError> {
+        self.function.memory_write(address, data)
+    }
+    fn wants_run(&self) -> bool {
+        self.function.has_work()
+    }
+    fn run(&mut self, path: &mut dyn Path) -> usize {
+        if !self.function.has_work() {
+            return 0;
+        }
+        self.function.process(&mut Blocking(path))
+    }
+}
+
+/// Read completion boundary of the functions' completions.
+pub(crate) const DEVICE_RCB: usize = 64;
+
+/// Answers one configuration or memory request to function `h` (whose ID is `me`): the
+/// completions to send back (none for a posted write).
+pub(crate) fn serve(h: &mut dyn Hosted, me: Bdf, tlp: &Tlp) -> Vec<Tlp> {
+    match (&tlp.kind, &tlp.header) {
+        (TlpKind::CfgRd0, Header::Config(c)) => {
+            let data = h.config_read(c.register, c.first_be);
+            vec![Tlp::completion(me, c.requester_id, tlp.tag, CplStatus::Success, 4, 0, data.to_vec())]
+        }
+        (TlpKind::CfgWr0, Header::Config(c)) => {
+            let mut v = [0u8; 4];
+            let n = tlp.data.len().min(4);
+            v[..n].copy_from_slice(&tlp.data[..n]);
+            h.config_write(c.register, c.first_be, v);
+            vec![Tlp::completion(me, c.requester_id, tlp.tag, CplStatus::Success, 4, 0, Vec::new())]
+        }
+        (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(m)) => {
+            let shape = RequestShape {
+                address: m.address,
+                length_dw: tlp.length_dw,
+                first_be: m.first_be,
+                last_be: m.last_be,
+            };
+            let (first, count) = shape.byte_range();
+            let start = m.address.saturating_add(first);
+            let mut bytes = vec![0u8; count];
+            let status = match h.memory_read(start, &mut bytes) {
+                Ok(()) => None,
+                Err(MmioError::Unsupported) => Some(CplStatus::UnsupportedRequest),
+                Err(_) => Some(CplStatus::CompleterAbort),
+            };
+            if let Some(status) = status {
+                let bc = count.clamp(1, 4096) as u16;
+                return vec![Tlp::completion(
+                    me,
+                    m.requester_id,
+                    tlp.tag,
+                    status,
+                    bc,
+                    (start & 0x7f) as u8,
+                    vec![],
+                )];
+            }
+            let mps = h.config().max_payload_size();
+            let fill = |a: u64, buf: &mut [u8]| {
+                for (i, b) in buf.iter_mut().enumerate() {
+                    let at = a + i as u64;
+                    *b = at.checked_sub(start).and_then(|o| bytes.get(o as usize)).copied().unwrap_or(0);
+                }
+                Ok(())
+            };
+            completions_for_read(tlp, me, mps, DEVICE_RCB, fill)
+                .unwrap_or_else(|_| vec![ur_completion(me, m.requester_id, tlp.tag)])
+        }
+        (TlpKind::MWr32 | TlpKind::MWr64, Header::Mem(m)) => {
+            let shape = RequestShape {
+                address: m.address,
+                length_dw: tlp.length_dw,
+                first_be: m.first_be,
+                last_be: m.last_be,
+            };
+            let (first, count) = shape.byte_range();
+            let f = first as usize;
+            if let Some(data) = tlp.data.get(f..f + count) {
+                // Posted: an unclaimed or refused write has nobody to tell.
+                let _ = h.memory_write(m.address.saturating_add(first), data);
+            }
+            Vec::new()
+        }
+        _ if super::is_non_posted(tlp) => vec![ur_completion(me, tlp.requester_id(), tlp.tag)],
+        _ => Vec::new(),
+    }
+}
+
+/// The memory ranges function `h` decodes now: (base, size) of each memory BAR, empty while
+/// memory space is disabled. The receive thread routes memory requests with this snapshot.
+pub(crate) fn decode_table(h: &dyn Hosted) -> Vec<(u64, u64)> {
+    let c = h.config();
+    if !c.memory_enabled() {
+        return Vec::new();
+    }
+    (0..6)
+        .filter_map(|i| {
+            let bar = c.spec().bars[i]?;
+            if bar.kind == crate::config::BarKind::Io {
+                return None;
+            }
+            Some((c.bar_address(i)?, bar.size))
+        })
+        .collect()
+}
+
+/// Whether (`address`, `len`) lies in one of `table`'s ranges.
+pub(crate) fn decodes(table: &[(u64, u64)], address: u64, len: u64) -> bool {
+    table.iter().any(|(base, size)| {
+        address.checked_sub(*base).and_then(|o| o.checked_add(len)).is_some_and(|end| end <= *size)
+    })
+}

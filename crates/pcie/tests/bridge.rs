@@ -1,0 +1,398 @@
+//! End to end: a host bridge and device bridges over the simulated wire (1% loss) and an
+//! in-process switch, in both thread modes. Seeds are fixed; every wait is bounded.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lanbus_pcie::blocking::{BlockingDevice, HostAccess};
+use lanbus_pcie::bridge::{
+    BridgeError, DeviceBridge, DeviceBridgeConfig, DmaBuffer, HostBridge, HostBridgeConfig, HostEvent,
+    HostedFunction, RemoteFunction,
+};
+use lanbus_pcie::config::{cap_id, Bar, BarKind, ConfigSpec, MsixSpec};
+use lanbus_pcie::device::CompleterAbort;
+use lanbus_pcie::dma_engine::{self, regs, DmaEngine};
+use lanbus_pcie::{Bdf, CplStatus};
+use lanbus_port::{Hub, HubConfig, Port, SimWire, SimWireConfig};
+use lanbus_runtime::{RuntimeConfig, ThreadMode};
+use lanbus_wire::{Clock, MacAddr, MonotonicClock};
+use rand::{Rng, SeedableRng};
+
+const SRC: u64 = 0x1_0000_0000;
+const DST: u64 = 0x2_0000_0000;
+const WAIT: Duration = Duration::from_secs(10);
+
+fn mac(n: u8) -> MacAddr {
+    MacAddr([2, 0, 0, 0, 0x50, n])
+}
+
+fn runtime(mode: ThreadMode, name: &str) -> RuntimeConfig {
+    let mut c = RuntimeConfig { threads: mode, name: name.into(), ..RuntimeConfig::default() };
+    // The wire is not congested; delay-based rate control would read the scheduling delays of a
+    // loaded 2-core machine as queueing and pace down to its floor.
+    c.transport.rate.enabled = false;
+    c
+}
+
+fn host_config(mode: ThreadMode, group: u16) -> HostBridgeConfig {
+    HostBridgeConfig {
+        group,
+        name: format!("host{group}"),
+        runtime: runtime(mode, &format!("h{group}")),
+        completion_timeout: Duration::from_secs(2),
+        ..HostBridgeConfig::default()
+    }
+}
+
+fn device_config(mode: ThreadMode, group: u16) -> DeviceBridgeConfig {
+    DeviceBridgeConfig {
+        group,
+        name: "iobox".into(),
+        runtime: runtime(mode, "dev"),
+        completion_timeout: Duration::from_secs(2),
+        ..DeviceBridgeConfig::default()
+    }
+}
+
+/// A host and a device bridge with `functions` over a simulated wire losing `loss` of frames.
+fn over_sim(
+    mode: ThreadMode,
+    loss: f64,
+    seed: u64,
+    host: HostBridgeConfig,
+    functions: Vec<HostedFunction>,
+) -> (HostBridge, DeviceBridge) {
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let wire = SimWireConfig { loss, seed, ..SimWireConfig::default() };
+    let (a, b) = SimWire::pair_realtime(wire, clock, [mac(1), mac(2)]).unwrap();
+    let group = host.group;
+    let h = HostBridge::start(Box::new(a), host).unwrap();
+    let d = DeviceBridge::start(Box::new(b), device_config(mode, group), functions).unwrap();
+    (h, d)
+}
+
+fn dma_engine() -> Vec<HostedFunction> {
+    vec![HostedFunction::model(DmaEngine::new()).unwrap()]
+}
+
+fn one_device(h: &HostBridge) -> RemoteFunction {
+    let devs = h.wait_devices(1, WAIT);
+    assert_eq!(devs.len(), 1, "one function enumerated: {devs:?}");
+    devs[0].clone()
+}
+
+fn checksum(b: &[u8]) -> u64 {
+    // FNV-1a: any changed, missing or moved byte changes it.
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Runs one DMA engine transfer and waits for its interrupt (the `n`-th).
+fn transfer(h: &HostBridge, f: &RemoteFunction, src: u64, dst: u64, len: u32, n: u64) -> u32 {
+    let bar0 = f.bar(0).unwrap().address;
+    for (off, v) in [
+        (regs::SRC, src as u32),
+        (regs::SRC + 4, (src >> 32) as u32),
+        (regs::DST, dst as u32),
+        (regs::DST + 4, (dst >> 32) as u32),
+        (regs::LEN, len),
+        (regs::DOORBELL, 1),
+    ] {
+        h.mmio_write32(f.bdf, bar0 + off, v).unwrap();
+    }
+    assert_eq!(h.wait_interrupts(f.bdf, 0, n, WAIT), n, "interrupt {n} arrived");
+    h.mmio_read32(f.bdf, bar0 + regs::STATUS).unwrap()
+}
+
+fn enumerate_and_copy(mode: ThreadMode, total_bytes: usize) {
+    let loss = std::env::var("LOSS").ok().and_then(|s| s.parse().ok()).unwrap_or(0.01);
+    let (h, d) = over_sim(mode, loss, 11, host_config(mode, 7), dma_engine());
+    let f = one_device(&h);
+    assert_eq!(
+        (f.vendor_id, f.device_id, f.class_code),
+        (dma_engine::VENDOR_ID, dma_engine::DEVICE_ID, 0x088000)
+    );
+    assert_eq!(f.mac, d.local_mac());
+    assert_eq!(f.group, 7);
+    let bars: Vec<(usize, u64)> = f.bars.iter().map(|b| (b.index, b.size)).collect();
+    assert_eq!(bars, vec![(0, 4096), (2, 4096)]);
+    for b in &f.bars {
+        assert_eq!(b.address % b.size, 0, "BAR aligned to its size");
+        assert_eq!(b.kind, BarKind::Memory32 { prefetchable: false });
+    }
+    assert_eq!(f.msix_vectors(), dma_engine::MSIX_VECTORS);
+    let caps: Vec<u8> = f.capabilities.iter().map(|c| c.0).collect();
+    assert!(caps.contains(&cap_id::PCI_EXPRESS) && caps.contains(&cap_id::MSIX), "{caps:?}");
+    assert_eq!(d.host(), Some(h.local_mac()));
+
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let src_bytes: Vec<u8> = (0..2 << 20).map(|_| rng.random()).collect();
+    let src = DmaBuffer::from_vec(src_bytes.clone());
+    let dst = DmaBuffer::new(1 << 20);
+    h.add_region(SRC, src).unwrap();
+    h.add_region(DST, dst.clone()).unwrap();
+    let efd = h.interrupt_eventfd(f.bdf, 0).unwrap();
+
+    let sizes = [4096usize, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1 << 20];
+    let (mut copied, mut n) = (0usize, 0u64);
+    let start = Instant::now();
+    while copied < total_bytes {
+        for &len in &sizes {
+            n += 1;
+            let off = rng.random_range(0..(1 << 20) / 4) * 4;
+            dst.with(|b| b[..len].fill(0));
+            let status = transfer(&h, &f, SRC + off as u64, DST, len as u32, n);
+            assert_eq!(status & (regs::STATUS_DONE | regs::STATUS_ERROR), regs::STATUS_DONE, "transfer {n}");
+            let got = dst.read_vec(0, len);
+            assert_eq!(checksum(&got), checksum(&src_bytes[off..off + len]), "transfer {n} of {len} bytes");
+            copied += len;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    eprintln!(
+        "{mode:?}: {} MiB in {n} transfers, {secs:.2} s, {:.1} MB/s",
+        copied >> 20,
+        copied as f64 / secs / 1e6
+    );
+    // Exactly one interrupt per transfer: none extra arrives later.
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(h.interrupt_count(f.bdf, 0), n);
+    assert_eq!(efd.take(), n, "the eventfd counted every interrupt");
+    let hs = h.stats();
+    assert_eq!((hs.unknown_address_reads, hs.spurious_interrupts, hs.timeouts), (0, 0, 0));
+    let ds = d.stats();
+    assert_eq!(ds.dma_read_failures, 0);
+    assert!(h.runtime_stats().transport.frames_received > 0);
+}
+
+#[test]
+fn enumeration_and_dma_copies_run_to_completion() {
+    enumerate_and_copy(ThreadMode::RunToCompletion, 64 << 20);
+}
+
+#[test]
+fn enumeration_and_dma_copies_pipeline() {
+    enumerate_and_copy(ThreadMode::Pipeline, 64 << 20);
+}
+
+fn unknown_addresses(mode: ThreadMode) {
+    let (h, d) = over_sim(mode, 0.01, 12, host_config(mode, 3), dma_engine());
+    let f = one_device(&h);
+    let bar0 = f.bar(0).unwrap().address;
+    // An address no BAR decodes: the device bridge answers UR.
+    let mut b = [0u8; 4];
+    let r = h.mmio_read(f.bdf, bar0 + 0x10_0000, &mut b);
+    assert_eq!(r, Err(BridgeError::Completion(CplStatus::UnsupportedRequest)));
+    assert!(d.stats().ur_sent >= 1);
+    // A function that does not exist.
+    let absent = Bdf::new(f.bdf.bus(), 0, 5).unwrap();
+    assert_eq!(h.config_read(absent, 0), Err(BridgeError::Completion(CplStatus::UnsupportedRequest)));
+    // The device reads host memory nobody lent: the host answers UR, the transfer fails, and
+    // the interrupt still says it ended.
+    h.add_region(DST, DmaBuffer::new(8192)).unwrap();
+    let status = transfer(&h, &f, 0x7_0000_0000, DST, 8192, 1);
+    assert_ne!(status & regs::STATUS_ERROR, 0);
+    assert!(h.stats().unknown_address_reads >= 1);
+    assert!(h.stats().ur_sent >= 1);
+    // The device works on afterwards.
+    h.add_region(SRC, DmaBuffer::from_vec(vec![0xa5; 8192])).unwrap();
+    let status = transfer(&h, &f, SRC, DST, 8192, 2);
+    assert_eq!(status & regs::STATUS_ERROR, 0);
+}
+
+#[test]
+fn unknown_addresses_get_unsupported_request() {
+    unknown_addresses(ThreadMode::RunToCompletion);
+    unknown_addresses(ThreadMode::Pipeline);
+}
+
+/// A blocking model: a copier whose DMA waits for its data (as the NVMe controller's does), and a
+/// register that takes its time to read.
+struct Copier {
+    regs: [u32; 8],
+    pending: bool,
+    copies: u32,
+}
+
+impl BlockingDevice for Copier {
+    fn config_spec(&self) -> ConfigSpec {
+        ConfigSpec::new(0x4c42, 0x00b1, 0x018000)
+            .with_bar(0, Bar { kind: BarKind::Memory64 { prefetchable: true }, size: 16384 })
+            .with_bar(2, Bar { kind: BarKind::Memory32 { prefetchable: false }, size: 4096 })
+            .with_msix(MsixSpec {
+                table_size: 2,
+                table_bar: 2,
+                table_offset: 0,
+                pba_bar: 2,
+                pba_offset: 0x800,
+            })
+    }
+
+    fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) -> Result<(), CompleterAbort> {
+        if bar != 0 || offset >= 0x40 {
+            return Err(CompleterAbort);
+        }
+        if offset == 0x20 {
+            // The slow register.
+            std::thread::sleep(Duration::from_millis(800));
+        }
+        let i = (offset / 4) as usize % 8;
+        let v = if offset == 0x1c { self.copies } else { self.regs[i] };
+        for (k, b) in data.iter_mut().enumerate() {
+            *b = v.to_le_bytes()[(k + offset as usize) % 4];
+        }
+        Ok(())
+    }
+
+    fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
+        if bar == 0 && offset < 0x20 && data.len() == 4 {
+            self.regs[(offset / 4) as usize] = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
+            if offset == 0x14 {
+                self.pending = true;
+            }
+        }
+    }
+
+    fn has_work(&self) -> bool {
+        self.pending
+    }
+
+    fn process(&mut self, host: &mut dyn HostAccess) -> usize {
+        self.pending = false;
+        let src = u64::from(self.regs[0]) | u64::from(self.regs[1]) << 32;
+        let dst = u64::from(self.regs[2]) | u64::from(self.regs[3]) << 32;
+        let mut buf = vec![0u8; self.regs[4] as usize];
+        let ok = host.read(src, &mut buf).is_ok() && host.write(dst, &buf).is_ok();
+        self.copies += u32::from(ok);
+        host.signal_msix(1);
+        1
+    }
+}
+
+fn blocking_model(mode: ThreadMode) {
+    let mut hc = host_config(mode, 4);
+    hc.completion_timeout = Duration::from_millis(300);
+    let copier = Copier { regs: [0; 8], pending: false, copies: 0 };
+    let (h, _d) = over_sim(mode, 0.01, 13, hc, vec![HostedFunction::blocking(copier).unwrap()]);
+    let f = one_device(&h);
+    assert_eq!(f.bar(0).map(|b| (b.size, b.kind)), Some((16384, BarKind::Memory64 { prefetchable: true })));
+    assert_eq!(f.msix_vectors(), 2);
+    let bar0 = f.bar(0).unwrap().address;
+    // The slow register: the completion timeout gives an error, not a hang.
+    let t = Instant::now();
+    let mut b = [0u8; 4];
+    assert_eq!(
+        h.mmio_read(f.bdf, bar0 + 0x20, &mut b),
+        Err(BridgeError::Timeout(Duration::from_millis(300)))
+    );
+    assert!(t.elapsed() < Duration::from_secs(1), "timed out in {:?}", t.elapsed());
+    std::thread::sleep(Duration::from_millis(600));
+    // Its late completion is dropped; the function works on, and its DMA waits for its data.
+    let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+    h.add_region(SRC, DmaBuffer::from_vec(data.clone())).unwrap();
+    let dst = DmaBuffer::new(10_000);
+    h.add_region(DST, dst.clone()).unwrap();
+    for (off, v) in [(0u64, SRC as u32), (4, 1), (8, DST as u32), (12, 2), (16, 9_999), (0x14, 1)] {
+        h.mmio_write32(f.bdf, bar0 + off, v).unwrap();
+    }
+    assert_eq!(h.wait_interrupts(f.bdf, 1, 1, WAIT), 1);
+    assert_eq!(h.mmio_read32(f.bdf, bar0 + 0x1c).unwrap(), 1);
+    assert_eq!(dst.read_vec(0, 9_999), data[..9_999]);
+    assert!(h.stats().timeouts >= 1);
+}
+
+#[test]
+fn blocking_model_dma_and_completion_timeout() {
+    blocking_model(ThreadMode::RunToCompletion);
+    blocking_model(ThreadMode::Pipeline);
+}
+
+fn hub_node(hub: &Hub, n: u8) -> Box<dyn Port> {
+    Box::new(hub.port(mac(n)))
+}
+
+fn groups_move_devices(mode: ThreadMode) {
+    let hub = Hub::new(HubConfig { loss: 0.01, seed: 21, ..HubConfig::default() }).unwrap();
+    let h1 = HostBridge::start(hub_node(&hub, 1), host_config(mode, 1)).unwrap();
+    let h2 = HostBridge::start(hub_node(&hub, 2), host_config(mode, 2)).unwrap();
+    let h3 = HostBridge::start(hub_node(&hub, 3), host_config(mode, 3)).unwrap();
+    let (e1, e2, e3) = (h1.subscribe(), h2.subscribe(), h3.subscribe());
+    let d = DeviceBridge::start(hub_node(&hub, 9), device_config(mode, 1), dma_engine()).unwrap();
+    let f1 = one_device(&h1);
+    assert!(matches!(e1.recv_timeout(WAIT), Ok(HostEvent::DeviceAdded(ref f)) if f.bdf == f1.bdf));
+    assert!(h2.devices().is_empty());
+    // Host 1 uses it.
+    h1.add_region(SRC, DmaBuffer::from_vec(vec![1; 4096])).unwrap();
+    let dst1 = DmaBuffer::new(4096);
+    h1.add_region(DST, dst1.clone()).unwrap();
+    assert_eq!(transfer(&h1, &f1, SRC, DST, 4096, 1) & regs::STATUS_ERROR, 0);
+    assert_eq!(dst1.read_vec(0, 4096), vec![1; 4096]);
+
+    // Move it to group 2: host 1 sees it leave, host 2 enumerates it.
+    d.set_group(2);
+    assert!(h1.wait_gone(d.local_mac(), WAIT));
+    assert!(
+        matches!(e1.recv_timeout(WAIT), Ok(HostEvent::DeviceRemoved { mac, .. }) if mac == d.local_mac())
+    );
+    let f2 = one_device(&h2);
+    assert!(matches!(e2.recv_timeout(WAIT), Ok(HostEvent::DeviceAdded(_))));
+    assert_eq!(f2.group, 2);
+    assert_eq!(h1.mmio_read32(f1.bdf, f1.bar(0).unwrap().address), Err(BridgeError::NoSuchDevice(f1.bdf)));
+    h2.add_region(SRC, DmaBuffer::from_vec(vec![2; 8192])).unwrap();
+    let dst2 = DmaBuffer::new(8192);
+    h2.add_region(DST, dst2.clone()).unwrap();
+    // The engine counts transfers across hosts; interrupts are per host.
+    let status = transfer(&h2, &f2, SRC, DST, 8192, 1);
+    assert_eq!(status & regs::STATUS_ERROR, 0);
+    assert_eq!(dst2.read_vec(0, 8192), vec![2; 8192]);
+    assert_eq!(d.host(), Some(h2.local_mac()));
+    // Host 1 gets it back.
+    d.set_group(1);
+    assert!(h2.wait_gone(d.local_mac(), WAIT));
+    let f1b = one_device(&h1);
+    assert_eq!(transfer(&h1, &f1b, SRC, DST, 4096, 2) & regs::STATUS_ERROR, 0);
+    // Host 3 (group 3) never saw anything.
+    assert!(h3.devices().is_empty());
+    assert!(e3.try_recv().is_err());
+    assert_eq!(h3.stats().tlps_received, 0);
+}
+
+#[test]
+fn group_reassignment_moves_the_device_between_hosts() {
+    groups_move_devices(ThreadMode::RunToCompletion);
+    groups_move_devices(ThreadMode::Pipeline);
+}
+
+fn device_goes_down(mode: ThreadMode) {
+    let hub = Hub::new(HubConfig { seed: 31, ..HubConfig::default() }).unwrap();
+    let mut hc = host_config(mode, 5);
+    hc.completion_timeout = Duration::from_secs(5);
+    let h = HostBridge::start(hub_node(&hub, 1), hc).unwrap();
+    let events = h.subscribe();
+    let d = DeviceBridge::start(hub_node(&hub, 9), device_config(mode, 5), dma_engine()).unwrap();
+    let f = one_device(&h);
+    let _ = events.recv_timeout(WAIT);
+    let bar0 = f.bar(0).unwrap().address;
+    assert!(h.mmio_read32(f.bdf, bar0).is_ok());
+    // Pull the cable: the request in flight fails as soon as the heartbeats are missed, well
+    // before its 5 s completion timeout.
+    hub.set_link(d.local_mac(), false);
+    let t = Instant::now();
+    let r = h.mmio_read32(f.bdf, bar0);
+    assert_eq!(r, Err(BridgeError::DeviceGone { bdf: f.bdf, mac: d.local_mac() }));
+    assert!(t.elapsed() < Duration::from_secs(2), "failed after {:?}", t.elapsed());
+    assert!(matches!(events.recv_timeout(WAIT), Ok(HostEvent::DeviceRemoved { .. })));
+    assert!(h.devices().is_empty());
+    assert!(h.stats().device_gone >= 1);
+    // And the device sees its host go.
+    let t = Instant::now();
+    while d.host().is_some() && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(d.host(), None);
+}
+
+#[test]
+fn a_device_that_stops_heartbeating_fails_its_users() {
+    device_goes_down(ThreadMode::RunToCompletion);
+    device_goes_down(ThreadMode::Pipeline);
+}

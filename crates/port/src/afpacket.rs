@@ -1,0 +1,1030 @@
+//! The `afpacket` port: raw Ethernet through an AF_PACKET socket with PACKET_MMAP rings.
+//!
+//! Layer: ports. One `AF_PACKET`/`SOCK_RAW` socket bound to one interface and to EtherType 0x88B5,
+//! with (Linux `Documentation/networking/packet_mmap.rst`):
+//!
+//! - a TPACKET_V3 receive ring: blocks of packets that the kernel hands over whole (when full, or
+//!   after `tov_ms` when partly filled); the port walks a block, lends each frame to the caller
+//!   straight from the mapping, and gives the block back;
+//! - a mapped transmit ring (TPACKET_V3 frame layout, one frame per slot): the caller writes the
+//!   frame into the slot, the port marks it `TP_STATUS_SEND_REQUEST` and kicks the kernel with a
+//!   non-blocking `send`; `PACKET_LOSS` makes the kernel skip a malformed slot rather than stall;
+//! - `PACKET_QDISC_BYPASS` (frames go straight to the driver), `PACKET_IGNORE_OUTGOING` where the
+//!   kernel has it (Linux 4.20+; otherwise outgoing frames are recognised by `sll_pkttype` and
+//!   skipped), and a classic BPF filter (`SO_ATTACH_FILTER`: accept only EtherType 0x88B5) on top
+//!   of the protocol binding, so nothing else is copied into the ring.
+//!
+//! Invariants: the port trusts nothing in the ring: every offset and length the kernel wrote is
+//! checked against the block before it is used, and a block that does not add up is given back
+//! and its remaining frames counted as dropped. Frames that are too short, too long (or cut by
+//! the ring) or of another EtherType are counted in `rx_dropped` and never delivered; so are the
+//! kernel's own ring-full drops (`PACKET_STATISTICS`). The port owns its mapping exclusively;
+//! ownership of each block and slot passes between the port and the kernel only through its status
+//! word, read with Acquire and written with Release.
+//!
+//! Latency note: TPACKET_V3 hands a partly filled block over only when its retire timer fires, so
+//! a lone frame waits up to `tov_ms` (1 ms by default) before the port can see it. Request/response
+//! traffic that cares about microseconds opens the port with `rx=v2` instead: the socket then uses
+//! TPACKET_V2 for both rings, whose receive ring hands over every frame on its own as soon as it
+//! is written (a frame-per-slot ring; the walk is the same with one packet per unit).
+
+use core::cell::Cell;
+use core::sync::atomic::{AtomicU32, Ordering};
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::Duration;
+
+use lanbus_wire::ethernet::HEADER_LEN;
+use lanbus_wire::{EtherType, MacAddr};
+
+use crate::check::check_frame;
+use crate::udp::poll_readable;
+use crate::{Port, PortCounters, PortError, Result};
+
+/// Bytes of `struct tpacket3_hdr` rounded to TPACKET_ALIGNMENT: where `sockaddr_ll` follows the
+/// frame header in a receive slot, and where the frame data starts in a transmit slot.
+const TPACKET3_HDR_ALIGNED: usize = 48;
+/// `TPACKET3_HDRLEN`: the aligned header plus `sockaddr_ll`.
+const TPACKET3_HDRLEN: usize = TPACKET3_HDR_ALIGNED + core::mem::size_of::<libc::sockaddr_ll>();
+
+// Offsets in `struct tpacket_block_desc` (version, offset_to_priv, then tpacket_hdr_v1).
+const BLOCK_STATUS: usize = 8;
+const BLOCK_NUM_PKTS: usize = 12;
+const BLOCK_FIRST_PKT: usize = 16;
+/// Size of the block descriptor, rounded as the kernel does (`BLK_HDR_LEN`).
+const BLOCK_DESC_LEN: usize = 48;
+
+/// Bytes of `struct tpacket2_hdr` rounded to TPACKET_ALIGNMENT (as above, for TPACKET_V2).
+const TPACKET2_HDR_ALIGNED: usize = 32;
+/// `TPACKET2_HDRLEN`.
+const TPACKET2_HDRLEN: usize = TPACKET2_HDR_ALIGNED + core::mem::size_of::<libc::sockaddr_ll>();
+// Offsets in `struct tpacket2_hdr`.
+const V2_STATUS: usize = 0;
+const V2_LEN: usize = 4;
+const V2_SNAPLEN: usize = 8;
+const V2_MAC: usize = 12;
+
+// Offsets in `struct tpacket3_hdr`.
+const PKT_NEXT_OFFSET: usize = 0;
+const PKT_SNAPLEN: usize = 12;
+const PKT_LEN: usize = 16;
+const PKT_STATUS: usize = 20;
+const PKT_MAC: usize = 24;
+/// Offset of `sll_pkttype` in `sockaddr_ll`.
+const SLL_PKTTYPE: usize = 10;
+
+/// Frames per transmit ring.
+const TX_FRAMES: usize = 256;
+/// Receive ring blocks.
+const RX_BLOCKS: usize = 16;
+/// Smallest receive block.
+const RX_BLOCK_MIN_BYTES: usize = 1 << 18;
+/// Bytes a TPACKET_V2 receive ring aims for (64 to 1024 slots).
+const RX_V2_BYTES: usize = 4 << 20;
+
+/// How to open an [`AfPacketPort`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AfPacketConfig {
+    /// The interface name (at most 15 bytes).
+    pub ifname: String,
+    /// Milliseconds the kernel may hold a partly filled receive block (TPACKET_V3 retire timeout).
+    pub tov_ms: u32,
+    /// Which TPACKET version the rings use.
+    pub rx: RxVersion,
+}
+
+/// The ring layout: TPACKET_V3 (block-based receive, the default) or TPACKET_V2 (one frame per
+/// slot, each handed over at once: lower latency for lone frames).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RxVersion {
+    /// TPACKET_V3: blocks of frames, handed over when full or after `tov_ms`.
+    #[default]
+    V3,
+    /// TPACKET_V2: a slot per frame, handed over as soon as it is written.
+    V2,
+}
+
+impl AfPacketConfig {
+    /// Defaults for `ifname`: 1 ms block timeout.
+    pub fn new(ifname: &str) -> Self {
+        AfPacketConfig { ifname: ifname.to_string(), tov_ms: 1, rx: RxVersion::V3 }
+    }
+
+    /// Parses `IFACE[,tov_ms=MS][,rx=v3|v2]` (the spec without `afpacket:`).
+    pub fn parse(args: &str) -> core::result::Result<AfPacketConfig, String> {
+        let mut parts = args.split(',');
+        let ifname = parts.next().unwrap_or("").trim();
+        check_ifname(ifname)?;
+        let mut config = AfPacketConfig::new(ifname);
+        for part in parts {
+            match part.trim().split_once('=') {
+                Some(("tov_ms", v)) => {
+                    config.tov_ms =
+                        v.trim().parse().ok().filter(|ms| (1..=1000).contains(ms)).ok_or_else(|| {
+                            format!("tov_ms={v:?} is not a number of milliseconds in 1..=1000")
+                        })?;
+                }
+                Some(("rx", v)) => {
+                    config.rx = match v.trim() {
+                        "v3" => RxVersion::V3,
+                        "v2" => RxVersion::V2,
+                        other => {
+                            return Err(format!(
+                                "rx={other:?}: write rx=v3 (blocks) or rx=v2 (frame per slot)"
+                            ))
+                        }
+                    };
+                }
+                _ => return Err(format!("unknown option {part:?}; options are tov_ms=MS and rx=v3|v2")),
+            }
+        }
+        Ok(config)
+    }
+}
+
+/// Checks that `name` can be a Linux interface name; the error says why not.
+pub fn check_ifname(name: &str) -> core::result::Result<(), String> {
+    if name.is_empty() {
+        return Err("expected an interface name, for example afpacket:eth1 (`ip link` lists them)".into());
+    }
+    if name.len() > 15 {
+        return Err(format!("{name:?} is longer than 15 bytes, which no Linux interface name is"));
+    }
+    if name.contains(['/', ' ', '\0', ',']) {
+        return Err(format!("{name:?} is not an interface name (no '/', ',', spaces)"));
+    }
+    Ok(())
+}
+
+/// What an interface looks like, read with ioctls on an ordinary socket (no privileges needed).
+struct IfaceInfo {
+    index: libc::c_int,
+    mac: MacAddr,
+    mtu: usize,
+}
+
+fn iface_info(spec: &str, ifname: &str) -> Result<IfaceInfo> {
+    let unavailable = |why: String| PortError::Unavailable { spec: spec.to_string(), why };
+    let cname = CString::new(ifname).map_err(|_| unavailable(format!("{ifname:?} contains a NUL byte")))?;
+    // SAFETY: cname is a valid NUL-terminated string for the duration of the call.
+    let index = unsafe { libc::if_nametoindex(cname.as_ptr()) };
+    if index == 0 {
+        return Err(unavailable(format!(
+            "no interface named {ifname:?} in this network namespace (`ip link` lists them)"
+        )));
+    }
+    // SAFETY: socket() has no memory preconditions; the result is checked.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(PortError::io("socket(AF_INET) for interface ioctls", std::io::Error::last_os_error()));
+    }
+    // SAFETY: raw is a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let ioctl = |request: libc::c_ulong, what: &'static str| -> Result<libc::ifreq> {
+        // SAFETY: ifreq is plain old data; all-zero is valid.
+        let mut req: libc::ifreq = unsafe { core::mem::zeroed() };
+        for (dst, src) in req.ifr_name.iter_mut().zip(ifname.bytes()) {
+            *dst = src as libc::c_char;
+        }
+        // SAFETY: the request codes used here read an ifreq whose name is set and write into it;
+        // req lives for the call.
+        let rc = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, &mut req as *mut libc::ifreq) };
+        if rc != 0 {
+            return Err(PortError::io(what, std::io::Error::last_os_error()));
+        }
+        Ok(req)
+    };
+    let flags_req = ioctl(libc::SIOCGIFFLAGS, "SIOCGIFFLAGS")?;
+    // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
+    let flags = i32::from(unsafe { flags_req.ifr_ifru.ifru_flags });
+    if flags & libc::IFF_UP == 0 {
+        return Err(unavailable(format!(
+            "interface {ifname} is down: bring it up with `ip link set {ifname} up`"
+        )));
+    }
+    let hw = ioctl(libc::SIOCGIFHWADDR, "SIOCGIFHWADDR")?;
+    // SAFETY: SIOCGIFHWADDR filled the hwaddr member of the union.
+    let hwaddr = unsafe { hw.ifr_ifru.ifru_hwaddr };
+    if hwaddr.sa_family != libc::ARPHRD_ETHER {
+        return Err(unavailable(format!(
+            "{ifname} is not an Ethernet interface (hardware type {}); lanbus needs Ethernet (a NIC, veth, \
+             bridge or macvlan), or the udp port for other links",
+            hwaddr.sa_family
+        )));
+    }
+    let mut mac = [0u8; 6];
+    for (d, s) in mac.iter_mut().zip(hwaddr.sa_data.iter()) {
+        *d = *s as u8;
+    }
+    let mtu_req = ioctl(libc::SIOCGIFMTU, "SIOCGIFMTU")?;
+    // SAFETY: SIOCGIFMTU filled the mtu member of the union.
+    let mtu = unsafe { mtu_req.ifr_ifru.ifru_mtu };
+    let mtu = usize::try_from(mtu)
+        .ok()
+        .filter(|m| *m >= 68)
+        .ok_or_else(|| unavailable(format!("{ifname} reports MTU {mtu}")))?;
+    Ok(IfaceInfo { index: index as libc::c_int, mac: MacAddr(mac), mtu })
+}
+
+fn set_option<T>(fd: &OwnedFd, level: libc::c_int, name: libc::c_int, value: &T) -> std::io::Result<()> {
+    // SAFETY: the pointer and length describe `value`, which lives for the call; the kernel only
+    // reads it.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            value as *const T as *const libc::c_void,
+            core::mem::size_of::<T>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The classic BPF program: accept a frame only if its EtherType (bytes 12..14) is 0x88B5.
+fn lanbus_filter() -> [libc::sock_filter; 4] {
+    const BPF_LD_H_ABS: u16 = 0x28;
+    const BPF_JMP_JEQ_K: u16 = 0x15;
+    const BPF_RET_K: u16 = 0x06;
+    [
+        libc::sock_filter { code: BPF_LD_H_ABS, jt: 0, jf: 0, k: 12 },
+        libc::sock_filter { code: BPF_JMP_JEQ_K, jt: 0, jf: 1, k: u32::from(EtherType::LANBUS_RAW) },
+        // Accept the whole frame (the ring cuts it if it is bigger than a block).
+        libc::sock_filter { code: BPF_RET_K, jt: 0, jf: 0, k: 0x0004_0000 },
+        libc::sock_filter { code: BPF_RET_K, jt: 0, jf: 0, k: 0 },
+    ]
+}
+
+/// Where the receive walk stands inside the current block.
+#[derive(Debug, Clone, Copy)]
+struct RxCursor {
+    /// Packets of the block not yet looked at.
+    left: u32,
+    /// Offset of the next packet header in the block.
+    offset: usize,
+}
+
+fn read_u32(block: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_ne_bytes(block.get(at..at.checked_add(4)?)?.try_into().ok()?))
+}
+
+fn read_u16(block: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_ne_bytes(block.get(at..at.checked_add(2)?)?.try_into().ok()?))
+}
+
+impl RxCursor {
+    /// The walk of a block the kernel just handed over: its packet count and first offset.
+    fn start(block: &[u8]) -> RxCursor {
+        match (read_u32(block, BLOCK_NUM_PKTS), read_u32(block, BLOCK_FIRST_PKT)) {
+            (Some(left), Some(offset)) => RxCursor { left, offset: offset as usize },
+            _ => RxCursor { left: 0, offset: 0 },
+        }
+    }
+}
+
+/// One step of the walk through a receive block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step {
+    /// No packets left: give the block back.
+    Done,
+    /// The chain of packet headers does not add up; `lost` packets cannot be found.
+    Corrupt {
+        /// Packets of the block not delivered.
+        lost: u32,
+    },
+    /// This packet's frame lies outside the block.
+    Bad,
+    /// A packet: the frame's bytes in the block, the length it had on the wire, and whether it
+    /// was outgoing (PACKET_OUTGOING).
+    Packet {
+        /// Byte range of the frame (as captured) in the block.
+        frame: core::ops::Range<usize>,
+        /// The frame's length on the wire (more than the range if the ring cut it).
+        wire_len: usize,
+        /// Whether this host sent it.
+        outgoing: bool,
+    },
+}
+
+/// Reads the packet at the cursor and moves past it. Trusts nothing in the block: every offset
+/// and length is checked against it, offsets must move forward by at least a header, so the walk
+/// ends after at most `block.len() / TPACKET3_HDRLEN` steps whatever the bytes say.
+fn next_packet(block: &[u8], cursor: &mut RxCursor) -> Step {
+    if cursor.left == 0 {
+        return Step::Done;
+    }
+    let at = cursor.offset;
+    let header_ok =
+        at >= BLOCK_DESC_LEN && at.checked_add(TPACKET3_HDRLEN).is_some_and(|end| end <= block.len());
+    let fields = header_ok
+        .then(|| {
+            Some((
+                read_u32(block, at + PKT_NEXT_OFFSET)? as usize,
+                read_u32(block, at + PKT_SNAPLEN)? as usize,
+                read_u32(block, at + PKT_LEN)? as usize,
+                usize::from(read_u16(block, at + PKT_MAC)?),
+                *block.get(at + TPACKET3_HDR_ALIGNED + SLL_PKTTYPE)?,
+            ))
+        })
+        .flatten();
+    let Some((next, snaplen, wire_len, mac_off, pkttype)) = fields else {
+        let lost = cursor.left;
+        cursor.left = 0;
+        return Step::Corrupt { lost };
+    };
+    cursor.left -= 1;
+    // A next offset shorter than a header would walk backwards or in place: end the walk there
+    // (the next call reports the rest as lost).
+    cursor.offset = if next >= TPACKET3_HDRLEN { at + next } else { 0 };
+    let start = at + mac_off;
+    match start.checked_add(snaplen) {
+        Some(end) if mac_off >= TPACKET3_HDRLEN && end <= block.len() => {
+            Step::Packet { frame: start..end, wire_len, outgoing: pkttype == libc::PACKET_OUTGOING }
+        }
+        _ => Step::Bad,
+    }
+}
+
+/// Reads the one packet of a TPACKET_V2 receive slot, checking its offsets against the slot.
+fn v2_packet(slot: &[u8]) -> Step {
+    let fields = (|| {
+        Some((
+            read_u32(slot, V2_LEN)? as usize,
+            read_u32(slot, V2_SNAPLEN)? as usize,
+            usize::from(read_u16(slot, V2_MAC)?),
+            *slot.get(TPACKET2_HDR_ALIGNED + SLL_PKTTYPE)?,
+        ))
+    })();
+    let Some((wire_len, snaplen, mac_off, pkttype)) = fields else {
+        return Step::Bad;
+    };
+    match mac_off.checked_add(snaplen) {
+        Some(end) if mac_off >= TPACKET2_HDRLEN && end <= slot.len() => {
+            Step::Packet { frame: mac_off..end, wire_len, outgoing: pkttype == libc::PACKET_OUTGOING }
+        }
+        _ => Step::Bad,
+    }
+}
+
+/// The fuzz target's body: walks arbitrary bytes as a TPACKET_V3 receive block and reads them as a
+/// TPACKET_V2 slot, as the port does with the kernel's rings, and admission-checks every frame
+/// found. Panics only if the walk indexes out of bounds or fails to end.
+pub fn fuzz_rx_block(data: &[u8]) {
+    if let Step::Packet { frame, .. } = v2_packet(data) {
+        let _ = check_frame(&data[frame], 1500);
+    }
+    let mut cursor = RxCursor::start(data);
+    let mut steps = 0usize;
+    loop {
+        match next_packet(data, &mut cursor) {
+            Step::Done | Step::Corrupt { .. } => break,
+            Step::Bad => {}
+            Step::Packet { frame, .. } => {
+                let _ = check_frame(&data[frame], 1500);
+            }
+        }
+        steps += 1;
+        assert!(steps <= data.len() / TPACKET3_HDRLEN + 1, "the walk does not move forward");
+    }
+}
+
+/// Where the fields of a transmit slot are, by TPACKET version.
+#[derive(Debug, Clone, Copy)]
+struct TxOffsets {
+    status: usize,
+    len: usize,
+    snaplen: usize,
+    data: usize,
+    /// `tp_next_offset` (V3 only; must be 0).
+    next: Option<usize>,
+}
+
+/// The AF_PACKET port; see the module docs.
+pub struct AfPacketPort {
+    fd: OwnedFd,
+    ifname: String,
+    mac: MacAddr,
+    mtu: usize,
+    map: *mut u8,
+    map_len: usize,
+    rx_version: RxVersion,
+    /// Bytes per receive unit: a block (V3) or a frame slot (V2).
+    rx_unit_bytes: usize,
+    rx_units: usize,
+    rx_unit: usize,
+    /// `Some` while the port owns `rx_unit` and is part-way through it.
+    rx_cursor: Option<RxCursor>,
+    tx_base: usize,
+    tx_frame_bytes: usize,
+    tx_head: usize,
+    /// Frames marked for sending that the kernel has not been told about.
+    tx_unkicked: bool,
+    ignore_outgoing: bool,
+    qdisc_bypass: bool,
+    counters: PortCounters,
+    /// Ring-full drops the kernel reported; `PACKET_STATISTICS` resets on read, so they add up here.
+    kernel_drops: Cell<u64>,
+}
+
+// SAFETY: the mapping is owned by this value alone (no other handle to it exists in the process)
+// and is only touched through `&mut self` or, for counters, not at all; the kernel side of the
+// rings synchronises through the status words. Moving the port to another thread is therefore
+// sound. (It is not Sync: `kernel_drops` is a Cell.)
+unsafe impl Send for AfPacketPort {}
+
+impl core::fmt::Debug for AfPacketPort {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("AfPacketPort")
+            .field("ifname", &self.ifname)
+            .field("mac", &self.mac)
+            .field("mtu", &self.mtu)
+            .field("ignore_outgoing", &self.ignore_outgoing)
+            .field("qdisc_bypass", &self.qdisc_bypass)
+            .field("counters", &self.counters)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AfPacketPort {
+    /// Opens the port on `config.ifname`. Unavailable (with what to do) when there is no such
+    /// interface, it is down or not Ethernet, or the process lacks CAP_NET_RAW.
+    pub fn open(config: &AfPacketConfig) -> Result<AfPacketPort> {
+        let spec = format!("afpacket:{}", config.ifname);
+        check_ifname(&config.ifname).map_err(|why| PortError::BadSpec { spec: spec.clone(), why })?;
+        let info = iface_info(&spec, &config.ifname)?;
+
+        // Protocol 0: the socket receives nothing until it is bound, after the filter and rings.
+        // SAFETY: socket() has no memory preconditions; the result is checked.
+        let raw = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+        if raw < 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EPERM) | Some(libc::EACCES) => PortError::Unavailable {
+                    spec,
+                    why: "AF_PACKET sockets need CAP_NET_RAW: run as root, or grant it once with \
+                          `sudo setcap cap_net_raw+ep $(command -v lanbus)` (or use the udp port, which \
+                          needs no privileges)"
+                        .into(),
+                },
+                Some(libc::EAFNOSUPPORT) => PortError::Unavailable {
+                    spec,
+                    why: "this kernel has no AF_PACKET support (CONFIG_PACKET); use the udp port".into(),
+                },
+                _ => PortError::io("socket(AF_PACKET)", e),
+            });
+        }
+        // SAFETY: raw is a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let version = match config.rx {
+            RxVersion::V3 => libc::tpacket_versions::TPACKET_V3,
+            RxVersion::V2 => libc::tpacket_versions::TPACKET_V2,
+        } as libc::c_int;
+        set_option(&fd, libc::SOL_PACKET, libc::PACKET_VERSION, &version)
+            .map_err(|e| PortError::io("PACKET_VERSION (TPACKET_V3 needs Linux 3.2+)", e))?;
+        let one: libc::c_int = 1;
+        set_option(&fd, libc::SOL_PACKET, libc::PACKET_LOSS, &one)
+            .map_err(|e| PortError::io("PACKET_LOSS", e))?;
+        // Optional speed-ups: the port works without them (older kernels).
+        let qdisc_bypass = set_option(&fd, libc::SOL_PACKET, libc::PACKET_QDISC_BYPASS, &one).is_ok();
+        let ignore_outgoing = set_option(&fd, libc::SOL_PACKET, libc::PACKET_IGNORE_OUTGOING, &one).is_ok();
+        let mut filter = lanbus_filter();
+        let program = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_mut_ptr() };
+        set_option(&fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &program)
+            .map_err(|e| PortError::io("SO_ATTACH_FILTER (EtherType 0x88B5 filter)", e))?;
+
+        let frame_max = HEADER_LEN + info.mtu;
+        // Receive units hold at least one whole maximal frame with its headers: a V3 block its
+        // descriptor too, a V2 slot the aligned header plus the kernel's 16 bytes of headroom.
+        let (rx_unit_bytes, rx_units, rx_req) = match config.rx {
+            RxVersion::V3 => {
+                let block = (BLOCK_DESC_LEN + TPACKET3_HDRLEN + 2 * 16 + frame_max)
+                    .next_power_of_two()
+                    .max(RX_BLOCK_MIN_BYTES);
+                let nominal_frame = 2048usize.min(block);
+                let req = libc::tpacket_req3 {
+                    tp_block_size: block as u32,
+                    tp_block_nr: RX_BLOCKS as u32,
+                    tp_frame_size: nominal_frame as u32,
+                    tp_frame_nr: (RX_BLOCKS * (block / nominal_frame)) as u32,
+                    tp_retire_blk_tov: config.tov_ms,
+                    tp_sizeof_priv: 0,
+                    tp_feature_req_word: 0,
+                };
+                (block, RX_BLOCKS, req)
+            }
+            RxVersion::V2 => {
+                let frame =
+                    (TPACKET2_HDRLEN.next_multiple_of(16) + 16 + frame_max).next_power_of_two().max(2048);
+                let block = frame.max(1 << 16);
+                let frames =
+                    ((RX_V2_BYTES / frame).clamp(64, 1024) / (block / frame)).max(1) * (block / frame);
+                // The kernel reads only the first four fields for TPACKET_V2.
+                let req = libc::tpacket_req3 {
+                    tp_block_size: block as u32,
+                    tp_block_nr: (frames / (block / frame)) as u32,
+                    tp_frame_size: frame as u32,
+                    tp_frame_nr: frames as u32,
+                    tp_retire_blk_tov: 0,
+                    tp_sizeof_priv: 0,
+                    tp_feature_req_word: 0,
+                };
+                (frame, frames, req)
+            }
+        };
+        set_option(&fd, libc::SOL_PACKET, libc::PACKET_RX_RING, &rx_req)
+            .map_err(|e| PortError::io("PACKET_RX_RING (receive ring)", e))?;
+        let tx_data = match config.rx {
+            RxVersion::V3 => TPACKET3_HDR_ALIGNED,
+            RxVersion::V2 => TPACKET2_HDR_ALIGNED,
+        };
+        let tx_frame_bytes = (tx_data + frame_max).next_power_of_two().max(2048);
+        let tx_block_bytes = tx_frame_bytes.max(1 << 16);
+        let tx_blocks = (TX_FRAMES * tx_frame_bytes).div_ceil(tx_block_bytes);
+        let tx_frames = tx_blocks * (tx_block_bytes / tx_frame_bytes);
+        let tx_req = libc::tpacket_req3 {
+            tp_block_size: tx_block_bytes as u32,
+            tp_block_nr: tx_blocks as u32,
+            tp_frame_size: tx_frame_bytes as u32,
+            tp_frame_nr: tx_frames as u32,
+            tp_retire_blk_tov: 0,
+            tp_sizeof_priv: 0,
+            tp_feature_req_word: 0,
+        };
+        set_option(&fd, libc::SOL_PACKET, libc::PACKET_TX_RING, &tx_req)
+            .map_err(|e| PortError::io("PACKET_TX_RING (mapped transmit ring)", e))?;
+
+        // Units are laid out back to back: V2 slots divide their blocks exactly.
+        let rx_len = rx_unit_bytes * rx_units;
+        let map_len = rx_len + tx_block_bytes * tx_blocks;
+        // SAFETY: mapping the socket's rings (receive first, then transmit, as the kernel lays
+        // them out) at a kernel-chosen address; the result is checked.
+        let map = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(PortError::io("mmap of the AF_PACKET rings", std::io::Error::last_os_error()));
+        }
+        let port = AfPacketPort {
+            fd,
+            ifname: config.ifname.clone(),
+            mac: info.mac,
+            mtu: info.mtu,
+            map: map as *mut u8,
+            map_len,
+            rx_version: config.rx,
+            rx_unit_bytes,
+            rx_units,
+            rx_unit: 0,
+            rx_cursor: None,
+            tx_base: rx_len,
+            tx_frame_bytes,
+            tx_head: 0,
+            tx_unkicked: false,
+            ignore_outgoing,
+            qdisc_bypass,
+            counters: PortCounters::default(),
+            kernel_drops: Cell::new(0),
+        };
+        // SAFETY: sockaddr_ll is plain old data; all-zero is valid.
+        let mut sll: libc::sockaddr_ll = unsafe { core::mem::zeroed() };
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_protocol = EtherType::LANBUS_RAW.to_be();
+        sll.sll_ifindex = info.index;
+        // SAFETY: sll is a valid sockaddr_ll for the call.
+        let rc = unsafe {
+            libc::bind(
+                port.fd.as_raw_fd(),
+                &sll as *const libc::sockaddr_ll as *const libc::sockaddr,
+                core::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::ENETDOWN) => PortError::Unavailable {
+                    spec,
+                    why: format!("interface {} went down: `ip link set {} up`", config.ifname, config.ifname),
+                },
+                Some(libc::ENODEV) => PortError::Unavailable {
+                    spec,
+                    why: format!("interface {} disappeared while opening", config.ifname),
+                },
+                _ => PortError::io("bind of the AF_PACKET socket", e),
+            });
+        }
+        Ok(port)
+    }
+
+    /// The interface the port is bound to.
+    pub fn ifname(&self) -> &str {
+        &self.ifname
+    }
+
+    /// Whether the kernel took PACKET_IGNORE_OUTGOING (else outgoing frames are skipped in code).
+    pub fn ignores_outgoing_in_kernel(&self) -> bool {
+        self.ignore_outgoing
+    }
+
+    /// Whether transmitted frames bypass the qdisc layer.
+    pub fn qdisc_bypass(&self) -> bool {
+        self.qdisc_bypass
+    }
+
+    /// Frames the kernel dropped because the receive ring was full (included in `rx_dropped`).
+    pub fn kernel_drops(&self) -> u64 {
+        self.refresh_kernel_drops();
+        self.kernel_drops.get()
+    }
+
+    fn refresh_kernel_drops(&self) {
+        // SAFETY: tpacket_stats_v3 is plain old data; all-zero is valid.
+        let mut stats: libc::tpacket_stats_v3 = unsafe { core::mem::zeroed() };
+        let mut len = core::mem::size_of::<libc::tpacket_stats_v3>() as libc::socklen_t;
+        // SAFETY: stats and len are live and describe a buffer of the size given.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.fd.as_raw_fd(),
+                libc::SOL_PACKET,
+                libc::PACKET_STATISTICS,
+                &mut stats as *mut _ as *mut libc::c_void,
+                &mut len,
+            )
+        };
+        if rc == 0 {
+            self.kernel_drops.set(self.kernel_drops.get() + u64::from(stats.tp_drops));
+        }
+    }
+
+    /// The status word of receive unit `unit` (a V3 block's `block_status`, a V2 slot's
+    /// `tp_status`).
+    fn unit_status(&self, unit: usize) -> &AtomicU32 {
+        debug_assert!(unit < self.rx_units);
+        let at = match self.rx_version {
+            RxVersion::V3 => BLOCK_STATUS,
+            RxVersion::V2 => V2_STATUS,
+        };
+        // SAFETY: the status word lies at the start of the unit, inside the mapping, and is
+        // 4-aligned (units are 16-aligned). The kernel writes it concurrently, hence an atomic view.
+        unsafe { &*(self.map.add(unit * self.rx_unit_bytes + at) as *const AtomicU32) }
+    }
+
+    /// The status word of transmit slot `slot`.
+    fn tx_status(&self, slot: usize) -> &AtomicU32 {
+        // SAFETY: the slot lies inside the transmit part of the mapping (slot < TX frames) and
+        // tp_status is 4-aligned in a 16-aligned slot; the kernel writes it concurrently.
+        unsafe {
+            &*(self.map.add(self.tx_base + slot * self.tx_frame_bytes + self.tx_offsets().status)
+                as *const AtomicU32)
+        }
+    }
+
+    fn tx_offsets(&self) -> TxOffsets {
+        match self.rx_version {
+            RxVersion::V3 => TxOffsets {
+                status: PKT_STATUS,
+                len: PKT_LEN,
+                snaplen: PKT_SNAPLEN,
+                data: TPACKET3_HDR_ALIGNED,
+                next: Some(PKT_NEXT_OFFSET),
+            },
+            RxVersion::V2 => TxOffsets {
+                status: V2_STATUS,
+                len: V2_LEN,
+                snaplen: V2_SNAPLEN,
+                data: TPACKET2_HDR_ALIGNED,
+                next: None,
+            },
+        }
+    }
+
+    fn tx_slots(&self) -> usize {
+        (self.map_len - self.tx_base) / self.tx_frame_bytes
+    }
+
+    /// The current receive unit as bytes. Only call while the port owns it (its status was seen
+    /// with TP_STATUS_USER under Acquire and it has not been released).
+    ///
+    /// The lifetime is not tied to `self` so that counters can be updated while a frame is lent;
+    /// callers drop the slice before `release_unit`.
+    fn owned_unit<'a>(&self) -> &'a [u8] {
+        // SAFETY: the unit lies inside the mapping, which lives as long as the port; while the
+        // port owns the unit the kernel does not write to it (it waits for TP_STATUS_KERNEL), and
+        // rx_burst drops every slice of it before handing it back.
+        unsafe {
+            core::slice::from_raw_parts(self.map.add(self.rx_unit * self.rx_unit_bytes), self.rx_unit_bytes)
+        }
+    }
+
+    fn release_unit(&mut self) {
+        // Release: our reads of the unit happen before the kernel may refill it; pairs with the
+        // kernel's status read (smp_rmb) before it writes a slot or opens a block.
+        self.unit_status(self.rx_unit).store(libc::TP_STATUS_KERNEL, Ordering::Release);
+        self.rx_cursor = None;
+        self.rx_unit = (self.rx_unit + 1) % self.rx_units;
+    }
+
+    fn kick(&mut self) -> Result<()> {
+        // SAFETY: a zero-length send with no address tells the kernel to transmit the slots
+        // marked SEND_REQUEST; no user memory is passed.
+        let rc = unsafe { libc::send(self.fd.as_raw_fd(), core::ptr::null(), 0, libc::MSG_DONTWAIT) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) => {
+                    self.tx_unkicked = true;
+                    return Ok(());
+                }
+                Some(libc::ENETDOWN) | Some(libc::ENXIO) => {
+                    return Err(PortError::Unavailable {
+                        spec: format!("afpacket:{}", self.ifname),
+                        why: format!("interface {} went down: `ip link set {} up`", self.ifname, self.ifname),
+                    })
+                }
+                _ => return Err(PortError::io("send on the AF_PACKET transmit ring", e)),
+            }
+        }
+        self.tx_unkicked = false;
+        Ok(())
+    }
+}
+
+impl AsRawFd for AfPacketPort {
+    /// The packet socket, for callers that multiplex ports in their own epoll set.
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+impl Drop for AfPacketPort {
+    fn drop(&mut self) {
+        // SAFETY: map/map_len are the mapping made in `open`; no borrow of it outlives `self`.
+        unsafe { libc::munmap(self.map as *mut libc::c_void, self.map_len) };
+    }
+}
+
+impl Port for AfPacketPort {
+    fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        let mut delivered = 0;
+        while delivered < max {
+            if self.rx_cursor.is_none() {
+                // Acquire: the kernel's writes of the packets and the descriptor happen before it
+                // sets TP_STATUS_USER (smp_wmb in prb_close_block); pairs with that store.
+                // (For V2: the slot's data and header before tp_status; tpacket_rcv's smp_wmb.)
+                let status = self.unit_status(self.rx_unit).load(Ordering::Acquire);
+                if status & libc::TP_STATUS_USER == 0 {
+                    break;
+                }
+                self.rx_cursor = Some(match self.rx_version {
+                    RxVersion::V3 => RxCursor::start(self.owned_unit()),
+                    RxVersion::V2 => RxCursor { left: 1, offset: 0 },
+                });
+            }
+            let mut cursor = self.rx_cursor.expect("set above");
+            let block = self.owned_unit();
+            let step = match self.rx_version {
+                RxVersion::V3 => next_packet(block, &mut cursor),
+                RxVersion::V2 if cursor.left == 0 => Step::Done,
+                RxVersion::V2 => {
+                    cursor.left = 0;
+                    v2_packet(block)
+                }
+            };
+            self.rx_cursor = Some(cursor);
+            match step {
+                Step::Done => self.release_unit(),
+                Step::Corrupt { lost } => {
+                    self.counters.rx_dropped += u64::from(lost);
+                    self.release_unit();
+                }
+                Step::Bad => self.counters.rx_dropped += 1,
+                // Our own (or this host's) transmission looped back to packet taps: not for us.
+                Step::Packet { outgoing: true, .. } => {}
+                Step::Packet { frame, wire_len, outgoing: false } => {
+                    let frame = &block[frame];
+                    if frame.len() < wire_len || check_frame(frame, self.mtu).is_err() {
+                        self.counters.rx_dropped += 1;
+                        continue;
+                    }
+                    self.counters.rx_frames += 1;
+                    self.counters.rx_bytes += frame.len() as u64;
+                    delivered += 1;
+                    on_frame(frame);
+                }
+            }
+        }
+        // Give a finished block back now rather than on the next call, so the kernel can reuse it.
+        if let Some(RxCursor { left: 0, .. }) = self.rx_cursor {
+            self.release_unit();
+        }
+        Ok(delivered)
+    }
+
+    fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize> {
+        let capacity = self.frame_capacity();
+        let slots = self.tx_slots();
+        let mut sent = 0;
+        let mut offered = 0;
+        while offered < max {
+            let slot = self.tx_head;
+            // Acquire: the kernel finished reading the slot before it set it AVAILABLE (or
+            // WRONG_FORMAT); pairs with its smp_wmb + status store in tpacket_destruct_skb.
+            let status = self.tx_status(slot).load(Ordering::Acquire);
+            if status == libc::TP_STATUS_WRONG_FORMAT {
+                self.counters.tx_dropped += 1;
+            } else if status != libc::TP_STATUS_AVAILABLE {
+                // The ring is full: the caller keeps its frames.
+                self.tx_unkicked = true;
+                break;
+            }
+            let base = self.tx_base + slot * self.tx_frame_bytes;
+            let off = self.tx_offsets();
+            // SAFETY: the slot's data area [base + 48, base + 48 + capacity) lies inside the slot
+            // (tx_frame_bytes >= 48 + mtu + 14) and the port owns the slot (status AVAILABLE).
+            let buf = unsafe { core::slice::from_raw_parts_mut(self.map.add(base + off.data), capacity) };
+            let Some(len) = fill(buf) else { break };
+            offered += 1;
+            if !(HEADER_LEN..=capacity).contains(&len) {
+                self.counters.tx_dropped += 1;
+                continue;
+            }
+            // SAFETY: the header fields lie at the start of the owned slot.
+            unsafe {
+                let hdr = self.map.add(base);
+                if let Some(next) = off.next {
+                    core::ptr::write_unaligned(hdr.add(next) as *mut u32, 0);
+                }
+                core::ptr::write_unaligned(hdr.add(off.len) as *mut u32, len as u32);
+                core::ptr::write_unaligned(hdr.add(off.snaplen) as *mut u32, len as u32);
+            }
+            // Release: the frame and tp_len are written before the kernel sees SEND_REQUEST;
+            // pairs with the kernel's status read (smp_rmb) in tpacket_snd.
+            self.tx_status(slot).store(libc::TP_STATUS_SEND_REQUEST, Ordering::Release);
+            self.tx_head = (slot + 1) % slots;
+            self.counters.tx_frames += 1;
+            self.counters.tx_bytes += len as u64;
+            sent += 1;
+        }
+        if sent > 0 || self.tx_unkicked {
+            self.kick()?;
+        }
+        Ok(sent)
+    }
+
+    fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
+        if self.rx_cursor.is_some() {
+            return Ok(());
+        }
+        // Acquire as in rx_burst: a block already handed over needs no sleep.
+        if self.unit_status(self.rx_unit).load(Ordering::Acquire) & libc::TP_STATUS_USER != 0 {
+            return Ok(());
+        }
+        poll_readable(self.fd.as_raw_fd(), timeout)
+    }
+
+    fn mtu(&self) -> usize {
+        self.mtu
+    }
+
+    fn mac(&self) -> MacAddr {
+        self.mac
+    }
+
+    fn counters(&self) -> PortCounters {
+        self.refresh_kernel_drops();
+        let mut c = self.counters;
+        c.rx_dropped += self.kernel_drops.get();
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block as the kernel lays it out, holding `packets` (frame bytes, pkttype), each slot
+    /// padded to 16 bytes.
+    fn block(packets: &[(&[u8], u8)], size: usize) -> Vec<u8> {
+        let mut b = vec![0u8; size];
+        b[BLOCK_NUM_PKTS..BLOCK_NUM_PKTS + 4].copy_from_slice(&(packets.len() as u32).to_ne_bytes());
+        b[BLOCK_FIRST_PKT..BLOCK_FIRST_PKT + 4].copy_from_slice(&(BLOCK_DESC_LEN as u32).to_ne_bytes());
+        let mut at = BLOCK_DESC_LEN;
+        for (i, (frame, pkttype)) in packets.iter().enumerate() {
+            let mac = TPACKET3_HDRLEN.next_multiple_of(16) + 2;
+            let slot = (mac + frame.len()).next_multiple_of(16);
+            let next = if i + 1 == packets.len() { 0 } else { slot as u32 };
+            b[at..at + 4].copy_from_slice(&next.to_ne_bytes());
+            b[at + PKT_SNAPLEN..at + PKT_SNAPLEN + 4].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+            b[at + PKT_LEN..at + PKT_LEN + 4].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+            b[at + PKT_MAC..at + PKT_MAC + 2].copy_from_slice(&(mac as u16).to_ne_bytes());
+            b[at + TPACKET3_HDR_ALIGNED + SLL_PKTTYPE] = *pkttype;
+            b[at + mac..at + mac + frame.len()].copy_from_slice(frame);
+            at += slot;
+        }
+        b
+    }
+
+    fn walk(b: &[u8]) -> Vec<Step> {
+        let mut c = RxCursor::start(b);
+        let mut steps = Vec::new();
+        loop {
+            let s = next_packet(b, &mut c);
+            let end = matches!(s, Step::Done | Step::Corrupt { .. });
+            steps.push(s);
+            if end {
+                return steps;
+            }
+        }
+    }
+
+    #[test]
+    fn walks_a_well_formed_block() {
+        let (one, two) = ([1u8; 60], [2u8; 100]);
+        let b = block(&[(&one, libc::PACKET_HOST), (&two, libc::PACKET_OUTGOING)], 4096);
+        let steps = walk(&b);
+        assert_eq!(steps.len(), 3);
+        let Step::Packet { frame, wire_len: 60, outgoing: false } = steps[0].clone() else {
+            panic!("{steps:?}")
+        };
+        assert_eq!(&b[frame], &one[..]);
+        let Step::Packet { frame, wire_len: 100, outgoing: true } = steps[1].clone() else {
+            panic!("{steps:?}")
+        };
+        assert_eq!(&b[frame], &two[..]);
+        assert_eq!(steps[2], Step::Done);
+    }
+
+    #[test]
+    fn distrusts_offsets_and_lengths() {
+        let frame = [3u8; 64];
+        let good = block(&[(&frame, 0), (&frame, 0), (&frame, 0)], 4096);
+        // A snap length running past the block: that packet is bad, the walk goes on.
+        let mut b = good.clone();
+        b[BLOCK_DESC_LEN + PKT_SNAPLEN..BLOCK_DESC_LEN + PKT_SNAPLEN + 4]
+            .copy_from_slice(&5000u32.to_ne_bytes());
+        assert_eq!(walk(&b).iter().filter(|s| matches!(s, Step::Packet { .. })).count(), 2);
+        assert_eq!(walk(&b)[0], Step::Bad);
+        // A next offset of zero before the last packet: the rest is lost, nothing repeats.
+        let mut b = good.clone();
+        b[BLOCK_DESC_LEN..BLOCK_DESC_LEN + 4].copy_from_slice(&0u32.to_ne_bytes());
+        let steps = walk(&b);
+        assert!(matches!(steps[0], Step::Packet { .. }));
+        assert_eq!(steps[1], Step::Corrupt { lost: 2 });
+        // A packet count far beyond what the block holds.
+        let mut b = good.clone();
+        b[BLOCK_NUM_PKTS..BLOCK_NUM_PKTS + 4].copy_from_slice(&u32::MAX.to_ne_bytes());
+        let steps = walk(&b);
+        assert_eq!(steps.len(), 4, "{steps:?}");
+        assert!(matches!(steps[3], Step::Corrupt { .. }));
+        // A first offset inside the descriptor.
+        let mut b = good;
+        b[BLOCK_FIRST_PKT..BLOCK_FIRST_PKT + 4].copy_from_slice(&4u32.to_ne_bytes());
+        assert_eq!(walk(&b), vec![Step::Corrupt { lost: 3 }]);
+    }
+
+    #[test]
+    fn reads_a_v2_slot_and_distrusts_it() {
+        let mut slot = vec![0u8; 2048];
+        let frame = [5u8; 90];
+        let mac = 66usize;
+        slot[V2_LEN..V2_LEN + 4].copy_from_slice(&90u32.to_ne_bytes());
+        slot[V2_SNAPLEN..V2_SNAPLEN + 4].copy_from_slice(&90u32.to_ne_bytes());
+        slot[V2_MAC..V2_MAC + 2].copy_from_slice(&(mac as u16).to_ne_bytes());
+        slot[mac..mac + 90].copy_from_slice(&frame);
+        assert_eq!(v2_packet(&slot), Step::Packet { frame: mac..mac + 90, wire_len: 90, outgoing: false });
+        slot[TPACKET2_HDR_ALIGNED + SLL_PKTTYPE] = libc::PACKET_OUTGOING;
+        assert!(matches!(v2_packet(&slot), Step::Packet { outgoing: true, .. }));
+        let mut bad = slot.clone();
+        bad[V2_SNAPLEN..V2_SNAPLEN + 4].copy_from_slice(&4000u32.to_ne_bytes());
+        assert_eq!(v2_packet(&bad), Step::Bad);
+        let mut bad = slot.clone();
+        bad[V2_MAC..V2_MAC + 2].copy_from_slice(&8u16.to_ne_bytes());
+        assert_eq!(v2_packet(&bad), Step::Bad, "frame overlapping the header");
+        assert_eq!(v2_packet(&slot[..10]), Step::Bad);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn random_blocks_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..2048)) {
+            fuzz_rx_block(&bytes);
+        }
+
+        #[test]
+        fn mutated_blocks_never_panic(at in 0usize..512, value in proptest::num::u32::ANY) {
+            let frame = [9u8; 80];
+            let mut b = block(&[(&frame, 0), (&frame, 0), (&frame, 4)], 1024);
+            let at = at.min(b.len() - 4);
+            b[at..at + 4].copy_from_slice(&value.to_ne_bytes());
+            fuzz_rx_block(&b);
+        }
+    }
+}

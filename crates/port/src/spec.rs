@@ -1,0 +1,205 @@
+//! Port spec strings: how users name a port on the command line (`--port SPEC`).
+//!
+//! Layer: ports (the front door). [`open`] turns a spec into an open [`Port`]; [`SPEC_HELP`]
+//! documents every spec for `lanbus --help` and the README. A spec is `KIND:ARGS`; errors are
+//! [`PortError::BadSpec`] when the string is malformed and [`PortError::Unavailable`] when the port
+//! cannot be opened here (not root, no such interface, not built in), each saying what to do.
+
+use crate::afpacket::{AfPacketConfig, AfPacketPort};
+use crate::udp::{UdpConfig, UdpPort};
+use crate::{Port, PortError, Result};
+
+/// Every port spec, one paragraph each; printed by `lanbus --help` and copied into the README.
+pub const SPEC_HELP: &str = "\
+PORT SPECS (--port SPEC)
+  sim
+      The in-process simulated wire of `lanbus demo` and the simulator. Needs nothing.
+  udp:BIND_IP:PORT[,peer=[MAC@]IP:PORT]...[,mac=MAC][,bcast=IP:PORT][,learn][,mtu=BYTES]
+      lanbus frames inside UDP datagrams (kernel sockets, sendmmsg/recvmmsg). Works without
+      root, through loopback and across routed IP networks. Name every peer; a peer given
+      without MAC@ has the MAC derived from its address, which is the MAC a port bound to
+      that address gives itself when mac= is not set. Broadcast frames go to every peer and
+      to bcast= (IPv4 only). Datagrams from unknown senders are counted and dropped unless
+      `learn` is set. Default MTU 1472 (IPv4) / 1452 (IPv6). Example, two daemons on a laptop:
+        udp:127.0.0.1:7000,peer=127.0.0.1:7001   and   udp:127.0.0.1:7001,peer=127.0.0.1:7000
+  afpacket:IFACE[,rx=v3|v2][,tov_ms=MS]
+      Raw Ethernet (EtherType 0x88B5) on interface IFACE through AF_PACKET with PACKET_MMAP
+      rings (receive ring, mapped transmit ring, qdisc bypass, BPF filter). Needs root or
+      CAP_NET_RAW and an Ethernet interface that is up. rx=v3 (default): TPACKET_V3 receive
+      blocks, handed over when full or after tov_ms (default 1 ms), so a lone frame may wait
+      that long; rx=v2: TPACKET_V2, every frame handed over at once (use it for latency).
+  afxdp:IFACE[:QUEUE]
+      AF_XDP socket on IFACE's queue QUEUE (default 0) with an XDP program that takes only
+      EtherType 0x88B5. Needs root, Linux 5.x+ and an XDP-capable driver (generic mode otherwise).
+  shm:PATH
+      Two processes on one machine through shared-memory rings; PATH is the control socket.
+  dpdk:EAL_ARGS
+      A DPDK port (space-separated EAL arguments, e.g. dpdk:-l 1 --vdev=net_af_packet0,iface=eth1).
+      Needs a build with --features dpdk (Debian package libdpdk-dev) and hugepages or --no-huge.
+";
+
+fn bad(spec: &str, why: impl Into<String>) -> PortError {
+    PortError::BadSpec { spec: spec.to_string(), why: why.into() }
+}
+
+fn unavailable(spec: &str, why: impl Into<String>) -> PortError {
+    PortError::Unavailable { spec: spec.to_string(), why: why.into() }
+}
+
+/// Opens the port a spec names (see [`SPEC_HELP`]).
+pub fn open(spec: &str) -> Result<Box<dyn Port>> {
+    let spec = spec.trim();
+    let (kind, args) = match spec.split_once(':') {
+        Some((k, a)) => (k, Some(a)),
+        None => (spec, None),
+    };
+    // Errors from the port carry the whole spec as the user wrote it.
+    let whole = |e: PortError| match e {
+        PortError::BadSpec { why, .. } => bad(spec, why),
+        PortError::Unavailable { why, .. } => unavailable(spec, why),
+        other => other,
+    };
+    match (kind, args) {
+        // Wired at merge: the simulated wire lives on another branch (crates/port/src/sim.rs).
+        ("sim", None) => {
+            Err(unavailable(spec, "the sim port is created in-process by the demo/simulator, not by spec"))
+        }
+        ("udp", Some(args)) => {
+            let config = UdpConfig::parse(args).map_err(|why| bad(spec, why))?;
+            Ok(Box::new(UdpPort::open(&config).map_err(whole)?))
+        }
+        ("afpacket", Some(args)) => {
+            let config = AfPacketConfig::parse(args).map_err(|why| bad(spec, why))?;
+            Ok(Box::new(AfPacketPort::open(&config).map_err(whole)?))
+        }
+        ("afxdp", Some(args)) => {
+            check_iface_and_queue(spec, args)?;
+            // Wired at merge: the AF_XDP port lives on another branch (crates/port/src/afxdp.rs).
+            Err(unavailable(spec, "the afxdp port is not part of this build yet (crates/port/src/afxdp.rs)"))
+        }
+        ("shm", Some(path)) => {
+            if path.is_empty() {
+                return Err(bad(spec, "expected shm:PATH, for example shm:/run/lanbus/a.sock"));
+            }
+            // Wired at merge: the shared-memory port lives on another branch (the rings work).
+            Err(unavailable(spec, "the shm port is not part of this build yet (shared-memory rings port)"))
+        }
+        ("dpdk", _) => Err(unavailable(spec, "DPDK support is not built in: rebuild with --features dpdk")),
+        ("sim", Some(_)) => Err(bad(spec, "sim takes no arguments: write just `sim`")),
+        ("udp" | "afpacket" | "afxdp" | "shm", None) => {
+            Err(bad(spec, format!("{kind} needs arguments after a colon; see `lanbus --help`")))
+        }
+        _ => {
+            Err(bad(spec, format!("unknown port kind {kind:?}; one of sim, udp, afpacket, afxdp, shm, dpdk")))
+        }
+    }
+}
+
+/// The fuzz target's body: parses arbitrary bytes as the arguments of every spec kind that has a
+/// parser (without opening anything). Panics only if a parser does; every error must explain
+/// itself (a non-empty message).
+pub fn fuzz_spec(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    if let Err(why) = UdpConfig::parse(&text) {
+        assert!(!why.is_empty());
+    }
+    if let Err(why) = AfPacketConfig::parse(&text) {
+        assert!(!why.is_empty());
+    }
+    if let Some((_, args)) = text.split_once(':') {
+        let _ = check_iface_and_queue(&text, args);
+    }
+}
+
+/// Checks `IFACE[:QUEUE]` of an afxdp spec.
+fn check_iface_and_queue(spec: &str, args: &str) -> Result<()> {
+    let (iface, queue) = match args.split_once(':') {
+        Some((i, q)) => (i, Some(q)),
+        None => (args, None),
+    };
+    crate::afpacket::check_ifname(iface).map_err(|why| bad(spec, why))?;
+    if let Some(q) = queue {
+        q.parse::<u32>().map_err(|_| {
+            bad(spec, format!("queue {q:?} is not a number: write afxdp:IFACE or afxdp:IFACE:QUEUE"))
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(spec: &str) -> PortError {
+        match open(spec) {
+            Ok(_) => panic!("{spec:?} opened"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn bad_specs_say_what_is_wrong() {
+        let cases: &[(&str, bool, &str)] = &[
+            // (spec, is BadSpec (else Unavailable), text in the message)
+            ("", true, "unknown port kind"),
+            ("ethernet:eth0", true, "unknown port kind"),
+            ("udp", true, "needs arguments"),
+            ("udp:nonsense", true, "not IP:PORT"),
+            ("udp:127.0.0.1:7000,peer=1.2.3", true, "not IP:PORT"),
+            ("sim:3", true, "no arguments"),
+            ("afpacket:", true, "interface name"),
+            ("afpacket:this-name-is-far-too-long", true, "15 bytes"),
+            ("afxdp:eth0:q", true, "not a number"),
+            ("shm:", true, "shm:PATH"),
+            ("sim", false, "created in-process"),
+            ("dpdk:-l 1", false, "--features dpdk"),
+            ("afxdp:lo", false, "afxdp"),
+            ("shm:/tmp/x.sock", false, "shm"),
+            ("afpacket:lbnosuchif0", false, "no interface named"),
+            ("udp:192.0.2.77:7000", false, "not an address of this machine"),
+        ];
+        for (spec, is_bad, text) in cases {
+            let e = err(spec);
+            let kind_ok = match &e {
+                PortError::BadSpec { spec: s, .. } => *is_bad && s == spec.trim(),
+                PortError::Unavailable { spec: s, .. } => !*is_bad && s == spec.trim(),
+                _ => false,
+            };
+            assert!(kind_ok, "{spec:?}: wrong kind of error: {e}");
+            assert!(e.to_string().contains(text), "{spec:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn udp_opens_and_address_in_use_is_explained() {
+        let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let spec = format!("udp:{}", taken.local_addr().unwrap());
+        let e = err(&spec);
+        assert!(
+            matches!(e, PortError::Unavailable { .. }) && e.to_string().contains("already in use"),
+            "{e}"
+        );
+        drop(taken);
+        let port = open(&spec).expect("free again");
+        assert_eq!(port.mtu(), crate::udp::DEFAULT_MTU_V4);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn random_spec_text_never_panics(text in "[a-z0-9:.,=@\\[\\]/ -]{0,80}") {
+            fuzz_spec(text.as_bytes());
+        }
+
+        #[test]
+        fn random_spec_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..80)) {
+            fuzz_spec(&bytes);
+        }
+    }
+
+    #[test]
+    fn help_names_every_kind() {
+        for kind in ["sim", "udp:", "afpacket:", "afxdp:", "shm:", "dpdk:"] {
+            assert!(SPEC_HELP.contains(kind), "{kind}");
+        }
+    }
+}
