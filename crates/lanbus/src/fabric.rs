@@ -1,0 +1,254 @@
+//! The remote NVMe drive as the `lanbus` binary assembles it: the controller model hosted by a
+//! device bridge, the user-space driver on a host bridge, and the namespace as an NBD
+//! [`BlockDevice`].
+//!
+//! Layer: frontend glue (above `lanbus_nvme::pcie`, `lanbus_pcie::bridge` and `lanbus_nbd`). The
+//! daemons, `lanbus demo`, `lanbus bench nvme` and the real-client tests all build the drive
+//! through the functions here, so they measure and test the same path.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use lanbus_nbd::{BlockDevice, DeviceError, Errno};
+use lanbus_nvme::pcie::{attach, FunctionStats, NvmeFunction};
+use lanbus_nvme::{
+    Backing, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking, HostRegion, NvmeDriver,
+    RamBacking,
+};
+use lanbus_pcie::bridge::{
+    DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig, HostedFunction, RemoteFunction,
+};
+use lanbus_port::{Port, SimWire, SimWireConfig};
+use lanbus_runtime::RuntimeConfig;
+use lanbus_wire::{Clock, MacAddr, MonotonicClock};
+
+/// Bus address of the host memory region the driver's queues and buffers live in.
+pub const DMA_REGION_BASE: u64 = 0x10_0000_0000;
+/// Pages (4 KiB) of that region: 64 MiB, room for many NBD requests of the driver's window.
+pub const DMA_REGION_PAGES: usize = 16 * 1024;
+
+/// The namespace of an NVMe driver as an NBD block device.
+pub struct NvmeBlock {
+    drv: Arc<NvmeDriver>,
+}
+
+impl NvmeBlock {
+    /// Exports `drv`'s namespace.
+    pub fn new(drv: Arc<NvmeDriver>) -> NvmeBlock {
+        NvmeBlock { drv }
+    }
+}
+
+fn nbd_error(e: DriverError) -> DeviceError {
+    let errno = match e.errno() {
+        22 => Errno::Inval,
+        12 => Errno::NoMem,
+        95 => Errno::NotSup,
+        _ => Errno::Io,
+    };
+    DeviceError::Device { errno, message: e.to_string() }
+}
+
+impl BlockDevice for NvmeBlock {
+    fn size_bytes(&self) -> u64 {
+        self.drv.size_bytes()
+    }
+    fn block_size(&self) -> u32 {
+        self.drv.block_size()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        self.drv.read_at(offset, buf).map_err(nbd_error)
+    }
+    fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
+        self.drv.write_at(offset, data, fua).map_err(nbd_error)
+    }
+    fn flush(&self) -> Result<(), DeviceError> {
+        self.drv.flush().map_err(nbd_error)
+    }
+    fn trim(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        self.drv.trim_at(offset, len).map_err(nbd_error)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> Result<(), DeviceError> {
+        self.drv.write_zeroes_at(offset, len, may_trim).map_err(nbd_error)
+    }
+}
+
+/// Where the namespace's blocks live: `file=PATH[,size=SIZE]` or `ram=SIZE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NvmeBacking {
+    /// A file (created with `size` if given and missing or shorter; else used whole).
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Its size, if given.
+        size: Option<u64>,
+    },
+    /// RAM of this many bytes.
+    Ram(u64),
+}
+
+impl std::str::FromStr for NvmeBacking {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<NvmeBacking> {
+        let mut parts = s.split(',');
+        let first = parts.next().unwrap_or("");
+        let (kind, value) = first.split_once('=').context("expected file=PATH[,size=SIZE] or ram=SIZE")?;
+        let mut size = None;
+        for p in parts {
+            match p.split_once('=') {
+                Some(("size", v)) => size = Some(crate::nbd::parse_size(v)?),
+                _ => bail!("unknown option {p:?} in {s:?}: expected size=SIZE"),
+            }
+        }
+        match kind {
+            "file" if !value.is_empty() => Ok(NvmeBacking::File { path: value.into(), size }),
+            "ram" if size.is_none() => Ok(NvmeBacking::Ram(crate::nbd::parse_size(value)?)),
+            _ => bail!("{s:?}: expected file=PATH[,size=SIZE] or ram=SIZE"),
+        }
+    }
+}
+
+/// A controller model over `backing` with `lba_size`-byte blocks (512 or 4096).
+pub fn controller(backing: &NvmeBacking, lba_size: u32) -> anyhow::Result<Controller> {
+    let store: Box<dyn Backing> = match backing {
+        NvmeBacking::Ram(n) => Box::new(RamBacking::new(*n)),
+        NvmeBacking::File { path, size: Some(n) } => {
+            Box::new(FileBacking::open(path, *n).with_context(|| format!("opening {}", path.display()))?)
+        }
+        NvmeBacking::File { path, size: None } => Box::new(
+            FileBacking::open_existing(path)
+                .with_context(|| format!("opening {} (give size=SIZE to create it)", path.display()))?,
+        ),
+    };
+    if store.len() < u64::from(lba_size) {
+        bail!("the backing store is smaller than one {lba_size}-byte block");
+    }
+    let cfg = ControllerConfig { lba_size, ..ControllerConfig::default() };
+    Controller::new(cfg, store).map_err(|e| anyhow::anyhow!("NVMe controller: {e}"))
+}
+
+/// The controller as a function for a device bridge.
+pub fn nvme_function(ctrl: Controller) -> anyhow::Result<(HostedFunction, Arc<FunctionStats>)> {
+    NvmeFunction::hosted(ctrl).map_err(|e| anyhow::anyhow!("NVMe function: {e}"))
+}
+
+/// The runtime settings the daemons use.
+pub fn runtime_config(name: &str) -> RuntimeConfig {
+    let mut c = RuntimeConfig { name: name.into(), ..RuntimeConfig::default() };
+    // Delay-based rate control reads a busy machine's scheduling delays as queueing and paces
+    // down to its floor; one host and one device on a link do not need it.
+    c.transport.rate.enabled = false;
+    c
+}
+
+/// Host bridge settings for `group`.
+pub fn host_config(group: u16, name: &str) -> HostBridgeConfig {
+    HostBridgeConfig {
+        group,
+        name: name.into(),
+        runtime: runtime_config(name),
+        completion_timeout: Duration::from_secs(2),
+        ..HostBridgeConfig::default()
+    }
+}
+
+/// Device bridge settings for `group`.
+pub fn device_config(group: u16, name: &str) -> DeviceBridgeConfig {
+    DeviceBridgeConfig {
+        group,
+        name: name.into(),
+        runtime: runtime_config(name),
+        completion_timeout: Duration::from_secs(2),
+        ..DeviceBridgeConfig::default()
+    }
+}
+
+/// The driver settings the daemons use.
+pub fn driver_config() -> DriverConfig {
+    DriverConfig {
+        io_queues: 4,
+        io_timeout: Duration::from_secs(10),
+        max_inflight_bytes: 2 << 20,
+        ..DriverConfig::default()
+    }
+}
+
+/// Starts the NVMe driver on function `f` of `host`.
+pub fn start_driver(host: &Arc<HostBridge>, f: &RemoteFunction) -> anyhow::Result<Arc<NvmeDriver>> {
+    let region = Arc::new(HostRegion::new(DMA_REGION_BASE, DMA_REGION_PAGES));
+    let drv = attach(host, f, region, driver_config()).with_context(|| format!("starting the driver on {}", f.bdf))?;
+    Ok(Arc::new(drv))
+}
+
+/// Whether `f` is an NVMe controller.
+#[allow(dead_code)] // used by the host daemon
+pub fn is_nvme(f: &RemoteFunction) -> bool {
+    f.class_code == 0x01_08_02
+}
+
+/// `lspci -v`-like lines for a remote function.
+pub fn lspci(f: &RemoteFunction) -> String {
+    let class = match f.class_code {
+        0x01_08_02 => "Non-Volatile memory controller [0108]: NVM Express",
+        _ => "Unclassified device",
+    };
+    let mut s = format!(
+        "{} {} [{:06x}]: {:04x}:{:04x} (rev {:02x})\n\tSubsystem: {:04x}:{:04x}\n\tDevice bridge: {} \"{}\", group {}\n",
+        f.bdf, class, f.class_code, f.vendor_id, f.device_id, f.revision_id, f.subsystem_vendor_id,
+        f.subsystem_id, f.mac, f.name, f.group
+    );
+    for b in &f.bars {
+        s += &format!("\tRegion {}: Memory at {:#x} ({:?}) [size={}K]\n", b.index, b.address, b.kind, b.size >> 10);
+    }
+    s += &format!("\tCapabilities: PCI Express (MaxPayload {} bytes, MaxReadReq {} bytes)\n", f.mps, f.mrrs);
+    if let Some(m) = f.msix {
+        s += &format!(
+            "\tCapabilities: MSI-X: Enable+ Count={} Table: BAR={} offset={:#06x} PBA: BAR={} offset={:#06x}\n",
+            m.vectors, m.table_bar, m.table_offset, m.pba_bar, m.pba_offset
+        );
+    }
+    s
+}
+
+/// A device bridge with one NVMe drive and a host bridge with its driver, in this process, joined
+/// by the simulated wire on the real clock.
+pub struct SimFabric {
+    /// The host bridge.
+    pub host: Arc<HostBridge>,
+    /// The device bridge (taken by [`SimFabric::unplug`]).
+    pub device: Option<DeviceBridge>,
+    /// The enumerated function.
+    pub function: RemoteFunction,
+    /// The driver.
+    pub driver: Arc<NvmeDriver>,
+    /// The controller's counters.
+    pub controller_stats: Arc<FunctionStats>,
+}
+
+impl SimFabric {
+    /// Starts both bridges over a wire losing `loss` of frames each way (seeded), waits for
+    /// enumeration and starts the driver.
+    pub fn start(ctrl: Controller, loss: f64, seed: u64) -> anyhow::Result<SimFabric> {
+        let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+        let wire = SimWireConfig { loss, seed, ..SimWireConfig::default() };
+        let macs = [MacAddr([2, 0x6c, 0x62, 0, 0, 1]), MacAddr([2, 0x6c, 0x62, 0, 0, 2])];
+        let (a, b) = SimWire::pair_realtime(wire, clock, macs)?;
+        let (a, b): (Box<dyn Port>, Box<dyn Port>) = (Box::new(a), Box::new(b));
+        let host = Arc::new(HostBridge::start(a, host_config(1, "demo-host"))?);
+        let (function, controller_stats) = nvme_function(ctrl)?;
+        let device = DeviceBridge::start(b, device_config(1, "demo-iobox"), vec![function])?;
+        let devs = host.wait_devices(1, Duration::from_secs(10));
+        let function = devs.into_iter().next().context("the host bridge enumerated nothing in 10 s")?;
+        let driver = start_driver(&host, &function)?;
+        Ok(SimFabric { host, device: Some(device), function, driver, controller_stats })
+    }
+
+    /// Stops the device bridge (as if the I/O box went away).
+    pub fn unplug(&mut self) {
+        if let Some(d) = self.device.take() {
+            d.shutdown();
+        }
+    }
+}
