@@ -143,23 +143,35 @@ pub fn runtime_config(name: &str) -> RuntimeConfig {
     c
 }
 
+/// Whether the transport's end-to-end frame checksum can be used on a port of this spec. Not on
+/// `udp`: that port carries no Ethernet header and rebuilds it on receive with our own MAC as the
+/// destination, also for frames the sender broadcast (heartbeats), so a checksum over the whole
+/// frame cannot hold there; the UDP checksum covers the datagram instead.
+pub fn frame_checksum_for(port_spec: &str) -> bool {
+    !port_spec.trim_start().starts_with("udp:")
+}
+
 /// Host bridge settings for `group`.
-pub fn host_config(group: u16, name: &str) -> HostBridgeConfig {
+pub fn host_config(group: u16, name: &str, checksum: bool) -> HostBridgeConfig {
+    let mut runtime = runtime_config(name);
+    runtime.transport.checksum = checksum;
     HostBridgeConfig {
         group,
         name: name.into(),
-        runtime: runtime_config(name),
+        runtime,
         completion_timeout: Duration::from_secs(2),
         ..HostBridgeConfig::default()
     }
 }
 
 /// Device bridge settings for `group`.
-pub fn device_config(group: u16, name: &str) -> DeviceBridgeConfig {
+pub fn device_config(group: u16, name: &str, checksum: bool) -> DeviceBridgeConfig {
+    let mut runtime = runtime_config(name);
+    runtime.transport.checksum = checksum;
     DeviceBridgeConfig {
         group,
         name: name.into(),
-        runtime: runtime_config(name),
+        runtime,
         completion_timeout: Duration::from_secs(2),
         ..DeviceBridgeConfig::default()
     }
@@ -236,9 +248,9 @@ impl SimFabric {
         let macs = [MacAddr([2, 0x6c, 0x62, 0, 0, 1]), MacAddr([2, 0x6c, 0x62, 0, 0, 2])];
         let (a, b) = SimWire::pair_realtime(wire, clock, macs)?;
         let (a, b): (Box<dyn Port>, Box<dyn Port>) = (Box::new(a), Box::new(b));
-        let host = Arc::new(HostBridge::start(a, host_config(1, "demo-host"))?);
+        let host = Arc::new(HostBridge::start(a, host_config(1, "demo-host", true))?);
         let (function, controller_stats) = nvme_function(ctrl)?;
-        let device = DeviceBridge::start(b, device_config(1, "demo-iobox"), vec![function])?;
+        let device = DeviceBridge::start(b, device_config(1, "demo-iobox", true), vec![function])?;
         let devs = host.wait_devices(1, Duration::from_secs(10));
         let function = devs.into_iter().next().context("the host bridge enumerated nothing in 10 s")?;
         let driver = start_driver(&host, &function)?;

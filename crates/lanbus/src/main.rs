@@ -5,6 +5,7 @@ mod bench;
 mod port;
 mod tlp;
 mod nbd;
+mod daemon;
 mod demo;
 mod fabric;
 mod plot;
@@ -39,6 +40,14 @@ enum Command {
     /// Simulator scenarios: the faulty-wire transfer and the retransmission paper's figures.
     #[command(subcommand)]
     Sim(sim_cmd::SimCommand),
+    /// The I/O box daemon: a device bridge hosting an NVMe drive (file or RAM) for the host of
+    /// its group.
+    Device(daemon::DeviceArgs),
+    /// The host daemon: enumerates its group's NVMe drive through the fabric, runs the NVMe
+    /// driver and exports the namespace over NBD.
+    Host(daemon::HostArgs),
+    /// Asks a running `lanbus host` or `lanbus device` for peers, devices, queues and counters.
+    Status(daemon::StatusArgs),
     /// Packet ports: check that a port spec opens here, and see its MAC, MTU and counters.
     #[command(subcommand)]
     Port(port::PortCommand),
@@ -53,6 +62,9 @@ fn main() -> std::process::ExitCode {
         Command::Demo(a) => demo::run(a),
         Command::Sim(c) => sim_cmd::run(c),
         Command::Port(c) => port::run(c),
+        Command::Device(a) => daemon::device(a),
+        Command::Host(a) => daemon::host(a),
+        Command::Status(a) => daemon::status(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
