@@ -27,7 +27,8 @@ use clap::Args;
 use lanbus_nbd::{Export, Server};
 use lanbus_nvme::pcie::FunctionStats;
 use lanbus_nvme::NvmeDriver;
-use lanbus_pcie::bridge::{DeviceBridge, HostBridge, HostEvent, RemoteFunction};
+use lanbus_pcie::bridge::{DeviceBridge, HostBridge, HostEvent, HostedFunction, RemoteFunction};
+use lanbus_pcie::dma_engine::DmaEngine;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -56,7 +57,14 @@ pub struct DeviceArgs {
     /// Logical block size of the namespace: 512 or 4096.
     #[arg(long)]
     lba_size: Option<u32>,
-    /// Control socket for `lanbus status` (default /tmp/lanbus-device.sock).
+    /// Also host the DMA engine (function 1 after an NVMe drive, else function 0).
+    #[arg(long)]
+    dma_engine: bool,
+    /// Thread model of the transport.
+    #[arg(long, value_enum, default_value = "rtc")]
+    mode: crate::pcie::Mode,
+    /// Control socket for `lanbus status` and `lanbus device-ctl` (default
+    /// /tmp/lanbus-device.sock).
     #[arg(long)]
     control: Option<PathBuf>,
     /// Name announced in heartbeats.
@@ -79,6 +87,9 @@ pub struct HostArgs {
     /// Where to export the NVMe namespace: nbd:PATH (Unix socket) or nbd:tcp:ADDR.
     #[arg(long)]
     export: Option<String>,
+    /// Thread model of the transport.
+    #[arg(long, value_enum, default_value = "rtc")]
+    mode: crate::pcie::Mode,
     /// Control socket for `lanbus status` (default /tmp/lanbus-host.sock).
     #[arg(long)]
     control: Option<PathBuf>,
@@ -171,7 +182,7 @@ fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {
 }
 
 /// Serves the control socket until `stop`: `answer(line)` gives the reply.
-fn serve_control(l: &UnixListener, stop: &AtomicBool, answer: &dyn Fn(&str) -> Value) {
+fn serve_control(l: &UnixListener, stop: &AtomicBool, answer: &dyn Fn(&str) -> String) {
     // Relaxed: a flag polled every 50 ms; nothing else is published through it.
     while !stop.load(Ordering::Relaxed) {
         match l.accept() {
@@ -182,7 +193,7 @@ fn serve_control(l: &UnixListener, stop: &AtomicBool, answer: &dyn Fn(&str) -> V
                 let mut r = BufReader::new(&s);
                 if r.read_line(&mut line).is_ok() {
                     let v = answer(line.trim());
-                    let _ = (&s).write_all(format!("{v}\n").as_bytes());
+                    let _ = (&s).write_all(format!("{}\n", v.trim_end()).as_bytes());
                 }
             }
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
@@ -239,58 +250,109 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     let file: DeviceFile = read_toml(args.config.as_deref())?;
     let port_spec = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
     let group = args.group.or(file.group).unwrap_or(0);
-    let nvme = args.nvme.or(file.nvme).context("give --nvme file=PATH[,size=SIZE]|ram=SIZE")?;
+    let nvme = args.nvme.or(file.nvme);
+    if nvme.is_none() && !args.dma_engine {
+        bail!("no device to host: give --nvme file=PATH[,size=SIZE]|ram=SIZE and/or --dma-engine");
+    }
     let lba = args.lba_size.or(file.lba_size).unwrap_or(512);
     if lba != 512 && lba != 4096 {
         bail!("--lba-size {lba}: 512 or 4096");
     }
     let control = args.control.or(file.control).unwrap_or_else(|| DEVICE_CONTROL.into());
     let name = args.name.or(file.name).unwrap_or_else(|| "lanbus-device".into());
-    let backing: NvmeBacking = nvme.parse()?;
-    let stop = stop_flag()?;
-    let ctrl = fabric::controller(&backing, lba)?;
-    let blocks = ctrl.namespace_blocks();
-    let (function, fstats) = fabric::nvme_function(ctrl)?;
+    let backing: Option<NvmeBacking> = nvme.as_deref().map(str::parse).transpose()?;
+    // Before any thread starts, so that every thread inherits the blocked mask.
+    let signals = crate::signals::Blocked::termination()?;
+    let mut functions = Vec::new();
+    let mut nvme_info = None;
+    if let Some(b) = &backing {
+        let ctrl = fabric::controller(b, lba)?;
+        let blocks = ctrl.namespace_blocks();
+        let (f, stats) = fabric::nvme_function(ctrl)?;
+        functions.push(f);
+        nvme_info = Some((blocks, stats));
+    }
+    if args.dma_engine {
+        functions.push(HostedFunction::model(DmaEngine::new())?);
+    }
     let port = lanbus_port::open(&port_spec)?;
     let listener = bind_control(&control)?;
-    let bridge = DeviceBridge::start(port, fabric::device_config(group, &name, fabric::frame_checksum_for(&port_spec)), vec![function])?;
+    let config = fabric::device_config(group, &name, &port_spec, args.mode.into());
+    let bridge = DeviceBridge::start(port, config, functions)?;
+    let what = match (&nvme, &nvme_info) {
+        (Some(n), Some((blocks, _))) => format!("NVMe {n}, {blocks} x {lba} bytes"),
+        _ => String::new(),
+    };
+    let dma = if args.dma_engine { " + the DMA engine" } else { "" };
     eprintln!(
-        "lanbus device: {name} ({}) group {group} on {port_spec}: NVMe {nvme}, {blocks} x {lba} bytes; control {}",
+        "lanbus device: {name} ({}) group {group} on {port_spec}: {what}{dma}; control {}",
         bridge.local_mac(),
         control.display()
     );
-    let answer = |line: &str| -> Value {
-        let mut words = line.split_whitespace();
-        match (words.next(), words.next()) {
-            (Some("status"), None) => json!({
-                "role": "device",
-                "name": name,
-                "mac": bridge.local_mac().to_string(),
-                "group": bridge.group(),
-                "peers": bridge.host().map(|h| vec![json!({"mac": h.to_string(), "role": "host"})]).unwrap_or_default(),
-                "devices": [{"function": "00.0", "kind": "NVMe", "backing": nvme, "blocks": blocks, "lba_size": lba}],
-                "controller": controller_json(&fstats),
-                "bridge": format!("{:?}", bridge.stats()),
-                "completion_timeouts": bridge.stats().dma_read_failures,
-                "transport": transport_json(&bridge.runtime_stats()),
-            }),
-            (Some("group"), Some(n)) => match n.parse::<u16>() {
+    let answer = |line: &str| -> String {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["status"] => {
+                let s = bridge.stats();
+                let rt = bridge.runtime_stats();
+                format!(
+                    "mac {} group {} host {} tlps {} dma_reads {} dma_writes {} foreign {} ur {} frames_rx {} frames_tx {} retransmitted {}",
+                    bridge.local_mac(),
+                    bridge.group(),
+                    bridge.host().map_or("none".to_string(), |m| m.to_string()),
+                    s.tlps_received,
+                    s.dma_reads,
+                    s.dma_writes,
+                    s.foreign_requests,
+                    s.ur_sent,
+                    rt.port.rx_frames,
+                    rt.port.tx_frames,
+                    rt.transport.retransmitted_frames,
+                )
+            }
+            ["status", "json"] => {
+                let mut devices = Vec::new();
+                if let (Some(n), Some((blocks, _))) = (&nvme, &nvme_info) {
+                    devices.push(json!({"function": "00.0", "kind": "NVMe", "backing": n, "blocks": blocks, "lba_size": lba}));
+                }
+                if args.dma_engine {
+                    devices.push(json!({"function": format!("00.{}", devices.len()), "kind": "DMA engine"}));
+                }
+                json!({
+                    "role": "device",
+                    "name": name,
+                    "mac": bridge.local_mac().to_string(),
+                    "group": bridge.group(),
+                    "peers": bridge.host().map(|h| vec![json!({"mac": h.to_string(), "role": "host"})]).unwrap_or_default(),
+                    "devices": devices,
+                    "controller": nvme_info.as_ref().map(|(_, st)| controller_json(st)),
+                    "completion_timeouts": bridge.stats().dma_read_failures,
+                    "bridge": format!("{:?}", bridge.stats()),
+                    "transport": transport_json(&bridge.runtime_stats()),
+                })
+                .to_string()
+            }
+            ["group", n] => match n.parse::<u16>() {
                 Ok(g) => {
                     bridge.set_group(g);
                     eprintln!("lanbus device: moved to group {g}");
-                    json!({"group": g})
+                    format!("ok group {g}")
                 }
-                Err(_) => json!({"error": format!("group {n:?} is not a number")}),
+                Err(_) => format!("error: bad group {n:?} (0..=65535)"),
             },
-            _ => json!({"error": format!("unknown request {line:?}: status | group N")}),
+            _ => format!("error: unknown command {line:?} (want `group N`, `status` or `status json`)"),
         }
     };
+    let control_stop = AtomicBool::new(false);
     std::thread::scope(|s| {
-        s.spawn(|| serve_control(&listener, &stop, &answer));
+        s.spawn(|| serve_control(&listener, &control_stop, &answer));
+        let sig = signals.wait();
+        eprintln!("lanbus device: signal {sig}, stopping");
+        // Relaxed: the flag only asks the loop to end.
+        control_stop.store(true, Ordering::Relaxed);
     });
-    eprintln!("lanbus device: stopping");
     bridge.shutdown();
-    if let NvmeBacking::File { path, .. } = &backing {
+    if let Some(NvmeBacking::File { path, .. }) = &backing {
         // The controller wrote through its own handle; any handle's fsync flushes the file.
         std::fs::File::open(path)?.sync_all().with_context(|| format!("syncing {}", path.display()))?;
     }
@@ -362,7 +424,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let stop = stop_flag()?;
     let port = lanbus_port::open(&port_spec)?;
     let listener = bind_control(&control)?;
-    let host = Arc::new(HostBridge::start(port, fabric::host_config(group, &name, fabric::frame_checksum_for(&port_spec)))?);
+    let host = Arc::new(HostBridge::start(port, fabric::host_config(group, &name, &port_spec, args.mode.into()))?);
     let events = host.subscribe();
     eprintln!(
         "lanbus host: {name} ({}) group {group} on {port_spec}; waiting for an NVMe device; control {}",
@@ -371,9 +433,9 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     );
     let current: Mutex<Option<Exported>> = Mutex::new(None);
     let lock = || current.lock().unwrap_or_else(|e| e.into_inner());
-    let answer = |line: &str| -> Value {
-        if line != "status" {
-            return json!({"error": format!("unknown request {line:?}: status")});
+    let answer = |line: &str| -> String {
+        if line != "status" && line != "status json" {
+            return format!("error: unknown command {line:?} (want `status`)");
         }
         let devices = host.devices();
         let mut peers: Vec<Value> = Vec::new();
@@ -404,6 +466,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             "bridge": format!("{hb:?}"),
             "transport": transport_json(&host.runtime_stats()),
         })
+        .to_string()
     };
     let control_stop = AtomicBool::new(false);
     std::thread::scope(|s| -> anyhow::Result<()> {
@@ -517,7 +580,7 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
         bail!("no daemon control socket at {HOST_CONTROL} or {DEVICE_CONTROL}; give --control PATH");
     }
     for p in paths {
-        let v = ask(&p, "status")?;
+        let v = ask(&p, "status json")?;
         if args.json {
             println!("{v}");
         } else {
@@ -526,12 +589,6 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-/// Runs `lanbus device --control PATH` requests other than status (for tests and scripts).
-#[allow(dead_code)]
-pub fn request(path: &Path, line: &str) -> anyhow::Result<Value> {
-    ask(path, line)
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use lanbus_pcie::bridge::{
     DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig, HostedFunction, RemoteFunction,
 };
 use lanbus_port::{Port, SimWire, SimWireConfig};
-use lanbus_runtime::RuntimeConfig;
+use lanbus_runtime::{RuntimeConfig, ThreadMode};
 use lanbus_wire::{Clock, MacAddr, MonotonicClock};
 
 /// Bus address of the host memory region the driver's queues and buffers live in.
@@ -134,9 +134,9 @@ pub fn nvme_function(ctrl: Controller) -> anyhow::Result<(HostedFunction, Arc<Fu
     NvmeFunction::hosted(ctrl).map_err(|e| anyhow::anyhow!("NVMe function: {e}"))
 }
 
-/// The runtime settings the daemons use.
-pub fn runtime_config(name: &str) -> RuntimeConfig {
-    let mut c = RuntimeConfig { name: name.into(), ..RuntimeConfig::default() };
+/// The runtime settings the daemons use on a port of this spec.
+pub fn runtime_config(name: &str, port_spec: &str, threads: ThreadMode) -> RuntimeConfig {
+    let mut c = RuntimeConfig { name: name.into(), threads, ..RuntimeConfig::default() };
     // Delay-based rate control reads a busy machine's scheduling delays as queueing and paces
     // down to its floor; one host and one device on a link do not need it.
     c.transport.rate.enabled = false;
@@ -144,38 +144,30 @@ pub fn runtime_config(name: &str) -> RuntimeConfig {
     // a starved thread can miss three 100 ms beats, and a device that loses its host fails the
     // DMA of the command it is running (the controller then reports a fatal status).
     c.transport.heartbeat.missed_limit = 10;
+    // Not over `udp`: that port carries no Ethernet header and rebuilds it on receive with our
+    // own MAC as the destination, also for frames the sender broadcast (heartbeats), so a
+    // checksum over the whole frame cannot hold there; the UDP checksum covers the datagram.
+    c.transport.checksum = !port_spec.trim_start().starts_with("udp:");
     c
 }
 
-/// Whether the transport's end-to-end frame checksum can be used on a port of this spec. Not on
-/// `udp`: that port carries no Ethernet header and rebuilds it on receive with our own MAC as the
-/// destination, also for frames the sender broadcast (heartbeats), so a checksum over the whole
-/// frame cannot hold there; the UDP checksum covers the datagram instead.
-pub fn frame_checksum_for(port_spec: &str) -> bool {
-    !port_spec.trim_start().starts_with("udp:")
-}
-
 /// Host bridge settings for `group`.
-pub fn host_config(group: u16, name: &str, checksum: bool) -> HostBridgeConfig {
-    let mut runtime = runtime_config(name);
-    runtime.transport.checksum = checksum;
+pub fn host_config(group: u16, name: &str, port_spec: &str, threads: ThreadMode) -> HostBridgeConfig {
     HostBridgeConfig {
         group,
         name: name.into(),
-        runtime,
+        runtime: runtime_config(name, port_spec, threads),
         completion_timeout: Duration::from_secs(2),
         ..HostBridgeConfig::default()
     }
 }
 
 /// Device bridge settings for `group`.
-pub fn device_config(group: u16, name: &str, checksum: bool) -> DeviceBridgeConfig {
-    let mut runtime = runtime_config(name);
-    runtime.transport.checksum = checksum;
+pub fn device_config(group: u16, name: &str, port_spec: &str, threads: ThreadMode) -> DeviceBridgeConfig {
     DeviceBridgeConfig {
         group,
         name: name.into(),
-        runtime,
+        runtime: runtime_config(name, port_spec, threads),
         completion_timeout: Duration::from_secs(2),
         ..DeviceBridgeConfig::default()
     }
@@ -206,26 +198,7 @@ pub fn is_nvme(f: &RemoteFunction) -> bool {
 
 /// `lspci -v`-like lines for a remote function.
 pub fn lspci(f: &RemoteFunction) -> String {
-    let class = match f.class_code {
-        0x01_08_02 => "Non-Volatile memory controller [0108]: NVM Express",
-        _ => "Unclassified device",
-    };
-    let mut s = format!(
-        "{} {} [{:06x}]: {:04x}:{:04x} (rev {:02x})\n\tSubsystem: {:04x}:{:04x}\n\tDevice bridge: {} \"{}\", group {}\n",
-        f.bdf, class, f.class_code, f.vendor_id, f.device_id, f.revision_id, f.subsystem_vendor_id,
-        f.subsystem_id, f.mac, f.name, f.group
-    );
-    for b in &f.bars {
-        s += &format!("\tRegion {}: Memory at {:#x} ({:?}) [size={}K]\n", b.index, b.address, b.kind, b.size >> 10);
-    }
-    s += &format!("\tCapabilities: PCI Express (MaxPayload {} bytes, MaxReadReq {} bytes)\n", f.mps, f.mrrs);
-    if let Some(m) = f.msix {
-        s += &format!(
-            "\tCapabilities: MSI-X: Enable+ Count={} Table: BAR={} offset={:#06x} PBA: BAR={} offset={:#06x}\n",
-            m.vectors, m.table_bar, m.table_offset, m.pba_bar, m.pba_offset
-        );
-    }
-    s
+    crate::pcie::format_function(f)
 }
 
 /// A device bridge with one NVMe drive and a host bridge with its driver, in this process, joined
@@ -252,9 +225,9 @@ impl SimFabric {
         let macs = [MacAddr([2, 0x6c, 0x62, 0, 0, 1]), MacAddr([2, 0x6c, 0x62, 0, 0, 2])];
         let (a, b) = SimWire::pair_realtime(wire, clock, macs)?;
         let (a, b): (Box<dyn Port>, Box<dyn Port>) = (Box::new(a), Box::new(b));
-        let host = Arc::new(HostBridge::start(a, host_config(1, "demo-host", true))?);
+        let host = Arc::new(HostBridge::start(a, host_config(1, "demo-host", "sim", ThreadMode::RunToCompletion))?);
         let (function, controller_stats) = nvme_function(ctrl)?;
-        let device = DeviceBridge::start(b, device_config(1, "demo-iobox", true), vec![function])?;
+        let device = DeviceBridge::start(b, device_config(1, "demo-iobox", "sim", ThreadMode::RunToCompletion), vec![function])?;
         let devs = host.wait_devices(1, Duration::from_secs(10));
         let function = devs.into_iter().next().context("the host bridge enumerated nothing in 10 s")?;
         let driver = start_driver(&host, &function)?;

@@ -2,15 +2,17 @@
 #![deny(unsafe_code)]
 
 mod bench;
-mod port;
-mod tlp;
-mod nbd;
 mod daemon;
 mod demo;
 mod fabric;
+mod nbd;
+mod pcie;
 mod plot;
+mod port;
 mod progress;
+mod signals;
 mod sim_cmd;
+mod tlp;
 
 use clap::{Parser, Subcommand};
 
@@ -40,17 +42,21 @@ enum Command {
     /// Simulator scenarios: the faulty-wire transfer and the retransmission paper's figures.
     #[command(subcommand)]
     Sim(sim_cmd::SimCommand),
-    /// The I/O box daemon: a device bridge hosting an NVMe drive (file or RAM) for the host of
-    /// its group.
+    /// Packet ports: check that a port spec opens here, and see its MAC, MTU and counters.
+    #[command(subcommand)]
+    Port(port::PortCommand),
+    /// A host bridge that lists the remote PCIe functions of its group like `lspci -v`.
+    Lspci(pcie::LspciArgs),
+    /// The I/O box daemon: a device bridge hosting an NVMe drive (file or RAM) and/or the DMA
+    /// engine for the host of its group, until SIGINT/SIGTERM.
     Device(daemon::DeviceArgs),
+    /// Sends a command (`group N`, `status`) to a running `lanbus device --control PATH`.
+    DeviceCtl(pcie::DeviceCtlArgs),
     /// The host daemon: enumerates its group's NVMe drive through the fabric, runs the NVMe
     /// driver and exports the namespace over NBD.
     Host(daemon::HostArgs),
     /// Asks a running `lanbus host` or `lanbus device` for peers, devices, queues and counters.
     Status(daemon::StatusArgs),
-    /// Packet ports: check that a port spec opens here, and see its MAC, MTU and counters.
-    #[command(subcommand)]
-    Port(port::PortCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -62,7 +68,9 @@ fn main() -> std::process::ExitCode {
         Command::Demo(a) => demo::run(a),
         Command::Sim(c) => sim_cmd::run(c),
         Command::Port(c) => port::run(c),
+        Command::Lspci(a) => pcie::lspci(a),
         Command::Device(a) => daemon::device(a),
+        Command::DeviceCtl(a) => pcie::device_ctl(a),
         Command::Host(a) => daemon::host(a),
         Command::Status(a) => daemon::status(a),
     };

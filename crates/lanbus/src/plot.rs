@@ -34,6 +34,8 @@ pub struct Plot {
     pub x_log: bool,
     /// Logarithmic y axis (all y must be positive).
     pub y_log: bool,
+    /// Put the legend in the upper right corner (else upper left), away from the data.
+    pub legend_right: bool,
     /// The lines.
     pub series: Vec<Series>,
 }
@@ -108,6 +110,20 @@ fn bounds(values: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
     }
 }
 
+/// A short tick label: scientific for very small or large values, else at most three decimals.
+fn tick(v: f64) -> String {
+    let a = v.abs();
+    if a == 0.0 {
+        return "0".into();
+    }
+    if !(1e-3..1e5).contains(&a) {
+        let s = format!("{v:.1e}");
+        return s.replace(".0e", "e");
+    }
+    let s = format!("{v:.3}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
 type DrawResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn draw<DB: DrawingBackend>(plot: &Plot, root: &DrawingArea<DB, Shift>, with_text: bool) -> DrawResult<()>
@@ -155,7 +171,9 @@ where
     let mut mesh = chart.configure_mesh();
     mesh.light_line_style(RGBColor(235, 235, 235));
     if with_text {
-        mesh.x_desc(plot.x_label.as_str())
+        mesh.x_label_formatter(&|v| tick(*v))
+            .y_label_formatter(&|v| tick(*v))
+            .x_desc(plot.x_label.as_str())
             .y_desc(plot.y_label.as_str())
             .label_style(("sans-serif", 15))
             .axis_desc_style(("sans-serif", 17));
@@ -185,7 +203,11 @@ where
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK)
             .label_font(("sans-serif", 15))
-            .position(SeriesLabelPosition::UpperLeft)
+            .position(if plot.legend_right {
+                SeriesLabelPosition::UpperRight
+            } else {
+                SeriesLabelPosition::UpperLeft
+            })
             .draw()?;
     }
     Ok(())
@@ -194,6 +216,38 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ticks_are_short() {
+        assert_eq!(tick(1e-5 * 0.9999999999), "1e-5");
+        assert_eq!(tick(0.001), "0.001");
+        assert_eq!(tick(2.5), "2.5");
+        assert_eq!(tick(1000.0), "1000");
+        assert_eq!(tick(0.0), "0");
+        assert_eq!(tick(2.5e-7), "2.5e-7");
+    }
+
+    #[test]
+    fn draws_lines_without_a_font() {
+        let mut rgb = vec![255u8; (WIDTH * HEIGHT * 3) as usize];
+        let plot = Plot {
+            title: "t".into(),
+            x_label: "x".into(),
+            y_label: "y".into(),
+            x_log: false,
+            y_log: true,
+            legend_right: true,
+            series: vec![Series { name: "a".into(), points: vec![(0.0, 1.0), (1.0, 100.0)] }],
+        };
+        {
+            let root = BitMapBackend::with_buffer(&mut rgb, (WIDTH, HEIGHT)).into_drawing_area();
+            draw(&plot, &root, false).unwrap();
+            root.present().unwrap();
+        }
+        // The line's colour appears.
+        let blue = rgb.chunks(3).filter(|p| *p == [31, 119, 180]).count();
+        assert!(blue > 500, "{blue} pixels of the line");
+    }
 
     #[test]
     fn writes_a_png() {
@@ -206,6 +260,7 @@ mod tests {
             y_label: "y".into(),
             x_log: true,
             y_log: false,
+            legend_right: false,
             series: vec![Series { name: "a".into(), points: vec![(1e-6, 1.0), (1e-3, 3.0), (1e-2, 2.0)] }],
         };
         write_png(&plot, &path).unwrap();

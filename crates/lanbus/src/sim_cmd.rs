@@ -83,6 +83,12 @@ pub struct LatencyArgs {
     /// Pack several TLPs per frame (off by default: one TLP per frame, as in the paper).
     #[arg(long)]
     packing: bool,
+    /// Turn the transport's rate control on (off by default: one session has no queue to control).
+    #[arg(long)]
+    rate_control: bool,
+    /// Loss rates simulated at once (threads); the output does not depend on it.
+    #[arg(long, default_value_t = 2)]
+    jobs: usize,
 }
 
 /// Arguments of `lanbus sim multi-session`.
@@ -222,14 +228,19 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.messages > 0, "--messages must be positive");
     create_dir(&a.out)?;
     let started = std::time::Instant::now();
-    let mut bar = Progress::new("latency vs loss");
+    let bar = std::sync::Mutex::new(Progress::new("latency vs loss"));
+    let done = std::sync::atomic::AtomicUsize::new(0);
     let total = a.loss_rates.len() as f64;
-    let mut points: Vec<LatencyPoint> = Vec::new();
-    for (i, &loss) in a.loss_rates.iter().enumerate() {
+    let points: Vec<LatencyPoint> = parallel_map(&a.loss_rates, a.jobs, |_, &loss| {
         let mut p = LatencyParams::paper(loss, a.messages, a.seed);
         p.transport.pack_messages = a.packing;
-        points.push(latency_point(&p, &mut |f| bar.set((i as f64 + f) / total)));
-    }
+        p.transport.rate.enabled = a.rate_control;
+        let r = latency_point(&p, &mut |_| {});
+        // Relaxed: a count for the progress bar only.
+        let k = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        bar.lock().unwrap_or_else(|e| e.into_inner()).set(k as f64 / total);
+        r
+    });
     drop(bar);
     let frame = points.first().map_or(0, |p| p.frame_bytes);
     println!(
@@ -301,6 +312,7 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
         y_label: "one-way latency (us)".into(),
         x_log: true,
         y_log: true,
+        legend_right: false,
         series: vec![
             Series { name: "mean".into(), points: points.iter().map(|p| (x(p), p.mean_us)).collect() },
             Series {
@@ -412,6 +424,7 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         y_label: "throughput ratio (ideal / actual burst time)".into(),
         x_log: false,
         y_log: false,
+        legend_right: true,
         series: vec![
             Series { name: "mean, no rate control".into(), points: line(&off, |p| p.mean_ratio) },
             Series { name: "mean, rate control".into(), points: line(&on, |p| p.mean_ratio) },

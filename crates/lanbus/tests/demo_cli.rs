@@ -12,7 +12,7 @@ fn demo_runs_the_remote_drive_and_verifies_everything() {
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     for needle in [
         "1b36:0010",
-        "Non-Volatile memory controller",
+        "Mass storage controller [0108]",
         "MSI-X: Enable+ Count=17",
         "exported over NBD: nbd+unix:///nvme0?socket=",
         "whole drive read back and compared: identical",

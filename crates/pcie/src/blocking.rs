@@ -246,3 +246,117 @@ impl<B: BlockingDevice> BlockingFunction<B> {
         done
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{command, reg, Bar, BarKind, MsixSpec, MSIX_CAP_OFFSET, MSIX_ENABLE};
+
+    /// Copies 8 bytes from host 0x1000 to 0x2000 and raises vector 1 when rung.
+    struct Model {
+        rung: bool,
+        result: Option<core::result::Result<(), DmaError>>,
+    }
+
+    impl BlockingDevice for Model {
+        fn config_spec(&self) -> ConfigSpec {
+            ConfigSpec::new(1, 2, 0x010000)
+                .with_bar(0, Bar { kind: BarKind::Memory32 { prefetchable: false }, size: 4096 })
+                .with_msix(MsixSpec {
+                    table_size: 2,
+                    table_bar: 0,
+                    table_offset: 0x800,
+                    pba_bar: 0,
+                    pba_offset: 0xc00,
+                })
+        }
+        fn bar_read(
+            &mut self,
+            _: usize,
+            _: u64,
+            data: &mut [u8],
+        ) -> core::result::Result<(), CompleterAbort> {
+            data.fill(0x5a);
+            Ok(())
+        }
+        fn bar_write(&mut self, _: usize, _: u64, _: &[u8]) {
+            self.rung = true;
+        }
+        fn has_work(&self) -> bool {
+            self.rung
+        }
+        fn process(&mut self, host: &mut dyn HostAccess) -> usize {
+            self.rung = false;
+            let mut b = [0u8; 8];
+            self.result = Some(host.read(0x1000, &mut b).and_then(|()| host.write(0x2000, &b)));
+            host.signal_msix(1);
+            1
+        }
+    }
+
+    #[derive(Default)]
+    struct Memory {
+        writes: Vec<(u64, Vec<u8>)>,
+    }
+
+    impl DmaPath for Memory {
+        fn read(&mut self, address: u64, buf: &mut [u8]) -> core::result::Result<(), DmaError> {
+            buf.fill(address as u8 + 1);
+            Ok(())
+        }
+        fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError> {
+            self.writes.push((address, data.to_vec()));
+            Ok(())
+        }
+    }
+
+    fn function() -> BlockingFunction<Model> {
+        let mut f = BlockingFunction::new(Model { rung: false, result: None }).unwrap();
+        f.config_write(reg::BAR0, 0xf, 0xfe00_0000u32.to_le_bytes());
+        f
+    }
+
+    #[test]
+    fn dma_needs_bus_mastering() {
+        let mut f = function();
+        f.config_write(reg::COMMAND, 0b11, (command::MEMORY_SPACE as u32).to_le_bytes());
+        f.memory_write(0xfe00_0000, &[1, 0, 0, 0]).unwrap();
+        let mut mem = Memory::default();
+        assert_eq!(f.process(&mut mem), 1);
+        assert_eq!(f.device().result, Some(Err(DmaError::BusMasterDisabled)));
+        assert!(mem.writes.is_empty());
+        assert_eq!(f.counters().dma_refused, 1);
+        assert_eq!(f.counters().interrupts_dropped, 1);
+    }
+
+    #[test]
+    fn dma_and_a_masked_vector_sent_once_unmasked() {
+        let mut f = function();
+        let cmd = (command::MEMORY_SPACE | command::BUS_MASTER) as u32;
+        f.config_write(reg::COMMAND, 0b11, cmd.to_le_bytes());
+        f.config_write(MSIX_CAP_OFFSET, 0b1100, ((MSIX_ENABLE as u32) << 16).to_le_bytes());
+        // Vector 1's entry: address 0xfee0_0000, data 7, still masked (entries reset masked).
+        let entry = 0xfe00_0000 + 0x800 + 16;
+        f.memory_write(entry, &0xfee0_0000u32.to_le_bytes()).unwrap();
+        f.memory_write(entry + 8, &7u32.to_le_bytes()).unwrap();
+        let mut mem = Memory::default();
+        f.process(&mut mem);
+        f.memory_write(0xfe00_0000, &[1, 0, 0, 0]).unwrap();
+        assert!(f.has_work());
+        f.process(&mut mem);
+        assert_eq!(f.device().result, Some(Ok(())));
+        assert_eq!(mem.writes, vec![(0x2000, vec![1; 8])]);
+        assert_eq!(f.counters().interrupts_pended, 1);
+        // Unmask: the pending message goes out on the next process, exactly once.
+        f.memory_write(entry + 12, &0u32.to_le_bytes()).unwrap();
+        assert!(f.has_work());
+        f.process(&mut mem);
+        f.process(&mut mem);
+        assert_eq!(mem.writes.len(), 2);
+        assert_eq!(mem.writes[1], (0xfee0_0000, 7u32.to_le_bytes().to_vec()));
+        // MSI-X structures never reach the model.
+        let mut b = [0u8; 4];
+        f.memory_read(entry + 8, &mut b).unwrap();
+        assert_eq!(u32::from_le_bytes(b), 7);
+    }
+}

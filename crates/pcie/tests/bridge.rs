@@ -31,6 +31,9 @@ fn runtime(mode: ThreadMode, name: &str) -> RuntimeConfig {
     // The wire is not congested; delay-based rate control would read the scheduling delays of a
     // loaded 2-core machine as queueing and pace down to its floor.
     c.transport.rate.enabled = false;
+    // A loaded 2-core machine (load 8-10 while these tests were written) stalls threads for
+    // hundreds of ms: a peer is down after 1 s without heartbeats.
+    c.transport.heartbeat.missed_limit = 10;
     c
 }
 
@@ -99,7 +102,16 @@ fn transfer(h: &HostBridge, f: &RemoteFunction, src: u64, dst: u64, len: u32, n:
     ] {
         h.mmio_write32(f.bdf, bar0 + off, v).unwrap();
     }
-    assert_eq!(h.wait_interrupts(f.bdf, 0, n, WAIT), n, "interrupt {n} arrived");
+    let got = h.wait_interrupts(f.bdf, 0, n, WAIT);
+    if got != n {
+        let st = h.mmio_read32(f.bdf, bar0 + regs::STATUS);
+        let done = h.mmio_read32(f.bdf, bar0 + regs::COMPLETED);
+        panic!(
+            "interrupt {n} did not arrive (got {got}); status {st:?} completed {done:?}\nhost {:?}\n{:?}",
+            h.stats(),
+            h.runtime_stats()
+        );
+    }
     h.mmio_read32(f.bdf, bar0 + regs::STATUS).unwrap()
 }
 
@@ -395,4 +407,28 @@ fn device_goes_down(mode: ThreadMode) {
 fn a_device_that_stops_heartbeating_fails_its_users() {
     device_goes_down(ThreadMode::RunToCompletion);
     device_goes_down(ThreadMode::Pipeline);
+}
+
+fn many_small_transfers(mode: ThreadMode, mps: usize, count: u64) {
+    let mut hc = host_config(mode, 6);
+    hc.mps = mps;
+    let (h, d) = over_sim(mode, 0.0, 14, hc, dma_engine());
+    let f = one_device(&h);
+    let data: Vec<u8> = (0..16384u32).map(|i| (i * 13) as u8).collect();
+    h.add_region(SRC, DmaBuffer::from_vec(data.clone())).unwrap();
+    let dst = DmaBuffer::new(16384);
+    h.add_region(DST, dst.clone()).unwrap();
+    for n in 1..=count {
+        let len = if n % 2 == 0 { 4096 } else { 16384 };
+        let status = transfer(&h, &f, SRC, DST, len, n);
+        assert_eq!(status & regs::STATUS_ERROR, 0, "transfer {n}: {:?} {:?}", h.stats(), d.stats());
+    }
+    assert_eq!(dst.read_vec(0, 16384), data);
+}
+
+#[test]
+fn many_small_transfers_in_a_row() {
+    let count = std::env::var("TRANSFERS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
+    many_small_transfers(ThreadMode::RunToCompletion, 128, count);
+    many_small_transfers(ThreadMode::Pipeline, 512, count);
 }

@@ -38,7 +38,7 @@ use lanbus_wire::ethernet::HEADER_LEN;
 use lanbus_wire::{EtherType, MacAddr};
 
 use crate::check::check_frame;
-use crate::udp::poll_readable;
+use crate::udp::poll_ready;
 use crate::{Port, PortCounters, PortError, Result};
 
 /// Bytes of `struct tpacket3_hdr` rounded to TPACKET_ALIGNMENT: where `sockaddr_ll` follows the
@@ -774,6 +774,10 @@ impl Drop for AfPacketPort {
 
 impl Port for AfPacketPort {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        // Slots marked for sending while the kernel had no room go out without new frames.
+        if self.tx_unkicked {
+            self.kick()?;
+        }
         let mut delivered = 0;
         while delivered < max {
             if self.rx_cursor.is_none() {
@@ -888,7 +892,7 @@ impl Port for AfPacketPort {
         if self.unit_status(self.rx_unit).load(Ordering::Acquire) & libc::TP_STATUS_USER != 0 {
             return Ok(());
         }
-        poll_readable(self.fd.as_raw_fd(), timeout)
+        poll_ready(self.fd.as_raw_fd(), false, timeout)
     }
 
     fn mtu(&self) -> usize {

@@ -257,6 +257,8 @@ pub struct SimPort {
     counters: PortCounters,
     /// Whether `wait` blocks in real time (a real clock) or returns at once (a logical clock).
     blocking: bool,
+    /// The transmit buffer lent to `tx_burst`'s callback, kept between calls.
+    tx_buf: Vec<u8>,
 }
 
 impl core::fmt::Debug for SimPort {
@@ -307,6 +309,7 @@ impl SimWire {
             mac: macs[side],
             counters: PortCounters::default(),
             blocking,
+            tx_buf: Vec::new(),
         };
         Ok((end(0), end(1)))
     }
@@ -380,7 +383,38 @@ impl Port for SimPort {
 
     fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize> {
         let capacity = self.frame_capacity();
-        let mut buf = vec![0u8; capacity];
+        let mut buf = core::mem::take(&mut self.tx_buf);
+        buf.resize(capacity, 0);
+        let result = self.tx_burst_with(max, fill, &mut buf);
+        self.tx_buf = buf;
+        result
+    }
+
+    fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
+        self.wait_impl(timeout)
+    }
+
+    fn mtu(&self) -> usize {
+        self.lock().config.mtu
+    }
+
+    fn mac(&self) -> MacAddr {
+        self.mac
+    }
+
+    fn counters(&self) -> PortCounters {
+        self.counters
+    }
+}
+
+impl SimPort {
+    fn tx_burst_with(
+        &mut self,
+        max: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+        buf: &mut [u8],
+    ) -> Result<usize> {
+        let capacity = buf.len();
         let mut sent = 0;
         while sent < max {
             let now = self.clock.now();
@@ -391,7 +425,7 @@ impl Port for SimPort {
                     break;
                 }
             }
-            let Some(len) = fill(&mut buf) else { break };
+            let Some(len) = fill(buf) else { break };
             if len > capacity {
                 self.counters.tx_dropped += 1;
                 return Err(PortError::Misuse(format!("frame of {len} bytes exceeds capacity {capacity}")));
@@ -409,7 +443,7 @@ impl Port for SimPort {
         Ok(sent)
     }
 
-    fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
+    fn wait_impl(&mut self, timeout: Option<Duration>) -> Result<()> {
         if !self.blocking {
             return Ok(());
         }
@@ -435,18 +469,6 @@ impl Port for SimPort {
                 None => self.inner.sent.wait(state).unwrap_or_else(|e| e.into_inner()),
             };
         }
-    }
-
-    fn mtu(&self) -> usize {
-        self.lock().config.mtu
-    }
-
-    fn mac(&self) -> MacAddr {
-        self.mac
-    }
-
-    fn counters(&self) -> PortCounters {
-        self.counters
     }
 }
 

@@ -29,9 +29,12 @@
 //!
 //! Invariants: the socket is non-blocking; datagrams move in batches of [`BATCH`] with
 //! `recvmmsg`/`sendmmsg`; a datagram longer than the MTU (seen as `MSG_TRUNC`) or shorter than the
-//! lanbus header is dropped and counted; frames the kernel could not take yet (`EAGAIN`) stay
-//! queued in the port and go first on the next `tx_burst`, which takes no new frames until they are
-//! gone. The hot path does not allocate (the pending queue grows only when the peer table does).
+//! lanbus header is dropped and counted; frames the kernel could not take yet (`EAGAIN`, for
+//! example while datagrams wait for ARP and hold the socket's send buffer) stay queued in the port
+//! and go first on the next `tx_burst` or `rx_burst`; `tx_burst` takes no new frames until they
+//! are gone, and `wait` also wakes when the socket can take them, so a driver loop that keeps
+//! calling the port sends them without new frames to push. The hot path does not allocate (the
+//! pending queue grows only when the peer table does).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket};
@@ -607,6 +610,9 @@ impl AsRawFd for UdpPort {
 
 impl Port for UdpPort {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        if self.has_pending() {
+            self.flush_pending();
+        }
         // SAFETY: mmsghdr is plain old data; all-zero is valid.
         let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { core::mem::zeroed() };
         let mut delivered = 0;
@@ -713,7 +719,8 @@ impl Port for UdpPort {
     }
 
     fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
-        poll_readable(self.socket.as_raw_fd(), timeout)
+        // With datagrams still queued, room in the socket is also a reason to wake up.
+        poll_ready(self.socket.as_raw_fd(), self.has_pending(), timeout)
     }
 
     fn mtu(&self) -> usize {
@@ -729,9 +736,11 @@ impl Port for UdpPort {
     }
 }
 
-/// Blocks in ppoll(2) until `fd` is readable or `timeout` passes; EINTR counts as a wake-up.
-pub(crate) fn poll_readable(fd: libc::c_int, timeout: Option<Duration>) -> Result<()> {
-    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+/// Blocks in ppoll(2) until `fd` is readable (or writable, if `writable` is set) or `timeout`
+/// passes; EINTR counts as a wake-up.
+pub(crate) fn poll_ready(fd: libc::c_int, writable: bool, timeout: Option<Duration>) -> Result<()> {
+    let events = if writable { libc::POLLIN | libc::POLLOUT } else { libc::POLLIN };
+    let mut pfd = libc::pollfd { fd, events, revents: 0 };
     let ts = timeout.map(|t| libc::timespec {
         tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
         tv_nsec: libc::c_long::from(t.subsec_nanos() as i32),

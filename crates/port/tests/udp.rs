@@ -5,7 +5,7 @@ mod common;
 use std::net::{SocketAddr, UdpSocket};
 use std::time::Duration;
 
-use common::{frame, frame_typed, len_for, recv_n, send_all, seq_of};
+use common::{frame, frame_typed, len_for, recv_n, recv_pair, send_all, seq_of, warm_up};
 use lanbus_port::netns::VethPair;
 use lanbus_port::udp::{derived_mac, UdpConfig, UdpPort};
 use lanbus_port::Port;
@@ -44,8 +44,7 @@ fn loopback_exchanges_10000_frames_each_way_in_order() {
             (seq..seq + BURST).map(|s| frame(a.mac(), b.mac(), s + TOTAL, len_for(s + TOTAL, mtu))).collect();
         send_all(&mut a, &a_frames, SECOND);
         send_all(&mut b, &b_frames, SECOND);
-        let at_b = recv_n(&mut b, BURST as usize, 5 * SECOND);
-        let at_a = recv_n(&mut a, BURST as usize, 5 * SECOND);
+        let (at_a, at_b) = recv_pair(&mut a, &mut b, BURST as usize, BURST as usize, 5 * SECOND);
         assert_eq!(at_b.len(), BURST as usize, "burst at {seq} reached b");
         assert_eq!(at_a.len(), BURST as usize, "burst at {seq} reached a");
         for (got, want) in at_b.iter().zip(&a_frames) {
@@ -63,6 +62,26 @@ fn loopback_exchanges_10000_frames_each_way_in_order() {
     }
     // Nothing more is waiting.
     assert_eq!(a.rx_burst(64, &mut |_| panic!("extra frame")).unwrap(), 0);
+}
+
+#[test]
+fn ipv6_loopback_works_too() {
+    let any: SocketAddr = "[::1]:0".parse().unwrap();
+    let Ok(mut a) = UdpPort::open(&UdpConfig::new(any)) else {
+        eprintln!("ipv6_loopback_works_too skipped: no IPv6 loopback here");
+        return;
+    };
+    let mut b = UdpPort::open(&UdpConfig::new(any)).unwrap();
+    a.add_peer(b.mac(), b.local_addr()).unwrap();
+    b.add_peer(a.mac(), a.local_addr()).unwrap();
+    assert_eq!(a.mtu(), lanbus_port::udp::DEFAULT_MTU_V6);
+    let frames: Vec<Vec<u8>> = (0..200).map(|s| frame(b.mac(), a.mac(), s, len_for(s, a.mtu()))).collect();
+    send_all(&mut a, &frames, SECOND);
+    let got = recv_n(&mut b, 200, 2 * SECOND);
+    assert_eq!(got.len(), 200);
+    for (g, w) in got.iter().zip(&frames) {
+        check_received(g, w, b.mac());
+    }
 }
 
 #[test]
@@ -150,11 +169,15 @@ fn udp_across_a_veth_pair_leaves_other_traffic_alone() {
             return;
         }
     };
+    warm_up(&pair);
     let (ip_a, ip_b) = (pair.a.ipv4, pair.b.ipv4);
     let spec_a = format!("udp:{ip_a}:7000,peer={ip_b}:7000");
     let spec_b = format!("udp:{ip_b}:7000,peer={ip_a}:7000");
-    let mut a = pair.a.netns.run(move || lanbus_port::open(&spec_a)).unwrap().unwrap();
-    let mut b = pair.b.netns.run(move || lanbus_port::open(&spec_b)).unwrap().unwrap();
+    // Typed ports (the spec parser made their configurations) so that a failure can say more.
+    let config_a = UdpConfig::parse(spec_a.strip_prefix("udp:").unwrap()).unwrap();
+    let config_b = UdpConfig::parse(spec_b.strip_prefix("udp:").unwrap()).unwrap();
+    let mut a = pair.a.netns.run(move || UdpPort::open(&config_a)).unwrap().unwrap();
+    let mut b = pair.b.netns.run(move || UdpPort::open(&config_b)).unwrap().unwrap();
     // Ordinary traffic between the namespaces still flows while the ports are open.
     let plain_b: SocketAddr = (ip_b, 7001).into();
     let plain_rx = pair.b.netns.run(move || UdpSocket::bind(plain_b)).unwrap().unwrap();
@@ -166,11 +189,22 @@ fn udp_across_a_veth_pair_leaves_other_traffic_alone() {
             (0..50).map(|i| round * 50 + i).map(|s| frame(b.mac(), a.mac(), s, len_for(s, mtu))).collect();
         let to_a: Vec<Vec<u8>> =
             (0..50).map(|i| round * 50 + i).map(|s| frame(a.mac(), b.mac(), s, len_for(s, mtu))).collect();
-        send_all(&mut *a, &to_b, SECOND);
-        send_all(&mut *b, &to_a, SECOND);
-        let at_b = recv_n(&mut *b, 50, 5 * SECOND);
-        let at_a = recv_n(&mut *a, 50, 5 * SECOND);
-        assert_eq!((at_a.len(), at_b.len()), (50, 50), "round {round}");
+        send_all(&mut a, &to_b, SECOND);
+        send_all(&mut b, &to_a, SECOND);
+        // Both ports are driven while receiving: the first burst may wait for ARP, and datagrams
+        // the kernel could not take yet go out on the port's next call.
+        let (at_a, at_b) = recv_pair(&mut a, &mut b, 50, 50, 5 * SECOND);
+        assert_eq!(
+            (at_a.len(), at_b.len()),
+            (50, 50),
+            "round {round}: a {:?} pending {} error {:?}; b {:?} pending {} error {:?}",
+            a.counters(),
+            a.has_pending(),
+            a.last_tx_error(),
+            b.counters(),
+            b.has_pending(),
+            b.last_tx_error()
+        );
         for (got, want) in at_b.iter().zip(&to_b) {
             check_received(got, want, b.mac());
         }
@@ -189,7 +223,7 @@ fn udp_across_a_veth_pair_leaves_other_traffic_alone() {
     let arp_like = frame_typed(b.mac(), a.mac(), 0x0806, 1, 64);
     assert_eq!(a.send_frames(&[&arp_like]).unwrap(), 0);
     assert_eq!(a.counters().tx_dropped, 1);
-    assert!(recv_n(&mut *b, 1, Duration::from_millis(100)).is_empty());
+    assert!(recv_n(&mut b, 1, Duration::from_millis(100)).is_empty());
     assert_eq!(b.counters().rx_frames, 1000);
 }
 
@@ -202,6 +236,7 @@ fn udp_broadcast_address_reaches_a_port_bound_to_any() {
     };
     // a listens on 0.0.0.0 (the only way to receive IPv4 broadcasts), so it names its own MAC and
     // learns senders; b names a as a peer under a's MAC and also broadcasts to the subnet.
+    warm_up(&pair);
     let a_mac = MacAddr::local(0x00aa_0001);
     let spec_a = format!("udp:0.0.0.0:7100,mac={a_mac},learn");
     let spec_b = format!("udp:{}:7100,peer={a_mac}@{}:7100,bcast=10.77.0.255:7100", pair.b.ipv4, pair.a.ipv4);
@@ -222,4 +257,39 @@ fn udp_broadcast_address_reaches_a_port_bound_to_any() {
     let back = recv_n(&mut *b, 1, 2 * SECOND);
     assert_eq!(back.len(), 1);
     assert_eq!(seq_of(&back[0]), 2);
+}
+
+#[test]
+fn frames_the_kernel_cannot_take_yet_stay_queued_and_block_new_ones() {
+    let Ok(pair) = VethPair::create().map_err(|skip| eprintln!("frames_the_kernel_cannot_take_yet {skip}"))
+    else {
+        return;
+    };
+    // A peer address nobody answers ARP for: datagrams wait in the neighbour queue and hold the
+    // (tiny) send buffer, so the socket soon says EAGAIN.
+    let black_hole = MacAddr::local(0x0099_0099);
+    let config =
+        UdpConfig::parse(&format!("{}:7200,peer={black_hole}@10.77.0.99:7200", pair.a.ipv4)).unwrap();
+    let mut a = pair.a.netns.run(move || UdpPort::open(&config)).unwrap().unwrap();
+    use std::os::fd::AsRawFd;
+    let one: libc::c_int = 1;
+    // SAFETY: setsockopt on our own socket with a live c_int.
+    let rc = unsafe {
+        libc::setsockopt(
+            a.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            &one as *const libc::c_int as *const libc::c_void,
+            core::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
+    let frames: Vec<Vec<u8>> = (0..20).map(|s| frame(black_hole, a.mac(), s, 1400)).collect();
+    let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
+    assert_eq!(a.send_frames(&refs).unwrap(), 20, "the port takes a burst it has slots for");
+    assert!(a.has_pending(), "the kernel refused some: they wait in the port");
+    let extra = frame(black_hole, a.mac(), 99, 64);
+    assert_eq!(a.send_frames(&[&extra]).unwrap(), 0, "no new frames while old ones wait");
+    assert_eq!(a.counters().tx_frames, 20);
+    assert_eq!(a.counters().tx_dropped, 0);
 }

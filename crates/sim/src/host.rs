@@ -331,3 +331,44 @@ impl App for BurstSink {
         None
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LinkConfig, Sim, Stop, SwitchConfig};
+    use lanbus_transport::Config;
+
+    #[test]
+    fn bare_endpoints_run_in_the_engine() {
+        let (a_mac, b_mac) = (MacAddr([2, 0, 0, 0, 0, 1]), MacAddr([2, 0, 0, 0, 0, 2]));
+        let mut sim: Sim<Endpoint> = Sim::new(4);
+        let sw = sim.add_switch(SwitchConfig::default());
+        let a = sim.add_node(Endpoint::new(Config::point_to_point(), a_mac, Instant::ZERO));
+        let b = sim.add_node(Endpoint::new(Config::point_to_point(), b_mac, Instant::ZERO));
+        let lossy = LinkConfig { loss: 0.02, ..LinkConfig::default() };
+        sim.connect_to_switch(a, sw, lossy.clone());
+        sim.connect_to_switch(b, sw, lossy);
+        let mut got = Vec::new();
+        for round in 0..50u32 {
+            for k in 0..20u32 {
+                let msg = (round * 20 + k).to_be_bytes();
+                let now = sim.now();
+                sim.node_mut(a).send(now, b_mac, 3, &msg).unwrap();
+            }
+            sim.touch(a);
+            let until = sim.now() + core::time::Duration::from_micros(200);
+            assert_ne!(sim.run_until(until, 1_000_000), Stop::EventCap);
+            while let Some(m) = sim.node_mut(b).poll_message() {
+                assert_eq!((m.peer, m.channel), (a_mac, 3));
+                got.push(u32::from_be_bytes(m.data.try_into().unwrap()));
+            }
+        }
+        sim.run_until(sim.now() + core::time::Duration::from_millis(50), 1_000_000);
+        while let Some(m) = sim.node_mut(b).poll_message() {
+            got.push(u32::from_be_bytes(m.data.try_into().unwrap()));
+        }
+        assert_eq!(got, (0..1000).collect::<Vec<u32>>());
+        assert!(sim.node(a).counters().retransmitted_frames > 0, "the links lost frames");
+        assert!(sim.node(a).is_idle());
+    }
+}

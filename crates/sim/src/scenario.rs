@@ -306,6 +306,8 @@ pub struct LatencyPoint {
 }
 
 /// The simulated world of the figures: hosts of either kind of app.
+// A simulation holds a handful of these; their sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum FigureHost {
     /// A stream source (Fig. 2 sender).
     Source(Host<StreamSource<ConstantRate>>),

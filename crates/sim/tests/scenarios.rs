@@ -19,46 +19,68 @@ fn transfer_with_faults_delivers_everything_once_in_order() {
 }
 
 #[test]
-#[ignore]
-fn explore_latency() {
-    for loss in [0.0, 1e-5, 1e-4, 1e-3, 1e-2] {
-        let t = std::time::Instant::now();
-        let p = latency_point(&LatencyParams::paper(loss, 200_000, 1), &mut |_| {});
-        println!("{p:?} wall {:?}", t.elapsed());
+fn fig2_latency_flat_up_to_1e5_and_growing_from_1e3() {
+    let run = |loss| latency_point(&LatencyParams::paper(loss, 150_000, 1), &mut |_| {});
+    let base = run(0.0);
+    let low = run(1e-5);
+    let high = run(1e-3);
+    for p in [&base, &low, &high] {
+        println!("{p:?}");
+        assert_eq!(p.delivered, 150_000);
+        assert_eq!(p.errors, 0);
     }
+    assert_eq!(base.retransmitted_frames, 0);
+    // The loss-free latency is the path: two hops of a 178-byte frame plus propagation.
+    assert!(base.mean_us > 2.0 && base.mean_us < base.base_rtt_us, "{base:?}");
+    assert!(low.lost_frames > 0, "the run must see a loss at 1e-5: {low:?}");
+    assert!(low.mean_us <= base.mean_us * 1.1 && low.p99_us <= base.p99_us * 1.1, "{low:?} vs {base:?}");
+    assert!(high.mean_us > base.mean_us * 1.1, "{high:?}");
+    assert!(high.p99_us > base.p99_us * 2.0, "{high:?}");
+    assert!(high.retransmitted_frames > low.retransmitted_frames);
 }
 
 #[test]
-#[ignore]
-fn explore_multi() {
-    for rc in [false, true] {
-        for s in [1u16, 3, 4, 7, 10, 13] {
-            let t = std::time::Instant::now();
-            let p =
-                multi_session_point(&MultiParams::paper(s, rc, Duration::from_millis(200), 1), &mut |_| {});
-            println!("{p:?} wall {:?}", t.elapsed());
-        }
+fn fig3_without_rate_control_collapses_and_rate_control_does_better() {
+    let duration = Duration::from_millis(150);
+    for sessions in [5u16, 7] {
+        let off = multi_session_point(&MultiParams::paper(sessions, false, duration, 1), &mut |_| {});
+        let on = multi_session_point(&MultiParams::paper(sessions, true, duration, 1), &mut |_| {});
+        println!("{off:?}\n{on:?}");
+        assert!(off.utilization > 0.25);
+        assert!(off.bursts > 10 && off.incomplete == 0 && on.incomplete == 0);
+        assert!(off.mean_ratio < 0.9, "without rate control beyond 20%: {off:?}");
+        assert!(on.switch_drops * 10 < off.switch_drops, "rate control drops less: {on:?} vs {off:?}");
+        assert!(on.mean_ratio > off.mean_ratio, "rate control finishes bursts sooner: {on:?} vs {off:?}");
     }
+    // Alone on the switch, a burst runs at nearly the access rate.
+    let alone = multi_session_point(&MultiParams::paper(1, false, duration, 1), &mut |_| {});
+    assert!(alone.p10_ratio > 0.9, "{alone:?}");
+    assert_eq!(alone.switch_drops, 0);
 }
 
+/// Tuning aid: `AI=1000 TQ=20 D=200 cargo test -p lanbus-sim --test scenarios tune -- --ignored --nocapture`.
 #[test]
 #[ignore]
-fn explore_multi_one() {
-    let t = std::time::Instant::now();
-    let mut last = 0.0;
-    let p = multi_session_point(
-        &MultiParams::paper(
-            std::env::var("S").map_or(3, |s| s.parse().unwrap()),
-            std::env::var("RC").is_ok(),
-            Duration::from_millis(std::env::var("D").map_or(30, |s| s.parse().unwrap())),
-            1,
-        ),
-        &mut |f| {
-            if f - last > 0.05 {
-                last = f;
-                println!("{f} {:?}", t.elapsed());
-            }
-        },
-    );
-    println!("{p:?} wall {:?}", t.elapsed());
+fn tune() {
+    let env = |k: &str, d: u64| std::env::var(k).map_or(d, |v| v.parse().unwrap());
+    let duration = Duration::from_millis(env("D", 200));
+    for sessions in [4u16, 7, 10] {
+        let off =
+            multi_session_point(&MultiParams::paper(sessions, false, duration, env("SEED", 1)), &mut |_| {});
+        let mut p = MultiParams::paper(sessions, true, duration, env("SEED", 1));
+        p.transport.rate.additive_increase_bps = env("AI", 250) * 1_000_000;
+        p.transport.rate.target_queue_delay = Duration::from_micros(env("TQ", 20));
+        p.transport.rate.beta = env("BETA", 80) as f64 / 100.0;
+        let on = multi_session_point(&p, &mut |_| {});
+        println!(
+            "{sessions}: off ratio {:.3} p10 {:.3} drops {} | on ratio {:.3} p10 {:.3} drops {} retx {}",
+            off.mean_ratio,
+            off.p10_ratio,
+            off.switch_drops,
+            on.mean_ratio,
+            on.p10_ratio,
+            on.switch_drops,
+            on.retransmitted_frames
+        );
+    }
 }

@@ -1,4 +1,4 @@
-//! Transport settings. Defaults suit a 10 Gbit/s LAN with RTTs of a few to a few tens of
+//! Transport layer: settings. Defaults suit a 10 Gbit/s LAN with RTTs of a few to a few tens of
 //! microseconds (one switch hop), as in the ExpressEther papers.
 
 use core::time::Duration;
@@ -14,7 +14,8 @@ pub struct RateConfig {
     pub line_rate_bps: u64,
     /// The lowest pacing rate, bits per second.
     pub min_rate_bps: u64,
-    /// Queueing delay tolerated above the minimum RTT before the rate is cut.
+    /// Queueing delay tolerated above the minimum RTT before the rate is cut; a channel also
+    /// keeps at most `rate * (min RTT + this)` bytes in flight.
     pub target_queue_delay: Duration,
     /// Rate added once per RTT while the delay is below target, bits per second.
     pub additive_increase_bps: u64,
@@ -30,7 +31,7 @@ impl Default for RateConfig {
             enabled: true,
             line_rate_bps: 10_000_000_000,
             min_rate_bps: 50_000_000,
-            target_queue_delay: Duration::from_micros(20),
+            target_queue_delay: Duration::from_micros(10),
             additive_increase_bps: 250_000_000,
             beta: 0.8,
             max_decrease: 0.5,
@@ -73,7 +74,9 @@ pub struct Config {
     /// Ethernet payload bytes per frame (lanbus header + payload), as an interface MTU. At least
     /// 64; the Ethernet frame is 14 bytes longer.
     pub mtu: usize,
-    /// Frames that may be in flight per channel beyond the oldest unacknowledged one.
+    /// Frames that may be in flight per channel beyond the oldest unacknowledged one. The default
+    /// (128) is many times the bandwidth-delay product of a 10 Gbit/s LAN hop even for small
+    /// frames; a bigger window buys no throughput there, and Go-Back-N resends it all per loss.
     pub window_frames: u32,
     /// Frames (sent-unacknowledged plus queued) a channel holds before `send` says `QueueFull`.
     pub send_queue_frames: usize,
@@ -112,7 +115,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             mtu: 1500,
-            window_frames: 256,
+            window_frames: 128,
             send_queue_frames: 1024,
             dup_ack_threshold: 2,
             initial_rto: Duration::from_millis(1),

@@ -1,4 +1,4 @@
-//! What the transport counts. Counters only grow.
+//! Transport layer: what the transport counts. Invariant: counters only grow.
 
 use core::time::Duration;
 

@@ -1,4 +1,5 @@
-//! The single-threaded endpoint: a [`SendHalf`] and a [`ReceiveHalf`] wired directly together.
+//! Transport layer: the single-threaded endpoint, a [`SendHalf`] and a [`ReceiveHalf`] wired
+//! directly together (every [`Feedback`](crate::Feedback) value is handed over at once, in order).
 
 use lanbus_wire::{Instant, MacAddr};
 

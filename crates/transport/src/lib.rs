@@ -46,7 +46,10 @@
 //!
 //! *Rate control* ([`RateConfig`], Timely/Swift spirit): each channel paces its frames at a rate
 //! that is cut multiplicatively when the RTT exceeds the minimum RTT plus a target queueing delay
-//! and raised additively when it is below; `poll_transmit` returns `None` while paced out.
+//! and raised additively when it is below (held while the RTT is above target but falling, as
+//! Timely's gradient does); a channel also keeps at most `rate * (min RTT + target delay)` bytes in
+//! flight (Swift's window), so a growing queue slows it through the ACK clock before any cut takes
+//! effect. `poll_transmit` returns `None` while paced out or window-limited.
 //!
 //! *Heartbeats* ([`HeartbeatConfig`]): each endpoint broadcasts its role, name and group; a peer
 //! table expires peers after K missed heartbeats and reports [`Event`]s. DATA and ACK frames whose
@@ -72,6 +75,8 @@ mod recv;
 mod rtt;
 mod send;
 mod seq;
+#[cfg(test)]
+mod star_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(any(test, feature = "testing"))]

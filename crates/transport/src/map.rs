@@ -1,4 +1,5 @@
-//! The (peer MAC, channel id) → index map both halves use on the hot path.
+//! Transport layer, internal: the (peer MAC, channel id) → index map both halves use on the hot
+//! path. Invariant: an index, once handed out, names the same channel for the endpoint's life.
 //!
 //! The key packs the 48-bit MAC and the 16-bit channel into one `u64`, hashed with one multiply
 //! (keys come from peers, but a peer can only choose among its own channels and MAC, and the map

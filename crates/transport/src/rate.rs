@@ -1,9 +1,13 @@
-//! Delay-based rate control and pacing of one channel (in the spirit of Timely and Swift).
+//! Transport layer: delay-based rate control and pacing of one channel (in the spirit of Timely and Swift).
 //!
 //! The RTT minus the smallest RTT seen is taken as the queueing delay. Above
 //! `min_rtt + target_queue_delay` the rate is multiplied by `1 - beta * (rtt - target) / rtt`
 //! (at most once per smoothed RTT, never by less than `1 - max_decrease`); at or below target it
 //! grows by `additive_increase_bps` once per smoothed RTT. A timeout cuts by `max_decrease`.
+//! While the RTT is above target but falling clearly (its smoothed sample-to-sample difference
+//! below −min_rtt/100, Timely's gradient), the rate holds: the queue is draining and a cut would
+//! land after it is gone. A flow also keeps at most `rate * (min_rtt + target_queue_delay)` bytes
+//! in flight (Swift's window), so a growing queue slows it through the ACK clock at once.
 //! Pacing: each frame of `n` bytes moves the earliest next send time `n * 8 / rate` later; one
 //! frame of slack is kept so a driver that polls a little late does not lose rate.
 //!
@@ -23,6 +27,9 @@ pub(crate) struct RateControl {
     last_decrease: Option<Instant>,
     last_increase: Option<Instant>,
     next_send: Instant,
+    prev_rtt_ns: Option<u64>,
+    /// Smoothed difference between consecutive RTT samples, ns: positive while the queue grows.
+    rtt_diff_ns: f64,
 }
 
 impl RateControl {
@@ -34,6 +41,8 @@ impl RateControl {
             last_decrease: None,
             last_increase: None,
             next_send: Instant::ZERO,
+            prev_rtt_ns: None,
+            rtt_diff_ns: 0.0,
         }
     }
 
@@ -45,6 +54,20 @@ impl RateControl {
     /// When the next frame may leave (`None` when pacing is off).
     pub(crate) fn next_send(&self) -> Option<Instant> {
         self.enabled.then_some(self.next_send)
+    }
+
+    /// Whether a frame of `frame_bytes` may join `inflight_bytes` already in flight: a flow
+    /// keeps at most `rate * (min_rtt + target_queue_delay)` in flight (Swift's window), so when
+    /// a queue builds the ACK clock slows it at once, before any rate cut can take effect. At
+    /// least one frame is always allowed.
+    pub(crate) fn window_allows(&self, cfg: &RateConfig, inflight_bytes: usize, frame_bytes: usize) -> bool {
+        if !self.enabled || inflight_bytes == 0 {
+            return true;
+        }
+        let min_rtt = if self.min_rtt_ns == u64::MAX { 0 } else { self.min_rtt_ns };
+        let horizon_ns = min_rtt.saturating_add(cfg.target_queue_delay.as_nanos() as u64);
+        let cwnd = self.rate_bps / 8.0 * horizon_ns as f64 / 1e9;
+        (inflight_bytes + frame_bytes) as f64 <= cwnd
     }
 
     pub(crate) fn may_send(&self, now: Instant) -> bool {
@@ -74,7 +97,16 @@ impl RateControl {
         let target = self.min_rtt_ns.saturating_add(cfg.target_queue_delay.as_nanos() as u64);
         let once_per_rtt =
             |last: Option<Instant>| last.is_none_or(|t| now - t >= Duration::from_nanos(srtt_ns));
-        if rtt_ns > target {
+        if let Some(prev) = self.prev_rtt_ns {
+            let diff = rtt_ns as f64 - prev as f64;
+            self.rtt_diff_ns = 0.75 * self.rtt_diff_ns + 0.25 * diff;
+        }
+        self.prev_rtt_ns = Some(rtt_ns);
+        let falling = self.rtt_diff_ns < -(self.min_rtt_ns as f64 / 100.0);
+        if rtt_ns > target && falling {
+            // Above target but the queue is draining (Timely's gradient): a cut now would land
+            // after the queue is gone and leave the link idle. Hold.
+        } else if rtt_ns > target {
             if once_per_rtt(self.last_decrease) {
                 let over = (rtt_ns - target) as f64 / rtt_ns as f64;
                 let factor = (1.0 - cfg.beta * over).max(1.0 - cfg.max_decrease);
@@ -112,22 +144,45 @@ mod tests {
         let mut r = RateControl::new(&cfg);
         r.on_rtt(&cfg, t(0), 10_000, 10_000);
         assert_eq!(r.rate_bps(), 10e9, "at line rate already");
-        // 100 us RTT: target 30 us, over = 0.7, factor = 1 - 0.56 = 0.44 -> limited to 0.5.
+        // 100 us RTT: target 20 us, over = 0.8, factor = 1 - 0.64 -> limited to 0.5.
         r.on_rtt(&cfg, t(1), 100_000, 10_000);
         assert_eq!(r.rate_bps(), 5e9);
         // Within the same RTT: no second cut.
         r.on_rtt(&cfg, t(2), 100_000, 10_000);
         assert_eq!(r.rate_bps(), 5e9);
-        // 40 us later, 35 us RTT: over = 5/35, factor = 1 - 0.8/7.
+        // 40 us later the RTT is still above target but falling (the queue drains): hold.
         r.on_rtt(&cfg, t(42), 35_000, 10_000);
-        assert!((r.rate_bps() - 5e9 * (1.0 - 0.8 / 7.0)).abs() < 1.0);
+        assert_eq!(r.rate_bps(), 5e9);
+        // Still falling a little (45 after 35 and 100...): hold; rising again: cut by
+        // 1 - 0.8 * (46 - 20) / 46, once per RTT.
+        r.on_rtt(&cfg, t(60), 45_000, 10_000);
+        assert_eq!(r.rate_bps(), 5e9);
+        r.on_rtt(&cfg, t(61), 46_000, 10_000);
+        r.on_rtt(&cfg, t(62), 47_000, 10_000);
+        assert!((r.rate_bps() - 5e9 * (1.0 - 0.8 * 26.0 / 46.0)).abs() < 1.0, "{}", r.rate_bps());
+        // Below target: additive increase, once per RTT.
         let before = r.rate_bps();
-        r.on_rtt(&cfg, t(60), 12_000, 10_000);
+        r.on_rtt(&cfg, t(80), 12_000, 10_000);
+        r.on_rtt(&cfg, t(81), 12_000, 10_000);
         assert_eq!(r.rate_bps(), before + 250e6);
         for i in 0..1000 {
             r.on_timeout(&cfg, t(100 + i));
         }
         assert_eq!(r.rate_bps(), 50e6, "bounded below");
+    }
+
+    #[test]
+    fn keeps_rate_times_horizon_in_flight() {
+        let cfg = RateConfig::default();
+        let mut r = RateControl::new(&cfg);
+        // Before any sample the horizon is the target delay: 10 Gbit/s * 10 us = 12500 bytes.
+        assert!(r.window_allows(&cfg, 0, 100_000), "one frame always goes");
+        assert!(r.window_allows(&cfg, 11_000, 1500));
+        assert!(!r.window_allows(&cfg, 11_001, 1500));
+        r.on_rtt(&cfg, t(0), 10_000, 10_000); // min RTT 10 us: 25000 bytes
+        assert!(r.window_allows(&cfg, 23_500, 1500) && !r.window_allows(&cfg, 23_501, 1500));
+        let off = RateControl::new(&RateConfig { enabled: false, ..cfg });
+        assert!(off.window_allows(&RateConfig::default(), usize::MAX / 2, 1500));
     }
 
     #[test]

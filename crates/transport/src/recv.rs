@@ -7,8 +7,9 @@
 //! frame is accepted whole or not at all (validated before any state changes).
 //!
 //! Delivery: accepted payloads are copied once into an arena; `poll_message` lends slices of it.
-//! The arena is reset when everything was taken and compacted when its consumed prefix is large,
-//! so a steady stream reuses one buffer.
+//! Invariant: messages sit in the arena in delivery order, so everything before the end of the
+//! last message taken is free. The arena is reset when everything was taken and compacted when its
+//! free prefix is large, so a steady stream reuses one buffer.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -270,6 +271,7 @@ impl ReceiveHalf {
             self.arena.copy_within(c.., 0);
             self.arena.truncate(self.arena.len() - c);
             for d in &mut self.delivered {
+                debug_assert!(d.start >= c, "undelivered message before the consumed prefix");
                 d.start -= c;
             }
             self.consumed = 0;
@@ -341,6 +343,7 @@ impl ReceiveHalf {
         // Validate the whole frame before changing anything.
         let mut in_partial = ch.in_partial;
         let mut partial_len = ch.partial.len();
+        let mut all_whole = true;
         for rec in Records::new(payload) {
             let Ok(rec) = rec else {
                 self.counters.drop_bad_frame += 1;
@@ -358,10 +361,14 @@ impl ReceiveHalf {
                 return;
             }
             in_partial = rec.flags & RECORD_LAST == 0;
+            all_whole &= rec.flags == RECORD_FIRST | RECORD_LAST;
         }
-        // Accept.
-        let base = self.arena.len();
-        self.arena.extend_from_slice(payload);
+        // Accept. Arena positions grow in delivery order (so `consumed` bounds what was taken):
+        // a frame of whole messages is copied in one piece, others record by record.
+        let bulk_base = self.arena.len();
+        if all_whole {
+            self.arena.extend_from_slice(payload);
+        }
         let mut off = 0;
         while off < payload.len() {
             let n = usize::from(u16::from_be_bytes([payload[off], payload[off + 1]]));
@@ -369,34 +376,33 @@ impl ReceiveHalf {
             let start = off + RECORD_HEADER_LEN;
             let data = start..start + n;
             off = data.end;
-            match (flags & RECORD_FIRST != 0, flags & RECORD_LAST != 0) {
+            let complete = match (flags & RECORD_FIRST != 0, flags & RECORD_LAST != 0) {
+                (true, true) if all_whole => Some((bulk_base + data.start, n)),
                 (true, true) => {
-                    self.delivered.push_back(Delivered {
-                        peer: src,
-                        channel,
-                        start: base + data.start,
-                        len: n,
-                    });
-                    self.counters.messages_delivered += 1;
-                    self.counters.bytes_delivered += n as u64;
+                    let at = self.arena.len();
+                    self.arena.extend_from_slice(&payload[data]);
+                    Some((at, n))
                 }
                 (true, false) => {
                     ch.partial.clear();
                     ch.partial.extend_from_slice(&payload[data]);
                     ch.in_partial = true;
+                    None
                 }
                 (false, last) => {
                     ch.partial.extend_from_slice(&payload[data]);
-                    if last {
+                    last.then(|| {
                         ch.in_partial = false;
-                        let start = self.arena.len();
+                        let at = self.arena.len();
                         self.arena.extend_from_slice(&ch.partial);
-                        let len = ch.partial.len();
-                        self.delivered.push_back(Delivered { peer: src, channel, start, len });
-                        self.counters.messages_delivered += 1;
-                        self.counters.bytes_delivered += len as u64;
-                    }
+                        (at, ch.partial.len())
+                    })
                 }
+            };
+            if let Some((start, len)) = complete {
+                self.delivered.push_back(Delivered { peer: src, channel, start, len });
+                self.counters.messages_delivered += 1;
+                self.counters.bytes_delivered += len as u64;
             }
         }
         ch.expected = ch.expected + 1;

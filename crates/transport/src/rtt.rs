@@ -1,4 +1,4 @@
-//! Retransmission timeout from a smoothed RTT (RFC 6298 §2, §5).
+//! Transport layer: the retransmission timeout from a smoothed RTT (RFC 6298 §2, §5).
 //!
 //! Invariant: the RTO is always within `[min_rto, max_rto]`, backoff included. Samples come from
 //! echoed timestamps, so they are unambiguous even for retransmitted frames (no Karn's rule).

@@ -20,7 +20,7 @@ use lanbus_wire::{Instant, MacAddr};
 use crate::map::{key, ChannelMap};
 use crate::rate::RateControl;
 use crate::rtt::RttEstimator;
-use crate::{stamp, Config, Counters, Feedback, SendError, Seq};
+use crate::{stamp, Config, Counters, Feedback, RateConfig, SendError, Seq};
 
 /// Offset of the payload-length field within a stored frame.
 const PAYLOAD_LEN_AT: usize = ETH_LEN + 24;
@@ -44,11 +44,21 @@ struct TxChannel {
     rto_deadline: Option<Instant>,
     rtt: RttEstimator,
     rate: RateControl,
+    /// Bytes of `frames[..next]`: sent in this round and not acknowledged.
+    inflight_bytes: usize,
 }
 
 impl TxChannel {
-    fn has_sendable(&self, window: usize) -> bool {
-        self.next < self.frames.len() && self.next < window
+    fn has_sendable(&self, window: usize, rate: &RateConfig) -> bool {
+        self.next < self.frames.len()
+            && self.next < window
+            && self.rate.window_allows(rate, self.inflight_bytes, self.frames[self.next].len())
+    }
+
+    /// Go back to the first unacknowledged frame.
+    fn go_back(&mut self) {
+        self.next = 0;
+        self.inflight_bytes = 0;
     }
 }
 
@@ -157,6 +167,7 @@ impl SendHalf {
                     rto_deadline: None,
                     rtt: RttEstimator::new(self.config.initial_rto, self.config.min_rto, self.config.max_rto),
                     rate: RateControl::new(&self.config.rate),
+                    inflight_bytes: 0,
                 });
                 self.index.insert(k, i);
                 i
@@ -277,15 +288,18 @@ impl SendHalf {
                 self.counters.dup_acks_received += 1;
                 if ch.dup_acks == self.config.dup_ack_threshold.max(1) && !ch.recovering {
                     ch.recovering = true;
-                    ch.next = 0;
+                    ch.go_back();
                     ch.rto_deadline = None;
                     self.counters.fast_retransmits += 1;
                 }
             }
             return;
         }
-        for _ in 0..advance {
+        for i in 0..advance {
             if let Some(f) = ch.frames.pop_front() {
+                if i < ch.next {
+                    ch.inflight_bytes -= f.len();
+                }
                 self.pool.push(f);
             }
         }
@@ -305,7 +319,7 @@ impl SendHalf {
             if ch.rto_deadline.is_some_and(|d| d <= now) {
                 ch.rto_deadline = None;
                 if ch.high > 0 {
-                    ch.next = 0;
+                    ch.go_back();
                     ch.dup_acks = 0;
                     ch.recovering = false;
                     ch.rtt.on_timeout();
@@ -326,7 +340,7 @@ impl SendHalf {
             if let Some(d) = ch.rto_deadline {
                 consider(d);
             }
-            if ch.has_sendable(self.window) {
+            if ch.has_sendable(self.window, &self.config.rate) {
                 if let Some(p) = ch.rate.next_send() {
                     consider(p);
                 }
@@ -362,7 +376,7 @@ impl SendHalf {
         for i in 0..n {
             let ci = (self.rr + i) % n;
             let ch = &mut self.channels[ci];
-            if !ch.has_sendable(self.window) {
+            if !ch.has_sendable(self.window, &self.config.rate) {
                 continue;
             }
             if !ch.rate.may_send(now) {
@@ -385,6 +399,7 @@ impl SendHalf {
                 self.counters.retransmitted_frames += 1;
             }
             ch.next += 1;
+            ch.inflight_bytes += len;
             ch.high = ch.high.max(ch.next);
             if ch.rto_deadline.is_none() {
                 ch.rto_deadline = Some(now + ch.rtt.rto());

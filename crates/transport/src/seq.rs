@@ -1,4 +1,4 @@
-//! Sequence numbers: 32-bit serial numbers that wrap (RFC 1982 arithmetic, as TCP's).
+//! Transport layer: sequence numbers, 32-bit serial numbers that wrap (RFC 1982 arithmetic, as TCP's).
 //!
 //! Invariant: two sequence numbers are only compared when they are less than 2^31 apart, which
 //! holds because a window is far smaller than that.

@@ -1,6 +1,7 @@
-//! A deterministic harness for tests (feature `testing`): two transport nodes joined by a
-//! simulated wire with seeded loss, reordering, duplication, corruption and ACK loss, driven on a
-//! logical clock that jumps to the next event (as quinn's `tests/util.rs` `Pair`).
+//! Transport layer, test support (feature `testing`): a deterministic harness of two transport
+//! nodes joined by a simulated wire with seeded loss, reordering, duplication, corruption, ACK
+//! loss and an optional bottleneck (rate and drop-tail buffer), driven on a logical clock that
+//! jumps to the next event (as quinn's `tests/util.rs` `Pair`).
 //!
 //! Both modes are covered by the [`Node`] trait: an [`Endpoint`] (single thread) and a
 //! [`SplitNode`] (sender and receiver halves that exchange [`Feedback`] through an

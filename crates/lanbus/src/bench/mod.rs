@@ -4,6 +4,7 @@
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
 pub mod nbd;
+pub mod pcie;
 pub mod report;
 pub mod transport_core;
 
@@ -17,6 +18,9 @@ pub enum BenchCommand {
     /// Messages/s through two transport endpoints in one thread, frames handed over directly (no
     /// wire). There is no peer program for an in-process protocol core; frames/s are shown too.
     TransportCore(transport_core::TransportCoreArgs),
+    /// DMA engine throughput and 4 B MMIO read latency through the PCIe bridges over sim, udp
+    /// and afpacket (root: a veth pair), against the same device in-process (`local`).
+    Pcie(pcie::PcieArgs),
 }
 
 /// Runs one benchmark.
@@ -24,5 +28,6 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Nbd(args) => nbd::run(args),
         BenchCommand::TransportCore(args) => transport_core::run(args),
+        BenchCommand::Pcie(args) => pcie::run(args),
     }
 }

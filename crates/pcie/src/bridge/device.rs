@@ -33,7 +33,7 @@ use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
 use super::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, Path};
-use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL};
+use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL, PCIE_CHANNELS};
 use crate::device::DmaError;
 use crate::request::{split, write_requests, Chunk};
 use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
@@ -119,6 +119,8 @@ fn bump(c: &AtomicU64) {
 struct Session {
     group: u16,
     host: Option<MacAddr>,
+    /// The channel our host last used (we answer and issue DMA on it).
+    channel: u16,
     /// Live peers: role and group.
     peers: HashMap<MacAddr, (Role, u16)>,
 }
@@ -135,7 +137,7 @@ struct PendingTag {
 /// What the receive side and a function's worker share.
 struct FnState {
     /// Requests for the function, with the peer that sent them.
-    inbox: VecDeque<(MacAddr, Tlp)>,
+    inbox: VecDeque<(MacAddr, u16, Tlp)>,
     /// Read TLPs in flight by tag.
     reads: HashMap<u16, PendingTag>,
     /// Tags whose read finished (result set), for the worker to collect.
@@ -205,20 +207,20 @@ struct DevHandler {
 }
 
 impl DevHandler {
-    fn send(&self, out: &mut dyn Outbox, peer: MacAddr, tlp: &Tlp) {
+    fn send(&self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
         if let Ok(bytes) = tlp.encode() {
-            out.send(peer, PCIE_CHANNEL, &bytes);
+            out.send(peer, channel, &bytes);
         }
     }
 
-    fn ur(&self, out: &mut dyn Outbox, peer: MacAddr, tlp: &Tlp) {
+    fn ur(&self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
         bump(&self.shared.counters.ur_sent);
         let me = self.shared.fns.first().map_or(Bdf(0), |f| lock(&f.state).bdf);
-        self.send(out, peer, &ur_completion(me, tlp.requester_id(), tlp.tag));
+        self.send(out, peer, channel, &ur_completion(me, tlp.requester_id(), tlp.tag));
     }
 
-    fn push(&self, f: &FnShared, peer: MacAddr, tlp: Tlp) {
-        lock(&f.state).inbox.push_back((peer, tlp));
+    fn push(&self, f: &FnShared, peer: MacAddr, channel: u16, tlp: Tlp) {
+        lock(&f.state).inbox.push_back((peer, channel, tlp));
         f.wake.notify_all();
     }
 
@@ -258,18 +260,26 @@ impl DevHandler {
 impl Handler for DevHandler {
     fn on_message(&mut self, m: Message<'_>, out: &mut dyn Outbox) {
         let c = &self.shared.counters;
-        if m.channel != PCIE_CHANNEL {
+        if !PCIE_CHANNELS.contains(&m.channel) {
             bump(&c.other_channel);
             return;
         }
         {
             let mut s = lock(&self.shared.session);
             match s.host {
-                Some(h) if h == m.peer => {}
+                Some(h) if h == m.peer => {
+                    // A host opens every session with configuration requests on a fresh channel;
+                    // other traffic may still be retransmissions of an older session, so only
+                    // configuration requests move our DMA to their channel.
+                    if m.data.first().is_some_and(|b| b & 0x1e == 0x04) {
+                        s.channel = m.channel;
+                    }
+                }
                 None if s.peers.get(&m.peer).is_none_or(|(r, g)| *r == Role::Host && *g == s.group) => {
                     // A host of our group (the transport drops other groups' data) that spoke
                     // before its heartbeat event reached us.
                     s.host = Some(m.peer);
+                    s.channel = m.channel;
                     bump(&c.host_changes);
                 }
                 _ => {
@@ -286,7 +296,7 @@ impl Handler for DevHandler {
                 let me = self.shared.fns.first().map_or(Bdf(0), |f| lock(&f.state).bdf);
                 if let Some(ur) = ur_for_raw(m.data, me) {
                     bump(&c.ur_sent);
-                    self.send(out, m.peer, &ur);
+                    self.send(out, m.peer, m.channel, &ur);
                 }
                 return;
             }
@@ -294,8 +304,8 @@ impl Handler for DevHandler {
         match (&tlp.kind, &tlp.header) {
             (TlpKind::CfgRd0 | TlpKind::CfgWr0, Header::Config(h)) => {
                 match self.shared.fns.get(usize::from(h.completer_id.function())) {
-                    Some(f) => self.push(f, m.peer, tlp),
-                    None => self.ur(out, m.peer, &tlp),
+                    Some(f) => self.push(f, m.peer, m.channel, tlp),
+                    None => self.ur(out, m.peer, m.channel, &tlp),
                 }
             }
             (TlpKind::MRd32 | TlpKind::MRd64 | TlpKind::MWr32 | TlpKind::MWr64, Header::Mem(h)) => {
@@ -303,13 +313,13 @@ impl Handler for DevHandler {
                 let target =
                     self.shared.fns.iter().find(|f| decodes(&lock(&f.state).bars, h.address, len)).cloned();
                 match target {
-                    Some(f) => self.push(&f, m.peer, tlp),
-                    None if super::is_non_posted(&tlp) => self.ur(out, m.peer, &tlp),
+                    Some(f) => self.push(&f, m.peer, m.channel, tlp),
+                    None if super::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
                     None => bump(&c.unclaimed_writes),
                 }
             }
             (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp),
-            _ if super::is_non_posted(&tlp) => self.ur(out, m.peer, &tlp),
+            _ if super::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
             _ => bump(&c.malformed),
         }
     }
@@ -374,6 +384,7 @@ impl FabricPath {
         let now = Instant::now();
         let mut out = Vec::new();
         let s = lock(&self.shared.session);
+        let channel = s.channel;
         let Some(host) = s.host else {
             drop(s);
             for o in self.ops.values_mut().filter(|o| !o.todo.is_empty()) {
@@ -411,7 +422,7 @@ impl FabricPath {
         drop(s);
         for t in out {
             if let Ok(b) = t.encode() {
-                self.sender.send(host, PCIE_CHANNEL, &b);
+                self.sender.send(host, channel, &b);
             }
         }
     }
@@ -499,7 +510,11 @@ impl Path for FabricPath {
 
     fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError> {
         let c = &self.shared.counters;
-        let Some(host) = lock(&self.shared.session).host else {
+        let (host, channel) = {
+            let s = lock(&self.shared.session);
+            (s.host, s.channel)
+        };
+        let Some(host) = host else {
             bump(&c.dma_writes_dropped);
             return Err(DmaError::HostUnreachable);
         };
@@ -509,7 +524,7 @@ impl Path for FabricPath {
         bump(&c.dma_writes);
         for t in tlps {
             if let Ok(b) = t.encode() {
-                self.sender.send(host, PCIE_CHANNEL, &b);
+                self.sender.send(host, channel, &b);
             }
         }
         Ok(())
@@ -567,7 +582,7 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
     };
     let mut idle_runs = 0u32;
     loop {
-        let inbox: Vec<(MacAddr, Tlp)> = {
+        let inbox: Vec<(MacAddr, u16, Tlp)> = {
             let mut st = lock(&f.state);
             loop {
                 if st.stop {
@@ -595,7 +610,7 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
             }
             st.inbox.drain(..).collect()
         };
-        for (peer, tlp) in inbox {
+        for (peer, channel, tlp) in inbox {
             let is_config = matches!(tlp.kind, TlpKind::CfgRd0 | TlpKind::CfgWr0);
             let me = if let (true, Header::Config(h)) = (is_config, &tlp.header) {
                 let bdf = Bdf::new(h.completer_id.bus(), h.completer_id.device(), index as u8)
@@ -615,7 +630,7 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
                     bump(&shared.counters.ur_sent);
                 }
                 if let Ok(b) = r.encode() {
-                    sender.send(peer, PCIE_CHANNEL, &b);
+                    sender.send(peer, channel, &b);
                 }
             }
         }
@@ -672,7 +687,12 @@ impl DeviceBridge {
             })
             .collect();
         let shared = Arc::new(Shared {
-            session: Mutex::new(Session { group: config.group, host: None, peers: HashMap::new() }),
+            session: Mutex::new(Session {
+                group: config.group,
+                host: None,
+                channel: PCIE_CHANNEL,
+                peers: HashMap::new(),
+            }),
             fns,
             counters: Counters::default(),
             timeout: config.completion_timeout,

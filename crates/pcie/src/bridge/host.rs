@@ -33,7 +33,7 @@ use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
 use super::region::{DmaRegion, RegionMap};
-use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd, PCIE_CHANNEL};
+use super::{lock, session_channel, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
 use crate::config::{cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK};
 use crate::request::{completions_for_read, split, write_requests, RequestShape};
 use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
@@ -233,6 +233,8 @@ fn bump(c: &AtomicU64) {
 struct DevEntry {
     name: String,
     bus: u8,
+    /// The channel of this session with the device.
+    channel: u16,
     /// Changes every time the device (re)appears, so a stale enumeration is not stored.
     generation: u64,
     functions: Vec<RemoteFunction>,
@@ -350,7 +352,8 @@ impl Shared {
         st.next_generation += 1;
         let generation = st.next_generation;
         st.buses.insert(bus, mac);
-        st.devices.insert(mac, DevEntry { name, bus, generation, functions: Vec::new() });
+        let channel = session_channel();
+        st.devices.insert(mac, DevEntry { name, bus, channel, generation, functions: Vec::new() });
         drop(st);
         if let Some(j) = lock(&self.jobs).as_ref() {
             let _ = j.send(Job::Enumerate { mac, generation, bus });
@@ -382,8 +385,12 @@ impl Shared {
         }
     }
 
-    fn mac_of(&self, bdf: Bdf) -> BridgeResult<MacAddr> {
-        lock(&self.state).buses.get(&bdf.bus()).copied().ok_or(BridgeError::NoSuchDevice(bdf))
+    /// The device bridge owning `bdf`'s bus, and our session's channel with it.
+    fn mac_of(&self, bdf: Bdf) -> BridgeResult<(MacAddr, u16)> {
+        let st = lock(&self.state);
+        let mac = st.buses.get(&bdf.bus()).copied().ok_or(BridgeError::NoSuchDevice(bdf))?;
+        let channel = st.devices.get(&mac).ok_or(BridgeError::NoSuchDevice(bdf))?.channel;
+        Ok((mac, channel))
     }
 
     /// Sends requests built by `build` (one per part, given its tag) to `bdf`'s device and waits
@@ -396,7 +403,7 @@ impl Shared {
         parts: Vec<(usize, Option<(u64, usize)>)>,
         mut build: impl FnMut(usize, Tag) -> Tlp,
     ) -> BridgeResult<Vec<u8>> {
-        let mac = self.mac_of(bdf)?;
+        let (mac, channel) = self.mac_of(bdf)?;
         let timeout = self.config.completion_timeout;
         let deadline = Instant::now() + timeout;
         if parts.len() > usize::from(Tag::COUNT) {
@@ -442,7 +449,7 @@ impl Shared {
         let sender = self.sender()?;
         for t in &tlps {
             let b = t.encode().map_err(|e| BridgeError::BadRequest(e.to_string()))?;
-            sender.send(mac, PCIE_CHANNEL, &b);
+            sender.send(mac, channel, &b);
         }
         let mut w = lock(&waiter.state);
         while w.remaining > 0 && w.error.is_none() {
@@ -507,13 +514,13 @@ impl Shared {
     }
 
     fn mmio_write(&self, bdf: Bdf, address: u64, data: &[u8]) -> BridgeResult<()> {
-        let mac = self.mac_of(bdf)?;
+        let (mac, channel) = self.mac_of(bdf)?;
         let tlps = write_requests(HOST_BDF, address, data, self.config.mps)
             .map_err(|e| BridgeError::BadRequest(e.to_string()))?;
         let sender = self.sender()?;
         for t in tlps {
             let b = t.encode().map_err(|e| BridgeError::BadRequest(e.to_string()))?;
-            sender.send(mac, PCIE_CHANNEL, &b);
+            sender.send(mac, channel, &b);
         }
         Ok(())
     }
@@ -525,15 +532,15 @@ struct HostHandler {
 }
 
 impl HostHandler {
-    fn send(&self, out: &mut dyn Outbox, peer: MacAddr, tlp: &Tlp) {
+    fn send(&self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
         if let Ok(b) = tlp.encode() {
-            out.send(peer, PCIE_CHANNEL, &b);
+            out.send(peer, channel, &b);
         }
     }
 
-    fn ur(&self, out: &mut dyn Outbox, peer: MacAddr, tlp: &Tlp) {
+    fn ur(&self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
         bump(&self.shared.counters.ur_sent);
-        self.send(out, peer, &ur_completion(HOST_BDF, tlp.requester_id(), tlp.tag));
+        self.send(out, peer, channel, &ur_completion(HOST_BDF, tlp.requester_id(), tlp.tag));
     }
 
     fn complete(&self, peer: MacAddr, tlp: &Tlp) {
@@ -607,7 +614,8 @@ impl Handler for HostHandler {
     fn on_message(&mut self, m: Message<'_>, out: &mut dyn Outbox) {
         let sh = self.shared.clone();
         let c = &sh.counters;
-        if m.channel != PCIE_CHANNEL || !lock(&sh.state).devices.contains_key(&m.peer) {
+        // Only the current session's channel with a device of our group counts.
+        if lock(&sh.state).devices.get(&m.peer).is_none_or(|d| d.channel != m.channel) {
             bump(&c.foreign);
             return;
         }
@@ -618,7 +626,7 @@ impl Handler for HostHandler {
                 bump(&c.malformed);
                 if let Some(ur) = ur_for_raw(m.data, HOST_BDF) {
                     bump(&c.ur_sent);
-                    self.send(out, m.peer, &ur);
+                    self.send(out, m.peer, m.channel, &ur);
                 }
                 return;
             }
@@ -638,7 +646,7 @@ impl Handler for HostHandler {
                 if regions.find(want, (len as u64).max(1)).is_none() {
                     drop(regions);
                     bump(&c.unknown_address_reads);
-                    self.ur(out, m.peer, &tlp);
+                    self.ur(out, m.peer, m.channel, &tlp);
                     return;
                 }
                 let cpls = completions_for_read(&tlp, HOST_BDF, sh.config.mps, sh.config.rcb, |a, buf| {
@@ -649,10 +657,10 @@ impl Handler for HostHandler {
                     Ok(cpls) => {
                         bump(&c.dma_reads_served);
                         for cpl in &cpls {
-                            self.send(out, m.peer, cpl);
+                            self.send(out, m.peer, m.channel, cpl);
                         }
                     }
-                    Err(_) => self.ur(out, m.peer, &tlp),
+                    Err(_) => self.ur(out, m.peer, m.channel, &tlp),
                 }
             }
             (TlpKind::MWr32 | TlpKind::MWr64, Header::Mem(h)) => {
@@ -682,7 +690,7 @@ impl Handler for HostHandler {
                     None => bump(&c.unknown_address_writes),
                 }
             }
-            _ if super::is_non_posted(&tlp) => self.ur(out, m.peer, &tlp),
+            _ if super::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
             _ => bump(&c.malformed),
         }
     }
@@ -931,13 +939,19 @@ fn config_thread(sh: Arc<Shared>, jobs: mpsc::Receiver<Job>) {
         }
         match job {
             Job::Enumerate { mac, generation, bus } => {
-                if let Err(e) = enumerate(&sh, mac, generation, bus) {
+                // A failure while the device is still there (a timeout on a loaded machine) is
+                // retried twice; a device that went away meanwhile is left alone.
+                for attempt in 1..=3 {
+                    let Err(e) = enumerate(&sh, mac, generation, bus) else { break };
                     bump(&sh.counters.enumeration_failures);
                     let still_there =
                         lock(&sh.state).devices.get(&mac).is_some_and(|d| d.generation == generation);
-                    if still_there {
-                        eprintln!("lanbus host bridge: {e}");
+                    if !still_there || sh.stop.load(Ordering::Acquire) {
+                        break;
                     }
+                    eprintln!("lanbus host bridge: {e} (attempt {attempt} of 3)");
+                    lock(&sh.state).allocations.retain(|(_, _, m)| *m != mac);
+                    std::thread::sleep(Duration::from_millis(100));
                 }
             }
         }

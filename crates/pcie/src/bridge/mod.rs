@@ -2,9 +2,15 @@
 //! "I/O box", and a host bridge that enumerates them and lets local users reach them.
 //!
 //! Layer: pcie engine, the threaded part (everything else in this crate is sans-IO). Both bridges
-//! ride a [`lanbus_runtime::Runtime`]: one TLP per transport message on channel
-//! [`PCIE_CHANNEL`], between a host and the devices of its group (heartbeats carry role, name and
+//! ride a [`lanbus_runtime::Runtime`]: one TLP per transport message on a channel of
+//! [`PCIE_CHANNELS`], between a host and the devices of its group (heartbeats carry role, name and
 //! group; the transport drops DATA of other groups).
+//!
+//! Channels: the transport keeps sequence state per (peer, channel) for as long as it runs, so a
+//! peer that restarts with the same MAC would be taken for its previous incarnation and its
+//! frames dropped as out of order. The host bridge therefore opens each device session (every
+//! time a device appears) on its own channel, [`PCIE_CHANNEL`] plus a value drawn at random, and
+//! the device bridge answers and issues its DMA on the channel its host last used.
 //!
 //! Thread rule (what keeps this free of deadlock): the runtime's receive thread only parses TLPs
 //! and routes them; it never waits for a device model or a user. On the device side each hosted
@@ -46,8 +52,27 @@ pub use hosted::HostedFunction;
 pub use local::LocalBus;
 pub use region::{DmaBuffer, DmaRegion};
 
-/// The transport channel PCIe TLPs ride, one TLP per message.
-pub const PCIE_CHANNEL: u16 = 0x5043; // "PC"
+/// The first transport channel PCIe TLPs ride, one TLP per message.
+pub const PCIE_CHANNEL: u16 = 0x5000;
+
+/// The channels PCIe sessions use: [`PCIE_CHANNEL`] and the 255 after it.
+pub const PCIE_CHANNELS: core::ops::Range<u16> = PCIE_CHANNEL..PCIE_CHANNEL + 0x100;
+
+/// A channel for a new host-device session: different from the last ones with high probability
+/// (time, process and a counter mixed; not cryptographic, not needed).
+pub(crate) fn session_channel() -> u16 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    // Relaxed: only distinctness of the values matters.
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let mut x = t ^ u64::from(std::process::id()) << 32 ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 29;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 32;
+    PCIE_CHANNEL + (x & 0xff) as u16
+}
 
 /// The completion timeout both bridges use unless told otherwise (PCIe's default range A is
 /// 50 us .. 10 ms for silicon; a fabric with retransmission needs more).

@@ -67,3 +67,46 @@ pub fn send_all(port: &mut dyn Port, frames: &[Vec<u8>], timeout: Duration) {
         }
     }
 }
+
+/// Receives on two ports at once (each is driven, as its own daemon would drive it) until `a` has
+/// `n_a` frames and `b` has `n_b`, or `timeout` passes.
+pub fn recv_pair(
+    a: &mut dyn Port,
+    b: &mut dyn Port,
+    n_a: usize,
+    n_b: usize,
+    timeout: Duration,
+) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let deadline = Instant::now() + timeout;
+    let (mut at_a, mut at_b) = (Vec::with_capacity(n_a), Vec::with_capacity(n_b));
+    while (at_a.len() < n_a || at_b.len() < n_b) && Instant::now() < deadline {
+        let got_a =
+            a.rx_burst(n_a.saturating_sub(at_a.len()), &mut |f| at_a.push(f.to_vec())).expect("rx_burst");
+        let got_b =
+            b.rx_burst(n_b.saturating_sub(at_b.len()), &mut |f| at_b.push(f.to_vec())).expect("rx_burst");
+        if got_a + got_b == 0 {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    (at_a, at_b)
+}
+
+/// Waits until plain UDP datagrams cross a fresh veth pair from a to b (at most 3 s): right after
+/// the link comes up the kernel may still drop traffic (carrier and qdisc activation are
+/// asynchronous) and neighbour resolution has not happened, which would make the first burst of
+/// a test lose datagrams for reasons that are not the port's.
+pub fn warm_up(pair: &lanbus_port::netns::VethPair) {
+    let to = std::net::SocketAddr::from((pair.b.ipv4, 7999));
+    let rx = pair.b.netns.run(move || std::net::UdpSocket::bind(to)).unwrap().unwrap();
+    rx.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let tx = pair.a.netns.run(|| std::net::UdpSocket::bind("0.0.0.0:0")).unwrap().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut buf = [0u8; 8];
+    while Instant::now() < deadline {
+        tx.send_to(b"warm", to).unwrap();
+        if rx.recv_from(&mut buf).is_ok() {
+            return;
+        }
+    }
+    panic!("plain UDP does not cross the fresh veth pair within 3 s");
+}

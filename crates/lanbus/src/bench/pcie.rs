@@ -1,0 +1,311 @@
+//! `lanbus bench pcie`: DMA engine throughput and 4-byte MMIO read latency through the PCIe
+//! bridges, over the simulated wire and real ports, against the same device in-process (`local`,
+//! no fabric) as the ceiling.
+//!
+//! Each configuration (port, max payload size, thread mode) starts a host bridge and a device
+//! bridge with the DMA engine, waits for enumeration, lends the device two host buffers, and
+//! copies between them in transfers of each size (bytes checked after every size), then times
+//! MMIO reads of the engine's status register. Rate control is off: one host, one device, no
+//! congestion to control.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use lanbus_pcie::bridge::{
+    DeviceBridge, DeviceBridgeConfig, DmaBuffer, HostBridge, HostBridgeConfig, HostedFunction, LocalBus,
+    RemoteFunction,
+};
+use lanbus_pcie::dma_engine::{regs, DmaEngine};
+use lanbus_port::{Port, SimWire, SimWireConfig};
+use lanbus_runtime::ThreadMode;
+use lanbus_wire::{Clock, MacAddr, MonotonicClock};
+
+use super::report::{Report, Row};
+
+/// `lanbus bench pcie`.
+#[derive(Debug, Args)]
+pub struct PcieArgs {
+    /// Fewer sizes, fewer repetitions, MPS 256 only.
+    #[arg(long)]
+    quick: bool,
+    /// Write the rows as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+const SRC: u64 = 0x1_0000_0000;
+const DST: u64 = 0x2_0000_0000;
+const MAX: usize = 1 << 20;
+
+fn mode_name(m: ThreadMode) -> &'static str {
+    match m {
+        ThreadMode::RunToCompletion => "rtc",
+        ThreadMode::Pipeline => "pipeline",
+    }
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[2]).collect()
+}
+
+/// Something the DMA engine can be driven through.
+trait Bus {
+    fn write32(&mut self, offset: u64, v: u32) -> anyhow::Result<()>;
+    fn read32(&mut self, offset: u64) -> anyhow::Result<u32>;
+    /// Waits for the `n`-th interrupt.
+    fn wait_irq(&mut self, n: u64) -> anyhow::Result<()>;
+}
+
+struct Remote<'a> {
+    host: &'a HostBridge,
+    f: RemoteFunction,
+    bar0: u64,
+}
+
+impl Bus for Remote<'_> {
+    fn write32(&mut self, offset: u64, v: u32) -> anyhow::Result<()> {
+        Ok(self.host.mmio_write32(self.f.bdf, self.bar0 + offset, v)?)
+    }
+    fn read32(&mut self, offset: u64) -> anyhow::Result<u32> {
+        Ok(self.host.mmio_read32(self.f.bdf, self.bar0 + offset)?)
+    }
+    fn wait_irq(&mut self, n: u64) -> anyhow::Result<()> {
+        if self.host.wait_interrupts(self.f.bdf, 0, n, Duration::from_secs(20)) < n {
+            bail!("interrupt {n} did not arrive");
+        }
+        Ok(())
+    }
+}
+
+struct Local {
+    bus: LocalBus,
+    bar0: u64,
+}
+
+impl Bus for Local {
+    fn write32(&mut self, offset: u64, v: u32) -> anyhow::Result<()> {
+        Ok(self.bus.mmio_write(0, self.bar0 + offset, &v.to_le_bytes())?)
+    }
+    fn read32(&mut self, offset: u64) -> anyhow::Result<u32> {
+        let mut b = [0u8; 4];
+        self.bus.mmio_read(0, self.bar0 + offset, &mut b)?;
+        Ok(u32::from_le_bytes(b))
+    }
+    fn wait_irq(&mut self, n: u64) -> anyhow::Result<()> {
+        if self.bus.interrupt_count(0, 0) < n {
+            bail!("interrupt {n} did not arrive");
+        }
+        Ok(())
+    }
+}
+
+/// Copies `len` bytes `reps` times; returns MB/s.
+fn throughput(bus: &mut dyn Bus, irqs: &mut u64, len: usize, reps: usize) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    for _ in 0..reps {
+        *irqs += 1;
+        for (off, v) in [
+            (regs::SRC, SRC as u32),
+            (regs::SRC + 4, (SRC >> 32) as u32),
+            (regs::DST, DST as u32),
+            (regs::DST + 4, (DST >> 32) as u32),
+            (regs::LEN, len as u32),
+            (regs::DOORBELL, 1),
+        ] {
+            bus.write32(off, v)?;
+        }
+        bus.wait_irq(*irqs)?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let status = bus.read32(regs::STATUS)?;
+    if status & regs::STATUS_ERROR != 0 {
+        bail!("the DMA engine reports an error (status {status:#x})");
+    }
+    Ok((len * reps) as f64 / secs / 1e6)
+}
+
+/// p50 and p99 of `n` 4-byte MMIO reads, in microseconds.
+fn latency(bus: &mut dyn Bus, n: usize) -> anyhow::Result<(f64, f64)> {
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        bus.read32(regs::STATUS)?;
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok((v[n / 2], v[(n * 99 / 100).min(n - 1)]))
+}
+
+struct Plan {
+    sizes: Vec<usize>,
+    bytes_per_size: usize,
+    reads: usize,
+}
+
+fn measure(
+    report: &mut Report,
+    name: &str,
+    mps: usize,
+    mode: &str,
+    bus: &mut dyn Bus,
+    dst: &DmaBuffer,
+    plan: &Plan,
+) -> anyhow::Result<()> {
+    let src = pattern(MAX);
+    let mut irqs = 0;
+    for &size in &plan.sizes {
+        dst.with(|b| b[..size].fill(0));
+        let reps = (plan.bytes_per_size / size).clamp(2, 2000);
+        let mbs = throughput(bus, &mut irqs, size, reps)?;
+        if dst.read_vec(0, size) != src[..size] {
+            bail!("{name}: {size}-byte transfer arrived corrupted");
+        }
+        report.push(
+            Row::new(name, "mb_per_s", mbs)
+                .with("mps", mps as u64)
+                .with("mode", mode)
+                .with("size_bytes", size as u64),
+        );
+    }
+    let (p50, p99) = latency(bus, plan.reads)?;
+    for (metric, v) in [("p50_us", p50), ("p99_us", p99)] {
+        report.push(
+            Row::new(name, metric, v).with("mps", mps as u64).with("mode", mode).with("size_bytes", 4u64),
+        );
+    }
+    Ok(())
+}
+
+fn over_fabric(
+    report: &mut Report,
+    name: &str,
+    ports: (Box<dyn Port>, Box<dyn Port>),
+    mps: usize,
+    mode: ThreadMode,
+    plan: &Plan,
+) -> anyhow::Result<()> {
+    // No false "device down" under load while measuring: 2 s without heartbeats.
+    let mut host_rt = crate::pcie::runtime_for(&format!("{name}:"), mode, "bench-host");
+    host_rt.transport.heartbeat.missed_limit = 20;
+    let mut dev_rt = crate::pcie::runtime_for(&format!("{name}:"), mode, "bench-dev");
+    dev_rt.transport.heartbeat.missed_limit = 20;
+    let hc = HostBridgeConfig {
+        group: 1,
+        mps,
+        runtime: host_rt,
+        completion_timeout: Duration::from_secs(5),
+        ..HostBridgeConfig::default()
+    };
+    let dc = DeviceBridgeConfig {
+        group: 1,
+        runtime: dev_rt,
+        completion_timeout: Duration::from_secs(5),
+        ..DeviceBridgeConfig::default()
+    };
+    let host = HostBridge::start(ports.0, hc)?;
+    let dev = DeviceBridge::start(ports.1, dc, vec![HostedFunction::model(DmaEngine::new())?])?;
+    let devs = host.wait_devices(1, Duration::from_secs(10));
+    let f = devs.first().cloned().with_context(|| format!("{name}: the device was not enumerated"))?;
+    let dst = DmaBuffer::new(MAX);
+    host.add_region(SRC, DmaBuffer::from_vec(pattern(MAX)))?;
+    host.add_region(DST, dst.clone())?;
+    let bar0 = f.bar(0).context("BAR0")?.address;
+    let mut bus = Remote { host: &host, f, bar0 };
+    let r = measure(report, name, mps, mode_name(mode), &mut bus, &dst, plan);
+    drop(bus);
+    dev.shutdown();
+    host.shutdown();
+    r
+}
+
+fn local(report: &mut Report, mps: usize, plan: &Plan) -> anyhow::Result<()> {
+    let mut bus =
+        LocalBus::new(vec![HostedFunction::model(DmaEngine::new())?], 0xe000_0000, 0xfee0_0000, mps, 512)?;
+    let dst = DmaBuffer::new(MAX);
+    bus.add_region(SRC, DmaBuffer::from_vec(pattern(MAX)))?;
+    bus.add_region(DST, dst.clone())?;
+    let bar0 = bus.bar_address(0, 0).context("BAR0")?;
+    let mut b = Local { bus, bar0 };
+    measure(report, "local", mps, "inline", &mut b, &dst, plan)
+}
+
+fn sim_ports() -> anyhow::Result<(Box<dyn Port>, Box<dyn Port>)> {
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+    let macs = [MacAddr([2, 0, 0, 0, 0x51, 1]), MacAddr([2, 0, 0, 0, 0x51, 2])];
+    let (a, b) = SimWire::pair_realtime(SimWireConfig::default(), clock, macs)?;
+    Ok((Box::new(a), Box::new(b)))
+}
+
+fn free_udp_port() -> anyhow::Result<u16> {
+    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Real ports: over a veth pair between two namespaces when root, else udp over loopback.
+fn real_ports(
+    kind: &str,
+    veth: Option<&lanbus_port::netns::VethPair>,
+) -> anyhow::Result<(Box<dyn Port>, Box<dyn Port>)> {
+    match (kind, veth) {
+        ("udp", None) => {
+            let (pa, pb) = (free_udp_port()?, free_udp_port()?);
+            let a = lanbus_port::open(&format!("udp:127.0.0.1:{pa},peer=127.0.0.1:{pb}"))?;
+            let b = lanbus_port::open(&format!("udp:127.0.0.1:{pb},peer=127.0.0.1:{pa}"))?;
+            Ok((a, b))
+        }
+        (_, Some(v)) => {
+            let spec = |end: &lanbus_port::netns::VethEnd, peer: &lanbus_port::netns::VethEnd| match kind {
+                "udp" => format!("udp:{}:7400,peer={}:7400", end.ipv4, peer.ipv4),
+                _ => format!("{kind}:{},rx=v2", end.ifname),
+            };
+            let (sa, sb) = (spec(&v.a, &v.b), spec(&v.b, &v.a));
+            let a = v.a.netns.run(move || lanbus_port::open(&sa).map_err(|e| e.to_string()))?;
+            let b = v.b.netns.run(move || lanbus_port::open(&sb).map_err(|e| e.to_string()))?;
+            Ok((a.map_err(anyhow::Error::msg)?, b.map_err(anyhow::Error::msg)?))
+        }
+        _ => bail!("{kind} needs a veth pair (root)"),
+    }
+}
+
+/// Runs the benchmark.
+pub fn run(args: PcieArgs) -> anyhow::Result<()> {
+    let plan = if args.quick {
+        Plan { sizes: vec![4096, 65536, 1 << 20], bytes_per_size: 4 << 20, reads: 300 }
+    } else {
+        Plan { sizes: vec![4096, 16384, 65536, 262144, 1 << 20], bytes_per_size: 16 << 20, reads: 2000 }
+    };
+    let mpss: &[usize] = if args.quick { &[256] } else { &[128, 256, 512] };
+    let modes = [ThreadMode::RunToCompletion, ThreadMode::Pipeline];
+    let mut report = Report::new("pcie");
+    let veth = match lanbus_port::netns::VethPair::create() {
+        Ok(v) => Some(v),
+        Err(skip) => {
+            eprintln!("afpacket: {skip}; udp runs over loopback instead of a veth pair");
+            None
+        }
+    };
+    let mut kinds = vec!["udp"];
+    if veth.is_some() {
+        kinds.push("afpacket");
+    }
+    eprintln!("afxdp: not measured (the afxdp port is not on this branch yet)");
+    for &mps in mpss {
+        local(&mut report, mps, &plan)?;
+        for mode in modes {
+            over_fabric(&mut report, "sim", sim_ports()?, mps, mode, &plan)?;
+            for kind in &kinds {
+                match real_ports(kind, veth.as_ref()) {
+                    Ok(ports) => {
+                        if let Err(e) = over_fabric(&mut report, kind, ports, mps, mode, &plan) {
+                            eprintln!("{kind} mps {mps} {}: {e:#}", mode_name(mode));
+                        }
+                    }
+                    Err(e) => eprintln!("{kind}: cannot open ({e:#}); skipped"),
+                }
+            }
+        }
+    }
+    report.finish(args.json.as_deref())?;
+    Ok(())
+}
