@@ -202,7 +202,7 @@ pub fn lspci(f: &RemoteFunction) -> String {
 }
 
 /// A device bridge with one NVMe drive and a host bridge with its driver, in this process, joined
-/// by the simulated wire on the real clock.
+/// by the simulated wire on the real clock or by two real ports.
 pub struct SimFabric {
     /// The host bridge.
     pub host: Arc<HostBridge>,
@@ -220,14 +220,31 @@ impl SimFabric {
     /// Starts both bridges over a wire losing `loss` of frames each way (seeded), waits for
     /// enumeration and starts the driver.
     pub fn start(ctrl: Controller, loss: f64, seed: u64) -> anyhow::Result<SimFabric> {
+        let (a, b) = SimFabric::sim_ports(loss, seed)?;
+        SimFabric::over(ctrl, a, b, "sim")
+    }
+
+    /// The two ends of a simulated wire (10 Gbit/s) losing `loss` of frames each way.
+    pub fn sim_ports(loss: f64, seed: u64) -> anyhow::Result<(Box<dyn Port>, Box<dyn Port>)> {
         let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
         let wire = SimWireConfig { loss, seed, ..SimWireConfig::default() };
         let macs = [MacAddr([2, 0x6c, 0x62, 0, 0, 1]), MacAddr([2, 0x6c, 0x62, 0, 0, 2])];
         let (a, b) = SimWire::pair_realtime(wire, clock, macs)?;
-        let (a, b): (Box<dyn Port>, Box<dyn Port>) = (Box::new(a), Box::new(b));
-        let host = Arc::new(HostBridge::start(a, host_config(1, "demo-host", "sim", ThreadMode::RunToCompletion))?);
+        Ok((Box::new(a), Box::new(b)))
+    }
+
+    /// The host bridge on `host_port`, the device bridge with the drive on `device_port` (both
+    /// ports of the kind `spec` names), enumeration, and the driver.
+    pub fn over(
+        ctrl: Controller,
+        host_port: Box<dyn Port>,
+        device_port: Box<dyn Port>,
+        spec: &str,
+    ) -> anyhow::Result<SimFabric> {
+        let mode = ThreadMode::RunToCompletion;
+        let host = Arc::new(HostBridge::start(host_port, host_config(1, "fabric-host", spec, mode))?);
         let (function, controller_stats) = nvme_function(ctrl)?;
-        let device = DeviceBridge::start(b, device_config(1, "demo-iobox", "sim", ThreadMode::RunToCompletion), vec![function])?;
+        let device = DeviceBridge::start(device_port, device_config(1, "fabric-iobox", spec, mode), vec![function])?;
         let devs = host.wait_devices(1, Duration::from_secs(10));
         let function = devs.into_iter().next().context("the host bridge enumerated nothing in 10 s")?;
         let driver = start_driver(&host, &function)?;

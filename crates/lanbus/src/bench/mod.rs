@@ -4,6 +4,7 @@
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
 pub mod nbd;
+pub mod nvme;
 pub mod pcie;
 pub mod report;
 pub mod transport_core;
@@ -13,6 +14,9 @@ use clap::Subcommand;
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
+    /// The paper's Fig. 6: fio random read/write, qd1, 4K..1M, against the NVMe namespace over
+    /// NBD: in-process (`local`), over the fabric (sim, udp, afpacket, afxdp) and qemu-nbd.
+    Nvme(nvme::NvmeBenchArgs),
     /// fio (nbd engine) against lanbus's NBD server (file and RAM) and qemu-nbd on the same file.
     Nbd(nbd::NbdBenchArgs),
     /// Messages/s through two transport endpoints in one thread, frames handed over directly (no
@@ -27,6 +31,7 @@ pub enum BenchCommand {
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Nbd(args) => nbd::run(args),
+        BenchCommand::Nvme(args) => nvme::run(args),
         BenchCommand::TransportCore(args) => transport_core::run(args),
         BenchCommand::Pcie(args) => pcie::run(args),
     }
