@@ -235,41 +235,36 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     } else {
         None
     };
-    let mut targets: Vec<(String, String, Holder)> = Vec::new();
-    let mut missing = Vec::new();
-    let mut add = |name: &str, r: anyhow::Result<(Holder, String)>, targets: &mut Vec<(String, String, Holder)>| match r {
-        Ok((h, uri)) => targets.push((name.to_string(), uri, h)),
-        Err(e) => {
-            eprintln!("bench nvme: row {name} missing: {e:#}");
-            missing.push(name.to_string());
-        }
-    };
-    if want("local") {
-        add("local", local(dir, size), &mut targets);
-    }
-    if want("peer:qemu-nbd") {
-        add("peer:qemu-nbd", qemu(dir, size), &mut targets);
-    }
-    if want("sim") {
-        let r = SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", size, p, "sim"));
-        add("sim", r, &mut targets);
-    }
-    for kind in ["udp", "afpacket", "afxdp"] {
-        if !want(kind) || (kind != "udp" && veth.is_none()) {
-            continue;
-        }
-        let r = ports(kind, veth.as_ref()).and_then(|p| over(dir, kind, size, p, &format!("{kind}:")));
-        add(kind, r, &mut targets);
+    // Each row's drive and bridges exist only while it is measured: idle bridges would take CPU
+    // from the others, and an AF_XDP socket takes the veth's lanbus frames from AF_PACKET.
+    let mut rows: Vec<&str> = vec!["local", "peer:qemu-nbd", "sim", "udp"];
+    if veth.is_some() {
+        rows.extend(["afpacket", "afxdp"]);
     }
     let (runs, runtime) = if args.quick { (1, 1) } else { (3, 2) };
     let mut report = Report::new("nvme");
-    for rw in ["randread", "randwrite"] {
-        for bs in BLOCK_SIZES {
-            for (name, uri, _) in &targets {
+    let mut missing = Vec::new();
+    for name in rows.into_iter().filter(|n| want(n)) {
+        let target = match name {
+            "local" => local(dir, size),
+            "peer:qemu-nbd" => qemu(dir, size),
+            "sim" => SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", size, p, "sim")),
+            kind => ports(kind, veth.as_ref()).and_then(|p| over(dir, kind, size, p, &format!("{kind}:"))),
+        };
+        let (holder, uri) = match target {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("bench nvme: row {name} missing: {e:#}");
+                missing.push(name);
+                continue;
+            }
+        };
+        for rw in ["randread", "randwrite"] {
+            for bs in BLOCK_SIZES {
                 let mut mbs = Vec::new();
                 let mut iops = Vec::new();
                 for _ in 0..runs {
-                    match run_fio(uri, rw, bs, 1, args.size_mib, runtime) {
+                    match run_fio(&uri, rw, bs, 1, args.size_mib, runtime) {
                         Ok(r) => {
                             mbs.push(r.mb_per_s);
                             iops.push(r.iops);
@@ -280,17 +275,15 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 let (Some(m), Some(i)) = (median(&mbs), median(&iops)) else { continue };
                 let block = crate::nbd::parse_size(bs)?;
                 for (metric, value) in [("mb_per_s", m), ("iops", i)] {
-                    report.push(
-                        Row::new(name.clone(), metric, value).with("rw", rw).with("block_size", block),
-                    );
+                    report.push(Row::new(name, metric, value).with("rw", rw).with("block_size", block));
                 }
                 eprintln!("bench nvme: {name:>14} {rw:>9} {bs:>4}: {m:8.1} MB/s {i:8.0} IOPS");
             }
         }
+        drop(holder);
     }
     if !missing.is_empty() {
         eprintln!("bench nvme: rows not measured: {}", missing.join(", "));
     }
-    drop(targets);
     Ok(report)
 }
