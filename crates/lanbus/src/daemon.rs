@@ -150,7 +150,9 @@ impl std::str::FromStr for ExportSpec {
     fn from_str(s: &str) -> anyhow::Result<ExportSpec> {
         match s.strip_prefix("nbd:") {
             Some(rest) => match rest.strip_prefix("tcp:") {
-                Some(addr) => Ok(ExportSpec::Tcp(addr.parse().with_context(|| format!("{addr:?}: not IP:PORT"))?)),
+                Some(addr) => {
+                    Ok(ExportSpec::Tcp(addr.parse().with_context(|| format!("{addr:?}: not IP:PORT"))?))
+                }
                 None if !rest.is_empty() => Ok(ExportSpec::Unix(rest.into())),
                 None => bail!("{s:?}: expected nbd:PATH or nbd:tcp:ADDR"),
             },
@@ -225,7 +227,7 @@ fn transport_json(rt: &lanbus_runtime::Stats) -> Value {
         "drops_bad_checksum": t.drop_bad_checksum,
         "messages_sent": t.messages_sent,
         "messages_delivered": t.messages_delivered,
-        "rtt_avg_us": if t.rtt_samples > 0 { t.rtt_sum_ns / t.rtt_samples / 1000 } else { 0 },
+        "rtt_avg_us": t.rtt_sum_ns.checked_div(t.rtt_samples).unwrap_or(0) / 1000,
         "port": format!("{:?}", rt.port),
     })
 }
@@ -372,10 +374,10 @@ struct Exported {
 fn export(host: &Arc<HostBridge>, f: &RemoteFunction, spec: &ExportSpec) -> anyhow::Result<Exported> {
     let driver = fabric::start_driver(host, f)?;
     let server = Server::builder()
-        .export(Export::new("nvme0", Arc::new(NvmeBlock::new(driver.clone()))).description(format!(
-            "lanbus NVMe {} on {} \"{}\"",
-            f.bdf, f.mac, f.name
-        )))
+        .export(
+            Export::new("nvme0", Arc::new(NvmeBlock::new(driver.clone())))
+                .description(format!("lanbus NVMe {} on {} \"{}\"", f.bdf, f.mac, f.name)),
+        )
         .build()?;
     let uri = match spec {
         ExportSpec::Unix(path) => {
@@ -424,7 +426,8 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let stop = stop_flag()?;
     let port = lanbus_port::open(&port_spec)?;
     let listener = bind_control(&control)?;
-    let host = Arc::new(HostBridge::start(port, fabric::host_config(group, &name, &port_spec, args.mode.into()))?);
+    let host =
+        Arc::new(HostBridge::start(port, fabric::host_config(group, &name, &port_spec, args.mode.into()))?);
     let events = host.subscribe();
     eprintln!(
         "lanbus host: {name} ({}) group {group} on {port_spec}; waiting for an NVMe device; control {}",
@@ -610,7 +613,8 @@ mod tests {
     #[test]
     fn config_files() {
         let d: DeviceFile =
-            toml::from_str("port = \"udp:127.0.0.1:7000\"\ngroup = 7\nnvme = \"ram=64M\"\nlba_size = 4096\n").unwrap();
+            toml::from_str("port = \"udp:127.0.0.1:7000\"\ngroup = 7\nnvme = \"ram=64M\"\nlba_size = 4096\n")
+                .unwrap();
         assert_eq!((d.group, d.lba_size, d.nvme.as_deref()), (Some(7), Some(4096), Some("ram=64M")));
         assert!(toml::from_str::<DeviceFile>("colour = 1\n").is_err());
         let h: HostFile = toml::from_str("port = \"x\"\nexport = \"nbd:/tmp/s\"\n").unwrap();

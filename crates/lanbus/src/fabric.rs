@@ -186,7 +186,8 @@ pub fn driver_config() -> DriverConfig {
 /// Starts the NVMe driver on function `f` of `host`.
 pub fn start_driver(host: &Arc<HostBridge>, f: &RemoteFunction) -> anyhow::Result<Arc<NvmeDriver>> {
     let region = Arc::new(HostRegion::new(DMA_REGION_BASE, DMA_REGION_PAGES));
-    let drv = attach(host, f, region, driver_config()).with_context(|| format!("starting the driver on {}", f.bdf))?;
+    let drv = attach(host, f, region, driver_config())
+        .with_context(|| format!("starting the driver on {}", f.bdf))?;
     Ok(Arc::new(drv))
 }
 
@@ -244,7 +245,8 @@ impl SimFabric {
         let mode = ThreadMode::RunToCompletion;
         let host = Arc::new(HostBridge::start(host_port, host_config(1, "fabric-host", spec, mode))?);
         let (function, controller_stats) = nvme_function(ctrl)?;
-        let device = DeviceBridge::start(device_port, device_config(1, "fabric-iobox", spec, mode), vec![function])?;
+        let device =
+            DeviceBridge::start(device_port, device_config(1, "fabric-iobox", spec, mode), vec![function])?;
         let devs = host.wait_devices(1, Duration::from_secs(10));
         let function = devs.into_iter().next().context("the host bridge enumerated nothing in 10 s")?;
         let driver = start_driver(&host, &function)?;
@@ -331,7 +333,11 @@ mod real_clients {
         }
         let e = export("fio", 32 << 20, 0.005, 3);
         let diag = |e: &Exported| {
-            format!("host bridge {:?}, controller {:?}", e.fabric.host.stats(), e.fabric.controller_stats.get())
+            format!(
+                "host bridge {:?}, controller {:?}",
+                e.fabric.host.stats(),
+                e.fabric.controller_stats.get()
+            )
         };
         let r = std::panic::catch_unwind(|| {
             fio_verify(&e.uri, &e.dir, "4k");
@@ -355,7 +361,8 @@ mod real_clients {
         std::fs::write(&image, &data).unwrap();
         let run = |args: &[&str]| {
             let out = Command::new("qemu-img").args(args).output().unwrap();
-            let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            let all =
+                format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
             assert!(out.status.success(), "qemu-img {args:?}: {all}");
             all
         };
@@ -366,7 +373,10 @@ mod real_clients {
         // And a change is seen: compare must be able to fail.
         data[12345] ^= 0xff;
         std::fs::write(&image, &data).unwrap();
-        let out = Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "raw", img, &e.uri]).output().unwrap();
+        let out = Command::new("qemu-img")
+            .args(["compare", "-f", "raw", "-F", "raw", img, &e.uri])
+            .output()
+            .unwrap();
         assert!(!out.status.success(), "a changed byte is found");
     }
 }

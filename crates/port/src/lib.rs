@@ -23,8 +23,8 @@ use core::time::Duration;
 
 use lanbus_wire::MacAddr;
 
-pub mod afxdp;
 pub mod afpacket;
+pub mod afxdp;
 pub mod check;
 pub mod hub;
 pub mod netns;

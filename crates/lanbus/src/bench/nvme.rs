@@ -93,7 +93,13 @@ fn local(dir: &Path, size: u64) -> anyhow::Result<(Holder, String)> {
     Ok((Holder::Local(nvme, server), uri))
 }
 
-fn over(dir: &Path, name: &str, size: u64, ports: (Box<dyn Port>, Box<dyn Port>), spec: &str) -> anyhow::Result<(Holder, String)> {
+fn over(
+    dir: &Path,
+    name: &str,
+    size: u64,
+    ports: (Box<dyn Port>, Box<dyn Port>),
+    spec: &str,
+) -> anyhow::Result<(Holder, String)> {
     let ctrl = fabric::controller(&NvmeBacking::Ram(size), 512)?;
     let f = SimFabric::over(ctrl, ports.0, ports.1, spec)?;
     let (server, uri) = serve(dir, name, Arc::new(NvmeBlock::new(f.driver.clone())))?;
@@ -148,7 +154,10 @@ fn free_udp_port() -> anyhow::Result<u16> {
 }
 
 /// The two ports of a fabric row and the spec kind (for the runtime settings).
-fn ports(kind: &str, veth: Option<&lanbus_port::netns::VethPair>) -> anyhow::Result<(Box<dyn Port>, Box<dyn Port>)> {
+fn ports(
+    kind: &str,
+    veth: Option<&lanbus_port::netns::VethPair>,
+) -> anyhow::Result<(Box<dyn Port>, Box<dyn Port>)> {
     match (kind, veth) {
         ("udp", None) => {
             let (pa, pb) = (free_udp_port()?, free_udp_port()?);
@@ -158,9 +167,13 @@ fn ports(kind: &str, veth: Option<&lanbus_port::netns::VethPair>) -> anyhow::Res
         }
         ("afxdp", Some(v)) => {
             let (ia, ib) = (v.a.ifname.clone(), v.b.ifname.clone());
-            let open = |i: String| move || -> Result<Box<dyn Port>, String> {
-                let o = lanbus_port::afxdp::AfXdpOptions::default();
-                lanbus_port::afxdp::open(&i, 0, &o).map(|p| Box::new(p) as Box<dyn Port>).map_err(|e| e.to_string())
+            let open = |i: String| {
+                move || -> Result<Box<dyn Port>, String> {
+                    let o = lanbus_port::afxdp::AfXdpOptions::default();
+                    lanbus_port::afxdp::open(&i, 0, &o)
+                        .map(|p| Box::new(p) as Box<dyn Port>)
+                        .map_err(|e| e.to_string())
+                }
             };
             let a = v.a.netns.run(open(ia))?.map_err(anyhow::Error::msg)?;
             let b = v.b.netns.run(open(ib))?.map_err(anyhow::Error::msg)?;
