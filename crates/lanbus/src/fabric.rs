@@ -290,9 +290,13 @@ mod real_clients {
     }
 
     fn export(name: &str, size: u64, loss: f64, seed: u64) -> Exported {
+        let ctrl = controller(&NvmeBacking::Ram(size), 512).unwrap();
+        export_fabric(name, SimFabric::start(ctrl, loss, seed).unwrap())
+    }
+
+    fn export_fabric(name: &str, fabric: SimFabric) -> Exported {
         let dir = std::env::temp_dir().join(format!("lanbus-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let fabric = SimFabric::start(controller(&NvmeBacking::Ram(size), 512).unwrap(), loss, seed).unwrap();
         let server = Server::builder()
             .export(Export::new("nvme0", Arc::new(NvmeBlock::new(fabric.driver.clone()))))
             .log(true)
@@ -353,7 +357,48 @@ mod real_clients {
         if !have("qemu-img", "--version") {
             return;
         }
-        let e = export("qemu", 64 << 20, 0.005, 4);
+        qemu_img_round_trip(&export("qemu", 64 << 20, 0.005, 4));
+    }
+
+    /// fio and qemu-img over AF_XDP sockets on a veth pair between two network namespaces.
+    #[test]
+    fn fio_and_qemu_img_over_afxdp_on_a_veth_pair() {
+        if !have("fio", "--version") || !have("qemu-img", "--version") {
+            return;
+        }
+        let veth = match lanbus_port::netns::VethPair::create() {
+            Ok(v) => v,
+            Err(skip) => {
+                eprintln!("SKIPPED: {skip}");
+                return;
+            }
+        };
+        let open = |i: String| {
+            move || -> Result<Box<dyn Port>, String> {
+                let o = lanbus_port::afxdp::AfXdpOptions::default();
+                lanbus_port::afxdp::open(&i, 0, &o)
+                    .map(|p| Box::new(p) as Box<dyn Port>)
+                    .map_err(|e| e.to_string())
+            }
+        };
+        let a = veth.a.netns.run(open(veth.a.ifname.clone())).unwrap();
+        let b = veth.b.netns.run(open(veth.b.ifname.clone())).unwrap();
+        let (a, b) = match (a, b) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("SKIPPED: AF_XDP unavailable here: {e}");
+                return;
+            }
+        };
+        let ctrl = controller(&NvmeBacking::Ram(64 << 20), 512).unwrap();
+        let e = export_fabric("afxdp", SimFabric::over(ctrl, a, b, "afxdp:").unwrap());
+        fio_verify(&e.uri, &e.dir, "4k");
+        fio_verify(&e.uri, &e.dir, "128k");
+        qemu_img_round_trip(&e);
+        assert!(e.fabric.host.runtime_stats().port.rx_frames > 1000);
+    }
+
+    fn qemu_img_round_trip(e: &Exported) {
         let image = e.dir.join("random.img");
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         let mut data = vec![0u8; 64 << 20];
