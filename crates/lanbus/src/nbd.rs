@@ -100,6 +100,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         )
         .workers_per_connection(args.workers)
         .build()?;
+    // Bind every listener before serving any, so that once one answers all do.
+    let mut listeners: Vec<(lanbus_nbd::Listener, String)> = Vec::new();
     if let Some(path) = &args.socket {
         if path.exists() {
             use std::os::unix::fs::FileTypeExt;
@@ -110,19 +112,16 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             }
         }
         let l = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-        server.serve(l)?;
-        eprintln!(
-            "lanbus nbd: serving {:?} ({size} bytes) on nbd+unix:///{}?socket={}",
-            args.name,
-            args.name,
-            path.display()
-        );
+        listeners.push((l.into(), format!("nbd+unix:///{}?socket={}", args.name, path.display())));
     }
     if let Some(addr) = args.tcp {
         let l = TcpListener::bind(addr).with_context(|| format!("binding {addr}"))?;
         let local = l.local_addr()?;
+        listeners.push((l.into(), format!("nbd://{local}/{}", args.name)));
+    }
+    for (l, uri) in listeners {
         server.serve(l)?;
-        eprintln!("lanbus nbd: serving {:?} ({size} bytes) on nbd://{local}/{}", args.name, args.name);
+        eprintln!("lanbus nbd: serving {:?} ({size} bytes) on {uri}", args.name);
     }
     let signal = signals.forever().next();
     eprintln!("lanbus nbd: signal {signal:?}: finishing requests in flight and flushing");

@@ -13,15 +13,29 @@ fn scratch(tag: &str) -> PathBuf {
     dir
 }
 
-fn start(args: &[&str], socket: &Path) -> Child {
+/// The server process; killed if a test fails before stopping it.
+struct Proc(Option<Child>);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn start(args: &[&str], socket: &Path) -> Proc {
     let child = Command::new(env!("CARGO_BIN_EXE_lanbus"))
         .args(["nbd", "serve"])
         .args(args)
         .arg("--socket")
         .arg(socket)
+        .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let child = Proc(Some(child));
     let t = Instant::now();
     while Client::connect_unix(socket, "export").is_err() {
         assert!(t.elapsed() < Duration::from_secs(20), "server never came up");
@@ -30,7 +44,8 @@ fn start(args: &[&str], socket: &Path) -> Child {
     child
 }
 
-fn stop(child: Child, signal: &str) -> String {
+fn stop(mut proc: Proc, signal: &str) -> String {
+    let child = proc.0.take().unwrap();
     let ok = Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap().success();
     assert!(ok, "kill {signal}");
     let out = child.wait_with_output().unwrap();
@@ -55,6 +70,16 @@ fn file_export_keeps_its_data_after_sigterm() {
     let bytes = std::fs::read(&image).unwrap();
     assert!(bytes[1 << 20..(1 << 20) + 65536].iter().all(|&b| b == 0xa5));
     assert!(!socket.exists(), "socket file removed");
+    // A restarted server (over TCP this time) serves what was written before the stop.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let child = start(&["--file", image.to_str().unwrap(), "--tcp", &addr], &socket);
+    let mut c = Client::connect_tcp(addr.parse().unwrap(), "export").unwrap();
+    let mut back = vec![0u8; 65536];
+    c.read(1 << 20, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0xa5));
+    c.disconnect().unwrap();
+    stop(child, "-TERM");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -448,7 +448,8 @@ impl Inner {
     }
 }
 
-/// An NBD server: exports, counters, and the threads serving its listeners. Cheap to clone.
+/// An NBD server: exports, counters, and the threads serving its listeners. Cheap to clone (all
+/// clones are the same server). Dropping the handles does not stop it: call [`Server::shutdown`].
 #[derive(Clone)]
 pub struct Server {
     inner: Arc<Inner>,
