@@ -112,6 +112,12 @@ pub struct MultiArgs {
     /// Points simulated at once (threads); the output does not depend on it.
     #[arg(long, default_value_t = 2)]
     jobs: usize,
+    /// Rate control: queueing delay tolerated above the minimum RTT, µs (transport default if unset).
+    #[arg(long)]
+    rc_target_us: Option<u64>,
+    /// Rate control: additive increase per RTT, Mbit/s (transport default if unset).
+    #[arg(long)]
+    rc_increase_mbps: Option<u64>,
 }
 
 /// Runs one scenario.
@@ -344,6 +350,12 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         for &s in &a.sessions {
             let mut p = MultiParams::paper(s, rc, duration, a.seed);
             p.switch_buffer_bytes = a.buffer_kib * 1024;
+            if let Some(us) = a.rc_target_us {
+                p.transport.rate.target_queue_delay = Duration::from_micros(us);
+            }
+            if let Some(mbps) = a.rc_increase_mbps {
+                p.transport.rate.additive_increase_bps = mbps * 1_000_000;
+            }
             cases.push(p);
         }
     }

@@ -10,7 +10,7 @@ use lanbus_pcie::bridge::{
     HostedFunction, RemoteFunction,
 };
 use lanbus_pcie::config::{cap_id, Bar, BarKind, ConfigSpec, MsixSpec};
-use lanbus_pcie::device::CompleterAbort;
+use lanbus_pcie::device::{CompleterAbort, DmaError};
 use lanbus_pcie::dma_engine::{self, regs, DmaEngine};
 use lanbus_pcie::{Bdf, CplStatus};
 use lanbus_port::{Hub, HubConfig, Port, SimWire, SimWireConfig};
@@ -143,6 +143,13 @@ fn enumerate_and_copy(mode: ThreadMode, total_bytes: usize) {
     h.add_region(SRC, src).unwrap();
     h.add_region(DST, dst.clone()).unwrap();
     let efd = h.interrupt_eventfd(f.bdf, 0).unwrap();
+    let called = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (c2, bdf) = (called.clone(), f.bdf);
+    h.on_interrupt(move |b, v| {
+        if b == bdf && v == 0 {
+            c2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
 
     let sizes = [4096usize, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1 << 20];
     let (mut copied, mut n) = (0usize, 0u64);
@@ -169,6 +176,7 @@ fn enumerate_and_copy(mode: ThreadMode, total_bytes: usize) {
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(h.interrupt_count(f.bdf, 0), n);
     assert_eq!(efd.take(), n, "the eventfd counted every interrupt");
+    assert_eq!(called.load(std::sync::atomic::Ordering::Relaxed), n, "the callback saw every interrupt");
     let hs = h.stats();
     assert_eq!((hs.unknown_address_reads, hs.spurious_interrupts, hs.timeouts), (0, 0, 0));
     let ds = d.stats();
@@ -223,6 +231,9 @@ struct Copier {
     regs: [u32; 8],
     pending: bool,
     copies: u32,
+    /// Pause before the DMA (ms), and what the last read returned.
+    delay_ms: u64,
+    last: Arc<std::sync::Mutex<Option<Result<(), DmaError>>>>,
 }
 
 impl BlockingDevice for Copier {
@@ -273,7 +284,10 @@ impl BlockingDevice for Copier {
         let src = u64::from(self.regs[0]) | u64::from(self.regs[1]) << 32;
         let dst = u64::from(self.regs[2]) | u64::from(self.regs[3]) << 32;
         let mut buf = vec![0u8; self.regs[4] as usize];
-        let ok = host.read(src, &mut buf).is_ok() && host.write(dst, &buf).is_ok();
+        std::thread::sleep(Duration::from_millis(self.delay_ms));
+        let read = host.read(src, &mut buf);
+        *self.last.lock().unwrap() = Some(read);
+        let ok = read.is_ok() && host.write(dst, &buf).is_ok();
         self.copies += u32::from(ok);
         host.signal_msix(1);
         1
@@ -283,7 +297,7 @@ impl BlockingDevice for Copier {
 fn blocking_model(mode: ThreadMode) {
     let mut hc = host_config(mode, 4);
     hc.completion_timeout = Duration::from_millis(300);
-    let copier = Copier { regs: [0; 8], pending: false, copies: 0 };
+    let copier = Copier { regs: [0; 8], pending: false, copies: 0, delay_ms: 0, last: Default::default() };
     let (h, _d) = over_sim(mode, 0.01, 13, hc, vec![HostedFunction::blocking(copier).unwrap()]);
     let f = one_device(&h);
     assert_eq!(f.bar(0).map(|b| (b.size, b.kind)), Some((16384, BarKind::Memory64 { prefetchable: true })));
@@ -431,4 +445,102 @@ fn many_small_transfers_in_a_row() {
     let count = std::env::var("TRANSFERS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
     many_small_transfers(ThreadMode::RunToCompletion, 128, count);
     many_small_transfers(ThreadMode::Pipeline, 512, count);
+}
+
+#[test]
+fn a_second_host_of_the_group_is_ignored_and_counted() {
+    let mode = ThreadMode::RunToCompletion;
+    let hub = Hub::new(HubConfig { seed: 41, ..HubConfig::default() }).unwrap();
+    let first = HostBridge::start(hub_node(&hub, 1), host_config(mode, 1)).unwrap();
+    let d = DeviceBridge::start(hub_node(&hub, 9), device_config(mode, 1), dma_engine()).unwrap();
+    let f = one_device(&first);
+    assert_eq!(d.host(), Some(first.local_mac()));
+    // A second host of the same group: the device serves only its current host.
+    let mut hc = host_config(mode, 1);
+    hc.completion_timeout = Duration::from_millis(200);
+    let second = HostBridge::start(hub_node(&hub, 2), hc).unwrap();
+    let t = Instant::now();
+    while second.stats().enumeration_failures < 3 && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(second.stats().enumeration_failures, 3, "three attempts, all ignored");
+    assert!(second.devices().is_empty());
+    assert!(d.stats().foreign_requests >= 3);
+    // The first host still has it.
+    assert_eq!(d.host(), Some(first.local_mac()));
+    assert!(first.mmio_read32(f.bdf, f.bar(0).unwrap().address + regs::STATUS).is_ok());
+}
+
+#[test]
+fn a_device_dma_read_without_completions_times_out() {
+    let mode = ThreadMode::Pipeline;
+    let hub = Hub::new(HubConfig { seed: 51, ..HubConfig::default() }).unwrap();
+    let h = HostBridge::start(hub_node(&hub, 1), host_config(mode, 2)).unwrap();
+    let last = Arc::new(std::sync::Mutex::new(None));
+    let copier = Copier { regs: [0; 8], pending: false, copies: 0, delay_ms: 200, last: last.clone() };
+    let mut dc = device_config(mode, 2);
+    dc.completion_timeout = Duration::from_millis(150);
+    let d =
+        DeviceBridge::start(hub_node(&hub, 9), dc, vec![HostedFunction::blocking(copier).unwrap()]).unwrap();
+    let f = one_device(&h);
+    h.add_region(SRC, DmaBuffer::new(4096)).unwrap();
+    h.add_region(DST, DmaBuffer::new(4096)).unwrap();
+    let bar0 = f.bar(0).unwrap().address;
+    let before = d.stats().tlps_received;
+    for (off, v) in [(0u64, SRC as u32), (4, 1), (8, DST as u32), (12, 2), (16, 4096), (0x14, 1)] {
+        h.mmio_write32(f.bdf, bar0 + off, v).unwrap();
+    }
+    // Once the doorbell is in, nothing reaches the device any more (its own frames still
+    // leave), so the completions of the read it makes 200 ms later never come.
+    wait_received(&d, before + 6);
+    hub.set_receive(d.local_mac(), false);
+    let t = Instant::now();
+    while last.lock().unwrap().is_none() && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(*last.lock().unwrap(), Some(Err(DmaError::Timeout)));
+    assert!(t.elapsed() < Duration::from_secs(1), "timed out after {:?}", t.elapsed());
+    assert!(d.stats().dma_read_failures >= 1);
+    // The interrupt still reaches the host: the device is not wedged.
+    assert_eq!(h.wait_interrupts(f.bdf, 1, 1, WAIT), 1);
+}
+
+#[test]
+fn device_dma_fails_at_once_when_its_host_goes_down() {
+    let mode = ThreadMode::RunToCompletion;
+    let hub = Hub::new(HubConfig { seed: 61, ..HubConfig::default() }).unwrap();
+    let h = HostBridge::start(hub_node(&hub, 1), host_config(mode, 2)).unwrap();
+    let last = Arc::new(std::sync::Mutex::new(None));
+    let copier = Copier { regs: [0; 8], pending: false, copies: 0, delay_ms: 200, last: last.clone() };
+    let mut dc = device_config(mode, 2);
+    dc.completion_timeout = Duration::from_secs(10);
+    let d =
+        DeviceBridge::start(hub_node(&hub, 9), dc, vec![HostedFunction::blocking(copier).unwrap()]).unwrap();
+    let f = one_device(&h);
+    h.add_region(SRC, DmaBuffer::new(4096)).unwrap();
+    let bar0 = f.bar(0).unwrap().address;
+    let before = d.stats().tlps_received;
+    for (off, v) in [(0u64, SRC as u32), (4, 1), (8, DST as u32), (12, 2), (16, 4096), (0x14, 1)] {
+        h.mmio_write32(f.bdf, bar0 + off, v).unwrap();
+    }
+    wait_received(&d, before + 6);
+    // The host vanishes while the device's read is outstanding (its completion timeout is 10 s):
+    // the read fails as soon as the host's heartbeats are missed.
+    hub.set_link(h.local_mac(), false);
+    let t = Instant::now();
+    while last.lock().unwrap().is_none() && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(*last.lock().unwrap(), Some(Err(DmaError::HostUnreachable)));
+    assert!(t.elapsed() < Duration::from_secs(3), "failed after {:?}", t.elapsed());
+    assert_eq!(d.host(), None);
+}
+
+/// Waits until the device bridge has received `n` TLPs.
+fn wait_received(d: &DeviceBridge, n: u64) {
+    let t = Instant::now();
+    while d.stats().tlps_received < n && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(d.stats().tlps_received >= n);
 }

@@ -62,6 +62,8 @@ struct Slot {
     mac: MacAddr,
     queue: VecDeque<(Instant, Vec<u8>)>,
     up: bool,
+    /// Whether frames toward this port are delivered (a one-way fault when `up` stays true).
+    rx_up: bool,
 }
 
 struct State {
@@ -112,7 +114,7 @@ impl Hub {
     /// Plugs in a port with MAC `mac`.
     pub fn port(&self, mac: MacAddr) -> HubPort {
         let mut st = lock(&self.inner.state);
-        st.slots.push(Slot { mac, queue: VecDeque::new(), up: true });
+        st.slots.push(Slot { mac, queue: VecDeque::new(), up: true, rx_up: true });
         HubPort {
             inner: self.inner.clone(),
             index: st.slots.len() - 1,
@@ -129,6 +131,15 @@ impl Hub {
             if !up {
                 s.queue.clear();
             }
+        }
+    }
+
+    /// Drops (`false`) or delivers again (`true`) the frames toward the port with MAC `mac`,
+    /// while its own frames still go out: a one-way failure.
+    pub fn set_receive(&self, mac: MacAddr, up: bool) {
+        let mut st = lock(&self.inner.state);
+        for s in st.slots.iter_mut().filter(|s| s.mac == mac) {
+            s.rx_up = up;
         }
     }
 
@@ -185,7 +196,7 @@ impl HubPort {
             }
             let limit = st.config.queue_frames;
             let slot = &mut st.slots[i];
-            if !slot.up {
+            if !slot.up || !slot.rx_up {
                 st.stats.cut += 1;
             } else if slot.queue.len() >= limit {
                 st.stats.overflow += 1;

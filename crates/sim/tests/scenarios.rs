@@ -57,30 +57,3 @@ fn fig3_without_rate_control_collapses_and_rate_control_does_better() {
     assert!(alone.p10_ratio > 0.9, "{alone:?}");
     assert_eq!(alone.switch_drops, 0);
 }
-
-/// Tuning aid: `AI=1000 TQ=20 D=200 cargo test -p lanbus-sim --test scenarios tune -- --ignored --nocapture`.
-#[test]
-#[ignore]
-fn tune() {
-    let env = |k: &str, d: u64| std::env::var(k).map_or(d, |v| v.parse().unwrap());
-    let duration = Duration::from_millis(env("D", 200));
-    for sessions in [4u16, 7, 10] {
-        let off =
-            multi_session_point(&MultiParams::paper(sessions, false, duration, env("SEED", 1)), &mut |_| {});
-        let mut p = MultiParams::paper(sessions, true, duration, env("SEED", 1));
-        p.transport.rate.additive_increase_bps = env("AI", 250) * 1_000_000;
-        p.transport.rate.target_queue_delay = Duration::from_micros(env("TQ", 20));
-        p.transport.rate.beta = env("BETA", 80) as f64 / 100.0;
-        let on = multi_session_point(&p, &mut |_| {});
-        println!(
-            "{sessions}: off ratio {:.3} p10 {:.3} drops {} | on ratio {:.3} p10 {:.3} drops {} retx {}",
-            off.mean_ratio,
-            off.p10_ratio,
-            off.switch_drops,
-            on.mean_ratio,
-            on.p10_ratio,
-            on.switch_drops,
-            on.retransmitted_frames
-        );
-    }
-}
