@@ -192,7 +192,6 @@ pub fn start_driver(host: &Arc<HostBridge>, f: &RemoteFunction) -> anyhow::Resul
 }
 
 /// Whether `f` is an NVMe controller.
-#[allow(dead_code)] // used by the host daemon
 pub fn is_nvme(f: &RemoteFunction) -> bool {
     f.class_code == 0x01_08_02
 }
