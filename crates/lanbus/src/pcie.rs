@@ -1,21 +1,16 @@
-//! `lanbus lspci`, `lanbus device` and `lanbus device-ctl`: a host bridge that lists the remote
-//! functions of its group like `lspci -v`, a device bridge daemon with the DMA engine, and its
-//! control socket.
+//! `lanbus lspci` and `lanbus device-ctl`: a host bridge that lists the remote functions of its
+//! group like `lspci -v`, and the client of a device daemon's control socket (the daemon itself,
+//! with the DMA engine and the NVMe drive, is `crate::daemon`).
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use lanbus_pcie::bridge::{
-    DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig, HostedFunction, RemoteFunction,
-};
+use lanbus_pcie::bridge::{HostBridge, HostBridgeConfig, RemoteFunction};
 use lanbus_pcie::config::{cap_id, BarKind};
-use lanbus_pcie::dma_engine::DmaEngine;
 use lanbus_runtime::{RuntimeConfig, ThreadMode};
 
 /// Thread model on the command line.
@@ -36,16 +31,9 @@ impl From<Mode> for ThreadMode {
     }
 }
 
-/// The runtime settings for a port spec.
-///
-/// Rate control is off (one host and its devices; its delay target reads a loaded machine's
-/// scheduling delays as congestion); a peer is down after five missed heartbeats.
+/// The runtime settings of the PCIe commands: the same as the daemons' ([`crate::fabric::runtime_config`]).
 pub fn runtime_for(mode: ThreadMode, name: &str) -> RuntimeConfig {
-    let mut c = RuntimeConfig { threads: mode, name: name.into(), ..RuntimeConfig::default() };
-    c.transport.rate.enabled = false;
-    // Down after 0.5 s of silence rather than 0.3 s: a loaded machine stalls threads that long.
-    c.transport.heartbeat.missed_limit = 5;
-    c
+    crate::fabric::runtime_config(name, mode)
 }
 
 /// `lanbus lspci`.
@@ -166,130 +154,6 @@ pub fn lspci(args: LspciArgs) -> anyhow::Result<()> {
     }
     for f in &devices {
         println!("{}", format_function(f));
-    }
-    Ok(())
-}
-
-/// `lanbus device`.
-#[derive(Debug, Args)]
-pub struct DeviceArgs {
-    /// The port to serve hosts through (see `lanbus --help` for specs).
-    #[arg(long)]
-    port: String,
-    /// Our group: we serve the host of this group.
-    #[arg(long, default_value_t = 0)]
-    group: u16,
-    /// Host the DMA engine (the only model so far; required).
-    #[arg(long)]
-    dma_engine: bool,
-    /// A Unix socket accepting `group N` and `status` lines.
-    #[arg(long)]
-    control: Option<PathBuf>,
-    /// Our name in heartbeats.
-    #[arg(long, default_value = "lanbus-device")]
-    name: String,
-    /// Thread model.
-    #[arg(long, value_enum, default_value = "rtc")]
-    mode: Mode,
-}
-
-fn status_line(d: &DeviceBridge) -> String {
-    let s = d.stats();
-    let rt = d.runtime_stats();
-    format!(
-        "mac {} group {} host {} tlps {} dma_reads {} dma_writes {} foreign {} ur {} frames_rx {} frames_tx {}",
-        d.local_mac(),
-        d.group(),
-        d.host().map_or("none".to_string(), |m| m.to_string()),
-        s.tlps_received,
-        s.dma_reads,
-        s.dma_writes,
-        s.foreign_requests,
-        s.ur_sent,
-        rt.port.rx_frames,
-        rt.port.tx_frames,
-    )
-}
-
-/// Answers one control connection.
-fn control(d: &DeviceBridge, stream: UnixStream) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut line = String::new();
-    reader.read_line(&mut line)?;
-    let words: Vec<&str> = line.split_whitespace().collect();
-    let reply = match words.as_slice() {
-        ["group", n] => match n.parse::<u16>() {
-            Ok(g) => {
-                d.set_group(g);
-                format!("ok group {g}")
-            }
-            Err(_) => format!("error: bad group {n:?} (0..=65535)"),
-        },
-        ["status"] => status_line(d),
-        _ => format!("error: unknown command {:?} (want `group N` or `status`)", line.trim()),
-    };
-    let mut w = stream;
-    writeln!(w, "{reply}")
-}
-
-/// Runs `lanbus device` until SIGINT or SIGTERM.
-pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
-    if !args.dma_engine {
-        bail!("no device model chosen: pass --dma-engine");
-    }
-    let signals = crate::signals::Blocked::termination()?;
-    let port = lanbus_port::open(&args.port).with_context(|| format!("opening {}", args.port))?;
-    let config = DeviceBridgeConfig {
-        group: args.group,
-        name: args.name.clone(),
-        runtime: runtime_for(args.mode.into(), "device"),
-        ..DeviceBridgeConfig::default()
-    };
-    let bridge = Arc::new(DeviceBridge::start(port, config, vec![HostedFunction::model(DmaEngine::new())?])?);
-    eprintln!("lanbus device: {} serving group {} with the DMA engine", bridge.local_mac(), args.group);
-    let stop = Arc::new(AtomicBool::new(false));
-    let control_thread = match &args.control {
-        Some(path) => {
-            let _ = std::fs::remove_file(path);
-            let listener = UnixListener::bind(path)
-                .with_context(|| format!("binding control socket {}", path.display()))?;
-            listener.set_nonblocking(true)?;
-            let (b, stop) = (bridge.clone(), stop.clone());
-            Some(std::thread::spawn(move || {
-                // Relaxed: the flag only asks the loop to end; nothing is published with it.
-                while !stop.load(Ordering::Relaxed) {
-                    match listener.accept() {
-                        Ok((s, _)) => {
-                            let _ = s.set_nonblocking(false);
-                            if let Err(e) = control(&b, s) {
-                                eprintln!("lanbus device: control: {e}");
-                            }
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                            std::thread::sleep(Duration::from_millis(50))
-                        }
-                        Err(e) => {
-                            eprintln!("lanbus device: control socket: {e}");
-                            return;
-                        }
-                    }
-                }
-            }))
-        }
-        None => None,
-    };
-    let sig = signals.wait();
-    eprintln!("lanbus device: signal {sig}, stopping");
-    stop.store(true, Ordering::Relaxed);
-    if let Some(t) = control_thread {
-        let _ = t.join();
-    }
-    if let Some(p) = &args.control {
-        let _ = std::fs::remove_file(p);
-    }
-    if let Ok(b) = Arc::try_unwrap(bridge) {
-        b.shutdown();
     }
     Ok(())
 }

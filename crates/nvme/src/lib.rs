@@ -21,6 +21,8 @@
 //! - [`driver`]: the host-side driver over [`driver::Bar`], [`driver::DmaMemory`] and
 //!   [`driver::InterruptWait`].
 //! - [`local`]: the in-process join (no fabric): the `local` row of `lanbus bench nvme`.
+//! - [`pcie`]: the controller as a function of the device bridge, and the driver over the host
+//!   bridge (the fabric join).
 //!
 //! ```
 //! use lanbus_nvme::local::{LocalNvme, ProcessMode};
@@ -48,6 +50,7 @@ pub mod command;
 pub mod controller;
 pub mod driver;
 pub mod local;
+pub mod pcie;
 pub mod prp;
 pub mod status;
 

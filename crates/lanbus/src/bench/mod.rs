@@ -4,6 +4,7 @@
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
 pub mod nbd;
+pub mod nvme;
 pub mod pcie;
 pub mod report;
 mod ring;
@@ -16,17 +17,20 @@ use clap::Subcommand;
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
+    /// The paper's Fig. 6: fio random read/write, qd1, 4K..1M, against the NVMe namespace over
+    /// NBD: in-process (`local`), over the fabric (sim, udp, afpacket, afxdp) and qemu-nbd.
+    Nvme(nvme::NvmeBenchArgs),
+    /// fio (nbd engine) against lanbus's NBD server (file and RAM) and qemu-nbd on the same file.
+    Nbd(nbd::NbdBenchArgs),
     /// Messages/s through two transport endpoints in one thread, frames handed over directly (no
     /// wire). There is no peer program for an in-process protocol core; frames/s are shown too.
     TransportCore(transport_core::TransportCoreArgs),
-    /// fio (nbd engine) against lanbus's NBD server (file and RAM) and qemu-nbd on the same file.
-    Nbd(nbd::NbdBenchArgs),
     /// The vhost-user cache study (seed 003): factors (a)-(e) on a two-thread virtqueue model.
     Vring(vring::Args),
     /// Our SPSC ring against DPDK rte_ring (dpdk-test) and the rtrb crate, ns per element.
     Ring(ring::Args),
-    /// DMA engine throughput and 4 B MMIO read latency through the PCIe bridges over sim, udp
-    /// and afpacket (root: a veth pair), against the same device in-process (`local`).
+    /// DMA engine throughput and 4 B MMIO read latency through the PCIe bridges over sim, udp,
+    /// afpacket and afxdp (root: a veth pair), against the same device in-process (`local`).
     Pcie(pcie::PcieArgs),
     /// The transport over real ports (udp, afpacket, afxdp) on a veth pair between two network
     /// namespaces, one process each: ping-pong latency, streaming goodput, idle CPU; peers
@@ -40,8 +44,9 @@ pub enum BenchCommand {
 /// Runs one benchmark.
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
-        BenchCommand::TransportCore(args) => transport_core::run(args),
         BenchCommand::Nbd(args) => nbd::run(args),
+        BenchCommand::Nvme(args) => nvme::run(args),
+        BenchCommand::TransportCore(args) => transport_core::run(args),
         BenchCommand::Vring(a) => vring::run(a),
         BenchCommand::Ring(a) => ring::run(a),
         BenchCommand::Pcie(args) => pcie::run(args),

@@ -1,0 +1,301 @@
+//! `lanbus bench nvme`: the paper's Fig. 6. fio (`--ioengine=nbd`, random read and random write,
+//! numjobs=1, iodepth=1, block sizes 4 KiB .. 1 MiB) against the NVMe namespace exported over NBD:
+//!
+//! - `local`: the controller model in-process (driver and controller joined directly, the
+//!   controller on its own thread as on the device bridge), behind the NBD server: no fabric;
+//! - `peer:qemu-nbd`: qemu-nbd serving a backing file of the same size (in /dev/shm);
+//! - `sim`: the whole fabric (device bridge, transport, host bridge, driver) over the in-process
+//!   simulated wire;
+//! - `udp`, `afpacket`, `afxdp`: the fabric over real ports: over a veth pair between two network
+//!   namespaces when root (afpacket and afxdp need it), `udp` over loopback otherwise.
+//!
+//! Metrics `mb_per_s` and `iops`, with `block_size` and `rw`; each the median of `--runs` fio
+//! runs. A PNG per direction (MB/s against block size) next to the JSON.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use lanbus_nbd::{BlockDevice, Export, FileDevice, Server};
+use lanbus_nvme::local::{LocalNvme, ProcessMode};
+use lanbus_port::Port;
+
+use super::nbd::run_fio;
+use super::report::{median, Report, Row};
+use crate::fabric::{self, NvmeBacking, NvmeBlock, SimFabric};
+use crate::plot::{write_png, Plot, Series};
+
+/// `lanbus bench nvme` options.
+#[derive(Debug, Args)]
+pub struct NvmeBenchArgs {
+    /// Write the common JSON report here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write the plots as PREFIX-randread.png and PREFIX-randwrite.png.
+    #[arg(long, default_value = "bench-nvme")]
+    png: String,
+    /// One 1-second fio run per point instead of three of 2 seconds.
+    #[arg(long)]
+    quick: bool,
+    /// Namespace size in MiB (RAM for lanbus, a file in /dev/shm for qemu-nbd).
+    #[arg(long, default_value_t = 256)]
+    size_mib: u64,
+    /// Rows to measure (comma-separated); default all that can run here.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+}
+
+const BLOCK_SIZES: [&str; 5] = ["4k", "16k", "64k", "256k", "1m"];
+
+/// What keeps one target alive while fio runs against it.
+enum Holder {
+    Local(LocalNvme, Server),
+    Fabric(SimFabric, Server),
+    Qemu(KillOnDrop),
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        // Stop the NBD server (requests finished, flushed) before its drive goes.
+        let server = match self {
+            Holder::Local(_, s) | Holder::Fabric(_, s) => s,
+            Holder::Qemu(child) => {
+                let _ = child.0.kill();
+                return;
+            }
+        };
+        if let Err(e) = server.shutdown() {
+            eprintln!("bench nvme: stopping an NBD server: {e}");
+        }
+        if let Holder::Fabric(f, _) = self {
+            let _ = f.driver.shutdown();
+        }
+        if let Holder::Local(n, _) = self {
+            let _ = n.controller().stats();
+        }
+    }
+}
+
+fn serve(dir: &Path, name: &str, device: Arc<dyn BlockDevice>) -> anyhow::Result<(Server, String)> {
+    let socket = dir.join(format!("{name}.sock"));
+    let server = Server::builder().export(Export::new("nvme0", device)).log(false).build()?;
+    server.serve(std::os::unix::net::UnixListener::bind(&socket)?)?;
+    Ok((server, format!("nbd+unix:///nvme0?socket={}", socket.display())))
+}
+
+fn local(dir: &Path, size: u64) -> anyhow::Result<(Holder, String)> {
+    let ctrl = fabric::controller(&NvmeBacking::Ram(size), 512)?;
+    let nvme = LocalNvme::new(ctrl, fabric::DMA_REGION_PAGES, ProcessMode::Thread);
+    let drv = Arc::new(nvme.driver(fabric::driver_config())?);
+    let (server, uri) = serve(dir, "local", Arc::new(NvmeBlock::new(drv)))?;
+    Ok((Holder::Local(nvme, server), uri))
+}
+
+fn over(
+    dir: &Path,
+    name: &str,
+    size: u64,
+    ports: (Box<dyn Port>, Box<dyn Port>),
+) -> anyhow::Result<(Holder, String)> {
+    let ctrl = fabric::controller(&NvmeBacking::Ram(size), 512)?;
+    let f = SimFabric::over(ctrl, ports.0, ports.1)?;
+    let (server, uri) = serve(dir, name, Arc::new(NvmeBlock::new(f.driver.clone())))?;
+    Ok((Holder::Fabric(f, server), uri))
+}
+
+fn qemu(dir: &Path, size: u64) -> anyhow::Result<(Holder, String)> {
+    let image = dir.join("backing.img");
+    {
+        let dev = FileDevice::create(&image, size)?;
+        let chunk: Vec<u8> = (0..1 << 20).map(|i| (i * 31 + 7) as u8).collect();
+        for off in (0..size).step_by(chunk.len()) {
+            dev.write_at(off, &chunk, false)?;
+        }
+        dev.flush()?;
+    }
+    let socket = dir.join("qemu-nbd.sock");
+    let child = Command::new("qemu-nbd")
+        .args(["--format=raw", "--persistent", "--shared=4", "--export-name=nvme0", "--cache=writeback"])
+        .arg(format!("--socket={}", socket.display()))
+        .arg(&image)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("qemu-nbd (Debian package qemu-utils)")?;
+    let child = KillOnDrop(child);
+    wait_for_socket(&socket, "nvme0")?;
+    Ok((Holder::Qemu(child), format!("nbd+unix:///nvme0?socket={}", socket.display())))
+}
+
+struct KillOnDrop(std::process::Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for_socket(socket: &Path, export: &str) -> anyhow::Result<()> {
+    let t = std::time::Instant::now();
+    while lanbus_nbd::Client::connect_unix(socket, export).is_err() {
+        if t.elapsed() > std::time::Duration::from_secs(10) {
+            bail!("no NBD server came up on {}", socket.display());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn free_udp_port() -> anyhow::Result<u16> {
+    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The two ports of a fabric row and the spec kind (for the runtime settings).
+fn ports(
+    kind: &str,
+    veth: Option<&lanbus_port::netns::VethPair>,
+) -> anyhow::Result<(Box<dyn Port>, Box<dyn Port>)> {
+    match (kind, veth) {
+        ("udp", None) => {
+            let (pa, pb) = (free_udp_port()?, free_udp_port()?);
+            let a = lanbus_port::open(&format!("udp:127.0.0.1:{pa},peer=127.0.0.1:{pb}"))?;
+            let b = lanbus_port::open(&format!("udp:127.0.0.1:{pb},peer=127.0.0.1:{pa}"))?;
+            Ok((a, b))
+        }
+        ("afxdp", Some(v)) => {
+            let (ia, ib) = (v.a.ifname.clone(), v.b.ifname.clone());
+            let open = |i: String| {
+                move || -> Result<Box<dyn Port>, String> {
+                    let o = lanbus_port::afxdp::AfXdpOptions::default();
+                    lanbus_port::afxdp::open(&i, 0, &o)
+                        .map(|p| Box::new(p) as Box<dyn Port>)
+                        .map_err(|e| e.to_string())
+                }
+            };
+            let a = v.a.netns.run(open(ia))?.map_err(anyhow::Error::msg)?;
+            let b = v.b.netns.run(open(ib))?.map_err(anyhow::Error::msg)?;
+            Ok((a, b))
+        }
+        (_, Some(v)) => {
+            let spec = |end: &lanbus_port::netns::VethEnd, peer: &lanbus_port::netns::VethEnd| match kind {
+                "udp" => format!("udp:{}:7400,peer={}:7400", end.ipv4, peer.ipv4),
+                _ => format!("{kind}:{},rx=v2", end.ifname),
+            };
+            let (sa, sb) = (spec(&v.a, &v.b), spec(&v.b, &v.a));
+            let a = v.a.netns.run(move || lanbus_port::open(&sa).map_err(|e| e.to_string()))?;
+            let b = v.b.netns.run(move || lanbus_port::open(&sb).map_err(|e| e.to_string()))?;
+            Ok((a.map_err(anyhow::Error::msg)?, b.map_err(anyhow::Error::msg)?))
+        }
+        _ => bail!("{kind} needs a veth pair between two namespaces (root)"),
+    }
+}
+
+/// Runs the benchmark.
+pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
+    let help = Command::new("fio").arg("--enghelp=nbd").output().context("fio is not installed")?;
+    if !String::from_utf8_lossy(&help.stdout).contains("uri") {
+        bail!("this fio has no nbd engine");
+    }
+    let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+    let dir = base.join(format!("lanbus-bench-nvme-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let result = measure(&args, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    let report = result?;
+    report.finish(args.json.as_deref())?;
+    for rw in ["randread", "randwrite"] {
+        let mut series: Vec<Series> = Vec::new();
+        for row in &report.rows {
+            if row.metric != "mb_per_s" || row.params.get("rw").and_then(|v| v.as_str()) != Some(rw) {
+                continue;
+            }
+            let bs = row.params.get("block_size").and_then(|v| v.as_f64()).unwrap_or(0.0) / 1024.0;
+            match series.iter_mut().find(|s| s.name == row.name) {
+                Some(s) => s.points.push((bs, row.value)),
+                None => series.push(Series { name: row.name.clone(), points: vec![(bs, row.value)] }),
+            }
+        }
+        let plot = Plot {
+            title: format!("NVMe over lanbus, fio {rw}, numjobs=1, iodepth=1"),
+            x_label: "block size (KiB)".into(),
+            y_label: "MB/s".into(),
+            x_log: true,
+            y_log: true,
+            legend_right: true,
+            series,
+        };
+        let path = PathBuf::from(format!("{}-{rw}.png", args.png));
+        write_png(&plot, &path)?;
+        eprintln!("bench nvme: plot {}", path.display());
+    }
+    Ok(())
+}
+
+fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
+    let size = args.size_mib << 20;
+    let want = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
+    let veth = if want("afpacket") || want("afxdp") || want("udp") {
+        match lanbus_port::netns::VethPair::create() {
+            Ok(v) => Some(v),
+            Err(skip) => {
+                eprintln!("bench nvme: rows afpacket and afxdp missing: {skip}; udp runs over loopback");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    // Each row's drive and bridges exist only while it is measured: idle bridges would take CPU
+    // from the others, and an AF_XDP socket takes the veth's lanbus frames from AF_PACKET.
+    let mut rows: Vec<&str> = vec!["local", "peer:qemu-nbd", "sim", "udp"];
+    if veth.is_some() {
+        rows.extend(["afpacket", "afxdp"]);
+    }
+    let (runs, runtime) = if args.quick { (1, 1) } else { (3, 2) };
+    let mut report = Report::new("nvme");
+    let mut missing = Vec::new();
+    for name in rows.into_iter().filter(|n| want(n)) {
+        let target = match name {
+            "local" => local(dir, size),
+            "peer:qemu-nbd" => qemu(dir, size),
+            "sim" => SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", size, p)),
+            kind => ports(kind, veth.as_ref()).and_then(|p| over(dir, kind, size, p)),
+        };
+        let (holder, uri) = match target {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("bench nvme: row {name} missing: {e:#}");
+                missing.push(name);
+                continue;
+            }
+        };
+        for rw in ["randread", "randwrite"] {
+            for bs in BLOCK_SIZES {
+                let mut mbs = Vec::new();
+                let mut iops = Vec::new();
+                for _ in 0..runs {
+                    match run_fio(&uri, rw, bs, 1, args.size_mib, runtime) {
+                        Ok(r) => {
+                            mbs.push(r.mb_per_s);
+                            iops.push(r.iops);
+                        }
+                        Err(e) => eprintln!("bench nvme: {name} {rw} {bs}: {e:#}"),
+                    }
+                }
+                let (Some(m), Some(i)) = (median(&mbs), median(&iops)) else { continue };
+                let block = crate::nbd::parse_size(bs)?;
+                for (metric, value) in [("mb_per_s", m), ("iops", i)] {
+                    report.push(Row::new(name, metric, value).with("rw", rw).with("block_size", block));
+                }
+                eprintln!("bench nvme: {name:>14} {rw:>9} {bs:>4}: {m:8.1} MB/s {i:8.0} IOPS");
+            }
+        }
+        drop(holder);
+    }
+    if !missing.is_empty() {
+        eprintln!("bench nvme: rows not measured: {}", missing.join(", "));
+    }
+    Ok(report)
+}

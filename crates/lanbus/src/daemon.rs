@@ -1,0 +1,633 @@
+//! The daemons: `lanbus device` (the I/O box: a device bridge hosting an NVMe drive) and
+//! `lanbus host` (a host bridge that enumerates the drive, starts the NVMe driver and exports the
+//! namespace over NBD), and `lanbus status`, which asks either one over its control socket.
+//!
+//! Layer: frontend (processes, sockets, signals) over [`crate::fabric`].
+//!
+//! Lifecycle of the host's export: when a device bridge of our group appears and its function is
+//! an NVMe controller, the driver starts and the NBD server listens; when the device goes (its
+//! heartbeats stop, or it leaves the group) the server stops and its socket file is removed:
+//! requests in flight fail with an error (the bridge answers at once for a device it no longer
+//! has), new clients find no socket. SIGINT/SIGTERM: stop accepting, finish the requests in
+//! flight, NVMe Flush (the NBD server flushes its device), NVMe shutdown notification, exit 0.
+//!
+//! Control socket protocol (a Unix stream socket, one request per connection): the client writes
+//! one line, `status` (answer: one JSON object) or, on a device, `group N` (moves the bridge to
+//! group N; answer: a JSON object with the new group).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use lanbus_nbd::{Export, Server};
+use lanbus_nvme::pcie::FunctionStats;
+use lanbus_nvme::NvmeDriver;
+use lanbus_pcie::bridge::{DeviceBridge, HostBridge, HostEvent, HostedFunction, RemoteFunction};
+use lanbus_pcie::dma_engine::DmaEngine;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::fabric::{self, NvmeBacking, NvmeBlock};
+
+/// Default control socket of `lanbus device`.
+pub const DEVICE_CONTROL: &str = "/tmp/lanbus-device.sock";
+/// Default control socket of `lanbus host`.
+pub const HOST_CONTROL: &str = "/tmp/lanbus-host.sock";
+
+/// `lanbus device` options (each may come from `--config FILE` instead; the command line wins).
+#[derive(Debug, Args)]
+pub struct DeviceArgs {
+    /// A TOML file with the same keys: port, group, nvme, lba_size, control, name.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The port (see PORT SPECS in `lanbus --help`).
+    #[arg(long)]
+    port: Option<String>,
+    /// The group whose host this I/O box serves.
+    #[arg(long)]
+    group: Option<u16>,
+    /// The NVMe drive's blocks: file=PATH[,size=SIZE] or ram=SIZE.
+    #[arg(long)]
+    nvme: Option<String>,
+    /// Logical block size of the namespace: 512 or 4096.
+    #[arg(long)]
+    lba_size: Option<u32>,
+    /// Also host the DMA engine (function 1 after an NVMe drive, else function 0).
+    #[arg(long)]
+    dma_engine: bool,
+    /// Thread model of the transport.
+    #[arg(long, value_enum, default_value = "rtc")]
+    mode: crate::pcie::Mode,
+    /// Control socket for `lanbus status` and `lanbus device-ctl` (default
+    /// /tmp/lanbus-device.sock).
+    #[arg(long)]
+    control: Option<PathBuf>,
+    /// Name announced in heartbeats.
+    #[arg(long)]
+    name: Option<String>,
+}
+
+/// `lanbus host` options (each may come from `--config FILE` instead; the command line wins).
+#[derive(Debug, Args)]
+pub struct HostArgs {
+    /// A TOML file with the same keys: port, group, export, control, name.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The port (see PORT SPECS in `lanbus --help`).
+    #[arg(long)]
+    port: Option<String>,
+    /// Our group: we use the devices that announce it.
+    #[arg(long)]
+    group: Option<u16>,
+    /// Where to export the NVMe namespace: nbd:PATH (Unix socket) or nbd:tcp:ADDR.
+    #[arg(long)]
+    export: Option<String>,
+    /// Thread model of the transport.
+    #[arg(long, value_enum, default_value = "rtc")]
+    mode: crate::pcie::Mode,
+    /// Control socket for `lanbus status` (default /tmp/lanbus-host.sock).
+    #[arg(long)]
+    control: Option<PathBuf>,
+    /// Name announced in heartbeats.
+    #[arg(long)]
+    name: Option<String>,
+}
+
+/// `lanbus status` options.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The daemon's control socket (default: both default sockets that exist).
+    #[arg(long)]
+    control: Option<PathBuf>,
+    /// Print the raw JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceFile {
+    port: Option<String>,
+    group: Option<u16>,
+    nvme: Option<String>,
+    lba_size: Option<u32>,
+    control: Option<PathBuf>,
+    name: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostFile {
+    port: Option<String>,
+    group: Option<u16>,
+    export: Option<String>,
+    control: Option<PathBuf>,
+    name: Option<String>,
+}
+
+fn read_toml<T: for<'de> Deserialize<'de> + Default>(path: Option<&Path>) -> anyhow::Result<T> {
+    let Some(path) = path else { return Ok(T::default()) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("{}: bad config", path.display()))
+}
+
+/// Where the host exports the namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExportSpec {
+    /// A Unix socket path.
+    Unix(PathBuf),
+    /// A TCP address.
+    Tcp(std::net::SocketAddr),
+}
+
+impl std::str::FromStr for ExportSpec {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<ExportSpec> {
+        match s.strip_prefix("nbd:") {
+            Some(rest) => match rest.strip_prefix("tcp:") {
+                Some(addr) => {
+                    Ok(ExportSpec::Tcp(addr.parse().with_context(|| format!("{addr:?}: not IP:PORT"))?))
+                }
+                None if !rest.is_empty() => Ok(ExportSpec::Unix(rest.into())),
+                None => bail!("{s:?}: expected nbd:PATH or nbd:tcp:ADDR"),
+            },
+            None => bail!("{s:?}: expected nbd:PATH or nbd:tcp:ADDR"),
+        }
+    }
+}
+
+/// SIGINT/SIGTERM set the returned flag.
+fn stop_flag() -> anyhow::Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone()).context("installing signal handlers")?;
+    }
+    Ok(stop)
+}
+
+/// Binds a control socket, replacing a stale one (refusing one a live daemon answers on).
+fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            bail!("{} is in use by another daemon: give this one --control PATH", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("removing stale {}", path.display()))?;
+    }
+    let l = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    l.set_nonblocking(true)?;
+    Ok(l)
+}
+
+/// Serves the control socket until `stop`: `answer(line)` gives the reply.
+fn serve_control(l: &UnixListener, stop: &AtomicBool, answer: &dyn Fn(&str) -> String) {
+    // Relaxed: a flag polled every 50 ms; nothing else is published through it.
+    while !stop.load(Ordering::Relaxed) {
+        match l.accept() {
+            Ok((s, _)) => {
+                let _ = s.set_nonblocking(false);
+                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut line = String::new();
+                let mut r = BufReader::new(&s);
+                if r.read_line(&mut line).is_ok() {
+                    let v = answer(line.trim());
+                    let _ = (&s).write_all(format!("{}\n", v.trim_end()).as_bytes());
+                }
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+fn transport_json(rt: &lanbus_runtime::Stats) -> Value {
+    let t = &rt.transport;
+    let drops = t.drop_bad_frame
+        + t.drop_bad_version
+        + t.drop_unknown_kind
+        + t.drop_bad_checksum
+        + t.drop_not_for_us
+        + t.drop_wrong_group
+        + t.drop_unknown_peer
+        + t.drop_out_of_order
+        + t.drop_duplicate
+        + t.drop_backlog
+        + t.drop_too_many_channels;
+    json!({
+        "frames_sent": t.frames_sent,
+        "frames_received": t.frames_received,
+        "retransmitted_frames": t.retransmitted_frames,
+        "fast_retransmits": t.fast_retransmits,
+        "retransmission_timeouts": t.timeouts,
+        "drops": drops,
+        "drops_out_of_order": t.drop_out_of_order,
+        "drops_bad_checksum": t.drop_bad_checksum,
+        "messages_sent": t.messages_sent,
+        "messages_delivered": t.messages_delivered,
+        "rtt_avg_us": t.rtt_sum_ns.checked_div(t.rtt_samples).unwrap_or(0) / 1000,
+        "port": format!("{:?}", rt.port),
+    })
+}
+
+fn controller_json(stats: &FunctionStats) -> Value {
+    let (c, refused) = stats.get();
+    json!({
+        "io_commands": c.io_commands,
+        "admin_commands": c.admin_commands,
+        "error_completions": c.error_completions,
+        "bytes_read": c.bytes_read,
+        "bytes_written": c.bytes_written,
+        "dma_errors": c.dma_errors,
+        "interrupts": c.interrupts,
+        "invalid_doorbells": c.invalid_doorbells,
+        "refused_bar_accesses": refused,
+    })
+}
+
+/// Runs `lanbus device`.
+pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
+    let file: DeviceFile = read_toml(args.config.as_deref())?;
+    let port_spec = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
+    let group = args.group.or(file.group).unwrap_or(0);
+    let nvme = args.nvme.or(file.nvme);
+    if nvme.is_none() && !args.dma_engine {
+        bail!("no device to host: give --nvme file=PATH[,size=SIZE]|ram=SIZE and/or --dma-engine");
+    }
+    let lba = args.lba_size.or(file.lba_size).unwrap_or(512);
+    if lba != 512 && lba != 4096 {
+        bail!("--lba-size {lba}: 512 or 4096");
+    }
+    let control = args.control.or(file.control).unwrap_or_else(|| DEVICE_CONTROL.into());
+    let name = args.name.or(file.name).unwrap_or_else(|| "lanbus-device".into());
+    let backing: Option<NvmeBacking> = nvme.as_deref().map(str::parse).transpose()?;
+    // Before any thread starts, so that every thread inherits the blocked mask.
+    let signals = crate::signals::Blocked::termination()?;
+    let mut functions = Vec::new();
+    let mut nvme_info = None;
+    if let Some(b) = &backing {
+        let ctrl = fabric::controller(b, lba)?;
+        let blocks = ctrl.namespace_blocks();
+        let (f, stats) = fabric::nvme_function(ctrl)?;
+        functions.push(f);
+        nvme_info = Some((blocks, stats));
+    }
+    if args.dma_engine {
+        functions.push(HostedFunction::model(DmaEngine::new())?);
+    }
+    let port = lanbus_port::open(&port_spec)?;
+    let listener = bind_control(&control)?;
+    let config = fabric::device_config(group, &name, args.mode.into());
+    let bridge = DeviceBridge::start(port, config, functions)?;
+    let what = match (&nvme, &nvme_info) {
+        (Some(n), Some((blocks, _))) => format!("NVMe {n}, {blocks} x {lba} bytes"),
+        _ => String::new(),
+    };
+    let dma = if args.dma_engine { " + the DMA engine" } else { "" };
+    eprintln!(
+        "lanbus device: {name} ({}) group {group} on {port_spec}: {what}{dma}; control {}",
+        bridge.local_mac(),
+        control.display()
+    );
+    let answer = |line: &str| -> String {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["status"] => {
+                let s = bridge.stats();
+                let rt = bridge.runtime_stats();
+                format!(
+                    "mac {} group {} host {} tlps {} dma_reads {} dma_writes {} foreign {} ur {} frames_rx {} frames_tx {} retransmitted {}",
+                    bridge.local_mac(),
+                    bridge.group(),
+                    bridge.host().map_or("none".to_string(), |m| m.to_string()),
+                    s.tlps_received,
+                    s.dma_reads,
+                    s.dma_writes,
+                    s.foreign_requests,
+                    s.ur_sent,
+                    rt.port.rx_frames,
+                    rt.port.tx_frames,
+                    rt.transport.retransmitted_frames,
+                )
+            }
+            ["status", "json"] => {
+                let mut devices = Vec::new();
+                if let (Some(n), Some((blocks, _))) = (&nvme, &nvme_info) {
+                    devices.push(json!({"function": "00.0", "kind": "NVMe", "backing": n, "blocks": blocks, "lba_size": lba}));
+                }
+                if args.dma_engine {
+                    devices.push(json!({"function": format!("00.{}", devices.len()), "kind": "DMA engine"}));
+                }
+                json!({
+                    "role": "device",
+                    "name": name,
+                    "mac": bridge.local_mac().to_string(),
+                    "group": bridge.group(),
+                    "peers": bridge.host().map(|h| vec![json!({"mac": h.to_string(), "role": "host"})]).unwrap_or_default(),
+                    "devices": devices,
+                    "controller": nvme_info.as_ref().map(|(_, st)| controller_json(st)),
+                    "completion_timeouts": bridge.stats().dma_read_failures,
+                    "bridge": format!("{:?}", bridge.stats()),
+                    "transport": transport_json(&bridge.runtime_stats()),
+                })
+                .to_string()
+            }
+            ["group", n] => match n.parse::<u16>() {
+                Ok(g) => {
+                    bridge.set_group(g);
+                    eprintln!("lanbus device: moved to group {g}");
+                    format!("ok group {g}")
+                }
+                Err(_) => format!("error: bad group {n:?} (0..=65535)"),
+            },
+            _ => format!("error: unknown command {line:?} (want `group N`, `status` or `status json`)"),
+        }
+    };
+    let control_stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| serve_control(&listener, &control_stop, &answer));
+        let sig = signals.wait();
+        eprintln!("lanbus device: signal {sig}, stopping");
+        // Relaxed: the flag only asks the loop to end.
+        control_stop.store(true, Ordering::Relaxed);
+    });
+    bridge.shutdown();
+    if let Some(NvmeBacking::File { path, .. }) = &backing {
+        // The controller wrote through its own handle; any handle's fsync flushes the file.
+        std::fs::File::open(path)?.sync_all().with_context(|| format!("syncing {}", path.display()))?;
+    }
+    let _ = std::fs::remove_file(&control);
+    eprintln!("lanbus device: stopped, data flushed");
+    Ok(())
+}
+
+/// The exported drive of a host daemon.
+struct Exported {
+    function: RemoteFunction,
+    driver: Arc<NvmeDriver>,
+    server: Server,
+    uri: String,
+}
+
+fn export(host: &Arc<HostBridge>, f: &RemoteFunction, spec: &ExportSpec) -> anyhow::Result<Exported> {
+    let driver = fabric::start_driver(host, f)?;
+    let server = Server::builder()
+        .export(
+            Export::new("nvme0", Arc::new(NvmeBlock::new(driver.clone())))
+                .description(format!("lanbus NVMe {} on {} \"{}\"", f.bdf, f.mac, f.name)),
+        )
+        .build()?;
+    let uri = match spec {
+        ExportSpec::Unix(path) => {
+            if path.exists() {
+                std::fs::remove_file(path).with_context(|| format!("removing stale {}", path.display()))?;
+            }
+            server.serve(UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?)?;
+            format!("nbd+unix:///nvme0?socket={}", path.display())
+        }
+        ExportSpec::Tcp(addr) => {
+            let l = std::net::TcpListener::bind(addr).with_context(|| format!("binding {addr}"))?;
+            let uri = format!("nbd://{}/nvme0", l.local_addr()?);
+            server.serve(l)?;
+            uri
+        }
+    };
+    Ok(Exported { function: f.clone(), driver, server, uri })
+}
+
+/// Stops exporting: new clients find no socket, requests in flight finish or fail, then flush
+/// (if the device is still there) and NVMe shutdown.
+fn unexport(e: Exported, spec: &ExportSpec, why: &str) {
+    // The server wakes its accept thread by connecting to the socket: remove the file after.
+    let result = e.server.shutdown();
+    if let ExportSpec::Unix(path) = spec {
+        let _ = std::fs::remove_file(path);
+    }
+    match result {
+        Ok(stats) => eprintln!("lanbus host: unexported {} ({why}); flushed; {stats:?}", e.uri),
+        Err(err) => eprintln!("lanbus host: unexported {} ({why}): {err}", e.uri),
+    }
+    if let Err(err) = e.driver.shutdown() {
+        eprintln!("lanbus host: NVMe shutdown of {}: {err}", e.function.bdf);
+    }
+}
+
+/// Runs `lanbus host`.
+pub fn host(args: HostArgs) -> anyhow::Result<()> {
+    let file: HostFile = read_toml(args.config.as_deref())?;
+    let port_spec = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
+    let group = args.group.or(file.group).unwrap_or(0);
+    let spec: ExportSpec =
+        args.export.or(file.export).context("give --export nbd:PATH or nbd:tcp:ADDR")?.parse()?;
+    let control = args.control.or(file.control).unwrap_or_else(|| HOST_CONTROL.into());
+    let name = args.name.or(file.name).unwrap_or_else(|| "lanbus-host".into());
+    let stop = stop_flag()?;
+    let port = lanbus_port::open(&port_spec)?;
+    let listener = bind_control(&control)?;
+    let host = Arc::new(HostBridge::start(port, fabric::host_config(group, &name, args.mode.into()))?);
+    let events = host.subscribe();
+    eprintln!(
+        "lanbus host: {name} ({}) group {group} on {port_spec}; waiting for an NVMe device; control {}",
+        host.local_mac(),
+        control.display()
+    );
+    let current: Mutex<Option<Exported>> = Mutex::new(None);
+    let lock = || current.lock().unwrap_or_else(|e| e.into_inner());
+    let answer = |line: &str| -> String {
+        if line != "status" && line != "status json" {
+            return format!("error: unknown command {line:?} (want `status`)");
+        }
+        let devices = host.devices();
+        let mut peers: Vec<Value> = Vec::new();
+        for f in &devices {
+            let p = json!({"mac": f.mac.to_string(), "name": f.name, "role": "device", "group": f.group});
+            if !peers.contains(&p) {
+                peers.push(p);
+            }
+        }
+        let cur = lock();
+        let hb = host.stats();
+        json!({
+            "role": "host",
+            "name": name,
+            "mac": host.local_mac().to_string(),
+            "group": group,
+            "peers": peers,
+            "devices": devices.iter().map(fabric::lspci).collect::<Vec<_>>(),
+            "export": cur.as_ref().map(|e| e.uri.clone()),
+            "queues": cur.as_ref().map(|e| json!({
+                "io_queue_pairs": e.driver.io_queue_count(),
+                "commands": e.driver.stats().commands.load(Ordering::Relaxed),
+                "interrupts": e.driver.stats().interrupts.load(Ordering::Relaxed),
+                "stray_completions": e.driver.stats().stray_completions.load(Ordering::Relaxed),
+            })),
+            "nbd": cur.as_ref().map(|e| format!("{:?}", e.server.stats())),
+            "completion_timeouts": hb.timeouts,
+            "bridge": format!("{hb:?}"),
+            "transport": transport_json(&host.runtime_stats()),
+        })
+        .to_string()
+    };
+    let control_stop = AtomicBool::new(false);
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        s.spawn(|| serve_control(&listener, &control_stop, &answer));
+        let result = (|| -> anyhow::Result<()> {
+            let mut pending: Vec<RemoteFunction> = host.devices();
+            // Relaxed: polled; the handler only sets it.
+            while !stop.load(Ordering::Relaxed) {
+                for f in pending.drain(..) {
+                    if !fabric::is_nvme(&f) || lock().is_some() {
+                        continue;
+                    }
+                    eprint!("lanbus host: found\n{}", fabric::lspci(&f));
+                    match export(&host, &f, &spec) {
+                        Ok(e) => {
+                            eprintln!("lanbus host: exporting {} as {}", f.bdf, e.uri);
+                            *lock() = Some(e);
+                        }
+                        Err(err) => eprintln!("lanbus host: cannot export {}: {err:#}", f.bdf),
+                    }
+                }
+                match events.recv_timeout(Duration::from_millis(100)) {
+                    Ok(HostEvent::DeviceAdded(f)) => pending.push(f),
+                    Ok(HostEvent::DeviceRemoved { bdf, mac, reason }) => {
+                        let gone = |e: &Exported| e.function.bdf == bdf && e.function.mac == mac;
+                        let e = { lock().take_if(|e| gone(e)) };
+                        if let Some(e) = e {
+                            unexport(e, &spec, &format!("device {bdf} removed: {reason}"));
+                        }
+                    }
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => bail!("the host bridge stopped"),
+                }
+            }
+            Ok(())
+        })();
+        control_stop.store(true, Ordering::Relaxed);
+        result
+    })?;
+    eprintln!("lanbus host: stopping: finishing requests in flight, flushing");
+    let e = lock().take();
+    if let Some(e) = e {
+        unexport(e, &spec, "shutting down");
+    }
+    let _ = std::fs::remove_file(&control);
+    match Arc::try_unwrap(host) {
+        Ok(h) => h.shutdown(),
+        Err(h) => drop(h),
+    }
+    eprintln!("lanbus host: stopped");
+    Ok(())
+}
+
+fn ask(path: &Path, line: &str) -> anyhow::Result<Value> {
+    let mut s = UnixStream::connect(path).with_context(|| format!("connecting {}", path.display()))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(format!("{line}\n").as_bytes())?;
+    let mut reply = String::new();
+    BufReader::new(&s).read_line(&mut reply)?;
+    serde_json::from_str(&reply).with_context(|| format!("bad reply from {}", path.display()))
+}
+
+fn print_value(v: &Value, indent: usize) {
+    let pad = " ".repeat(indent);
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                match v {
+                    Value::Object(_) | Value::Array(_) => {
+                        println!("{pad}{k}:");
+                        print_value(v, indent + 2);
+                    }
+                    _ => println!("{pad}{k}: {}", scalar(v)),
+                }
+            }
+        }
+        Value::Array(a) => {
+            for v in a {
+                match v {
+                    Value::Object(_) | Value::Array(_) => {
+                        println!("{pad}-");
+                        print_value(v, indent + 2);
+                    }
+                    _ => {
+                        for (i, l) in scalar(v).lines().enumerate() {
+                            println!("{pad}{}{l}", if i == 0 { "- " } else { "  " });
+                        }
+                    }
+                }
+            }
+        }
+        _ => println!("{pad}{}", scalar(v)),
+    }
+}
+
+fn scalar(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
+
+/// Runs `lanbus status`.
+pub fn status(args: StatusArgs) -> anyhow::Result<()> {
+    let paths: Vec<PathBuf> = match args.control {
+        Some(p) => vec![p],
+        None => [HOST_CONTROL, DEVICE_CONTROL].iter().map(PathBuf::from).filter(|p| p.exists()).collect(),
+    };
+    if paths.is_empty() {
+        bail!("no daemon control socket at {HOST_CONTROL} or {DEVICE_CONTROL}; give --control PATH");
+    }
+    for p in paths {
+        let v = ask(&p, "status json")?;
+        if args.json {
+            println!("{v}");
+        } else {
+            println!("{}:", p.display());
+            print_value(&v, 2);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn export_specs() {
+        assert_eq!("nbd:/tmp/a.sock".parse::<ExportSpec>().unwrap(), ExportSpec::Unix("/tmp/a.sock".into()));
+        assert_eq!(
+            "nbd:tcp:127.0.0.1:10809".parse::<ExportSpec>().unwrap(),
+            ExportSpec::Tcp("127.0.0.1:10809".parse().unwrap())
+        );
+        assert!("nbd:".parse::<ExportSpec>().is_err());
+        assert!("tcp:1.2.3.4:5".parse::<ExportSpec>().is_err());
+        assert!("nbd:tcp:nothing".parse::<ExportSpec>().is_err());
+    }
+
+    #[test]
+    fn config_files() {
+        let d: DeviceFile =
+            toml::from_str("port = \"udp:127.0.0.1:7000\"\ngroup = 7\nnvme = \"ram=64M\"\nlba_size = 4096\n")
+                .unwrap();
+        assert_eq!((d.group, d.lba_size, d.nvme.as_deref()), (Some(7), Some(4096), Some("ram=64M")));
+        assert!(toml::from_str::<DeviceFile>("colour = 1\n").is_err());
+        let h: HostFile = toml::from_str("port = \"x\"\nexport = \"nbd:/tmp/s\"\n").unwrap();
+        assert_eq!(h.export.as_deref(), Some("nbd:/tmp/s"));
+    }
+
+    #[test]
+    fn backings() {
+        assert_eq!("ram=1M".parse::<NvmeBacking>().unwrap(), NvmeBacking::Ram(1 << 20));
+        assert_eq!(
+            "file=/x,size=2G".parse::<NvmeBacking>().unwrap(),
+            NvmeBacking::File { path: "/x".into(), size: Some(2 << 30) }
+        );
+        assert!("disk=/x".parse::<NvmeBacking>().is_err());
+        assert!("ram=1M,size=2".parse::<NvmeBacking>().is_err());
+    }
+}

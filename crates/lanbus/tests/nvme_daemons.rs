@@ -1,0 +1,176 @@
+//! `lanbus device` and `lanbus host` as processes over the `udp` port on loopback (no root):
+//! enumeration and export, `lanbus status`, data written before a FLUSH surviving a restart of the
+//! host daemon (same port, same MAC), unexport when the device goes away (clients get errors, not
+//! hangs), clean SIGTERM shutdown with the data in the device's file.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lanbus_nbd::Client;
+
+fn lanbus() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_lanbus"))
+}
+
+struct Daemon(Child);
+
+impl Daemon {
+    fn term(&mut self) -> bool {
+        let _ = Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status();
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(20) {
+            if let Ok(Some(s)) = self.0.try_wait() {
+                return s.success();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(args: &[String], log: &Path) -> Daemon {
+    let log = std::fs::File::create(log).unwrap();
+    Daemon(lanbus().args(args).stdout(Stdio::null()).stderr(log).spawn().unwrap())
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(30), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn status(control: &Path) -> serde_json::Value {
+    let out = lanbus().args(["status", "--json", "--control"]).arg(control).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[2] ^ seed).collect()
+}
+
+#[test]
+fn host_restart_keeps_flushed_data_and_device_loss_unexports() {
+    let dir: PathBuf = std::env::temp_dir().join(format!("lanbus-daemons-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = 20_000 + (std::process::id() % 20_000) as u16;
+    // host2 is the same port: the restarted host has the same address and MAC (the second run
+    // takes its settings from the command line, the first from a TOML file).
+    let (dev_port, host1, host2) = (base, base + 1, base + 1);
+    let disk = dir.join("disk.img");
+    let sock = dir.join("nvme0.sock");
+    let (dev_ctl, host_ctl) = (dir.join("dev.ctl"), dir.join("host.ctl"));
+    let s = |x: &str| x.to_string();
+    let mut device = spawn(
+        &[
+            s("device"),
+            s("--port"),
+            format!("udp:127.0.0.1:{dev_port},peer=127.0.0.1:{host1}"),
+            s("--group"),
+            s("9"),
+            s("--nvme"),
+            format!("file={},size=32M", disk.display()),
+            s("--control"),
+            dev_ctl.display().to_string(),
+        ],
+        &dir.join("device.log"),
+    );
+    let host_args = |port: u16, first: bool| {
+        // The same keys from a TOML file for the first host, on the command line for the second.
+        if first {
+            let cfg = dir.join("host.toml");
+            std::fs::write(
+                &cfg,
+                format!(
+                    "port = \"udp:127.0.0.1:{port},peer=127.0.0.1:{dev_port}\"\ngroup = 9\nexport = \"nbd:{}\"\ncontrol = \"{}\"\n",
+                    sock.display(),
+                    host_ctl.display()
+                ),
+            )
+            .unwrap();
+            vec![s("host"), s("--config"), cfg.display().to_string()]
+        } else {
+            vec![
+                s("host"),
+                s("--port"),
+                format!("udp:127.0.0.1:{port},peer=127.0.0.1:{dev_port}"),
+                s("--group"),
+                s("9"),
+                s("--export"),
+                format!("nbd:{}", sock.display()),
+                s("--control"),
+                host_ctl.display().to_string(),
+            ]
+        }
+    };
+    let mut host = spawn(&host_args(host1, true), &dir.join("host1.log"));
+    wait_for("the export", || Client::connect_unix(&sock, "nvme0").is_ok());
+
+    let st = status(&host_ctl);
+    assert_eq!(st["role"], "host");
+    assert!(st["export"].as_str().unwrap().contains("nvme0.sock"), "{st}");
+    assert!(st["queues"]["io_queue_pairs"].as_u64().unwrap() >= 1, "{st}");
+    assert!(st["devices"][0].as_str().unwrap().contains("1b36:0010"), "{st}");
+
+    let mut c = Client::connect_unix(&sock, "nvme0").unwrap();
+    assert_eq!(c.size_bytes(), 32 << 20);
+    let a = pattern(1, 1 << 20);
+    let b = pattern(2, 300 * 512);
+    c.write(0, &a, false).unwrap();
+    c.write(17 << 20, &b, false).unwrap();
+    c.flush().unwrap();
+    c.disconnect().unwrap();
+    let st = status(&dev_ctl);
+    assert_eq!(st["role"], "device");
+    assert!(st["controller"]["io_commands"].as_u64().unwrap() >= 3, "{st}");
+
+    // The host restarts on the same port (same MAC, a new session): the data is there.
+    assert!(host.term(), "host exits 0 on SIGTERM");
+    assert!(!sock.exists(), "the export socket is removed at shutdown");
+    let mut host = spawn(&host_args(host2, false), &dir.join("host2.log"));
+    wait_for("the export after the restart", || Client::connect_unix(&sock, "nvme0").is_ok());
+    let mut c = Client::connect_unix(&sock, "nvme0").unwrap();
+    let mut back = vec![0u8; a.len()];
+    c.read(0, &mut back).unwrap();
+    assert!(back == a, "data written before FLUSH survives the host restart");
+    let mut back = vec![0u8; b.len()];
+    c.read(17 << 20, &mut back).unwrap();
+    assert!(back == b);
+
+    // The device goes away: the host unexports; the connected client gets an error, not a hang.
+    assert!(device.term(), "device exits 0 on SIGTERM");
+    let t = Instant::now();
+    let mut buf = vec![0u8; 4096];
+    let r = c.read(0, &mut buf);
+    assert!(r.is_err() || t.elapsed() < Duration::from_secs(30));
+    wait_for("the unexport", || !sock.exists());
+    assert!(Client::connect_unix(&sock, "nvme0").is_err());
+    assert!(host.term(), "host exits 0 on SIGTERM");
+    let log = std::fs::read_to_string(dir.join("host2.log")).unwrap();
+    assert!(log.contains("unexported"), "{log}");
+    let file = std::fs::read(&disk).unwrap();
+    assert!(file[..a.len()] == a[..] && file[17 << 20..(17 << 20) + b.len()] == b[..], "data in the file");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_arguments_fail_with_a_message() {
+    let out = lanbus().args(["device", "--port", "udp:127.0.0.1:1", "--nvme", "disk=/x"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("file=PATH"));
+    let out = lanbus().args(["host", "--port", "udp:127.0.0.1:1", "--export", "tcp:1"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nbd:PATH"));
+    let out = lanbus().args(["status", "--control", "/nonexistent/lanbus.sock"]).output().unwrap();
+    assert!(!out.status.success());
+}
