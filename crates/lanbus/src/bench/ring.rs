@@ -1,17 +1,28 @@
 //! `lanbus bench ring`: our SPSC ring against DPDK's rte_ring and the rtrb crate, across two cores.
 //!
-//! Method (the same as DPDK's `ring_perf_autotest`, "Testing using two physical cores"): a ring of
-//! 4096 8-byte elements, a producer thread on one CPU doing `iterations` bulk enqueues of `burst`
-//! elements (spinning while full), a consumer thread on another doing as many bulk dequeues; each
-//! thread times its own loop, and the figure is producer ns/element + consumer ns/element, exactly
-//! as DPDK sums its two threads' cycles/element. DPDK's cycles are turned into ns with the TSC
-//! frequency measured here. rte_ring is measured by running `dpdk-test` (Debian package
-//! `dpdk-dev`) with `ring_perf_autotest`; when it is missing the bench says how to install it and
-//! reports the other rows. Rows `lanbus`, `peer:rte_ring`, `peer:rtrb`, metric `ns_per_elem`,
-//! params `burst` and `cores`; rows `lanbus` / `ratio_to_rte_ring` (ours over rte_ring; below 1 is
-//! better). `cores=2` is the two-core figure above; `cores=1` is DPDK's one-lcore "bulk enq/deq"
-//! test (enqueue a burst, dequeue it, same thread), which a machine shared with other jobs distorts
-//! far less, because it does not depend on both threads being scheduled at once.
+//! Method: the same as DPDK 22.11's `ring_perf_autotest` (`app/test/test_ring_perf.c`), "Testing
+//! using two physical cores", legacy 8-byte-element SP/SC bulk API. DPDK creates a 4096-slot ring;
+//! `run_on_core_pair` runs `enqueue_dequeue_bulk_helper` on two lcores, the producer on one doing
+//! 2^15 bulk enqueues of `burst` elements, the consumer on the other doing 2^15 bulk dequeues.
+//! Both threads first meet at a barrier (atomic add, then spin with `rte_pause` until the count is
+//! 2), then each reads the TSC, loops retrying every failed (full/empty) attempt after one
+//! `rte_pause` (never yielding, so failed attempts are inside the timed span), reads the TSC
+//! again and computes cycles / (2^15 * burst); the printed figure is the sum of the two threads'.
+//! We do the same: a 4096-slot ring of u64, warmed by one untimed pass (DPDK's ring was just
+//! used by its one-lcore tests), two threads pinned to two CPUs, the same barrier, 2^15 bulk
+//! operations per thread, retry after `spin_loop` (PAUSE), `Instant` around the same span, and
+//! the sum of producer and consumer ns/element. DPDK's cycles are turned into ns with the TSC
+//! frequency measured here. A 2^15-operation window lasts a few milliseconds, so on a machine
+//! shared with other jobs a window often loses a thread to the scheduler: the bench runs every
+//! ring `--runs` times, interleaved (run 1 of each ring and of dpdk-test, then run 2...), and
+//! reports the median (`ns_per_elem`) and the least disturbed run (`ns_per_elem_min`).
+//!
+//! rte_ring is measured by running `dpdk-test` (Debian package `dpdk-dev`) with
+//! `ring_perf_autotest`; when it is missing the bench says how to install it and reports the other
+//! rows. Rows `lanbus`, `peer:rte_ring`, `peer:rtrb`, metrics `ns_per_elem` and `ns_per_elem_min`,
+//! params `burst` and `cores`; rows `lanbus` / `ratio_to_rte_ring` (`_min`) (ours over rte_ring;
+//! below 1 is better). `cores=1` is DPDK's one-lcore "bulk enq/deq" test (2^23 times enqueue a
+//! burst and dequeue it on one thread), which load on the machine distorts far less.
 
 use std::path::PathBuf;
 use std::process::Command;
