@@ -301,6 +301,9 @@ fn dpdk_once(cpus: Option<(usize, usize)>) -> anyhow::Result<DpdkRun> {
     Ok((found, one))
 }
 
+/// A summary of a run's samples (median or minimum).
+type Statistic = fn(&[f64]) -> Option<f64>;
+
 /// The smallest sample (None when empty or any is NaN).
 fn minimum(values: &[f64]) -> Option<f64> {
     if values.is_empty() || values.iter().any(|v| v.is_nan()) {
@@ -379,7 +382,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut report = Report::new("ring");
     // The median is the headline; the minimum (the least disturbed window) is reported beside it
     // because on a shared machine a two-core window often loses one thread to another job.
-    let stats: [(&str, &str, fn(&[f64]) -> Option<f64>); 2] =
+    let stats: [(&str, &str, Statistic); 2] =
         [("ns_per_elem", "ratio_to_rte_ring", median), ("ns_per_elem_min", "ratio_to_rte_ring_min", minimum)];
     for (metric, ratio, stat) in stats {
         for cores in [2u64, 1] {
