@@ -342,12 +342,7 @@ impl<D: DeviceModel> Function<D> {
                 vec![c]
             }
             (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) => {
-                let shape = RequestShape {
-                    address: h.address,
-                    length_dw: req.length_dw,
-                    first_be: h.first_be,
-                    last_be: h.last_be,
-                };
+                let shape = RequestShape::of_memory(h, req.length_dw);
                 let (first, len) = shape.byte_range();
                 let address = h.address.saturating_add(first);
                 let mut bytes = vec![0u8; len];

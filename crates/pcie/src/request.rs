@@ -10,7 +10,7 @@
 //! Chunking policy for requests: chunks end at multiples of the size limit (MPS or MRRS, powers
 //! of two up to 4096), so every chunk fits the limit in DWs and none crosses 4 KiB.
 
-use crate::tlp::{Bdf, CplStatus, Header, Tag, Tlp, TlpKind};
+use crate::tlp::{Bdf, CplStatus, Header, MemHeader, Tag, Tlp, TlpKind};
 use crate::{Error, Result};
 
 /// The DW-level shape of a memory request for a byte range.
@@ -27,6 +27,16 @@ pub struct RequestShape {
 }
 
 impl RequestShape {
+    /// The shape a memory request's header and DW length describe.
+    pub fn of_memory(header: &MemHeader, length_dw: u16) -> RequestShape {
+        RequestShape {
+            address: header.address,
+            length_dw,
+            first_be: header.first_be,
+            last_be: header.last_be,
+        }
+    }
+
     /// The shape of a request for `len` bytes at byte address `address`. A zero `len` gives the
     /// zero-length read/write (1 DW, no bytes enabled). Fails if the range is longer than
     /// 4096 bytes, crosses a 4 KiB boundary, or wraps the address space.
@@ -239,12 +249,7 @@ pub fn completions_for_read(
     let (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) = (request.kind, &request.header) else {
         return Err(Error::BadRequest(format!("{} is not a memory read", request.kind)));
     };
-    let shape = RequestShape {
-        address: h.address,
-        length_dw: request.length_dw,
-        first_be: h.first_be,
-        last_be: h.last_be,
-    };
+    let shape = RequestShape::of_memory(h, request.length_dw);
     let (first, len) = shape.byte_range();
     let address = h.address.saturating_add(first);
     check_limit(mps)?;
@@ -303,12 +308,7 @@ pub fn refuse(request: &Tlp, completer_id: Bdf, status: CplStatus) -> Option<Tlp
     }
     let (byte_count, lower_address) = match (request.kind, &request.header) {
         (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) => {
-            let s = RequestShape {
-                address: h.address,
-                length_dw: request.length_dw,
-                first_be: h.first_be,
-                last_be: h.last_be,
-            };
+            let s = RequestShape::of_memory(h, request.length_dw);
             let (first, len) = s.byte_range();
             (len.clamp(1, 4096) as u16, (h.address.wrapping_add(first) & 0x7f) as u8)
         }

@@ -634,12 +634,7 @@ impl Handler for HostHandler {
         match (&tlp.kind, &tlp.header) {
             (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp),
             (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) => {
-                let shape = RequestShape {
-                    address: h.address,
-                    length_dw: tlp.length_dw,
-                    first_be: h.first_be,
-                    last_be: h.last_be,
-                };
+                let shape = RequestShape::of_memory(h, tlp.length_dw);
                 let (first, len) = shape.byte_range();
                 let want = h.address.saturating_add(first);
                 let regions = sh.regions.read().unwrap_or_else(|e| e.into_inner());
@@ -664,12 +659,7 @@ impl Handler for HostHandler {
                 }
             }
             (TlpKind::MWr32 | TlpKind::MWr64, Header::Mem(h)) => {
-                let shape = RequestShape {
-                    address: h.address,
-                    length_dw: tlp.length_dw,
-                    first_be: h.first_be,
-                    last_be: h.last_be,
-                };
+                let shape = RequestShape::of_memory(h, tlp.length_dw);
                 let (first, len) = shape.byte_range();
                 let at = h.address.saturating_add(first);
                 let Some(bytes) = tlp.data.get(first as usize..first as usize + len) else {

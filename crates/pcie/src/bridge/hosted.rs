@@ -211,12 +211,7 @@ pub(crate) fn serve(h: &mut dyn Hosted, me: Bdf, tlp: &Tlp) -> Vec<Tlp> {
             vec![Tlp::completion(me, c.requester_id, tlp.tag, CplStatus::Success, 4, 0, Vec::new())]
         }
         (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(m)) => {
-            let shape = RequestShape {
-                address: m.address,
-                length_dw: tlp.length_dw,
-                first_be: m.first_be,
-                last_be: m.last_be,
-            };
+            let shape = RequestShape::of_memory(m, tlp.length_dw);
             let (first, count) = shape.byte_range();
             let start = m.address.saturating_add(first);
             let mut bytes = vec![0u8; count];
@@ -249,12 +244,7 @@ pub(crate) fn serve(h: &mut dyn Hosted, me: Bdf, tlp: &Tlp) -> Vec<Tlp> {
                 .unwrap_or_else(|_| vec![ur_completion(me, m.requester_id, tlp.tag)])
         }
         (TlpKind::MWr32 | TlpKind::MWr64, Header::Mem(m)) => {
-            let shape = RequestShape {
-                address: m.address,
-                length_dw: tlp.length_dw,
-                first_be: m.first_be,
-                last_be: m.last_be,
-            };
+            let shape = RequestShape::of_memory(m, tlp.length_dw);
             let (first, count) = shape.byte_range();
             let f = first as usize;
             if let Some(data) = tlp.data.get(f..f + count) {
