@@ -13,7 +13,8 @@ use crate::{Port, PortError, Result};
 pub const SPEC_HELP: &str = "\
 PORT SPECS (--port SPEC)
   sim
-      The in-process simulated wire of `lanbus demo` and the simulator. Needs nothing.
+      The in-process simulated wire of `lanbus demo` and the simulator, which hold both ends;
+      a daemon cannot open it (two daemons without root: use udp on loopback).
   udp:BIND_IP:PORT[,peer=[MAC@]IP:PORT]...[,mac=MAC][,bcast=IP:PORT][,learn][,mtu=BYTES]
       lanbus frames inside UDP datagrams (kernel sockets, sendmmsg/recvmmsg). Works without
       root, through loopback and across routed IP networks. Name every peer; a peer given
