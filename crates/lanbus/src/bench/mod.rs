@@ -54,3 +54,35 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::TransportPeer(args) => transport::run_peer(args),
     }
 }
+
+fn free_udp_port() -> anyhow::Result<u16> {
+    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The two ends of a `kind` port (udp, afpacket, afxdp) for a fabric row: over a veth pair between
+/// two namespaces when there is one (root), else udp over loopback.
+pub fn port_pair(
+    kind: &str,
+    veth: Option<&lanbus_port::netns::VethPair>,
+) -> anyhow::Result<(Box<dyn lanbus_port::Port>, Box<dyn lanbus_port::Port>)> {
+    match (kind, veth) {
+        ("udp", None) => {
+            let (pa, pb) = (free_udp_port()?, free_udp_port()?);
+            let a = lanbus_port::open(&format!("udp:127.0.0.1:{pa},peer=127.0.0.1:{pb}"))?;
+            let b = lanbus_port::open(&format!("udp:127.0.0.1:{pb},peer=127.0.0.1:{pa}"))?;
+            Ok((a, b))
+        }
+        (_, Some(v)) => {
+            let spec = |end: &lanbus_port::netns::VethEnd, peer: &lanbus_port::netns::VethEnd| match kind {
+                "udp" => format!("udp:{}:7400,peer={}:7400", end.ipv4, peer.ipv4),
+                "afxdp" => format!("afxdp:{}", end.ifname),
+                _ => format!("{kind}:{},rx=v2", end.ifname),
+            };
+            let (sa, sb) = (spec(&v.a, &v.b), spec(&v.b, &v.a));
+            let a = v.a.netns.run(move || lanbus_port::open(&sa).map_err(|e| e.to_string()))?;
+            let b = v.b.netns.run(move || lanbus_port::open(&sb).map_err(|e| e.to_string()))?;
+            Ok((a.map_err(anyhow::Error::msg)?, b.map_err(anyhow::Error::msg)?))
+        }
+        _ => anyhow::bail!("{kind} needs a veth pair between two namespaces (root)"),
+    }
+}

@@ -148,50 +148,6 @@ fn wait_for_socket(socket: &Path, export: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn free_udp_port() -> anyhow::Result<u16> {
-    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// The two ports of a fabric row and the spec kind (for the runtime settings).
-fn ports(
-    kind: &str,
-    veth: Option<&lanbus_port::netns::VethPair>,
-) -> anyhow::Result<(Box<dyn Port>, Box<dyn Port>)> {
-    match (kind, veth) {
-        ("udp", None) => {
-            let (pa, pb) = (free_udp_port()?, free_udp_port()?);
-            let a = lanbus_port::open(&format!("udp:127.0.0.1:{pa},peer=127.0.0.1:{pb}"))?;
-            let b = lanbus_port::open(&format!("udp:127.0.0.1:{pb},peer=127.0.0.1:{pa}"))?;
-            Ok((a, b))
-        }
-        ("afxdp", Some(v)) => {
-            let (ia, ib) = (v.a.ifname.clone(), v.b.ifname.clone());
-            let open = |i: String| {
-                move || -> Result<Box<dyn Port>, String> {
-                    let o = lanbus_port::afxdp::AfXdpOptions::default();
-                    lanbus_port::afxdp::open(&i, 0, &o)
-                        .map(|p| Box::new(p) as Box<dyn Port>)
-                        .map_err(|e| e.to_string())
-                }
-            };
-            let a = v.a.netns.run(open(ia))?.map_err(anyhow::Error::msg)?;
-            let b = v.b.netns.run(open(ib))?.map_err(anyhow::Error::msg)?;
-            Ok((a, b))
-        }
-        (_, Some(v)) => {
-            let spec = |end: &lanbus_port::netns::VethEnd, peer: &lanbus_port::netns::VethEnd| match kind {
-                "udp" => format!("udp:{}:7400,peer={}:7400", end.ipv4, peer.ipv4),
-                _ => format!("{kind}:{},rx=v2", end.ifname),
-            };
-            let (sa, sb) = (spec(&v.a, &v.b), spec(&v.b, &v.a));
-            let a = v.a.netns.run(move || lanbus_port::open(&sa).map_err(|e| e.to_string()))?;
-            let b = v.b.netns.run(move || lanbus_port::open(&sb).map_err(|e| e.to_string()))?;
-            Ok((a.map_err(anyhow::Error::msg)?, b.map_err(anyhow::Error::msg)?))
-        }
-        _ => bail!("{kind} needs a veth pair between two namespaces (root)"),
-    }
-}
-
 /// Runs the benchmark.
 pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
     let help = Command::new("fio").arg("--enghelp=nbd").output().context("fio is not installed")?;
@@ -261,7 +217,7 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             "local" => local(dir, size),
             "peer:qemu-nbd" => qemu(dir, size),
             "sim" => SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", size, p)),
-            kind => ports(kind, veth.as_ref()).and_then(|p| over(dir, kind, size, p)),
+            kind => super::port_pair(kind, veth.as_ref()).and_then(|p| over(dir, kind, size, p)),
         };
         let (holder, uri) = match target {
             Ok(t) => t,

@@ -261,37 +261,6 @@ fn sim_ports() -> anyhow::Result<(Box<dyn Port>, Box<dyn Port>)> {
     Ok((Box::new(a), Box::new(b)))
 }
 
-fn free_udp_port() -> anyhow::Result<u16> {
-    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// Real ports: over a veth pair between two namespaces when root, else udp over loopback.
-fn real_ports(
-    kind: &str,
-    veth: Option<&lanbus_port::netns::VethPair>,
-) -> anyhow::Result<(Box<dyn Port>, Box<dyn Port>)> {
-    match (kind, veth) {
-        ("udp", None) => {
-            let (pa, pb) = (free_udp_port()?, free_udp_port()?);
-            let a = lanbus_port::open(&format!("udp:127.0.0.1:{pa},peer=127.0.0.1:{pb}"))?;
-            let b = lanbus_port::open(&format!("udp:127.0.0.1:{pb},peer=127.0.0.1:{pa}"))?;
-            Ok((a, b))
-        }
-        (_, Some(v)) => {
-            let spec = |end: &lanbus_port::netns::VethEnd, peer: &lanbus_port::netns::VethEnd| match kind {
-                "udp" => format!("udp:{}:7400,peer={}:7400", end.ipv4, peer.ipv4),
-                "afxdp" => format!("afxdp:{}", end.ifname),
-                _ => format!("{kind}:{},rx=v2", end.ifname),
-            };
-            let (sa, sb) = (spec(&v.a, &v.b), spec(&v.b, &v.a));
-            let a = v.a.netns.run(move || lanbus_port::open(&sa).map_err(|e| e.to_string()))?;
-            let b = v.b.netns.run(move || lanbus_port::open(&sb).map_err(|e| e.to_string()))?;
-            Ok((a.map_err(anyhow::Error::msg)?, b.map_err(anyhow::Error::msg)?))
-        }
-        _ => bail!("{kind} needs a veth pair (root)"),
-    }
-}
-
 /// Runs the benchmark.
 pub fn run(args: PcieArgs) -> anyhow::Result<()> {
     let plan = if args.quick {
@@ -328,7 +297,7 @@ pub fn run(args: PcieArgs) -> anyhow::Result<()> {
         for mode in modes {
             over_fabric(&mut report, "sim", sim_ports()?, mps, mode, &plan)?;
             for kind in &kinds {
-                match real_ports(kind, veth.as_ref()) {
+                match super::port_pair(kind, veth.as_ref()) {
                     Ok(ports) => {
                         if let Err(e) = over_fabric(&mut report, kind, ports, mps, mode, &plan) {
                             eprintln!("{kind} mps {mps} {}: {e:#}", mode_name(mode));
