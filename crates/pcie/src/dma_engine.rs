@@ -61,6 +61,19 @@ pub mod regs {
     pub const STATUS_ERROR: u32 = 4;
 }
 
+/// The register writes (BAR0 offset, 32-bit value) that start one transfer of `len` bytes from
+/// host address `src` to `dst`, in order, the doorbell last: what a driver of this device does.
+pub fn transfer_writes(src: u64, dst: u64, len: u32) -> [(u64, u32); 6] {
+    [
+        (regs::SRC, src as u32),
+        (regs::SRC + 4, (src >> 32) as u32),
+        (regs::DST, dst as u32),
+        (regs::DST + 4, (dst >> 32) as u32),
+        (regs::LEN, len),
+        (regs::DOORBELL, 1),
+    ]
+}
+
 #[derive(Debug, Clone, Default)]
 struct Transfer {
     dst: u64,

@@ -11,7 +11,7 @@ use lanbus_pcie::bridge::{
     DeviceBridge, DeviceBridgeConfig, DmaBuffer, HostBridge, HostBridgeConfig, HostedFunction, RemoteFunction,
 };
 use lanbus_pcie::config::{cap_id, BarKind};
-use lanbus_pcie::dma_engine::{self, regs, DmaEngine};
+use lanbus_pcie::dma_engine::{self, regs, transfer_writes, DmaEngine};
 use lanbus_port::netns::{VethEnd, VethPair};
 use lanbus_port::Port;
 use lanbus_runtime::{RuntimeConfig, ThreadMode};
@@ -49,14 +49,7 @@ fn checksum(b: &[u8]) -> u64 {
 /// Runs one DMA engine transfer and waits for its interrupt (the `n`-th); returns the status.
 fn transfer(h: &HostBridge, f: &RemoteFunction, src: u64, dst: u64, len: u32, n: u64) -> u32 {
     let bar0 = f.bar(0).unwrap().address;
-    for (off, v) in [
-        (regs::SRC, src as u32),
-        (regs::SRC + 4, (src >> 32) as u32),
-        (regs::DST, dst as u32),
-        (regs::DST + 4, (dst >> 32) as u32),
-        (regs::LEN, len),
-        (regs::DOORBELL, 1),
-    ] {
+    for (off, v) in transfer_writes(src, dst, len) {
         h.mmio_write32(f.bdf, bar0 + off, v).unwrap();
     }
     let got = h.wait_interrupts(f.bdf, 0, n, WAIT);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lanbus_pcie::config::{command, reg, MSIX_CAP_OFFSET, MSIX_ENABLE};
 use lanbus_pcie::device::{DmaError, DmaId, Function, HostRequest};
-use lanbus_pcie::dma_engine::{regs, DmaEngine, DEVICE_ID, VENDOR_ID};
+use lanbus_pcie::dma_engine::{regs, transfer_writes, DmaEngine, DEVICE_ID, VENDOR_ID};
 use lanbus_pcie::request::{completions_for_read, refuse};
 use lanbus_pcie::requester::{Requester, RequesterEvent, TransactionId};
 use lanbus_pcie::{Bdf, CplStatus, Error, Header, Tlp, TlpKind};
@@ -208,12 +208,9 @@ fn enumerate_program_copy_interrupt() {
     let mut dst = 0x20_0000u64 + 3;
     for (n, len) in [4096u64, 65536, 1 << 20, 777].into_iter().enumerate() {
         let want = w.mem[src as usize..(src + len) as usize].to_vec();
-        for (r, v) in [(0x00, HOST_BASE + src), (0x08, HOST_BASE + dst)] {
-            w.mmio_write(BAR0 + r, v as u32);
-            w.mmio_write(BAR0 + r + 4, (v >> 32) as u32);
+        for (off, v) in transfer_writes(HOST_BASE + src, HOST_BASE + dst, len as u32) {
+            w.mmio_write(BAR0 + off, v);
         }
-        w.mmio_write(BAR0 + regs::LEN, len as u32);
-        w.mmio_write(BAR0 + regs::DOORBELL, 1);
         assert_eq!(&w.mem[dst as usize..(dst + len) as usize], &want[..], "transfer of {len}");
         assert_eq!(w.interrupts, vec![0x61; n + 1]);
         assert_eq!(w.mmio_read(BAR0 + regs::STATUS), regs::STATUS_DONE);

@@ -2,7 +2,7 @@
 //! and copies its bytes.
 
 use lanbus_pcie::bridge::{DmaBuffer, HostedFunction, LocalBus};
-use lanbus_pcie::dma_engine::{regs, DmaEngine};
+use lanbus_pcie::dma_engine::{transfer_writes, DmaEngine};
 
 #[test]
 fn local_bus_copies_and_interrupts_once_per_transfer() {
@@ -23,14 +23,7 @@ fn local_bus_copies_and_interrupts_once_per_transfer() {
     for (len, reps) in [(4096usize, 2100), (16384, 900), (1 << 20, 3)] {
         for _ in 0..reps {
             n += 1;
-            for (off, v) in [
-                (regs::SRC, 0u32),
-                (regs::SRC + 4, 1),
-                (regs::DST, 0),
-                (regs::DST + 4, 2),
-                (regs::LEN, len as u32),
-                (regs::DOORBELL, 1),
-            ] {
+            for (off, v) in transfer_writes(1 << 32, 2 << 32, len as u32) {
                 bus.mmio_write(0, bar0 + off, &v.to_le_bytes()).unwrap();
             }
             assert_eq!(bus.interrupt_count(0, 0), n, "transfer {n} of {len} bytes");
