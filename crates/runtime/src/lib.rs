@@ -180,9 +180,25 @@ pub struct Sender {
 }
 
 impl Sender {
-    /// Queues `data` for `peer` on `channel` (copied; never dropped).
+    /// Queues `data` for `peer` on `channel` (copied; never dropped). Costs a system call only
+    /// when the sending thread is parked.
     pub fn send(&self, peer: MacAddr, channel: u16, data: &[u8]) {
         self.shared.push_outgoing(peer, channel, data);
+    }
+
+    /// Queues every message of `messages` for `peer` on `channel`, in order, under one lock and
+    /// with at most one wake-up of the sending thread.
+    pub fn send_all<'a>(&self, peer: MacAddr, channel: u16, messages: impl IntoIterator<Item = &'a [u8]>) {
+        let mut q = lock(&self.shared.outgoing);
+        let before = q.len();
+        q.extend(messages.into_iter().map(|m| Outgoing { peer, channel, data: m.to_vec() }));
+        let any = q.len() > before;
+        drop(q);
+        if any {
+            // Relaxed is enough for the flag: the queue's mutex orders the data.
+            self.shared.idle.store(false, Ordering::Relaxed);
+            self.shared.tx_waker.wake();
+        }
     }
 
     /// The node's own MAC address.
