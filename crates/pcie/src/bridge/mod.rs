@@ -33,6 +33,7 @@ pub mod device;
 mod eventfd;
 pub mod host;
 mod hosted;
+mod inline;
 pub mod local;
 pub mod region;
 
