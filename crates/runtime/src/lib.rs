@@ -666,18 +666,31 @@ struct PipeRx {
     handler: Box<dyn Handler>,
 }
 
-/// In pipeline mode the handler's replies go to the TX thread's queue.
-struct ToTx<'a>(&'a Shared);
-
-impl Outbox for ToTx<'_> {
-    fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
-        self.0.push_outgoing(peer, channel, data);
+impl Shared {
+    /// Pipeline mode: moves the handler's replies of one burst to the TX thread's queue under one
+    /// lock, with one wake-up.
+    fn push_replies(&self, replies: &mut Replies) {
+        if replies.items.is_empty() {
+            return;
+        }
+        let mut q = lock(&self.outgoing);
+        for r in &replies.items {
+            let data = replies.bytes[r.start..r.start + r.len].to_vec();
+            q.push_back(Outgoing { peer: r.peer, channel: r.channel, data });
+        }
+        drop(q);
+        replies.clear();
+        // Relaxed is enough for the flag: the queue's mutex orders the data.
+        self.idle.store(false, Ordering::Relaxed);
+        self.tx_waker.wake();
     }
 }
 
 impl PipeRx {
     fn run(&mut self) {
         let shared = self.worker.shared.clone();
+        // The handler's replies of one burst, handed to the TX thread together.
+        let mut out = Replies::default();
         while !self.worker.stopping() {
             let now = self.worker.clock.now();
             let half = &mut self.half;
@@ -701,7 +714,6 @@ impl PipeRx {
                 shared.tx_waker.wake();
                 work += 1;
             }
-            let mut out = ToTx(&shared);
             while let Some(m) = self.half.poll_message() {
                 self.handler.on_message(m, &mut out);
                 work += 1;
@@ -710,6 +722,7 @@ impl PipeRx {
                 self.handler.on_event(&ev, &mut out);
                 work += 1;
             }
+            shared.push_replies(&mut out);
             if self.worker.publish_due(now, work == 0) {
                 *lock(&shared.rx_counters) = self.half.counters();
             }
