@@ -262,6 +262,42 @@ struct WaitState {
     remaining: usize,
     data: Vec<u8>,
     error: Option<BridgeError>,
+    /// Users sleeping on `done` (only then is a notification worth a system call).
+    sleepers: usize,
+}
+
+/// How long a user thread looks again (yielding the core) for what it waits for before it
+/// sleeps: a completion comes within a round trip, an interrupt within a transfer, and waking a
+/// sleeping thread costs more than that on a busy machine.
+const SPIN: Duration = Duration::from_micros(100);
+
+/// Waits on `cv` for `ready` (checked under `m`'s lock) until `deadline`: first spins (yielding)
+/// for [`SPIN`], then sleeps, with `sleepers` counting sleeping threads so notifiers can skip the
+/// system call when there are none. Returns the guard; `ready` may still be false at the deadline.
+fn spin_then_wait<'a, T>(
+    m: &'a Mutex<T>,
+    cv: &Condvar,
+    deadline: Instant,
+    sleepers: impl Fn(&mut T) -> &mut usize,
+    mut ready: impl FnMut(&mut T) -> bool,
+) -> std::sync::MutexGuard<'a, T> {
+    let spin_until = (Instant::now() + SPIN).min(deadline);
+    let mut g = lock(m);
+    while !ready(&mut g) && Instant::now() < spin_until {
+        drop(g);
+        std::thread::yield_now();
+        g = lock(m);
+    }
+    while !ready(&mut g) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        *sleepers(&mut g) += 1;
+        g = cv.wait_timeout(g, left).unwrap_or_else(|e| e.into_inner()).0;
+        *sleepers(&mut g) -= 1;
+    }
+    g
 }
 
 impl Waiter {
@@ -278,8 +314,11 @@ impl Waiter {
             }
         }
         w.remaining = w.remaining.saturating_sub(1);
+        let sleeping = w.sleepers > 0;
         drop(w);
-        self.done.notify_all();
+        if sleeping {
+            self.done.notify_all();
+        }
     }
 }
 
@@ -295,6 +334,17 @@ struct PendingReq {
 struct Pending {
     free: Vec<u16>,
     by_tag: HashMap<u16, PendingReq>,
+    /// Users sleeping on `tags_freed`.
+    sleepers: usize,
+}
+
+impl Shared {
+    /// Wakes users waiting for tags, if any sleeps. Called with `pending` released.
+    fn tags_freed(&self, sleepers: usize) {
+        if sleepers > 0 {
+            self.tags_freed.notify_all();
+        }
+    }
 }
 
 #[derive(Default)]
@@ -309,6 +359,8 @@ type Callback = Arc<dyn Fn(Bdf, u16) + Send + Sync>;
 struct Interrupts {
     vectors: HashMap<(Bdf, u16), Vector>,
     callbacks: Vec<Callback>,
+    /// Users sleeping on `interrupted`.
+    sleepers: usize,
 }
 
 enum Job {
@@ -368,7 +420,7 @@ impl Shared {
         st.allocations.retain(|(_, _, m)| *m != mac);
         drop(st);
         self.changed.notify_all();
-        {
+        let sleepers = {
             let mut p = lock(&self.pending);
             let gone: Vec<u16> = p.by_tag.iter().filter(|(_, r)| r.peer == mac).map(|(t, _)| *t).collect();
             for t in gone {
@@ -378,8 +430,9 @@ impl Shared {
                     r.waiter.finish_part(Err(BridgeError::DeviceGone { bdf: r.bdf, mac }));
                 }
             }
-        }
-        self.tags_freed.notify_all();
+            p.sleepers
+        };
+        self.tags_freed(sleepers);
         for f in d.functions {
             self.emit(HostEvent::DeviceRemoved { bdf: f.bdf, mac, reason: reason.to_string() });
         }
@@ -410,7 +463,12 @@ impl Shared {
             return Err(BridgeError::BadRequest(format!("{} requests at once", parts.len())));
         }
         let waiter = Arc::new(Waiter {
-            state: Mutex::new(WaitState { remaining: parts.len(), data: vec![0; total], error: None }),
+            state: Mutex::new(WaitState {
+                remaining: parts.len(),
+                data: vec![0; total],
+                error: None,
+                sleepers: 0,
+            }),
             done: Condvar::new(),
         });
         let mut tlps = Vec::with_capacity(parts.len());
@@ -423,7 +481,9 @@ impl Shared {
                     bump(&self.counters.timeouts);
                     return Err(BridgeError::Timeout(timeout));
                 }
+                p.sleepers += 1;
                 p = self.tags_freed.wait_timeout(p, left).unwrap_or_else(|e| e.into_inner()).0;
+                p.sleepers -= 1;
             }
             for (i, (offset, read)) in parts.iter().enumerate() {
                 let t = p.free.pop().expect("counted");
@@ -447,20 +507,30 @@ impl Shared {
             return Err(BridgeError::DeviceGone { bdf, mac });
         }
         let sender = self.sender()?;
-        for t in &tlps {
-            let b = t.encode().map_err(|e| BridgeError::BadRequest(e.to_string()))?;
-            sender.send(mac, channel, &b);
-        }
-        let mut w = lock(&waiter.state);
-        while w.remaining > 0 && w.error.is_none() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                drop(w);
+        let encoded = tlps
+            .iter()
+            .map(|t| t.encode().map_err(|e| BridgeError::BadRequest(e.to_string())))
+            .collect::<BridgeResult<Vec<Vec<u8>>>>();
+        let encoded = match encoded {
+            Ok(e) => e,
+            Err(e) => {
                 self.forget(&tags);
-                bump(&self.counters.timeouts);
-                return Err(BridgeError::Timeout(timeout));
+                return Err(e);
             }
-            w = waiter.done.wait_timeout(w, left).unwrap_or_else(|e| e.into_inner()).0;
+        };
+        sender.send_all(mac, channel, encoded.iter().map(|b| b.as_slice()));
+        let mut w = spin_then_wait(
+            &waiter.state,
+            &waiter.done,
+            deadline,
+            |w| &mut w.sleepers,
+            |w| w.remaining == 0 || w.error.is_some(),
+        );
+        if w.remaining > 0 && w.error.is_none() {
+            drop(w);
+            self.forget(&tags);
+            bump(&self.counters.timeouts);
+            return Err(BridgeError::Timeout(timeout));
         }
         if let Some(e) = w.error.take() {
             drop(w);
@@ -478,8 +548,9 @@ impl Shared {
                 p.free.push(*t);
             }
         }
+        let sleepers = p.sleepers;
         drop(p);
-        self.tags_freed.notify_all();
+        self.tags_freed(sleepers);
     }
 
     fn sender(&self) -> BridgeResult<Sender> {
@@ -518,10 +589,11 @@ impl Shared {
         let tlps = write_requests(HOST_BDF, address, data, self.config.mps)
             .map_err(|e| BridgeError::BadRequest(e.to_string()))?;
         let sender = self.sender()?;
-        for t in tlps {
-            let b = t.encode().map_err(|e| BridgeError::BadRequest(e.to_string()))?;
-            sender.send(mac, channel, &b);
-        }
+        let encoded = tlps
+            .iter()
+            .map(|t| t.encode().map_err(|e| BridgeError::BadRequest(e.to_string())))
+            .collect::<BridgeResult<Vec<Vec<u8>>>>()?;
+        sender.send_all(mac, channel, encoded.iter().map(|b| b.as_slice()));
         Ok(())
     }
 }
@@ -570,8 +642,9 @@ impl HostHandler {
         };
         let r = p.by_tag.remove(&t).expect("found above");
         p.free.push(t);
+        let sleepers = p.sleepers;
         drop(p);
-        self.shared.tags_freed.notify_all();
+        self.shared.tags_freed(sleepers);
         r.waiter.finish_part(result);
     }
 
@@ -594,16 +667,18 @@ impl HostHandler {
         }
         let v = v as u16;
         bump(&sh.counters.interrupts);
-        let callbacks = {
+        let (callbacks, sleepers) = {
             let mut irq = lock(&sh.interrupts);
             let e = irq.vectors.entry((requester, v)).or_default();
             e.count += 1;
             if let Some(fd) = &e.eventfd {
                 fd.signal();
             }
-            irq.callbacks.clone()
+            (irq.callbacks.clone(), irq.sleepers)
         };
-        sh.interrupted.notify_all();
+        if sleepers > 0 {
+            sh.interrupted.notify_all();
+        }
         for cb in callbacks {
             cb(requester, v);
         }
@@ -976,7 +1051,11 @@ impl HostBridge {
             config,
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
-            pending: Mutex::new(Pending { free: (0..Tag::COUNT).rev().collect(), by_tag: HashMap::new() }),
+            pending: Mutex::new(Pending {
+                free: (0..Tag::COUNT).rev().collect(),
+                by_tag: HashMap::new(),
+                sleepers: 0,
+            }),
             tags_freed: Condvar::new(),
             regions: RwLock::new(RegionMap::default()),
             interrupts: Mutex::new(Interrupts::default()),
@@ -1127,15 +1206,15 @@ impl HostBridge {
     /// returns the count.
     pub fn wait_interrupts(&self, bdf: Bdf, vector: u16, count: u64, timeout: Duration) -> u64 {
         let deadline = Instant::now() + timeout;
-        let mut irq = lock(&self.shared.interrupts);
-        loop {
-            let n = irq.vectors.get(&(bdf, vector)).map_or(0, |v| v.count);
-            let left = deadline.saturating_duration_since(Instant::now());
-            if n >= count || left.is_zero() {
-                return n;
-            }
-            irq = self.shared.interrupted.wait_timeout(irq, left).unwrap_or_else(|e| e.into_inner()).0;
-        }
+        let seen = |irq: &mut Interrupts| irq.vectors.get(&(bdf, vector)).map_or(0, |v| v.count);
+        let mut irq = spin_then_wait(
+            &self.shared.interrupts,
+            &self.shared.interrupted,
+            deadline,
+            |irq| &mut irq.sleepers,
+            |irq| seen(irq) >= count,
+        );
+        seen(&mut irq)
     }
 
     /// The counters.
