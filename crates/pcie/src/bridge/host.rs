@@ -256,6 +256,8 @@ struct State {
 struct Waiter {
     state: Mutex<WaitState>,
     done: Condvar,
+    /// Bumped under `state`'s lock at every change (see [`spin_then_wait`]).
+    seq: AtomicU64,
 }
 
 struct WaitState {
@@ -272,11 +274,15 @@ struct WaitState {
 const SPIN: Duration = Duration::from_micros(100);
 
 /// Waits on `cv` for `ready` (checked under `m`'s lock) until `deadline`: first spins (yielding)
-/// for [`SPIN`], then sleeps, with `sleepers` counting sleeping threads so notifiers can skip the
-/// system call when there are none. Returns the guard; `ready` may still be false at the deadline.
+/// for [`SPIN`] on `seq`, which whoever changes `m`'s data bumps while holding the lock, so the
+/// spinning thread takes the lock only when something changed (a spinning locker would slow the
+/// thread that brings the news); then sleeps, with `sleepers` counting sleeping threads so
+/// notifiers can skip the system call when there are none. Returns the guard; `ready` may still
+/// be false at the deadline.
 fn spin_then_wait<'a, T>(
     m: &'a Mutex<T>,
     cv: &Condvar,
+    seq: &AtomicU64,
     deadline: Instant,
     sleepers: impl Fn(&mut T) -> &mut usize,
     mut ready: impl FnMut(&mut T) -> bool,
@@ -284,8 +290,12 @@ fn spin_then_wait<'a, T>(
     let spin_until = (Instant::now() + SPIN).min(deadline);
     let mut g = lock(m);
     while !ready(&mut g) && Instant::now() < spin_until {
+        // Relaxed: a hint only; the lock taken after a change orders the data.
+        let seen = seq.load(Ordering::Relaxed);
         drop(g);
-        std::thread::yield_now();
+        while seq.load(Ordering::Relaxed) == seen && Instant::now() < spin_until {
+            std::thread::yield_now();
+        }
         g = lock(m);
     }
     while !ready(&mut g) {
@@ -314,6 +324,8 @@ impl Waiter {
             }
         }
         w.remaining = w.remaining.saturating_sub(1);
+        // Relaxed: a hint for the spinning user, who then takes the lock.
+        self.seq.fetch_add(1, Ordering::Relaxed);
         let sleeping = w.sleepers > 0;
         drop(w);
         if sleeping {
@@ -378,6 +390,8 @@ struct Shared {
     regions: RwLock<RegionMap>,
     interrupts: Mutex<Interrupts>,
     interrupted: Condvar,
+    /// Bumped under `interrupts`' lock at every interrupt (see [`spin_then_wait`]).
+    interrupt_seq: AtomicU64,
     subscribers: Mutex<Vec<mpsc::Sender<HostEvent>>>,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     /// The runtime's sender, set once the runtime runs, cleared at shutdown.
@@ -470,6 +484,7 @@ impl Shared {
                 sleepers: 0,
             }),
             done: Condvar::new(),
+            seq: AtomicU64::new(0),
         });
         let mut tlps = Vec::with_capacity(parts.len());
         let mut tags = Vec::with_capacity(parts.len());
@@ -522,6 +537,7 @@ impl Shared {
         let mut w = spin_then_wait(
             &waiter.state,
             &waiter.done,
+            &waiter.seq,
             deadline,
             |w| &mut w.sleepers,
             |w| w.remaining == 0 || w.error.is_some(),
@@ -674,6 +690,8 @@ impl HostHandler {
             if let Some(fd) = &e.eventfd {
                 fd.signal();
             }
+            // Relaxed: a hint for spinning waiters, who then take the lock.
+            sh.interrupt_seq.fetch_add(1, Ordering::Relaxed);
             (irq.callbacks.clone(), irq.sleepers)
         };
         if sleepers > 0 {
@@ -1060,6 +1078,7 @@ impl HostBridge {
             regions: RwLock::new(RegionMap::default()),
             interrupts: Mutex::new(Interrupts::default()),
             interrupted: Condvar::new(),
+            interrupt_seq: AtomicU64::new(0),
             subscribers: Mutex::new(Vec::new()),
             jobs: Mutex::new(Some(jobs_tx)),
             sender_slot: Mutex::new(None),
@@ -1210,6 +1229,7 @@ impl HostBridge {
         let mut irq = spin_then_wait(
             &self.shared.interrupts,
             &self.shared.interrupted,
+            &self.shared.interrupt_seq,
             deadline,
             |irq| &mut irq.sleepers,
             |irq| seen(irq) >= count,

@@ -124,6 +124,9 @@ impl InlinePath {
 
     /// Sends read TLPs for the reads' pieces while tags are free.
     fn pump(&mut self) {
+        if self.ops.values().all(|o| o.todo.is_empty()) {
+            return;
+        }
         let now = Instant::now();
         let Some(host) = self.host else {
             for o in self.ops.values_mut().filter(|o| !o.todo.is_empty()) {
