@@ -617,16 +617,19 @@ impl Shared {
 /// The receive side: serves device DMA, routes completions, never waits for a user.
 struct HostHandler {
     shared: Arc<Shared>,
+    /// Where replies are encoded before the outbox copies them (reused: no allocation per TLP).
+    scratch: Vec<u8>,
 }
 
 impl HostHandler {
-    fn send(&self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
-        if let Ok(b) = tlp.encode() {
-            out.send(peer, channel, &b);
+    fn send(&mut self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
+        self.scratch.resize(tlp.buffer_len(), 0);
+        if let Ok(n) = tlp.emit(&mut self.scratch) {
+            out.send(peer, channel, &self.scratch[..n]);
         }
     }
 
-    fn ur(&self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
+    fn ur(&mut self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
         bump(&self.shared.counters.ur_sent);
         self.send(out, peer, channel, &ur_completion(HOST_BDF, tlp.requester_id(), tlp.tag));
     }
@@ -1085,8 +1088,9 @@ impl HostBridge {
             counters: Counters::default(),
             stop: AtomicBool::new(false),
         });
-        let runtime = Runtime::start(port, rc, Box::new(HostHandler { shared: shared.clone() }))
-            .map_err(|e| BridgeError::Start(e.to_string()))?;
+        let runtime =
+            Runtime::start(port, rc, Box::new(HostHandler { shared: shared.clone(), scratch: Vec::new() }))
+                .map_err(|e| BridgeError::Start(e.to_string()))?;
         *lock(&shared.sender_slot) = Some(runtime.sender());
         let sh = shared.clone();
         let name = format!("{}-cfg", shared.config.name);

@@ -187,17 +187,16 @@ impl InlinePath {
     }
 
     /// Ends tag `tag` of its read with `result` (data for the piece, or why it failed).
-    fn end_tag(&mut self, tag: u16, result: Result<Vec<u8>, DmaError>) {
+    fn end_tag(&mut self, tag: u16, result: Result<Vec<u8>, DmaError>, now: Instant) {
         if let Some(p) = self.reads.remove(&tag) {
-            self.end(tag, p.op, p.offset, result);
+            self.end(tag, p.op, p.offset, result, now);
         }
     }
 
     /// Ends read TLP `tag` (already out of the table) of read `op`, its piece at `offset`, with
     /// `result`.
-    fn end(&mut self, tag: u16, op: OpId, offset: usize, result: Result<Vec<u8>, DmaError>) {
+    fn end(&mut self, tag: u16, op: OpId, offset: usize, result: Result<Vec<u8>, DmaError>, now: Instant) {
         self.free_tags.push(tag);
-        let now = Instant::now();
         if let Some(o) = self.ops.get_mut(&op) {
             o.tags.retain(|t| *t != tag);
             o.deadline = now + self.timeout;
@@ -234,7 +233,7 @@ impl InlinePath {
         let (op, offset) = (p.op, p.offset);
         let result = progress
             .and_then(|()| p.asm.into_data().map_err(|_| DmaError::Completion(CplStatus::CompleterAbort)));
-        self.end(tag, op, offset, result);
+        self.end(tag, op, offset, result, Instant::now());
         self.pump();
         true
     }
@@ -248,15 +247,16 @@ impl InlinePath {
             .flat_map(|o| o.tags.iter().copied())
             .collect();
         for tag in expired {
-            self.end_tag(tag, Err(DmaError::Timeout));
+            self.end_tag(tag, Err(DmaError::Timeout), now);
         }
     }
 
     /// Fails every read in flight: the host is gone.
     pub(crate) fn fail_all(&mut self) {
         let tags: Vec<u16> = self.reads.keys().copied().collect();
+        let now = Instant::now();
         for tag in tags {
-            self.end_tag(tag, Err(DmaError::HostUnreachable));
+            self.end_tag(tag, Err(DmaError::HostUnreachable), now);
         }
         for o in self.ops.values_mut() {
             if !o.todo.is_empty() {
