@@ -652,13 +652,13 @@ impl Path for FabricPath {
                 return Err(DmaError::Timeout);
             }
             let limit = self.next_deadline().unwrap_or_else(|| Instant::now() + self.shared.timeout);
-            let spin_until = Instant::now() + SPIN;
+            let spin_until = Instant::now() + super::spin_budget();
             let mut st = lock(&self.f.state);
             if st.stop {
                 return Err(DmaError::HostUnreachable);
             }
             // Completions usually come within a round trip: look again for a while (yielding the
-            // core) before sleeping, since waking a sleeping thread costs more than the wait.
+            // core) before sleeping, when a core is to spare (see `spin_budget`).
             while st.done.is_empty() && !st.stop && Instant::now() < spin_until.min(limit) {
                 drop(st);
                 std::thread::yield_now();
@@ -678,9 +678,6 @@ impl Path for FabricPath {
         self.mrrs = mrrs;
     }
 }
-
-/// How long a worker looks for work (yielding) before it sleeps.
-const SPIN: Duration = Duration::from_micros(50);
 
 /// How often the timer thread of the inline functions checks their completion timeouts.
 const TICK: Duration = Duration::from_millis(10);
@@ -731,7 +728,7 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
     };
     let mut idle_runs = 0u32;
     loop {
-        let spin_until = Instant::now() + SPIN;
+        let spin_until = Instant::now() + super::spin_budget();
         let inbox: Vec<(MacAddr, u16, Tlp)> = {
             let mut st = lock(&f.state);
             loop {
@@ -747,9 +744,9 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
                     break;
                 }
                 if Instant::now() < spin_until {
-                    // Look again for a while (yielding the core) before sleeping: a request or
-                    // completion usually follows within a round trip, and waking a sleeping
-                    // thread costs more than that.
+                    // Look again for a while (yielding the core) before sleeping, when a core is
+                    // to spare (see `spin_budget`): a request or completion usually follows
+                    // within a round trip.
                     drop(st);
                     std::thread::yield_now();
                     st = lock(&f.state);

@@ -268,17 +268,12 @@ struct WaitState {
     sleepers: usize,
 }
 
-/// How long a user thread looks again (yielding the core) for what it waits for before it
-/// sleeps: a completion comes within a round trip, an interrupt within a transfer, and waking a
-/// sleeping thread costs more than that on a busy machine.
-const SPIN: Duration = Duration::from_micros(100);
-
 /// Waits on `cv` for `ready` (checked under `m`'s lock) until `deadline`: first spins (yielding)
-/// for [`SPIN`] on `seq`, which whoever changes `m`'s data bumps while holding the lock, so the
-/// spinning thread takes the lock only when something changed (a spinning locker would slow the
-/// thread that brings the news); then sleeps, with `sleepers` counting sleeping threads so
-/// notifiers can skip the system call when there are none. Returns the guard; `ready` may still
-/// be false at the deadline.
+/// for [`super::spin_budget`] on `seq`, which whoever changes `m`'s data bumps while holding the
+/// lock, so the spinning thread takes the lock only when something changed (a spinning locker
+/// would slow the thread that brings the news); then sleeps, with `sleepers` counting sleeping
+/// threads so notifiers can skip the system call when there are none. Returns the guard; `ready`
+/// may still be false at the deadline.
 fn spin_then_wait<'a, T>(
     m: &'a Mutex<T>,
     cv: &Condvar,
@@ -287,7 +282,7 @@ fn spin_then_wait<'a, T>(
     sleepers: impl Fn(&mut T) -> &mut usize,
     mut ready: impl FnMut(&mut T) -> bool,
 ) -> std::sync::MutexGuard<'a, T> {
-    let spin_until = (Instant::now() + SPIN).min(deadline);
+    let spin_until = (Instant::now() + super::spin_budget()).min(deadline);
     let mut g = lock(m);
     while !ready(&mut g) && Instant::now() < spin_until {
         // Relaxed: a hint only; the lock taken after a change orders the data.
