@@ -21,7 +21,7 @@ use lanbus_wire::MacAddr;
 use super::device::{bump, Counters};
 use super::hosted::{OpId, Path};
 use crate::device::DmaError;
-use crate::request::{split, write_requests, Chunk};
+use crate::request::{split, Chunk};
 use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp};
 
 /// Encoded TLPs waiting to be handed to the runtime, in one byte arena reused from call to call.
@@ -85,6 +85,8 @@ pub(crate) struct InlinePath {
     pub(crate) host: Option<MacAddr>,
     pub(crate) channel: u16,
     pub(crate) out: TlpOut,
+    /// The payload buffer of the writes being encoded (reused).
+    payload: Vec<u8>,
     counters: Arc<Counters>,
     timeout: Duration,
     next_op: OpId,
@@ -110,6 +112,7 @@ impl InlinePath {
             host: None,
             channel: 0,
             out: TlpOut::default(),
+            payload: Vec::new(),
             counters,
             timeout,
             next_op: 0,
@@ -300,12 +303,23 @@ impl Path for InlinePath {
             bump(&self.counters.dma_writes_dropped);
             return Err(DmaError::HostUnreachable);
         };
-        let tlps = write_requests(self.me, address, data, self.mps)
+        let chunks = split(address, data.len(), self.mps)
             .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))?;
         bump(&self.counters.dma_writes);
-        for t in &tlps {
-            self.out.push(host, self.channel, t);
+        // What `write_requests` builds, one TLP at a time through one reused payload buffer (no
+        // allocation per TLP).
+        let mut payload = std::mem::take(&mut self.payload);
+        for c in &chunks {
+            let shape = c.shape();
+            payload.clear();
+            payload.resize(usize::from(shape.length_dw) * 4, 0);
+            let at = (c.address & 3) as usize;
+            payload[at..at + c.len].copy_from_slice(&data[c.offset..c.offset + c.len]);
+            let tlp = Tlp::mem_write(self.me, shape.address, shape.first_be, shape.last_be, payload);
+            self.out.push(host, self.channel, &tlp);
+            payload = tlp.data;
         }
+        self.payload = payload;
         Ok(())
     }
 
@@ -325,5 +339,38 @@ impl Path for InlinePath {
     fn set_limits(&mut self, mps: usize, mrrs: usize) {
         self.mps = mps;
         self.mrrs = mrrs;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::write_requests;
+
+    #[test]
+    fn writes_encode_exactly_what_write_requests_builds() {
+        let host = MacAddr([2, 0, 0, 0, 0, 9]);
+        let me = Bdf::new(3, 0, 1).unwrap();
+        let data: Vec<u8> = (0..9000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for mps in [128, 256, 512] {
+            let mut path = InlinePath::new(me, Arc::default(), Duration::from_secs(1), 8, mps, 512);
+            (path.host, path.channel) = (Some(host), 0x5005);
+            for (address, len) in
+                [(0x1000u64, 4096usize), (0x1_0000_0003, 1), (0x2ffd, 700), (0xfe, 9000), (0x40, 0)]
+            {
+                let want = write_requests(me, address, &data[..len], mps);
+                let got = path.write(address, &data[..len]);
+                let mut sent = Vec::new();
+                path.out.drain(|p, c, b| sent.push((p, c, b.to_vec())));
+                match want {
+                    Ok(tlps) => {
+                        assert!(got.is_ok());
+                        let want: Vec<_> = tlps.iter().map(|t| (host, 0x5005, t.encode().unwrap())).collect();
+                        assert_eq!(sent, want, "mps {mps} address {address:#x} len {len}");
+                    }
+                    Err(_) => assert!(got.is_err() && sent.is_empty(), "{address:#x} {len}"),
+                }
+            }
+        }
     }
 }
