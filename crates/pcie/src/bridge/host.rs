@@ -35,7 +35,7 @@ use lanbus_wire::MacAddr;
 use super::region::{DmaRegion, RegionMap};
 use super::{lock, session_channel, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
 use crate::config::{cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK};
-use crate::request::{completions_for_read, split, write_requests, RequestShape};
+use crate::request::{each_completion_for_read, split, write_requests, CompletionScratch, RequestShape};
 use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
 
 /// The host's own requester ID (the root complex).
@@ -614,6 +614,8 @@ struct HostHandler {
     shared: Arc<Shared>,
     /// Where replies are encoded before the outbox copies them (reused: no allocation per TLP).
     scratch: Vec<u8>,
+    /// The buffers completions for device reads are built in (reused).
+    completions: CompletionScratch,
 }
 
 impl HostHandler {
@@ -735,17 +737,24 @@ impl Handler for HostHandler {
                     self.ur(out, m.peer, m.channel, &tlp);
                     return;
                 }
-                let cpls = completions_for_read(&tlp, HOST_BDF, sh.config.mps, sh.config.rcb, |a, buf| {
-                    regions.read_dws(want, len as u64, a, buf).ok_or(())
-                });
-                drop(regions);
-                match cpls {
-                    Ok(cpls) => {
-                        bump(&c.dma_reads_served);
-                        for cpl in &cpls {
-                            self.send(out, m.peer, m.channel, cpl);
+                let HostHandler { scratch, completions, .. } = self;
+                let served = each_completion_for_read(
+                    &tlp,
+                    HOST_BDF,
+                    sh.config.mps,
+                    sh.config.rcb,
+                    completions,
+                    |a, buf| regions.read_dws(want, len as u64, a, buf).ok_or(()),
+                    |cpl| {
+                        scratch.resize(cpl.buffer_len(), 0);
+                        if let Ok(n) = cpl.emit(scratch) {
+                            out.send(m.peer, m.channel, &scratch[..n]);
                         }
-                    }
+                    },
+                );
+                drop(regions);
+                match served {
+                    Ok(()) => bump(&c.dma_reads_served),
                     Err(_) => self.ur(out, m.peer, m.channel, &tlp),
                 }
             }
@@ -1083,9 +1092,16 @@ impl HostBridge {
             counters: Counters::default(),
             stop: AtomicBool::new(false),
         });
-        let runtime =
-            Runtime::start(port, rc, Box::new(HostHandler { shared: shared.clone(), scratch: Vec::new() }))
-                .map_err(|e| BridgeError::Start(e.to_string()))?;
+        let runtime = Runtime::start(
+            port,
+            rc,
+            Box::new(HostHandler {
+                shared: shared.clone(),
+                scratch: Vec::new(),
+                completions: CompletionScratch::default(),
+            }),
+        )
+        .map_err(|e| BridgeError::Start(e.to_string()))?;
         *lock(&shared.sender_slot) = Some(runtime.sender());
         let sh = shared.clone();
         let name = format!("{}-cfg", shared.config.name);
