@@ -1,19 +1,27 @@
 //! The device bridge: hosts PCIe functions in an I/O box and serves the host of its group.
 //!
 //! Layer: pcie engine over the runtime. Threads: the runtime's (which run [`DevHandler`], the
-//! receive side) and one worker per hosted function that owns the model.
+//! receive side, and every sans-IO model inline), one worker per blocking function, and one timer
+//! thread when a function runs inline.
 //!
 //! - The receive handler parses each TLP and routes it: configuration type 0 requests by
 //!   function number (function number = index in the list given to [`DeviceBridge::start`]),
-//!   memory requests to the function whose BAR claims the address (from a decode snapshot the
-//!   worker refreshes after every configuration write), completions to the completion table of
-//!   the function named by the requester ID. It answers at once with Unsupported Request what no
-//!   function claims and every non-posted request of a type it does not serve (I/O, type 1
-//!   configuration, undecodable requests), so the host never waits in silence.
-//! - A worker answers its function's queued requests, then runs the model: DMA reads are split by
-//!   the programmed max read request size into tagged MRd TLPs whose completions are reassembled
+//!   memory requests to the function whose BAR claims the address (from a decode snapshot
+//!   refreshed after every configuration write), completions to the function named by the
+//!   requester ID. It answers at once with Unsupported Request what no function claims and every
+//!   non-posted request of a type it does not serve (I/O, type 1 configuration, undecodable
+//!   requests), so the host never waits in silence.
+//! - A sans-IO model ([`HostedFunction::model`], the DMA engine) never blocks, so it runs inline
+//!   on the receive thread (`bridge/inline.rs`): the handler serves its requests, feeds its read
+//!   completions and runs it, and the TLPs it sends go out through the handler's outbox in the
+//!   same burst (no thread hand-off, no queue, no wake-up per TLP). The timer thread fails its
+//!   reads that see no completion within the completion timeout.
+//! - A blocking model ([`HostedFunction::blocking`], the NVMe controller) has a worker thread that
+//!   answers its function's queued requests, then runs it: DMA reads are split by the programmed
+//!   max read request size into tagged MRd TLPs whose completions are reassembled
 //!   ([`crate::ReadReassembly`]); writes are split by max payload size into posted MWr TLPs; MSI-X
-//!   is a write of the vector's message. A blocking model's read waits on the worker.
+//!   is a write of the vector's message. Its blocking read waits on the worker, never on the
+//!   receive thread; the receive side notifies the worker only when it sleeps.
 //!
 //! Host selection: the bridge announces role Device and its group in heartbeats. Its host is a
 //! live Host of the same group (the first heard; a request from a host of the group before its
@@ -810,8 +818,8 @@ impl StatusExt for Tlp {
 pub struct DeviceBridge {
     runtime: Option<Runtime>,
     shared: Arc<Shared>,
+    /// The functions' workers and the timer thread.
     workers: Vec<JoinHandle<()>>,
-    ticker: Option<JoinHandle<()>>,
 }
 
 impl DeviceBridge {
@@ -883,12 +891,7 @@ impl DeviceBridge {
         let handler = DevHandler { shared: shared.clone() };
         let runtime =
             Runtime::start(port, rc, Box::new(handler)).map_err(|e| BridgeError::Start(e.to_string()))?;
-        let mut bridge = DeviceBridge {
-            runtime: Some(runtime),
-            shared: shared.clone(),
-            workers: Vec::new(),
-            ticker: None,
-        };
+        let mut bridge = DeviceBridge { runtime: Some(runtime), shared: shared.clone(), workers: Vec::new() };
         for (i, hosted) in blocking {
             let sender = bridge.sender();
             let shared = shared.clone();
@@ -905,7 +908,7 @@ impl DeviceBridge {
                 .name(format!("{}-tick", config.name))
                 .spawn(move || ticker(shared, sender))
                 .map_err(|e| BridgeError::Start(e.to_string()))?;
-            bridge.ticker = Some(h);
+            bridge.workers.push(h);
         }
         Ok(bridge)
     }
@@ -979,13 +982,10 @@ impl DeviceBridge {
             lock(&f.state).stop = true;
             f.wake.notify_all();
         }
-        for w in self.workers.drain(..) {
-            let _ = w.join();
-        }
         *lock(&self.shared.ticker_stop) = true;
         self.shared.ticker_wake.notify_all();
-        if let Some(t) = self.ticker.take() {
-            let _ = t.join();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
         }
         if let Some(r) = self.runtime.take() {
             r.shutdown();

@@ -12,11 +12,12 @@
 //! time a device appears) on its own channel, [`PCIE_CHANNEL`] plus a value drawn at random, and
 //! the device bridge answers and issues its DMA on the channel its host last used.
 //!
-//! Thread rule (what keeps this free of deadlock): the runtime's receive thread only parses TLPs
-//! and routes them; it never waits for a device model or a user. On the device side each hosted
-//! function has a worker thread that owns the model: configuration and memory requests are
-//! queued to it, completions for its DMA reads go into its completion table (keyed by tag), and a
-//! model's blocking DMA read waits there, on the worker, never on the receive thread. On the host
+//! Thread rule (what keeps this free of deadlock): the runtime's receive thread never waits for a
+//! device model or a user. On the device side a sans-IO model, which never blocks, runs inline on
+//! the receive thread (served, fed its completions and run where its TLPs arrive); a blocking
+//! model has a worker thread that owns it: configuration and memory requests are queued to it,
+//! completions for its DMA reads go into its completion table (keyed by tag), and its blocking DMA
+//! read waits there, on the worker, never on the receive thread. On the host
 //! side the receive handler serves device memory reads from host memory regions, applies memory
 //! writes and MSI-X, and hands completions to the user threads that wait for them; enumeration
 //! runs on a configuration thread.
