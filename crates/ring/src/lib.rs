@@ -45,6 +45,8 @@ pub mod pipe;
 mod pool;
 #[cfg(not(loom))]
 mod region;
+#[cfg(all(feature = "dpdk", not(loom)))]
+pub mod rte;
 pub mod spsc;
 #[cfg(not(loom))]
 pub mod study;

@@ -22,6 +22,13 @@
 //! breaks `tail - head <= capacity` can only come from a faulty peer: the call returns
 //! [`Error::Corrupt`] and touches no slot. Slot positions are masked, so no index value whatever can
 //! make either side access memory outside the ring.
+//!
+//! Across two cores the cost is cache-line transfers, not instructions. After publishing a burst the
+//! producer asks for the next burst's slot lines with PREFETCHW (where the CPU has it), limited to
+//! slots its cached head says are free: the transfer of those lines from the consumer's core then
+//! overlaps the producer's other work instead of stalling its next stores one round trip per line.
+//! Measured with `lanbus bench ring` (DPDK's two-core method): burst 32 went from ~10 to ~3 ns per
+//! element, burst 8 from ~30 to ~4 ns when the producer stays ahead of the consumer (see the README).
 
 use std::sync::Arc;
 
@@ -140,9 +147,52 @@ mod storage {
         }
     }
 
+    /// Whether this CPU has PREFETCHW (CPUID 8000_0001h ECX bit 8, "3dnowprefetch" in
+    /// /proc/cpuinfo; Intel since Broadwell, AMD for much longer). Asked once per attach.
+    pub(crate) fn has_prefetch_write() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use core::arch::x86_64::__cpuid;
+            __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 8) != 0
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
     impl<T: Pod> Slots<T> {
         pub(crate) fn new(ptr: *mut T) -> Self {
             Slots { ptr }
+        }
+
+        /// Asks for the cache lines of slots `start..start + n` in the exclusive (writable) state,
+        /// without waiting: PREFETCHW. Only called when [`has_prefetch_write`] said yes.
+        ///
+        /// Why: a store to a line another core holds must first take the line from it (a
+        /// read-for-ownership, one cross-core round trip: about 70 ns on the test VM), and stores
+        /// leave the store buffer in order, so a producer that writes a burst's slots and then
+        /// `tail` waits for those round trips one after the other on every burst. Asking for the
+        /// next burst's lines right after publishing this one starts that transfer while the
+        /// caller does other work (or waits for its next burst), so the next writes find the
+        /// lines already owned. A plain read prefetch (PREFETCHT0) does not do it: it brings the
+        /// line shared, and the store still has to invalidate the other copy (measured: slower
+        /// than no prefetch at all).
+        #[inline(always)]
+        pub(crate) fn prefetch_for_write(&self, start: usize, n: usize) {
+            if n == 0 {
+                return;
+            }
+            let first = self.ptr.wrapping_add(start) as usize & !63;
+            let last = (self.ptr.wrapping_add(start + n) as usize - 1) & !63;
+            let mut line = first;
+            while line <= last {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: PREFETCHW (checked present by the caller) is a hint: it never faults and
+                // changes no architectural state (no memory, no flags), whatever the address.
+                unsafe {
+                    core::arch::asm!("prefetchw [{0}]", in(reg) line, options(nostack, preserves_flags, readonly));
+                }
+                line += 64;
+            }
         }
 
         /// Copies slots `start..start + out.len()` into `out`.
@@ -190,6 +240,9 @@ mod storage {
             let cells = (0..capacity).map(|_| loom::cell::UnsafeCell::new(unsafe { core::mem::zeroed() }));
             Slots { cells: cells.collect() }
         }
+
+        /// No prefetching under loom (a hint with no effect on the memory model).
+        pub(crate) fn prefetch_for_write(&self, _start: usize, _n: usize) {}
 
         pub(crate) fn clone_ref(&self) -> Self {
             Slots { cells: self.cells.clone() }
@@ -260,7 +313,7 @@ pub fn channel<T: Pod>(capacity: u32) -> Result<(Producer<T>, Consumer<T>)> {
         let slots = Slots::new_loom(capacity as usize);
         let ring =
             |slots| Ring { hdr: Arc::as_ptr(&hdr), slots, mask: capacity - 1, capacity, _keep: hdr.clone() };
-        let p = Producer { ring: ring(slots.clone_ref()), tail: 0, cached_head: 0 };
+        let p = Producer { ring: ring(slots.clone_ref()), tail: 0, cached_head: 0, prefetch: false };
         let c = Consumer { ring: ring(slots), head: 0, cached_tail: 0 };
         Ok((p, c))
     }
@@ -328,6 +381,8 @@ pub struct Producer<T: Pod> {
     tail: u32,
     /// The consumer's index as last loaded.
     cached_head: u32,
+    /// Whether to prefetch the next burst's slots for writing (the CPU has PREFETCHW).
+    prefetch: bool,
 }
 
 /// The consuming half. Not `Clone`: exactly one consumer.
@@ -367,7 +422,7 @@ impl<T: Pod> Producer<T> {
         if tail.wrapping_sub(head) > ring.capacity {
             return Err(Error::Corrupt("ring indices out of range at attach"));
         }
-        Ok(Producer { ring, tail, cached_head: head })
+        Ok(Producer { ring, tail, cached_head: head, prefetch: storage::has_prefetch_write() })
     }
 
     /// The ring's capacity.
@@ -412,6 +467,15 @@ impl<T: Pod> Producer<T> {
         // Release, pairing with the consumer's Acquire load of `tail` in `available`: the slot
         // writes above happen before the consumer reads them.
         self.ring.hdr().tail.store(self.tail, Ordering::Release);
+        if self.prefetch {
+            // Start taking the next burst's lines (assumed the size of this one), as far as the
+            // array's end, and only slots the cached head says the consumer has released: never a
+            // line the consumer may still be reading.
+            let next = (self.tail & self.ring.mask) as usize;
+            let free = (self.ring.capacity - self.tail.wrapping_sub(self.cached_head)) as usize;
+            let n = items.len().min(free).min(self.ring.capacity as usize - next);
+            self.ring.slots.prefetch_for_write(next, n);
+        }
     }
 
     /// Enqueues as many of `items` as fit; returns how many (0 when full).

@@ -157,15 +157,36 @@ pub fn allowed_cpus() -> Vec<usize> {
 
 /// Pins the calling thread to `cpu`; returns whether it worked.
 pub fn pin_current_thread(cpu: usize) -> bool {
-    // SAFETY: cpu_set_t is plain data; CPU_SET writes inside it (cpu < CPU_SETSIZE checked);
+    set_current_thread_cpus(&[cpu])
+}
+
+/// Lets the calling thread run on exactly `cpus` (e.g. back to what [`allowed_cpus`] returned
+/// before pinning); returns whether it worked.
+pub fn set_current_thread_cpus(cpus: &[usize]) -> bool {
+    if cpus.is_empty() || cpus.iter().any(|&c| c >= libc::CPU_SETSIZE as usize) {
+        return false;
+    }
+    // SAFETY: cpu_set_t is plain data; CPU_SET writes inside it (every cpu < CPU_SETSIZE, checked);
     // sched_setaffinity(0) applies to the calling thread.
     unsafe {
-        if cpu >= libc::CPU_SETSIZE as usize {
-            return false;
-        }
         let mut set: libc::cpu_set_t = core::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
         libc::sched_setaffinity(0, core::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// Context switches (voluntary and involuntary) of the calling thread so far, from
+/// `getrusage(RUSAGE_THREAD)`; 0 if that fails. A timed window with none was never descheduled.
+pub fn thread_context_switches() -> u64 {
+    // SAFETY: rusage is plain data; getrusage fills it for the calling thread; the result is checked.
+    unsafe {
+        let mut ru: libc::rusage = core::mem::zeroed();
+        if libc::getrusage(libc::RUSAGE_THREAD, &mut ru) != 0 {
+            return 0;
+        }
+        (ru.ru_nvcsw + ru.ru_nivcsw) as u64
     }
 }
 
