@@ -52,8 +52,8 @@ pub enum ThreadMode {
 /// How an idle thread waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Polling {
-    /// Poll forever, never blocking (yielding the core to other runnable threads between empty
-    /// polls): lowest latency, one core per thread.
+    /// Poll forever, never blocking (yielding the core to other runnable threads every couple of
+    /// microseconds of empty polls): lowest latency, one core per thread.
     Busy,
     /// Spin for `spin` after the last work, then block until a frame, a local send or a timer.
     Adaptive {
@@ -279,8 +279,8 @@ impl Runtime {
         }
     }
 
-    /// The latest counters (published by the threads at least every millisecond while busy and
-    /// whenever they go idle).
+    /// The latest counters (published by the threads at least every millisecond, and with
+    /// adaptive polling whenever they go idle).
     pub fn stats(&self) -> Stats {
         let mut transport = *lock(&self.shared.tx_counters);
         transport.merge(&lock(&self.shared.rx_counters));
@@ -329,6 +329,10 @@ impl Drop for Runtime {
     }
 }
 
+/// How long a spinning thread polls between two yields of its core (see
+/// [`Worker::spin_or_yield`]).
+const SPIN_YIELD_EVERY: Duration = Duration::from_micros(2);
+
 /// How a worker reaches the port: owned (run to completion) or shared by the pipeline threads.
 enum PortAccess {
     Owned(Box<dyn Port>),
@@ -345,6 +349,10 @@ struct Worker {
     burst: usize,
     last_work: Instant,
     last_publish: Instant,
+    /// Whether the counters were published since the thread last did work.
+    published_idle: bool,
+    /// When the thread, spinning, last yielded its core.
+    last_yield: Instant,
 }
 
 impl Worker {
@@ -385,6 +393,8 @@ impl Worker {
             burst: config.burst.max(1),
             last_work: now,
             last_publish: now,
+            published_idle: false,
+            last_yield: now,
         }
     }
 
@@ -426,15 +436,41 @@ impl Worker {
     }
 
     /// Publishes port counters now and then; returns true when it is time to publish the
-    /// thread's transport counters too.
+    /// thread's transport counters too: every millisecond, and with adaptive polling once when
+    /// the thread goes idle. Never on every empty poll: reading a port's counters may be a system
+    /// call (AF_XDP's XDP_STATISTICS), which a busy-polling loop would pay between every two
+    /// frames.
     fn publish_due(&mut self, now: Instant, idle: bool) -> bool {
-        if !idle && now - self.last_publish < Duration::from_millis(1) {
+        if !idle {
+            self.published_idle = false;
+        }
+        let going_idle = idle && !self.published_idle && self.polling != Polling::Busy;
+        if !going_idle && now - self.last_publish < Duration::from_millis(1) {
             return false;
         }
+        self.published_idle = idle;
         self.last_publish = now;
         let counters = self.with_port(|p| p.counters());
         *lock(&self.shared.port_counters) = counters;
         true
+    }
+
+    /// One empty poll of a spinning thread. It lets a runnable thread on this core have it
+    /// now and then: with fewer free cores than spinning threads (a busy pair plus anything else
+    /// on 2 cores) the peer this thread waits for (the other end of a ping-pong, the other
+    /// pipeline thread) may be runnable on this very core, and a pure spin holds it off for a
+    /// whole time slice (measured: 20 ms round trips). Not after every empty poll, though:
+    /// sched_yield is a system call that, alone on a core, makes each poll several times longer
+    /// (a frame that arrives waits for it to return), and under load hands the core to another
+    /// task between every two frames (measured: 28% of a busy echo server's time in task
+    /// switches). Yielding every couple of microseconds keeps both costs small.
+    fn spin_or_yield(&mut self, now: Instant) {
+        if now - self.last_yield < SPIN_YIELD_EVERY {
+            core::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+            self.last_yield = self.clock.now();
+        }
     }
 
     /// Called after an iteration that did `work` units; blocks if the thread has been idle long
@@ -447,20 +483,13 @@ impl Worker {
         }
         let spin = match self.polling {
             Polling::Busy => {
-                // Never block, but let a runnable thread on this core have it: with fewer free
-                // cores than busy threads (a busy pair plus anything else on 2 cores) a pure
-                // spin holds the peer off for a whole time slice (measured: 20 ms round trips).
-                std::thread::yield_now();
+                self.spin_or_yield(now);
                 return;
             }
             Polling::Adaptive { spin } => spin,
         };
         if now - self.last_work < spin {
-            // Yield rather than spin: on a machine with fewer free cores than spinning threads,
-            // the peer this thread waits for (the other end of a ping-pong, the other pipeline
-            // thread) may be runnable on this very core, and a pure spin would hold it off for
-            // the whole spin time (measured: round trips of twice the spin time on 2 cores).
-            std::thread::yield_now();
+            self.spin_or_yield(now);
             return;
         }
         let timeout = deadline.map(|d| d - now);
@@ -677,8 +706,13 @@ impl PipeRx {
                 self.half.handle_timeout(now);
             }
             let mut fed = false;
-            while let Some(f) = self.half.poll_feedback() {
-                lock(&shared.feedback).push_back(f);
+            if let Some(first) = self.half.poll_feedback() {
+                // One lock for the whole batch (an owed ACK per DATA frame makes it long).
+                let mut queue = lock(&shared.feedback);
+                queue.push_back(first);
+                while let Some(f) = self.half.poll_feedback() {
+                    queue.push_back(f);
+                }
                 fed = true;
             }
             if fed {
