@@ -1,8 +1,8 @@
 //! `lanbus bench transport`: the reliable transport on real ports over a veth pair between two
 //! network namespaces, one process per namespace, with the kernel's own tools as peers.
 //!
-//! For each port (udp, afpacket with the TPACKET_V3 ring, afpacket with the V2 ring, afxdp) and
-//! each polling mode (busy, adaptive) it measures:
+//! For each port (udp, afpacket with its default TPACKET_V2 receive ring, afpacket with the
+//! TPACKET_V3 ring (`afpacket-v3`), afxdp) and each polling mode (busy, adaptive) it measures:
 //!
 //! - ping-pong latency (p50, p99 of the round trip, in microseconds) for 64 B and 1 KiB messages:
 //!   the client's handler sends the next message from the reply's delivery, so a round is one
@@ -50,7 +50,7 @@ use serde_json::{json, Value};
 use super::report::{median, Report, Row};
 
 /// Every port the bench knows, in table order.
-const PORTS: &[&str] = &["udp", "afpacket", "afpacket-v2", "afxdp"];
+const PORTS: &[&str] = &["udp", "afpacket", "afpacket-v3", "afxdp"];
 /// Ping-pong message sizes.
 const PING_SIZES: &[usize] = &[64, 1024];
 /// Streaming message sizes.
@@ -71,7 +71,7 @@ pub struct TransportArgs {
     #[arg(long)]
     runs: Option<usize>,
     /// The ports to measure, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "udp,afpacket,afpacket-v2,afxdp")]
+    #[arg(long, value_delimiter = ',', default_value = "udp,afpacket,afpacket-v3,afxdp")]
     ports: Vec<String>,
 }
 
@@ -471,13 +471,13 @@ fn port_specs(pair: &VethPair, kind: &str) -> anyhow::Result<PortSpecs> {
             format!("udp:{}:7000,mac={},peer={}@{}:7000", b.ipv4, b.mac, a.mac, a.ipv4),
         ),
         "afpacket" => (format!("afpacket:{}", a.ifname), format!("afpacket:{}", b.ifname)),
-        "afpacket-v2" => (format!("afpacket:{},rx=v2", a.ifname), format!("afpacket:{},rx=v2", b.ifname)),
+        "afpacket-v3" => (format!("afpacket:{},rx=v3", a.ifname), format!("afpacket:{},rx=v3", b.ifname)),
         "afxdp" => (format!("afxdp:{}", a.ifname), format!("afxdp:{}", b.ifname)),
         other => bail!("unknown port {other:?}; one of {}", PORTS.join(", ")),
     };
     // TPACKET_V3 hands frames over when a block retires (1 ms when it does not fill): that delay
     // is the port's, not a queue's, so the rate control must tolerate it (see the README).
-    let extra = if kind == "afpacket" { vec!["--target-delay-us".into(), "2000".into()] } else { vec![] };
+    let extra = if kind == "afpacket-v3" { vec!["--target-delay-us".into(), "2000".into()] } else { vec![] };
     Ok(PortSpecs { a: sa, b: sb, extra })
 }
 
