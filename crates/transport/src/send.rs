@@ -59,17 +59,10 @@ struct TxChannel {
     carried: Option<(Seq, Option<u32>)>,
     /// The newest ACK this half sent the peer on this channel (in an ACK frame or carried).
     last_acked: Option<Seq>,
-    /// After a retransmission timeout only the first unacknowledged frame is resent, until an
-    /// ACK advances: most timeouts on a LAN are a peer that was not scheduled for a while, not
-    /// loss, and its ACK then covers the whole window, which Go-Back-N would have resent in vain
-    /// (measured on a loaded 2-core VM: 15% of all frames sent). After real loss the go-back
-    /// resumes one round trip later.
-    probing: bool,
 }
 
 impl TxChannel {
     fn has_sendable(&self, window: usize, rate: &RateConfig) -> bool {
-        let window = if self.probing { 1 } else { window };
         self.next < self.frames.len()
             && self.next < window
             && self.rate.window_allows(rate, self.inflight_bytes, self.frames[self.next].len())
@@ -80,7 +73,6 @@ impl TxChannel {
         self.dup_acks = 0;
         self.next = 0;
         self.inflight_bytes = 0;
-        self.probing = false;
     }
 }
 
@@ -199,7 +191,6 @@ impl SendHalf {
                         .map(|(_, ack, echo)| (ack, echo)),
                     carried: None,
                     last_acked: None,
-                    probing: false,
                 });
                 self.index.insert(k, i);
                 i
@@ -387,20 +378,18 @@ impl SendHalf {
         ch.high -= advance;
         ch.next = ch.next.saturating_sub(advance);
         ch.dup_acks = 0;
-        ch.probing = false;
         ch.rtt.on_progress();
         ch.rto_deadline = (ch.high > 0).then(|| now + ch.rtt.rto());
     }
 
     /// Fires due timers: retransmission timeouts (go back to the first unacknowledged frame,
-    /// resend it alone until an ACK advances, double the RTO) and the heartbeat schedule.
+    /// double the RTO) and the heartbeat schedule.
     pub fn handle_timeout(&mut self, now: Instant) {
         for ch in &mut self.channels {
             if ch.rto_deadline.is_some_and(|d| d <= now) {
                 ch.rto_deadline = None;
                 if ch.high > 0 {
                     ch.go_back();
-                    ch.probing = true;
                     ch.dup_acks = 0;
                     ch.rtt.on_timeout();
                     ch.rate.on_timeout(&self.config.rate, now);

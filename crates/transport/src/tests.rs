@@ -252,11 +252,11 @@ fn fast_retransmit_after_exactly_n_duplicate_acks() {
 
 #[test]
 fn duplicates_of_a_spurious_go_back_do_not_start_another() {
-    // 16 frames arrive but every ACK is lost: the RTO resends the first alone (a probe). The
-    // receiver answers the duplicate with an ACK for 16, which releases the window, and the
-    // sender moves on to frames 16..32. Further duplicate ACKs echoing the resend's stamp, older
-    // than frame 16's transmission, are no news of a loss, so no go-back (which would resend
-    // 16..32 and draw the next run of duplicates: a storm).
+    // 16 frames arrive but every ACK is lost: the RTO resends them. The receiver answers each
+    // resent duplicate with a duplicate ACK for 16; the first releases the window, and the sender
+    // moves on to frames 16..32. The other duplicates echo the resends' stamps, older than frame
+    // 16's transmission: no news of a loss, so no go-back (which would resend 16..32 and draw the
+    // next run of duplicates: a storm).
     let mut c = p2p();
     c.window_frames = 16;
     let mut a = Endpoint::new(c, A, Instant::ZERO);
@@ -267,7 +267,7 @@ fn duplicates_of_a_spurious_go_back_do_not_start_another() {
     let rto = a.poll_timeout().expect("RTO armed");
     a.handle_timeout(rto);
     let resent = drain(&mut a, rto);
-    assert_eq!(resent.iter().map(|f| header(f).sequence).collect::<Vec<_>>(), vec![0], "a probe");
+    assert_eq!(resent.len(), 16);
     let resent_at = stamp(rto);
     let t = rto + Duration::from_micros(10);
     a.handle_frame(t, &ack_frame(B, A, 0, 16, Some(resent_at)));
@@ -294,8 +294,8 @@ fn rto_backs_off_within_bounds() {
         let t = a.poll_timeout().expect("a retransmission timer runs");
         a.handle_timeout(t);
         let frames = drain(&mut a, t);
-        // The first unacknowledged frame alone, as a probe.
-        assert_eq!(frames.iter().map(|f| header(f).sequence).collect::<Vec<_>>(), vec![0]);
+        // Go-Back-N: everything from the first unacknowledged frame again.
+        assert_eq!(frames.iter().map(|f| header(f).sequence).collect::<Vec<_>>(), vec![0, 1, 2]);
         fired.push((t - last).as_micros());
         last = t;
     }
@@ -895,19 +895,4 @@ fn an_ack_frame_settles_the_owed_ack() {
     let data = drain(&mut b, at_us(30));
     assert_eq!(data.len(), 1);
     assert_eq!(header(&data[0]).flags & lanbus::FLAG_ACK, 0, "nothing owed any more");
-}
-
-/// After a timeout whose probe shows real loss (its ACK advances by one frame), the go-back
-/// resumes: everything after the probe is resent at once.
-#[test]
-fn a_timeout_probe_that_advances_resumes_the_go_back() {
-    let (mut a, _) = loaded(p2p(), 5);
-    let t = a.poll_timeout().expect("RTO armed");
-    a.handle_timeout(t);
-    let probe: Vec<u32> = drain(&mut a, t).iter().map(|f| header(f).sequence).collect();
-    assert_eq!(probe, vec![0]);
-    let t2 = t + us(20);
-    a.handle_frame(t2, &ack_frame(B, A, 0, 1, Some(stamp(t))));
-    let rest: Vec<u32> = drain(&mut a, t2).iter().map(|f| header(f).sequence).collect();
-    assert_eq!(rest, vec![1, 2, 3, 4]);
 }
