@@ -516,14 +516,13 @@ impl Worker {
 
     fn run_to_completion(&mut self, endpoint: &mut Endpoint, handler: &mut dyn Handler) {
         let mut backlog: VecDeque<Outgoing> = VecDeque::new();
-        let mut replies = Replies::default();
         while !self.stopping() {
             let now = self.clock.now();
             let mut work = self.rx_burst(now, &mut |now, frame| endpoint.handle_frame(now, frame));
             if endpoint.poll_timeout().is_some_and(|t| t <= now) {
                 endpoint.handle_timeout(now);
             }
-            work += deliver_rtc(endpoint, handler, &mut backlog, &mut replies, now);
+            work += deliver_rtc(endpoint, handler, &mut backlog, now);
             let requests: Vec<Control> = lock(&self.shared.control_tx).drain(..).collect();
             for c in requests {
                 match c {
@@ -553,56 +552,34 @@ fn deliver_rtc(
     endpoint: &mut Endpoint,
     handler: &mut dyn Handler,
     backlog: &mut VecDeque<Outgoing>,
-    replies: &mut Replies,
     now: Instant,
 ) -> usize {
-    replies.clear();
     let mut n = 0;
-    while let Some(m) = endpoint.poll_message() {
-        handler.on_message(m, replies);
+    while let Some((m, tx)) = endpoint.poll_message_with_sender() {
+        handler.on_message(m, &mut Direct { tx, backlog: &mut *backlog, now });
         n += 1;
     }
     while let Some(ev) = endpoint.poll_event() {
-        handler.on_event(&ev, replies);
+        handler.on_event(&ev, &mut Direct { tx: endpoint.send_half_mut(), backlog: &mut *backlog, now });
         n += 1;
-    }
-    for r in &replies.items {
-        let data = &replies.bytes[r.start..r.start + r.len];
-        if !backlog.is_empty() || endpoint.send(now, r.peer, r.channel, data).is_err() {
-            backlog.push_back(Outgoing { peer: r.peer, channel: r.channel, data: data.to_vec() });
-        }
     }
     n
 }
 
-/// One reply collected by [`Replies`]: its bytes are `bytes[start..start + len]`.
-struct Reply {
-    peer: MacAddr,
-    channel: u16,
-    start: usize,
-    len: usize,
+/// The run-to-completion handler's outbox: replies go into the sending half at once, behind
+/// whatever already waits in the backlog (order is kept), and into the backlog when the
+/// transport's queue is full.
+struct Direct<'a> {
+    tx: &'a mut SendHalf,
+    backlog: &'a mut VecDeque<Outgoing>,
+    now: Instant,
 }
 
-/// An outbox that collects replies while the endpoint is borrowed by `poll_message`, in one byte
-/// arena reused from burst to burst (a reply costs no allocation once the arena has grown).
-#[derive(Default)]
-struct Replies {
-    bytes: Vec<u8>,
-    items: Vec<Reply>,
-}
-
-impl Replies {
-    fn clear(&mut self) {
-        self.bytes.clear();
-        self.items.clear();
-    }
-}
-
-impl Outbox for Replies {
+impl Outbox for Direct<'_> {
     fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
-        let start = self.bytes.len();
-        self.bytes.extend_from_slice(data);
-        self.items.push(Reply { peer, channel, start, len: data.len() });
+        if !self.backlog.is_empty() || self.tx.send(self.now, peer, channel, data).is_err() {
+            self.backlog.push_back(Outgoing { peer, channel, data: data.to_vec() });
+        }
     }
 }
 
