@@ -52,8 +52,8 @@ pub enum ThreadMode {
 /// How an idle thread waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Polling {
-    /// Poll forever, never blocking (yielding the core to other runnable threads between empty
-    /// polls): lowest latency, one core per thread.
+    /// Poll forever, never blocking (yielding the core to other runnable threads every couple of
+    /// microseconds of empty polls): lowest latency, one core per thread.
     Busy,
     /// Spin for `spin` after the last work, then block until a frame, a local send or a timer.
     Adaptive {
@@ -295,8 +295,8 @@ impl Runtime {
         }
     }
 
-    /// The latest counters (published by the threads at least every millisecond while busy and
-    /// whenever they go idle).
+    /// The latest counters (published by the threads at least every millisecond, and with
+    /// adaptive polling whenever they go idle).
     pub fn stats(&self) -> Stats {
         let mut transport = *lock(&self.shared.tx_counters);
         transport.merge(&lock(&self.shared.rx_counters));
@@ -345,6 +345,10 @@ impl Drop for Runtime {
     }
 }
 
+/// How long a busy-polling thread polls between two yields of its core (see
+/// [`Worker::spin_or_yield`]).
+const SPIN_YIELD_EVERY: Duration = Duration::from_micros(2);
+
 /// How a worker reaches the port: owned (run to completion) or shared by the pipeline threads.
 enum PortAccess {
     Owned(Box<dyn Port>),
@@ -361,6 +365,10 @@ struct Worker {
     burst: usize,
     last_work: Instant,
     last_publish: Instant,
+    /// Whether the counters were published since the thread last did work.
+    published_idle: bool,
+    /// When the thread, spinning, last yielded its core.
+    last_yield: Instant,
 }
 
 impl Worker {
@@ -401,6 +409,8 @@ impl Worker {
             burst: config.burst.max(1),
             last_work: now,
             last_publish: now,
+            published_idle: false,
+            last_yield: now,
         }
     }
 
@@ -442,15 +452,41 @@ impl Worker {
     }
 
     /// Publishes port counters now and then; returns true when it is time to publish the
-    /// thread's transport counters too.
+    /// thread's transport counters too: every millisecond, and with adaptive polling once when
+    /// the thread goes idle. Never on every empty poll: reading a port's counters may be a system
+    /// call (AF_XDP's XDP_STATISTICS), which a busy-polling loop would pay between every two
+    /// frames.
     fn publish_due(&mut self, now: Instant, idle: bool) -> bool {
-        if !idle && now - self.last_publish < Duration::from_millis(1) {
+        if !idle {
+            self.published_idle = false;
+        }
+        let going_idle = idle && !self.published_idle && self.polling != Polling::Busy;
+        if !going_idle && now - self.last_publish < Duration::from_millis(1) {
             return false;
         }
+        self.published_idle = idle;
         self.last_publish = now;
         let counters = self.with_port(|p| p.counters());
         *lock(&self.shared.port_counters) = counters;
         true
+    }
+
+    /// One empty poll of a busy-polling thread. It lets a runnable thread on this core have it
+    /// now and then: with fewer free cores than spinning threads (a busy pair plus anything else
+    /// on 2 cores) the peer this thread waits for (the other end of a ping-pong, the other
+    /// pipeline thread) may be runnable on this very core, and a pure spin holds it off for a
+    /// whole time slice (measured: 20 ms round trips). Not after every empty poll, though:
+    /// sched_yield is a system call that, alone on a core, makes each poll several times longer
+    /// (a frame that arrives waits for it to return), and under load hands the core to another
+    /// task between every two frames (measured: 28% of a busy echo server's time in task
+    /// switches). Yielding every couple of microseconds keeps both costs small.
+    fn spin_or_yield(&mut self, now: Instant) {
+        if now - self.last_yield < SPIN_YIELD_EVERY {
+            core::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+            self.last_yield = self.clock.now();
+        }
     }
 
     /// Called after an iteration that did `work` units; blocks if the thread has been idle long
@@ -463,19 +499,18 @@ impl Worker {
         }
         let spin = match self.polling {
             Polling::Busy => {
-                // Never block, but let a runnable thread on this core have it: with fewer free
-                // cores than busy threads (a busy pair plus anything else on 2 cores) a pure
-                // spin holds the peer off for a whole time slice (measured: 20 ms round trips).
-                std::thread::yield_now();
+                self.spin_or_yield(now);
                 return;
             }
             Polling::Adaptive { spin } => spin,
         };
         if now - self.last_work < spin {
-            // Yield rather than spin: on a machine with fewer free cores than spinning threads,
-            // the peer this thread waits for (the other end of a ping-pong, the other pipeline
-            // thread) may be runnable on this very core, and a pure spin would hold it off for
-            // the whole spin time (measured: round trips of twice the spin time on 2 cores).
+            // Yield after every empty poll here (busy polling yields less often, see
+            // `spin_or_yield`): an adaptive node may run more spinning threads than there are
+            // cores (the pipeline's two per node), and the peer this thread waits for (the other
+            // end of a ping-pong, the other pipeline thread) may be queued on this very core.
+            // Measured: the pipeline veth tests took 2x longer when these yielded every 2 us, and
+            // a pure spin made round trips twice the spin time.
             std::thread::yield_now();
             return;
         }
@@ -503,14 +538,13 @@ impl Worker {
 
     fn run_to_completion(&mut self, endpoint: &mut Endpoint, handler: &mut dyn Handler) {
         let mut backlog: VecDeque<Outgoing> = VecDeque::new();
-        let mut replies = Replies::default();
         while !self.stopping() {
             let now = self.clock.now();
             let mut work = self.rx_burst(now, &mut |now, frame| endpoint.handle_frame(now, frame));
             if endpoint.poll_timeout().is_some_and(|t| t <= now) {
                 endpoint.handle_timeout(now);
             }
-            work += deliver_rtc(endpoint, handler, &mut backlog, &mut replies, now);
+            work += deliver_rtc(endpoint, handler, &mut backlog, now);
             let requests: Vec<Control> = lock(&self.shared.control_tx).drain(..).collect();
             for c in requests {
                 match c {
@@ -540,56 +574,34 @@ fn deliver_rtc(
     endpoint: &mut Endpoint,
     handler: &mut dyn Handler,
     backlog: &mut VecDeque<Outgoing>,
-    replies: &mut Replies,
     now: Instant,
 ) -> usize {
-    replies.clear();
     let mut n = 0;
-    while let Some(m) = endpoint.poll_message() {
-        handler.on_message(m, replies);
+    while let Some((m, tx)) = endpoint.poll_message_with_sender() {
+        handler.on_message(m, &mut Direct { tx, backlog: &mut *backlog, now });
         n += 1;
     }
     while let Some(ev) = endpoint.poll_event() {
-        handler.on_event(&ev, replies);
+        handler.on_event(&ev, &mut Direct { tx: endpoint.send_half_mut(), backlog: &mut *backlog, now });
         n += 1;
-    }
-    for r in &replies.items {
-        let data = &replies.bytes[r.start..r.start + r.len];
-        if !backlog.is_empty() || endpoint.send(now, r.peer, r.channel, data).is_err() {
-            backlog.push_back(Outgoing { peer: r.peer, channel: r.channel, data: data.to_vec() });
-        }
     }
     n
 }
 
-/// One reply collected by [`Replies`]: its bytes are `bytes[start..start + len]`.
-struct Reply {
-    peer: MacAddr,
-    channel: u16,
-    start: usize,
-    len: usize,
+/// The run-to-completion handler's outbox: replies go into the sending half at once, behind
+/// whatever already waits in the backlog (order is kept), and into the backlog when the
+/// transport's queue is full.
+struct Direct<'a> {
+    tx: &'a mut SendHalf,
+    backlog: &'a mut VecDeque<Outgoing>,
+    now: Instant,
 }
 
-/// An outbox that collects replies while the endpoint is borrowed by `poll_message`, in one byte
-/// arena reused from burst to burst (a reply costs no allocation once the arena has grown).
-#[derive(Default)]
-struct Replies {
-    bytes: Vec<u8>,
-    items: Vec<Reply>,
-}
-
-impl Replies {
-    fn clear(&mut self) {
-        self.bytes.clear();
-        self.items.clear();
-    }
-}
-
-impl Outbox for Replies {
+impl Outbox for Direct<'_> {
     fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
-        let start = self.bytes.len();
-        self.bytes.extend_from_slice(data);
-        self.items.push(Reply { peer, channel, start, len: data.len() });
+        if !self.backlog.is_empty() || self.tx.send(self.now, peer, channel, data).is_err() {
+            self.backlog.push_back(Outgoing { peer, channel, data: data.to_vec() });
+        }
     }
 }
 
@@ -706,8 +718,13 @@ impl PipeRx {
                 self.half.handle_timeout(now);
             }
             let mut fed = false;
-            while let Some(f) = self.half.poll_feedback() {
-                lock(&shared.feedback).push_back(f);
+            if let Some(first) = self.half.poll_feedback() {
+                // One lock for the whole batch (an owed ACK per DATA frame makes it long).
+                let mut queue = lock(&shared.feedback);
+                queue.push_back(first);
+                while let Some(f) = self.half.poll_feedback() {
+                    queue.push_back(f);
+                }
                 fed = true;
             }
             if fed {

@@ -79,7 +79,7 @@ impl Handler for Nothing {
 /// queueing delay is raised above it.
 fn transport_for(kind: &str) -> Config {
     let mut c = Config::point_to_point();
-    if kind == "afpacket" {
+    if kind == "afpacket-v3" {
         c.rate.target_queue_delay = Duration::from_millis(2);
     }
     c
@@ -280,8 +280,9 @@ fn specs(pair: &VethPair, kind: &str) -> (String, String) {
             format!("udp:{}:7000,peer={}:7000", a.ipv4, b.ipv4),
             format!("udp:{}:7000,peer={}:7000", b.ipv4, a.ipv4),
         ),
+        // The default receive ring is TPACKET_V2.
         "afpacket" => (format!("afpacket:{}", a.ifname), format!("afpacket:{}", b.ifname)),
-        "afpacket-v2" => (format!("afpacket:{},rx=v2", a.ifname), format!("afpacket:{},rx=v2", b.ifname)),
+        "afpacket-v3" => (format!("afpacket:{},rx=v3", a.ifname), format!("afpacket:{},rx=v3", b.ifname)),
         "afxdp" => (format!("afxdp:{}", a.ifname), format!("afxdp:{}", b.ifname)),
         other => panic!("unknown kind {other}"),
     }
@@ -308,17 +309,17 @@ fn udp_veth_lossy_run_to_completion() {
 
 #[test]
 fn afpacket_v3_veth_lossy_run_to_completion() {
-    veth_lossy("afpacket", ThreadMode::RunToCompletion, 31);
+    veth_lossy("afpacket-v3", ThreadMode::RunToCompletion, 31);
 }
 
 #[test]
 fn afpacket_v2_veth_lossy_run_to_completion() {
-    veth_lossy("afpacket-v2", ThreadMode::RunToCompletion, 41);
+    veth_lossy("afpacket", ThreadMode::RunToCompletion, 41);
 }
 
 #[test]
 fn afpacket_v2_veth_lossy_pipeline() {
-    veth_lossy("afpacket-v2", ThreadMode::Pipeline, 43);
+    veth_lossy("afpacket", ThreadMode::Pipeline, 43);
 }
 
 #[test]
@@ -451,7 +452,7 @@ fn veth_junk(kind: &str) {
 
 #[test]
 fn afpacket_v2_junk_frames_are_counted_and_dropped() {
-    veth_junk("afpacket-v2");
+    veth_junk("afpacket");
 }
 
 #[test]

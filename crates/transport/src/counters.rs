@@ -14,6 +14,8 @@ pub struct Counters {
     pub ack_frames_sent: u64,
     /// HEARTBEAT frames among them.
     pub heartbeats_sent: u64,
+    /// ACKs carried on DATA frames (piggybacked) instead of sent as ACK frames.
+    pub acks_carried: u64,
     /// DATA frames sent again (Go-Back-N resends).
     pub retransmitted_frames: u64,
     /// Fast retransmits (go-backs on duplicate ACKs).
@@ -124,6 +126,7 @@ impl Counters {
             data_frames_sent,
             ack_frames_sent,
             heartbeats_sent,
+            acks_carried,
             retransmitted_frames,
             fast_retransmits,
             timeouts,

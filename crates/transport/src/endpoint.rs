@@ -103,6 +103,14 @@ impl Endpoint {
         self.rx.poll_message()
     }
 
+    /// The next delivered message together with the sending half, so that a reply can be queued
+    /// ([`SendHalf::send`]) while the message is still borrowed, without copying either.
+    #[must_use]
+    pub fn poll_message_with_sender(&mut self) -> Option<(Message<'_>, &mut SendHalf)> {
+        let m = self.rx.poll_message()?;
+        Some((m, &mut self.tx))
+    }
+
     /// The next peer event.
     #[must_use]
     pub fn poll_event(&mut self) -> Option<Event> {
@@ -131,6 +139,12 @@ impl Endpoint {
     /// The sending half, for inspection (queue lengths, pacing rate).
     pub fn send_half(&self) -> &SendHalf {
         &self.tx
+    }
+
+    /// The sending half, to queue messages while a received message or event is being handled
+    /// (see [`Endpoint::poll_message_with_sender`]).
+    pub fn send_half_mut(&mut self) -> &mut SendHalf {
+        &mut self.tx
     }
 
     /// The receiving half, for inspection (peer table).

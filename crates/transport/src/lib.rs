@@ -162,6 +162,33 @@ pub enum Feedback {
         /// The timestamp of ours that the ACK echoes (ns, truncated to 32 bits).
         echo_ns: Option<u32>,
     },
+    /// A DATA frame from the peer carried an ACK for data this endpoint sent (a piggybacked
+    /// ACK): it advances the window like [`Feedback::AckReceived`] but never counts as a
+    /// duplicate ACK.
+    AckCarried {
+        /// The peer that acknowledged.
+        peer: MacAddr,
+        /// The channel.
+        channel: u16,
+        /// The next sequence the peer expects.
+        ack: Seq,
+        /// The timestamp of ours that the ACK echoes (ns, truncated to 32 bits).
+        echo_ns: Option<u32>,
+    },
+    /// The receiver accepted DATA from a peer and owes it this ACK, which it will send on its own
+    /// once enough frames arrived or the ACK delay is over; until then the sending half may carry
+    /// it on a DATA frame to that peer and channel (and then skips the same ACK when it comes as
+    /// [`Feedback::SendAck`]).
+    AckOwed {
+        /// The peer to acknowledge.
+        peer: MacAddr,
+        /// The channel.
+        channel: u16,
+        /// The next sequence expected from the peer.
+        ack: Seq,
+        /// The peer's timestamp to echo back (ns, truncated).
+        echo_ns: Option<u32>,
+    },
     /// The receiver wants an ACK sent to a peer.
     SendAck {
         /// The peer to acknowledge.

@@ -15,8 +15,8 @@ use std::collections::{HashMap, VecDeque};
 
 use lanbus_wire::ethernet::{EtherType, EthernetFrame, HEADER_LEN as ETH_LEN};
 use lanbus_wire::lanbus::{
-    self, HeartbeatRepr, Kind, Packet, Records, Role, FLAG_CHECKSUM, FLAG_ECHO, HEADER_LEN as LB_LEN,
-    MAX_MESSAGE_LEN, RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST,
+    self, HeartbeatRepr, Kind, Packet, Records, Role, FLAG_ACK, FLAG_CHECKSUM, FLAG_ECHO,
+    HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN, RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST,
 };
 use lanbus_wire::{Instant, MacAddr};
 
@@ -248,6 +248,16 @@ impl ReceiveHalf {
             return;
         }
         let channel = packet.channel();
+        if kind == Kind::Data && packet.flags() & FLAG_ACK != 0 {
+            // A cumulative ACK is true whatever becomes of the frame's own data below.
+            let echo_ns = (packet.flags() & FLAG_ECHO != 0).then(|| packet.echo());
+            self.feedback.push_back(Feedback::AckCarried {
+                peer: src,
+                channel,
+                ack: Seq(packet.ack()),
+                echo_ns,
+            });
+        }
         if kind == Kind::Ack {
             let echo_ns = (packet.flags() & FLAG_ECHO != 0).then(|| packet.echo());
             self.feedback.push_back(Feedback::AckReceived {
@@ -419,9 +429,18 @@ impl ReceiveHalf {
                 ack: ch.expected,
                 echo_ns: Some(ts),
             });
-        } else if ch.ack_deadline.is_none() {
-            ch.ack_deadline = Some(now + self.config.ack_delay);
-            self.armed_acks += 1;
+        } else {
+            if ch.ack_deadline.is_none() {
+                ch.ack_deadline = Some(now + self.config.ack_delay);
+                self.armed_acks += 1;
+            }
+            // The sending half may carry this ACK on a DATA frame before the deadline.
+            self.feedback.push_back(Feedback::AckOwed {
+                peer: src,
+                channel,
+                ack: ch.expected,
+                echo_ns: Some(ts),
+            });
         }
     }
 

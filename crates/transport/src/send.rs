@@ -12,8 +12,8 @@ use std::collections::VecDeque;
 
 use lanbus_wire::ethernet::{EtherType, EthernetFrame, EthernetRepr, HEADER_LEN as ETH_LEN};
 use lanbus_wire::lanbus::{
-    self, HeartbeatRepr, Kind, Packet, Repr, FLAG_ECHO, HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN, RECORD_FIRST,
-    RECORD_HEADER_LEN, RECORD_LAST,
+    self, HeartbeatRepr, Kind, Packet, Repr, FLAG_ACK, FLAG_ECHO, HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN,
+    RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST,
 };
 use lanbus_wire::{Instant, MacAddr};
 
@@ -28,6 +28,8 @@ const PAYLOAD_LEN_AT: usize = ETH_LEN + 24;
 const GROUP_AT: usize = ETH_LEN + 4;
 const TIMESTAMP_AT: usize = ETH_LEN + 16;
 const FLAGS_AT: usize = ETH_LEN + 2;
+const ACK_AT: usize = ETH_LEN + 12;
+const ECHO_AT: usize = ETH_LEN + 20;
 /// The send timestamp stored in a frame.
 fn read_stamp(frame: &[u8]) -> u32 {
     u32::from_be_bytes(frame[TIMESTAMP_AT..TIMESTAMP_AT + 4].try_into().expect("4-byte range"))
@@ -49,6 +51,14 @@ struct TxChannel {
     rate: RateControl,
     /// Bytes of `frames[..next]`: sent in this round and not acknowledged.
     inflight_bytes: usize,
+    /// The ACK (and echo) the receive half owes the peer on this channel, which the next DATA
+    /// frame carries ([`Feedback::AckOwed`]).
+    owed: Option<(Seq, Option<u32>)>,
+    /// The last ACK a DATA frame carried: the same ACK coming later as [`Feedback::SendAck`]
+    /// (the coalescing timer firing) is not sent again.
+    carried: Option<(Seq, Option<u32>)>,
+    /// The newest ACK this half sent the peer on this channel (in an ACK frame or carried).
+    last_acked: Option<Seq>,
 }
 
 impl TxChannel {
@@ -93,6 +103,9 @@ pub struct SendHalf {
     rr: usize,
     counters: Counters,
     window: usize,
+    /// The latest owed ACK of a channel this half has not sent on yet (channel key, ACK, echo):
+    /// a first reply carries the ACK of its request too.
+    owed_unopened: Option<(u64, Seq, Option<u32>)>,
 }
 
 impl SendHalf {
@@ -111,6 +124,7 @@ impl SendHalf {
             rr: 0,
             counters: Counters::default(),
             window,
+            owed_unopened: None,
         }
     }
 
@@ -171,6 +185,12 @@ impl SendHalf {
                     rtt: RttEstimator::new(self.config.initial_rto, self.config.min_rto, self.config.max_rto),
                     rate: RateControl::new(&self.config.rate),
                     inflight_bytes: 0,
+                    owed: self
+                        .owed_unopened
+                        .take_if(|(owed_key, ..)| *owed_key == k)
+                        .map(|(_, ack, echo)| (ack, echo)),
+                    carried: None,
+                    last_acked: None,
                 });
                 self.index.insert(k, i);
                 i
@@ -249,15 +269,49 @@ impl SendHalf {
     pub fn handle_feedback(&mut self, now: Instant, feedback: Feedback) {
         match feedback {
             Feedback::SendAck { peer, channel, ack, echo_ns } => {
+                if let Some(ch) = self.existing_channel(peer, channel) {
+                    if ch.carried == Some((ack, echo_ns)) {
+                        // A DATA frame already carried exactly this ACK (a duplicate ACK for
+                        // an out-of-order frame echoes that frame's timestamp, so it differs).
+                        return;
+                    }
+                }
                 self.acks.push_back(AckDue { peer, channel, ack, echo_ns });
             }
+            Feedback::AckOwed { peer, channel, ack, echo_ns } => match self.existing_channel(peer, channel) {
+                Some(ch) => ch.owed = Some((ack, echo_ns)),
+                None => self.owed_unopened = Some((key(peer, channel), ack, echo_ns)),
+            },
             Feedback::AckReceived { peer, channel, ack, echo_ns } => {
-                self.on_ack(now, peer, channel, ack, echo_ns)
+                self.on_ack(now, peer, channel, ack, echo_ns, false)
+            }
+            Feedback::AckCarried { peer, channel, ack, echo_ns } => {
+                self.on_ack(now, peer, channel, ack, echo_ns, true)
             }
         }
     }
 
-    fn on_ack(&mut self, now: Instant, peer: MacAddr, channel: u16, ack: Seq, echo_ns: Option<u32>) {
+    /// The channel to `peer`, if this half ever sent on it (no channel is created).
+    fn existing_channel(&mut self, peer: MacAddr, channel: u16) -> Option<&mut TxChannel> {
+        let k = key(peer, channel);
+        let i = match self.last {
+            Some((lk, li)) if lk == k => li,
+            _ => *self.index.get(&k)?,
+        };
+        self.channels.get_mut(i)
+    }
+
+    /// An ACK arrived, in an ACK frame or `carried` by a DATA frame (which is never a duplicate
+    /// ACK: the peer sends DATA whenever it has some, not because a frame went missing).
+    fn on_ack(
+        &mut self,
+        now: Instant,
+        peer: MacAddr,
+        channel: u16,
+        ack: Seq,
+        echo_ns: Option<u32>,
+        carried: bool,
+    ) {
         let Some(&ci) = self.index.get(&key(peer, channel)) else {
             self.counters.bad_acks += 1;
             return;
@@ -271,6 +325,9 @@ impl SendHalf {
         let advance = advance as usize;
         if advance > ch.high {
             self.counters.bad_acks += 1;
+            return;
+        }
+        if carried && advance == 0 {
             return;
         }
         self.counters.acks_received += 1;
@@ -376,7 +433,10 @@ impl SendHalf {
             self.config.frame_capacity(),
             buf.len()
         );
-        if let Some(a) = self.acks.pop_front() {
+        while let Some(a) = self.acks.pop_front() {
+            if self.carry_instead(now, &a) {
+                continue;
+            }
             return Some(self.write_ack(now, a, buf));
         }
         if self.next_heartbeat.is_some_and(|t| t <= now) {
@@ -403,10 +463,21 @@ impl SendHalf {
             buf[..len].copy_from_slice(frame);
             let out = &mut buf[..len];
             out[GROUP_AT..GROUP_AT + 2].copy_from_slice(&self.group.to_be_bytes());
+            if let Some((ack, echo)) = ch.owed.take() {
+                out[ACK_AT..ACK_AT + 4].copy_from_slice(&ack.0.to_be_bytes());
+                out[FLAGS_AT] |= FLAG_ACK;
+                if let Some(echo) = echo {
+                    out[ECHO_AT..ECHO_AT + 4].copy_from_slice(&echo.to_be_bytes());
+                    out[FLAGS_AT] |= FLAG_ECHO;
+                }
+                ch.carried = Some((ack, echo));
+                ch.last_acked = Some(ch.last_acked.map_or(ack, |l| if l.is_before(ack) { ack } else { l }));
+                self.counters.acks_carried += 1;
+            }
             if self.config.checksum {
                 lanbus::fill_checksum(out);
             } else {
-                out[FLAGS_AT] = 0;
+                out[FLAGS_AT] &= !lanbus::FLAG_CHECKSUM;
             }
             if ch.next < ch.high {
                 self.counters.retransmitted_frames += 1;
@@ -428,6 +499,22 @@ impl SendHalf {
         None
     }
 
+    /// Whether ACK `a` can ride on a DATA frame that may go out now on its channel instead of
+    /// taking a frame of its own; if so it becomes the channel's owed ACK. Only an ACK that
+    /// advances goes this way: a duplicate ACK must be an ACK frame, the only kind the peer
+    /// counts toward fast retransmit.
+    fn carry_instead(&mut self, now: Instant, a: &AckDue) -> bool {
+        let k = key(a.peer, a.channel);
+        let Some(&ci) = self.index.get(&k) else { return false };
+        let ch = &mut self.channels[ci];
+        let advances = ch.last_acked.is_some_and(|last| last.is_before(a.ack));
+        if !advances || !ch.has_sendable(self.window, &self.config.rate) || !ch.rate.may_send(now) {
+            return false;
+        }
+        ch.owed = Some((a.ack, a.echo_ns));
+        true
+    }
+
     fn write_header(&self, buf: &mut [u8], dst: MacAddr, repr: &Repr) -> usize {
         EthernetRepr { src_addr: self.local, dst_addr: dst, ethertype: EtherType::Lanbus }
             .emit(&mut EthernetFrame::new_unchecked(&mut buf[..]));
@@ -440,6 +527,18 @@ impl SendHalf {
     }
 
     fn write_ack(&mut self, now: Instant, a: AckDue, buf: &mut [u8]) -> usize {
+        // An ACK frame at least as new as the owed one settles it: a DATA frame carrying the
+        // owed ACK later would echo a stale timestamp.
+        let settles = |owed: Seq| !a.ack.is_before(owed);
+        if let Some(ch) = self.existing_channel(a.peer, a.channel) {
+            if ch.owed.is_some_and(|(owed, _)| settles(owed)) {
+                ch.owed = None;
+            }
+            ch.last_acked = Some(ch.last_acked.map_or(a.ack, |l| if l.is_before(a.ack) { a.ack } else { l }));
+        } else if self.owed_unopened.is_some_and(|(k, owed, _)| k == key(a.peer, a.channel) && settles(owed))
+        {
+            self.owed_unopened = None;
+        }
         let repr = Repr {
             kind: Kind::Ack,
             flags: if a.echo_ns.is_some() { FLAG_ECHO } else { 0 },

@@ -826,3 +826,73 @@ fn partial_draining_across_frames_keeps_messages_intact() {
         assert!(got[i] == test_message(i as u64, n), "message {i}");
     }
 }
+
+/// Request/response: each reply carries the ACK of its request and each next request the ACK of
+/// the reply, so a round trip is two frames, the coalesced ACKs are never sent, and no carried
+/// ACK counts as a duplicate.
+#[test]
+fn replies_carry_the_ack_of_their_request() {
+    let (mut a, mut b) = (Endpoint::new(p2p(), A, at_us(0)), Endpoint::new(p2p(), B, at_us(0)));
+    let mut t = 0;
+    a.send(at_us(t), B, 3, b"ping 0").unwrap();
+    for round in 0..50u32 {
+        let to_b = drain(&mut a, at_us(t));
+        assert_eq!(to_b.len(), 1, "round {round}: one frame a -> b");
+        let h = header(&to_b[0]);
+        assert_eq!(h.kind, Kind::Data);
+        assert_eq!(h.flags & lanbus::FLAG_ACK != 0, round > 0, "round {round}: carries the reply's ACK");
+        if round > 0 {
+            assert_eq!((h.ack, h.flags & FLAG_ECHO != 0), (round, true));
+        }
+        t += 2;
+        b.handle_frame(at_us(t), &to_b[0]);
+        let m = b.poll_message().unwrap();
+        assert_eq!(m.data, format!("ping {round}").as_bytes());
+        b.send(at_us(t), A, 3, format!("pong {round}").as_bytes()).unwrap();
+        let to_a = drain(&mut b, at_us(t));
+        assert_eq!(to_a.len(), 1, "round {round}: one frame b -> a");
+        let h = header(&to_a[0]);
+        assert_eq!((h.kind, h.ack, h.flags & lanbus::FLAG_ACK != 0), (Kind::Data, round + 1, true));
+        t += 2;
+        a.handle_frame(at_us(t), &to_a[0]);
+        assert_eq!(a.poll_message().unwrap().data, format!("pong {round}").as_bytes());
+        assert!(a.send_half().queued_frames(B, 3) == 0, "round {round}: the request is acknowledged");
+        // b's coalescing timer fires: the ACK it owed went out in the reply already.
+        t += 10;
+        b.handle_timeout(at_us(t));
+        assert!(drain(&mut b, at_us(t)).is_empty(), "round {round}: no separate ACK from b");
+        a.send(at_us(t), B, 3, format!("ping {}", round + 1).as_bytes()).unwrap();
+    }
+    let (ca, cb) = (a.counters(), b.counters());
+    assert_eq!((ca.ack_frames_sent, cb.ack_frames_sent), (0, 0));
+    // a's first request had nothing to carry; its 51st (queued, not sent) would carry the last.
+    assert_eq!((ca.acks_carried, cb.acks_carried), (49, 50));
+    assert_eq!((ca.dup_acks_received, cb.dup_acks_received, ca.retransmitted_frames), (0, 0, 0));
+    assert_eq!(ca.rtt_samples, 50, "every carried ACK gives an RTT sample");
+}
+
+/// An owed ACK that went out in an ACK frame is not carried again later (its echo would be
+/// stale), and a lone message is still acknowledged after the ACK delay.
+#[test]
+fn an_ack_frame_settles_the_owed_ack() {
+    let (mut a, mut b) = (Endpoint::new(p2p(), A, at_us(0)), Endpoint::new(p2p(), B, at_us(0)));
+    // b has sent on the channel before, so it has a send channel that could carry ACKs.
+    b.send(at_us(0), A, 3, b"hello").unwrap();
+    for f in drain(&mut b, at_us(0)) {
+        a.handle_frame(at_us(1), &f);
+    }
+    let _ = a.poll_message();
+    a.send(at_us(1), B, 3, b"request").unwrap();
+    for f in drain(&mut a, at_us(1)) {
+        b.handle_frame(at_us(2), &f);
+    }
+    let _ = b.poll_message();
+    b.handle_timeout(at_us(20));
+    let acks = drain(&mut b, at_us(20));
+    assert_eq!(acks.len(), 1);
+    assert_eq!(header(&acks[0]).kind, Kind::Ack);
+    b.send(at_us(30), A, 3, b"late reply").unwrap();
+    let data = drain(&mut b, at_us(30));
+    assert_eq!(data.len(), 1);
+    assert_eq!(header(&data[0]).flags & lanbus::FLAG_ACK, 0, "nothing owed any more");
+}

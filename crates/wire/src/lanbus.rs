@@ -41,6 +41,9 @@ pub const MAX_MESSAGE_LEN: usize = 65_536;
 pub const FLAG_CHECKSUM: u8 = 0x01;
 /// Flag: the echoed timestamp field is valid.
 pub const FLAG_ECHO: u8 = 0x02;
+/// Flag (DATA frames): the cumulative ACK field is valid; the frame also acknowledges the
+/// opposite direction of its channel (a piggybacked ACK), with [`FLAG_ECHO`] echoing a timestamp.
+pub const FLAG_ACK: u8 = 0x04;
 
 /// Where the checksum's coverage starts: the source MAC (see [`fill_checksum`]).
 const CHECKSUM_START: usize = 6;
