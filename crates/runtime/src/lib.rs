@@ -678,6 +678,38 @@ struct PipeRx {
     handler: Box<dyn Handler>,
 }
 
+/// One reply collected by [`Replies`]: its bytes are `bytes[start..start + len]`.
+struct Reply {
+    peer: MacAddr,
+    channel: u16,
+    start: usize,
+    len: usize,
+}
+
+/// Pipeline mode: the handler's replies of one burst, collected in one byte arena reused from
+/// burst to burst (a reply costs no allocation once the arena has grown) and handed to the TX
+/// thread together by [`Shared::push_replies`].
+#[derive(Default)]
+struct Replies {
+    bytes: Vec<u8>,
+    items: Vec<Reply>,
+}
+
+impl Replies {
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.items.clear();
+    }
+}
+
+impl Outbox for Replies {
+    fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
+        let start = self.bytes.len();
+        self.bytes.extend_from_slice(data);
+        self.items.push(Reply { peer, channel, start, len: data.len() });
+    }
+}
+
 impl Shared {
     /// Pipeline mode: moves the handler's replies of one burst to the TX thread's queue under one
     /// lock, with one wake-up.
