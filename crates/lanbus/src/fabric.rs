@@ -110,6 +110,11 @@ impl std::str::FromStr for NvmeBacking {
     }
 }
 
+/// Size of the controller's memory buffer (BAR2): the driver puts its submission queues, PRP
+/// lists and write data there (8 requests of the driver's 2 MiB window), so commands and write
+/// data reach the drive with posted writes rather than by the drive reading them.
+pub const CMB_BYTES: u64 = 16 << 20;
+
 /// A controller model over `backing` with `lba_size`-byte blocks (512 or 4096).
 pub fn controller(backing: &NvmeBacking, lba_size: u32) -> anyhow::Result<Controller> {
     let store: Box<dyn Backing> = match backing {
@@ -125,7 +130,7 @@ pub fn controller(backing: &NvmeBacking, lba_size: u32) -> anyhow::Result<Contro
     if store.len() < u64::from(lba_size) {
         bail!("the backing store is smaller than one {lba_size}-byte block");
     }
-    let cfg = ControllerConfig { lba_size, ..ControllerConfig::default() };
+    let cfg = ControllerConfig { lba_size, cmb_bytes: CMB_BYTES, ..ControllerConfig::default() };
     Controller::new(cfg, store).map_err(|e| anyhow::anyhow!("NVMe controller: {e}"))
 }
 
@@ -144,6 +149,11 @@ pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
     // a starved thread can miss three 100 ms beats, and a device that loses its host fails the
     // DMA of the command it is running (the controller then reports a fatal status).
     c.transport.heartbeat.missed_limit = 10;
+    // Retransmission timeouts below a few milliseconds fire spuriously on a machine whose
+    // threads are descheduled for that long (measured on the 2-core bench VM: every frame the
+    // device resent after a timeout had arrived, and Go-Back-N resent its whole window each
+    // time). A real loss in the middle of a burst is still repaired by fast retransmit.
+    c.transport.min_rto = Duration::from_millis(5);
     c
 }
 

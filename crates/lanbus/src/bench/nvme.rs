@@ -70,6 +70,13 @@ impl Drop for Holder {
             eprintln!("bench nvme: stopping an NBD server: {e}");
         }
         if let Holder::Fabric(f, _) = self {
+            if std::env::var_os("LANBUS_BENCH_DEBUG").is_some() {
+                eprintln!("host {:?}\nhost runtime {:?}", f.host.stats(), f.host.runtime_stats());
+                if let Some(d) = &f.device {
+                    eprintln!("device {:?}\ndevice runtime {:?}", d.stats(), d.runtime_stats());
+                }
+                eprintln!("driver cmb {:?} interrupts {:?}", f.driver.cmb_in_use(), f.driver.stats());
+            }
             let _ = f.driver.shutdown();
         }
         if let Holder::Local(n, _) = self {
