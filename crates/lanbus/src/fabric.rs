@@ -14,8 +14,8 @@ use anyhow::{bail, Context};
 use lanbus_nbd::{BlockDevice, DeviceError, Errno};
 use lanbus_nvme::pcie::{attach, FunctionStats, NvmeFunction};
 use lanbus_nvme::{
-    Backing, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking, HostRegion, NvmeDriver,
-    RamBacking,
+    Backing, CompletionMode, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking,
+    HostRegion, NvmeDriver, RamBacking,
 };
 use lanbus_pcie::bridge::{
     DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig, HostedFunction, RemoteFunction,
@@ -179,21 +179,35 @@ pub fn device_config(group: u16, name: &str, threads: ThreadMode) -> DeviceBridg
     }
 }
 
+/// How the daemons' driver learns of completions: polling the completion queue for a short
+/// while, then sleeping on MSI-X (the fastest of the two in `lanbus bench nvme`: a completion
+/// that arrives while the driver polls costs no wake-up).
+pub const COMPLETION: CompletionMode = CompletionMode::Poll;
+
 /// The driver settings the daemons use.
 pub fn driver_config() -> DriverConfig {
     DriverConfig {
         io_queues: 4,
         io_timeout: Duration::from_secs(10),
         max_inflight_bytes: 2 << 20,
+        completion: COMPLETION,
         ..DriverConfig::default()
     }
 }
 
 /// Starts the NVMe driver on function `f` of `host`.
 pub fn start_driver(host: &Arc<HostBridge>, f: &RemoteFunction) -> anyhow::Result<Arc<NvmeDriver>> {
+    start_driver_with(host, f, driver_config())
+}
+
+/// Starts the NVMe driver on function `f` of `host` with settings `cfg`.
+pub fn start_driver_with(
+    host: &Arc<HostBridge>,
+    f: &RemoteFunction,
+    cfg: DriverConfig,
+) -> anyhow::Result<Arc<NvmeDriver>> {
     let region = Arc::new(HostRegion::new(DMA_REGION_BASE, DMA_REGION_PAGES));
-    let drv = attach(host, f, region, driver_config())
-        .with_context(|| format!("starting the driver on {}", f.bdf))?;
+    let drv = attach(host, f, region, cfg).with_context(|| format!("starting the driver on {}", f.bdf))?;
     Ok(Arc::new(drv))
 }
 
@@ -246,6 +260,16 @@ impl SimFabric {
         host_port: Box<dyn Port>,
         device_port: Box<dyn Port>,
     ) -> anyhow::Result<SimFabric> {
+        SimFabric::over_with(ctrl, host_port, device_port, driver_config())
+    }
+
+    /// As [`SimFabric::over`], with driver settings `dcfg`.
+    pub fn over_with(
+        ctrl: Controller,
+        host_port: Box<dyn Port>,
+        device_port: Box<dyn Port>,
+        dcfg: DriverConfig,
+    ) -> anyhow::Result<SimFabric> {
         let mode = ThreadMode::RunToCompletion;
         let host = Arc::new(HostBridge::start(host_port, host_config(1, "fabric-host", mode))?);
         let (function, controller_stats) = nvme_function(ctrl)?;
@@ -253,7 +277,7 @@ impl SimFabric {
             DeviceBridge::start(device_port, device_config(1, "fabric-iobox", mode), vec![function])?;
         let devs = host.wait_devices(1, Duration::from_secs(10));
         let function = devs.into_iter().next().context("the host bridge enumerated nothing in 10 s")?;
-        let driver = start_driver(&host, &function)?;
+        let driver = start_driver_with(&host, &function, dcfg)?;
         Ok(SimFabric { host, device: Some(device), function, driver, controller_stats })
     }
 

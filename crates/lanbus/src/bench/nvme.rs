@@ -45,6 +45,23 @@ pub struct NvmeBenchArgs {
     /// Rows to measure (comma-separated); default all that can run here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Block sizes to measure (comma-separated, fio syntax); default the paper's 4k..1m.
+    #[arg(long, value_delimiter = ',')]
+    block_sizes: Vec<String>,
+    /// How the lanbus rows' NVMe driver learns of completions: `poll` (poll the completion
+    /// queue briefly, then sleep on MSI-X; what the host daemon uses) or `interrupt`.
+    #[arg(long, default_value = "poll", value_parser = ["poll", "interrupt"])]
+    completion: String,
+}
+
+impl NvmeBenchArgs {
+    fn driver_config(&self) -> lanbus_nvme::DriverConfig {
+        let completion = match self.completion.as_str() {
+            "interrupt" => lanbus_nvme::CompletionMode::Interrupt,
+            _ => lanbus_nvme::CompletionMode::Poll,
+        };
+        lanbus_nvme::DriverConfig { completion, ..fabric::driver_config() }
+    }
 }
 
 const BLOCK_SIZES: [&str; 5] = ["4k", "16k", "64k", "256k", "1m"];
@@ -92,10 +109,10 @@ fn serve(dir: &Path, name: &str, device: Arc<dyn BlockDevice>) -> anyhow::Result
     Ok((server, format!("nbd+unix:///nvme0?socket={}", socket.display())))
 }
 
-fn local(dir: &Path, size: u64) -> anyhow::Result<(Holder, String)> {
+fn local(dir: &Path, size: u64, dcfg: lanbus_nvme::DriverConfig) -> anyhow::Result<(Holder, String)> {
     let ctrl = fabric::controller(&NvmeBacking::Ram(size), 512)?;
     let nvme = LocalNvme::new(ctrl, fabric::DMA_REGION_PAGES, ProcessMode::Thread);
-    let drv = Arc::new(nvme.driver(fabric::driver_config())?);
+    let drv = Arc::new(nvme.driver(dcfg)?);
     let (server, uri) = serve(dir, "local", Arc::new(NvmeBlock::new(drv)))?;
     Ok((Holder::Local(nvme, server), uri))
 }
@@ -105,9 +122,10 @@ fn over(
     name: &str,
     size: u64,
     ports: (Box<dyn Port>, Box<dyn Port>),
+    dcfg: lanbus_nvme::DriverConfig,
 ) -> anyhow::Result<(Holder, String)> {
     let ctrl = fabric::controller(&NvmeBacking::Ram(size), 512)?;
-    let f = SimFabric::over(ctrl, ports.0, ports.1)?;
+    let f = SimFabric::over_with(ctrl, ports.0, ports.1, dcfg)?;
     let (server, uri) = serve(dir, name, Arc::new(NvmeBlock::new(f.driver.clone())))?;
     Ok((Holder::Fabric(f, server), uri))
 }
@@ -221,10 +239,13 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     let mut missing = Vec::new();
     for name in rows.into_iter().filter(|n| want(n)) {
         let target = match name {
-            "local" => local(dir, size),
+            "local" => local(dir, size, args.driver_config()),
             "peer:qemu-nbd" => qemu(dir, size),
-            "sim" => SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", size, p)),
-            kind => super::port_pair(kind, veth.as_ref()).and_then(|p| over(dir, kind, size, p)),
+            "sim" => {
+                SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", size, p, args.driver_config()))
+            }
+            kind => super::port_pair(kind, veth.as_ref())
+                .and_then(|p| over(dir, kind, size, p, args.driver_config())),
         };
         let (holder, uri) = match target {
             Ok(t) => t,
@@ -235,7 +256,12 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             }
         };
         for rw in ["randread", "randwrite"] {
-            for bs in BLOCK_SIZES {
+            let sizes: Vec<&str> = if args.block_sizes.is_empty() {
+                BLOCK_SIZES.to_vec()
+            } else {
+                args.block_sizes.iter().map(String::as_str).collect()
+            };
+            for bs in sizes {
                 let mut mbs = Vec::new();
                 let mut iops = Vec::new();
                 for _ in 0..runs {
@@ -250,7 +276,11 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 let (Some(m), Some(i)) = (median(&mbs), median(&iops)) else { continue };
                 let block = crate::nbd::parse_size(bs)?;
                 for (metric, value) in [("mb_per_s", m), ("iops", i)] {
-                    report.push(Row::new(name, metric, value).with("rw", rw).with("block_size", block));
+                    let mut row = Row::new(name, metric, value).with("rw", rw).with("block_size", block);
+                    if !name.starts_with("peer:") {
+                        row = row.with("completion", args.completion.as_str());
+                    }
+                    report.push(row);
                 }
                 eprintln!("bench nvme: {name:>14} {rw:>9} {bs:>4}: {m:8.1} MB/s {i:8.0} IOPS");
             }
