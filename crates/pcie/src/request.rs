@@ -298,6 +298,82 @@ pub fn completions_for_read(
     Ok(out)
 }
 
+/// Buffers [`each_completion_for_read`] reuses from call to call.
+#[derive(Debug, Default)]
+pub struct CompletionScratch {
+    data: Vec<u8>,
+    payload: Vec<u8>,
+}
+
+/// [`completions_for_read`] handing each completion to `emit` in order instead of collecting
+/// them, built in `scratch`'s reused buffers (no allocation per completion once they have grown).
+/// Same completions, same errors: every piece is read before the first is emitted, and a read that
+/// fails, or a request that needs no data, takes [`completions_for_read`]'s own path.
+pub fn each_completion_for_read(
+    request: &Tlp,
+    completer_id: Bdf,
+    mps: usize,
+    rcb: usize,
+    scratch: &mut CompletionScratch,
+    mut read: impl FnMut(u64, &mut [u8]) -> core::result::Result<(), ()>,
+    mut emit: impl FnMut(&Tlp),
+) -> Result<()> {
+    let (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) = (request.kind, &request.header) else {
+        return Err(Error::BadRequest(format!("{} is not a memory read", request.kind)));
+    };
+    let shape = RequestShape::of_memory(h, request.length_dw);
+    let (first, len) = shape.byte_range();
+    let address = h.address.saturating_add(first);
+    check_limit(mps)?;
+    check_rcb(rcb)?;
+    let pieces =
+        if len == 0 { Vec::new() } else { split_completions(address, len, mps, rcb).unwrap_or_default() };
+    let total: usize = pieces.iter().map(|p| usize::from(p.length_dw) * 4).sum();
+    scratch.data.clear();
+    scratch.data.resize(total, 0);
+    let mut at = 0;
+    let mut read_all = !pieces.is_empty();
+    for p in &pieces {
+        let n = usize::from(p.length_dw) * 4;
+        if read(p.address, &mut scratch.data[at..at + n]).is_err() {
+            read_all = false;
+            break;
+        }
+        at += n;
+    }
+    if !read_all {
+        for c in completions_for_read(request, completer_id, mps, rcb, read)? {
+            emit(&c);
+        }
+        return Ok(());
+    }
+    let attr =
+        crate::tlp::Attr(request.attr.0 & (crate::tlp::Attr::NO_SNOOP | crate::tlp::Attr::RELAXED_ORDERING));
+    let mut payload = core::mem::take(&mut scratch.payload);
+    let mut at = 0;
+    for p in &pieces {
+        let n = usize::from(p.length_dw) * 4;
+        payload.clear();
+        payload.extend_from_slice(&scratch.data[at..at + n]);
+        at += n;
+        let mut c = Tlp::completion(
+            completer_id,
+            h.requester_id,
+            request.tag,
+            CplStatus::Success,
+            p.byte_count,
+            p.lower_address,
+            payload,
+        );
+        c.tc = request.tc;
+        c.attr = attr;
+        emit(&c);
+        payload = c.data;
+    }
+    scratch.payload = payload;
+    Ok(())
+}
+
 /// The completion that refuses a request with `status` (Unsupported Request, Completer Abort):
 /// `None` for posted requests (memory writes) and completions, which get no answer. The byte
 /// count is the read's for memory reads and 4 otherwise, as for the first completion of a
@@ -504,5 +580,55 @@ mod tests {
         let abort = completions_for_read(&rd, Bdf(0x200), 128, 64, |_, _| Err(())).unwrap();
         assert_eq!(abort.len(), 1);
         assert_eq!(abort[0].kind, TlpKind::Cpl);
+    }
+}
+
+#[cfg(test)]
+mod each_completion_tests {
+    use super::*;
+    use crate::Tag;
+
+    #[test]
+    fn each_completion_for_read_emits_exactly_completions_for_read() {
+        let mem: Vec<u8> = (0..16384u32).map(|i| (i * 13 + 5) as u8).collect();
+        let mut scratch = CompletionScratch::default();
+        let requester = Bdf::new(2, 0, 0).unwrap();
+        for (address, len) in
+            [(0x0u64, 4096usize), (0x3, 1), (0x7d, 600), (0x1ffc, 4), (0x100, 0), (0x2f0, 4096)]
+        {
+            for (mps, rcb) in [(128, 64), (256, 64), (512, 128), (4096, 128)] {
+                for fail_at in [None, Some(0x1000u64)] {
+                    let Ok(reqs) = read_requests(requester, address, len, 4096, || Ok(Tag::new(7).unwrap()))
+                    else {
+                        continue;
+                    };
+                    for (_, req) in reqs {
+                        let read = |a: u64, buf: &mut [u8]| {
+                            if fail_at.is_some_and(|f| a >= f) {
+                                return Err(());
+                            }
+                            let a = a as usize;
+                            buf.copy_from_slice(&mem[a..a + buf.len()]);
+                            Ok(())
+                        };
+                        let want = completions_for_read(&req, Bdf(0), mps, rcb, read);
+                        let mut got = Vec::new();
+                        let r = each_completion_for_read(&req, Bdf(0), mps, rcb, &mut scratch, read, |c| {
+                            got.push(c.clone())
+                        });
+                        match want {
+                            Ok(want) => {
+                                assert!(r.is_ok());
+                                assert_eq!(
+                                    got, want,
+                                    "{address:#x} {len} mps {mps} rcb {rcb} fail {fail_at:?}"
+                                );
+                            }
+                            Err(_) => assert!(r.is_err() && got.is_empty()),
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -180,9 +180,25 @@ pub struct Sender {
 }
 
 impl Sender {
-    /// Queues `data` for `peer` on `channel` (copied; never dropped).
+    /// Queues `data` for `peer` on `channel` (copied; never dropped). Costs a system call only
+    /// when the sending thread is parked.
     pub fn send(&self, peer: MacAddr, channel: u16, data: &[u8]) {
         self.shared.push_outgoing(peer, channel, data);
+    }
+
+    /// Queues every message of `messages` for `peer` on `channel`, in order, under one lock and
+    /// with at most one wake-up of the sending thread.
+    pub fn send_all<'a>(&self, peer: MacAddr, channel: u16, messages: impl IntoIterator<Item = &'a [u8]>) {
+        let mut q = lock(&self.shared.outgoing);
+        let before = q.len();
+        q.extend(messages.into_iter().map(|m| Outgoing { peer, channel, data: m.to_vec() }));
+        let any = q.len() > before;
+        drop(q);
+        if any {
+            // Relaxed is enough for the flag: the queue's mutex orders the data.
+            self.shared.idle.store(false, Ordering::Relaxed);
+            self.shared.tx_waker.wake();
+        }
     }
 
     /// The node's own MAC address.
@@ -650,18 +666,31 @@ struct PipeRx {
     handler: Box<dyn Handler>,
 }
 
-/// In pipeline mode the handler's replies go to the TX thread's queue.
-struct ToTx<'a>(&'a Shared);
-
-impl Outbox for ToTx<'_> {
-    fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
-        self.0.push_outgoing(peer, channel, data);
+impl Shared {
+    /// Pipeline mode: moves the handler's replies of one burst to the TX thread's queue under one
+    /// lock, with one wake-up.
+    fn push_replies(&self, replies: &mut Replies) {
+        if replies.items.is_empty() {
+            return;
+        }
+        let mut q = lock(&self.outgoing);
+        for r in &replies.items {
+            let data = replies.bytes[r.start..r.start + r.len].to_vec();
+            q.push_back(Outgoing { peer: r.peer, channel: r.channel, data });
+        }
+        drop(q);
+        replies.clear();
+        // Relaxed is enough for the flag: the queue's mutex orders the data.
+        self.idle.store(false, Ordering::Relaxed);
+        self.tx_waker.wake();
     }
 }
 
 impl PipeRx {
     fn run(&mut self) {
         let shared = self.worker.shared.clone();
+        // The handler's replies of one burst, handed to the TX thread together.
+        let mut out = Replies::default();
         while !self.worker.stopping() {
             let now = self.worker.clock.now();
             let half = &mut self.half;
@@ -685,7 +714,6 @@ impl PipeRx {
                 shared.tx_waker.wake();
                 work += 1;
             }
-            let mut out = ToTx(&shared);
             while let Some(m) = self.half.poll_message() {
                 self.handler.on_message(m, &mut out);
                 work += 1;
@@ -694,6 +722,7 @@ impl PipeRx {
                 self.handler.on_event(&ev, &mut out);
                 work += 1;
             }
+            shared.push_replies(&mut out);
             if self.worker.publish_due(now, work == 0) {
                 *lock(&shared.rx_counters) = self.half.counters();
             }

@@ -1,19 +1,27 @@
 //! The device bridge: hosts PCIe functions in an I/O box and serves the host of its group.
 //!
 //! Layer: pcie engine over the runtime. Threads: the runtime's (which run [`DevHandler`], the
-//! receive side) and one worker per hosted function that owns the model.
+//! receive side, and every sans-IO model inline), one worker per blocking function, and one timer
+//! thread when a function runs inline.
 //!
 //! - The receive handler parses each TLP and routes it: configuration type 0 requests by
 //!   function number (function number = index in the list given to [`DeviceBridge::start`]),
-//!   memory requests to the function whose BAR claims the address (from a decode snapshot the
-//!   worker refreshes after every configuration write), completions to the completion table of
-//!   the function named by the requester ID. It answers at once with Unsupported Request what no
-//!   function claims and every non-posted request of a type it does not serve (I/O, type 1
-//!   configuration, undecodable requests), so the host never waits in silence.
-//! - A worker answers its function's queued requests, then runs the model: DMA reads are split by
-//!   the programmed max read request size into tagged MRd TLPs whose completions are reassembled
+//!   memory requests to the function whose BAR claims the address (from a decode snapshot
+//!   refreshed after every configuration write), completions to the function named by the
+//!   requester ID. It answers at once with Unsupported Request what no function claims and every
+//!   non-posted request of a type it does not serve (I/O, type 1 configuration, undecodable
+//!   requests), so the host never waits in silence.
+//! - A sans-IO model ([`HostedFunction::model`], the DMA engine) never blocks, so it runs inline
+//!   on the receive thread (`bridge/inline.rs`): the handler serves its requests, feeds its read
+//!   completions and runs it, and the TLPs it sends go out through the handler's outbox in the
+//!   same burst (no thread hand-off, no queue, no wake-up per TLP). The timer thread fails its
+//!   reads that see no completion within the completion timeout.
+//! - A blocking model ([`HostedFunction::blocking`], the NVMe controller) has a worker thread that
+//!   answers its function's queued requests, then runs it: DMA reads are split by the programmed
+//!   max read request size into tagged MRd TLPs whose completions are reassembled
 //!   ([`crate::ReadReassembly`]); writes are split by max payload size into posted MWr TLPs; MSI-X
-//!   is a write of the vector's message. A blocking model's read waits on the worker.
+//!   is a write of the vector's message. Its blocking read waits on the worker, never on the
+//!   receive thread; the receive side notifies the worker only when it sleeps.
 //!
 //! Host selection: the bridge announces role Device and its group in heartbeats. Its host is a
 //! live Host of the same group (the first heard; a request from a host of the group before its
@@ -33,6 +41,7 @@ use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
 use super::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, Path};
+use super::inline::InlinePath;
 use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL, PCIE_CHANNELS};
 use crate::device::DmaError;
 use crate::request::{split, write_requests, Chunk};
@@ -95,22 +104,22 @@ pub struct DeviceBridgeStats {
 }
 
 #[derive(Default)]
-struct Counters {
-    tlps_received: AtomicU64,
-    foreign_requests: AtomicU64,
-    other_channel: AtomicU64,
-    malformed: AtomicU64,
-    ur_sent: AtomicU64,
-    unclaimed_writes: AtomicU64,
-    unexpected_completions: AtomicU64,
-    dma_reads: AtomicU64,
-    dma_read_failures: AtomicU64,
-    dma_writes: AtomicU64,
-    dma_writes_dropped: AtomicU64,
-    host_changes: AtomicU64,
+pub(crate) struct Counters {
+    pub(crate) tlps_received: AtomicU64,
+    pub(crate) foreign_requests: AtomicU64,
+    pub(crate) other_channel: AtomicU64,
+    pub(crate) malformed: AtomicU64,
+    pub(crate) ur_sent: AtomicU64,
+    pub(crate) unclaimed_writes: AtomicU64,
+    pub(crate) unexpected_completions: AtomicU64,
+    pub(crate) dma_reads: AtomicU64,
+    pub(crate) dma_read_failures: AtomicU64,
+    pub(crate) dma_writes: AtomicU64,
+    pub(crate) dma_writes_dropped: AtomicU64,
+    pub(crate) host_changes: AtomicU64,
 }
 
-fn bump(c: &AtomicU64) {
+pub(crate) fn bump(c: &AtomicU64) {
     // Relaxed: a statistics counter orders nothing.
     c.fetch_add(1, Ordering::Relaxed);
 }
@@ -148,24 +157,100 @@ struct FnState {
     /// The function's ID as its host addressed it.
     bdf: Bdf,
     stop: bool,
+    /// The worker sleeps on `wake` (only then is a notification worth a system call).
+    sleeping: bool,
 }
 
 struct FnShared {
     state: Mutex<FnState>,
     wake: Condvar,
+    /// A sans-IO model, run on the receive thread (no worker); `None` for a blocking model,
+    /// which has a worker.
+    inline: Option<Mutex<InlineFn>>,
+}
+
+impl FnShared {
+    /// Wakes the worker if it sleeps. Called after publishing work under `state`'s lock.
+    fn notify(&self, st: std::sync::MutexGuard<'_, FnState>) {
+        let sleeping = st.sleeping;
+        drop(st);
+        if sleeping {
+            self.wake.notify_all();
+        }
+    }
+}
+
+/// A sans-IO function run inline on the receive thread, with its fabric path.
+struct InlineFn {
+    index: usize,
+    hosted: Box<dyn Hosted>,
+    path: InlinePath,
+}
+
+impl InlineFn {
+    /// Takes the session snapshot (host, channel) for what follows.
+    fn session(&mut self, session: (Option<MacAddr>, u16)) -> &mut Self {
+        (self.path.host, self.path.channel) = session;
+        self
+    }
+
+    /// Serves a configuration or memory request from `peer` on `channel`, then runs the model.
+    fn request(&mut self, f: &FnShared, counters: &Counters, peer: MacAddr, channel: u16, tlp: &Tlp) {
+        if let (TlpKind::CfgRd0 | TlpKind::CfgWr0, Header::Config(h)) = (&tlp.kind, &tlp.header) {
+            let bdf = Bdf::new(h.completer_id.bus(), h.completer_id.device(), self.index as u8)
+                .unwrap_or(h.completer_id);
+            self.path.me = bdf;
+            lock(&f.state).bdf = bdf;
+        }
+        let replies = serve(&mut *self.hosted, self.path.me, tlp);
+        if tlp.kind == TlpKind::CfgWr0 {
+            lock(&f.state).bars = decode_table(&*self.hosted);
+            self.path.set_limits(
+                self.hosted.config().max_payload_size(),
+                self.hosted.config().max_read_request_size(),
+            );
+        }
+        for r in &replies {
+            if r.header_status_is_ur() {
+                bump(&counters.ur_sent);
+            }
+            self.path.out.push(peer, channel, r);
+        }
+        self.run();
+    }
+
+    fn run(&mut self) {
+        self.hosted.run(&mut self.path);
+    }
+
+    /// Hands what the function sent to `out`.
+    fn flush(&mut self, out: &mut dyn Outbox) {
+        self.path.out.drain(|peer, channel, bytes| out.send(peer, channel, bytes));
+    }
 }
 
 struct Shared {
     session: Mutex<Session>,
     fns: Vec<Arc<FnShared>>,
-    counters: Counters,
+    counters: Arc<Counters>,
     timeout: Duration,
+    /// Stops the timer thread of the inline functions.
+    ticker_stop: Mutex<bool>,
+    ticker_wake: Condvar,
 }
 
 impl Shared {
     /// Fails every read in flight (the host is gone). Called with the session locked.
     fn fail_all(&self) {
         for f in &self.fns {
+            if let Some(inl) = &f.inline {
+                let mut g = lock(inl);
+                // No host: the model's reaction (a write, an interrupt) is dropped and counted.
+                g.session((None, PCIE_CHANNEL)).path.fail_all();
+                g.run();
+                g.path.out.drain(|_, _, _| {});
+                continue;
+            }
             let mut st = lock(&f.state);
             let st = &mut *st;
             for (tag, p) in st.reads.iter_mut() {
@@ -219,17 +304,48 @@ impl DevHandler {
         self.send(out, peer, channel, &ur_completion(me, tlp.requester_id(), tlp.tag));
     }
 
-    fn push(&self, f: &FnShared, peer: MacAddr, channel: u16, tlp: Tlp) {
-        lock(&f.state).inbox.push_back((peer, channel, tlp));
-        f.wake.notify_all();
+    /// Hands a configuration or memory request to its function: served here if it runs inline,
+    /// queued to its worker otherwise.
+    #[allow(clippy::too_many_arguments)]
+    fn to_function(
+        &self,
+        f: &FnShared,
+        session: (Option<MacAddr>, u16),
+        peer: MacAddr,
+        channel: u16,
+        tlp: Tlp,
+        out: &mut dyn Outbox,
+    ) {
+        match &f.inline {
+            Some(inl) => {
+                let mut g = lock(inl);
+                g.session(session).request(f, &self.shared.counters, peer, channel, &tlp);
+                g.flush(out);
+            }
+            None => {
+                let mut st = lock(&f.state);
+                st.inbox.push_back((peer, channel, tlp));
+                f.notify(st);
+            }
+        }
     }
 
-    fn complete(&self, peer: MacAddr, tlp: &Tlp) {
+    fn complete(&self, peer: MacAddr, tlp: &Tlp, session: (Option<MacAddr>, u16), out: &mut dyn Outbox) {
         let Header::Completion(c) = &tlp.header else { return };
         let Some(f) = self.shared.fns.get(usize::from(c.requester_id.function())) else {
             bump(&self.shared.counters.unexpected_completions);
             return;
         };
+        if let Some(inl) = &f.inline {
+            let mut g = lock(inl);
+            if g.session(session).path.complete(peer, tlp) {
+                g.run();
+                g.flush(out);
+            } else {
+                bump(&self.shared.counters.unexpected_completions);
+            }
+            return;
+        }
         let mut st = lock(&f.state);
         let tag = tlp.tag.get();
         let Some(p) = st.reads.get_mut(&tag).filter(|p| p.peer == peer && p.result.is_none()) else {
@@ -252,8 +368,7 @@ impl DevHandler {
         };
         p.result = Some(result);
         st.done.push_back(tag);
-        drop(st);
-        f.wake.notify_all();
+        f.notify(st);
     }
 }
 
@@ -264,7 +379,7 @@ impl Handler for DevHandler {
             bump(&c.other_channel);
             return;
         }
-        {
+        let session = {
             let mut s = lock(&self.shared.session);
             match s.host {
                 Some(h) if h == m.peer => {
@@ -287,7 +402,8 @@ impl Handler for DevHandler {
                     return;
                 }
             }
-        }
+            (s.host, s.channel)
+        };
         bump(&c.tlps_received);
         let tlp = match Tlp::decode(m.data) {
             Ok(t) => t,
@@ -304,7 +420,7 @@ impl Handler for DevHandler {
         match (&tlp.kind, &tlp.header) {
             (TlpKind::CfgRd0 | TlpKind::CfgWr0, Header::Config(h)) => {
                 match self.shared.fns.get(usize::from(h.completer_id.function())) {
-                    Some(f) => self.push(f, m.peer, m.channel, tlp),
+                    Some(f) => self.to_function(f, session, m.peer, m.channel, tlp, out),
                     None => self.ur(out, m.peer, m.channel, &tlp),
                 }
             }
@@ -313,12 +429,12 @@ impl Handler for DevHandler {
                 let target =
                     self.shared.fns.iter().find(|f| decodes(&lock(&f.state).bars, h.address, len)).cloned();
                 match target {
-                    Some(f) => self.push(&f, m.peer, m.channel, tlp),
+                    Some(f) => self.to_function(&f, session, m.peer, m.channel, tlp, out),
                     None if super::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
                     None => bump(&c.unclaimed_writes),
                 }
             }
-            (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp),
+            (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp, session, out),
             _ if super::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
             _ => bump(&c.malformed),
         }
@@ -420,11 +536,8 @@ impl FabricPath {
         }
         drop(st);
         drop(s);
-        for t in out {
-            if let Ok(b) = t.encode() {
-                self.sender.send(host, channel, &b);
-            }
-        }
+        let encoded: Vec<Vec<u8>> = out.iter().filter_map(|t| t.encode().ok()).collect();
+        self.sender.send_all(host, channel, encoded.iter().map(|b| b.as_slice()));
     }
 
     /// Collects finished tags and expired reads; moves finished reads to `finished`.
@@ -522,11 +635,8 @@ impl Path for FabricPath {
         let tlps = write_requests(me, address, data, self.mps)
             .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))?;
         bump(&c.dma_writes);
-        for t in tlps {
-            if let Ok(b) = t.encode() {
-                self.sender.send(host, channel, &b);
-            }
-        }
+        let encoded: Vec<Vec<u8>> = tlps.iter().filter_map(|t| t.encode().ok()).collect();
+        self.sender.send_all(host, channel, encoded.iter().map(|b| b.as_slice()));
         Ok(())
     }
 
@@ -550,13 +660,23 @@ impl Path for FabricPath {
                 return Err(DmaError::Timeout);
             }
             let limit = self.next_deadline().unwrap_or_else(|| Instant::now() + self.shared.timeout);
-            let st = lock(&self.f.state);
+            let spin_until = Instant::now() + super::spin_budget();
+            let mut st = lock(&self.f.state);
             if st.stop {
                 return Err(DmaError::HostUnreachable);
             }
-            if st.done.is_empty() {
+            // Completions usually come within a round trip: look again for a while (yielding the
+            // core) before sleeping, when a core is to spare (see `spin_budget`).
+            while st.done.is_empty() && !st.stop && Instant::now() < spin_until.min(limit) {
+                drop(st);
+                std::thread::yield_now();
+                st = lock(&self.f.state);
+            }
+            if st.done.is_empty() && !st.stop {
                 let wait = limit.saturating_duration_since(Instant::now());
-                let _ = self.f.wake.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner());
+                st.sleeping = true;
+                let (mut st, _) = self.f.wake.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner());
+                st.sleeping = false;
             }
         }
     }
@@ -564,6 +684,40 @@ impl Path for FabricPath {
     fn set_limits(&mut self, mps: usize, mrrs: usize) {
         self.mps = mps;
         self.mrrs = mrrs;
+    }
+}
+
+/// How often the timer thread of the inline functions checks their completion timeouts.
+const TICK: Duration = Duration::from_millis(10);
+
+/// The inline functions' timer: fails their reads that made no progress within the completion
+/// timeout (the receive thread only runs when a message arrives).
+fn ticker(shared: Arc<Shared>, sender: Sender) {
+    loop {
+        {
+            let stop = lock(&shared.ticker_stop);
+            if *stop {
+                return;
+            }
+            let (stop, _) = shared.ticker_wake.wait_timeout(stop, TICK).unwrap_or_else(|e| e.into_inner());
+            if *stop {
+                return;
+            }
+        }
+        let now = Instant::now();
+        for f in &shared.fns {
+            let Some(inl) = &f.inline else { continue };
+            let session = {
+                let s = lock(&shared.session);
+                (s.host, s.channel)
+            };
+            let mut g = lock(inl);
+            if g.path.next_deadline().is_some_and(|d| d <= now) {
+                g.session(session).path.expire(now);
+                g.run();
+                g.path.out.drain(|peer, channel, bytes| sender.send(peer, channel, bytes));
+            }
+        }
     }
 }
 
@@ -582,6 +736,7 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
     };
     let mut idle_runs = 0u32;
     loop {
+        let spin_until = Instant::now() + super::spin_budget();
         let inbox: Vec<(MacAddr, u16, Tlp)> = {
             let mut st = lock(&f.state);
             loop {
@@ -596,13 +751,24 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
                 {
                     break;
                 }
+                if Instant::now() < spin_until {
+                    // Look again for a while (yielding the core) before sleeping, when a core is
+                    // to spare (see `spin_budget`): a request or completion usually follows
+                    // within a round trip.
+                    drop(st);
+                    std::thread::yield_now();
+                    st = lock(&f.state);
+                    continue;
+                }
                 let wait = match path.next_deadline() {
                     Some(d) => d.saturating_duration_since(Instant::now()),
                     None if hosted.wants_run() => Duration::from_millis(1),
                     None => Duration::from_millis(100),
                 };
+                st.sleeping = true;
                 let (g, timeout) = f.wake.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner());
                 st = g;
+                st.sleeping = false;
                 if timeout.timed_out() {
                     idle_runs = 0;
                     break;
@@ -625,14 +791,13 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
                 lock(&f.state).bars = decode_table(&*hosted);
                 path.set_limits(hosted.config().max_payload_size(), hosted.config().max_read_request_size());
             }
-            for r in replies {
+            for r in &replies {
                 if r.header_status_is_ur() {
                     bump(&shared.counters.ur_sent);
                 }
-                if let Ok(b) = r.encode() {
-                    sender.send(peer, channel, &b);
-                }
             }
+            let encoded: Vec<Vec<u8>> = replies.iter().filter_map(|t| t.encode().ok()).collect();
+            sender.send_all(peer, channel, encoded.iter().map(|b| b.as_slice()));
         }
         let work = hosted.run(&mut path);
         idle_runs = if work == 0 { idle_runs.saturating_add(1) } else { 0 };
@@ -653,6 +818,7 @@ impl StatusExt for Tlp {
 pub struct DeviceBridge {
     runtime: Option<Runtime>,
     shared: Arc<Shared>,
+    /// The functions' workers and the timer thread.
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -670,8 +836,23 @@ impl DeviceBridge {
             )));
         }
         let tags = config.tags_per_function.clamp(1, Tag::COUNT);
-        let fns: Vec<Arc<FnShared>> = (0..functions.len())
-            .map(|i| {
+        let counters = Arc::new(Counters::default());
+        let mut blocking = Vec::new();
+        let fns: Vec<Arc<FnShared>> = functions
+            .into_iter()
+            .enumerate()
+            .map(|(i, f)| {
+                let bdf = Bdf::new(0, 0, i as u8).unwrap_or_default();
+                let inline = if f.inner.blocking() {
+                    blocking.push((i, f.inner));
+                    None
+                } else {
+                    let (mps, mrrs) =
+                        (f.inner.config().max_payload_size(), f.inner.config().max_read_request_size());
+                    let path =
+                        InlinePath::new(bdf, counters.clone(), config.completion_timeout, tags, mps, mrrs);
+                    Some(Mutex::new(InlineFn { index: i, hosted: f.inner, path }))
+                };
                 Arc::new(FnShared {
                     state: Mutex::new(FnState {
                         inbox: VecDeque::new(),
@@ -679,13 +860,16 @@ impl DeviceBridge {
                         done: VecDeque::new(),
                         free_tags: (0..tags).rev().collect(),
                         bars: Vec::new(),
-                        bdf: Bdf::new(0, 0, i as u8).unwrap_or_default(),
+                        bdf,
                         stop: false,
+                        sleeping: false,
                     }),
                     wake: Condvar::new(),
+                    inline,
                 })
             })
             .collect();
+        let any_inline = fns.iter().any(|f| f.inline.is_some());
         let shared = Arc::new(Shared {
             session: Mutex::new(Session {
                 group: config.group,
@@ -694,8 +878,10 @@ impl DeviceBridge {
                 peers: HashMap::new(),
             }),
             fns,
-            counters: Counters::default(),
+            counters,
             timeout: config.completion_timeout,
+            ticker_stop: Mutex::new(false),
+            ticker_wake: Condvar::new(),
         });
         let mut rc = config.runtime.clone();
         rc.transport.group = config.group;
@@ -706,12 +892,21 @@ impl DeviceBridge {
         let runtime =
             Runtime::start(port, rc, Box::new(handler)).map_err(|e| BridgeError::Start(e.to_string()))?;
         let mut bridge = DeviceBridge { runtime: Some(runtime), shared: shared.clone(), workers: Vec::new() };
-        for (i, f) in functions.into_iter().enumerate() {
+        for (i, hosted) in blocking {
             let sender = bridge.sender();
             let shared = shared.clone();
             let h = std::thread::Builder::new()
                 .name(format!("{}-fn{i}", config.name))
-                .spawn(move || worker(i, f.inner, shared, sender))
+                .spawn(move || worker(i, hosted, shared, sender))
+                .map_err(|e| BridgeError::Start(e.to_string()))?;
+            bridge.workers.push(h);
+        }
+        if any_inline {
+            let sender = bridge.sender();
+            let shared = shared.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("{}-tick", config.name))
+                .spawn(move || ticker(shared, sender))
                 .map_err(|e| BridgeError::Start(e.to_string()))?;
             bridge.workers.push(h);
         }
@@ -787,6 +982,8 @@ impl DeviceBridge {
             lock(&f.state).stop = true;
             f.wake.notify_all();
         }
+        *lock(&self.shared.ticker_stop) = true;
+        self.shared.ticker_wake.notify_all();
         for w in self.workers.drain(..) {
             let _ = w.join();
         }

@@ -35,7 +35,7 @@ use lanbus_wire::MacAddr;
 use super::region::{DmaRegion, RegionMap};
 use super::{lock, session_channel, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
 use crate::config::{cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK};
-use crate::request::{completions_for_read, split, write_requests, RequestShape};
+use crate::request::{each_completion_for_read, split, write_requests, CompletionScratch, RequestShape};
 use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
 
 /// The host's own requester ID (the root complex).
@@ -256,12 +256,53 @@ struct State {
 struct Waiter {
     state: Mutex<WaitState>,
     done: Condvar,
+    /// Bumped under `state`'s lock at every change (see [`spin_then_wait`]).
+    seq: AtomicU64,
 }
 
 struct WaitState {
     remaining: usize,
     data: Vec<u8>,
     error: Option<BridgeError>,
+    /// Users sleeping on `done` (only then is a notification worth a system call).
+    sleepers: usize,
+}
+
+/// Waits on `cv` for `ready` (checked under `m`'s lock) until `deadline`: first spins (yielding)
+/// for [`super::spin_budget`] on `seq`, which whoever changes `m`'s data bumps while holding the
+/// lock, so the spinning thread takes the lock only when something changed (a spinning locker
+/// would slow the thread that brings the news); then sleeps, with `sleepers` counting sleeping
+/// threads so notifiers can skip the system call when there are none. Returns the guard; `ready`
+/// may still be false at the deadline.
+fn spin_then_wait<'a, T>(
+    m: &'a Mutex<T>,
+    cv: &Condvar,
+    seq: &AtomicU64,
+    deadline: Instant,
+    sleepers: impl Fn(&mut T) -> &mut usize,
+    mut ready: impl FnMut(&mut T) -> bool,
+) -> std::sync::MutexGuard<'a, T> {
+    let spin_until = (Instant::now() + super::spin_budget()).min(deadline);
+    let mut g = lock(m);
+    while !ready(&mut g) && Instant::now() < spin_until {
+        // Relaxed: a hint only; the lock taken after a change orders the data.
+        let seen = seq.load(Ordering::Relaxed);
+        drop(g);
+        while seq.load(Ordering::Relaxed) == seen && Instant::now() < spin_until {
+            std::thread::yield_now();
+        }
+        g = lock(m);
+    }
+    while !ready(&mut g) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        *sleepers(&mut g) += 1;
+        g = cv.wait_timeout(g, left).unwrap_or_else(|e| e.into_inner()).0;
+        *sleepers(&mut g) -= 1;
+    }
+    g
 }
 
 impl Waiter {
@@ -278,8 +319,13 @@ impl Waiter {
             }
         }
         w.remaining = w.remaining.saturating_sub(1);
+        // Relaxed: a hint for the spinning user, who then takes the lock.
+        self.seq.fetch_add(1, Ordering::Relaxed);
+        let sleeping = w.sleepers > 0;
         drop(w);
-        self.done.notify_all();
+        if sleeping {
+            self.done.notify_all();
+        }
     }
 }
 
@@ -295,6 +341,17 @@ struct PendingReq {
 struct Pending {
     free: Vec<u16>,
     by_tag: HashMap<u16, PendingReq>,
+    /// Users sleeping on `tags_freed`.
+    sleepers: usize,
+}
+
+impl Shared {
+    /// Wakes users waiting for tags, if any sleeps. Called with `pending` released.
+    fn tags_freed(&self, sleepers: usize) {
+        if sleepers > 0 {
+            self.tags_freed.notify_all();
+        }
+    }
 }
 
 #[derive(Default)]
@@ -309,6 +366,8 @@ type Callback = Arc<dyn Fn(Bdf, u16) + Send + Sync>;
 struct Interrupts {
     vectors: HashMap<(Bdf, u16), Vector>,
     callbacks: Vec<Callback>,
+    /// Users sleeping on `interrupted`.
+    sleepers: usize,
 }
 
 enum Job {
@@ -326,6 +385,8 @@ struct Shared {
     regions: RwLock<RegionMap>,
     interrupts: Mutex<Interrupts>,
     interrupted: Condvar,
+    /// Bumped under `interrupts`' lock at every interrupt (see [`spin_then_wait`]).
+    interrupt_seq: AtomicU64,
     subscribers: Mutex<Vec<mpsc::Sender<HostEvent>>>,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     /// The runtime's sender, set once the runtime runs, cleared at shutdown.
@@ -368,7 +429,7 @@ impl Shared {
         st.allocations.retain(|(_, _, m)| *m != mac);
         drop(st);
         self.changed.notify_all();
-        {
+        let sleepers = {
             let mut p = lock(&self.pending);
             let gone: Vec<u16> = p.by_tag.iter().filter(|(_, r)| r.peer == mac).map(|(t, _)| *t).collect();
             for t in gone {
@@ -378,8 +439,9 @@ impl Shared {
                     r.waiter.finish_part(Err(BridgeError::DeviceGone { bdf: r.bdf, mac }));
                 }
             }
-        }
-        self.tags_freed.notify_all();
+            p.sleepers
+        };
+        self.tags_freed(sleepers);
         for f in d.functions {
             self.emit(HostEvent::DeviceRemoved { bdf: f.bdf, mac, reason: reason.to_string() });
         }
@@ -410,8 +472,14 @@ impl Shared {
             return Err(BridgeError::BadRequest(format!("{} requests at once", parts.len())));
         }
         let waiter = Arc::new(Waiter {
-            state: Mutex::new(WaitState { remaining: parts.len(), data: vec![0; total], error: None }),
+            state: Mutex::new(WaitState {
+                remaining: parts.len(),
+                data: vec![0; total],
+                error: None,
+                sleepers: 0,
+            }),
             done: Condvar::new(),
+            seq: AtomicU64::new(0),
         });
         let mut tlps = Vec::with_capacity(parts.len());
         let mut tags = Vec::with_capacity(parts.len());
@@ -423,7 +491,9 @@ impl Shared {
                     bump(&self.counters.timeouts);
                     return Err(BridgeError::Timeout(timeout));
                 }
+                p.sleepers += 1;
                 p = self.tags_freed.wait_timeout(p, left).unwrap_or_else(|e| e.into_inner()).0;
+                p.sleepers -= 1;
             }
             for (i, (offset, read)) in parts.iter().enumerate() {
                 let t = p.free.pop().expect("counted");
@@ -447,20 +517,31 @@ impl Shared {
             return Err(BridgeError::DeviceGone { bdf, mac });
         }
         let sender = self.sender()?;
-        for t in &tlps {
-            let b = t.encode().map_err(|e| BridgeError::BadRequest(e.to_string()))?;
-            sender.send(mac, channel, &b);
-        }
-        let mut w = lock(&waiter.state);
-        while w.remaining > 0 && w.error.is_none() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                drop(w);
+        let encoded = tlps
+            .iter()
+            .map(|t| t.encode().map_err(|e| BridgeError::BadRequest(e.to_string())))
+            .collect::<BridgeResult<Vec<Vec<u8>>>>();
+        let encoded = match encoded {
+            Ok(e) => e,
+            Err(e) => {
                 self.forget(&tags);
-                bump(&self.counters.timeouts);
-                return Err(BridgeError::Timeout(timeout));
+                return Err(e);
             }
-            w = waiter.done.wait_timeout(w, left).unwrap_or_else(|e| e.into_inner()).0;
+        };
+        sender.send_all(mac, channel, encoded.iter().map(|b| b.as_slice()));
+        let mut w = spin_then_wait(
+            &waiter.state,
+            &waiter.done,
+            &waiter.seq,
+            deadline,
+            |w| &mut w.sleepers,
+            |w| w.remaining == 0 || w.error.is_some(),
+        );
+        if w.remaining > 0 && w.error.is_none() {
+            drop(w);
+            self.forget(&tags);
+            bump(&self.counters.timeouts);
+            return Err(BridgeError::Timeout(timeout));
         }
         if let Some(e) = w.error.take() {
             drop(w);
@@ -478,8 +559,9 @@ impl Shared {
                 p.free.push(*t);
             }
         }
+        let sleepers = p.sleepers;
         drop(p);
-        self.tags_freed.notify_all();
+        self.tags_freed(sleepers);
     }
 
     fn sender(&self) -> BridgeResult<Sender> {
@@ -518,10 +600,11 @@ impl Shared {
         let tlps = write_requests(HOST_BDF, address, data, self.config.mps)
             .map_err(|e| BridgeError::BadRequest(e.to_string()))?;
         let sender = self.sender()?;
-        for t in tlps {
-            let b = t.encode().map_err(|e| BridgeError::BadRequest(e.to_string()))?;
-            sender.send(mac, channel, &b);
-        }
+        let encoded = tlps
+            .iter()
+            .map(|t| t.encode().map_err(|e| BridgeError::BadRequest(e.to_string())))
+            .collect::<BridgeResult<Vec<Vec<u8>>>>()?;
+        sender.send_all(mac, channel, encoded.iter().map(|b| b.as_slice()));
         Ok(())
     }
 }
@@ -529,16 +612,21 @@ impl Shared {
 /// The receive side: serves device DMA, routes completions, never waits for a user.
 struct HostHandler {
     shared: Arc<Shared>,
+    /// Where replies are encoded before the outbox copies them (reused: no allocation per TLP).
+    scratch: Vec<u8>,
+    /// The buffers completions for device reads are built in (reused).
+    completions: CompletionScratch,
 }
 
 impl HostHandler {
-    fn send(&self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
-        if let Ok(b) = tlp.encode() {
-            out.send(peer, channel, &b);
+    fn send(&mut self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
+        self.scratch.resize(tlp.buffer_len(), 0);
+        if let Ok(n) = tlp.emit(&mut self.scratch) {
+            out.send(peer, channel, &self.scratch[..n]);
         }
     }
 
-    fn ur(&self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
+    fn ur(&mut self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
         bump(&self.shared.counters.ur_sent);
         self.send(out, peer, channel, &ur_completion(HOST_BDF, tlp.requester_id(), tlp.tag));
     }
@@ -570,8 +658,9 @@ impl HostHandler {
         };
         let r = p.by_tag.remove(&t).expect("found above");
         p.free.push(t);
+        let sleepers = p.sleepers;
         drop(p);
-        self.shared.tags_freed.notify_all();
+        self.shared.tags_freed(sleepers);
         r.waiter.finish_part(result);
     }
 
@@ -594,16 +683,20 @@ impl HostHandler {
         }
         let v = v as u16;
         bump(&sh.counters.interrupts);
-        let callbacks = {
+        let (callbacks, sleepers) = {
             let mut irq = lock(&sh.interrupts);
             let e = irq.vectors.entry((requester, v)).or_default();
             e.count += 1;
             if let Some(fd) = &e.eventfd {
                 fd.signal();
             }
-            irq.callbacks.clone()
+            // Relaxed: a hint for spinning waiters, who then take the lock.
+            sh.interrupt_seq.fetch_add(1, Ordering::Relaxed);
+            (irq.callbacks.clone(), irq.sleepers)
         };
-        sh.interrupted.notify_all();
+        if sleepers > 0 {
+            sh.interrupted.notify_all();
+        }
         for cb in callbacks {
             cb(requester, v);
         }
@@ -644,17 +737,24 @@ impl Handler for HostHandler {
                     self.ur(out, m.peer, m.channel, &tlp);
                     return;
                 }
-                let cpls = completions_for_read(&tlp, HOST_BDF, sh.config.mps, sh.config.rcb, |a, buf| {
-                    regions.read_dws(want, len as u64, a, buf).ok_or(())
-                });
-                drop(regions);
-                match cpls {
-                    Ok(cpls) => {
-                        bump(&c.dma_reads_served);
-                        for cpl in &cpls {
-                            self.send(out, m.peer, m.channel, cpl);
+                let HostHandler { scratch, completions, .. } = self;
+                let served = each_completion_for_read(
+                    &tlp,
+                    HOST_BDF,
+                    sh.config.mps,
+                    sh.config.rcb,
+                    completions,
+                    |a, buf| regions.read_dws(want, len as u64, a, buf).ok_or(()),
+                    |cpl| {
+                        scratch.resize(cpl.buffer_len(), 0);
+                        if let Ok(n) = cpl.emit(scratch) {
+                            out.send(m.peer, m.channel, &scratch[..n]);
                         }
-                    }
+                    },
+                );
+                drop(regions);
+                match served {
+                    Ok(()) => bump(&c.dma_reads_served),
                     Err(_) => self.ur(out, m.peer, m.channel, &tlp),
                 }
             }
@@ -976,19 +1076,32 @@ impl HostBridge {
             config,
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
-            pending: Mutex::new(Pending { free: (0..Tag::COUNT).rev().collect(), by_tag: HashMap::new() }),
+            pending: Mutex::new(Pending {
+                free: (0..Tag::COUNT).rev().collect(),
+                by_tag: HashMap::new(),
+                sleepers: 0,
+            }),
             tags_freed: Condvar::new(),
             regions: RwLock::new(RegionMap::default()),
             interrupts: Mutex::new(Interrupts::default()),
             interrupted: Condvar::new(),
+            interrupt_seq: AtomicU64::new(0),
             subscribers: Mutex::new(Vec::new()),
             jobs: Mutex::new(Some(jobs_tx)),
             sender_slot: Mutex::new(None),
             counters: Counters::default(),
             stop: AtomicBool::new(false),
         });
-        let runtime = Runtime::start(port, rc, Box::new(HostHandler { shared: shared.clone() }))
-            .map_err(|e| BridgeError::Start(e.to_string()))?;
+        let runtime = Runtime::start(
+            port,
+            rc,
+            Box::new(HostHandler {
+                shared: shared.clone(),
+                scratch: Vec::new(),
+                completions: CompletionScratch::default(),
+            }),
+        )
+        .map_err(|e| BridgeError::Start(e.to_string()))?;
         *lock(&shared.sender_slot) = Some(runtime.sender());
         let sh = shared.clone();
         let name = format!("{}-cfg", shared.config.name);
@@ -1127,15 +1240,16 @@ impl HostBridge {
     /// returns the count.
     pub fn wait_interrupts(&self, bdf: Bdf, vector: u16, count: u64, timeout: Duration) -> u64 {
         let deadline = Instant::now() + timeout;
-        let mut irq = lock(&self.shared.interrupts);
-        loop {
-            let n = irq.vectors.get(&(bdf, vector)).map_or(0, |v| v.count);
-            let left = deadline.saturating_duration_since(Instant::now());
-            if n >= count || left.is_zero() {
-                return n;
-            }
-            irq = self.shared.interrupted.wait_timeout(irq, left).unwrap_or_else(|e| e.into_inner()).0;
-        }
+        let seen = |irq: &mut Interrupts| irq.vectors.get(&(bdf, vector)).map_or(0, |v| v.count);
+        let mut irq = spin_then_wait(
+            &self.shared.interrupts,
+            &self.shared.interrupted,
+            &self.shared.interrupt_seq,
+            deadline,
+            |irq| &mut irq.sleepers,
+            |irq| seen(irq) >= count,
+        );
+        seen(&mut irq)
     }
 
     /// The counters.

@@ -43,6 +43,11 @@ pub(crate) trait Hosted: Send {
     fn memory_write(&mut self, address: u64, data: &[u8]) -> Result<(), MmioError>;
     /// Whether `run` has something to do without new input.
     fn wants_run(&self) -> bool;
+    /// Whether the model's DMA reads block (it needs a thread of its own); a sans-IO model runs
+    /// inline on the device bridge's receive thread.
+    fn blocking(&self) -> bool {
+        false
+    }
     /// Runs pending work through `path`; returns the units of work done.
     fn run(&mut self, path: &mut dyn Path) -> usize;
 }
@@ -183,6 +188,9 @@ impl<B: BlockingDevice + Send> Hosted for BlockingHosted<B> {
     }
     fn wants_run(&self) -> bool {
         self.function.has_work()
+    }
+    fn blocking(&self) -> bool {
+        true
     }
     fn run(&mut self, path: &mut dyn Path) -> usize {
         if !self.function.has_work() {
