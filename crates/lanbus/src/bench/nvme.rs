@@ -3,14 +3,18 @@
 //!
 //! - `local`: the controller model in-process (driver and controller joined directly, the
 //!   controller on its own thread as on the device bridge), behind the NBD server: no fabric;
-//! - `peer:qemu-nbd`: qemu-nbd serving a backing file of the same size (in /dev/shm);
+//! - `peer:qemu-nbd`: qemu-nbd serving the same backing file;
 //! - `sim`: the whole fabric (device bridge, transport, host bridge, driver) over the in-process
 //!   simulated wire;
 //! - `udp`, `afpacket`, `afxdp`: the fabric over real ports: over a veth pair between two network
 //!   namespaces when root (afpacket and afxdp need it), `udp` over loopback otherwise.
 //!
-//! Metrics `mb_per_s` and `iops`, with `block_size` and `rw`; each the median of `--runs` fio
-//! runs. A PNG per direction (MB/s against block size) next to the JSON.
+//! Every row serves the same backing file (`--size-mib`, filled with data, in /dev/shm when it
+//! exists): the lanbus rows' controller reads and writes it with pread/pwrite, as qemu-nbd does
+//! (writeback cache, no O_DIRECT, for both). Every row runs the same fio job. Metrics `mb_per_s`
+//! and `iops`, with `block_size`, `rw` and (lanbus rows) the driver's `completion` mode; each the
+//! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`). A PNG per direction (MB/s against
+//! block size) next to the JSON.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -39,7 +43,7 @@ pub struct NvmeBenchArgs {
     /// One 1-second fio run per point instead of three of 2 seconds.
     #[arg(long)]
     quick: bool,
-    /// Namespace size in MiB (RAM for lanbus, a file in /dev/shm for qemu-nbd).
+    /// Namespace size in MiB (the backing file every row serves).
     #[arg(long, default_value_t = 256)]
     size_mib: u64,
     /// Rows to measure (comma-separated); default all that can run here.
@@ -109,8 +113,13 @@ fn serve(dir: &Path, name: &str, device: Arc<dyn BlockDevice>) -> anyhow::Result
     Ok((server, format!("nbd+unix:///nvme0?socket={}", socket.display())))
 }
 
-fn local(dir: &Path, size: u64, dcfg: lanbus_nvme::DriverConfig) -> anyhow::Result<(Holder, String)> {
-    let ctrl = fabric::controller(&NvmeBacking::Ram(size), 512)?;
+/// The backing file all rows serve.
+fn backing(dir: &Path) -> NvmeBacking {
+    NvmeBacking::File { path: dir.join("backing.img"), size: None }
+}
+
+fn local(dir: &Path, dcfg: lanbus_nvme::DriverConfig) -> anyhow::Result<(Holder, String)> {
+    let ctrl = fabric::controller(&backing(dir), 512)?;
     let nvme = LocalNvme::new(ctrl, fabric::DMA_REGION_PAGES, ProcessMode::Thread);
     let drv = Arc::new(nvme.driver(dcfg)?);
     let (server, uri) = serve(dir, "local", Arc::new(NvmeBlock::new(drv)))?;
@@ -120,26 +129,28 @@ fn local(dir: &Path, size: u64, dcfg: lanbus_nvme::DriverConfig) -> anyhow::Resu
 fn over(
     dir: &Path,
     name: &str,
-    size: u64,
     ports: (Box<dyn Port>, Box<dyn Port>),
     dcfg: lanbus_nvme::DriverConfig,
 ) -> anyhow::Result<(Holder, String)> {
-    let ctrl = fabric::controller(&NvmeBacking::Ram(size), 512)?;
+    let ctrl = fabric::controller(&backing(dir), 512)?;
     let f = SimFabric::over_with(ctrl, ports.0, ports.1, dcfg)?;
     let (server, uri) = serve(dir, name, Arc::new(NvmeBlock::new(f.driver.clone())))?;
     Ok((Holder::Fabric(f, server), uri))
 }
 
-fn qemu(dir: &Path, size: u64) -> anyhow::Result<(Holder, String)> {
-    let image = dir.join("backing.img");
-    {
-        let dev = FileDevice::create(&image, size)?;
-        let chunk: Vec<u8> = (0..1 << 20).map(|i| (i * 31 + 7) as u8).collect();
-        for off in (0..size).step_by(chunk.len()) {
-            dev.write_at(off, &chunk, false)?;
-        }
-        dev.flush()?;
+/// Creates the backing file: real blocks (not a sparse file), so every row reads allocated data.
+fn create_backing(dir: &Path, size: u64) -> anyhow::Result<()> {
+    let dev = FileDevice::create(&dir.join("backing.img"), size)?;
+    let chunk: Vec<u8> = (0..1 << 20).map(|i| (i * 31 + 7) as u8).collect();
+    for off in (0..size).step_by(chunk.len()) {
+        dev.write_at(off, &chunk[..chunk.len().min((size - off) as usize)], false)?;
     }
+    dev.flush()?;
+    Ok(())
+}
+
+fn qemu(dir: &Path) -> anyhow::Result<(Holder, String)> {
+    let image = dir.join("backing.img");
     let socket = dir.join("qemu-nbd.sock");
     let child = Command::new("qemu-nbd")
         .args(["--format=raw", "--persistent", "--shared=4", "--export-name=nvme0", "--cache=writeback"])
@@ -235,17 +246,17 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         rows.extend(["afpacket", "afxdp"]);
     }
     let (runs, runtime) = if args.quick { (1, 1) } else { (3, 2) };
+    create_backing(dir, size)?;
     let mut report = Report::new("nvme");
     let mut missing = Vec::new();
     for name in rows.into_iter().filter(|n| want(n)) {
         let target = match name {
-            "local" => local(dir, size, args.driver_config()),
-            "peer:qemu-nbd" => qemu(dir, size),
-            "sim" => {
-                SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", size, p, args.driver_config()))
+            "local" => local(dir, args.driver_config()),
+            "peer:qemu-nbd" => qemu(dir),
+            "sim" => SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", p, args.driver_config())),
+            kind => {
+                super::port_pair(kind, veth.as_ref()).and_then(|p| over(dir, kind, p, args.driver_config()))
             }
-            kind => super::port_pair(kind, veth.as_ref())
-                .and_then(|p| over(dir, kind, size, p, args.driver_config())),
         };
         let (holder, uri) = match target {
             Ok(t) => t,
