@@ -9,13 +9,14 @@
 //!   1.4 section 2 and PCIe Base Specification 7.7.2), and BAR2 64-bit prefetchable when the
 //!   controller has a Controller Memory Buffer; BAR0 accesses below the MSI-X table go to
 //!   `bar0_read`/`bar0_write` (the bridge's function keeps the table and PBA itself), BAR2
-//!   accesses to `cmb_read`/`cmb_write`; the
-//!   controller's DMA and MSI-X go through the bridge worker's blocking [`HostAccess`], so every
-//!   command fetch, PRP list, data transfer, completion entry and interrupt is a TLP.
+//!   accesses to `cmb_read`/`cmb_write`; the controller's DMA and MSI-X go through the bridge
+//!   worker's blocking [`HostAccess`], so every command fetch, PRP list, data transfer,
+//!   completion entry and interrupt is a TLP (with the memory buffer in use, commands, lists and
+//!   write data arrive as the host's posted writes to BAR2 instead of being fetched).
 //! - Host side, [`attach`]: the driver's [`Bar`] is MMIO through the host bridge at the BAR0
-//!   address enumeration assigned (and BAR2 for the memory buffer), its [`DmaMemory`] is a [`HostRegion`] lent to the bridge as a
-//!   [`DmaRegion`] at the region's bus address, and its [`InterruptWait`] waits on the bridge's
-//!   MSI-X eventfds (one per vector).
+//!   address enumeration assigned (and at BAR2's for the memory buffer), its [`DmaMemory`] is a
+//!   [`HostRegion`] lent to the bridge as a [`DmaRegion`] at the region's bus address, and its
+//!   [`InterruptWait`] waits on the bridge's MSI-X eventfds (one per vector).
 //!
 //! Invariants: bus failures become [`BusError`]s (a gone device is [`BusError::Down`], so the
 //! driver fails its users instead of waiting); nothing here panics on what the other side sends.
