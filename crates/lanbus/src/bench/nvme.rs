@@ -14,7 +14,8 @@
 //! (writeback cache, no O_DIRECT, for both). Every row runs the same fio job. Metrics `mb_per_s`
 //! and `iops`, with `block_size`, `rw` and (lanbus rows) the driver's `completion` mode; each the
 //! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`). A PNG per direction (MB/s against
-//! block size) next to the JSON.
+//! block size) next to the JSON. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
+//! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
