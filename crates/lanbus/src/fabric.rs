@@ -14,8 +14,8 @@ use anyhow::{bail, Context};
 use lanbus_nbd::{BlockDevice, DeviceError, Errno};
 use lanbus_nvme::pcie::{attach, FunctionStats, NvmeFunction};
 use lanbus_nvme::{
-    Backing, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking, HostRegion, NvmeDriver,
-    RamBacking,
+    Backing, CompletionMode, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking,
+    HostRegion, NvmeDriver, RamBacking,
 };
 use lanbus_pcie::bridge::{
     DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig, HostedFunction, RemoteFunction,
@@ -110,6 +110,11 @@ impl std::str::FromStr for NvmeBacking {
     }
 }
 
+/// Size of the controller's memory buffer (BAR2): the driver puts its submission queues, PRP
+/// lists and write data there (8 requests of the driver's 2 MiB window), so commands and write
+/// data reach the drive with posted writes rather than by the drive reading them.
+pub const CMB_BYTES: u64 = 16 << 20;
+
 /// A controller model over `backing` with `lba_size`-byte blocks (512 or 4096).
 pub fn controller(backing: &NvmeBacking, lba_size: u32) -> anyhow::Result<Controller> {
     let store: Box<dyn Backing> = match backing {
@@ -125,7 +130,7 @@ pub fn controller(backing: &NvmeBacking, lba_size: u32) -> anyhow::Result<Contro
     if store.len() < u64::from(lba_size) {
         bail!("the backing store is smaller than one {lba_size}-byte block");
     }
-    let cfg = ControllerConfig { lba_size, ..ControllerConfig::default() };
+    let cfg = ControllerConfig { lba_size, cmb_bytes: CMB_BYTES, ..ControllerConfig::default() };
     Controller::new(cfg, store).map_err(|e| anyhow::anyhow!("NVMe controller: {e}"))
 }
 
@@ -144,6 +149,11 @@ pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
     // a starved thread can miss three 100 ms beats, and a device that loses its host fails the
     // DMA of the command it is running (the controller then reports a fatal status).
     c.transport.heartbeat.missed_limit = 10;
+    // Retransmission timeouts below a few milliseconds fire spuriously on a machine whose
+    // threads are descheduled for that long (measured on the 2-core bench VM: every frame the
+    // device resent after a timeout had arrived, and Go-Back-N resent its whole window each
+    // time). A real loss in the middle of a burst is still repaired by fast retransmit.
+    c.transport.min_rto = Duration::from_millis(5);
     c
 }
 
@@ -169,21 +179,35 @@ pub fn device_config(group: u16, name: &str, threads: ThreadMode) -> DeviceBridg
     }
 }
 
+/// How the daemons' driver learns of completions: polling the completion queue for a short
+/// while, then sleeping on MSI-X (the fastest of the two in `lanbus bench nvme`: a completion
+/// that arrives while the driver polls costs no wake-up).
+pub const COMPLETION: CompletionMode = CompletionMode::Poll;
+
 /// The driver settings the daemons use.
 pub fn driver_config() -> DriverConfig {
     DriverConfig {
         io_queues: 4,
         io_timeout: Duration::from_secs(10),
         max_inflight_bytes: 2 << 20,
+        completion: COMPLETION,
         ..DriverConfig::default()
     }
 }
 
 /// Starts the NVMe driver on function `f` of `host`.
 pub fn start_driver(host: &Arc<HostBridge>, f: &RemoteFunction) -> anyhow::Result<Arc<NvmeDriver>> {
+    start_driver_with(host, f, driver_config())
+}
+
+/// Starts the NVMe driver on function `f` of `host` with settings `cfg`.
+pub fn start_driver_with(
+    host: &Arc<HostBridge>,
+    f: &RemoteFunction,
+    cfg: DriverConfig,
+) -> anyhow::Result<Arc<NvmeDriver>> {
     let region = Arc::new(HostRegion::new(DMA_REGION_BASE, DMA_REGION_PAGES));
-    let drv = attach(host, f, region, driver_config())
-        .with_context(|| format!("starting the driver on {}", f.bdf))?;
+    let drv = attach(host, f, region, cfg).with_context(|| format!("starting the driver on {}", f.bdf))?;
     Ok(Arc::new(drv))
 }
 
@@ -236,6 +260,16 @@ impl SimFabric {
         host_port: Box<dyn Port>,
         device_port: Box<dyn Port>,
     ) -> anyhow::Result<SimFabric> {
+        SimFabric::over_with(ctrl, host_port, device_port, driver_config())
+    }
+
+    /// As [`SimFabric::over`], with driver settings `dcfg`.
+    pub fn over_with(
+        ctrl: Controller,
+        host_port: Box<dyn Port>,
+        device_port: Box<dyn Port>,
+        dcfg: DriverConfig,
+    ) -> anyhow::Result<SimFabric> {
         let mode = ThreadMode::RunToCompletion;
         let host = Arc::new(HostBridge::start(host_port, host_config(1, "fabric-host", mode))?);
         let (function, controller_stats) = nvme_function(ctrl)?;
@@ -243,7 +277,7 @@ impl SimFabric {
             DeviceBridge::start(device_port, device_config(1, "fabric-iobox", mode), vec![function])?;
         let devs = host.wait_devices(1, Duration::from_secs(10));
         let function = devs.into_iter().next().context("the host bridge enumerated nothing in 10 s")?;
-        let driver = start_driver(&host, &function)?;
+        let driver = start_driver_with(&host, &function, dcfg)?;
         Ok(SimFabric { host, device: Some(device), function, driver, controller_stats })
     }
 

@@ -2,14 +2,18 @@
 //!
 //! Layer: the I/O driver around the pure protocol code ([`crate::proto`], [`crate::handshake`]).
 //!
-//! Thread model: one accept thread per listener; per connection, one reader thread that runs the
-//! handshake, then parses requests and hands them to a small pool of worker threads (scoped to the
-//! connection). Workers call the [`BlockDevice`] and write each simple reply, whole, under the
-//! connection's writer lock, so replies leave in completion order, which may differ from request
-//! order: the client matches them by handle.
+//! Thread model: one accept thread per listener; per connection, a thread that runs the
+//! handshake, then a small pool of worker threads (scoped to the connection) as leader and
+//! followers: the worker holding the socket's read side reads one request, hands the read side to
+//! the next idle worker and runs the request itself, so a request never waits for a thread
+//! hand-off (one wake-up less per request than a reader feeding a pool). Workers call the
+//! [`BlockDevice`] and write each simple reply, whole, under the connection's writer lock, so
+//! replies leave in completion order, which may differ from request order: the client matches
+//! them by handle.
 //!
 //! Invariants: memory held for a connection's in-flight requests is bounded by a byte budget
-//! (default 64 MiB, at least twice [`MAX_PAYLOAD_BYTES`]) and a queue depth; a READ or WRITE above
+//! (default 64 MiB, at least twice [`MAX_PAYLOAD_BYTES`]) and by the workers (a request is read
+//! only by a worker free to run it); a READ or WRITE above
 //! [`MAX_PAYLOAD_BYTES`] is refused (`EINVAL`) before any buffer is allocated, a refused WRITE's
 //! payload is read and discarded through a 64 KiB buffer. A client that breaks the protocol (bad
 //! magic, oversized option, unusable flags, close in the middle of a request) is disconnected, logged
@@ -27,7 +31,6 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -349,7 +352,8 @@ impl ServerBuilder {
         self
     }
 
-    /// Requests read ahead and queued per connection beyond the ones executing (default 64).
+    /// Kept for compatibility; has no effect. A request is read only by a worker free to run it
+    /// (leader/followers), so the requests in flight on a connection are at most its workers.
     pub fn queue_depth(mut self, n: usize) -> Self {
         self.config.queue_depth = n.max(1);
         self
@@ -674,17 +678,19 @@ fn serve_connection(inner: &Arc<Inner>, stream: Stream) -> Result<Ended, ConnErr
         budget: Budget::new(inner.config.inflight_bytes_per_connection),
         broken: AtomicBool::new(false),
     };
-    let (tx, rx) = sync_channel::<Job>(inner.config.queue_depth);
-    let rx = Mutex::new(rx);
-    let result = std::thread::scope(|scope| {
-        for _ in 0..inner.config.workers_per_connection {
-            let (conn, rx) = (&conn, &rx);
-            scope.spawn(move || conn.worker(rx));
+    // Leader/followers: whichever worker holds the reader reads one request, lets the next idle
+    // worker take the reader, and executes the request itself. A request is run by the thread
+    // that read it, with no hand-off (and no wake-up of another thread) in between.
+    let reader = Mutex::new(Leader { reader, ended: None });
+    std::thread::scope(|scope| {
+        for _ in 1..inner.config.workers_per_connection {
+            let (conn, reader, limits) = (&conn, &reader, &limits);
+            scope.spawn(move || conn.worker(reader, limits));
         }
-        let r = conn.read_requests(&mut reader, &limits, &tx);
-        drop(tx);
-        r
+        conn.worker(&reader, &limits);
     });
+    let result =
+        reader.into_inner().unwrap_or_else(|p| p.into_inner()).ended.unwrap_or(Ok(Ended::Disconnected));
     // Workers are joined: every reply is sent. A client that leaves gets its writes flushed.
     if !export.read_only {
         if let Err(e) = export.device.flush() {
@@ -726,7 +732,17 @@ impl Read for DeadlineReader {
     }
 }
 
-/// One request handed to a worker.
+/// Capacity of a worker's request and reply buffers kept for the next request.
+const KEEP_BUFFER_BYTES: usize = 4 << 20;
+
+/// The connection's reading side, held by one worker at a time, and how reading ended.
+struct Leader<R> {
+    reader: R,
+    /// Set by the worker that saw the stream end (or fail); the others then stop.
+    ended: Option<Result<Ended, ConnError>>,
+}
+
+/// One request read and about to run.
 struct Job {
     handle: u64,
     action: Action,
@@ -780,71 +796,70 @@ fn read_full(r: &mut impl Read, buf: &mut [u8], what: &'static str) -> Result<()
 }
 
 impl Conn<'_> {
-    fn read_requests(
+    /// Reads the next request: `Ok(Some(job))` to run, `Ok(None)` when it was refused and
+    /// answered already, `Err` when reading ends (the client left, or broke the protocol).
+    fn next_request(
         &self,
         reader: &mut impl Read,
         limits: &ExportLimits,
-        tx: &std::sync::mpsc::SyncSender<Job>,
-    ) -> Result<Ended, ConnError> {
+        spare: &mut Vec<u8>,
+    ) -> Result<Option<Job>, Result<Ended, ConnError>> {
         let mut hb = [0u8; RequestHeader::LEN];
+        if self.broken.load(Ordering::Relaxed) {
+            return Err(Err(ConnError::Io(io::Error::new(io::ErrorKind::BrokenPipe, "reply failed"))));
+        }
+        // End of stream before the first byte of a header: the client left between requests.
         loop {
-            if self.broken.load(Ordering::Relaxed) {
-                return Err(ConnError::Io(io::Error::new(io::ErrorKind::BrokenPipe, "reply failed")));
-            }
-            // End of stream before the first byte of a header: the client left between requests.
             match reader.read(&mut hb[..1]) {
-                Ok(0) => return Ok(Ended::ClosedBetweenRequests),
-                Ok(_) => {}
+                Ok(0) => return Err(Ok(Ended::ClosedBetweenRequests)),
+                Ok(_) => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(ConnError::Io(e)),
-            }
-            read_full(reader, &mut hb[1..], "a request header")?;
-            let header = RequestHeader::parse(&hb).map_err(ConnError::Protocol)?;
-            let counter = match header.command {
-                Command::Read => Some(&self.counters.requests_read),
-                Command::Write => Some(&self.counters.requests_write),
-                Command::Flush => Some(&self.counters.requests_flush),
-                Command::Trim => Some(&self.counters.requests_trim),
-                Command::WriteZeroes => Some(&self.counters.requests_write_zeroes),
-                Command::Disc => Some(&self.counters.requests_disc),
-                Command::Unknown(_) => None,
-            };
-            if let Some(c) = counter {
-                bump(c, 1);
-            }
-            let action = match check_request(&header, limits) {
-                Ok(a) => a,
-                Err(errno) => {
-                    bump(&self.counters.requests_refused, 1);
-                    discard(reader, header.payload_len())?;
-                    self.send(&reply_header(header.handle, errno.as_u32()))?;
-                    continue;
-                }
-            };
-            let (budget_bytes, payload) = match action {
-                Action::Disconnect => return Ok(Ended::Disconnected),
-                Action::Read { length, .. } => (u64::from(length), Vec::new()),
-                Action::Write { length, .. } => {
-                    self.budget.take(u64::from(length));
-                    // At most MAX_PAYLOAD_BYTES, checked above, and within the budget.
-                    let mut payload = vec![0u8; length as usize];
-                    if let Err(e) = read_full(reader, &mut payload, "a WRITE payload") {
-                        self.budget.give(u64::from(length));
-                        return Err(e);
-                    }
-                    (u64::from(length), payload)
-                }
-                _ => (0, Vec::new()),
-            };
-            if let Action::Read { length, .. } = action {
-                self.budget.take(u64::from(length));
-            }
-            let job = Job { handle: header.handle, action, payload, budget_bytes };
-            if tx.send(job).is_err() {
-                // Every worker is gone, which only happens if they panicked.
-                return Err(ConnError::Io(io::Error::other("worker pool ended")));
+                Err(e) => return Err(Err(ConnError::Io(e))),
             }
         }
+        read_full(reader, &mut hb[1..], "a request header").map_err(Err)?;
+        let header = RequestHeader::parse(&hb).map_err(|e| Err(ConnError::Protocol(e)))?;
+        let counter = match header.command {
+            Command::Read => Some(&self.counters.requests_read),
+            Command::Write => Some(&self.counters.requests_write),
+            Command::Flush => Some(&self.counters.requests_flush),
+            Command::Trim => Some(&self.counters.requests_trim),
+            Command::WriteZeroes => Some(&self.counters.requests_write_zeroes),
+            Command::Disc => Some(&self.counters.requests_disc),
+            Command::Unknown(_) => None,
+        };
+        if let Some(c) = counter {
+            bump(c, 1);
+        }
+        let action = match check_request(&header, limits) {
+            Ok(a) => a,
+            Err(errno) => {
+                bump(&self.counters.requests_refused, 1);
+                discard(reader, header.payload_len()).map_err(Err)?;
+                self.send(&reply_header(header.handle, errno.as_u32())).map_err(Err)?;
+                return Ok(None);
+            }
+        };
+        let (budget_bytes, payload) = match action {
+            Action::Disconnect => return Err(Ok(Ended::Disconnected)),
+            Action::Read { length, .. } => {
+                self.budget.take(u64::from(length));
+                (u64::from(length), Vec::new())
+            }
+            Action::Write { length, .. } => {
+                self.budget.take(u64::from(length));
+                // At most MAX_PAYLOAD_BYTES, checked above, and within the budget.
+                let mut payload = std::mem::take(spare);
+                payload.resize(length as usize, 0);
+                if let Err(e) = read_full(reader, &mut payload, "a WRITE payload") {
+                    self.budget.give(u64::from(length));
+                    return Err(Err(e));
+                }
+                (u64::from(length), payload)
+            }
+            _ => (0, Vec::new()),
+        };
+        Ok(Some(Job { handle: header.handle, action, payload, budget_bytes }))
     }
 
     fn send(&self, bytes: &[u8]) -> Result<(), ConnError> {
@@ -860,35 +875,55 @@ impl Conn<'_> {
         }
     }
 
-    fn worker(&self, rx: &Mutex<Receiver<Job>>) {
+    /// One worker: takes the reader when it is free, reads a request, gives the reader up and
+    /// runs the request; stops once reading has ended.
+    fn worker<R: Read>(&self, leader: &Mutex<Leader<R>>, limits: &ExportLimits) {
+        // Buffers kept from one request to the next (a fresh large one costs page faults).
+        let mut spare = Vec::new();
+        let mut reply = Vec::new();
         loop {
             let job = {
-                let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
-                match rx.recv() {
-                    Ok(j) => j,
-                    Err(_) => return,
+                let mut l = leader.lock().unwrap_or_else(|p| p.into_inner());
+                if l.ended.is_some() {
+                    return;
+                }
+                match self.next_request(&mut l.reader, limits, &mut spare) {
+                    Ok(Some(job)) => job,
+                    Ok(None) => continue,
+                    Err(end) => {
+                        l.ended = Some(end);
+                        return;
+                    }
                 }
             };
-            let reply = self.execute(&job);
+            self.execute(&job, &mut reply);
             // A failed send marks the connection broken; the remaining jobs still run and release
             // their budget, which keeps the reader from waiting forever.
             let _ = self.send(&reply);
             self.budget.give(job.budget_bytes);
+            spare = job.payload;
+            for b in [&mut spare, &mut reply] {
+                // Keep what typical requests need, not the largest one ever seen.
+                if b.capacity() > KEEP_BUFFER_BYTES {
+                    *b = Vec::new();
+                }
+            }
         }
     }
 
-    /// Runs one request and returns the complete reply (header and, for READ, the data).
-    fn execute(&self, job: &Job) -> Vec<u8> {
+    /// Runs one request and puts the complete reply (header and, for READ, the data) in `out`.
+    fn execute(&self, job: &Job, out: &mut Vec<u8>) {
         let dev = self.device;
         let c = self.counters;
         let result = match job.action {
             Action::Read { offset, length } => {
-                let mut buf = vec![0u8; SimpleReply::LEN + length as usize];
-                match dev.read_at(offset, &mut buf[SimpleReply::LEN..]) {
+                // Every byte is overwritten by the read (or the reply is cut to its header).
+                out.resize(SimpleReply::LEN + length as usize, 0);
+                match dev.read_at(offset, &mut out[SimpleReply::LEN..]) {
                     Ok(()) => {
                         bump(&c.bytes_read, length.into());
-                        SimpleReply { error: 0, handle: job.handle }.emit_into(&mut buf);
-                        return buf;
+                        SimpleReply { error: 0, handle: job.handle }.emit_into(out);
+                        return;
                     }
                     Err(e) => Err(e),
                 }
@@ -916,7 +951,8 @@ impl Conn<'_> {
                 e.errno().as_u32()
             }
         };
-        reply_header(job.handle, error).to_vec()
+        out.clear();
+        out.extend_from_slice(&reply_header(job.handle, error));
     }
 }
 

@@ -20,6 +20,13 @@
 //! - 6 NVM commands: Read, Write, Flush, Write Zeroes, Dataset Management (deallocate).
 //! - 4.3 PRPs (see [`crate::prp`]); MSI-X: one vector per completion queue, signalled once per
 //!   batch of completions posted to it when its IEN bit is set.
+//! - 4.7 [8.2] Controller Memory Buffer (optional, [`ControllerConfig::cmb_bytes`]): BAR2 memory
+//!   that may hold I/O submission queues, PRP lists and write data (CMBSZ.SQS, LISTS, WDS),
+//!   enabled by the host at the bus address it writes to CMBMSC.CBA. Every address the host
+//!   gives (queue bases, PRP entries, list pointers) is looked up there first, so a host that
+//!   uses it has the controller read nothing across the bus: over the fabric a command costs
+//!   posted writes only, no round trip. An access that straddles the buffer's edge fails with
+//!   Invalid Use of Controller Memory Buffer.
 //!
 //! The model is a plain state machine: registers change only in `bar0_write`, all DMA happens
 //! inside [`Controller::process`] through the [`HostMemory`] passed in, so the device bridge
@@ -59,6 +66,14 @@ pub mod reg {
     pub const ASQ: u64 = 0x28;
     /// Admin Completion Queue Base Address (64-bit).
     pub const ACQ: u64 = 0x30;
+    /// Controller Memory Buffer Location.
+    pub const CMBLOC: u64 = 0x38;
+    /// Controller Memory Buffer Size.
+    pub const CMBSZ: u64 = 0x3C;
+    /// Controller Memory Buffer Memory Space Control (64-bit).
+    pub const CMBMSC: u64 = 0x50;
+    /// Controller Memory Buffer Status.
+    pub const CMBSTS: u64 = 0x58;
     /// First doorbell (SQ 0 tail).
     pub const DOORBELLS: u64 = 0x1000;
 
@@ -101,6 +116,29 @@ pub mod csts {
     pub const SHST_COMPLETE: u32 = 0b1000;
 }
 
+/// Controller Memory Buffer fields (1.4 sections 3.1.11 CMBLOC, 3.1.12 CMBSZ, 3.1.15 CMBMSC,
+/// 3.1.16 CMBSTS; 2.0: 3.1.4.12 ..).
+pub mod cmb {
+    /// The BAR the buffer lives in (CMBLOC.BIR), at offset 0 (CMBLOC.OFST = 0).
+    pub const BIR: u8 = 2;
+    /// CMBSZ.SQS: submission queues may live in the buffer.
+    pub const SQS: u32 = 1;
+    /// CMBSZ.LISTS: PRP lists may live in the buffer.
+    pub const LISTS: u32 = 1 << 2;
+    /// CMBSZ.WDS: data of commands that move data from the host to the NVM may live in it.
+    pub const WDS: u32 = 1 << 4;
+    /// CMBSZ size-unit code this model reports (SZU = 0: 4 KiB).
+    pub const UNIT_BYTES: u64 = 4096;
+    /// CMBMSC.CRE: CMBLOC and CMBSZ read as their values (else as zero).
+    pub const CRE: u64 = 1;
+    /// CMBMSC.CMSE: the controller's memory space is enabled at CMBMSC.CBA.
+    pub const CMSE: u64 = 2;
+    /// CMBSTS.CBAI: the base address written to CMBMSC.CBA is invalid.
+    pub const CBAI: u32 = 1;
+    /// CAP.CMBS bit.
+    pub const CAP_CMBS: u64 = 1 << 57;
+}
+
 /// Size of BAR0 (64-bit, non-prefetchable memory BAR).
 pub const BAR0_SIZE: u64 = 0x4000;
 /// Offset in BAR0 where the bridge places the MSI-X table.
@@ -138,6 +176,8 @@ pub struct PciInfo {
     pub msix_table_offset: u64,
     /// MSI-X PBA offset in BAR0.
     pub msix_pba_offset: u64,
+    /// Size of BAR2 (64-bit, prefetchable), the Controller Memory Buffer; 0 when there is none.
+    pub cmb_bar_size: u64,
 }
 
 /// Settings of the model.
@@ -159,6 +199,11 @@ pub struct ControllerConfig {
     pub timeout_500ms: u8,
     /// Most SQ entries fetched in one DMA read.
     pub max_fetch: usize,
+    /// Controller Memory Buffer in bytes (a multiple of 4 KiB up to 1 GiB; 0: none). It sits at
+    /// the start of BAR2 and may hold I/O submission queues, PRP lists and write data (CMBSZ.SQS,
+    /// LISTS, WDS): a host that puts them there pushes commands and data to the controller with
+    /// posted writes instead of the controller reading them across the fabric.
+    pub cmb_bytes: u64,
     /// Serial number (Identify SN, up to 20 ASCII characters).
     pub serial: String,
     /// Model number (Identify MN, up to 40 ASCII characters).
@@ -176,6 +221,7 @@ impl Default for ControllerConfig {
             mps_max: 4,
             timeout_500ms: 10,
             max_fetch: 32,
+            cmb_bytes: 0,
             serial: "LANBUS0001".into(),
             model: "lanbus NVMe model".into(),
         }
@@ -288,6 +334,58 @@ pub struct Controller {
     data: Vec<u8>,
     runs: Vec<Run>,
     lists: Vec<u8>,
+    /// The Controller Memory Buffer's bytes (`cfg.cmb_bytes` of them).
+    cmb: Vec<u8>,
+    cmbmsc: u64,
+    cmbsts: u32,
+}
+
+/// Host memory as the controller sees it with a Controller Memory Buffer enabled at `base`: an
+/// access that lies wholly inside the buffer is served from it, one wholly outside goes to the
+/// host, one that straddles its edge fails (Invalid Use of Controller Memory Buffer).
+struct CmbView<'a> {
+    cmb: &'a mut [u8],
+    base: Option<u64>,
+    host: &'a mut dyn HostMemory,
+}
+
+/// What a [`CmbView`] access across the buffer's edge fails with.
+const CMB_EDGE: &str = "an access straddles the controller memory buffer's edge";
+
+impl CmbView<'_> {
+    fn locate(&self, addr: u64, len: usize) -> Result<Option<usize>, BusError> {
+        let Some(base) = self.base else { return Ok(None) };
+        let end = addr.checked_add(len as u64).ok_or(BusError::Unsupported { addr })?;
+        let cmb_end = base + self.cmb.len() as u64;
+        if addr >= base && end <= cmb_end {
+            Ok(Some((addr - base) as usize))
+        } else if addr < cmb_end && end > base {
+            Err(BusError::Rejected(CMB_EDGE))
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+impl HostMemory for CmbView<'_> {
+    fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
+        match self.locate(addr, buf.len())? {
+            Some(at) => {
+                buf.copy_from_slice(&self.cmb[at..at + buf.len()]);
+                Ok(())
+            }
+            None => self.host.read(addr, buf),
+        }
+    }
+    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), BusError> {
+        match self.locate(addr, data.len())? {
+            Some(at) => {
+                self.cmb[at..at + data.len()].copy_from_slice(data);
+                Ok(())
+            }
+            None => self.host.write(addr, data),
+        }
+    }
 }
 
 /// Why a controller could not be built.
@@ -317,6 +415,9 @@ impl Controller {
         if !(1..=12).contains(&cfg.mdts) || cfg.mps_max > 4 || cfg.max_fetch == 0 {
             return Err(ConfigError::Bad("mdts must be 1..=12, mps_max 0..=4, max_fetch at least 1"));
         }
+        if !cfg.cmb_bytes.is_multiple_of(cmb::UNIT_BYTES) || cfg.cmb_bytes > 1 << 30 {
+            return Err(ConfigError::Bad("cmb_bytes must be a multiple of 4096 up to 1 GiB"));
+        }
         let blocks = backing.len() / u64::from(cfg.lba_size);
         if blocks == 0 {
             return Err(ConfigError::Bad("the backing store is smaller than one block"));
@@ -325,7 +426,6 @@ impl Controller {
         Ok(Controller {
             io_sqs_allowed: cfg.max_io_queues,
             io_cqs_allowed: cfg.max_io_queues,
-            cfg,
             backing,
             blocks,
             cc: 0,
@@ -346,6 +446,10 @@ impl Controller {
             data: Vec::new(),
             runs: Vec::new(),
             lists: Vec::new(),
+            cmb: vec![0; cfg.cmb_bytes as usize],
+            cmbmsc: 0,
+            cmbsts: 0,
+            cfg,
         })
     }
 
@@ -364,6 +468,7 @@ impl Controller {
             msix_vectors: self.cfg.msix_vectors,
             msix_table_offset: MSIX_TABLE_OFFSET,
             msix_pba_offset: MSIX_PBA_OFFSET,
+            cmb_bar_size: if self.cfg.cmb_bytes == 0 { 0 } else { self.cfg.cmb_bytes.next_power_of_two() },
         }
     }
 
@@ -389,6 +494,45 @@ impl Controller {
             | u64::from(self.cfg.timeout_500ms) << 24
             | 1 << 37 // CSS: NVM command set
             | u64::from(self.cfg.mps_max) << 52
+            | if self.cfg.cmb_bytes > 0 { cmb::CAP_CMBS } else { 0 }
+    }
+
+    /// The bus address the Controller Memory Buffer answers at, when the host enabled it.
+    fn cmb_base(&self) -> Option<u64> {
+        let on = self.cfg.cmb_bytes > 0 && self.cmbmsc & cmb::CMSE != 0 && self.cmbsts & cmb::CBAI == 0;
+        on.then_some(self.cmbmsc & !0xFFF)
+    }
+
+    fn write_cmbmsc(&mut self, v: u64) {
+        if self.cfg.cmb_bytes == 0 {
+            return;
+        }
+        self.cmbmsc = v & !0xFFC;
+        let cba = self.cmbmsc & !0xFFF;
+        let valid = cba != 0 && cba.checked_add(self.cfg.cmb_bytes).is_some();
+        self.cmbsts = if self.cmbmsc & cmb::CMSE != 0 && !valid { cmb::CBAI } else { 0 };
+    }
+
+    /// A memory read of the Controller Memory Buffer (BAR2) at `offset`.
+    pub fn cmb_read(&self, offset: u64, buf: &mut [u8]) -> Result<(), BusError> {
+        let at = self.cmb_range(offset, buf.len())?;
+        buf.copy_from_slice(&self.cmb[at..at + buf.len()]);
+        Ok(())
+    }
+
+    /// A memory write of the Controller Memory Buffer (BAR2) at `offset`: the host placing
+    /// submission queue entries, PRP lists or write data there. Never does DMA or work.
+    pub fn cmb_write(&mut self, offset: u64, data: &[u8]) -> Result<(), BusError> {
+        let at = self.cmb_range(offset, data.len())?;
+        self.cmb[at..at + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn cmb_range(&self, offset: u64, len: usize) -> Result<usize, BusError> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.cmb.len() as u64 => Ok(offset as usize),
+            _ => Err(BusError::Unsupported { addr: offset }),
+        }
     }
 
     fn enabled(&self) -> bool {
@@ -406,7 +550,7 @@ impl Controller {
     fn check_access(&mut self, offset: u64, len: usize) -> Result<(), BusError> {
         let ok = match len {
             4 => offset.is_multiple_of(4),
-            8 => matches!(offset, reg::CAP | reg::ASQ | reg::ACQ),
+            8 => matches!(offset, reg::CAP | reg::ASQ | reg::ACQ | reg::CMBMSC),
             _ => false,
         };
         if offset >= MSIX_TABLE_OFFSET {
@@ -424,13 +568,14 @@ impl Controller {
             reg::CAP => self.cap(),
             reg::ASQ => self.asq,
             reg::ACQ => self.acq,
+            reg::CMBMSC => self.cmbmsc,
             _ => 0,
         }
     }
 
     fn read_reg32(&self, offset: u64) -> u32 {
         match offset {
-            0x00 | 0x04 | 0x28 | 0x2C | 0x30 | 0x34 => {
+            0x00 | 0x04 | 0x28 | 0x2C | 0x30 | 0x34 | 0x50 | 0x54 => {
                 (self.read_reg64(offset & !7) >> ((offset & 4) * 8)) as u32
             }
             reg::VS => 0x0001_0400,
@@ -438,6 +583,11 @@ impl Controller {
             reg::CC => self.cc,
             reg::CSTS => self.csts,
             reg::AQA => self.aqa,
+            reg::CMBLOC if self.cmbmsc & cmb::CRE != 0 => u32::from(cmb::BIR),
+            reg::CMBSZ if self.cmbmsc & cmb::CRE != 0 => {
+                cmb::SQS | cmb::LISTS | cmb::WDS | ((self.cfg.cmb_bytes / cmb::UNIT_BYTES) as u32) << 12
+            }
+            reg::CMBSTS => self.cmbsts,
             _ => 0,
         }
     }
@@ -459,6 +609,10 @@ impl Controller {
         self.check_access(offset, data.len())?;
         if data.len() == 8 {
             let v = u64::from_le_bytes(data.try_into().unwrap_or([0; 8]));
+            if offset == reg::CMBMSC {
+                self.write_cmbmsc(v);
+                return Ok(());
+            }
             self.write_reg32(offset, v as u32);
             self.write_reg32(offset + 4, (v >> 32) as u32);
         } else {
@@ -486,6 +640,8 @@ impl Controller {
             reg::AQA => self.aqa = v & 0x0FFF_0FFF,
             0x28 | 0x2C => set_half(&mut self.asq, offset == 0x2C, v),
             0x30 | 0x34 => set_half(&mut self.acq, offset == 0x34, v),
+            0x50 => self.write_cmbmsc((self.cmbmsc & !0xFFFF_FFFF) | u64::from(v)),
+            0x54 => self.write_cmbmsc((self.cmbmsc & 0xFFFF_FFFF) | u64::from(v) << 32),
             o if o >= reg::DOORBELLS => self.doorbell(o, v),
             _ => {} // read-only or reserved: ignored
         }
@@ -601,6 +757,14 @@ impl Controller {
         if !self.enabled() {
             return 0;
         }
+        let mut cmb = std::mem::take(&mut self.cmb);
+        let mut view = CmbView { cmb: &mut cmb, base: self.cmb_base(), host: mem };
+        let done = self.process_queues(&mut view, irq);
+        self.cmb = cmb;
+        done
+    }
+
+    fn process_queues(&mut self, mem: &mut dyn HostMemory, irq: &mut dyn InterruptSink) -> usize {
         let mut done = self.run_sq(0, mem, irq);
         let n = self.sqs.len();
         for i in 0..n - 1 {
@@ -733,9 +897,13 @@ impl Controller {
                 } else {
                     mem.read(addr, &mut self.data[at..at + n])
                 };
-                if r.is_err() {
+                if let Err(e) = r {
                     self.stats.dma_errors += 1;
-                    result = Err(Status::DATA_TRANSFER_ERROR);
+                    result = Err(if e == BusError::Rejected(CMB_EDGE) {
+                        Status::INVALID_CMB_USE
+                    } else {
+                        Status::DATA_TRANSFER_ERROR
+                    });
                     break;
                 }
                 at += n;

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::command::{admin_opcode, feature, nvm_opcode, Completion, Sqe, CQE_LEN, SQE_LEN};
-use crate::controller::{cc, csts, reg};
+use crate::controller::{cc, cmb, csts, reg};
 use crate::prp;
 use crate::status::Status;
 use crate::{BusError, HostMemory};
@@ -38,8 +38,19 @@ pub trait Bar: Send + Sync {
     fn read64(&self, offset: u64) -> Result<u64, BusError>;
     /// 32-bit write (registers, doorbells).
     fn write32(&self, offset: u64, value: u32) -> Result<(), BusError>;
-    /// 64-bit write (ASQ, ACQ).
+    /// 64-bit write (ASQ, ACQ, CMBMSC).
     fn write64(&self, offset: u64, value: u64) -> Result<(), BusError>;
+    /// Bus address of the function's memory BAR `bir` as the host assigned it; `None` when it
+    /// is not mapped (the driver then leaves a Controller Memory Buffer there unused).
+    fn bar_address(&self, bir: u8) -> Option<u64> {
+        let _ = bir;
+        None
+    }
+    /// Posted write of `data` at `offset` of memory BAR `bir` (the Controller Memory Buffer).
+    fn write_bar(&self, bir: u8, offset: u64, data: &[u8]) -> Result<(), BusError> {
+        let _ = (bir, data);
+        Err(BusError::Unsupported { addr: offset })
+    }
 }
 
 /// Host memory the device may DMA to: the driver allocates its queues, PRP lists and data
@@ -72,12 +83,15 @@ pub trait InterruptWait: Send + Sync {
     fn wait_vector(&self, vector: u16, timeout: Duration) -> bool;
 }
 
-/// How the driver learns of completions.
+/// How the driver learns of completions. Every CQ has interrupts enabled (IEN) either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CompletionMode {
-    /// Sleep on the queue's MSI-X vector (IEN set on every CQ).
+    /// Sleep on the queue's MSI-X vector.
     Interrupt,
-    /// Poll the completion queue's phase tag (IEN clear on I/O CQs).
+    /// Poll the completion queue's phase tag in host memory for
+    /// [`DriverConfig::poll_spin`] (spinning, then yielding the CPU), then sleep on the MSI-X
+    /// vector as [`CompletionMode::Interrupt`] does: a completion that comes soon is seen
+    /// without a wake-up, a slow one costs no more CPU than that.
     Poll,
 }
 
@@ -102,6 +116,12 @@ pub struct DriverConfig {
     pub max_inflight_bytes: usize,
     /// Time an admin command may take.
     pub admin_timeout: Duration,
+    /// How long [`CompletionMode::Poll`] polls before it sleeps on the interrupt.
+    pub poll_spin: Duration,
+    /// Use the controller's Controller Memory Buffer when it has one (CAP.CMBS) and the [`Bar`]
+    /// maps it: I/O submission queues, PRP lists and write data go there with posted writes,
+    /// so the controller reads none of them across the bus.
+    pub use_cmb: bool,
 }
 
 impl Default for DriverConfig {
@@ -115,6 +135,8 @@ impl Default for DriverConfig {
             io_timeout: Duration::from_secs(30),
             max_inflight_bytes: 4 << 20,
             admin_timeout: Duration::from_secs(10),
+            poll_spin: Duration::from_micros(50),
+            use_cmb: true,
         }
     }
 }
@@ -206,6 +228,21 @@ pub struct Identity {
     pub lba_size: u32,
 }
 
+/// What the driver keeps in the controller's memory buffer ([`NvmeDriver::cmb_in_use`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CmbUse {
+    /// Size of the buffer.
+    pub bytes: u64,
+    /// I/O submission queues live there.
+    pub submission_queues: bool,
+    /// PRP lists live there.
+    pub prp_lists: bool,
+    /// Write data lives there.
+    pub write_data: bool,
+    /// Pages allocated now.
+    pub pages_in_use: usize,
+}
+
 /// Counters of the driver.
 #[derive(Debug, Default)]
 pub struct DriverStats {
@@ -233,6 +270,8 @@ struct QueuePair {
     phase: bool,
     vector: u16,
     next_cid: u16,
+    /// The SQ lives in the Controller Memory Buffer (entries are written with `Bar::write_bar`).
+    sq_in_cmb: bool,
 }
 
 impl QueuePair {
@@ -241,9 +280,16 @@ impl QueuePair {
     }
 }
 
+/// Where a buffer lives: host memory the controller reads by DMA, or its own memory buffer.
+#[derive(Clone, Copy)]
+enum Pool<'a> {
+    Host(&'a dyn DmaMemory),
+    Cmb(&'a CmbMemory),
+}
+
 /// A DMA buffer owned by one request; freed on drop.
 struct DmaBuf<'a> {
-    mem: &'a dyn DmaMemory,
+    pool: Pool<'a>,
     addr: u64,
     pages: usize,
 }
@@ -252,13 +298,99 @@ impl<'a> DmaBuf<'a> {
     fn new(mem: &'a dyn DmaMemory, bytes: usize) -> Result<DmaBuf<'a>> {
         let pages = bytes.div_ceil(mem.page_size()).max(1);
         let addr = mem.alloc(pages).ok_or(DriverError::OutOfDmaMemory(pages))?;
-        Ok(DmaBuf { mem, addr, pages })
+        Ok(DmaBuf { pool: Pool::Host(mem), addr, pages })
+    }
+
+    /// A buffer in the controller memory buffer when `cmb` has room, else in host memory.
+    fn prefer_cmb(cmb: Option<&'a CmbMemory>, mem: &'a dyn DmaMemory, bytes: usize) -> Result<DmaBuf<'a>> {
+        if let Some(c) = cmb {
+            let pages = bytes.div_ceil(REGION_PAGE).max(1);
+            if let Some(addr) = c.pages.alloc(pages).map(|i| c.base + (i * REGION_PAGE) as u64) {
+                return Ok(DmaBuf { pool: Pool::Cmb(c), addr, pages });
+            }
+        }
+        DmaBuf::new(mem, bytes)
     }
 }
 
 impl Drop for DmaBuf<'_> {
     fn drop(&mut self) {
-        self.mem.free(self.addr, self.pages);
+        match self.pool {
+            Pool::Host(mem) => mem.free(self.addr, self.pages),
+            Pool::Cmb(c) => c.pages.free(((self.addr - c.base) / REGION_PAGE as u64) as usize, self.pages),
+        }
+    }
+}
+
+/// First-fit allocation of runs of pages, searching on from where the last one ended (requests
+/// come and go roughly in order, so the next free run is usually right there).
+struct PageMap {
+    state: Mutex<(Vec<bool>, usize)>,
+}
+
+impl PageMap {
+    fn new(pages: usize) -> PageMap {
+        PageMap { state: Mutex::new((vec![false; pages], 0)) }
+    }
+
+    /// Index of the first of `pages` free pages, now used.
+    fn alloc(&self, pages: usize) -> Option<usize> {
+        let mut g = lock(&self.state);
+        let (used, hint) = &mut *g;
+        let n = used.len();
+        if pages == 0 || pages > n {
+            return None;
+        }
+        let start = if *hint + pages <= n { *hint } else { 0 };
+        for from in [start, 0] {
+            let mut run = 0;
+            for i in from..n {
+                run = if used[i] { 0 } else { run + 1 };
+                if run == pages {
+                    let first = i + 1 - pages;
+                    used[first..=i].iter_mut().for_each(|u| *u = true);
+                    *hint = if i + 1 == n { 0 } else { i + 1 };
+                    return Some(first);
+                }
+            }
+            if from == 0 {
+                break;
+            }
+        }
+        None
+    }
+
+    /// Frees `pages` pages from index `first` (out-of-range indices are ignored).
+    fn free(&self, first: usize, pages: usize) {
+        let mut g = lock(&self.state);
+        if let Some(s) = g.0.get_mut(first..first.saturating_add(pages)) {
+            s.iter_mut().for_each(|u| *u = false);
+        }
+    }
+
+    fn in_use(&self) -> usize {
+        lock(&self.state).0.iter().filter(|u| **u).count()
+    }
+}
+
+/// The controller's memory buffer as the driver uses it (NVMe 1.4 section 4.7 [2.0: 8.2]): bus
+/// address, the BAR it is written through, what may live there, and a page allocator over it.
+struct CmbMemory {
+    /// Bus address of its first byte (CMBMSC.CBA).
+    base: u64,
+    /// The BAR (CMBLOC.BIR) and the buffer's offset in it.
+    bir: u8,
+    bar_offset: u64,
+    sqs: bool,
+    lists: bool,
+    write_data: bool,
+    bytes: u64,
+    pages: PageMap,
+}
+
+impl CmbMemory {
+    fn contains(&self, addr: u64) -> bool {
+        addr.checked_sub(self.base).is_some_and(|o| o < self.bytes)
     }
 }
 
@@ -281,6 +413,7 @@ pub struct NvmeDriver {
     identity: Identity,
     admin: Mutex<QueuePair>,
     io: Vec<Mutex<QueuePair>>,
+    cmb: Option<CmbMemory>,
     next_queue: AtomicUsize,
     shut_down: AtomicBool,
     stats: DriverStats,
@@ -360,12 +493,16 @@ impl NvmeDriver {
             },
             admin: Mutex::new(admin),
             io: Vec::new(),
+            cmb: None,
             next_queue: AtomicUsize::new(0),
             shut_down: AtomicBool::new(false),
             stats: DriverStats::default(),
             cfg,
         };
         drv.identify()?;
+        if drv.cfg.use_cmb && cap & cmb::CAP_CMBS != 0 {
+            drv.cmb = drv.map_cmb()?;
+        }
         drv.create_io_queues(mqes)?;
         Ok(drv)
     }
@@ -406,6 +543,73 @@ impl NvmeDriver {
         Ok(())
     }
 
+    /// Enables the Controller Memory Buffer at the bus address its BAR has (CMBMSC.CRE, then
+    /// CBA and CMSE) when the [`Bar`] maps that BAR; `None` leaves it unused.
+    fn map_cmb(&self) -> Result<Option<CmbMemory>> {
+        self.bar.write64(reg::CMBMSC, cmb::CRE)?;
+        let loc = self.bar.read32(reg::CMBLOC)?;
+        let sz = self.bar.read32(reg::CMBSZ)?;
+        let szu = (sz >> 8) & 0xF;
+        let bir = (loc & 7) as u8;
+        let Some(bar) = self.bar.bar_address(bir).filter(|_| szu <= 6) else {
+            self.bar.write64(reg::CMBMSC, 0)?;
+            return Ok(None);
+        };
+        let unit = 4096u64 << (4 * szu);
+        let bar_offset = u64::from(loc >> 12) * unit;
+        let bytes = u64::from(sz >> 12) * unit;
+        let base = bar + bar_offset;
+        let pages = (bytes / REGION_PAGE as u64).min(1 << 20) as usize;
+        if pages == 0 || self.page != REGION_PAGE || base & 0xFFF != 0 {
+            self.bar.write64(reg::CMBMSC, 0)?;
+            return Ok(None);
+        }
+        self.bar.write64(reg::CMBMSC, base | cmb::CRE | cmb::CMSE)?;
+        if self.bar.read32(reg::CMBSTS)? & cmb::CBAI != 0 {
+            self.bar.write64(reg::CMBMSC, 0)?;
+            return Ok(None);
+        }
+        Ok(Some(CmbMemory {
+            base,
+            bir,
+            bar_offset,
+            sqs: sz & cmb::SQS != 0,
+            lists: sz & cmb::LISTS != 0,
+            write_data: sz & cmb::WDS != 0,
+            bytes: (pages * REGION_PAGE) as u64,
+            pages: PageMap::new(pages),
+        }))
+    }
+
+    /// Writes `data` at bus address `addr`: through the BAR when it lies in the controller
+    /// memory buffer, else into host memory.
+    fn put(&self, addr: u64, data: &[u8]) -> Result<()> {
+        match &self.cmb {
+            Some(c) if c.contains(addr) => self.bar.write_bar(c.bir, c.bar_offset + (addr - c.base), data)?,
+            _ => self.mem.write(addr, data)?,
+        }
+        Ok(())
+    }
+
+    fn free_queue_pair(&self, q: &QueuePair) {
+        match self.cmb.as_ref().filter(|_| q.sq_in_cmb) {
+            Some(c) => c.pages.free(((q.sq_base - c.base) / REGION_PAGE as u64) as usize, q.sq_pages),
+            None => self.mem.free(q.sq_base, q.sq_pages),
+        }
+        self.mem.free(q.cq_base, q.cq_pages);
+    }
+
+    /// Whether the driver uses a Controller Memory Buffer (and for what).
+    pub fn cmb_in_use(&self) -> Option<CmbUse> {
+        self.cmb.as_ref().map(|c| CmbUse {
+            bytes: c.bytes,
+            submission_queues: c.sqs,
+            prp_lists: c.lists,
+            write_data: c.write_data,
+            pages_in_use: c.pages.in_use(),
+        })
+    }
+
     fn identify_page(&self, cns: u32, nsid: u32) -> Result<Vec<u8>> {
         let buf = DmaBuf::new(&*self.mem, 4096)?;
         let plan = prp::build(buf.addr, 4096, self.page, &[]);
@@ -428,11 +632,19 @@ impl NvmeDriver {
         let granted = (c.dw0 & 0xFFFF).min(c.dw0 >> 16) + 1;
         let n = granted.min(u32::from(self.cfg.io_queues)) as u16;
         let entries = self.cfg.queue_entries.min(mqes);
-        let interrupts = self.cfg.completion == CompletionMode::Interrupt;
+        // Poll mode sleeps on the interrupt too once it has polled long enough.
+        let interrupts = true;
         for qid in 1..=n {
             let vector =
                 if self.cfg.msix_vectors > 1 { 1 + (qid - 1) % (self.cfg.msix_vectors - 1) } else { 0 };
-            let qp = alloc_queue_pair(&*self.mem, qid, entries, vector)?;
+            let mut qp = alloc_queue_pair(&*self.mem, qid, entries, vector)?;
+            if let Some(c) = self.cmb.as_ref().filter(|c| c.sqs) {
+                if let Some(i) = c.pages.alloc(qp.sq_pages) {
+                    self.mem.free(qp.sq_base, qp.sq_pages);
+                    qp.sq_base = c.base + (i * REGION_PAGE) as u64;
+                    qp.sq_in_cmb = true;
+                }
+            }
             let size = (entries - 1) << 16 | u32::from(qid);
             let r = self.admin_checked(Sqe {
                 opcode: admin_opcode::CREATE_CQ,
@@ -449,7 +661,7 @@ impl NvmeDriver {
                 })
             });
             if let Err(e) = r {
-                free_queue_pair(&*self.mem, &qp);
+                self.free_queue_pair(&qp);
                 return Err(e);
             }
             self.io.push(Mutex::new(qp));
@@ -546,17 +758,29 @@ impl NvmeDriver {
         let mut next = 0;
         let mut done = 0;
         let mut spins = 0u32;
+        let mut poll_since = Instant::now();
+        let mut batch: Vec<u8> = Vec::new();
         while done < cmds.len() {
             if next < cmds.len() && q.free_slots() > 0 {
+                // Entries go out in runs of consecutive slots: one write per run.
+                let mut first = q.sq_tail;
+                batch.clear();
                 while next < cmds.len() && q.free_slots() > 0 {
                     let sqe = &mut cmds[next].sqe;
                     sqe.cid = q.next_cid;
                     q.next_cid = q.next_cid.wrapping_add(1);
-                    let addr = q.sq_base + u64::from(q.sq_tail) * SQE_LEN as u64;
-                    self.mem.write(addr, &sqe.to_bytes())?;
+                    batch.extend_from_slice(&sqe.to_bytes());
                     q.sq_tail = (q.sq_tail + 1) % q.entries;
                     inflight.push((sqe.cid, next));
                     next += 1;
+                    if q.sq_tail == 0 {
+                        self.put(q.sq_base + u64::from(first) * SQE_LEN as u64, &batch)?;
+                        batch.clear();
+                        first = 0;
+                    }
+                }
+                if !batch.is_empty() {
+                    self.put(q.sq_base + u64::from(first) * SQE_LEN as u64, &batch)?;
                 }
                 self.bar.write32(reg::sq_tail(q.qid), q.sq_tail)?;
             }
@@ -609,8 +833,20 @@ impl NvmeDriver {
                     cmds[0].sqe.opcode
                 )));
             }
-            let interrupts = q.qid == 0 || self.cfg.completion == CompletionMode::Interrupt;
-            if interrupts {
+            let polling = q.qid != 0 && self.cfg.completion == CompletionMode::Poll;
+            if polling && spins == 0 {
+                poll_since = Instant::now();
+            }
+            if polling && poll_since.elapsed() < self.cfg.poll_spin {
+                // Poll the phase tag: spin briefly, then give the CPU to whoever delivers the
+                // completion (on a small machine that may be the bridge's own thread).
+                spins += 1;
+                if spins < 64 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            } else {
                 // Short slices: a vector shared by several queues may have its event consumed
                 // by another waiter, and the controller may have died (CFS) without a word.
                 let slice = (deadline - now).min(Duration::from_millis(5));
@@ -618,16 +854,6 @@ impl NvmeDriver {
                     self.stats.interrupts.fetch_add(1, Ordering::Relaxed);
                 } else if self.bar.read32(reg::CSTS)? & csts::CFS != 0 {
                     return Err(DriverError::ControllerFatal);
-                }
-            } else {
-                spins += 1;
-                if spins < 64 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                    if spins.is_multiple_of(4096) && self.bar.read32(reg::CSTS)? & csts::CFS != 0 {
-                        return Err(DriverError::ControllerFatal);
-                    }
                 }
             }
         }
@@ -696,19 +922,23 @@ impl NvmeDriver {
         data: Option<&[u8]>,
         fua: bool,
     ) -> Result<Pending<'_>> {
-        let buf = DmaBuf::new(&*self.mem, len)?;
+        let cmb = self.cmb.as_ref();
+        let buf = match data {
+            Some(_) => DmaBuf::prefer_cmb(cmb.filter(|c| c.write_data), &*self.mem, len)?,
+            None => DmaBuf::new(&*self.mem, len)?,
+        };
         let n = prp::list_pages_needed(buf.addr, len, self.page);
         let mut lists = Vec::with_capacity(n);
         for _ in 0..n {
-            lists.push(DmaBuf::new(&*self.mem, self.page)?);
+            lists.push(DmaBuf::prefer_cmb(cmb.filter(|c| c.lists), &*self.mem, self.page)?);
         }
         let addrs: Vec<u64> = lists.iter().map(|l| l.addr).collect();
         let plan = prp::build(buf.addr, len, self.page, &addrs);
         for (addr, bytes) in &plan.lists {
-            self.mem.write(*addr, bytes)?;
+            self.put(*addr, bytes)?;
         }
         if let Some(d) = data {
-            self.mem.write(buf.addr, d)?;
+            self.put(buf.addr, d)?;
         }
         let blocks = (len / self.identity.lba_size as usize) as u32;
         let sqe = Sqe {
@@ -979,9 +1209,8 @@ impl NvmeDriver {
 impl Drop for NvmeDriver {
     fn drop(&mut self) {
         let _ = self.shutdown();
-        let mem = &*self.mem;
         for q in self.io.iter().chain(std::iter::once(&self.admin)) {
-            free_queue_pair(mem, &lock(q));
+            self.free_queue_pair(&lock(q));
         }
     }
 }
@@ -1014,12 +1243,8 @@ fn alloc_queue_pair(mem: &dyn DmaMemory, qid: u16, entries: u32, vector: u16) ->
         phase: true,
         vector,
         next_cid: 0,
+        sq_in_cmb: false,
     })
-}
-
-fn free_queue_pair(mem: &dyn DmaMemory, q: &QueuePair) {
-    mem.free(q.sq_base, q.sq_pages);
-    mem.free(q.cq_base, q.cq_pages);
 }
 
 fn wait_csts(bar: &dyn Bar, timeout: Duration, done: impl Fn(u32) -> bool, what: &str) -> Result<()> {
@@ -1046,7 +1271,7 @@ fn wait_csts(bar: &dyn Bar, timeout: Duration, done: impl Fn(u32) -> bool, what:
 pub struct HostRegion {
     base: u64,
     pages: Vec<Mutex<Box<[u8]>>>,
-    used: Mutex<Vec<bool>>,
+    used: PageMap,
 }
 
 /// Page size of a [`HostRegion`].
@@ -1058,7 +1283,7 @@ impl HostRegion {
         HostRegion {
             base: base & !(REGION_PAGE as u64 - 1),
             pages: (0..pages).map(|_| Mutex::new(vec![0u8; REGION_PAGE].into_boxed_slice())).collect(),
-            used: Mutex::new(vec![false; pages]),
+            used: PageMap::new(pages),
         }
     }
 
@@ -1074,7 +1299,7 @@ impl HostRegion {
 
     /// Pages currently allocated.
     pub fn pages_in_use(&self) -> usize {
-        lock(&self.used).iter().filter(|u| **u).count()
+        self.used.in_use()
     }
 
     fn access(&self, addr: u64, len: usize, mut f: impl FnMut(&mut [u8], usize)) -> Result<(), BusError> {
@@ -1103,29 +1328,12 @@ impl DmaMemory for HostRegion {
     }
 
     fn alloc(&self, pages: usize) -> Option<u64> {
-        if pages == 0 {
-            return None;
-        }
-        let mut used = lock(&self.used);
-        let mut run = 0;
-        for i in 0..used.len() {
-            run = if used[i] { 0 } else { run + 1 };
-            if run == pages {
-                let first = i + 1 - pages;
-                used[first..=i].iter_mut().for_each(|u| *u = true);
-                return Some(self.base + (first * REGION_PAGE) as u64);
-            }
-        }
-        None
+        self.used.alloc(pages).map(|first| self.base + (first * REGION_PAGE) as u64)
     }
 
     fn free(&self, addr: u64, pages: usize) {
-        let Some(first) = addr.checked_sub(self.base).map(|o| (o / REGION_PAGE as u64) as usize) else {
-            return;
-        };
-        let mut used = lock(&self.used);
-        if let Some(s) = used.get_mut(first..first + pages) {
-            s.iter_mut().for_each(|u| *u = false);
+        if let Some(first) = addr.checked_sub(self.base).map(|o| (o / REGION_PAGE as u64) as usize) {
+            self.used.free(first, pages);
         }
     }
 

@@ -15,7 +15,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::controller::{reg, Controller};
+use crate::controller::{cmb, reg, Controller};
 use crate::driver::{Bar, DmaMemory, DriverConfig, DriverError, HostRegion, InterruptWait, NvmeDriver};
 use crate::{BusError, InterruptSink};
 
@@ -147,7 +147,20 @@ impl Bar for LocalBar {
     fn write64(&self, offset: u64, value: u64) -> Result<(), BusError> {
         self.write(offset, &value.to_le_bytes())
     }
+    fn bar_address(&self, bir: u8) -> Option<u64> {
+        (bir == cmb::BIR && lock(&self.shared.ctrl).pci_info().cmb_bar_size > 0).then_some(LOCAL_CMB_ADDRESS)
+    }
+    fn write_bar(&self, bir: u8, offset: u64, data: &[u8]) -> Result<(), BusError> {
+        if bir != cmb::BIR {
+            return Err(BusError::Unsupported { addr: offset });
+        }
+        lock(&self.shared.ctrl).cmb_write(offset, data)
+    }
 }
+
+/// Bus address of the controller memory buffer's BAR in the in-process join (above the host
+/// region, which starts at 0x1_0000_0000).
+pub const LOCAL_CMB_ADDRESS: u64 = 0x80_0000_0000;
 
 /// A controller model, the host memory it DMAs to, its MSI-X events and (in thread mode) its
 /// device thread, ready for a driver.

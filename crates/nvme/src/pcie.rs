@@ -6,14 +6,17 @@
 //! - Device side, [`NvmeFunction`]: a [`BlockingDevice`] around a [`Controller`]. Its
 //!   configuration space is the controller's [`PciInfo`] (IDs 1b36:0010, class 010802, BAR0 16 KiB
 //!   64-bit non-prefetchable, MSI-X with its table and PBA inside BAR0, NVMe base specification
-//!   1.4 section 2 and PCIe Base Specification 7.7.2); BAR0 accesses below the MSI-X table go to
-//!   `bar0_read`/`bar0_write` (the bridge's function keeps the table and PBA itself); the
-//!   controller's DMA and MSI-X go through the bridge worker's blocking [`HostAccess`], so every
-//!   command fetch, PRP list, data transfer, completion entry and interrupt is a TLP.
+//!   1.4 section 2 and PCIe Base Specification 7.7.2), and BAR2 64-bit prefetchable when the
+//!   controller has a Controller Memory Buffer; BAR0 accesses below the MSI-X table go to
+//!   `bar0_read`/`bar0_write` (the bridge's function keeps the table and PBA itself), BAR2
+//!   accesses to `cmb_read`/`cmb_write`; the controller's DMA and MSI-X go through the bridge
+//!   worker's blocking [`HostAccess`], so every command fetch, PRP list, data transfer,
+//!   completion entry and interrupt is a TLP (with the memory buffer in use, commands, lists and
+//!   write data arrive as the host's posted writes to BAR2 instead of being fetched).
 //! - Host side, [`attach`]: the driver's [`Bar`] is MMIO through the host bridge at the BAR0
-//!   address enumeration assigned, its [`DmaMemory`] is a [`HostRegion`] lent to the bridge as a
-//!   [`DmaRegion`] at the region's bus address, and its [`InterruptWait`] waits on the bridge's
-//!   MSI-X eventfds (one per vector).
+//!   address enumeration assigned (and at BAR2's for the memory buffer), its [`DmaMemory`] is a
+//!   [`HostRegion`] lent to the bridge as a [`DmaRegion`] at the region's bus address, and its
+//!   [`InterruptWait`] waits on the bridge's MSI-X eventfds (one per vector).
 //!
 //! Invariants: bus failures become [`BusError`]s (a gone device is [`BusError::Down`], so the
 //! driver fails its users instead of waiting); nothing here panics on what the other side sends.
@@ -28,6 +31,7 @@ use lanbus_pcie::config::{Bar as PciBar, BarKind, ConfigSpec, MsixSpec};
 use lanbus_pcie::device::{CompleterAbort, DmaError};
 use lanbus_pcie::{Bdf, CplStatus};
 
+use crate::controller::cmb::BIR as CMB_BIR;
 use crate::controller::{ControllerStats, PciInfo, PCI_CLASS};
 use crate::driver::{Bar, DmaMemory, DriverConfig, DriverError, HostRegion, InterruptWait, NvmeDriver};
 use crate::{BusError, Controller, HostMemory, InterruptSink};
@@ -82,14 +86,18 @@ impl NvmeFunction {
 /// The configuration space of an NVMe controller with this [`PciInfo`].
 pub fn config_spec(info: &PciInfo) -> ConfigSpec {
     let mut spec = ConfigSpec::new(info.vendor_id, info.device_id, info.class_code)
-        .with_bar(0, PciBar { kind: BarKind::Memory64 { prefetchable: false }, size: info.bar0_size })
-        .with_msix(MsixSpec {
-            table_size: info.msix_vectors,
-            table_bar: 0,
-            table_offset: info.msix_table_offset as u32,
-            pba_bar: 0,
-            pba_offset: info.msix_pba_offset as u32,
-        });
+        .with_bar(0, PciBar { kind: BarKind::Memory64 { prefetchable: false }, size: info.bar0_size });
+    if info.cmb_bar_size > 0 {
+        let bar = PciBar { kind: BarKind::Memory64 { prefetchable: true }, size: info.cmb_bar_size };
+        spec = spec.with_bar(usize::from(CMB_BIR), bar);
+    }
+    spec = spec.with_msix(MsixSpec {
+        table_size: info.msix_vectors,
+        table_bar: 0,
+        table_offset: info.msix_table_offset as u32,
+        pba_bar: 0,
+        pba_offset: info.msix_pba_offset as u32,
+    });
     spec.interrupt_pin = 1;
     spec
 }
@@ -131,10 +139,12 @@ impl BlockingDevice for NvmeFunction {
     }
 
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) -> Result<(), CompleterAbort> {
-        if bar != 0 {
-            return Err(CompleterAbort);
-        }
-        match self.ctrl.bar0_read(offset, data) {
+        let r = match bar {
+            0 => self.ctrl.bar0_read(offset, data),
+            b if b == usize::from(CMB_BIR) => self.ctrl.cmb_read(offset, data),
+            _ => return Err(CompleterAbort),
+        };
+        match r {
             Ok(()) => Ok(()),
             Err(_) => {
                 self.refused += 1;
@@ -145,7 +155,12 @@ impl BlockingDevice for NvmeFunction {
     }
 
     fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
-        if bar != 0 || self.ctrl.bar0_write(offset, data).is_err() {
+        let r = match bar {
+            0 => self.ctrl.bar0_write(offset, data),
+            b if b == usize::from(CMB_BIR) => self.ctrl.cmb_write(offset, data),
+            _ => Err(BusError::Unsupported { addr: offset }),
+        };
+        if r.is_err() {
             // Posted: nobody to tell; counted.
             self.refused += 1;
             self.publish();
@@ -182,6 +197,8 @@ pub struct RemoteBar0 {
     bridge: Arc<HostBridge>,
     bdf: Bdf,
     base: u64,
+    /// Bus addresses of the function's memory BARs (for the Controller Memory Buffer).
+    bars: [Option<u64>; 6],
 }
 
 impl RemoteBar0 {
@@ -211,6 +228,14 @@ impl Bar for RemoteBar0 {
     }
     fn write64(&self, offset: u64, value: u64) -> Result<(), BusError> {
         self.write(offset, &value.to_le_bytes())
+    }
+    fn bar_address(&self, bir: u8) -> Option<u64> {
+        self.bars.get(usize::from(bir)).copied().flatten()
+    }
+    fn write_bar(&self, bir: u8, offset: u64, data: &[u8]) -> Result<(), BusError> {
+        let base = self.bar_address(bir).ok_or(BusError::Unsupported { addr: offset })?;
+        let addr = base.checked_add(offset).ok_or(BusError::Unsupported { addr: offset })?;
+        self.bridge.mmio_write(self.bdf, addr, data).map_err(|e| bridge_error(e, addr))
     }
 }
 
@@ -286,7 +311,11 @@ pub fn attach(
     bridge.remove_region(region.base());
     bridge.add_region(region.base(), Arc::new(RegionView(region.clone())))?;
     cfg.msix_vectors = vectors;
-    let bar = Arc::new(RemoteBar0 { bridge: bridge.clone(), bdf: f.bdf, base: bar0.address });
+    let mut bars = [None; 6];
+    for (i, b) in bars.iter_mut().enumerate() {
+        *b = f.bar(i).map(|b| b.address);
+    }
+    let bar = Arc::new(RemoteBar0 { bridge: bridge.clone(), bdf: f.bdf, base: bar0.address, bars });
     let drv = NvmeDriver::new(bar, region, Arc::new(RemoteInterrupts { fds }), cfg)?;
     Ok(drv)
 }

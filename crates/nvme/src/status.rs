@@ -56,6 +56,8 @@ statuses! {
     INVALID_NAMESPACE = (0, 0x0B, true, "Invalid Namespace or Format");
     /// Command Sequence Error.
     COMMAND_SEQUENCE_ERROR = (0, 0x0C, true, "Command Sequence Error");
+    /// Invalid Use of Controller Memory Buffer (an access straddles its edge).
+    INVALID_CMB_USE = (0, 0x12, true, "Invalid Use of Controller Memory Buffer");
     /// PRP Offset Invalid.
     PRP_OFFSET_INVALID = (0, 0x13, true, "PRP Offset Invalid");
     /// LBA Out of Range.

@@ -3,14 +3,19 @@
 //!
 //! - `local`: the controller model in-process (driver and controller joined directly, the
 //!   controller on its own thread as on the device bridge), behind the NBD server: no fabric;
-//! - `peer:qemu-nbd`: qemu-nbd serving a backing file of the same size (in /dev/shm);
+//! - `peer:qemu-nbd`: qemu-nbd serving the same backing file;
 //! - `sim`: the whole fabric (device bridge, transport, host bridge, driver) over the in-process
 //!   simulated wire;
 //! - `udp`, `afpacket`, `afxdp`: the fabric over real ports: over a veth pair between two network
 //!   namespaces when root (afpacket and afxdp need it), `udp` over loopback otherwise.
 //!
-//! Metrics `mb_per_s` and `iops`, with `block_size` and `rw`; each the median of `--runs` fio
-//! runs. A PNG per direction (MB/s against block size) next to the JSON.
+//! Every row serves the same backing file (`--size-mib`, filled with data, in /dev/shm when it
+//! exists): the lanbus rows' controller reads and writes it with pread/pwrite, as qemu-nbd does
+//! (writeback cache, no O_DIRECT, for both). Every row runs the same fio job. Metrics `mb_per_s`
+//! and `iops`, with `block_size`, `rw` and (lanbus rows) the driver's `completion` mode; each the
+//! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`). A PNG per direction (MB/s against
+//! block size) next to the JSON. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
+//! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -39,12 +44,29 @@ pub struct NvmeBenchArgs {
     /// One 1-second fio run per point instead of three of 2 seconds.
     #[arg(long)]
     quick: bool,
-    /// Namespace size in MiB (RAM for lanbus, a file in /dev/shm for qemu-nbd).
+    /// Namespace size in MiB (the backing file every row serves).
     #[arg(long, default_value_t = 256)]
     size_mib: u64,
     /// Rows to measure (comma-separated); default all that can run here.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Block sizes to measure (comma-separated, fio syntax); default the paper's 4k..1m.
+    #[arg(long, value_delimiter = ',')]
+    block_sizes: Vec<String>,
+    /// How the lanbus rows' NVMe driver learns of completions: `poll` (poll the completion
+    /// queue briefly, then sleep on MSI-X; what the host daemon uses) or `interrupt`.
+    #[arg(long, default_value = "poll", value_parser = ["poll", "interrupt"])]
+    completion: String,
+}
+
+impl NvmeBenchArgs {
+    fn driver_config(&self) -> lanbus_nvme::DriverConfig {
+        let completion = match self.completion.as_str() {
+            "interrupt" => lanbus_nvme::CompletionMode::Interrupt,
+            _ => lanbus_nvme::CompletionMode::Poll,
+        };
+        lanbus_nvme::DriverConfig { completion, ..fabric::driver_config() }
+    }
 }
 
 const BLOCK_SIZES: [&str; 5] = ["4k", "16k", "64k", "256k", "1m"];
@@ -70,6 +92,13 @@ impl Drop for Holder {
             eprintln!("bench nvme: stopping an NBD server: {e}");
         }
         if let Holder::Fabric(f, _) = self {
+            if std::env::var_os("LANBUS_BENCH_DEBUG").is_some() {
+                eprintln!("host {:?}\nhost runtime {:?}", f.host.stats(), f.host.runtime_stats());
+                if let Some(d) = &f.device {
+                    eprintln!("device {:?}\ndevice runtime {:?}", d.stats(), d.runtime_stats());
+                }
+                eprintln!("driver cmb {:?} interrupts {:?}", f.driver.cmb_in_use(), f.driver.stats());
+            }
             let _ = f.driver.shutdown();
         }
         if let Holder::Local(n, _) = self {
@@ -85,10 +114,15 @@ fn serve(dir: &Path, name: &str, device: Arc<dyn BlockDevice>) -> anyhow::Result
     Ok((server, format!("nbd+unix:///nvme0?socket={}", socket.display())))
 }
 
-fn local(dir: &Path, size: u64) -> anyhow::Result<(Holder, String)> {
-    let ctrl = fabric::controller(&NvmeBacking::Ram(size), 512)?;
+/// The backing file all rows serve.
+fn backing(dir: &Path) -> NvmeBacking {
+    NvmeBacking::File { path: dir.join("backing.img"), size: None }
+}
+
+fn local(dir: &Path, dcfg: lanbus_nvme::DriverConfig) -> anyhow::Result<(Holder, String)> {
+    let ctrl = fabric::controller(&backing(dir), 512)?;
     let nvme = LocalNvme::new(ctrl, fabric::DMA_REGION_PAGES, ProcessMode::Thread);
-    let drv = Arc::new(nvme.driver(fabric::driver_config())?);
+    let drv = Arc::new(nvme.driver(dcfg)?);
     let (server, uri) = serve(dir, "local", Arc::new(NvmeBlock::new(drv)))?;
     Ok((Holder::Local(nvme, server), uri))
 }
@@ -96,25 +130,28 @@ fn local(dir: &Path, size: u64) -> anyhow::Result<(Holder, String)> {
 fn over(
     dir: &Path,
     name: &str,
-    size: u64,
     ports: (Box<dyn Port>, Box<dyn Port>),
+    dcfg: lanbus_nvme::DriverConfig,
 ) -> anyhow::Result<(Holder, String)> {
-    let ctrl = fabric::controller(&NvmeBacking::Ram(size), 512)?;
-    let f = SimFabric::over(ctrl, ports.0, ports.1)?;
+    let ctrl = fabric::controller(&backing(dir), 512)?;
+    let f = SimFabric::over_with(ctrl, ports.0, ports.1, dcfg)?;
     let (server, uri) = serve(dir, name, Arc::new(NvmeBlock::new(f.driver.clone())))?;
     Ok((Holder::Fabric(f, server), uri))
 }
 
-fn qemu(dir: &Path, size: u64) -> anyhow::Result<(Holder, String)> {
-    let image = dir.join("backing.img");
-    {
-        let dev = FileDevice::create(&image, size)?;
-        let chunk: Vec<u8> = (0..1 << 20).map(|i| (i * 31 + 7) as u8).collect();
-        for off in (0..size).step_by(chunk.len()) {
-            dev.write_at(off, &chunk, false)?;
-        }
-        dev.flush()?;
+/// Creates the backing file: real blocks (not a sparse file), so every row reads allocated data.
+fn create_backing(dir: &Path, size: u64) -> anyhow::Result<()> {
+    let dev = FileDevice::create(&dir.join("backing.img"), size)?;
+    let chunk: Vec<u8> = (0..1 << 20).map(|i| (i * 31 + 7) as u8).collect();
+    for off in (0..size).step_by(chunk.len()) {
+        dev.write_at(off, &chunk[..chunk.len().min((size - off) as usize)], false)?;
     }
+    dev.flush()?;
+    Ok(())
+}
+
+fn qemu(dir: &Path) -> anyhow::Result<(Holder, String)> {
+    let image = dir.join("backing.img");
     let socket = dir.join("qemu-nbd.sock");
     let child = Command::new("qemu-nbd")
         .args(["--format=raw", "--persistent", "--shared=4", "--export-name=nvme0", "--cache=writeback"])
@@ -210,14 +247,17 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         rows.extend(["afpacket", "afxdp"]);
     }
     let (runs, runtime) = if args.quick { (1, 1) } else { (3, 2) };
+    create_backing(dir, size)?;
     let mut report = Report::new("nvme");
     let mut missing = Vec::new();
     for name in rows.into_iter().filter(|n| want(n)) {
         let target = match name {
-            "local" => local(dir, size),
-            "peer:qemu-nbd" => qemu(dir, size),
-            "sim" => SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", size, p)),
-            kind => super::port_pair(kind, veth.as_ref()).and_then(|p| over(dir, kind, size, p)),
+            "local" => local(dir, args.driver_config()),
+            "peer:qemu-nbd" => qemu(dir),
+            "sim" => SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", p, args.driver_config())),
+            kind => {
+                super::port_pair(kind, veth.as_ref()).and_then(|p| over(dir, kind, p, args.driver_config()))
+            }
         };
         let (holder, uri) = match target {
             Ok(t) => t,
@@ -228,7 +268,12 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             }
         };
         for rw in ["randread", "randwrite"] {
-            for bs in BLOCK_SIZES {
+            let sizes: Vec<&str> = if args.block_sizes.is_empty() {
+                BLOCK_SIZES.to_vec()
+            } else {
+                args.block_sizes.iter().map(String::as_str).collect()
+            };
+            for bs in sizes {
                 let mut mbs = Vec::new();
                 let mut iops = Vec::new();
                 for _ in 0..runs {
@@ -243,7 +288,11 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 let (Some(m), Some(i)) = (median(&mbs), median(&iops)) else { continue };
                 let block = crate::nbd::parse_size(bs)?;
                 for (metric, value) in [("mb_per_s", m), ("iops", i)] {
-                    report.push(Row::new(name, metric, value).with("rw", rw).with("block_size", block));
+                    let mut row = Row::new(name, metric, value).with("rw", rw).with("block_size", block);
+                    if !name.starts_with("peer:") {
+                        row = row.with("completion", args.completion.as_str());
+                    }
+                    report.push(row);
                 }
                 eprintln!("bench nvme: {name:>14} {rw:>9} {bs:>4}: {m:8.1} MB/s {i:8.0} IOPS");
             }
