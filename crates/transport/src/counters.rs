@@ -32,7 +32,8 @@ pub struct Counters {
     pub dup_acks_received: u64,
     /// ACKs that acknowledged data never sent, or from a channel we never sent on.
     pub bad_acks: u64,
-    /// Duplicate ACKs sent for out-of-order or duplicate DATA.
+    /// Duplicate ACKs sent: one per out-of-order or already-received DATA frame, each in an ACK
+    /// frame of its own (never carried on DATA), so they are also among `ack_frames_sent`.
     pub dup_acks_sent: u64,
     /// Frames dropped: too short, not lanbus, bad lengths, malformed records or heartbeat.
     pub drop_bad_frame: u64,

@@ -45,7 +45,8 @@
 //! says which copy was answered (as RFC 7323 §4 argues for TCP timestamps).
 //!
 //! *Receiver*: accepts only the frame whose sequence is the next expected one; any other DATA frame
-//! is dropped (counted as out of order or duplicate) and answered at once with a duplicate ACK.
+//! is dropped (counted as out of order or duplicate) and answered at once with a duplicate ACK, always
+//! in an ACK frame of its own (never carried on DATA: the sender counts only ACK frames).
 //! Accepted frames are acknowledged every [`Config::ack_every_frames`] frames or after
 //! [`Config::ack_delay`], whichever comes first.
 //!
@@ -189,7 +190,8 @@ pub enum Feedback {
         /// The peer's timestamp to echo back (ns, truncated).
         echo_ns: Option<u32>,
     },
-    /// The receiver wants an ACK sent to a peer.
+    /// The receiver wants an ACK sent to a peer. If it advances beyond every ACK sent or owed
+    /// on the channel, a DATA frame written at once may carry it instead of an ACK frame.
     SendAck {
         /// The peer to acknowledge.
         peer: MacAddr,
@@ -198,6 +200,19 @@ pub enum Feedback {
         /// The next sequence expected from the peer.
         ack: Seq,
         /// The peer's timestamp to echo back (ns, truncated).
+        echo_ns: Option<u32>,
+    },
+    /// The receiver discarded an out-of-order or already-received DATA frame and wants a
+    /// duplicate ACK sent at once: always in an ACK frame of its own, never carried on DATA nor
+    /// merged with another ACK, since the peer counts only ACK frames toward fast retransmit.
+    SendDuplicateAck {
+        /// The peer to acknowledge.
+        peer: MacAddr,
+        /// The channel.
+        channel: u16,
+        /// The next sequence expected from the peer.
+        ack: Seq,
+        /// The timestamp of the discarded frame, to echo back (ns, truncated).
         echo_ns: Option<u32>,
     },
 }

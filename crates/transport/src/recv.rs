@@ -332,13 +332,14 @@ impl ReceiveHalf {
             } else {
                 self.counters.drop_duplicate += 1;
             }
-            // Answer at once: a duplicate ACK tells the sender what is missing.
+            // Answer at once: a duplicate ACK tells the sender what is missing. It goes in an
+            // ACK frame of its own (only those count toward fast retransmit), one per frame.
             if ch.ack_deadline.take().is_some() {
                 self.armed_acks -= 1;
             }
             ch.unacked = 0;
             self.counters.dup_acks_sent += 1;
-            self.feedback.push_back(Feedback::SendAck {
+            self.feedback.push_back(Feedback::SendDuplicateAck {
                 peer: src,
                 channel,
                 ack: ch.expected,

@@ -22,17 +22,14 @@ use crate::rate::RateControl;
 use crate::rtt::RttEstimator;
 use crate::{stamp, Config, Counters, Feedback, RateConfig, SendError, Seq};
 
-/// Offset of the payload-length field within a stored frame.
-const PAYLOAD_LEN_AT: usize = ETH_LEN + 24;
-/// Offsets of the fields patched at each transmission.
-const GROUP_AT: usize = ETH_LEN + 4;
-const TIMESTAMP_AT: usize = ETH_LEN + 16;
-const FLAGS_AT: usize = ETH_LEN + 2;
-const ACK_AT: usize = ETH_LEN + 12;
-const ECHO_AT: usize = ETH_LEN + 20;
-/// The send timestamp stored in a frame.
-fn read_stamp(frame: &[u8]) -> u32 {
-    u32::from_be_bytes(frame[TIMESTAMP_AT..TIMESTAMP_AT + 4].try_into().expect("4-byte range"))
+/// The lanbus header of a stored frame (which this half wrote: it holds a whole header).
+fn header(frame: &[u8]) -> Packet<&[u8]> {
+    Packet::new_unchecked(&frame[ETH_LEN..])
+}
+
+/// The lanbus header of a stored frame or of a frame being written, for patching fields.
+fn header_mut(frame: &mut [u8]) -> Packet<&mut [u8]> {
+    Packet::new_unchecked(&mut frame[ETH_LEN..])
 }
 
 /// A large message does not start in a queued frame with less room than this.
@@ -52,7 +49,8 @@ struct TxChannel {
     /// Bytes of `frames[..next]`: sent in this round and not acknowledged.
     inflight_bytes: usize,
     /// The ACK (and echo) the receive half owes the peer on this channel, which the next DATA
-    /// frame carries ([`Feedback::AckOwed`]).
+    /// frame carries ([`Feedback::AckOwed`], or a due [`Feedback::SendAck`] whose carrier is
+    /// written in the same `poll_transmit`).
     owed: Option<(Seq, Option<u32>)>,
     /// The last ACK a DATA frame carried: the same ACK coming later as [`Feedback::SendAck`]
     /// (the coalescing timer firing) is not sent again.
@@ -66,6 +64,15 @@ impl TxChannel {
         self.next < self.frames.len()
             && self.next < window
             && self.rate.window_allows(rate, self.inflight_bytes, self.frames[self.next].len())
+    }
+
+    /// Notes that `ack` went to the peer (in an ACK frame or carried): `last_acked` only moves
+    /// forward.
+    fn note_acked(&mut self, ack: Seq) {
+        self.last_acked = Some(match self.last_acked {
+            Some(last) if ack.is_before(last) => last,
+            _ => ack,
+        });
     }
 
     /// Go back to the first unacknowledged frame.
@@ -82,6 +89,8 @@ struct AckDue {
     channel: u16,
     ack: Seq,
     echo_ns: Option<u32>,
+    /// A duplicate ACK ([`Feedback::SendDuplicateAck`]): always an ACK frame of its own.
+    duplicate: bool,
 }
 
 /// The sending half of an [`Endpoint`](crate::Endpoint): owns everything that writes frames.
@@ -271,12 +280,16 @@ impl SendHalf {
             Feedback::SendAck { peer, channel, ack, echo_ns } => {
                 if let Some(ch) = self.existing_channel(peer, channel) {
                     if ch.carried == Some((ack, echo_ns)) {
-                        // A DATA frame already carried exactly this ACK (a duplicate ACK for
-                        // an out-of-order frame echoes that frame's timestamp, so it differs).
+                        // A DATA frame already carried exactly this ACK.
                         return;
                     }
                 }
-                self.acks.push_back(AckDue { peer, channel, ack, echo_ns });
+                self.acks.push_back(AckDue { peer, channel, ack, echo_ns, duplicate: false });
+            }
+            Feedback::SendDuplicateAck { peer, channel, ack, echo_ns } => {
+                // Never skipped, even when equal to a carried ACK: frames of one burst share
+                // a timestamp, so a duplicate can echo exactly what a DATA frame carried.
+                self.acks.push_back(AckDue { peer, channel, ack, echo_ns, duplicate: true });
             }
             Feedback::AckOwed { peer, channel, ack, echo_ns } => match self.existing_channel(peer, channel) {
                 Some(ch) => ch.owed = Some((ack, echo_ns)),
@@ -350,7 +363,7 @@ impl SendHalf {
             // would start another go-back, whose resends draw the next run of duplicates (a storm
             // that resent 30-50% of the frames on a loss-free veth). The same rule lets a lost
             // retransmission be fast-retransmitted again, without waiting for the RTO.
-            let base_sent = ch.frames.front().map(|f| read_stamp(f));
+            let base_sent = ch.frames.front().map(|f| header(f).timestamp());
             let news = match (echo_ns, base_sent) {
                 (Some(echo), Some(sent)) => echo.wrapping_sub(sent) as i32 >= 0,
                 _ => true,
@@ -420,8 +433,9 @@ impl SendHalf {
 
     /// Writes the next frame into `buf` and returns its length, or `None` when there is nothing to
     /// send now (no ACK due, no heartbeat due, and every channel empty, window-limited or paced
-    /// out: [`SendHalf::poll_timeout`] then says when to come back). ACKs go first, then
-    /// heartbeats, then DATA round-robin over channels.
+    /// out: [`SendHalf::poll_timeout`] then says when to come back). ACKs go first (an advancing
+    /// ACK as a DATA frame of its channel carrying it, when one may go now; duplicate ACKs always
+    /// as ACK frames), then heartbeats, then DATA round-robin over channels.
     ///
     /// # Panics
     /// If `buf` is shorter than [`Config::frame_capacity`].
@@ -433,9 +447,12 @@ impl SendHalf {
             self.config.frame_capacity(),
             buf.len()
         );
-        while let Some(a) = self.acks.pop_front() {
-            if self.carry_instead(now, &a) {
-                continue;
+        if let Some(a) = self.acks.pop_front() {
+            // An ACK that may ride on a DATA frame does so in this very call: put off to a later
+            // one, its DATA frame might never go (the frames acknowledged meanwhile, pacing) and
+            // the ACK, whose coalescing timer has fired already, would be lost.
+            if let Some(ci) = self.carrier(now, &a) {
+                return Some(self.write_data(now, ci, buf));
             }
             return Some(self.write_ack(now, a, buf));
         }
@@ -456,42 +473,7 @@ impl SendHalf {
                 continue;
             }
             self.rr = (ci + 1) % n;
-            let frame = &mut ch.frames[ch.next];
-            // The stored frame keeps the stamp of its latest transmission (see `on_ack`).
-            frame[TIMESTAMP_AT..TIMESTAMP_AT + 4].copy_from_slice(&stamp(now).to_be_bytes());
-            let len = frame.len();
-            buf[..len].copy_from_slice(frame);
-            let out = &mut buf[..len];
-            out[GROUP_AT..GROUP_AT + 2].copy_from_slice(&self.group.to_be_bytes());
-            if let Some((ack, echo)) = ch.owed.take() {
-                out[ACK_AT..ACK_AT + 4].copy_from_slice(&ack.0.to_be_bytes());
-                out[FLAGS_AT] |= FLAG_ACK;
-                if let Some(echo) = echo {
-                    out[ECHO_AT..ECHO_AT + 4].copy_from_slice(&echo.to_be_bytes());
-                    out[FLAGS_AT] |= FLAG_ECHO;
-                }
-                ch.carried = Some((ack, echo));
-                ch.last_acked = Some(ch.last_acked.map_or(ack, |l| if l.is_before(ack) { ack } else { l }));
-                self.counters.acks_carried += 1;
-            }
-            if self.config.checksum {
-                lanbus::fill_checksum(out);
-            } else {
-                out[FLAGS_AT] &= !lanbus::FLAG_CHECKSUM;
-            }
-            if ch.next < ch.high {
-                self.counters.retransmitted_frames += 1;
-            }
-            ch.next += 1;
-            ch.inflight_bytes += len;
-            ch.high = ch.high.max(ch.next);
-            if ch.rto_deadline.is_none() {
-                ch.rto_deadline = Some(now + ch.rtt.rto());
-            }
-            ch.rate.on_send(now, len);
-            self.counters.frames_sent += 1;
-            self.counters.data_frames_sent += 1;
-            return Some(len);
+            return Some(self.write_data(now, ci, buf));
         }
         if paced {
             self.counters.paced_out += 1;
@@ -499,20 +481,69 @@ impl SendHalf {
         None
     }
 
-    /// Whether ACK `a` can ride on a DATA frame that may go out now on its channel instead of
-    /// taking a frame of its own; if so it becomes the channel's owed ACK. Only an ACK that
-    /// advances goes this way: a duplicate ACK must be an ACK frame, the only kind the peer
-    /// counts toward fast retransmit.
-    fn carry_instead(&mut self, now: Instant, a: &AckDue) -> bool {
-        let k = key(a.peer, a.channel);
-        let Some(&ci) = self.index.get(&k) else { return false };
+    /// Writes channel `ci`'s next DATA frame into `buf`, carrying the channel's owed ACK if any.
+    /// The channel must have a sendable frame that pacing allows now.
+    fn write_data(&mut self, now: Instant, ci: usize, buf: &mut [u8]) -> usize {
         let ch = &mut self.channels[ci];
-        let advances = ch.last_acked.is_some_and(|last| last.is_before(a.ack));
+        let frame = &mut ch.frames[ch.next];
+        // The stored frame keeps the stamp of its latest transmission (see `on_ack`).
+        header_mut(frame).set_timestamp(stamp(now));
+        let len = frame.len();
+        buf[..len].copy_from_slice(frame);
+        let out = &mut buf[..len];
+        let mut h = header_mut(out);
+        h.set_group(self.group);
+        if let Some((ack, echo)) = ch.owed.take() {
+            h.set_ack(ack.0);
+            let mut flags = h.flags() | FLAG_ACK;
+            if let Some(echo) = echo {
+                h.set_echo(echo);
+                flags |= FLAG_ECHO;
+            }
+            h.set_flags(flags);
+            ch.carried = Some((ack, echo));
+            ch.note_acked(ack);
+            self.counters.acks_carried += 1;
+        }
+        if self.config.checksum {
+            lanbus::fill_checksum(out);
+        } else {
+            let mut h = header_mut(out);
+            h.set_flags(h.flags() & !lanbus::FLAG_CHECKSUM);
+        }
+        if ch.next < ch.high {
+            self.counters.retransmitted_frames += 1;
+        }
+        ch.next += 1;
+        ch.inflight_bytes += len;
+        ch.high = ch.high.max(ch.next);
+        if ch.rto_deadline.is_none() {
+            ch.rto_deadline = Some(now + ch.rtt.rto());
+        }
+        ch.rate.on_send(now, len);
+        self.counters.frames_sent += 1;
+        self.counters.data_frames_sent += 1;
+        len
+    }
+
+    /// The channel whose DATA frame can carry ACK `a` now instead of an ACK frame of its own, with
+    /// `a` made its owed ACK. Never a duplicate ACK: it must be an ACK frame, the only kind the
+    /// peer counts toward fast retransmit. Otherwise only an ACK that advances beyond both the
+    /// last ACK sent and the owed one (no echo of an ACK already on its way), on a channel with
+    /// a DATA frame that may go now.
+    fn carrier(&mut self, now: Instant, a: &AckDue) -> Option<usize> {
+        if a.duplicate {
+            return None;
+        }
+        let ci = *self.index.get(&key(a.peer, a.channel))?;
+        let ch = &mut self.channels[ci];
+        let advances = ch.last_acked.is_some_and(|last| last.is_before(a.ack))
+            && ch.owed.is_none_or(|(owed, _)| owed.is_before(a.ack));
         if !advances || !ch.has_sendable(self.window, &self.config.rate) || !ch.rate.may_send(now) {
-            return false;
+            return None;
         }
         ch.owed = Some((a.ack, a.echo_ns));
-        true
+        Some(ci)
     }
 
     fn write_header(&self, buf: &mut [u8], dst: MacAddr, repr: &Repr) -> usize {
@@ -534,7 +565,7 @@ impl SendHalf {
             if ch.owed.is_some_and(|(owed, _)| settles(owed)) {
                 ch.owed = None;
             }
-            ch.last_acked = Some(ch.last_acked.map_or(a.ack, |l| if l.is_before(a.ack) { a.ack } else { l }));
+            ch.note_acked(a.ack);
         } else if self.owed_unopened.is_some_and(|(k, owed, _)| k == key(a.peer, a.channel) && settles(owed))
         {
             self.owed_unopened = None;
@@ -610,5 +641,5 @@ fn append_record(f: &mut Vec<u8>, flags: u8, data: &[u8]) {
     f.extend_from_slice(&[n0, n1, flags, 0]);
     f.extend_from_slice(data);
     let plen = (f.len() - ETH_LEN - LB_LEN) as u16;
-    f[PAYLOAD_LEN_AT..PAYLOAD_LEN_AT + 2].copy_from_slice(&plen.to_be_bytes());
+    header_mut(f).set_payload_len(plen);
 }

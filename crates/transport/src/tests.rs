@@ -6,7 +6,7 @@ use lanbus_wire::ethernet::{EtherType, EthernetFrame, EthernetRepr, HEADER_LEN a
 use lanbus_wire::lanbus::{self, Kind, Packet, Repr, FLAG_ECHO, HEADER_LEN as LB_LEN};
 use lanbus_wire::{Instant, MacAddr};
 
-use crate::testutil::{test_message, Dir, Faults, Node, Pair};
+use crate::testutil::{test_message, Dir, Faults, Node, Pair, SplitNode};
 use crate::{stamp, Config, Endpoint, Event, Role, SendError, Seq};
 
 const A: MacAddr = MacAddr::local(1);
@@ -895,4 +895,156 @@ fn an_ack_frame_settles_the_owed_ack() {
     let data = drain(&mut b, at_us(30));
     assert_eq!(data.len(), 1);
     assert_eq!(header(&data[0]).flags & lanbus::FLAG_ACK, 0, "nothing owed any more");
+}
+
+/// Everything `n` wants to send now (any harness node).
+fn drain_node<N: Node>(n: &mut N, now: Instant) -> Vec<Vec<u8>> {
+    let mut buf = vec![0u8; n.frame_capacity()];
+    let mut out = vec![];
+    while let Some(len) = n.poll_transmit(now, &mut buf) {
+        out.push(buf[..len].to_vec());
+    }
+    out
+}
+
+/// Requests one way, replies the other, on one channel; a's request 6 of a burst of 16 is lost
+/// while b has replies queued on the channel. b answers each of the 10 later requests with a
+/// duplicate ACK frame of its own (none is carried on a reply, none merged into another), so a
+/// fast-retransmits at once instead of waiting for its RTO. Returns a's counters.
+fn lost_request_amid_replies<N: Node>(mut a: N, mut b: N) -> crate::Counters {
+    // Warm-up: b's reply carries the ACK of a's first request, so b has ACKed on the channel.
+    a.send(at_us(0), B, 3, b"warm-up").unwrap();
+    for f in drain_node(&mut a, at_us(0)) {
+        b.handle_frame(at_us(5), &f);
+    }
+    b.send(at_us(5), A, 3, b"warm-up reply").unwrap();
+    for f in drain_node(&mut b, at_us(5)) {
+        a.handle_frame(at_us(10), &f);
+    }
+    let mut warm_up = vec![];
+    a.drain_messages(&mut warm_up);
+    b.drain_messages(&mut warm_up);
+    assert_eq!(warm_up.len(), 2);
+    let mut t = at_us(20);
+    for i in 0..16 {
+        a.send(t, B, 3, &test_message(i, 1000)).unwrap();
+        b.send(t, A, 3, &test_message(100 + i, 1000)).unwrap();
+    }
+    let burst = drain_node(&mut a, t);
+    assert_eq!(burst.len(), 16);
+    t += us(5);
+    if b.poll_timeout().is_some_and(|d| d <= t) {
+        b.handle_timeout(t);
+    }
+    // b takes the burst whole (as a driver receiving a batch does), then transmits.
+    for f in burst.iter().filter(|f| header(f).sequence != 6) {
+        b.handle_frame(t, f);
+    }
+    let mut to_a = drain_node(&mut b, t);
+    let dup_ack_frames = to_a.iter().filter(|f| header(f).kind == Kind::Ack && header(f).ack == 6).count();
+    assert!(dup_ack_frames >= 10, "b sent {dup_ack_frames} ACK frames for 6, not one per later request");
+    // Lockstep on a 5 us wire until everything is delivered and acknowledged.
+    let (mut at_a, mut at_b) = (vec![], vec![]);
+    let mut to_b: Vec<Vec<u8>> = vec![];
+    for _ in 0..10_000 {
+        if to_a.is_empty() && to_b.is_empty() {
+            if a.is_idle() && b.is_idle() {
+                break;
+            }
+            let next = [a.poll_timeout(), b.poll_timeout()].into_iter().flatten().min();
+            t = next.expect("a timer while not idle").max(t);
+        } else {
+            t += us(5);
+        }
+        for f in to_b.drain(..) {
+            b.handle_frame(t, &f);
+        }
+        for f in to_a.drain(..) {
+            a.handle_frame(t, &f);
+        }
+        a.drain_messages(&mut at_a);
+        b.drain_messages(&mut at_b);
+        for n in [&mut a, &mut b] {
+            if n.poll_timeout().is_some_and(|d| d <= t) {
+                n.handle_timeout(t);
+            }
+        }
+        to_b = drain_node(&mut a, t);
+        to_a = drain_node(&mut b, t);
+    }
+    assert!(a.is_idle() && b.is_idle(), "not done: a {:?} b {:?}", a.counters(), b.counters());
+    assert_stream(&at_b, A, 3, 16, |_| 1000);
+    assert_eq!(at_a.iter().filter(|m| m.1 == 3).count(), 16);
+    a.counters()
+}
+
+#[test]
+fn duplicate_acks_are_never_carried_so_fast_retransmit_fires() {
+    let endpoints =
+        lost_request_amid_replies(Endpoint::new(p2p(), A, at_us(0)), Endpoint::new(p2p(), B, at_us(0)));
+    let split = lost_request_amid_replies(
+        SplitNode::new(Endpoint::new(p2p(), A, at_us(0))),
+        SplitNode::new(Endpoint::new(p2p(), B, at_us(0))),
+    );
+    for c in [endpoints, split] {
+        assert!(c.fast_retransmits > 0, "recovered by fast retransmit: {c:?}");
+        assert_eq!(c.timeouts, 0, "no RTO needed: {c:?}");
+    }
+}
+
+/// An ACK that is due at once (here for b's 4th request in a row) may ride on a reply only if
+/// that reply goes out in the same `poll_transmit`. b's only reply is being resent after its RTO
+/// when the ACK falls due, another channel's ACK is due too, and a's late ACK of the reply arrives
+/// after b's first `poll_transmit`, leaving b nothing to send on the channel: the due ACK must
+/// still reach a (before the fix it sat in the channel's owed slot until a's RTO).
+#[test]
+fn a_due_ack_is_not_stranded_when_its_carrier_does_not_go() {
+    let (mut a, mut b) = (Endpoint::new(p2p(), A, at_us(0)), Endpoint::new(p2p(), B, at_us(0)));
+    a.send(at_us(0), B, 3, b"request").unwrap();
+    for f in drain(&mut a, at_us(0)) {
+        b.handle_frame(at_us(5), &f);
+    }
+    let _ = b.poll_message();
+    b.send(at_us(5), A, 3, b"reply").unwrap();
+    let reply = drain(&mut b, at_us(5));
+    assert_eq!(reply.len(), 1);
+    a.handle_frame(at_us(10), &reply[0]);
+    let _ = a.poll_message();
+    // a's coalesced ACK of the reply: held back on the wire for a while.
+    a.handle_timeout(at_us(20));
+    let late_ack = drain(&mut a, at_us(20));
+    assert_eq!(late_ack.len(), 1);
+    assert_eq!((header(&late_ack[0]).kind, header(&late_ack[0]).ack), (Kind::Ack, 1));
+    // b's coalescing timer for the request: the reply carried that ACK already.
+    b.handle_timeout(at_us(20));
+    assert!(drain(&mut b, at_us(20)).is_empty());
+    // The reply's RTO fires at b: it goes back to resend the reply.
+    let rto = b.poll_timeout().expect("RTO armed");
+    b.handle_timeout(rto);
+    // a sends a request on channel 4, then four on channel 3 (one frame each).
+    a.send(rto, B, 4, b"other").unwrap();
+    for f in drain(&mut a, rto) {
+        b.handle_frame(rto, &f);
+    }
+    for i in 0..4 {
+        a.send(rto, B, 3, &test_message(i, 1000)).unwrap();
+    }
+    let requests = drain(&mut a, rto);
+    assert_eq!(requests.len(), 4);
+    // The fourth makes b's ACK due at once; channel 4's ACK falls due too.
+    let t = rto + us(5);
+    for f in &requests {
+        b.handle_frame(t, f);
+    }
+    b.handle_timeout(t);
+    let mut buf = vec![0u8; b.config().frame_capacity()];
+    let n = b.poll_transmit(t, &mut buf).expect("an ACK is due");
+    let mut to_a = vec![buf[..n].to_vec()];
+    // a's ACK of the reply arrives now: b has nothing left to send on channel 3.
+    b.handle_frame(t, &late_ack[0]);
+    to_a.extend(drain(&mut b, t));
+    for f in &to_a {
+        a.handle_frame(t + us(5), f);
+    }
+    assert_eq!(a.send_half().queued_frames(B, 3), 0, "the four requests are acknowledged: {to_a:?}");
 }

@@ -159,7 +159,7 @@ impl<T: AsRef<[u8]>> Packet<T> {
         Kind::from(self.buffer.as_ref()[field::KIND])
     }
 
-    /// Flag bits ([`FLAG_CHECKSUM`], [`FLAG_ECHO`]).
+    /// Flag bits ([`FLAG_CHECKSUM`], [`FLAG_ECHO`], and on DATA [`FLAG_ACK`]).
     pub fn flags(&self) -> u8 {
         self.buffer.as_ref()[field::FLAGS]
     }
@@ -179,7 +179,9 @@ impl<T: AsRef<[u8]>> Packet<T> {
         be32(&self.buffer.as_ref()[field::SEQUENCE])
     }
 
-    /// ACK: the next sequence number the receiver expects (all before it arrived).
+    /// ACK frames, and DATA frames with [`FLAG_ACK`] (a piggybacked ACK): the next sequence
+    /// number the receiver expects on the opposite direction of the channel (all before it
+    /// arrived). Meaningless (sent 0) on other frames.
     pub fn ack(&self) -> u32 {
         be32(&self.buffer.as_ref()[field::ACK])
     }
@@ -301,11 +303,11 @@ pub struct Repr {
     pub channel: u16,
     /// Sequence number (DATA).
     pub sequence: u32,
-    /// Cumulative ACK (ACK).
+    /// Cumulative ACK (ACK, and DATA with [`FLAG_ACK`]).
     pub ack: u32,
     /// Send timestamp, ns truncated to 32 bits.
     pub timestamp: u32,
-    /// Echoed timestamp (valid with [`FLAG_ECHO`]).
+    /// Echoed timestamp (ACK, and DATA with [`FLAG_ACK`]; valid with [`FLAG_ECHO`]).
     pub echo: u32,
     /// Payload length.
     pub payload_len: u16,
