@@ -537,3 +537,47 @@ fn wait_received(d: &DeviceBridge, n: u64) {
     }
     assert!(d.stats().tlps_received >= n);
 }
+
+/// An inline function's DMA read fails on its completion timeout while its host hears nothing:
+/// the timer thread leaves the model's reaction (error status, MSI-X) for the receive thread to
+/// send in order with the function's other TLPs, and wakes it to do so.
+fn inline_read_times_out_and_still_interrupts(mode: ThreadMode, seed: u64) {
+    let hub = Hub::new(HubConfig { seed, ..HubConfig::default() }).unwrap();
+    let h = HostBridge::start(hub_node(&hub, 1), host_config(mode, 4)).unwrap();
+    let mut dc = device_config(mode, 4);
+    dc.completion_timeout = Duration::from_millis(150);
+    let d = DeviceBridge::start(hub_node(&hub, 9), dc, dma_engine()).unwrap();
+    let f = one_device(&h);
+    h.add_region(SRC, DmaBuffer::new(4096)).unwrap();
+    h.add_region(DST, DmaBuffer::new(4096)).unwrap();
+    assert_eq!(transfer(&h, &f, SRC, DST, 4096, 1) & regs::STATUS_ERROR, 0);
+    let bar0 = f.bar(0).unwrap().address;
+    let before = d.stats().tlps_received;
+    // From here the host receives nothing (its own frames still leave): the device's read of the
+    // next transfer gets no completion.
+    hub.set_receive(h.local_mac(), false);
+    for (off, v) in transfer_writes(SRC, DST, 4096) {
+        h.mmio_write32(f.bdf, bar0 + off, v).unwrap();
+    }
+    wait_received(&d, before + 6);
+    let t = Instant::now();
+    while d.stats().dma_read_failures == 0 && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(d.stats().dma_read_failures, 1);
+    assert!(t.elapsed() < Duration::from_secs(1), "timed out after {:?}", t.elapsed());
+    // The host hears again: the device's retransmissions bring the read (its late completion is
+    // unexpected) and the failed transfer's interrupt.
+    hub.set_receive(h.local_mac(), true);
+    assert_eq!(h.wait_interrupts(f.bdf, 0, 2, WAIT), 2, "the failed transfer's interrupt");
+    let st = h.mmio_read32(f.bdf, bar0 + regs::STATUS).unwrap();
+    assert_eq!(st & regs::STATUS_ERROR, regs::STATUS_ERROR, "status {st:#x}");
+    // The device works on.
+    assert_eq!(transfer(&h, &f, SRC, DST, 4096, 3) & regs::STATUS_ERROR, 0);
+}
+
+#[test]
+fn an_inline_read_without_completions_times_out_and_still_interrupts() {
+    inline_read_times_out_and_still_interrupts(ThreadMode::RunToCompletion, 71);
+    inline_read_times_out_and_still_interrupts(ThreadMode::Pipeline, 72);
+}

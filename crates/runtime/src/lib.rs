@@ -111,6 +111,16 @@ pub trait Handler: Send + 'static {
     fn on_event(&mut self, event: &Event, out: &mut dyn Outbox) {
         let _ = (event, out);
     }
+
+    /// Called on the handler's thread once per loop iteration, after the messages and events of
+    /// the iteration: sends what the engine's other threads left for the handler to send, so
+    /// that it goes out in order with the handler's replies (what goes through a [`Sender`]
+    /// may be overtaken by them). Another thread asks for a call soon with
+    /// [`Sender::wake_handler`]. Returns the units of work done (0: nothing to do, the default).
+    fn poll(&mut self, out: &mut dyn Outbox) -> usize {
+        let _ = out;
+        0
+    }
 }
 
 /// Counters of a running node.
@@ -199,6 +209,14 @@ impl Sender {
             self.shared.idle.store(false, Ordering::Relaxed);
             self.shared.tx_waker.wake();
         }
+    }
+
+    /// Wakes the thread that runs the handler, so that it calls [`Handler::poll`] soon even if
+    /// no frame arrives.
+    pub fn wake_handler(&self) {
+        // Run to completion waits on the TX waker, the pipeline's RX thread on the RX one.
+        self.shared.tx_waker.wake();
+        self.shared.rx_waker.wake();
     }
 
     /// The node's own MAC address.
@@ -545,6 +563,7 @@ impl Worker {
                 endpoint.handle_timeout(now);
             }
             work += deliver_rtc(endpoint, handler, &mut backlog, now);
+            work += handler.poll(&mut Direct { tx: endpoint.send_half_mut(), backlog: &mut backlog, now });
             let requests: Vec<Control> = lock(&self.shared.control_tx).drain(..).collect();
             for c in requests {
                 match c {
@@ -771,6 +790,7 @@ impl PipeRx {
                 self.handler.on_event(&ev, &mut out);
                 work += 1;
             }
+            work += self.handler.poll(&mut out);
             shared.push_replies(&mut out);
             if self.worker.publish_due(now, work == 0) {
                 *lock(&shared.rx_counters) = self.half.counters();

@@ -15,11 +15,14 @@
 //!   on the receive thread (`bridge/inline.rs`): the handler serves its requests, feeds its read
 //!   completions and runs it, and the TLPs it sends go out through the handler's outbox in the
 //!   same burst (no thread hand-off, no queue, no wake-up per TLP). The timer thread fails its
-//!   reads that see no completion within the completion timeout.
+//!   reads that see no completion within the completion timeout and runs the model, but sends
+//!   nothing: it wakes the receive thread, whose [`Handler::poll`] sends what the model sent, in
+//!   order with the function's other TLPs (only the receive thread sends them).
 //! - A blocking model ([`HostedFunction::blocking`], the NVMe controller) has a worker thread that
 //!   answers its function's queued requests, then runs it: DMA reads are split by the programmed
 //!   max read request size into tagged MRd TLPs whose completions are reassembled
-//!   ([`crate::ReadReassembly`]); writes are split by max payload size into posted MWr TLPs; MSI-X
+//!   ([`crate::ReadReassembly`]; the split, reassembly and expiry are `inline::Reads`, shared
+//!   with the inline path); writes are split by max payload size into posted MWr TLPs; MSI-X
 //!   is a write of the vector's message. Its blocking read waits on the worker, never on the
 //!   receive thread; the receive side notifies the worker only when it sleeps.
 //!
@@ -29,8 +32,8 @@
 //! counted. When the host goes down, leaves the group, or the bridge's own group changes, every
 //! DMA read in flight fails at once with [`DmaError::HostUnreachable`].
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -41,11 +44,10 @@ use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
 use super::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, Path};
-use super::inline::InlinePath;
+use super::inline::{InlinePath, Reads, TlpOut};
 use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL, PCIE_CHANNELS};
 use crate::device::DmaError;
-use crate::request::{split, write_requests, Chunk};
-use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
+use crate::{Bdf, CplStatus, Header, Tag, Tlp, TlpKind};
 
 /// How to run a device bridge.
 #[derive(Debug, Clone)]
@@ -56,7 +58,10 @@ pub struct DeviceBridgeConfig {
     pub name: String,
     /// The runtime (its transport's group, role and name are set from the fields above).
     pub runtime: RuntimeConfig,
-    /// How long a DMA read may go without progress before it fails with a timeout.
+    /// How long a DMA read may go without progress before it fails with a timeout (a read that
+    /// waits for a free tag that long fails too). Inline functions check it every
+    /// min(10 ms, timeout / 4), at least every millisecond: a timeout under 4 ms is met late by up
+    /// to 1 ms.
     pub completion_timeout: Duration,
     /// Tags each function may have in flight (at most 1024).
     pub tags_per_function: u16,
@@ -134,24 +139,12 @@ struct Session {
     peers: HashMap<MacAddr, (Role, u16)>,
 }
 
-/// One read TLP in flight.
-struct PendingTag {
-    op: OpId,
-    offset: usize,
-    peer: MacAddr,
-    asm: Option<ReadReassembly>,
-    result: Option<Result<Vec<u8>, DmaError>>,
-}
-
 /// What the receive side and a function's worker share.
 struct FnState {
     /// Requests for the function, with the peer that sent them.
     inbox: VecDeque<(MacAddr, u16, Tlp)>,
-    /// Read TLPs in flight by tag.
-    reads: HashMap<u16, PendingTag>,
-    /// Tags whose read finished (result set), for the worker to collect.
-    done: VecDeque<u16>,
-    free_tags: Vec<u16>,
+    /// The worker's DMA reads (the receive side feeds their completions; unused inline).
+    reads: Reads,
     /// Memory ranges the function decodes (refreshed by the worker after configuration writes).
     bars: Vec<(u64, u64)>,
     /// The function's ID as its host addressed it.
@@ -196,24 +189,9 @@ impl InlineFn {
 
     /// Serves a configuration or memory request from `peer` on `channel`, then runs the model.
     fn request(&mut self, f: &FnShared, counters: &Counters, peer: MacAddr, channel: u16, tlp: &Tlp) {
-        if let (TlpKind::CfgRd0 | TlpKind::CfgWr0, Header::Config(h)) = (&tlp.kind, &tlp.header) {
-            let bdf = Bdf::new(h.completer_id.bus(), h.completer_id.device(), self.index as u8)
-                .unwrap_or(h.completer_id);
-            self.path.me = bdf;
-            lock(&f.state).bdf = bdf;
-        }
-        let replies = serve(&mut *self.hosted, self.path.me, tlp);
-        if tlp.kind == TlpKind::CfgWr0 {
-            lock(&f.state).bars = decode_table(&*self.hosted);
-            self.path.set_limits(
-                self.hosted.config().max_payload_size(),
-                self.hosted.config().max_read_request_size(),
-            );
-        }
+        let (me, replies) = serve_request(self.index, &mut *self.hosted, f, counters, &mut self.path, tlp);
+        self.path.me = me;
         for r in &replies {
-            if r.header_status_is_ur() {
-                bump(&counters.ur_sent);
-            }
             self.path.out.push(peer, channel, r);
         }
         self.run();
@@ -229,6 +207,39 @@ impl InlineFn {
     }
 }
 
+/// Serves configuration or memory request `tlp` to function `index` (inline or on its worker):
+/// records the ID its host addressed it by and, after a configuration write, its decode table and
+/// the limits of its `path`. Returns that ID and the replies (Unsupported Requests counted).
+fn serve_request(
+    index: usize,
+    hosted: &mut dyn Hosted,
+    f: &FnShared,
+    counters: &Counters,
+    path: &mut dyn Path,
+    tlp: &Tlp,
+) -> (Bdf, Vec<Tlp>) {
+    let me = match (&tlp.kind, &tlp.header) {
+        (TlpKind::CfgRd0 | TlpKind::CfgWr0, Header::Config(h)) => {
+            let bdf = Bdf::new(h.completer_id.bus(), h.completer_id.device(), index as u8)
+                .unwrap_or(h.completer_id);
+            lock(&f.state).bdf = bdf;
+            bdf
+        }
+        _ => lock(&f.state).bdf,
+    };
+    let replies = serve(hosted, me, tlp);
+    if tlp.kind == TlpKind::CfgWr0 {
+        lock(&f.state).bars = decode_table(hosted);
+        path.set_limits(hosted.config().max_payload_size(), hosted.config().max_read_request_size());
+    }
+    for r in &replies {
+        if r.header_status_is_ur() {
+            bump(&counters.ur_sent);
+        }
+    }
+    (me, replies)
+}
+
 struct Shared {
     session: Mutex<Session>,
     fns: Vec<Arc<FnShared>>,
@@ -237,6 +248,9 @@ struct Shared {
     /// Stops the timer thread of the inline functions.
     ticker_stop: Mutex<bool>,
     ticker_wake: Condvar,
+    /// The timer thread left output in an inline function's `path.out` for the receive thread
+    /// to send (in order with the function's other TLPs: only that thread sends them).
+    flush_due: AtomicBool,
 }
 
 impl Shared {
@@ -251,14 +265,7 @@ impl Shared {
                 g.path.out.drain(|_, _, _| {});
                 continue;
             }
-            let mut st = lock(&f.state);
-            let st = &mut *st;
-            for (tag, p) in st.reads.iter_mut() {
-                if p.result.is_none() {
-                    p.result = Some(Err(DmaError::HostUnreachable));
-                    st.done.push_back(*tag);
-                }
-            }
+            lock(&f.state).reads.fail_all(DmaError::HostUnreachable);
             f.wake.notify_all();
         }
     }
@@ -347,28 +354,15 @@ impl DevHandler {
             return;
         }
         let mut st = lock(&f.state);
-        let tag = tlp.tag.get();
-        let Some(p) = st.reads.get_mut(&tag).filter(|p| p.peer == peer && p.result.is_none()) else {
+        if !st.reads.complete(peer, tlp, Instant::now()) {
             bump(&self.shared.counters.unexpected_completions);
             return;
-        };
-        let Some(asm) = p.asm.as_mut() else { return };
-        let result = match asm.handle_completion(tlp) {
-            Ok(Progress::Partial) => return,
-            Ok(Progress::Complete) => p
-                .asm
-                .take()
-                .map(|a| a.into_data().map_err(|_| DmaError::Completion(CplStatus::CompleterAbort)))
-                .unwrap_or(Err(DmaError::Completion(CplStatus::CompleterAbort))),
-            Err(Error::CompletionStatus(s)) => Err(DmaError::Completion(s)),
-            Err(_) => {
-                bump(&self.shared.counters.unexpected_completions);
-                return;
-            }
-        };
-        p.result = Some(result);
-        st.done.push_back(tag);
-        f.notify(st);
+        }
+        // The worker pumps the freed tag and collects the read (a partial completion needs
+        // nothing of it).
+        if st.reads.changed() {
+            f.notify(st);
+        }
     }
 }
 
@@ -379,8 +373,11 @@ impl Handler for DevHandler {
             bump(&c.other_channel);
             return;
         }
+        // The session stays locked while the TLP is dispatched (lock order: session, then
+        // function), so a host lost meanwhile on another thread (`set_group`) is never put back
+        // by this snapshot.
+        let mut s = lock(&self.shared.session);
         let session = {
-            let mut s = lock(&self.shared.session);
             match s.host {
                 Some(h) if h == m.peer => {
                     // A host opens every session with configuration requests on a fresh channel;
@@ -440,6 +437,22 @@ impl Handler for DevHandler {
         }
     }
 
+    fn poll(&mut self, out: &mut dyn Outbox) -> usize {
+        // Acquire pairs with the Release store in `ticker`.
+        if !self.shared.flush_due.swap(false, Ordering::Acquire) {
+            return 0;
+        }
+        let mut n = 0;
+        for f in &self.shared.fns {
+            if let Some(inl) = &f.inline {
+                let mut g = lock(inl);
+                n += usize::from(!g.path.out.is_empty());
+                g.flush(out);
+            }
+        }
+        n
+    }
+
     fn on_event(&mut self, event: &Event, _out: &mut dyn Outbox) {
         let mut s = lock(&self.shared.session);
         match event {
@@ -468,156 +481,41 @@ impl Handler for DevHandler {
     }
 }
 
-/// A read started by a function, in pieces of at most MRRS bytes.
-struct Op {
-    buf: Vec<u8>,
-    todo: VecDeque<Chunk>,
-    /// Tags in flight for this read.
-    tags: Vec<u16>,
-    error: Option<DmaError>,
-    /// When the read fails unless it progresses.
-    deadline: Instant,
-}
-
-/// The fabric [`Path`] of one function's worker.
+/// The fabric [`Path`] of one function's worker: its reads live in the function state's
+/// [`Reads`] (the receive side feeds their completions); the worker pumps, expires and collects
+/// them, and sends every TLP of the function through the runtime's [`Sender`], in order.
 struct FabricPath {
     shared: Arc<Shared>,
     f: Arc<FnShared>,
     sender: Sender,
-    next_op: OpId,
-    ops: BTreeMap<OpId, Op>,
-    finished: VecDeque<(OpId, Result<Vec<u8>, DmaError>)>,
+    out: TlpOut,
     mps: usize,
     mrrs: usize,
 }
 
 impl FabricPath {
-    /// Sends read TLPs for the reads' pieces while tags are free.
+    /// Fails the reads that stalled, sends read TLPs for the reads' pieces while tags are free,
+    /// and clears the "changed" mark the worker wakes on.
     fn pump(&mut self) {
-        if self.ops.values().all(|o| o.todo.is_empty()) {
-            return;
-        }
-        let now = Instant::now();
-        let mut out = Vec::new();
-        let s = lock(&self.shared.session);
-        let channel = s.channel;
-        let Some(host) = s.host else {
-            drop(s);
-            for o in self.ops.values_mut().filter(|o| !o.todo.is_empty()) {
-                o.todo.clear();
-                o.error.get_or_insert(DmaError::HostUnreachable);
-            }
-            return;
-        };
-        let mut st = lock(&self.f.state);
-        let me = st.bdf;
-        for (id, o) in self.ops.iter_mut() {
-            while o.error.is_none() && !o.todo.is_empty() {
-                let Some(tag) = st.free_tags.pop() else { break };
-                let c = o.todo.pop_front().expect("not empty");
-                let Some(t) = Tag::new(tag) else { continue };
-                let shape = c.shape();
-                let asm = match ReadReassembly::new(me, t, c.address, c.len) {
-                    Ok(a) => a,
-                    Err(_) => {
-                        st.free_tags.push(tag);
-                        o.error = Some(DmaError::Completion(CplStatus::UnsupportedRequest));
-                        break;
-                    }
-                };
-                st.reads.insert(
-                    tag,
-                    PendingTag { op: *id, offset: c.offset, peer: host, asm: Some(asm), result: None },
-                );
-                o.tags.push(tag);
-                o.deadline = now + self.shared.timeout;
-                out.push(Tlp::mem_read(me, t, shape.address, shape.length_dw, shape.first_be, shape.last_be));
-            }
-        }
-        drop(st);
-        drop(s);
-        let encoded: Vec<Vec<u8>> = out.iter().filter_map(|t| t.encode().ok()).collect();
-        self.sender.send_all(host, channel, encoded.iter().map(|b| b.as_slice()));
-    }
-
-    /// Collects finished tags and expired reads; moves finished reads to `finished`.
-    fn collect(&mut self) {
         let now = Instant::now();
         {
+            let s = lock(&self.shared.session);
+            let (host, channel) = (s.host, s.channel);
             let mut st = lock(&self.f.state);
-            while let Some(tag) = st.done.pop_front() {
-                let Some(p) = st.reads.remove(&tag) else { continue };
-                st.free_tags.push(tag);
-                let Some(o) = self.ops.get_mut(&p.op) else { continue };
-                o.tags.retain(|t| *t != tag);
-                o.deadline = now + self.shared.timeout;
-                match p.result {
-                    Some(Ok(data)) => {
-                        if let Some(dst) = o.buf.get_mut(p.offset..p.offset + data.len()) {
-                            dst.copy_from_slice(&data);
-                        }
-                    }
-                    Some(Err(e)) => {
-                        o.error.get_or_insert(e);
-                    }
-                    None => {
-                        o.error.get_or_insert(DmaError::Timeout);
-                    }
-                }
-            }
-            for o in self.ops.values_mut() {
-                if !o.tags.is_empty() && o.deadline <= now {
-                    for tag in o.tags.drain(..) {
-                        if st.reads.remove(&tag).is_some() {
-                            st.free_tags.push(tag);
-                        }
-                    }
-                    o.error.get_or_insert(DmaError::Timeout);
-                }
-            }
+            let me = st.bdf;
+            let out = &mut self.out;
+            st.reads.expire(now);
+            st.reads.pump(host, me, now, |host, tlp| out.push(host, channel, tlp));
+            st.reads.take_changed();
         }
-        let ended: Vec<OpId> = self
-            .ops
-            .iter()
-            .filter(|(_, o)| o.tags.is_empty() && (o.todo.is_empty() || o.error.is_some()))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in ended {
-            let o = self.ops.remove(&id).expect("listed");
-            let result = match o.error {
-                Some(e) => {
-                    bump(&self.shared.counters.dma_read_failures);
-                    Err(e)
-                }
-                None => Ok(o.buf),
-            };
-            self.finished.push_back((id, result));
-        }
-    }
-
-    fn next_deadline(&self) -> Option<Instant> {
-        self.ops.values().filter(|o| !o.tags.is_empty()).map(|o| o.deadline).min()
+        self.out.send_via(&self.sender);
     }
 }
 
 impl Path for FabricPath {
     fn start_read(&mut self, address: u64, len: usize) -> OpId {
-        let id = self.next_op;
-        self.next_op += 1;
-        bump(&self.shared.counters.dma_reads);
-        match split(address, len, self.mrrs) {
-            Ok(chunks) => {
-                let deadline = Instant::now() + self.shared.timeout;
-                let op =
-                    Op { buf: vec![0; len], todo: chunks.into(), tags: Vec::new(), error: None, deadline };
-                self.ops.insert(id, op);
-                self.pump();
-            }
-            Err(_) => {
-                bump(&self.shared.counters.dma_read_failures);
-                self.finished.push_back((id, Err(DmaError::Completion(CplStatus::UnsupportedRequest))));
-            }
-        }
+        let id = lock(&self.f.state).reads.start(address, len, self.mrrs, Instant::now());
+        self.pump();
         id
     }
 
@@ -632,34 +530,34 @@ impl Path for FabricPath {
             return Err(DmaError::HostUnreachable);
         };
         let me = lock(&self.f.state).bdf;
-        let tlps = write_requests(me, address, data, self.mps)
+        let tlps = crate::request::write_requests(me, address, data, self.mps)
             .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))?;
         bump(&c.dma_writes);
-        let encoded: Vec<Vec<u8>> = tlps.iter().filter_map(|t| t.encode().ok()).collect();
-        self.sender.send_all(host, channel, encoded.iter().map(|b| b.as_slice()));
+        for t in &tlps {
+            self.out.push(host, channel, t);
+        }
+        self.out.send_via(&self.sender);
         Ok(())
     }
 
     fn poll_read(&mut self) -> Option<(OpId, Result<Vec<u8>, DmaError>)> {
-        if self.finished.is_empty() {
-            self.collect();
-            self.pump();
-            self.collect();
+        if let Some(r) = lock(&self.f.state).reads.poll() {
+            return Some(r);
         }
-        self.finished.pop_front()
+        self.pump();
+        lock(&self.f.state).reads.poll()
     }
 
     fn wait_read(&mut self, op: OpId) -> Result<Vec<u8>, DmaError> {
         loop {
-            self.collect();
             self.pump();
-            if let Some(i) = self.finished.iter().position(|(id, _)| *id == op) {
-                return self.finished.remove(i).expect("found").1;
-            }
-            if !self.ops.contains_key(&op) {
-                return Err(DmaError::Timeout);
-            }
-            let limit = self.next_deadline().unwrap_or_else(|| Instant::now() + self.shared.timeout);
+            let limit = {
+                let mut st = lock(&self.f.state);
+                if let Some(r) = st.reads.take(op) {
+                    return r;
+                }
+                st.reads.next_deadline().unwrap_or_else(|| Instant::now() + self.shared.timeout)
+            };
             let spin_until = Instant::now() + super::spin_budget();
             let mut st = lock(&self.f.state);
             if st.stop {
@@ -667,12 +565,12 @@ impl Path for FabricPath {
             }
             // Completions usually come within a round trip: look again for a while (yielding the
             // core) before sleeping, when a core is to spare (see `spin_budget`).
-            while st.done.is_empty() && !st.stop && Instant::now() < spin_until.min(limit) {
+            while !st.reads.changed() && !st.stop && Instant::now() < spin_until.min(limit) {
                 drop(st);
                 std::thread::yield_now();
                 st = lock(&self.f.state);
             }
-            if st.done.is_empty() && !st.stop {
+            if !st.reads.changed() && !st.stop {
                 let wait = limit.saturating_duration_since(Instant::now());
                 st.sleeping = true;
                 let (mut st, _) = self.f.wake.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner());
@@ -687,36 +585,48 @@ impl Path for FabricPath {
     }
 }
 
-/// How often the timer thread of the inline functions checks their completion timeouts.
-const TICK: Duration = Duration::from_millis(10);
+/// How often the timer thread of the inline functions checks their completion timeouts: every
+/// 10 ms, or a quarter of a shorter timeout (at least every millisecond).
+fn tick(timeout: Duration) -> Duration {
+    (timeout / 4).clamp(Duration::from_millis(1), Duration::from_millis(10))
+}
 
 /// The inline functions' timer: fails their reads that made no progress within the completion
-/// timeout (the receive thread only runs when a message arrives).
+/// timeout (the receive thread only runs when a message arrives). It sends nothing itself: what
+/// the functions send in reaction stays in their output, and the receive thread, woken, sends it
+/// in order with the rest (`DevHandler::poll`).
 fn ticker(shared: Arc<Shared>, sender: Sender) {
+    let tick = tick(shared.timeout);
     loop {
         {
             let stop = lock(&shared.ticker_stop);
             if *stop {
                 return;
             }
-            let (stop, _) = shared.ticker_wake.wait_timeout(stop, TICK).unwrap_or_else(|e| e.into_inner());
+            let (stop, _) = shared.ticker_wake.wait_timeout(stop, tick).unwrap_or_else(|e| e.into_inner());
             if *stop {
                 return;
             }
         }
         let now = Instant::now();
+        let mut flush = false;
+        // Lock order: session, then function; the session stays locked while a function uses its
+        // snapshot, so a host lost meanwhile is never put back.
+        let s = lock(&shared.session);
         for f in &shared.fns {
             let Some(inl) = &f.inline else { continue };
-            let session = {
-                let s = lock(&shared.session);
-                (s.host, s.channel)
-            };
             let mut g = lock(inl);
             if g.path.next_deadline().is_some_and(|d| d <= now) {
-                g.session(session).path.expire(now);
+                g.session((s.host, s.channel)).path.expire(now);
                 g.run();
-                g.path.out.drain(|peer, channel, bytes| sender.send(peer, channel, bytes));
             }
+            flush |= !g.path.out.is_empty();
+        }
+        drop(s);
+        if flush {
+            // Release pairs with the Acquire swap in `DevHandler::poll`.
+            shared.flush_due.store(true, Ordering::Release);
+            sender.wake_handler();
         }
     }
 }
@@ -728,9 +638,7 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
         shared: shared.clone(),
         f: f.clone(),
         sender: sender.clone(),
-        next_op: 0,
-        ops: BTreeMap::new(),
-        finished: VecDeque::new(),
+        out: TlpOut::default(),
         mps: hosted.config().max_payload_size(),
         mrrs: hosted.config().max_read_request_size(),
     };
@@ -743,11 +651,8 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
                 if st.stop {
                     return;
                 }
-                let due = path.next_deadline().is_some_and(|d| d <= Instant::now());
-                if !st.inbox.is_empty()
-                    || !st.done.is_empty()
-                    || due
-                    || (hosted.wants_run() && idle_runs == 0)
+                let due = st.reads.next_deadline().is_some_and(|d| d <= Instant::now());
+                if !st.inbox.is_empty() || st.reads.changed() || due || (hosted.wants_run() && idle_runs == 0)
                 {
                     break;
                 }
@@ -760,7 +665,7 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
                     st = lock(&f.state);
                     continue;
                 }
-                let wait = match path.next_deadline() {
+                let wait = match st.reads.next_deadline() {
                     Some(d) => d.saturating_duration_since(Instant::now()),
                     None if hosted.wants_run() => Duration::from_millis(1),
                     None => Duration::from_millis(100),
@@ -777,28 +682,14 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
             st.inbox.drain(..).collect()
         };
         for (peer, channel, tlp) in inbox {
-            let is_config = matches!(tlp.kind, TlpKind::CfgRd0 | TlpKind::CfgWr0);
-            let me = if let (true, Header::Config(h)) = (is_config, &tlp.header) {
-                let bdf = Bdf::new(h.completer_id.bus(), h.completer_id.device(), index as u8)
-                    .unwrap_or(h.completer_id);
-                lock(&f.state).bdf = bdf;
-                bdf
-            } else {
-                lock(&f.state).bdf
-            };
-            let replies = serve(&mut *hosted, me, &tlp);
-            if tlp.kind == TlpKind::CfgWr0 {
-                lock(&f.state).bars = decode_table(&*hosted);
-                path.set_limits(hosted.config().max_payload_size(), hosted.config().max_read_request_size());
-            }
+            let (_, replies) = serve_request(index, &mut *hosted, &f, &shared.counters, &mut path, &tlp);
             for r in &replies {
-                if r.header_status_is_ur() {
-                    bump(&shared.counters.ur_sent);
-                }
+                path.out.push(peer, channel, r);
             }
-            let encoded: Vec<Vec<u8>> = replies.iter().filter_map(|t| t.encode().ok()).collect();
-            sender.send_all(peer, channel, encoded.iter().map(|b| b.as_slice()));
+            path.out.send_via(&sender);
         }
+        // Expired reads fail and freed tags go to waiting reads even if the model does not poll.
+        path.pump();
         let work = hosted.run(&mut path);
         idle_runs = if work == 0 { idle_runs.saturating_add(1) } else { 0 };
     }
@@ -856,9 +747,7 @@ impl DeviceBridge {
                 Arc::new(FnShared {
                     state: Mutex::new(FnState {
                         inbox: VecDeque::new(),
-                        reads: HashMap::new(),
-                        done: VecDeque::new(),
-                        free_tags: (0..tags).rev().collect(),
+                        reads: Reads::new(counters.clone(), config.completion_timeout, tags),
                         bars: Vec::new(),
                         bdf,
                         stop: false,
@@ -882,6 +771,7 @@ impl DeviceBridge {
             timeout: config.completion_timeout,
             ticker_stop: Mutex::new(false),
             ticker_wake: Condvar::new(),
+            flush_due: AtomicBool::new(false),
         });
         let mut rc = config.runtime.clone();
         rc.transport.group = config.group;

@@ -517,18 +517,10 @@ impl Shared {
             return Err(BridgeError::DeviceGone { bdf, mac });
         }
         let sender = self.sender()?;
-        let encoded = tlps
-            .iter()
-            .map(|t| t.encode().map_err(|e| BridgeError::BadRequest(e.to_string())))
-            .collect::<BridgeResult<Vec<Vec<u8>>>>();
-        let encoded = match encoded {
-            Ok(e) => e,
-            Err(e) => {
-                self.forget(&tags);
-                return Err(e);
-            }
-        };
-        sender.send_all(mac, channel, encoded.iter().map(|b| b.as_slice()));
+        if let Err(e) = super::send_tlps(&sender, mac, channel, &tlps) {
+            self.forget(&tags);
+            return Err(e);
+        }
         let mut w = spin_then_wait(
             &waiter.state,
             &waiter.done,
@@ -600,12 +592,7 @@ impl Shared {
         let tlps = write_requests(HOST_BDF, address, data, self.config.mps)
             .map_err(|e| BridgeError::BadRequest(e.to_string()))?;
         let sender = self.sender()?;
-        let encoded = tlps
-            .iter()
-            .map(|t| t.encode().map_err(|e| BridgeError::BadRequest(e.to_string())))
-            .collect::<BridgeResult<Vec<Vec<u8>>>>()?;
-        sender.send_all(mac, channel, encoded.iter().map(|b| b.as_slice()));
-        Ok(())
+        super::send_tlps(&sender, mac, channel, &tlps)
     }
 }
 

@@ -6,16 +6,19 @@
 //! reads and writes, MSI-X) collect in a [`TlpOut`] that the caller flushes into the runtime's
 //! outbox (no worker thread, no queue, no wake-up per TLP). [`InlinePath`] is the fabric [`Path`]
 //! of such a function: tagged reads split by max read request size, reassembled from their
-//! completions; posted writes split by max payload size.
+//! completions ([`Reads`], which a blocking function's worker path uses too); posted writes
+//! split by max payload size.
 //!
-//! Invariant: everything here runs under the function's mutex; the caller snapshots the session
-//! (host, channel) before taking it, so the session lock is never taken inside (lock order:
-//! session, then function).
+//! Invariant: everything here runs under the function's mutex; the caller takes the session
+//! snapshot (host, channel) under the session lock and holds that lock while the function uses
+//! it (lock order: session, then function), so the session lock is never taken inside and a
+//! host lost meanwhile is never put back. Only the receive thread sends the function's output.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lanbus_runtime::Sender;
 use lanbus_wire::MacAddr;
 
 use super::device::{bump, Counters};
@@ -47,6 +50,37 @@ impl TlpOut {
         }
     }
 
+    /// Whether no TLP waits.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Queues every TLP on `sender` in order (one lock and wake-up per run of TLPs for the same
+    /// peer and channel) and empties the arena.
+    pub(crate) fn send_via(&mut self, sender: &Sender) {
+        let mut at = 0;
+        let mut i = 0;
+        while i < self.items.len() {
+            let (peer, channel, _) = self.items[i];
+            let run = self.items[i..].iter().take_while(|(p, c, _)| (*p, *c) == (peer, channel)).count();
+            let bytes = &self.bytes;
+            let mut pos = at;
+            sender.send_all(
+                peer,
+                channel,
+                self.items[i..i + run].iter().map(|(_, _, n)| {
+                    let b = &bytes[pos..pos + n];
+                    pos += n;
+                    b
+                }),
+            );
+            at += self.items[i..i + run].iter().map(|(_, _, n)| n).sum::<usize>();
+            i += run;
+        }
+        self.items.clear();
+        self.bytes.clear();
+    }
+
     /// Hands every TLP to `send` in order and empties the arena.
     pub(crate) fn drain(&mut self, mut send: impl FnMut(MacAddr, u16, &[u8])) {
         let mut at = 0;
@@ -58,14 +92,14 @@ impl TlpOut {
     }
 }
 
-/// A read started by the function, in pieces of at most MRRS bytes.
+/// A read started by a function, in pieces of at most MRRS bytes.
 struct Op {
     buf: Vec<u8>,
     todo: VecDeque<Chunk>,
     /// Tags in flight for this read.
     tags: Vec<u16>,
     error: Option<DmaError>,
-    /// When the read fails unless it progresses.
+    /// When the read fails unless it progresses (refreshed when one of its TLPs is sent or ends).
     deadline: Instant,
 }
 
@@ -77,61 +111,80 @@ struct InTag {
     asm: ReadReassembly,
 }
 
-/// The fabric path of an inline function.
-pub(crate) struct InlinePath {
-    /// The function's ID as its host addressed it.
-    pub(crate) me: Bdf,
-    /// The session snapshot the caller took: our host and its channel.
-    pub(crate) host: Option<MacAddr>,
-    pub(crate) channel: u16,
-    pub(crate) out: TlpOut,
-    /// The payload buffer of the writes being encoded (reused).
-    payload: Vec<u8>,
+/// The DMA reads of one function: split by max read request size into tagged MRd TLPs,
+/// reassembled from their completions, failed when they stall. Sans-IO (the caller passes the
+/// time and sends what `pump` emits); both paths use it, the inline one under the function's
+/// mutex and a worker's under its function state's lock.
+///
+/// Invariants: a tag is either free or in `tags` (and then in its op's `tags`); a read ends (moves
+/// to `finished`) once nothing of it is in flight and it is done or failed; every read not yet
+/// ended has a deadline (`next_deadline`), also one that waits for tags, so none waits forever.
+/// After anything frees tags (`complete`, `expire`, `fail_all`) the caller calls `pump`.
+pub(crate) struct Reads {
     counters: Arc<Counters>,
     timeout: Duration,
     next_op: OpId,
     ops: BTreeMap<OpId, Op>,
-    reads: HashMap<u16, InTag>,
+    tags: HashMap<u16, InTag>,
     free_tags: Vec<u16>,
     finished: VecDeque<(OpId, Result<Vec<u8>, DmaError>)>,
-    mps: usize,
-    mrrs: usize,
+    /// When a completion last arrived: a read waiting for tags is not stalled while the reads
+    /// ahead of it progress.
+    progress: Instant,
+    /// A tag was freed or a read ended since `take_changed` (the worker wakes on it).
+    changed: bool,
 }
 
-impl InlinePath {
-    pub(crate) fn new(
-        me: Bdf,
-        counters: Arc<Counters>,
-        timeout: Duration,
-        tags: u16,
-        mps: usize,
-        mrrs: usize,
-    ) -> InlinePath {
-        InlinePath {
-            me,
-            host: None,
-            channel: 0,
-            out: TlpOut::default(),
-            payload: Vec::new(),
+impl Reads {
+    pub(crate) fn new(counters: Arc<Counters>, timeout: Duration, tags: u16) -> Reads {
+        Reads {
             counters,
             timeout,
             next_op: 0,
             ops: BTreeMap::new(),
-            reads: HashMap::new(),
+            tags: HashMap::new(),
             free_tags: (0..tags).rev().collect(),
             finished: VecDeque::new(),
-            mps,
-            mrrs,
+            progress: Instant::now(),
+            changed: false,
         }
     }
 
-    /// Sends read TLPs for the reads' pieces while tags are free.
-    fn pump(&mut self) {
-        if self.ops.values().all(|o| o.todo.is_empty()) {
+    /// Starts a read of `len` bytes at `address` in pieces of `mrrs` bytes; `pump` sends them.
+    pub(crate) fn start(&mut self, address: u64, len: usize, mrrs: usize, now: Instant) -> OpId {
+        let id = self.next_op;
+        self.next_op += 1;
+        bump(&self.counters.dma_reads);
+        match split(address, len, mrrs) {
+            Ok(chunks) => {
+                let deadline = now + self.timeout;
+                let op =
+                    Op { buf: vec![0; len], todo: chunks.into(), tags: Vec::new(), error: None, deadline };
+                self.ops.insert(id, op);
+                self.settle(id);
+            }
+            Err(_) => {
+                bump(&self.counters.dma_read_failures);
+                self.finished.push_back((id, Err(DmaError::Completion(CplStatus::UnsupportedRequest))));
+                self.changed = true;
+            }
+        }
+        id
+    }
+
+    /// Hands `send` a read TLP (for `host`, from `me`) for the reads' pieces while tags are free,
+    /// oldest read first; with no host, the reads' unsent pieces fail.
+    pub(crate) fn pump(
+        &mut self,
+        host: Option<MacAddr>,
+        me: Bdf,
+        now: Instant,
+        mut send: impl FnMut(MacAddr, &Tlp),
+    ) {
+        if self.free_tags.is_empty() || self.ops.values().all(|o| o.todo.is_empty() || o.error.is_some()) {
             return;
         }
-        let now = Instant::now();
-        let Some(host) = self.host else {
+        let Some(host) = host else {
             for o in self.ops.values_mut().filter(|o| !o.todo.is_empty()) {
                 o.todo.clear();
                 o.error.get_or_insert(DmaError::HostUnreachable);
@@ -139,25 +192,26 @@ impl InlinePath {
             self.settle_all();
             return;
         };
-        let me = self.me;
         let mut failed = false;
         'ops: for (id, o) in self.ops.iter_mut() {
             while o.error.is_none() && !o.todo.is_empty() {
                 let Some(tag) = self.free_tags.pop() else { break 'ops };
-                let Some(t) = Tag::new(tag) else { continue };
                 let c = o.todo.pop_front().expect("not empty");
-                let Ok(asm) = ReadReassembly::new(me, t, c.address, c.len) else {
+                let asm = Tag::new(tag).and_then(|t| ReadReassembly::new(me, t, c.address, c.len).ok());
+                let (Some(t), Some(asm)) = (Tag::new(tag), asm) else {
                     self.free_tags.push(tag);
                     o.error = Some(DmaError::Completion(CplStatus::UnsupportedRequest));
                     failed = true;
                     break;
                 };
                 let shape = c.shape();
-                self.reads.insert(tag, InTag { op: *id, offset: c.offset, peer: host, asm });
+                self.tags.insert(tag, InTag { op: *id, offset: c.offset, peer: host, asm });
                 o.tags.push(tag);
                 o.deadline = now + self.timeout;
-                let tlp = Tlp::mem_read(me, t, shape.address, shape.length_dw, shape.first_be, shape.last_be);
-                self.out.push(host, self.channel, &tlp);
+                send(
+                    host,
+                    &Tlp::mem_read(me, t, shape.address, shape.length_dw, shape.first_be, shape.last_be),
+                );
             }
         }
         if failed {
@@ -180,6 +234,7 @@ impl InlinePath {
             None => Ok(o.buf),
         };
         self.finished.push_back((id, result));
+        self.changed = true;
     }
 
     fn settle_all(&mut self) {
@@ -189,17 +244,11 @@ impl InlinePath {
         }
     }
 
-    /// Ends tag `tag` of its read with `result` (data for the piece, or why it failed).
-    fn end_tag(&mut self, tag: u16, result: Result<Vec<u8>, DmaError>, now: Instant) {
-        if let Some(p) = self.reads.remove(&tag) {
-            self.end(tag, p.op, p.offset, result, now);
-        }
-    }
-
     /// Ends read TLP `tag` (already out of the table) of read `op`, its piece at `offset`, with
     /// `result`.
     fn end(&mut self, tag: u16, op: OpId, offset: usize, result: Result<Vec<u8>, DmaError>, now: Instant) {
         self.free_tags.push(tag);
+        self.changed = true;
         if let Some(o) = self.ops.get_mut(&op) {
             o.tags.retain(|t| *t != tag);
             o.deadline = now + self.timeout;
@@ -211,90 +260,195 @@ impl InlinePath {
                 }
                 Err(e) => {
                     o.error.get_or_insert(e);
+                    o.todo.clear();
                 }
             }
         }
         self.settle(op);
     }
 
-    /// Feeds a completion from `peer`; false if it matches no read in flight.
-    pub(crate) fn complete(&mut self, peer: MacAddr, tlp: &Tlp) -> bool {
+    /// Feeds a completion from `peer`; false if it matches no read in flight. The caller pumps.
+    pub(crate) fn complete(&mut self, peer: MacAddr, tlp: &Tlp, now: Instant) -> bool {
         if !matches!(tlp.header, Header::Completion(_)) {
             return false;
         }
         let tag = tlp.tag.get();
-        let Some(p) = self.reads.get_mut(&tag).filter(|p| p.peer == peer) else {
+        let Some(p) = self.tags.get_mut(&tag).filter(|p| p.peer == peer) else {
             return false;
         };
         let progress = match p.asm.handle_completion(tlp) {
-            Ok(Progress::Partial) => return true,
+            Ok(Progress::Partial) => {
+                self.progress = now;
+                return true;
+            }
             Ok(Progress::Complete) => Ok(()),
             Err(Error::CompletionStatus(s)) => Err(DmaError::Completion(s)),
             Err(_) => return false,
         };
-        let p = self.reads.remove(&tag).expect("found above");
+        self.progress = now;
+        let p = self.tags.remove(&tag).expect("found above");
         let (op, offset) = (p.op, p.offset);
         let result = progress
             .and_then(|()| p.asm.into_data().map_err(|_| DmaError::Completion(CplStatus::CompleterAbort)));
-        self.end(tag, op, offset, result, Instant::now());
-        self.pump();
+        self.end(tag, op, offset, result, now);
         true
     }
 
-    /// Fails every read that made no progress within the completion timeout.
-    pub(crate) fn expire(&mut self, now: Instant) {
-        let expired: Vec<u16> = self
-            .ops
-            .values()
-            .filter(|o| !o.tags.is_empty() && o.deadline <= now)
-            .flat_map(|o| o.tags.iter().copied())
-            .collect();
-        for tag in expired {
-            self.end_tag(tag, Err(DmaError::Timeout), now);
+    /// When read `o` fails unless it progresses: its own deadline while it has TLPs in flight;
+    /// while it waits for tags, also not before the function's last completion plus the timeout.
+    fn deadline_of(&self, o: &Op) -> Option<Instant> {
+        if !o.tags.is_empty() {
+            Some(o.deadline)
+        } else if !o.todo.is_empty() && o.error.is_none() {
+            Some(o.deadline.max(self.progress + self.timeout))
+        } else {
+            None
         }
     }
 
-    /// Fails every read in flight: the host is gone.
-    pub(crate) fn fail_all(&mut self) {
-        let tags: Vec<u16> = self.reads.keys().copied().collect();
-        let now = Instant::now();
-        for tag in tags {
-            self.end_tag(tag, Err(DmaError::HostUnreachable), now);
+    /// Fails with [`DmaError::Timeout`] every read that made no progress within the completion
+    /// timeout: its TLPs in flight and the pieces it has not sent. The caller pumps.
+    pub(crate) fn expire(&mut self, now: Instant) {
+        let expired: Vec<OpId> = self
+            .ops
+            .iter()
+            .filter(|(_, o)| self.deadline_of(o).is_some_and(|d| d <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            let o = self.ops.get_mut(&id).expect("listed");
+            o.todo.clear();
+            o.error.get_or_insert(DmaError::Timeout);
+            for tag in o.tags.drain(..) {
+                self.tags.remove(&tag);
+                self.free_tags.push(tag);
+            }
+            self.changed = true;
+            self.settle(id);
+        }
+    }
+
+    /// Fails every read with `error` (the host is gone).
+    pub(crate) fn fail_all(&mut self, error: DmaError) {
+        for (tag, _) in self.tags.drain() {
+            self.free_tags.push(tag);
         }
         for o in self.ops.values_mut() {
-            if !o.todo.is_empty() {
-                o.todo.clear();
-                o.error.get_or_insert(DmaError::HostUnreachable);
-            }
+            o.tags.clear();
+            o.todo.clear();
+            o.error.get_or_insert(error);
         }
+        self.changed = true;
         self.settle_all();
     }
 
-    /// The earliest deadline of a read in flight.
+    /// The earliest deadline of a read not yet ended.
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.ops.values().filter(|o| !o.tags.is_empty()).map(|o| o.deadline).min()
+        self.ops.values().filter_map(|o| self.deadline_of(o)).min()
+    }
+
+    /// A finished read, if any.
+    pub(crate) fn poll(&mut self) -> Option<(OpId, Result<Vec<u8>, DmaError>)> {
+        self.finished.pop_front()
+    }
+
+    /// Read `op`'s result if it finished; `Some(Err(Timeout))` if no such read is known.
+    pub(crate) fn take(&mut self, op: OpId) -> Option<Result<Vec<u8>, DmaError>> {
+        match self.finished.iter().position(|(id, _)| *id == op) {
+            Some(i) => Some(self.finished.remove(i).expect("found").1),
+            None if !self.ops.contains_key(&op) => Some(Err(DmaError::Timeout)),
+            None => None,
+        }
+    }
+
+    /// Whether a tag was freed or a read ended since the last `take_changed`.
+    pub(crate) fn changed(&self) -> bool {
+        self.changed
+    }
+
+    pub(crate) fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed)
+    }
+}
+
+/// The fabric path of an inline function.
+pub(crate) struct InlinePath {
+    /// The function's ID as its host addressed it.
+    pub(crate) me: Bdf,
+    /// The session snapshot the caller took: our host and its channel.
+    pub(crate) host: Option<MacAddr>,
+    pub(crate) channel: u16,
+    pub(crate) out: TlpOut,
+    /// The payload buffer of the writes being encoded (reused).
+    payload: Vec<u8>,
+    counters: Arc<Counters>,
+    reads: Reads,
+    mps: usize,
+    mrrs: usize,
+}
+
+impl InlinePath {
+    pub(crate) fn new(
+        me: Bdf,
+        counters: Arc<Counters>,
+        timeout: Duration,
+        tags: u16,
+        mps: usize,
+        mrrs: usize,
+    ) -> InlinePath {
+        InlinePath {
+            me,
+            host: None,
+            channel: 0,
+            out: TlpOut::default(),
+            payload: Vec::new(),
+            reads: Reads::new(counters.clone(), timeout, tags),
+            counters,
+            mps,
+            mrrs,
+        }
+    }
+
+    /// Sends read TLPs for the reads' pieces while tags are free.
+    fn pump(&mut self, now: Instant) {
+        let (out, channel) = (&mut self.out, self.channel);
+        self.reads.pump(self.host, self.me, now, |host, tlp| out.push(host, channel, tlp));
+        self.reads.take_changed();
+    }
+
+    /// Feeds a completion from `peer`; false if it matches no read in flight.
+    pub(crate) fn complete(&mut self, peer: MacAddr, tlp: &Tlp) -> bool {
+        let now = Instant::now();
+        let matched = self.reads.complete(peer, tlp, now);
+        if matched {
+            self.pump(now);
+        }
+        matched
+    }
+
+    /// Fails every read that made no progress within the completion timeout, and gives the tags
+    /// they held to the reads that wait for them.
+    pub(crate) fn expire(&mut self, now: Instant) {
+        self.reads.expire(now);
+        self.pump(now);
+    }
+
+    /// Fails every read: the host is gone.
+    pub(crate) fn fail_all(&mut self) {
+        self.reads.fail_all(DmaError::HostUnreachable);
+    }
+
+    /// The earliest deadline of a read not yet ended.
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.reads.next_deadline()
     }
 }
 
 impl Path for InlinePath {
     fn start_read(&mut self, address: u64, len: usize) -> OpId {
-        let id = self.next_op;
-        self.next_op += 1;
-        bump(&self.counters.dma_reads);
-        match split(address, len, self.mrrs) {
-            Ok(chunks) => {
-                let deadline = Instant::now() + self.timeout;
-                let op =
-                    Op { buf: vec![0; len], todo: chunks.into(), tags: Vec::new(), error: None, deadline };
-                self.ops.insert(id, op);
-                self.pump();
-                self.settle(id);
-            }
-            Err(_) => {
-                bump(&self.counters.dma_read_failures);
-                self.finished.push_back((id, Err(DmaError::Completion(CplStatus::UnsupportedRequest))));
-            }
-        }
+        let now = Instant::now();
+        let id = self.reads.start(address, len, self.mrrs, now);
+        self.pump(now);
         id
     }
 
@@ -324,16 +478,13 @@ impl Path for InlinePath {
     }
 
     fn poll_read(&mut self) -> Option<(OpId, Result<Vec<u8>, DmaError>)> {
-        self.finished.pop_front()
+        self.reads.poll()
     }
 
     fn wait_read(&mut self, op: OpId) -> Result<Vec<u8>, DmaError> {
         // Only blocking models wait, and they run on a worker, never inline: a read that has not
         // finished cannot finish while the receive thread is here.
-        match self.finished.iter().position(|(id, _)| *id == op) {
-            Some(i) => self.finished.remove(i).expect("found").1,
-            None => Err(DmaError::Timeout),
-        }
+        self.reads.take(op).unwrap_or(Err(DmaError::Timeout))
     }
 
     fn set_limits(&mut self, mps: usize, mrrs: usize) {
@@ -372,5 +523,116 @@ mod tests {
                 }
             }
         }
+    }
+
+    const HOST: MacAddr = MacAddr([2, 0, 0, 0, 0, 9]);
+    const TIMEOUT: Duration = Duration::from_millis(100);
+
+    fn me() -> Bdf {
+        Bdf::new(3, 0, 1).unwrap()
+    }
+
+    /// An inline path with 256 tags and MRRS 512, its host set.
+    fn path() -> InlinePath {
+        let mut p = InlinePath::new(me(), Arc::default(), TIMEOUT, 256, 128, 512);
+        (p.host, p.channel) = (Some(HOST), 0x5005);
+        p
+    }
+
+    /// The read TLPs the path sent since the last call.
+    fn sent(p: &mut InlinePath) -> Vec<Tlp> {
+        let mut v = Vec::new();
+        p.out.drain(|peer, _, b| {
+            assert_eq!(peer, HOST);
+            v.push(Tlp::decode(b).unwrap());
+        });
+        v
+    }
+
+    /// Answers `reads` as host memory holding `address as u8` at every address.
+    fn answer(p: &mut InlinePath, reads: &[Tlp]) {
+        for r in reads {
+            let cpls = crate::request::completions_for_read(r, Bdf(0), 256, 64, |a, d| {
+                for (i, b) in d.iter_mut().enumerate() {
+                    *b = (a + i as u64) as u8;
+                }
+                Ok(())
+            })
+            .unwrap();
+            for c in &cpls {
+                assert!(p.complete(HOST, c));
+            }
+        }
+    }
+
+    fn finished(p: &mut InlinePath) -> Vec<(OpId, Result<Vec<u8>, DmaError>)> {
+        std::iter::from_fn(|| p.poll_read()).collect()
+    }
+
+    #[test]
+    fn a_read_waiting_for_tags_times_out_after_a_stall_instead_of_hanging() {
+        let mut p = path();
+        // 1 MiB at MRRS 512: 2048 pieces, every tag in flight; the second read waits for tags.
+        let a = p.start_read(0x10_0000, 1 << 20);
+        assert_eq!(sent(&mut p).len(), 256);
+        let b = p.start_read(0x20_0000, 4096);
+        assert!(sent(&mut p).is_empty(), "no tag left");
+        let deadline = p.next_deadline().expect("reads pending");
+        // The host stalls past the completion timeout: both reads end, neither hangs.
+        p.expire(deadline.max(Instant::now() + TIMEOUT) + Duration::from_millis(1));
+        let done = finished(&mut p);
+        assert_eq!(done, vec![(a, Err(DmaError::Timeout)), (b, Err(DmaError::Timeout))]);
+        assert_eq!(p.next_deadline(), None);
+        // Every tag is free again.
+        let c = p.start_read(0x30_0000, 256 * 512);
+        let reads = sent(&mut p);
+        assert_eq!(reads.len(), 256);
+        answer(&mut p, &reads);
+        let done = finished(&mut p);
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].0, c);
+        let want: Vec<u8> = (0..256 * 512u64).map(|i| (0x30_0000 + i) as u8).collect();
+        assert_eq!(done[0].1.as_deref(), Ok(&want[..]));
+    }
+
+    #[test]
+    fn tags_a_timeout_frees_go_to_the_read_waiting_for_them() {
+        let mut p = path();
+        let a = p.start_read(0x10_0000, 1 << 20);
+        let started = Instant::now();
+        assert_eq!(sent(&mut p).len(), 256);
+        std::thread::sleep(Duration::from_millis(20));
+        // Started 20 ms later: it has not waited a whole timeout when the first read expires.
+        let b = p.start_read(0x20_0000, 4096);
+        assert!(sent(&mut p).is_empty());
+        p.expire(started + TIMEOUT + Duration::from_millis(1));
+        assert_eq!(finished(&mut p), vec![(a, Err(DmaError::Timeout))]);
+        // The freed tags went to the waiting read at once.
+        let reads = sent(&mut p);
+        assert_eq!(reads.len(), 8);
+        assert!(p.next_deadline().is_some());
+        answer(&mut p, &reads);
+        let want: Vec<u8> = (0..4096u64).map(|i| (0x20_0000 + i) as u8).collect();
+        assert_eq!(finished(&mut p), vec![(b, Ok(want))]);
+    }
+
+    #[test]
+    fn a_read_waiting_for_tags_lives_while_the_reads_ahead_progress() {
+        let mut p = path();
+        let _a = p.start_read(0x10_0000, 1 << 20);
+        let first = sent(&mut p);
+        let b = p.start_read(0x20_0000, 4096);
+        // The first read progresses (one piece answered) just before the second read has waited
+        // a whole timeout: the second one is not failed for waiting.
+        std::thread::sleep(TIMEOUT - Duration::from_millis(20));
+        answer(&mut p, &first[..1]);
+        let more = sent(&mut p);
+        assert_eq!(more.len(), 1, "the freed tag went to the first read's next piece");
+        p.expire(Instant::now() + Duration::from_millis(40));
+        assert!(finished(&mut p).is_empty(), "nothing failed");
+        // It keeps a deadline: a stall from here fails it too.
+        p.expire(Instant::now() + TIMEOUT * 2);
+        let done = finished(&mut p);
+        assert!(done.iter().any(|(id, r)| *id == b && *r == Err(DmaError::Timeout)), "{done:?}");
     }
 }

@@ -187,3 +187,19 @@ pub(crate) fn is_non_posted(tlp: &Tlp) -> bool {
     use crate::TlpKind::*;
     matches!(tlp.kind, MRd32 | MRd64 | IORd | IOWr | CfgRd0 | CfgWr0 | CfgRd1 | CfgWr1)
 }
+
+/// Encodes `tlps` and queues them for `peer` on `channel` in order, with one wake-up of the
+/// sending thread; nothing is sent if one does not encode.
+pub(crate) fn send_tlps(
+    sender: &lanbus_runtime::Sender,
+    peer: MacAddr,
+    channel: u16,
+    tlps: &[Tlp],
+) -> BridgeResult<()> {
+    let encoded = tlps
+        .iter()
+        .map(|t| t.encode().map_err(|e| BridgeError::BadRequest(e.to_string())))
+        .collect::<BridgeResult<Vec<Vec<u8>>>>()?;
+    sender.send_all(peer, channel, encoded.iter().map(|b| b.as_slice()));
+    Ok(())
+}
