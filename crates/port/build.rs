@@ -1,75 +1,14 @@
-//! Build script: with the `dpdk` feature, compiles `dpdk/shim.c` against the system's DPDK (flags
-//! from `pkg-config --cflags --libs libdpdk`) and links DPDK. Without the feature it does nothing.
+//! Build script: with the `dpdk` feature, compiles `dpdk/shim.c` against the system's DPDK (through
+//! `lanbus-dpdk-build`), links DPDK and records its version in `LANBUS_DPDK_VERSION`. Without the
+//! feature it does nothing.
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     #[cfg(feature = "dpdk")]
-    dpdk::build();
-}
-
-#[cfg(feature = "dpdk")]
-mod dpdk {
-    use std::process::Command;
-
-    const HOW_TO_FIX: &str = "the `dpdk` feature needs DPDK's development files: on Debian or Ubuntu \
-        `apt-get install libdpdk-dev dpdk` (pkg-config and a C compiler too: `apt-get install \
-        pkg-config gcc`), or build without `--features dpdk`";
-
-    /// Stops the build with a message cargo shows as is.
-    fn fail(msg: String) -> ! {
-        eprintln!("error: {msg}");
-        std::process::exit(1);
-    }
-
-    fn pkg_config(args: &[&str]) -> Vec<String> {
-        let out = match Command::new("pkg-config").args(args).arg("libdpdk").output() {
-            Ok(out) => out,
-            Err(e) => fail(format!("cannot run pkg-config ({e}); {HOW_TO_FIX}")),
-        };
-        if !out.status.success() {
-            fail(format!(
-                "pkg-config {} libdpdk failed: {}; {HOW_TO_FIX}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
-        String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect()
-    }
-
-    pub fn build() {
-        println!("cargo:rerun-if-changed=dpdk/shim.c");
-        println!("cargo:rerun-if-env-changed=PKG_CONFIG_PATH");
-        println!("cargo:rerun-if-env-changed=PKG_CONFIG_LIBDIR");
-        let version = pkg_config(&["--modversion"]).join(" ");
-        let cflags = pkg_config(&["--cflags"]);
-        let libs = pkg_config(&["--libs"]);
-
-        let mut build = cc::Build::new();
-        build.file("dpdk/shim.c").warnings(true).flag_if_supported("-Wno-unused-parameter");
-        let mut it = cflags.iter();
-        while let Some(flag) = it.next() {
-            if let Some(dir) = flag.strip_prefix("-I") {
-                build.include(dir);
-            } else if flag == "-include" {
-                // `-include rte_config.h`: two words, one flag.
-                if let Some(file) = it.next() {
-                    build.flag("-include").flag(file);
-                }
-            } else {
-                build.flag(flag);
-            }
-        }
-        build.compile("lanbus_dpdk_shim");
-
-        // After the static shim, so the linker resolves its references from these.
-        for flag in &libs {
-            if let Some(lib) = flag.strip_prefix("-l") {
-                println!("cargo:rustc-link-lib=dylib={lib}");
-            } else if let Some(dir) = flag.strip_prefix("-L") {
-                println!("cargo:rustc-link-search=native={dir}");
-            }
-            // `-Wl,--as-needed` and the like: rustc already links with --as-needed.
-        }
+    {
+        let version = lanbus_dpdk_build::compile_shim("dpdk/shim.c", "lanbus_dpdk_shim", |b| {
+            b.flag_if_supported("-Wno-unused-parameter");
+        });
         println!("cargo:rustc-env=LANBUS_DPDK_VERSION={version}");
     }
 }
