@@ -235,6 +235,23 @@ pub fn split_completions(address: u64, len: usize, mps: usize, rcb: usize) -> Re
     }
 }
 
+/// A memory read request's header, the address of its first enabled byte and its byte count, once
+/// the completer's max payload size and read completion boundary are known to be valid.
+fn read_request(request: &Tlp, mps: usize, rcb: usize) -> Result<(&MemHeader, u64, usize)> {
+    let (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) = (request.kind, &request.header) else {
+        return Err(Error::BadRequest(format!("{} is not a memory read", request.kind)));
+    };
+    let (first, len) = RequestShape::of_memory(h, request.length_dw).byte_range();
+    check_limit(mps)?;
+    check_rcb(rcb)?;
+    Ok((h, h.address.saturating_add(first), len))
+}
+
+/// The attributes a completion copies from its request (No Snoop and Relaxed Ordering).
+fn completion_attr(request: &Tlp) -> crate::tlp::Attr {
+    crate::tlp::Attr(request.attr.0 & (crate::tlp::Attr::NO_SNOOP | crate::tlp::Attr::RELAXED_ORDERING))
+}
+
 /// The completions a completer returns for a memory read request `request`, split as in
 /// [`split_completions`]; `read` fills the bytes of a DW-aligned range of memory (its length a
 /// multiple of 4) or fails, in which case a single Completer Abort completion is returned
@@ -246,14 +263,7 @@ pub fn completions_for_read(
     rcb: usize,
     mut read: impl FnMut(u64, &mut [u8]) -> core::result::Result<(), ()>,
 ) -> Result<Vec<Tlp>> {
-    let (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) = (request.kind, &request.header) else {
-        return Err(Error::BadRequest(format!("{} is not a memory read", request.kind)));
-    };
-    let shape = RequestShape::of_memory(h, request.length_dw);
-    let (first, len) = shape.byte_range();
-    let address = h.address.saturating_add(first);
-    check_limit(mps)?;
-    check_rcb(rcb)?;
+    let (h, address, len) = read_request(request, mps, rcb)?;
     // With valid sizes, only a malformed range (crossing 4 KiB, wrapping) fails: that gets an
     // abort rather than data.
     let pieces =
@@ -275,9 +285,7 @@ pub fn completions_for_read(
             data,
         );
         c.tc = request.tc;
-        c.attr = crate::tlp::Attr(
-            request.attr.0 & (crate::tlp::Attr::NO_SNOOP | crate::tlp::Attr::RELAXED_ORDERING),
-        );
+        c.attr = completion_attr(request);
         out.push(c);
     }
     if out.is_empty() {
@@ -318,14 +326,7 @@ pub fn each_completion_for_read(
     mut read: impl FnMut(u64, &mut [u8]) -> core::result::Result<(), ()>,
     mut emit: impl FnMut(&Tlp),
 ) -> Result<()> {
-    let (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) = (request.kind, &request.header) else {
-        return Err(Error::BadRequest(format!("{} is not a memory read", request.kind)));
-    };
-    let shape = RequestShape::of_memory(h, request.length_dw);
-    let (first, len) = shape.byte_range();
-    let address = h.address.saturating_add(first);
-    check_limit(mps)?;
-    check_rcb(rcb)?;
+    let (h, address, len) = read_request(request, mps, rcb)?;
     let pieces =
         if len == 0 { Vec::new() } else { split_completions(address, len, mps, rcb).unwrap_or_default() };
     let total: usize = pieces.iter().map(|p| usize::from(p.length_dw) * 4).sum();
@@ -347,8 +348,7 @@ pub fn each_completion_for_read(
         }
         return Ok(());
     }
-    let attr =
-        crate::tlp::Attr(request.attr.0 & (crate::tlp::Attr::NO_SNOOP | crate::tlp::Attr::RELAXED_ORDERING));
+    let attr = completion_attr(request);
     let mut payload = core::mem::take(&mut scratch.payload);
     let mut at = 0;
     for p in &pieces {
