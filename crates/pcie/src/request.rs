@@ -247,9 +247,28 @@ fn read_request(request: &Tlp, mps: usize, rcb: usize) -> Result<(&MemHeader, u6
     Ok((h, h.address.saturating_add(first), len))
 }
 
-/// The attributes a completion copies from its request (No Snoop and Relaxed Ordering).
-fn completion_attr(request: &Tlp) -> crate::tlp::Attr {
-    crate::tlp::Attr(request.attr.0 & (crate::tlp::Attr::NO_SNOOP | crate::tlp::Attr::RELAXED_ORDERING))
+/// The successful completion carrying piece `p` of `request`'s data: traffic class and the No
+/// Snoop and Relaxed Ordering attributes copied from the request.
+fn success_completion(
+    request: &Tlp,
+    h: &MemHeader,
+    completer_id: Bdf,
+    p: &CompletionPiece,
+    data: Vec<u8>,
+) -> Tlp {
+    let mut c = Tlp::completion(
+        completer_id,
+        h.requester_id,
+        request.tag,
+        CplStatus::Success,
+        p.byte_count,
+        p.lower_address,
+        data,
+    );
+    c.tc = request.tc;
+    c.attr =
+        crate::tlp::Attr(request.attr.0 & (crate::tlp::Attr::NO_SNOOP | crate::tlp::Attr::RELAXED_ORDERING));
+    c
 }
 
 /// The completions a completer returns for a memory read request `request`, split as in
@@ -275,18 +294,7 @@ pub fn completions_for_read(
             out.clear();
             break;
         }
-        let mut c = Tlp::completion(
-            completer_id,
-            h.requester_id,
-            request.tag,
-            CplStatus::Success,
-            p.byte_count,
-            p.lower_address,
-            data,
-        );
-        c.tc = request.tc;
-        c.attr = completion_attr(request);
-        out.push(c);
+        out.push(success_completion(request, h, completer_id, p, data));
     }
     if out.is_empty() {
         let lower = (address & 0x7f) as u8;
@@ -348,7 +356,6 @@ pub fn each_completion_for_read(
         }
         return Ok(());
     }
-    let attr = completion_attr(request);
     let mut payload = core::mem::take(&mut scratch.payload);
     let mut at = 0;
     for p in &pieces {
@@ -356,17 +363,7 @@ pub fn each_completion_for_read(
         payload.clear();
         payload.extend_from_slice(&scratch.data[at..at + n]);
         at += n;
-        let mut c = Tlp::completion(
-            completer_id,
-            h.requester_id,
-            request.tag,
-            CplStatus::Success,
-            p.byte_count,
-            p.lower_address,
-            payload,
-        );
-        c.tc = request.tc;
-        c.attr = attr;
+        let c = success_completion(request, h, completer_id, p, payload);
         emit(&c);
         payload = c.data;
     }

@@ -121,12 +121,22 @@ fn payload(i: u32) -> Vec<u8> {
     (0..len).map(|k| (i as usize + k) as u8).chain(i.to_be_bytes()).collect()
 }
 
-fn one_way(mode: ThreadMode, messages: u32) {
-    let (pa, pb) = mem_pair(97);
-    let (ta, _ra) = mpsc::channel();
+/// Two nodes over an in-memory wire (dropping every `drop_every`th frame, 0: none) whose handlers
+/// forward what they receive; returns A, B and what B received (A's receiver is dropped: what A
+/// receives is discarded).
+fn forward_pair(mode: ThreadMode, drop_every: u64) -> (Runtime, Runtime, Received) {
+    let (pa, pb) = mem_pair(drop_every);
+    let (ta, _) = mpsc::channel();
     let (tb, rb) = mpsc::channel();
     let a = Runtime::start(Box::new(pa), config(mode), Box::new(Forward { to: ta, echo: false })).unwrap();
     let b = Runtime::start(Box::new(pb), config(mode), Box::new(Forward { to: tb, echo: false })).unwrap();
+    (a, b, rb)
+}
+
+type Received = mpsc::Receiver<(MacAddr, u16, Vec<u8>)>;
+
+fn one_way(mode: ThreadMode, messages: u32) {
+    let (a, b, rb) = forward_pair(mode, 97);
     let sender = a.sender();
     for i in 0..messages {
         sender.send(b.local_mac(), (i % 3) as u16, &payload(i));
@@ -185,13 +195,7 @@ fn handler_replies_reach_the_peer_pipeline() {
 #[test]
 fn a_node_in_another_group_drops_the_traffic() {
     for mode in [ThreadMode::RunToCompletion, ThreadMode::Pipeline] {
-        let (pa, pb) = mem_pair(0);
-        let (ta, _ra) = mpsc::channel();
-        let (tb, rb) = mpsc::channel();
-        let a =
-            Runtime::start(Box::new(pa), config(mode), Box::new(Forward { to: ta, echo: false })).unwrap();
-        let b =
-            Runtime::start(Box::new(pb), config(mode), Box::new(Forward { to: tb, echo: false })).unwrap();
+        let (a, b, rb) = forward_pair(mode, 0);
         a.sender().send(b.local_mac(), 1, b"before");
         assert_eq!(rb.recv_timeout(Duration::from_secs(10)).unwrap().2, b"before");
         b.set_group(9);
@@ -216,13 +220,7 @@ fn a_node_in_another_group_drops_the_traffic() {
 #[test]
 fn send_all_delivers_a_batch_in_order_in_both_modes() {
     for mode in [ThreadMode::RunToCompletion, ThreadMode::Pipeline] {
-        let (pa, pb) = mem_pair(0);
-        let (ta, _ra) = mpsc::channel();
-        let (tb, rb) = mpsc::channel();
-        let a =
-            Runtime::start(Box::new(pa), config(mode), Box::new(Forward { to: ta, echo: false })).unwrap();
-        let b =
-            Runtime::start(Box::new(pb), config(mode), Box::new(Forward { to: tb, echo: false })).unwrap();
+        let (a, b, rb) = forward_pair(mode, 0);
         // Batches sent while the node is busy and after it went idle (parked): none is lost.
         for round in 0..20u32 {
             let batch: Vec<Vec<u8>> = (0..5).map(|i| payload(round * 5 + i)).collect();
