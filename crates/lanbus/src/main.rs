@@ -16,6 +16,13 @@ mod tlp;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc instead of glibc's malloc: the fabric's threads allocate TLPs and frames on one
+/// thread and free them on another, which glibc serves by growing and trimming per-thread arenas
+/// (page faults and an arena lock on every large transfer: `lanbus bench nvme` afxdp 1 MiB writes
+/// 297 -> 447 MB/s).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// lanbus: share PCIe devices, messages and sockets between machines over ordinary Ethernet.
 #[derive(Debug, Parser)]
 #[command(name = "lanbus", version, about, long_about = None, after_help = lanbus_port::SPEC_HELP)]

@@ -91,6 +91,8 @@ pub fn config_spec(info: &PciInfo) -> ConfigSpec {
         let bar = PciBar { kind: BarKind::Memory64 { prefetchable: true }, size: info.cmb_bar_size };
         spec = spec.with_bar(usize::from(CMB_BIR), bar);
     }
+    // Any payload size PCIe allows: the host picks (a software bridge pays per TLP).
+    spec.max_payload_supported = 4096;
     spec = spec.with_msix(MsixSpec {
         table_size: info.msix_vectors,
         table_bar: 0,

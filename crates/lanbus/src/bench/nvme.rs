@@ -12,7 +12,8 @@
 //! Every row serves the same backing file (`--size-mib`, filled with data, in /dev/shm when it
 //! exists): the lanbus rows' controller reads and writes it with pread/pwrite, as qemu-nbd does
 //! (writeback cache, no O_DIRECT, for both). Every row runs the same fio job. Metrics `mb_per_s`
-//! and `iops`, with `block_size`, `rw` and (lanbus rows) the driver's `completion` mode; each the
+//! and `iops`, with `block_size`, `rw`, (lanbus rows) the driver's `completion` mode and (rows over
+//! the veth) its `mtu`, 3500 by default (the drive's TLPs carry up to 4 KiB); each the
 //! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`). A PNG per direction (MB/s against
 //! block size) next to the JSON. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
 //! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
@@ -57,6 +58,11 @@ pub struct NvmeBenchArgs {
     /// queue briefly, then sleep on MSI-X; what the host daemon uses) or `interrupt`.
     #[arg(long, default_value = "poll", value_parser = ["poll", "interrupt"])]
     completion: String,
+    /// MTU of the veth pair the udp, afpacket and afxdp rows cross. The default is the largest
+    /// a veth takes with an XDP program attached (an AF_XDP frame must fit one 4 KiB UMEM chunk
+    /// with the kernel's headroom); 1500 is plain Ethernet.
+    #[arg(long, default_value_t = 3500, value_parser = clap::value_parser!(u32).range(576..=3500))]
+    mtu: u32,
 }
 
 impl NvmeBenchArgs {
@@ -231,7 +237,14 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     let want = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
     let veth = if want("afpacket") || want("afxdp") || want("udp") {
         match lanbus_port::netns::VethPair::create() {
-            Ok(v) => Some(v),
+            Ok(v) => {
+                for end in [&v.a, &v.b] {
+                    end.netns
+                        .ip(&["link", "set", &end.ifname, "mtu", &args.mtu.to_string()])
+                        .with_context(|| format!("setting the veth's MTU to {}", args.mtu))?;
+                }
+                Some(v)
+            }
             Err(skip) => {
                 eprintln!("bench nvme: rows afpacket and afxdp missing: {skip}; udp runs over loopback");
                 None
@@ -291,6 +304,9 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                     let mut row = Row::new(name, metric, value).with("rw", rw).with("block_size", block);
                     if !name.starts_with("peer:") {
                         row = row.with("completion", args.completion.as_str());
+                    }
+                    if veth.is_some() && ["udp", "afpacket", "afxdp"].contains(&name) {
+                        row = row.with("mtu", args.mtu);
                     }
                     report.push(row);
                 }
