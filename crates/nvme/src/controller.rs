@@ -757,25 +757,86 @@ impl Controller {
         if !self.enabled() {
             return 0;
         }
+        self.process_in(mem, irq, false)
+    }
+
+    /// The part of [`process`](Self::process) that reads no host memory: the I/O commands of
+    /// submission queues in the Controller Memory Buffer whose PRP lists (and, for a write, data)
+    /// lie there too; their data for the host and their completions are posted writes. It stops
+    /// at the first command that would read host memory (that one and the rest stay for
+    /// `process`, so [`has_work`](Self::has_work) stays true) and never runs admin commands. A
+    /// caller that must not wait (a bridge's receive thread) runs this and leaves the rest to a
+    /// thread that may.
+    pub fn process_posted(&mut self, mem: &mut dyn HostMemory, irq: &mut dyn InterruptSink) -> usize {
+        if !self.enabled() || self.cmb_base().is_none() {
+            return 0;
+        }
+        self.process_in(mem, irq, true)
+    }
+
+    fn process_in(
+        &mut self,
+        mem: &mut dyn HostMemory,
+        irq: &mut dyn InterruptSink,
+        posted_only: bool,
+    ) -> usize {
         let mut cmb = std::mem::take(&mut self.cmb);
         let mut view = CmbView { cmb: &mut cmb, base: self.cmb_base(), host: mem };
-        let done = self.process_queues(&mut view, irq);
+        let done = self.process_queues(&mut view, irq, posted_only);
         self.cmb = cmb;
         done
     }
 
-    fn process_queues(&mut self, mem: &mut dyn HostMemory, irq: &mut dyn InterruptSink) -> usize {
-        let mut done = self.run_sq(0, mem, irq);
+    fn process_queues(
+        &mut self,
+        mem: &mut CmbView<'_>,
+        irq: &mut dyn InterruptSink,
+        posted_only: bool,
+    ) -> usize {
+        let mut done = if posted_only { 0 } else { self.run_sq(0, mem, irq, false) };
         let n = self.sqs.len();
         for i in 0..n - 1 {
             if !self.enabled() {
                 break;
             }
             let qid = 1 + (self.next_sq + i) % (n - 1);
-            done += self.run_sq(qid, mem, irq);
+            done += self.run_sq(qid, mem, irq, posted_only);
         }
         self.next_sq = (self.next_sq + 1) % (n - 1);
         done
+    }
+
+    /// Whether I/O command `sqe` can run without reading host memory: its PRP list (if any) lies
+    /// in the Controller Memory Buffer, and so does its data if the controller reads it. A
+    /// command that will fail before any transfer counts as local too. Conservative: anything it
+    /// cannot tell (a PRP list outside the buffer) is not.
+    fn reads_no_host_memory(&mut self, sqe: &Sqe, mem: &mut CmbView<'_>) -> bool {
+        let lba = self.cfg.lba_size as usize;
+        let (data, len, reads_data) = match decode_io(sqe) {
+            Err(_) | Ok(IoCommand::Flush { .. } | IoCommand::WriteZeroes { .. }) => return true,
+            Ok(IoCommand::ReadWrite { write, blocks, data, .. }) => (data, blocks as usize * lba, write),
+            Ok(IoCommand::DatasetManagement { ranges, data, .. }) => (data, usize::from(ranges) * 16, true),
+        };
+        if len > self.mdts_bytes() {
+            return true;
+        }
+        /// Host memory that cannot be reached.
+        struct Unreachable;
+        impl HostMemory for Unreachable {
+            fn read(&mut self, addr: u64, _: &mut [u8]) -> Result<(), BusError> {
+                Err(BusError::Unsupported { addr })
+            }
+            fn write(&mut self, addr: u64, _: &[u8]) -> Result<(), BusError> {
+                Err(BusError::Unsupported { addr })
+            }
+        }
+        let mut local = CmbView { cmb: &mut *mem.cmb, base: mem.base, host: &mut Unreachable };
+        let (mut runs, mut lists) = (std::mem::take(&mut self.runs), std::mem::take(&mut self.lists));
+        let walked = prp::walk(&mut local, data.prp1, data.prp2, len, self.page, &mut runs, &mut lists);
+        let local = walked.is_ok()
+            && (!reads_data || runs.iter().all(|&(a, n)| matches!(local.locate(a, n), Ok(Some(_)))));
+        (self.runs, self.lists) = (runs, lists);
+        local
     }
 
     fn fatal(&mut self) {
@@ -783,7 +844,16 @@ impl Controller {
         self.csts |= csts::CFS;
     }
 
-    fn run_sq(&mut self, qid: usize, mem: &mut dyn HostMemory, irq: &mut dyn InterruptSink) -> usize {
+    /// Runs up to `max_fetch` commands of submission queue `qid` and posts their completions;
+    /// with `posted_only`, only while they read no host memory (the queue itself included).
+    /// Returns the number of commands run.
+    fn run_sq(
+        &mut self,
+        qid: usize,
+        mem: &mut CmbView<'_>,
+        irq: &mut dyn InterruptSink,
+        posted_only: bool,
+    ) -> usize {
         let Some(sq) = self.sqs[qid] else { return 0 };
         let Some(cq) = self.cqs[usize::from(sq.cqid)] else { return 0 };
         let pending = (sq.tail + sq.entries - sq.head) % sq.entries;
@@ -791,10 +861,14 @@ impl Controller {
         if n == 0 {
             return 0;
         }
+        let at = sq.base + u64::from(sq.head) * SQE_LEN as u64;
+        if posted_only && !matches!(mem.locate(at, n * SQE_LEN), Ok(Some(_))) {
+            return 0;
+        }
         let mut fetch = std::mem::take(&mut self.fetch);
         fetch.resize(n * SQE_LEN, 0);
         self.stats.sq_fetches += 1;
-        if mem.read(sq.base + u64::from(sq.head) * SQE_LEN as u64, &mut fetch).is_err() {
+        if mem.read(at, &mut fetch).is_err() {
             self.fetch = fetch;
             self.fatal();
             return 0;
@@ -802,10 +876,15 @@ impl Controller {
         let mut cqes = std::mem::take(&mut self.cqes);
         cqes.clear();
         let mut head = sq.head;
+        let mut ran = 0;
         for raw in fetch.chunks_exact(SQE_LEN) {
             let mut b = [0u8; SQE_LEN];
             b.copy_from_slice(raw);
             let sqe = Sqe::parse(&b);
+            if posted_only && !self.reads_no_host_memory(&sqe, mem) {
+                break;
+            }
+            ran += 1;
             head = (head + 1) % sq.entries;
             let result = if qid == 0 { self.exec_admin(&sqe, mem, irq) } else { self.exec_io(&sqe, mem) };
             if qid == 0 {
@@ -845,7 +924,7 @@ impl Controller {
         if posted > 0 {
             let Some(mut cq) = self.cqs[cqid] else {
                 self.cqes = cqes;
-                return n;
+                return ran;
             };
             let mut at = 0;
             let mut ok = true;
@@ -873,7 +952,7 @@ impl Controller {
             }
         }
         self.cqes = cqes;
-        n
+        ran
     }
 
     /// Moves `len` bytes between host memory at the command's PRPs and `self.data[..len]`.
@@ -1016,7 +1095,7 @@ impl Controller {
     fn exec_admin(
         &mut self,
         sqe: &Sqe,
-        mem: &mut dyn HostMemory,
+        mem: &mut CmbView<'_>,
         irq: &mut dyn InterruptSink,
     ) -> Result<Option<u32>, Status> {
         match decode_admin(sqe)? {
@@ -1064,7 +1143,7 @@ impl Controller {
                 // 1.4 section 5.6: commands submitted to the queue complete (or are aborted)
                 // before the deletion does. Commands run synchronously, so run what the host
                 // submitted; entries that find the CQ full are dropped and counted.
-                while self.run_sq(usize::from(qid), mem, irq) > 0 {}
+                while self.run_sq(usize::from(qid), mem, irq, false) > 0 {}
                 let sq = self.sqs[usize::from(qid)].take().ok_or(Status::INVALID_QUEUE_ID)?;
                 if sq.head != sq.tail {
                     self.stats.dropped_on_deletion +=

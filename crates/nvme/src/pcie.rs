@@ -181,6 +181,17 @@ impl BlockingDevice for NvmeFunction {
         self.publish();
         done
     }
+
+    fn process_posted(&mut self, host: &mut dyn HostAccess) -> usize {
+        let cell = RefCell::new(host);
+        let mut mem = Shared(&cell);
+        let mut irq = Shared(&cell);
+        let done = self.ctrl.process_posted(&mut mem, &mut irq);
+        if done > 0 {
+            self.publish();
+        }
+        done
+    }
 }
 
 /// What a failed bridge request is to the driver.

@@ -114,3 +114,123 @@ fn a_transfer_straddling_the_buffer_edge_is_invalid_cmb_use() {
     let sqe = lanbus_nvme::Sqe { prp1: end - 8192, prp2: end - 4096, ..sqe };
     assert_eq!(d.submit_io_raw(0, sqe).unwrap().status, Status::SUCCESS);
 }
+
+/// Host memory that must only be written (what `process_posted` may touch).
+struct WriteOnly<'a>(&'a lanbus_nvme::driver::HostRegion);
+
+impl lanbus_nvme::HostMemory for WriteOnly<'_> {
+    fn read(&mut self, addr: u64, _: &mut [u8]) -> Result<(), lanbus_nvme::BusError> {
+        panic!("process_posted read host memory at {addr:#x}");
+    }
+    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), lanbus_nvme::BusError> {
+        let mut region = self.0;
+        lanbus_nvme::HostMemory::write(&mut region, addr, data)
+    }
+}
+
+struct Irqs(usize);
+
+impl lanbus_nvme::InterruptSink for Irqs {
+    fn signal_msix(&mut self, _: u16) {
+        self.0 += 1;
+    }
+}
+
+#[test]
+fn posted_processing_runs_what_reads_no_host_memory_and_leaves_the_rest() {
+    use lanbus_nvme::command::{admin_opcode, Completion, Sqe, CQE_LEN, SQE_LEN};
+    use lanbus_nvme::driver::HostRegion;
+    const HOST: u64 = 0x1000_0000;
+    const CMB_AT: u64 = 0xfe00_0000;
+    let (asq, acq, iocq, data) = (HOST, HOST + 0x1000, HOST + 0x2000, HOST + 0x10000);
+    let mem = HostRegion::new(HOST, 64);
+    let mut c = controller(512, MIB, ControllerConfig { cmb_bytes: 64 << 10, ..ControllerConfig::default() });
+    c.bar0_write(reg::CMBMSC, &(CMB_AT | cmb::CRE | cmb::CMSE).to_le_bytes()).unwrap();
+    c.bar0_write(reg::AQA, &(15u32 | 15 << 16).to_le_bytes()).unwrap();
+    c.bar0_write(reg::ASQ, &asq.to_le_bytes()).unwrap();
+    c.bar0_write(reg::ACQ, &acq.to_le_bytes()).unwrap();
+    c.bar0_write(reg::CC, &(1u32 | 6 << 16 | 4 << 20).to_le_bytes()).unwrap();
+    let mut irqs = Irqs(0);
+    // Admin commands read host memory: posted processing leaves them alone.
+    let create_cq = Sqe {
+        opcode: admin_opcode::CREATE_CQ,
+        prp1: iocq,
+        cdw: [63 << 16 | 1, 3, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    // The I/O SQ lives in the buffer.
+    let create_sq = Sqe {
+        opcode: admin_opcode::CREATE_SQ,
+        prp1: CMB_AT,
+        cdw: [15 << 16 | 1, 1 | 1 << 16, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    for (i, s) in [create_cq, create_sq].iter().enumerate() {
+        lanbus_nvme::HostMemory::write(&mut &mem, asq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::sq_tail(0), &2u32.to_le_bytes()).unwrap();
+    assert_eq!(c.process_posted(&mut WriteOnly(&mem), &mut irqs), 0);
+    assert!(c.has_work());
+    while c.process(&mut &mem, &mut irqs) > 0 {}
+
+    let write_data = pattern(7, 4096);
+    c.cmb_write(0x8000, &write_data).unwrap();
+    // A PRP list of 3 entries in host memory, for a 12 KiB read.
+    let list: Vec<u8> = [data + 0x1000, data + 0x2000].iter().flat_map(|a| a.to_le_bytes()).collect();
+    lanbus_nvme::HostMemory::write(&mut &mem, HOST + 0x3000, &list).unwrap();
+    let rw = |opcode, cid, slba: u32, nlb: u32, prp1, prp2| Sqe {
+        opcode,
+        cid,
+        nsid: 1,
+        prp1,
+        prp2,
+        cdw: [slba, 0, nlb - 1, 0, 0, 0],
+        ..Sqe::default()
+    };
+    let cmds = [
+        // Write from the buffer, read it back to host memory: both run.
+        rw(nvm_opcode::WRITE, 1, 0, 8, CMB_AT + 0x8000, 0),
+        rw(nvm_opcode::READ, 2, 0, 8, data, 0),
+        // A failing command needs no transfer: it runs.
+        rw(nvm_opcode::READ, 3, u32::MAX, 1, data, 0),
+        // A write from host memory needs a read: posted processing stops here...
+        rw(nvm_opcode::WRITE, 4, 8, 8, data, 0),
+        // ...so this one, a read whose PRP list lies in host memory, waits for it too.
+        rw(nvm_opcode::READ, 5, 0, 24, data + 0x4000, HOST + 0x3000),
+    ];
+    for (i, s) in cmds.iter().enumerate() {
+        c.cmb_write((i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::sq_tail(1), &(cmds.len() as u32).to_le_bytes()).unwrap();
+    let cqes = |n: usize| -> Vec<Completion> {
+        (0..n)
+            .map(|i| {
+                let mut b = [0u8; CQE_LEN];
+                lanbus_nvme::HostMemory::read(&mut &mem, iocq + (i * CQE_LEN) as u64, &mut b).unwrap();
+                Completion::parse(&b)
+            })
+            .collect()
+    };
+    irqs.0 = 0;
+    assert_eq!(c.process_posted(&mut WriteOnly(&mem), &mut irqs), 3);
+    assert_eq!(irqs.0, 1, "one interrupt for the batch");
+    let done = cqes(4);
+    assert_eq!(
+        done.iter().take(3).map(|c| (c.cid, c.phase)).collect::<Vec<_>>(),
+        [(1, true), (2, true), (3, true)]
+    );
+    assert!(done[0].status.is_success() && done[1].status.is_success());
+    assert_eq!(done[2].status, Status::LBA_OUT_OF_RANGE);
+    assert!(!done[3].phase, "command 4 waits");
+    let mut back = vec![0u8; 4096];
+    lanbus_nvme::HostMemory::read(&mut &mem, data, &mut back).unwrap();
+    assert!(back == write_data);
+    assert!(c.has_work());
+    assert_eq!(c.process_posted(&mut WriteOnly(&mem), &mut irqs), 0, "nothing more it may do");
+    while c.process(&mut &mem, &mut irqs) > 0 {}
+    let done = cqes(5);
+    assert_eq!(done.iter().map(|c| c.cid).collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+    assert!(done[3].status.is_success() && done[4].status.is_success());
+    assert_eq!(done[4].sq_head, 5);
+    assert!(!c.has_work());
+}

@@ -21,7 +21,16 @@ fn runtime(name: &str) -> RuntimeConfig {
     c
 }
 
-fn fabric(loss: f64, seed: u64, lba: u32, bytes: u64) -> (Arc<HostBridge>, DeviceBridge) {
+/// A host bridge and a device bridge with an NVMe drive over a simulated wire; `cmb_bytes` of
+/// Controller Memory Buffer and max payload size `mps` (the daemons' drive: 16 MiB and 4096).
+fn fabric(
+    loss: f64,
+    seed: u64,
+    lba: u32,
+    bytes: u64,
+    cmb_bytes: u64,
+    mps: usize,
+) -> (Arc<HostBridge>, DeviceBridge) {
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
     let wire = SimWireConfig { loss, seed, ..SimWireConfig::default() };
     let macs = [MacAddr([2, 0, 0, 0, 0x60, 1]), MacAddr([2, 0, 0, 0, 0x60, 2])];
@@ -31,11 +40,13 @@ fn fabric(loss: f64, seed: u64, lba: u32, bytes: u64) -> (Arc<HostBridge>, Devic
         name: "host".into(),
         runtime: runtime("h"),
         completion_timeout: Duration::from_secs(2),
+        mps,
+        mrrs: mps,
         ..HostBridgeConfig::default()
     };
     let host = Arc::new(HostBridge::start(Box::new(a), hc).unwrap());
     let ctrl = Controller::new(
-        ControllerConfig { lba_size: lba, ..ControllerConfig::default() },
+        ControllerConfig { lba_size: lba, cmb_bytes, ..ControllerConfig::default() },
         Box::new(RamBacking::new(bytes)),
     )
     .unwrap();
@@ -57,7 +68,20 @@ fn driver_config() -> DriverConfig {
 
 #[test]
 fn random_io_over_a_lossy_wire_reads_back() {
-    let (host, dev) = fabric(0.01, 7, 512, 16 << 20);
+    let (host, dev) = fabric(0.01, 7, 512, 16 << 20, 0, 256);
+    random_io_reads_back(host, dev, false);
+}
+
+/// As the daemons run it: queues, PRP lists and write data in the buffer, 4 KiB TLPs, and the
+/// controller run on the device bridge's receive thread for every command that reads nothing
+/// from the host.
+#[test]
+fn random_io_through_the_buffer_with_4k_payloads_over_a_lossy_wire_reads_back() {
+    let (host, dev) = fabric(0.01, 8, 512, 16 << 20, 4 << 20, 4096);
+    random_io_reads_back(host, dev, true);
+}
+
+fn random_io_reads_back(host: Arc<HostBridge>, dev: DeviceBridge, cmb: bool) {
     let devs = host.wait_devices(1, Duration::from_secs(10));
     assert_eq!(devs.len(), 1);
     let f = &devs[0];
@@ -101,6 +125,13 @@ fn random_io_over_a_lossy_wire_reads_back() {
     }
     let rt = host.runtime_stats();
     assert!(rt.transport.retransmitted_frames > 0, "1% loss and no retransmission: {rt:?}");
+    assert_eq!(drv.cmb_in_use().is_some(), cmb);
+    let ds = dev.stats();
+    assert!(ds.served_inline > 0, "{ds:?}");
+    if cmb {
+        // Only the admin commands (queue creation) read host memory; every I/O ran inline.
+        assert!(ds.dma_reads < 20, "{ds:?}");
+    }
     // The device goes away: requests fail with an error, within the timeouts, not a hang.
     dev.shutdown();
     let t = Instant::now();

@@ -62,6 +62,16 @@ pub trait BlockingDevice {
     /// Does the pending work, reaching the host through `host`. Returns how many units of work
     /// were done (0: nothing could progress).
     fn process(&mut self, host: &mut dyn HostAccess) -> usize;
+
+    /// Does the part of the pending work that needs no host memory read (only posted writes and
+    /// MSI-X), stopping before the first piece that would read; `process` does the rest. The
+    /// device bridge calls it on the thread that receives the fabric's frames, where nothing may
+    /// wait (a read there fails with [`DmaError::WouldBlock`] and sends nothing), which saves the
+    /// hand-off to the function's worker. The default does nothing.
+    fn process_posted(&mut self, host: &mut dyn HostAccess) -> usize {
+        let _ = host;
+        0
+    }
 }
 
 /// What a [`BlockingFunction`] could not do, counted.
@@ -230,6 +240,27 @@ impl<B: BlockingDevice> BlockingFunction<B> {
     /// Sends pending MSI-X messages whose mask was lifted, then runs the model's work with
     /// blocking access to the host through `path`. Returns the units of work done.
     pub fn process(&mut self, path: &mut dyn DmaPath) -> usize {
+        self.run(path, false)
+    }
+
+    /// What [`process`](Self::process) does, limited to the model's
+    /// [`process_posted`](BlockingDevice::process_posted): the work that needs no host read. A
+    /// read fails with [`DmaError::WouldBlock`] without reaching `path`.
+    pub fn process_posted(&mut self, path: &mut dyn DmaPath) -> usize {
+        /// `path` with reads refused.
+        struct NoReads<'a>(&'a mut dyn DmaPath);
+        impl DmaPath for NoReads<'_> {
+            fn read(&mut self, _: u64, _: &mut [u8]) -> core::result::Result<(), DmaError> {
+                Err(DmaError::WouldBlock)
+            }
+            fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError> {
+                self.0.write(address, data)
+            }
+        }
+        self.run(&mut NoReads(path), true)
+    }
+
+    fn run(&mut self, path: &mut dyn DmaPath, posted_only: bool) -> usize {
         let mut done = 0;
         let BlockingFunction { config, msix, msix_recheck, device, counters } = self;
         let mut access = Access { config, msix: msix.as_mut(), path, counters };
@@ -241,7 +272,8 @@ impl<B: BlockingDevice> BlockingFunction<B> {
             }
         }
         if device.has_work() {
-            done += device.process(&mut access);
+            done +=
+                if posted_only { device.process_posted(&mut access) } else { device.process(&mut access) };
         }
         done
     }

@@ -44,6 +44,10 @@ pub enum DmaError {
     /// The host is gone (heartbeats stopped, or the device moved to another group).
     #[error("host unreachable")]
     HostUnreachable,
+    /// A read was asked for where nothing may wait (a blocking model's
+    /// [`process_posted`](crate::blocking::BlockingDevice::process_posted)); nothing was sent.
+    #[error("a DMA read where waiting is not allowed")]
+    WouldBlock,
 }
 
 /// A memory request the function sends toward the host.

@@ -24,7 +24,13 @@
 //!   ([`crate::ReadReassembly`]; the split, reassembly and expiry are `inline::Reads`, shared
 //!   with the inline path); writes are split by max payload size into posted MWr TLPs; MSI-X
 //!   is a write of the vector's message. Its blocking read waits on the worker, never on the
-//!   receive thread; the receive side notifies the worker only when it sleeps.
+//!   receive thread; the receive side notifies the worker only when it sleeps. The model sits
+//!   behind a lock the worker holds while it runs it and the receive thread only tries: when it
+//!   gets it and nothing is queued for the worker, it serves a memory request itself (a doorbell,
+//!   data for device memory, a register read) and runs the work that reads no host memory
+//!   ([`crate::blocking::BlockingDevice::process_posted`]: an NVMe command whose queue and PRPs
+//!   lie in the drive's memory buffer), so the common command needs no thread hand-off. What it
+//!   sends is queued on the runtime's sender behind what the worker sent, in order.
 //!
 //! Host selection: the bridge announces role Device and its group in heartbeats. Its host is a
 //! live Host of the same group (the first heard; a request from a host of the group before its
@@ -34,7 +40,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -106,6 +112,9 @@ pub struct DeviceBridgeStats {
     pub dma_writes_dropped: u64,
     /// Times the current host changed (set or lost).
     pub host_changes: u64,
+    /// Memory requests to blocking functions served on the receive thread (with the work they
+    /// started that reads no host memory) instead of by the function's worker.
+    pub served_inline: u64,
 }
 
 #[derive(Default)]
@@ -122,6 +131,7 @@ pub(crate) struct Counters {
     pub(crate) dma_writes: AtomicU64,
     pub(crate) dma_writes_dropped: AtomicU64,
     pub(crate) host_changes: AtomicU64,
+    pub(crate) served_inline: AtomicU64,
 }
 
 pub(crate) fn bump(c: &AtomicU64) {
@@ -152,6 +162,8 @@ struct FnState {
     stop: bool,
     /// The worker sleeps on `wake` (only then is a notification worth a system call).
     sleeping: bool,
+    /// The receive thread left the model work only the worker can do (it needs a host read).
+    kicked: bool,
 }
 
 struct FnShared {
@@ -160,6 +172,9 @@ struct FnShared {
     /// A sans-IO model, run on the receive thread (no worker); `None` for a blocking model,
     /// which has a worker.
     inline: Option<Mutex<InlineFn>>,
+    /// A blocking model, shared by its worker and the receive thread (which only ever tries the
+    /// lock: it must not wait for a worker that may wait for a completion it has to deliver).
+    blocking: Option<Mutex<BlockingFn>>,
 }
 
 impl FnShared {
@@ -207,6 +222,44 @@ impl InlineFn {
     }
 }
 
+/// A blocking model, and the path the receive thread runs its posted-only work through.
+struct BlockingFn {
+    index: usize,
+    hosted: Box<dyn Hosted>,
+    /// Used for writes only: reads are refused before they reach it.
+    posted: InlinePath,
+}
+
+impl BlockingFn {
+    /// Serves memory request `tlp` from `peer` on the receive thread, then runs the part of the
+    /// work it started that needs no host read (a doorbell's commands whose data lies in device
+    /// memory, say). Everything it sends is queued on `sender` behind what the worker sent, so
+    /// the function's TLPs keep their order. Returns whether work is left for the worker.
+    #[allow(clippy::too_many_arguments)]
+    fn serve_here(
+        &mut self,
+        f: &FnShared,
+        counters: &Counters,
+        session: (Option<MacAddr>, u16),
+        peer: MacAddr,
+        channel: u16,
+        tlp: &Tlp,
+        sender: &Sender,
+    ) -> bool {
+        let (me, replies) = serve_request(self.index, &mut *self.hosted, f, counters, &mut self.posted, tlp);
+        let path = &mut self.posted;
+        (path.me, path.host, path.channel) = (me, session.0, session.1);
+        let config = self.hosted.config();
+        path.set_limits(config.max_payload_size(), config.max_read_request_size());
+        for r in &replies {
+            path.out.push(peer, channel, r);
+        }
+        self.hosted.run_posted(path);
+        path.out.send_via(sender);
+        self.hosted.wants_run()
+    }
+}
+
 /// Serves configuration or memory request `tlp` to function `index` (inline or on its worker):
 /// records the ID its host addressed it by and, after a configuration write, its decode table and
 /// the limits of its `path`. Returns that ID and the replies (Unsupported Requests counted).
@@ -251,6 +304,8 @@ struct Shared {
     /// The timer thread left output in an inline function's `path.out` for the receive thread
     /// to send (in order with the function's other TLPs: only that thread sends them).
     flush_due: AtomicBool,
+    /// The runtime's sender, once it runs: blocking functions' TLPs go through it.
+    sender: OnceLock<Sender>,
 }
 
 impl Shared {
@@ -329,12 +384,51 @@ impl DevHandler {
                 g.session(session).request(f, &self.shared.counters, peer, channel, &tlp);
                 g.flush(out);
             }
-            None => {
-                let mut st = lock(&f.state);
-                st.inbox.push_back((peer, channel, tlp));
+            None => self.to_blocking(f, session, peer, channel, tlp),
+        }
+    }
+
+    /// Hands a request to a blocking function: a memory request (a doorbell, data for device
+    /// memory, a register read) is served here when the worker is not running the model and
+    /// nothing is queued before it (so requests keep their order), along with the work it starts
+    /// that needs no host read; everything else goes to the worker's queue (configuration
+    /// requests always: they change the limits of the worker's path).
+    fn to_blocking(
+        &self,
+        f: &FnShared,
+        session: (Option<MacAddr>, u16),
+        peer: MacAddr,
+        channel: u16,
+        tlp: Tlp,
+    ) {
+        let memory = matches!(tlp.kind, TlpKind::MRd32 | TlpKind::MRd64 | TlpKind::MWr32 | TlpKind::MWr64);
+        let model = match (&f.blocking, self.shared.sender.get()) {
+            (Some(m), Some(sender)) if memory => match m.try_lock() {
+                Ok(g) => Some((g, sender)),
+                Err(TryLockError::Poisoned(e)) => Some((e.into_inner(), sender)),
+                Err(TryLockError::WouldBlock) => None,
+            },
+            _ => None,
+        };
+        let mut st = lock(&f.state);
+        if let Some((mut model, sender)) = model {
+            // The inbox is drained only under the model's lock, which we hold: an empty one
+            // means every earlier request has been served.
+            if st.inbox.is_empty() {
+                drop(st);
+                let c = &self.shared.counters;
+                bump(&c.served_inline);
+                if !model.serve_here(f, c, session, peer, channel, &tlp, sender) {
+                    return;
+                }
+                st = lock(&f.state);
+                st.kicked = true;
                 f.notify(st);
+                return;
             }
         }
+        st.inbox.push_back((peer, channel, tlp));
+        f.notify(st);
     }
 
     fn complete(&self, peer: MacAddr, tlp: &Tlp, session: (Option<MacAddr>, u16), out: &mut dyn Outbox) {
@@ -631,28 +725,40 @@ fn ticker(shared: Arc<Shared>, sender: Sender) {
     }
 }
 
-/// A worker: owns one function.
-fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender: Sender) {
+/// A blocking function's worker: answers the requests queued for it and runs the model (its
+/// reads wait here), taking turns with the receive thread, which serves what it can inline.
+fn worker(index: usize, shared: Arc<Shared>, sender: Sender) {
     let f = shared.fns[index].clone();
+    let Some(model) = &f.blocking else { return };
+    let (mps, mrrs) = {
+        let m = lock(model);
+        (m.hosted.config().max_payload_size(), m.hosted.config().max_read_request_size())
+    };
     let mut path = FabricPath {
         shared: shared.clone(),
         f: f.clone(),
         sender: sender.clone(),
         out: TlpOut::default(),
-        mps: hosted.config().max_payload_size(),
-        mrrs: hosted.config().max_read_request_size(),
+        mps,
+        mrrs,
     };
     let mut idle_runs = 0u32;
+    // Whether the model had work left after its last run (read under its lock, then).
+    let mut wants_run = true;
     loop {
         let spin_until = Instant::now() + super::spin_budget();
-        let inbox: Vec<(MacAddr, u16, Tlp)> = {
+        {
             let mut st = lock(&f.state);
             loop {
                 if st.stop {
                     return;
                 }
                 let due = st.reads.next_deadline().is_some_and(|d| d <= Instant::now());
-                if !st.inbox.is_empty() || st.reads.changed() || due || (hosted.wants_run() && idle_runs == 0)
+                if !st.inbox.is_empty()
+                    || st.reads.changed()
+                    || due
+                    || st.kicked
+                    || (wants_run && idle_runs == 0)
                 {
                     break;
                 }
@@ -667,7 +773,7 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
                 }
                 let wait = match st.reads.next_deadline() {
                     Some(d) => d.saturating_duration_since(Instant::now()),
-                    None if hosted.wants_run() => Duration::from_millis(1),
+                    None if wants_run => Duration::from_millis(1),
                     None => Duration::from_millis(100),
                 };
                 st.sleeping = true;
@@ -679,10 +785,13 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
                     break;
                 }
             }
-            st.inbox.drain(..).collect()
-        };
+            st.kicked = false;
+        }
+        // Lock order: model, then state (the receive thread only tries the model's lock).
+        let mut m = lock(model);
+        let inbox: Vec<(MacAddr, u16, Tlp)> = lock(&f.state).inbox.drain(..).collect();
         for (peer, channel, tlp) in inbox {
-            let (_, replies) = serve_request(index, &mut *hosted, &f, &shared.counters, &mut path, &tlp);
+            let (_, replies) = serve_request(index, &mut *m.hosted, &f, &shared.counters, &mut path, &tlp);
             for r in &replies {
                 path.out.push(peer, channel, r);
             }
@@ -690,7 +799,9 @@ fn worker(index: usize, mut hosted: Box<dyn Hosted>, shared: Arc<Shared>, sender
         }
         // Expired reads fail and freed tags go to waiting reads even if the model does not poll.
         path.pump();
-        let work = hosted.run(&mut path);
+        let work = m.hosted.run(&mut path);
+        wants_run = m.hosted.wants_run();
+        drop(m);
         idle_runs = if work == 0 { idle_runs.saturating_add(1) } else { 0 };
     }
 }
@@ -728,21 +839,20 @@ impl DeviceBridge {
         }
         let tags = config.tags_per_function.clamp(1, Tag::COUNT);
         let counters = Arc::new(Counters::default());
-        let mut blocking = Vec::new();
+        let mut workers = Vec::new();
         let fns: Vec<Arc<FnShared>> = functions
             .into_iter()
             .enumerate()
             .map(|(i, f)| {
                 let bdf = Bdf::new(0, 0, i as u8).unwrap_or_default();
-                let inline = if f.inner.blocking() {
-                    blocking.push((i, f.inner));
-                    None
+                let (mps, mrrs) =
+                    (f.inner.config().max_payload_size(), f.inner.config().max_read_request_size());
+                let path = InlinePath::new(bdf, counters.clone(), config.completion_timeout, tags, mps, mrrs);
+                let (inline, blocking) = if f.inner.blocking() {
+                    workers.push(i);
+                    (None, Some(Mutex::new(BlockingFn { index: i, hosted: f.inner, posted: path })))
                 } else {
-                    let (mps, mrrs) =
-                        (f.inner.config().max_payload_size(), f.inner.config().max_read_request_size());
-                    let path =
-                        InlinePath::new(bdf, counters.clone(), config.completion_timeout, tags, mps, mrrs);
-                    Some(Mutex::new(InlineFn { index: i, hosted: f.inner, path }))
+                    (Some(Mutex::new(InlineFn { index: i, hosted: f.inner, path })), None)
                 };
                 Arc::new(FnShared {
                     state: Mutex::new(FnState {
@@ -752,9 +862,11 @@ impl DeviceBridge {
                         bdf,
                         stop: false,
                         sleeping: false,
+                        kicked: false,
                     }),
                     wake: Condvar::new(),
                     inline,
+                    blocking,
                 })
             })
             .collect();
@@ -772,6 +884,7 @@ impl DeviceBridge {
             ticker_stop: Mutex::new(false),
             ticker_wake: Condvar::new(),
             flush_due: AtomicBool::new(false),
+            sender: OnceLock::new(),
         });
         let mut rc = config.runtime.clone();
         rc.transport.group = config.group;
@@ -782,12 +895,13 @@ impl DeviceBridge {
         let runtime =
             Runtime::start(port, rc, Box::new(handler)).map_err(|e| BridgeError::Start(e.to_string()))?;
         let mut bridge = DeviceBridge { runtime: Some(runtime), shared: shared.clone(), workers: Vec::new() };
-        for (i, hosted) in blocking {
+        let _ = shared.sender.set(bridge.sender());
+        for i in workers {
             let sender = bridge.sender();
             let shared = shared.clone();
             let h = std::thread::Builder::new()
                 .name(format!("{}-fn{i}", config.name))
-                .spawn(move || worker(i, hosted, shared, sender))
+                .spawn(move || worker(i, shared, sender))
                 .map_err(|e| BridgeError::Start(e.to_string()))?;
             bridge.workers.push(h);
         }
@@ -854,6 +968,7 @@ impl DeviceBridge {
             dma_writes: g(&c.dma_writes),
             dma_writes_dropped: g(&c.dma_writes_dropped),
             host_changes: g(&c.host_changes),
+            served_inline: g(&c.served_inline),
         }
     }
 

@@ -50,6 +50,12 @@ pub(crate) trait Hosted: Send {
     }
     /// Runs pending work through `path`; returns the units of work done.
     fn run(&mut self, path: &mut dyn Path) -> usize;
+    /// Runs the pending work of a blocking model that needs no read of host memory (see
+    /// [`BlockingDevice::process_posted`]); nothing else has to.
+    fn run_posted(&mut self, path: &mut dyn Path) -> usize {
+        let _ = path;
+        0
+    }
 }
 
 /// A PCIe function ready to be hosted by a [`super::DeviceBridge`] or a [`super::LocalBus`].
@@ -197,6 +203,12 @@ impl<B: BlockingDevice + Send> Hosted for BlockingHosted<B> {
             return 0;
         }
         self.function.process(&mut Blocking(path))
+    }
+    fn run_posted(&mut self, path: &mut dyn Path) -> usize {
+        if !self.function.has_work() {
+            return 0;
+        }
+        self.function.process_posted(&mut Blocking(path))
     }
 }
 
