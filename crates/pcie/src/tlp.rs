@@ -517,6 +517,13 @@ impl Tlp {
     /// Parses a checked view. Fails for TLP types this codec does not model and for requests
     /// that break the length rules; never panics.
     pub fn parse<T: AsRef<[u8]>>(p: &Packet<T>) -> Result<Tlp> {
+        let mut tlp = Self::parse_header(p)?;
+        tlp.data = p.payload().to_vec();
+        Ok(tlp)
+    }
+
+    /// [`parse`](Self::parse) without the payload (`data` is left empty).
+    fn parse_header<T: AsRef<[u8]>>(p: &Packet<T>) -> Result<Tlp> {
         let (fmt, ty) = (p.fmt(), p.raw_type());
         let Some(kind) = TlpKind::from_fmt_type(fmt, ty) else {
             return match p.tlp_type() {
@@ -569,19 +576,29 @@ impl Tlp {
             tag,
             length_dw,
             header,
-            data: p.payload().to_vec(),
+            data: Vec::new(),
         })
     }
 
     /// Decodes exactly one TLP from `bytes` (no bytes may follow it).
     pub fn decode(bytes: &[u8]) -> Result<Tlp> {
+        let (mut tlp, payload) = Self::decode_borrowed(bytes)?;
+        tlp.data = payload.to_vec();
+        Ok(tlp)
+    }
+
+    /// [`decode`](Self::decode) without copying the payload: the TLP's `data` is empty and the
+    /// payload (`length_dw * 4` bytes for a data kind, none otherwise) is the returned part of
+    /// `bytes`. For receive paths that only copy the payload on to its destination.
+    pub fn decode_borrowed(bytes: &[u8]) -> Result<(Tlp, &[u8])> {
         let p = Packet::new_checked(bytes)?;
-        let tlp = Self::parse(&p)?;
+        let tlp = Self::parse_header(&p)?;
         let extra = bytes.len() - p.total_len();
         if extra != 0 {
             return Err(Error::TrailingBytes(extra));
         }
-        Ok(tlp)
+        let (header, len) = (p.header_len(), p.payload_len());
+        Ok((tlp, &bytes[header..header + len]))
     }
 
     /// Checks that the representation can be encoded: field ranges, the header variant against
@@ -665,8 +682,29 @@ impl Tlp {
         if buf.len() < n {
             return Err(Error::Invalid(format!("buffer of {} bytes for a {n}-byte TLP", buf.len())));
         }
-        let buf = &mut buf[..n];
-        buf.fill(0);
+        let header = self.emit_header(&mut buf[..n]);
+        buf[header..header + self.data.len()].copy_from_slice(&self.data);
+        if let Some(ecrc) = self.ecrc {
+            Packet::new_unchecked(&mut buf[..n]).set_digest(ecrc);
+        }
+        Ok(n)
+    }
+
+    /// Bytes of this TLP's header (3 or 4 DW).
+    pub(crate) fn header_len(&self) -> usize {
+        if self.kind.is_4dw() {
+            HEADER_LEN_4DW
+        } else {
+            HEADER_LEN_3DW
+        }
+    }
+
+    /// Writes the header alone into the front of `buf` (at least [`header_len`](Self::header_len)
+    /// bytes) and returns its length; `length_dw` is taken as is, whatever `data` holds. For
+    /// encoders that place the payload themselves: the caller checked the fields.
+    pub(crate) fn emit_header(&self, buf: &mut [u8]) -> usize {
+        let header = self.header_len();
+        buf[..header].fill(0);
         let mut p = Packet::new_unchecked(buf);
         let (fmt, ty) = self.kind.fmt_type();
         p.set_fmt_type(fmt, ty);
@@ -696,11 +734,7 @@ impl Tlp {
                 p.set_cpl_requester(h.requester_id.0, self.tag.0, h.lower_address);
             }
         }
-        p.payload_mut().copy_from_slice(&self.data);
-        if let Some(ecrc) = self.ecrc {
-            p.set_digest(ecrc);
-        }
-        Ok(n)
+        header
     }
 
     /// The encoded TLP.

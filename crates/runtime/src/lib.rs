@@ -211,6 +211,13 @@ impl Sender {
         }
     }
 
+    /// Whether no message sent through a `Sender` waits for the transport. On the handler's
+    /// thread in run-to-completion mode, while nothing else can send, this means an [`Outbox`]
+    /// send now goes out after every message sent before.
+    pub fn is_drained(&self) -> bool {
+        lock(&self.shared.outgoing).is_empty()
+    }
+
     /// Wakes the thread that runs the handler, so that it calls [`Handler::poll`] soon even if
     /// no frame arrives.
     pub fn wake_handler(&self) {

@@ -45,7 +45,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lanbus_port::Port;
-use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
+use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender, ThreadMode};
 use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
@@ -233,8 +233,9 @@ struct BlockingFn {
 impl BlockingFn {
     /// Serves memory request `tlp` from `peer` on the receive thread, then runs the part of the
     /// work it started that needs no host read (a doorbell's commands whose data lies in device
-    /// memory, say). Everything it sends is queued on `sender` behind what the worker sent, so
-    /// the function's TLPs keep their order. Returns whether work is left for the worker.
+    /// memory, say). What it sends goes after everything the worker sent: straight to `out`
+    /// when `direct` (nothing the worker sent still waits in `sender`'s queue), queued on
+    /// `sender` otherwise. Returns whether work is left for the worker.
     #[allow(clippy::too_many_arguments)]
     fn serve_here(
         &mut self,
@@ -245,6 +246,7 @@ impl BlockingFn {
         channel: u16,
         tlp: &Tlp,
         sender: &Sender,
+        direct: Option<&mut dyn Outbox>,
     ) -> bool {
         let (me, replies) = serve_request(self.index, &mut *self.hosted, f, counters, &mut self.posted, tlp);
         let path = &mut self.posted;
@@ -255,7 +257,10 @@ impl BlockingFn {
             path.out.push(peer, channel, r);
         }
         self.hosted.run_posted(path);
-        path.out.send_via(sender);
+        match direct {
+            Some(out) => path.out.drain(|peer, channel, bytes| out.send(peer, channel, bytes)),
+            None => path.out.send_via(sender),
+        }
         self.hosted.wants_run()
     }
 }
@@ -306,6 +311,9 @@ struct Shared {
     flush_due: AtomicBool,
     /// The runtime's sender, once it runs: blocking functions' TLPs go through it.
     sender: OnceLock<Sender>,
+    /// The handler runs on the thread that sends (run to completion): its outbox keeps order
+    /// with the sender's queue once that is drained.
+    run_to_completion: bool,
 }
 
 impl Shared {
@@ -384,7 +392,7 @@ impl DevHandler {
                 g.session(session).request(f, &self.shared.counters, peer, channel, &tlp);
                 g.flush(out);
             }
-            None => self.to_blocking(f, session, peer, channel, tlp),
+            None => self.to_blocking(f, session, peer, channel, tlp, out),
         }
     }
 
@@ -400,6 +408,7 @@ impl DevHandler {
         peer: MacAddr,
         channel: u16,
         tlp: Tlp,
+        out: &mut dyn Outbox,
     ) {
         let memory = matches!(tlp.kind, TlpKind::MRd32 | TlpKind::MRd64 | TlpKind::MWr32 | TlpKind::MWr64);
         let model = match (&f.blocking, self.shared.sender.get()) {
@@ -418,7 +427,9 @@ impl DevHandler {
                 drop(st);
                 let c = &self.shared.counters;
                 bump(&c.served_inline);
-                if !model.serve_here(f, c, session, peer, channel, &tlp, sender) {
+                // The worker sends only under the model's lock, which we hold.
+                let direct = (self.shared.run_to_completion && sender.is_drained()).then_some(out);
+                if !model.serve_here(f, c, session, peer, channel, &tlp, sender, direct) {
                     return;
                 }
                 st = lock(&f.state);
@@ -885,6 +896,7 @@ impl DeviceBridge {
             ticker_wake: Condvar::new(),
             flush_due: AtomicBool::new(false),
             sender: OnceLock::new(),
+            run_to_completion: config.runtime.threads == ThreadMode::RunToCompletion,
         });
         let mut rc = config.runtime.clone();
         rc.transport.group = config.group;

@@ -700,7 +700,8 @@ impl Handler for HostHandler {
             return;
         }
         bump(&c.tlps_received);
-        let tlp = match Tlp::decode(m.data) {
+        // A DMA write's payload is copied once, from the frame into host memory.
+        let (mut tlp, payload) = match Tlp::decode_borrowed(m.data) {
             Ok(t) => t,
             Err(_) => {
                 bump(&c.malformed);
@@ -711,6 +712,9 @@ impl Handler for HostHandler {
                 return;
             }
         };
+        if tlp.kind.is_completion() {
+            tlp.data = payload.to_vec();
+        }
         match (&tlp.kind, &tlp.header) {
             (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp),
             (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) => {
@@ -749,7 +753,7 @@ impl Handler for HostHandler {
                 let shape = RequestShape::of_memory(h, tlp.length_dw);
                 let (first, len) = shape.byte_range();
                 let at = h.address.saturating_add(first);
-                let Some(bytes) = tlp.data.get(first as usize..first as usize + len) else {
+                let Some(bytes) = payload.get(first as usize..first as usize + len) else {
                     bump(&c.malformed);
                     return;
                 };

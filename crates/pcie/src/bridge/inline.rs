@@ -24,7 +24,7 @@ use lanbus_wire::MacAddr;
 use super::device::{bump, Counters};
 use super::hosted::{OpId, Path};
 use crate::device::DmaError;
-use crate::request::{split, Chunk};
+use crate::request::{split, Chunk, RequestShape};
 use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp};
 
 /// Encoded TLPs waiting to be handed to the runtime, in one byte arena reused from call to call.
@@ -48,6 +48,31 @@ impl TlpOut {
             }
             Err(_) => self.bytes.truncate(start),
         }
+    }
+
+    /// Encodes a memory write of `data` by `me` with `shape` for `peer` on `channel`: the
+    /// header, then the payload straight from `data` (`at` zero bytes before it up to the first
+    /// byte enabled, zeros after it to the last DW), without building a [`Tlp`] around a copy.
+    pub(crate) fn push_mem_write(
+        &mut self,
+        peer: MacAddr,
+        channel: u16,
+        me: Bdf,
+        shape: &RequestShape,
+        at: usize,
+        data: &[u8],
+    ) {
+        let mut tlp = Tlp::mem_write(me, shape.address, shape.first_be, shape.last_be, Vec::new());
+        tlp.length_dw = shape.length_dw;
+        let start = self.bytes.len();
+        let payload = usize::from(shape.length_dw) * 4;
+        let header = tlp.header_len();
+        self.bytes.resize(start + header, 0);
+        tlp.emit_header(&mut self.bytes[start..]);
+        self.bytes.resize(start + header + at, 0);
+        self.bytes.extend_from_slice(data);
+        self.bytes.resize(start + header + payload, 0);
+        self.items.push((peer, channel, header + payload));
     }
 
     /// Whether no TLP waits.
@@ -379,8 +404,6 @@ pub(crate) struct InlinePath {
     pub(crate) host: Option<MacAddr>,
     pub(crate) channel: u16,
     pub(crate) out: TlpOut,
-    /// The payload buffer of the writes being encoded (reused).
-    payload: Vec<u8>,
     counters: Arc<Counters>,
     reads: Reads,
     mps: usize,
@@ -401,7 +424,6 @@ impl InlinePath {
             host: None,
             channel: 0,
             out: TlpOut::default(),
-            payload: Vec::new(),
             reads: Reads::new(counters.clone(), timeout, tags),
             counters,
             mps,
@@ -460,20 +482,19 @@ impl Path for InlinePath {
         let chunks = split(address, data.len(), self.mps)
             .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))?;
         bump(&self.counters.dma_writes);
-        // What `write_requests` builds, one TLP at a time through one reused payload buffer (no
-        // allocation per TLP).
-        let mut payload = std::mem::take(&mut self.payload);
+        // What `write_requests` builds, encoded straight from `data` (no copy, no allocation per
+        // TLP).
         for c in &chunks {
-            let shape = c.shape();
-            payload.clear();
-            payload.resize(usize::from(shape.length_dw) * 4, 0);
             let at = (c.address & 3) as usize;
-            payload[at..at + c.len].copy_from_slice(&data[c.offset..c.offset + c.len]);
-            let tlp = Tlp::mem_write(self.me, shape.address, shape.first_be, shape.last_be, payload);
-            self.out.push(host, self.channel, &tlp);
-            payload = tlp.data;
+            self.out.push_mem_write(
+                host,
+                self.channel,
+                self.me,
+                &c.shape(),
+                at,
+                &data[c.offset..c.offset + c.len],
+            );
         }
-        self.payload = payload;
         Ok(())
     }
 
