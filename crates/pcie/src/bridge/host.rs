@@ -32,10 +32,11 @@ use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
 use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
+use super::inline::TlpOut;
 use super::region::{DmaRegion, RegionMap};
 use super::{lock, session_channel, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
 use crate::config::{cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK};
-use crate::request::{each_completion_for_read, split, write_requests, CompletionScratch, RequestShape};
+use crate::request::{each_completion_for_read, split, CompletionScratch, RequestShape};
 use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
 
 /// The host's own requester ID (the root complex).
@@ -589,10 +590,17 @@ impl Shared {
 
     fn mmio_write(&self, bdf: Bdf, address: u64, data: &[u8]) -> BridgeResult<()> {
         let (mac, channel) = self.mac_of(bdf)?;
-        let tlps = write_requests(HOST_BDF, address, data, self.config.mps)
+        let chunks = split(address, data.len(), self.config.mps)
             .map_err(|e| BridgeError::BadRequest(e.to_string()))?;
         let sender = self.sender()?;
-        super::send_tlps(&sender, mac, channel, &tlps)
+        // Encoded straight from `data` (what `write_requests` builds, without a copy per TLP).
+        let mut out = TlpOut::default();
+        for c in &chunks {
+            let at = (c.address & 3) as usize;
+            out.push_mem_write(mac, channel, HOST_BDF, &c.shape(), at, &data[c.offset..c.offset + c.len]);
+        }
+        out.send_via(&sender);
+        Ok(())
     }
 }
 
