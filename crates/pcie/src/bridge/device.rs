@@ -203,8 +203,18 @@ impl InlineFn {
     }
 
     /// Serves a configuration or memory request from `peer` on `channel`, then runs the model.
-    fn request(&mut self, f: &FnShared, counters: &Counters, peer: MacAddr, channel: u16, tlp: &Tlp) {
-        let (me, replies) = serve_request(self.index, &mut *self.hosted, f, counters, &mut self.path, tlp);
+    #[allow(clippy::too_many_arguments)]
+    fn request(
+        &mut self,
+        f: &FnShared,
+        counters: &Counters,
+        peer: MacAddr,
+        channel: u16,
+        tlp: &Tlp,
+        payload: &[u8],
+    ) {
+        let (me, replies) =
+            serve_request(self.index, &mut *self.hosted, f, counters, &mut self.path, tlp, payload);
         self.path.me = me;
         for r in &replies {
             self.path.out.push(peer, channel, r);
@@ -245,10 +255,12 @@ impl BlockingFn {
         peer: MacAddr,
         channel: u16,
         tlp: &Tlp,
+        payload: &[u8],
         sender: &Sender,
         direct: Option<&mut dyn Outbox>,
     ) -> bool {
-        let (me, replies) = serve_request(self.index, &mut *self.hosted, f, counters, &mut self.posted, tlp);
+        let (me, replies) =
+            serve_request(self.index, &mut *self.hosted, f, counters, &mut self.posted, tlp, payload);
         let path = &mut self.posted;
         (path.me, path.host, path.channel) = (me, session.0, session.1);
         let config = self.hosted.config();
@@ -275,6 +287,7 @@ fn serve_request(
     counters: &Counters,
     path: &mut dyn Path,
     tlp: &Tlp,
+    payload: &[u8],
 ) -> (Bdf, Vec<Tlp>) {
     let me = match (&tlp.kind, &tlp.header) {
         (TlpKind::CfgRd0 | TlpKind::CfgWr0, Header::Config(h)) => {
@@ -285,7 +298,7 @@ fn serve_request(
         }
         _ => lock(&f.state).bdf,
     };
-    let replies = serve(hosted, me, tlp);
+    let replies = serve(hosted, me, tlp, payload);
     if tlp.kind == TlpKind::CfgWr0 {
         lock(&f.state).bars = decode_table(hosted);
         path.set_limits(hosted.config().max_payload_size(), hosted.config().max_read_request_size());
@@ -356,6 +369,16 @@ impl Shared {
     }
 }
 
+/// A request from our host as the receive side routes it: the TLP decoded in place (its `data`
+/// empty) and its payload, still in the frame.
+struct Incoming<'a> {
+    session: (Option<MacAddr>, u16),
+    peer: MacAddr,
+    channel: u16,
+    tlp: Tlp,
+    payload: &'a [u8],
+}
+
 /// The receive side: routes TLPs, never waits for a model.
 struct DevHandler {
     shared: Arc<Shared>,
@@ -376,23 +399,15 @@ impl DevHandler {
 
     /// Hands a configuration or memory request to its function: served here if it runs inline,
     /// queued to its worker otherwise.
-    #[allow(clippy::too_many_arguments)]
-    fn to_function(
-        &self,
-        f: &FnShared,
-        session: (Option<MacAddr>, u16),
-        peer: MacAddr,
-        channel: u16,
-        tlp: Tlp,
-        out: &mut dyn Outbox,
-    ) {
+    fn to_function(&self, f: &FnShared, req: Incoming<'_>, out: &mut dyn Outbox) {
         match &f.inline {
             Some(inl) => {
+                let Incoming { session, peer, channel, tlp, payload } = req;
                 let mut g = lock(inl);
-                g.session(session).request(f, &self.shared.counters, peer, channel, &tlp);
+                g.session(session).request(f, &self.shared.counters, peer, channel, &tlp, payload);
                 g.flush(out);
             }
-            None => self.to_blocking(f, session, peer, channel, tlp, out),
+            None => self.to_blocking(f, req, out),
         }
     }
 
@@ -401,15 +416,8 @@ impl DevHandler {
     /// nothing is queued before it (so requests keep their order), along with the work it starts
     /// that needs no host read; everything else goes to the worker's queue (configuration
     /// requests always: they change the limits of the worker's path).
-    fn to_blocking(
-        &self,
-        f: &FnShared,
-        session: (Option<MacAddr>, u16),
-        peer: MacAddr,
-        channel: u16,
-        tlp: Tlp,
-        out: &mut dyn Outbox,
-    ) {
+    fn to_blocking(&self, f: &FnShared, req: Incoming<'_>, out: &mut dyn Outbox) {
+        let Incoming { session, peer, channel, mut tlp, payload } = req;
         let memory = matches!(tlp.kind, TlpKind::MRd32 | TlpKind::MRd64 | TlpKind::MWr32 | TlpKind::MWr64);
         let model = match (&f.blocking, self.shared.sender.get()) {
             (Some(m), Some(sender)) if memory => match m.try_lock() {
@@ -429,7 +437,7 @@ impl DevHandler {
                 bump(&c.served_inline);
                 // The worker sends only under the model's lock, which we hold.
                 let direct = (self.shared.run_to_completion && sender.is_drained()).then_some(out);
-                if !model.serve_here(f, c, session, peer, channel, &tlp, sender, direct) {
+                if !model.serve_here(f, c, session, peer, channel, &tlp, payload, sender, direct) {
                     return;
                 }
                 st = lock(&f.state);
@@ -438,6 +446,7 @@ impl DevHandler {
                 return;
             }
         }
+        tlp.data = payload.to_vec();
         st.inbox.push_back((peer, channel, tlp));
         f.notify(st);
     }
@@ -507,7 +516,8 @@ impl Handler for DevHandler {
             (s.host, s.channel)
         };
         bump(&c.tlps_received);
-        let tlp = match Tlp::decode(m.data) {
+        // Decoded in place: a write's payload is copied once, to where it goes.
+        let (mut tlp, payload) = match Tlp::decode_borrowed(m.data) {
             Ok(t) => t,
             Err(_) => {
                 bump(&c.malformed);
@@ -522,7 +532,10 @@ impl Handler for DevHandler {
         match (&tlp.kind, &tlp.header) {
             (TlpKind::CfgRd0 | TlpKind::CfgWr0, Header::Config(h)) => {
                 match self.shared.fns.get(usize::from(h.completer_id.function())) {
-                    Some(f) => self.to_function(f, session, m.peer, m.channel, tlp, out),
+                    Some(f) => {
+                        let req = Incoming { session, peer: m.peer, channel: m.channel, tlp, payload };
+                        self.to_function(f, req, out)
+                    }
                     None => self.ur(out, m.peer, m.channel, &tlp),
                 }
             }
@@ -531,12 +544,18 @@ impl Handler for DevHandler {
                 let target =
                     self.shared.fns.iter().find(|f| decodes(&lock(&f.state).bars, h.address, len)).cloned();
                 match target {
-                    Some(f) => self.to_function(&f, session, m.peer, m.channel, tlp, out),
+                    Some(f) => {
+                        let req = Incoming { session, peer: m.peer, channel: m.channel, tlp, payload };
+                        self.to_function(&f, req, out)
+                    }
                     None if super::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
                     None => bump(&c.unclaimed_writes),
                 }
             }
-            (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp, session, out),
+            (TlpKind::Cpl | TlpKind::CplD, _) => {
+                tlp.data = payload.to_vec();
+                self.complete(m.peer, &tlp, session, out)
+            }
             _ if super::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
             _ => bump(&c.malformed),
         }
@@ -802,7 +821,8 @@ fn worker(index: usize, shared: Arc<Shared>, sender: Sender) {
         let mut m = lock(model);
         let inbox: Vec<(MacAddr, u16, Tlp)> = lock(&f.state).inbox.drain(..).collect();
         for (peer, channel, tlp) in inbox {
-            let (_, replies) = serve_request(index, &mut *m.hosted, &f, &shared.counters, &mut path, &tlp);
+            let (_, replies) =
+                serve_request(index, &mut *m.hosted, &f, &shared.counters, &mut path, &tlp, &tlp.data);
             for r in &replies {
                 path.out.push(peer, channel, r);
             }

@@ -216,8 +216,9 @@ impl<B: BlockingDevice + Send> Hosted for BlockingHosted<B> {
 pub(crate) const DEVICE_RCB: usize = 64;
 
 /// Answers one configuration or memory request to function `h` (whose ID is `me`): the
-/// completions to send back (none for a posted write).
-pub(crate) fn serve(h: &mut dyn Hosted, me: Bdf, tlp: &Tlp) -> Vec<Tlp> {
+/// completions to send back (none for a posted write). `payload` is the request's data (its
+/// `data`, or the part of the frame it was decoded from with [`Tlp::decode_borrowed`]).
+pub(crate) fn serve(h: &mut dyn Hosted, me: Bdf, tlp: &Tlp, payload: &[u8]) -> Vec<Tlp> {
     match (&tlp.kind, &tlp.header) {
         (TlpKind::CfgRd0, Header::Config(c)) => {
             let data = h.config_read(c.register, c.first_be);
@@ -225,8 +226,8 @@ pub(crate) fn serve(h: &mut dyn Hosted, me: Bdf, tlp: &Tlp) -> Vec<Tlp> {
         }
         (TlpKind::CfgWr0, Header::Config(c)) => {
             let mut v = [0u8; 4];
-            let n = tlp.data.len().min(4);
-            v[..n].copy_from_slice(&tlp.data[..n]);
+            let n = payload.len().min(4);
+            v[..n].copy_from_slice(&payload[..n]);
             h.config_write(c.register, c.first_be, v);
             vec![Tlp::completion(me, c.requester_id, tlp.tag, CplStatus::Success, 4, 0, Vec::new())]
         }
@@ -267,7 +268,7 @@ pub(crate) fn serve(h: &mut dyn Hosted, me: Bdf, tlp: &Tlp) -> Vec<Tlp> {
             let shape = RequestShape::of_memory(m, tlp.length_dw);
             let (first, count) = shape.byte_range();
             let f = first as usize;
-            if let Some(data) = tlp.data.get(f..f + count) {
+            if let Some(data) = payload.get(f..f + count) {
                 // Posted: an unclaimed or refused write has nobody to tell.
                 let _ = h.memory_write(m.address.saturating_add(first), data);
             }
