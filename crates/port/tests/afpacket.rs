@@ -215,3 +215,32 @@ fn a_burst_larger_than_the_transmit_ring_arrives_whole() {
         assert_eq!(a.counters().tx_frames, 1000);
     }
 }
+
+#[test]
+fn single_frames_and_bursts_interleave_in_order() {
+    let Some(pair) = pair_or_skip("single_frames_and_bursts_interleave_in_order") else {
+        return;
+    };
+    let mut a = open_in(&pair.a, RxVersion::V2);
+    let mut b = open_in(&pair.b, RxVersion::V2);
+    assert!(a.sends_single_frames_directly(), "the ring-less socket opens as root");
+    // Bursts of 1..=12 frames: each burst's first frame leaves through the ring-less socket, the
+    // rest through the ring, and they must arrive as sent.
+    let mut seq = 0u32;
+    let mut sent = 0usize;
+    for burst in (1..=12u32).cycle().take(60) {
+        let frames: Vec<Vec<u8>> =
+            (seq..seq + burst).map(|s| frame(b.mac(), a.mac(), s, len_for(s, 1500))).collect();
+        send_all(&mut a, &frames, SECOND);
+        seq += burst;
+        sent += frames.len();
+    }
+    let got = recv_n(&mut b, sent, 5 * SECOND);
+    assert_eq!(got.len(), sent);
+    for (i, f) in got.iter().enumerate() {
+        assert_eq!(seq_of(f), i as u32, "frame {i} out of order");
+        assert_eq!(f.len(), 14 + len_for(i as u32, 1500), "frame {i} intact");
+    }
+    assert_eq!(a.counters().tx_frames, sent as u64);
+    assert_eq!(a.counters().tx_dropped, 0);
+}
