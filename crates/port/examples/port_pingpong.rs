@@ -3,7 +3,7 @@
 //! echo side bounces every frame back. Prints p50/p99 in microseconds per port and polling mode.
 //!
 //! ```text
-//! cargo run --release -p lanbus-port --example port_pingpong [ROUNDS]
+//! cargo run --release -p lanbus-port --example port_pingpong [ROUNDS] [PAYLOAD]
 //! ```
 //! Busy mode spins on rx_burst; blocking mode calls `wait` when idle. On a machine with fewer than
 //! two free cores busy mode measures the scheduler, not the port.
@@ -25,7 +25,13 @@ fn frame(dst: [u8; 6], src: [u8; 6], seq: u32, len: usize) -> Vec<u8> {
     f
 }
 
-fn pingpong(mut a: Box<dyn Port>, mut b: Box<dyn Port>, busy: bool, rounds: usize) -> (f64, f64) {
+fn pingpong(
+    mut a: Box<dyn Port>,
+    mut b: Box<dyn Port>,
+    busy: bool,
+    rounds: usize,
+    payload: usize,
+) -> (f64, f64) {
     let (a_mac, b_mac) = (a.mac().0, b.mac().0);
     let stop = Arc::new(AtomicBool::new(false));
     let stop_echo = stop.clone();
@@ -50,7 +56,7 @@ fn pingpong(mut a: Box<dyn Port>, mut b: Box<dyn Port>, busy: bool, rounds: usiz
     });
     let mut micros = Vec::with_capacity(rounds);
     for seq in 0..rounds as u32 + 100 {
-        let f = frame(b_mac, a_mac, seq, 64);
+        let f = frame(b_mac, a_mac, seq, payload);
         let start = Instant::now();
         while a.send_frames(&[&f]).unwrap() == 0 {}
         loop {
@@ -74,6 +80,8 @@ fn pingpong(mut a: Box<dyn Port>, mut b: Box<dyn Port>, busy: bool, rounds: usiz
 
 fn main() {
     let rounds: usize = std::env::args().nth(1).map_or(5000, |s| s.parse().expect("ROUNDS is a number"));
+    let payload: usize = std::env::args().nth(2).map_or(64, |s| s.parse().expect("PAYLOAD is a number"));
+    assert!((4..=1400).contains(&payload), "PAYLOAD is 4..=1400 bytes");
     let pair = match VethPair::create() {
         Ok(p) => p,
         Err(skip) => {
@@ -88,7 +96,7 @@ fn main() {
         ("afpacket,rx=v2", format!("afpacket:{if_a},rx=v2"), format!("afpacket:{if_b},rx=v2")),
     ];
     println!(
-        "{:<16} {:<9} {:>9} {:>9}   (64-byte payload, {rounds} round trips)",
+        "{:<16} {:<9} {:>9} {:>9}   ({payload}-byte payload, {rounds} round trips)",
         "port", "mode", "p50_us", "p99_us"
     );
     for (name, spec_a, spec_b) in configs {
@@ -96,7 +104,7 @@ fn main() {
             let (sa, sb) = (spec_a.clone(), spec_b.clone());
             let a = pair.a.netns.run(move || lanbus_port::open(&sa)).unwrap().unwrap();
             let b = pair.b.netns.run(move || lanbus_port::open(&sb)).unwrap().unwrap();
-            let (p50, p99) = pingpong(a, b, busy, rounds);
+            let (p50, p99) = pingpong(a, b, busy, rounds, payload);
             let mode = if busy { "busy" } else { "blocking" };
             println!("{name:<16} {mode:<9} {p50:>9.1} {p99:>9.1}");
         }
