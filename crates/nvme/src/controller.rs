@@ -760,10 +760,10 @@ impl Controller {
         self.process_in(mem, irq, false)
     }
 
-    /// The part of [`process`](Self::process) that reads no host memory: the I/O commands of
-    /// submission queues in the Controller Memory Buffer whose PRP lists (and, for a write, data)
-    /// lie there too; their data for the host and their completions are posted writes. It stops
-    /// at the first command that would read host memory (that one and the rest stay for
+    /// The part of [`process`](Self::process) that reads no host memory and is quick: the Read
+    /// and Write commands (without FUA) of submission queues in the Controller Memory Buffer
+    /// whose PRP lists (and, for a write, data) lie there too; their data for the host and their
+    /// completions are posted writes. It stops at the first other command (that one and the rest stay for
     /// `process`, so [`has_work`](Self::has_work) stays true) and never runs admin commands. A
     /// caller that must not wait (a bridge's receive thread) runs this and leaves the rest to a
     /// thread that may.
@@ -806,16 +806,20 @@ impl Controller {
         done
     }
 
-    /// Whether I/O command `sqe` can run without reading host memory: its PRP list (if any) lies
-    /// in the Controller Memory Buffer, and so does its data if the controller reads it. A
-    /// command that will fail before any transfer counts as local too. Conservative: anything it
-    /// cannot tell (a PRP list outside the buffer) is not.
-    fn reads_no_host_memory(&mut self, sqe: &Sqe, mem: &mut CmbView<'_>) -> bool {
+    /// Whether I/O command `sqe` may run where nothing may wait: it reads no host memory (its
+    /// PRP list, if any, lies in the Controller Memory Buffer, and so does its data if the
+    /// controller reads it) and it only reads or writes the backing store (no Flush, FUA, Write
+    /// Zeroes or Dataset Management: a disk may take its time over those). A command that will
+    /// fail before any transfer qualifies too. Conservative: what it cannot tell (a PRP list
+    /// outside the buffer) does not.
+    fn may_run_posted(&mut self, sqe: &Sqe, mem: &mut CmbView<'_>) -> bool {
         let lba = self.cfg.lba_size as usize;
         let (data, len, reads_data) = match decode_io(sqe) {
-            Err(_) | Ok(IoCommand::Flush { .. } | IoCommand::WriteZeroes { .. }) => return true,
-            Ok(IoCommand::ReadWrite { write, blocks, data, .. }) => (data, blocks as usize * lba, write),
-            Ok(IoCommand::DatasetManagement { ranges, data, .. }) => (data, usize::from(ranges) * 16, true),
+            Err(_) => return true,
+            Ok(IoCommand::ReadWrite { fua: false, write, blocks, data, .. }) => {
+                (data, blocks as usize * lba, write)
+            }
+            Ok(_) => return false,
         };
         if len > self.mdts_bytes() {
             return true;
@@ -881,7 +885,7 @@ impl Controller {
             let mut b = [0u8; SQE_LEN];
             b.copy_from_slice(raw);
             let sqe = Sqe::parse(&b);
-            if posted_only && !self.reads_no_host_memory(&sqe, mem) {
+            if posted_only && !self.may_run_posted(&sqe, mem) {
                 break;
             }
             ran += 1;

@@ -156,6 +156,15 @@ impl BlockingDevice for NvmeFunction {
         }
     }
 
+    /// Register reads, doorbells and the memory buffer are plain memory work; other register
+    /// writes are not (CC may reset the controller or shut it down, which flushes the backing).
+    fn serves_inline(&self, bar: usize, offset: u64, write: bool) -> bool {
+        match bar {
+            0 => !write || offset >= crate::controller::reg::DOORBELLS,
+            b => b == usize::from(CMB_BIR),
+        }
+    }
+
     fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
         let r = match bar {
             0 => self.ctrl.bar0_write(offset, data),

@@ -63,8 +63,18 @@ pub trait BlockingDevice {
     /// were done (0: nothing could progress).
     fn process(&mut self, host: &mut dyn HostAccess) -> usize;
 
+    /// Whether a memory read (`write` false) or write of BAR `bar` at `offset` is quick and
+    /// waits for nothing (no storage, no host), so that the device bridge may serve it on the
+    /// thread that receives the fabric's frames (which also keeps heartbeats and ACKs going)
+    /// instead of handing it to the function's worker. The default: no access is.
+    fn serves_inline(&self, bar: usize, offset: u64, write: bool) -> bool {
+        let _ = (bar, offset, write);
+        false
+    }
+
     /// Does the part of the pending work that needs no host memory read (only posted writes and
-    /// MSI-X), stopping before the first piece that would read; `process` does the rest. The
+    /// MSI-X) and is quick (no flush of slow storage), stopping before the first piece that is
+    /// not; `process` does the rest. The
     /// device bridge calls it on the thread that receives the fabric's frames, where nothing may
     /// wait (a read there fails with [`DmaError::WouldBlock`] and sends nothing), which saves the
     /// hand-off to the function's worker. The default does nothing.
@@ -229,6 +239,14 @@ impl<B: BlockingDevice> BlockingFunction<B> {
         }
         self.device.bar_write(bar, offset, data);
         Ok(())
+    }
+
+    /// Whether a memory request of `len` bytes at `address` may be served on a thread that must
+    /// not wait: MSI-X table and PBA accesses always, the model's BARs as it says
+    /// ([`BlockingDevice::serves_inline`]).
+    pub fn serves_inline(&self, address: u64, len: usize, write: bool) -> bool {
+        let Some((bar, offset)) = self.config.decode_memory(address, len as u64) else { return true };
+        self.msix_region(bar, offset, len).is_some() || self.device.serves_inline(bar, offset, write)
     }
 
     /// Whether [`process`](Self::process) has something to do: the model's work, or MSI-X

@@ -895,8 +895,13 @@ impl Port for AfPacketPort {
         let mut sent = 0;
         let mut offered = 0;
         // The burst's first frame through the ring-less socket, unless frames wait in the ring
-        // (they must leave first).
-        if let Some((fd, buf)) = self.single.as_mut().filter(|_| !self.tx_unkicked && max > 0) {
+        // (they must leave first): not kicked yet, or left by a kick the kernel cut short (its
+        // send buffer full), which leaves the newest slot still marked SEND_REQUEST.
+        let prev = (self.tx_head + slots - 1) % slots;
+        // Acquire as above: the status the kernel last wrote.
+        let ring_waits =
+            self.tx_unkicked || self.tx_status(prev).load(Ordering::Acquire) == libc::TP_STATUS_SEND_REQUEST;
+        if let Some((fd, buf)) = self.single.as_mut().filter(|_| !ring_waits && max > 0) {
             let Some(len) = fill(&mut buf[..capacity]) else { return Ok(0) };
             offered += 1;
             if !(HEADER_LEN..=capacity).contains(&len) {
@@ -904,10 +909,18 @@ impl Port for AfPacketPort {
             } else {
                 // SAFETY: buf[..len] is initialised memory the kernel only reads.
                 let rc = unsafe { libc::send(fd.as_raw_fd(), buf.as_ptr().cast(), len, libc::MSG_DONTWAIT) };
+                let error = (rc < 0).then(std::io::Error::last_os_error);
                 if rc == len as isize {
                     self.counters.tx_frames += 1;
                     self.counters.tx_bytes += len as u64;
                     sent += 1;
+                } else if let Some(libc::ENETDOWN | libc::ENXIO) =
+                    error.as_ref().and_then(|e| e.raw_os_error())
+                {
+                    return Err(PortError::Unavailable {
+                        spec: format!("afpacket:{}", self.ifname),
+                        why: format!("interface {} went down: `ip link set {} up`", self.ifname, self.ifname),
+                    });
                 } else {
                     // Device queue full or gone: the frame is lost, as on a wire; the transport
                     // resends it.

@@ -29,8 +29,13 @@
 //!   gets it and nothing is queued for the worker, it serves a memory request itself (a doorbell,
 //!   data for device memory, a register read) and runs the work that reads no host memory
 //!   ([`crate::blocking::BlockingDevice::process_posted`]: an NVMe command whose queue and PRPs
-//!   lie in the drive's memory buffer), so the common command needs no thread hand-off. What it
-//!   sends is queued on the runtime's sender behind what the worker sent, in order.
+//!   lie in the drive's memory buffer), so the common command needs no thread hand-off. The
+//!   model says which accesses are quick enough for that thread
+//!   ([`crate::blocking::BlockingDevice::serves_inline`]: not a register write that may flush
+//!   storage), and `process_posted` leaves slow commands (Flush, FUA) to the worker, so
+//!   heartbeats and ACKs never wait for a disk. What it sends goes behind what the worker sent:
+//!   straight to the handler's outbox when the sender's queue is drained (run to completion),
+//!   queued on the sender otherwise.
 //!
 //! Host selection: the bridge announces role Device and its group in heartbeats. Its host is a
 //! live Host of the same group (the first heard; a request from a host of the group before its
@@ -53,6 +58,7 @@ use super::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, 
 use super::inline::{InlinePath, Reads, TlpOut};
 use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL, PCIE_CHANNELS};
 use crate::device::DmaError;
+use crate::request::RequestShape;
 use crate::{Bdf, CplStatus, Header, Tag, Tlp, TlpKind};
 
 /// How to run a device bridge.
@@ -203,7 +209,6 @@ impl InlineFn {
     }
 
     /// Serves a configuration or memory request from `peer` on `channel`, then runs the model.
-    #[allow(clippy::too_many_arguments)]
     fn request(
         &mut self,
         f: &FnShared,
@@ -246,19 +251,15 @@ impl BlockingFn {
     /// memory, say). What it sends goes after everything the worker sent: straight to `out`
     /// when `direct` (nothing the worker sent still waits in `sender`'s queue), queued on
     /// `sender` otherwise. Returns whether work is left for the worker.
-    #[allow(clippy::too_many_arguments)]
     fn serve_here(
         &mut self,
         f: &FnShared,
         counters: &Counters,
-        session: (Option<MacAddr>, u16),
-        peer: MacAddr,
-        channel: u16,
-        tlp: &Tlp,
-        payload: &[u8],
+        req: &Incoming<'_>,
         sender: &Sender,
         direct: Option<&mut dyn Outbox>,
     ) -> bool {
+        let Incoming { session, peer, channel, ref tlp, payload } = *req;
         let (me, replies) =
             serve_request(self.index, &mut *self.hosted, f, counters, &mut self.posted, tlp, payload);
         let path = &mut self.posted;
@@ -417,14 +418,21 @@ impl DevHandler {
     /// that needs no host read; everything else goes to the worker's queue (configuration
     /// requests always: they change the limits of the worker's path).
     fn to_blocking(&self, f: &FnShared, req: Incoming<'_>, out: &mut dyn Outbox) {
-        let Incoming { session, peer, channel, mut tlp, payload } = req;
-        let memory = matches!(tlp.kind, TlpKind::MRd32 | TlpKind::MRd64 | TlpKind::MWr32 | TlpKind::MWr64);
-        let model = match (&f.blocking, self.shared.sender.get()) {
-            (Some(m), Some(sender)) if memory => match m.try_lock() {
+        // What the request touches, for the model to say whether it is quick.
+        let access = match (&req.tlp.kind, &req.tlp.header) {
+            (TlpKind::MRd32 | TlpKind::MRd64 | TlpKind::MWr32 | TlpKind::MWr64, Header::Mem(h)) => {
+                let (first, len) = RequestShape::of_memory(h, req.tlp.length_dw).byte_range();
+                Some((h.address.saturating_add(first), len.max(1), req.tlp.kind.has_data()))
+            }
+            _ => None,
+        };
+        let model = match (&f.blocking, self.shared.sender.get(), access) {
+            (Some(m), Some(sender), Some((address, len, write))) => match m.try_lock() {
                 Ok(g) => Some((g, sender)),
                 Err(TryLockError::Poisoned(e)) => Some((e.into_inner(), sender)),
                 Err(TryLockError::WouldBlock) => None,
-            },
+            }
+            .filter(|(g, _)| g.hosted.serves_inline(address, len, write)),
             _ => None,
         };
         let mut st = lock(&f.state);
@@ -437,7 +445,7 @@ impl DevHandler {
                 bump(&c.served_inline);
                 // The worker sends only under the model's lock, which we hold.
                 let direct = (self.shared.run_to_completion && sender.is_drained()).then_some(out);
-                if !model.serve_here(f, c, session, peer, channel, &tlp, payload, sender, direct) {
+                if !model.serve_here(f, c, &req, sender, direct) {
                     return;
                 }
                 st = lock(&f.state);
@@ -446,6 +454,7 @@ impl DevHandler {
                 return;
             }
         }
+        let Incoming { peer, channel, mut tlp, payload, .. } = req;
         tlp.data = payload.to_vec();
         st.inbox.push_back((peer, channel, tlp));
         f.notify(st);

@@ -50,6 +50,12 @@ pub(crate) trait Hosted: Send {
     }
     /// Runs pending work through `path`; returns the units of work done.
     fn run(&mut self, path: &mut dyn Path) -> usize;
+    /// Whether a memory request at `address` may be served on the receive thread (see
+    /// [`crate::blocking::BlockingFunction::serves_inline`]); only blocking models are asked.
+    fn serves_inline(&self, address: u64, len: usize, write: bool) -> bool {
+        let _ = (address, len, write);
+        false
+    }
     /// Runs the pending work of a blocking model that needs no read of host memory (see
     /// [`BlockingDevice::process_posted`]); nothing else has to.
     fn run_posted(&mut self, path: &mut dyn Path) -> usize {
@@ -203,6 +209,9 @@ impl<B: BlockingDevice + Send> Hosted for BlockingHosted<B> {
             return 0;
         }
         self.function.process(&mut Blocking(path))
+    }
+    fn serves_inline(&self, address: u64, len: usize, write: bool) -> bool {
+        self.function.serves_inline(address, len, write)
     }
     fn run_posted(&mut self, path: &mut dyn Path) -> usize {
         if !self.function.has_work() {

@@ -546,6 +546,34 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #[test]
+        fn push_mem_write_matches_write_requests_for_any_address_length_and_mps(
+            address in proptest::prop_oneof![0u64..0x3000, (u32::MAX as u64 - 0x2000)..(u32::MAX as u64 + 0x2000), (u64::MAX - 0x3000)..u64::MAX],
+            len in 0usize..9000,
+            mps_log in 7u32..=12,
+        ) {
+            let mps = 1usize << mps_log;
+            let host = MacAddr([2, 0, 0, 0, 0, 9]);
+            let me = Bdf::new(3, 0, 1).unwrap();
+            let data: Vec<u8> = (0..len as u32).map(|i| (i * 13 + 5) as u8).collect();
+            let mut path = InlinePath::new(me, Arc::default(), Duration::from_secs(1), 8, mps, 512);
+            (path.host, path.channel) = (Some(host), 7);
+            let want = write_requests(me, address, &data, mps);
+            let got = path.write(address, &data);
+            let mut sent = Vec::new();
+            path.out.drain(|p, c, b| sent.push((p, c, b.to_vec())));
+            match want {
+                Ok(tlps) => {
+                    proptest::prop_assert!(got.is_ok());
+                    let want: Vec<_> = tlps.iter().map(|t| (host, 7u16, t.encode().unwrap())).collect();
+                    proptest::prop_assert_eq!(sent, want);
+                }
+                Err(_) => proptest::prop_assert!(got.is_err() && sent.is_empty()),
+            }
+        }
+    }
+
     const HOST: MacAddr = MacAddr([2, 0, 0, 0, 0, 9]);
     const TIMEOUT: Duration = Duration::from_millis(100);
 
