@@ -1039,7 +1039,15 @@ fn config_thread(sh: Arc<Shared>, jobs: mpsc::Receiver<Job>) {
                         break;
                     }
                     eprintln!("lanbus host bridge: {e} (attempt {attempt} of 3)");
-                    lock(&sh.state).allocations.retain(|(_, _, m)| *m != mac);
+                    let mut st = lock(&sh.state);
+                    st.allocations.retain(|(_, _, m)| *m != mac);
+                    // Retry on a fresh channel: the one drawn may still carry an earlier session
+                    // of ours with this device (a host restarted with the same MAC), whose
+                    // sequence numbers the device's transport would keep expecting.
+                    if let Some(d) = st.devices.get_mut(&mac) {
+                        d.channel = session_channel();
+                    }
+                    drop(st);
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
