@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lanbus_nvme::pcie::{attach, NvmeFunction};
-use lanbus_nvme::{Controller, ControllerConfig, DriverConfig, HostRegion, RamBacking};
+use lanbus_nvme::{Backing, Controller, ControllerConfig, DriverConfig, HostRegion, RamBacking};
 use lanbus_pcie::bridge::{DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig};
 use lanbus_port::{SimWire, SimWireConfig};
 use lanbus_runtime::RuntimeConfig;
@@ -21,13 +21,14 @@ fn runtime(name: &str) -> RuntimeConfig {
     c
 }
 
-/// A host bridge and a device bridge with an NVMe drive over a simulated wire; `cmb_bytes` of
-/// Controller Memory Buffer and max payload size `mps` (the daemons' drive: 16 MiB and 4096).
+/// A host bridge and a device bridge with an NVMe drive on `backing` over a simulated wire;
+/// `cmb_bytes` of Controller Memory Buffer and max payload size `mps` (the daemons' drive: 16 MiB
+/// and 4096).
 fn fabric(
     loss: f64,
     seed: u64,
     lba: u32,
-    bytes: u64,
+    backing: Box<dyn Backing>,
     cmb_bytes: u64,
     mps: usize,
 ) -> (Arc<HostBridge>, DeviceBridge) {
@@ -47,7 +48,7 @@ fn fabric(
     let host = Arc::new(HostBridge::start(Box::new(a), hc).unwrap());
     let ctrl = Controller::new(
         ControllerConfig { lba_size: lba, cmb_bytes, ..ControllerConfig::default() },
-        Box::new(RamBacking::new(bytes)),
+        backing,
     )
     .unwrap();
     let (f, _stats) = NvmeFunction::hosted(ctrl).unwrap();
@@ -68,7 +69,7 @@ fn driver_config() -> DriverConfig {
 
 #[test]
 fn random_io_over_a_lossy_wire_reads_back() {
-    let (host, dev) = fabric(0.01, 7, 512, 16 << 20, 0, 256);
+    let (host, dev) = fabric(0.01, 7, 512, Box::new(RamBacking::new(16 << 20)), 0, 256);
     random_io_reads_back(host, dev, false);
 }
 
@@ -77,7 +78,7 @@ fn random_io_over_a_lossy_wire_reads_back() {
 /// from the host.
 #[test]
 fn random_io_through_the_buffer_with_4k_payloads_over_a_lossy_wire_reads_back() {
-    let (host, dev) = fabric(0.01, 8, 512, 16 << 20, 4 << 20, 4096);
+    let (host, dev) = fabric(0.01, 8, 512, Box::new(RamBacking::new(16 << 20)), 4 << 20, 4096);
     random_io_reads_back(host, dev, true);
 }
 
@@ -138,4 +139,48 @@ fn random_io_reads_back(host: Arc<HostBridge>, dev: DeviceBridge, cmb: bool) {
     let mut buf = vec![0u8; 4096];
     assert!(drv.read_at(0, &mut buf).is_err());
     assert!(t.elapsed() < Duration::from_secs(15), "failed after {:?}", t.elapsed());
+}
+
+/// A backing store whose flush takes twice the host's heartbeat patience (3 missed 100 ms
+/// intervals).
+struct SlowFlush(RamBacking);
+
+impl Backing for SlowFlush {
+    fn len(&self) -> u64 {
+        self.0.len()
+    }
+    fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.0.read_at(offset, buf)
+    }
+    fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.0.write_at(offset, data)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::thread::sleep(Duration::from_millis(600));
+        Ok(())
+    }
+}
+
+/// A Flush (and a FUA write) runs on the device bridge's worker, never on the thread that sends
+/// heartbeats and ACKs, so the host keeps the device, whether the drive's queues live in host
+/// memory or in its memory buffer (where plain reads and writes run on the receive thread).
+#[test]
+fn a_slow_flush_runs_on_the_worker_and_the_host_keeps_the_device() {
+    for (cmb_bytes, mps) in [(0, 256), (4 << 20, 4096)] {
+        let (host, dev) = fabric(0.0, 9, 512, Box::new(SlowFlush(RamBacking::new(16 << 20))), cmb_bytes, mps);
+        let devs = host.wait_devices(1, Duration::from_secs(10));
+        assert_eq!(devs.len(), 1);
+        let region = Arc::new(HostRegion::new(0x4_0000_0000, 2048));
+        let drv = attach(&host, &devs[0], region, driver_config()).unwrap();
+        assert_eq!(drv.cmb_in_use().is_some(), cmb_bytes > 0);
+        drv.write_at(0, &[7u8; 4096], false).unwrap();
+        drv.flush().unwrap();
+        drv.write_at(4096, &[9u8; 4096], true).unwrap(); // FUA: a flush too
+        let mut back = vec![0u8; 8192];
+        drv.read_at(0, &mut back).unwrap();
+        assert!(back[..4096].iter().all(|&b| b == 7) && back[4096..].iter().all(|&b| b == 9));
+        assert_eq!(host.stats().device_gone, 0, "cmb {cmb_bytes}: {:?}", host.stats());
+        // Doorbells are served on the receive thread in both setups; the flushes were not.
+        assert!(dev.stats().served_inline > 0, "{:?}", dev.stats());
+    }
 }
