@@ -168,7 +168,8 @@ struct FnState {
     stop: bool,
     /// The worker sleeps on `wake` (only then is a notification worth a system call).
     sleeping: bool,
-    /// The receive thread left the model work only the worker can do (it needs a host read).
+    /// The receive thread left the model work only the worker may do (it reads host memory or
+    /// may wait for storage).
     kicked: bool,
 }
 
