@@ -199,9 +199,15 @@ impl Sender {
     /// Queues every message of `messages` for `peer` on `channel`, in order, under one lock and
     /// with at most one wake-up of the sending thread.
     pub fn send_all<'a>(&self, peer: MacAddr, channel: u16, messages: impl IntoIterator<Item = &'a [u8]>) {
+        self.send_owned(peer, channel, messages.into_iter().map(<[u8]>::to_vec));
+    }
+
+    /// [`Sender::send_all`] for messages the caller built in buffers of their own: they are
+    /// queued as they are, not copied.
+    pub fn send_owned(&self, peer: MacAddr, channel: u16, messages: impl IntoIterator<Item = Vec<u8>>) {
         let mut q = lock(&self.shared.outgoing);
         let before = q.len();
-        q.extend(messages.into_iter().map(|m| Outgoing { peer, channel, data: m.to_vec() }));
+        q.extend(messages.into_iter().map(|data| Outgoing { peer, channel, data }));
         let any = q.len() > before;
         drop(q);
         if any {

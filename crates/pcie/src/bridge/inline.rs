@@ -62,17 +62,8 @@ impl TlpOut {
         at: usize,
         data: &[u8],
     ) {
-        let mut tlp = Tlp::mem_write(me, shape.address, shape.first_be, shape.last_be, Vec::new());
-        tlp.length_dw = shape.length_dw;
-        let start = self.bytes.len();
-        let payload = usize::from(shape.length_dw) * 4;
-        let header = tlp.header_len();
-        self.bytes.resize(start + header, 0);
-        tlp.emit_header(&mut self.bytes[start..]);
-        self.bytes.resize(start + header + at, 0);
-        self.bytes.extend_from_slice(data);
-        self.bytes.resize(start + header + payload, 0);
-        self.items.push((peer, channel, header + payload));
+        let n = append_mem_write(&mut self.bytes, me, shape, at, data);
+        self.items.push((peer, channel, n));
     }
 
     /// Whether no TLP waits.
@@ -115,6 +106,30 @@ impl TlpOut {
         }
         self.bytes.clear();
     }
+}
+
+/// Appends to `bytes` a memory write of `data` by `me` with `shape`: the header, then the payload
+/// straight from `data` (`at` zero bytes before it up to the first byte enabled, zeros after it to
+/// the last DW), without building a [`Tlp`] around a copy. Returns the TLP's length.
+pub(crate) fn append_mem_write(
+    bytes: &mut Vec<u8>,
+    me: Bdf,
+    shape: &RequestShape,
+    at: usize,
+    data: &[u8],
+) -> usize {
+    let mut tlp = Tlp::mem_write(me, shape.address, shape.first_be, shape.last_be, Vec::new());
+    tlp.length_dw = shape.length_dw;
+    let start = bytes.len();
+    let payload = usize::from(shape.length_dw) * 4;
+    let header = tlp.header_len();
+    bytes.reserve(header + payload);
+    bytes.resize(start + header, 0);
+    tlp.emit_header(&mut bytes[start..]);
+    bytes.resize(start + header + at, 0);
+    bytes.extend_from_slice(data);
+    bytes.resize(start + header + payload, 0);
+    header + payload
 }
 
 /// A read started by a function, in pieces of at most MRRS bytes.
