@@ -386,6 +386,10 @@ impl HostMemory for CmbView<'_> {
             None => self.host.write(addr, data),
         }
     }
+    fn local(&self, addr: u64, len: usize) -> Option<&[u8]> {
+        let at = self.locate(addr, len).ok()??;
+        Some(&self.cmb[at..at + len])
+    }
 }
 
 /// Why a controller could not be built.
@@ -967,35 +971,43 @@ impl Controller {
         len: usize,
         to_host: bool,
     ) -> Result<(), Status> {
+        self.walk(mem, ptr, len)?;
+        self.copy_runs(mem, to_host)
+    }
+
+    /// Walks the PRPs of a `len`-byte transfer into `self.runs`.
+    fn walk(&mut self, mem: &mut dyn HostMemory, ptr: DataPtr, len: usize) -> Result<(), Status> {
         let mut runs = std::mem::take(&mut self.runs);
         let mut lists = std::mem::take(&mut self.lists);
         let walked = prp::walk(mem, ptr.prp1, ptr.prp2, len, self.page, &mut runs, &mut lists);
         self.lists = lists;
-        let mut result = walked;
-        if result.is_ok() {
-            let mut at = 0usize;
-            for &(addr, n) in &runs {
-                let r = if to_host {
-                    mem.write(addr, &self.data[at..at + n])
-                } else {
-                    mem.read(addr, &mut self.data[at..at + n])
-                };
-                if let Err(e) = r {
-                    self.stats.dma_errors += 1;
-                    result = Err(if e == BusError::Rejected(CMB_EDGE) {
-                        Status::INVALID_CMB_USE
-                    } else {
-                        Status::DATA_TRANSFER_ERROR
-                    });
-                    break;
-                }
-                at += n;
-            }
-        } else if result == Err(Status::DATA_TRANSFER_ERROR) {
+        self.runs = runs;
+        if walked == Err(Status::DATA_TRANSFER_ERROR) {
             self.stats.dma_errors += 1;
         }
-        self.runs = runs;
-        result
+        walked
+    }
+
+    /// Copies between `self.data` and the runs walked (to them when `to_host`).
+    fn copy_runs(&mut self, mem: &mut dyn HostMemory, to_host: bool) -> Result<(), Status> {
+        let mut at = 0usize;
+        for &(addr, n) in &self.runs {
+            let r = if to_host {
+                mem.write(addr, &self.data[at..at + n])
+            } else {
+                mem.read(addr, &mut self.data[at..at + n])
+            };
+            if let Err(e) = r {
+                self.stats.dma_errors += 1;
+                return Err(if e == BusError::Rejected(CMB_EDGE) {
+                    Status::INVALID_CMB_USE
+                } else {
+                    Status::DATA_TRANSFER_ERROR
+                });
+            }
+            at += n;
+        }
+        Ok(())
     }
 
     fn check_nsid(&self, nsid: u32) -> Result<(), Status> {
@@ -1031,8 +1043,21 @@ impl Controller {
                     self.data.resize(len, 0);
                 }
                 if write {
-                    self.transfer(mem, data, len, false)?;
-                    self.backing.write_at(slba * lba, &self.data[..len]).map_err(|_| Status::WRITE_FAULT)?;
+                    self.walk(mem, data, len)?;
+                    // Data in one piece of the memory buffer goes to the backing store from
+                    // there, without a copy.
+                    let in_place = match self.runs[..] {
+                        [(addr, n)] => mem.local(addr, n),
+                        _ => None,
+                    };
+                    let written = match in_place {
+                        Some(bytes) => self.backing.write_at(slba * lba, bytes),
+                        None => {
+                            self.copy_runs(mem, false)?;
+                            self.backing.write_at(slba * lba, &self.data[..len])
+                        }
+                    };
+                    written.map_err(|_| Status::WRITE_FAULT)?;
                     if fua {
                         self.backing.flush().map_err(|_| Status::WRITE_FAULT)?;
                     }

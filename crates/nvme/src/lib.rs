@@ -99,6 +99,13 @@ pub trait HostMemory {
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError>;
     /// Writes `data` to host memory at bus address `addr`.
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), BusError>;
+    /// The `len` bytes at bus address `addr` if they lie in the device's own memory (its
+    /// Controller Memory Buffer), for the controller to use in place instead of reading a copy.
+    /// `None` (the default) means: use [`HostMemory::read`].
+    fn local(&self, addr: u64, len: usize) -> Option<&[u8]> {
+        let _ = (addr, len);
+        None
+    }
 }
 
 /// MSI-X signalling, as the controller model sees it. The device bridge looks the vector up in
