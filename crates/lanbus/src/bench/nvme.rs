@@ -54,6 +54,9 @@ pub struct NvmeBenchArgs {
     /// Block sizes to measure (comma-separated, fio syntax); default the paper's 4k..1m.
     #[arg(long, value_delimiter = ',')]
     block_sizes: Vec<String>,
+    /// Directions to measure (comma-separated); default both.
+    #[arg(long, value_delimiter = ',', value_parser = ["randread", "randwrite"])]
+    rw: Vec<String>,
     /// How the lanbus rows' NVMe driver learns of completions: `poll` (poll the completion
     /// queue briefly, then sleep on MSI-X; what the host daemon uses) or `interrupt`.
     #[arg(long, default_value = "poll", value_parser = ["poll", "interrupt"])]
@@ -280,7 +283,10 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 continue;
             }
         };
-        for rw in ["randread", "randwrite"] {
+        for rw in ["randread", "randwrite"]
+            .into_iter()
+            .filter(|rw| args.rw.is_empty() || args.rw.iter().any(|r| r == rw))
+        {
             let sizes: Vec<&str> = if args.block_sizes.is_empty() {
                 BLOCK_SIZES.to_vec()
             } else {
