@@ -18,7 +18,11 @@
 //! since the attachment lives on a BPF link file descriptor.
 //!
 //! Invariants: receive is zero-copy (the callback borrows the frame in UMEM, which goes back to
-//! the fill ring after the callback returns); transmit fills UMEM frames in place. A port is one
+//! the fill ring after the callback returns); transmit fills UMEM frames in place. Frames larger
+//! than one UMEM frame (an MTU above 3826 with 4 KiB frames, say jumbo frames of 9000) take a
+//! chain of them (multi-buffer AF_XDP, Linux 6.6+; the program is loaded as able to see such
+//! frames, which lets a veth take the MTU): the port then gathers a received chain into one
+//! buffer and fills a frame to send in one before spreading it over the chain. A port is one
 //! socket on one queue; a second port on the same interface fails (one XDP program per
 //! interface), with a message saying so.
 //!
@@ -113,7 +117,7 @@ pub struct AfXdpOptions {
     /// Frames in the UMEM (power of two; half receive, half transmit).
     pub frame_count: u32,
     /// Bytes per UMEM frame: 2048 or 4096. A frame holds `mtu + 14` bytes after the kernel's
-    /// 256-byte receive headroom.
+    /// 256-byte receive headroom, or takes a chain of up to 17 of them.
     pub frame_size: u32,
     /// Entries in each of the four rings (power of two).
     pub ring_size: u32,
@@ -156,6 +160,9 @@ pub struct AfXdpPort {
     counters: PortCounters,
 }
 
+/// Most UMEM frames one frame may take (the kernel's `MAX_SKB_FRAGS` plus the head).
+const MAX_CHAIN: usize = 17;
+
 const NEEDS_ROOT: &str = "needs root (CAP_NET_ADMIN, CAP_BPF; CAP_SYS_ADMIN on kernels before 5.8): \
                           run as root or grant the capabilities (setcap cap_net_admin,cap_bpf+ep)";
 
@@ -184,14 +191,25 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
         )),
         _ => PortError::io("reading the interface's MTU and MAC (SIOCGIFMTU, SIOCGIFHWADDR)", e),
     })?;
+    // A frame larger than one UMEM frame takes several (multi-buffer AF_XDP, Linux 6.6+), up to
+    // the kernel's limit of 17 per frame.
     let room = (o.frame_size - xsk::XDP_PACKET_HEADROOM) as usize;
-    if facts.mtu + lanbus_wire::ethernet::HEADER_LEN > room {
+    let frame = facts.mtu + lanbus_wire::ethernet::HEADER_LEN;
+    let multi_buffer = frame > room;
+    if frame > MAX_CHAIN * room {
         return Err(unavailable(format!(
-            "{ifname} has MTU {} but a {}-byte UMEM frame holds at most {} bytes of frame; lower the \
-             MTU (ip link set dev {ifname} mtu 1500) or use frame_size 4096",
-            facts.mtu, o.frame_size, room
+            "{ifname} has MTU {} but a frame may take at most {MAX_CHAIN} UMEM frames of {} bytes; \
+             lower the MTU (ip link set dev {ifname} mtu 9000)",
+            facts.mtu, o.frame_size
         )));
     }
+    let needs_multi_buffer = || {
+        unavailable(format!(
+            "{ifname} has MTU {}, more than a {}-byte UMEM frame holds ({room} bytes of frame): that \
+             needs multi-buffer AF_XDP (Linux 6.6+); lower the MTU (ip link set dev {ifname} mtu 1500)",
+            facts.mtu, o.frame_size
+        ))
+    };
 
     let classify = |op: &'static str, e: io::Error| match e.raw_os_error() {
         Some(libc::EPERM | libc::EACCES) => unavailable(NEEDS_ROOT.to_string()),
@@ -208,12 +226,15 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
         _ => classify("bpf(BPF_MAP_CREATE, XSKMAP)", e),
     })?;
     let insns = bpf::lanbus_redirect_program(map.as_raw_fd());
-    let prog = bpf::load_xdp_program(&insns, "lanbus_xdp").map_err(|e| match e.source.raw_os_error() {
-        Some(libc::EPERM | libc::EACCES) if e.log.is_empty() => unavailable(NEEDS_ROOT.to_string()),
-        _ => PortError::io(
-            "bpf(BPF_PROG_LOAD) of the lanbus XDP program",
-            io::Error::new(e.source.kind(), format!("{}; verifier log:\n{}", e.source, e.log)),
-        ),
+    let prog = bpf::load_xdp_program(&insns, "lanbus_xdp", multi_buffer).map_err(|e| {
+        match e.source.raw_os_error() {
+            Some(libc::EPERM | libc::EACCES) if e.log.is_empty() => unavailable(NEEDS_ROOT.to_string()),
+            Some(libc::EINVAL) if multi_buffer => needs_multi_buffer(),
+            _ => PortError::io(
+                "bpf(BPF_PROG_LOAD) of the lanbus XDP program",
+                io::Error::new(e.source.kind(), format!("{}; verifier log:\n{}", e.source, e.log)),
+            ),
+        }
     })?;
 
     let attachment = attach(facts.ifindex, &prog, o).map_err(|(e, kernel_says)| {
@@ -234,8 +255,16 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
 
     let geometry =
         xsk::Geometry { frame_count: o.frame_count, frame_size: o.frame_size, ring_size: o.ring_size };
-    let mut xsk = xsk::Xsk::create(facts.ifindex, queue, geometry, o.bind == BindRequest::Auto).map_err(
+    let zero_copy = o.bind == BindRequest::Auto;
+    let mut xsk = xsk::Xsk::create(facts.ifindex, queue, geometry, zero_copy, multi_buffer).map_err(
         |(op, e)| match e.raw_os_error() {
+            Some(libc::EOPNOTSUPP | libc::EINVAL) if op == "bind" && multi_buffer => unavailable(format!(
+                "cannot bind to queue {queue} of {ifname} for frames of {frame} bytes, more than one \
+                 {}-byte UMEM frame: that needs multi-buffer AF_XDP (Linux 6.6+; else lower the MTU: \
+                 ip link set dev {ifname} mtu 1500), a queue that exists (`ethtool -l {ifname}`) and \
+                 an interface that is up",
+                o.frame_size
+            )),
             Some(libc::EAFNOSUPPORT) => unavailable(
                 "this kernel has no AF_XDP sockets (needs CONFIG_XDP_SOCKETS, Linux 4.18+)".to_string(),
             ),
@@ -352,7 +381,9 @@ impl AfXdpPort {
 impl Port for AfXdpPort {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
         let max = u32::try_from(max).unwrap_or(u32::MAX);
-        let (n, bytes) = self.xsk.rx_burst(max, on_frame).map_err(|e| PortError::io("AF_XDP receive", e))?;
+        let max_frame = self.frame_capacity();
+        let (n, bytes) =
+            self.xsk.rx_burst(max, max_frame, on_frame).map_err(|e| PortError::io("AF_XDP receive", e))?;
         self.counters.rx_frames += u64::from(n);
         self.counters.rx_bytes += bytes;
         Ok(n as usize)

@@ -373,9 +373,14 @@ pub struct LoadError {
     pub log: String,
 }
 
-/// Loads an XDP program. On failure, loads it again with the verifier log enabled and returns
-/// the log with the error.
-pub fn load_xdp_program(insns: &[Insn], name: &str) -> Result<OwnedFd, LoadError> {
+/// `BPF_F_XDP_HAS_FRAGS`: the program copes with frames in several buffers (it reads only the
+/// first bytes, which are always in the first), so the interface may take frames larger than a
+/// page.
+const BPF_F_XDP_HAS_FRAGS: u32 = 1 << 5;
+
+/// Loads an XDP program (declared able to handle multi-buffer frames when `frags`: Linux 5.18+).
+/// On failure, loads it again with the verifier log enabled and returns the log with the error.
+pub fn load_xdp_program(insns: &[Insn], name: &str, frags: bool) -> Result<OwnedFd, LoadError> {
     const LICENSE: &[u8] = b"Dual MIT/GPL\0";
     let load = |log: Option<&mut Vec<u8>>| -> io::Result<OwnedFd> {
         let mut attr = ProgLoadAttr {
@@ -385,6 +390,7 @@ pub fn load_xdp_program(insns: &[Insn], name: &str) -> Result<OwnedFd, LoadError
             license: LICENSE.as_ptr() as u64,
             prog_name: object_name(name),
             expected_attach_type: BPF_XDP,
+            prog_flags: if frags { BPF_F_XDP_HAS_FRAGS } else { 0 },
             ..Default::default()
         };
         if let Some(buf) = log {

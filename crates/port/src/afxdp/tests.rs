@@ -318,7 +318,7 @@ fn a_rejected_program_comes_with_the_verifier_log() {
         bpf::Insn::load_u16(bpf::R0, bpf::R3, 12),
         bpf::Insn::exit(),
     ];
-    let err = bpf::load_xdp_program(&insns, "lanbus_bad").expect_err("unchecked packet access");
+    let err = bpf::load_xdp_program(&insns, "lanbus_bad", false).expect_err("unchecked packet access");
     assert_eq!(err.source.raw_os_error(), Some(libc::EACCES), "{:?}", err.source);
     assert!(err.log.contains("invalid access to packet"), "{}", err.log);
 }
@@ -332,6 +332,55 @@ fn generic_mode_works_too() {
     assert!(xdp_shown(&pair.a).contains("xdpgeneric"), "{}", xdp_shown(&pair.a));
     let mut b = open_ok(&pair.b);
     exchange(&mut a, pair.a.mac, &mut b, pair.b.mac, 1_000, 32, 1500);
+}
+
+/// Sets the MTU of both ends of `pair`.
+fn set_mtu(pair: &VethPair, mtu: usize) {
+    for end in [&pair.a, &pair.b] {
+        end.netns.ip(&["link", "set", &end.ifname, "mtu", &mtu.to_string()]).expect("ip link set mtu");
+    }
+}
+
+#[test]
+fn jumbo_frames_take_several_umem_frames_both_ways() {
+    let pair = veth_or_skip!("jumbo_frames_take_several_umem_frames_both_ways");
+    set_mtu(&pair, 9000);
+    let mut a = open_ok(&pair.a);
+    let mut b = open_ok(&pair.b);
+    assert_eq!(a.mtu(), 9000);
+    assert!(a.xsk.multi_buffer() && b.xsk.multi_buffer(), "9014-byte frames need three 4 KiB UMEM frames");
+    // Lengths from 60 bytes to the full 9014: one, two and three UMEM frames per frame, in
+    // bursts that end in the middle of chains.
+    exchange(&mut a, pair.a.mac, &mut b, pair.b.mac, 3_000, 16, 9000);
+    let (ca, cb) = (a.counters(), b.counters());
+    assert_eq!((ca.tx_frames, ca.rx_frames, cb.tx_frames, cb.rx_frames), (3_000, 3_000, 3_000, 3_000));
+    let bytes: u64 = (0..3_000).map(|s| frame(pair.b.mac, pair.a.mac, s, 9000).len() as u64).sum();
+    assert_eq!((ca.tx_bytes, cb.rx_bytes), (bytes, bytes));
+    assert_eq!((a.xsk.bad_descs, b.xsk.bad_descs, ca.tx_dropped), (0, 0, 0));
+}
+
+#[test]
+fn jumbo_frames_match_the_kernels_af_packet() {
+    let pair = veth_or_skip!("jumbo_frames_match_the_kernels_af_packet");
+    set_mtu(&pair, 16000);
+    let mut a = open_ok(&pair.a);
+    let b_if = pair.b.ifname.clone();
+    let mut raw = pair.b.netns.run(move || RawSocket::open(&b_if, 0x88B5)).unwrap();
+    exchange(&mut a, pair.a.mac, &mut raw, pair.b.mac, 1_000, 8, 16000);
+    assert_eq!(a.counters().rx_frames, 1_000);
+}
+
+#[test]
+fn an_mtu_beyond_a_chain_of_umem_frames_is_refused() {
+    let pair = veth_or_skip!("an_mtu_beyond_a_chain_of_umem_frames_is_refused");
+    set_mtu(&pair, 40000);
+    // 17 frames of 2048 bytes hold 30,464 bytes of frame after the headroom.
+    let small = AfXdpOptions { frame_size: 2048, ..AfXdpOptions::default() };
+    let err = open_in(&pair.a, small).unwrap_err();
+    assert!(err.to_string().contains("at most 17 UMEM frames"), "{err}");
+    assert!(!xdp_shown(&pair.a).contains("xdp"), "{}", xdp_shown(&pair.a));
+    let a = open_ok(&pair.a);
+    assert_eq!(a.mtu(), 40000);
 }
 
 #[test]

@@ -261,6 +261,15 @@ pub struct Xsk {
     /// Receive frames consumed from rx and not yet back in the fill ring.
     refill: Vec<u64>,
     bind_mode: BindMode,
+    /// Bound with `XDP_USE_SG`: a frame may take several UMEM frames (descriptors chained with
+    /// `XDP_PKT_CONTD`), so the link's MTU may exceed one.
+    multi_buffer: bool,
+    /// Multi-buffer receive: the frame being gathered from its chain (it may end in the next
+    /// burst), and whether the rest of a bad chain is being skipped.
+    rx_chain: Vec<u8>,
+    rx_skipping: bool,
+    /// Multi-buffer transmit: where a frame is filled before it is spread over UMEM frames.
+    tx_scratch: Vec<u8>,
     /// Busy polling is on: empty receives and every transmit enter the kernel, which polls the
     /// device queue in that system call.
     busy_poll: bool,
@@ -287,13 +296,15 @@ fn setsockopt<T>(fd: &OwnedFd, level: i32, name: i32, value: &T) -> io::Result<(
 impl Xsk {
     /// Creates the socket, registers a fresh UMEM, maps the rings, puts the receive half of the
     /// frames in the fill ring and binds to `ifindex`/`queue` with need-wakeup, zero-copy first
-    /// when `try_zero_copy` (falling back to copy mode), copy mode otherwise.
+    /// when `try_zero_copy` (falling back to copy mode), copy mode otherwise; with
+    /// `multi_buffer`, also with `XDP_USE_SG` (Linux 6.6+), for frames larger than a UMEM frame.
     /// Errors name the step that failed.
     pub fn create(
         ifindex: u32,
         queue: u32,
         geo: Geometry,
         try_zero_copy: bool,
+        multi_buffer: bool,
     ) -> Result<Xsk, (&'static str, io::Error)> {
         // SAFETY: plain socket(2) call.
         let raw = unsafe { libc::socket(libc::AF_XDP, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
@@ -375,6 +386,10 @@ impl Xsk {
                 .collect(),
             refill: (0..rx_frames).map(|i| u64::from(i) * u64::from(geo.frame_size)).collect(),
             bind_mode: BindMode::Copy,
+            multi_buffer,
+            rx_chain: Vec::new(),
+            rx_skipping: false,
+            tx_scratch: Vec::new(),
             busy_poll: false,
             bad_descs: 0,
         };
@@ -383,7 +398,9 @@ impl Xsk {
         let bind = |flags: u16| -> io::Result<()> {
             let addr = libc::sockaddr_xdp {
                 sxdp_family: libc::AF_XDP as u16,
-                sxdp_flags: flags | libc::XDP_USE_NEED_WAKEUP,
+                sxdp_flags: flags
+                    | libc::XDP_USE_NEED_WAKEUP
+                    | if multi_buffer { libc::XDP_USE_SG } else { 0 },
                 sxdp_ifindex: ifindex,
                 sxdp_queue_id: queue,
                 sxdp_shared_umem_fd: 0,
@@ -456,6 +473,11 @@ impl Xsk {
         self.frame_size
     }
 
+    /// Whether a frame may take several UMEM frames (bound with `XDP_USE_SG`).
+    pub fn multi_buffer(&self) -> bool {
+        self.multi_buffer
+    }
+
     /// Gives received frames back to the kernel through the fill ring.
     fn refill_fill_ring(&mut self) {
         let n = self.fill.free(self.refill.len() as u32).min(self.refill.len() as u32);
@@ -505,17 +527,27 @@ impl Xsk {
         Ok(())
     }
 
-    /// Receives up to `max` frames, lending each (its bytes in UMEM) to `on_frame`, then returns
-    /// the frames to the fill ring. Returns (frames delivered, bytes delivered).
-    pub fn rx_burst(&mut self, max: u32, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<(u32, u64)> {
+    /// Receives up to `max` descriptors, lending each frame (its bytes in UMEM, or gathered from
+    /// its chain of descriptors when bound for multi-buffer) of at most `max_frame` bytes to
+    /// `on_frame`, then returns the UMEM frames to the fill ring. Returns (frames delivered,
+    /// bytes delivered).
+    pub fn rx_burst(
+        &mut self,
+        max: u32,
+        max_frame: usize,
+        on_frame: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<(u32, u64)> {
         let n = self.rx.ready().min(max);
         let mut bytes = 0u64;
         let mut delivered = 0;
         for _ in 0..n {
             let desc = self.rx.take();
             let base = self.frame_base(desc.addr);
+            // Only a socket bound for multi-buffer gets chains; distrust the flag otherwise.
+            let more = self.multi_buffer && desc.options & libc::XDP_PKT_CONTD != 0;
             if base >= self.umem.len as u64 {
                 self.bad_descs += 1; // not one of our frames: nothing to give back
+                self.drop_chain(more);
                 continue;
             }
             // The frame goes back to the fill ring at the end of this call or, if `on_frame`
@@ -524,6 +556,7 @@ impl Xsk {
             // Distrust: the frame must lie inside its UMEM chunk.
             if desc.addr - base + u64::from(desc.len) > u64::from(self.frame_size) {
                 self.bad_descs += 1;
+                self.drop_chain(more);
                 continue;
             }
             // SAFETY: the kernel handed this frame to us in an rx descriptor; it lies inside the
@@ -535,9 +568,31 @@ impl Xsk {
                     desc.len as usize,
                 )
             };
-            on_frame(frame);
-            bytes += u64::from(desc.len);
-            delivered += 1;
+            if self.rx_skipping {
+                // The rest of a chain already found bad.
+                self.rx_skipping = more;
+                continue;
+            }
+            if !more && self.rx_chain.is_empty() {
+                on_frame(frame);
+                bytes += u64::from(desc.len);
+                delivered += 1;
+                continue;
+            }
+            if self.rx_chain.len() + frame.len() > max_frame {
+                self.bad_descs += 1;
+                self.drop_chain(more);
+                continue;
+            }
+            self.rx_chain.extend_from_slice(frame);
+            if !more {
+                let chain = std::mem::take(&mut self.rx_chain);
+                on_frame(&chain);
+                bytes += chain.len() as u64;
+                delivered += 1;
+                self.rx_chain = chain;
+                self.rx_chain.clear();
+            }
         }
         self.rx.publish_consumer();
         self.refill_fill_ring();
@@ -559,9 +614,16 @@ impl Xsk {
         Ok((delivered, bytes))
     }
 
+    /// Forgets the frame being gathered; skips the rest of its chain if `more` of it follows.
+    fn drop_chain(&mut self, more: bool) {
+        self.rx_chain.clear();
+        self.rx_skipping = more;
+    }
+
     /// Transmits up to `max` frames: each is filled by `fill` straight into a UMEM frame of
-    /// `capacity` bytes. Returns (frames queued, bytes queued, frames the caller over- or
-    /// under-filled and that were not sent).
+    /// `capacity` bytes (when bound for multi-buffer and `capacity` exceeds a UMEM frame, into a
+    /// buffer of that size, then spread over chained UMEM frames). Returns (frames queued, bytes
+    /// queued, frames the caller over- or under-filled and that were not sent).
     pub fn tx_burst(
         &mut self,
         max: u32,
@@ -569,6 +631,9 @@ impl Xsk {
         fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
     ) -> io::Result<(u32, u64, u64)> {
         self.reap_completions();
+        if self.multi_buffer && capacity > self.frame_size as usize {
+            return self.tx_burst_chained(max, capacity, fill);
+        }
         let room = self.tx.free(max).min(max).min(self.free_tx.len() as u32);
         let capacity = capacity.min(self.frame_size as usize);
         let (mut queued, mut bytes, mut bad) = (0u32, 0u64, 0u64);
@@ -596,6 +661,66 @@ impl Xsk {
         if queued > 0 {
             self.tx.submit(queued);
         }
+        self.flush_tx()?;
+        Ok((queued, bytes, bad))
+    }
+
+    /// [`Xsk::tx_burst`] for frames that may take several UMEM frames: each is filled into
+    /// `tx_scratch`, then copied into as many free UMEM frames as it needs, chained with
+    /// `XDP_PKT_CONTD`. A frame is filled only when there is room for the largest one.
+    fn tx_burst_chained(
+        &mut self,
+        max: u32,
+        capacity: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) -> io::Result<(u32, u64, u64)> {
+        let chunk = self.frame_size as usize;
+        let per_frame = capacity.div_ceil(chunk) as u32;
+        let mut scratch = std::mem::take(&mut self.tx_scratch);
+        scratch.resize(capacity, 0);
+        let (mut frames, mut descs, mut bytes, mut bad) = (0u32, 0u32, 0u64, 0u64);
+        let mut calls = 0;
+        while calls < max {
+            if self.tx.free(descs + per_frame) < descs + per_frame || self.free_tx.len() < per_frame as usize
+            {
+                break;
+            }
+            calls += 1;
+            let Some(len) = fill(&mut scratch) else { break };
+            if len == 0 || len > capacity {
+                bad += 1;
+                continue;
+            }
+            let pieces = len.div_ceil(chunk);
+            for (i, piece) in scratch[..len].chunks(chunk).enumerate() {
+                let addr = self.free_tx.pop().expect("room checked above");
+                // SAFETY: `addr` is a frame we own (it was in `free_tx`: in no ring), inside
+                // UMEM, and `piece` is at most a frame long; the kernel reads it only after we
+                // publish the descriptor.
+                unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        piece.as_ptr(),
+                        self.umem.base.as_ptr().add(addr as usize),
+                        piece.len(),
+                    );
+                }
+                let options = if i + 1 < pieces { libc::XDP_PKT_CONTD } else { 0 };
+                self.tx.write(descs, libc::xdp_desc { addr, len: piece.len() as u32, options });
+                descs += 1;
+            }
+            frames += 1;
+            bytes += len as u64;
+        }
+        self.tx_scratch = scratch;
+        if descs > 0 {
+            self.tx.submit(descs);
+        }
+        self.flush_tx()?;
+        Ok((frames, bytes, bad))
+    }
+
+    /// Kicks the kernel until what the tx ring holds is sent (see `tx_burst`).
+    fn flush_tx(&mut self) -> io::Result<()> {
         // Kick when the kernel asks (copy mode always does: it transmits inside sendto, at most
         // 32 frames per call), also for entries an earlier kick left behind. Keep kicking while
         // each kick makes progress, so what we queued is on the wire when we return.
@@ -609,7 +734,7 @@ impl Xsk {
             }
             outstanding = now;
         }
-        Ok((queued, bytes, bad))
+        Ok(())
     }
 
     /// Whether a received frame is waiting.
