@@ -117,7 +117,8 @@ pub struct AfXdpOptions {
     /// Frames in the UMEM (power of two; half receive, half transmit).
     pub frame_count: u32,
     /// Bytes per UMEM frame: 2048 or 4096. A frame holds `mtu + 14` bytes after the kernel's
-    /// 256-byte receive headroom, or takes a chain of up to 17 of them.
+    /// 256-byte receive headroom, or takes a chain of up to 17 of them (then each half of
+    /// `frame_count` must hold at least four chains).
     pub frame_size: u32,
     /// Entries in each of the four rings (power of two).
     pub ring_size: u32,
@@ -160,8 +161,17 @@ pub struct AfXdpPort {
     counters: PortCounters,
 }
 
-/// Most UMEM frames one frame may take (the kernel's `MAX_SKB_FRAGS` plus the head).
+/// Most UMEM frames one frame may take: a conservative bound (copy-mode transmit takes
+/// `MAX_SKB_FRAGS` + 1 descriptors, at least 18; receive has no limit).
 const MAX_CHAIN: usize = 17;
+
+/// Most UMEM frames per frame for which a multi-buffer socket tries zero-copy: a driver's own
+/// limit (`NETDEV_A_DEV_XDP_ZC_MAX_SEGS`, 5 for Intel's) is not queried, and beyond it the
+/// kernel would never complete the descriptors.
+const MAX_ZERO_COPY_CHAIN: usize = 5;
+
+/// Chains' worth of UMEM frames each half (receive, transmit) must hold at least.
+const MIN_CHAINS: usize = 4;
 
 const NEEDS_ROOT: &str = "needs root (CAP_NET_ADMIN, CAP_BPF; CAP_SYS_ADMIN on kernels before 5.8): \
                           run as root or grant the capabilities (setcap cap_net_admin,cap_bpf+ep)";
@@ -203,6 +213,15 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
             facts.mtu, o.frame_size
         )));
     }
+    let chain = frame.div_ceil(room);
+    if multi_buffer && (o.frame_count as usize / 2) < MIN_CHAINS * chain {
+        return Err(PortError::Misuse(format!(
+            "AF_XDP options {o:?}: {ifname}'s MTU {} takes {chain} UMEM frames per frame, so each half \
+             of the UMEM (receive, transmit) needs at least {} frames; raise frame_count",
+            facts.mtu,
+            MIN_CHAINS * chain
+        )));
+    }
     let needs_multi_buffer = || {
         unavailable(format!(
             "{ifname} has MTU {}, more than a {}-byte UMEM frame holds ({room} bytes of frame): that \
@@ -229,7 +248,7 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
     let prog = bpf::load_xdp_program(&insns, "lanbus_xdp", multi_buffer).map_err(|e| {
         match e.source.raw_os_error() {
             Some(libc::EPERM | libc::EACCES) if e.log.is_empty() => unavailable(NEEDS_ROOT.to_string()),
-            Some(libc::EINVAL) if multi_buffer => needs_multi_buffer(),
+            Some(libc::EINVAL) if multi_buffer && e.log.is_empty() => needs_multi_buffer(),
             _ => PortError::io(
                 "bpf(BPF_PROG_LOAD) of the lanbus XDP program",
                 io::Error::new(e.source.kind(), format!("{}; verifier log:\n{}", e.source, e.log)),
@@ -255,7 +274,7 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
 
     let geometry =
         xsk::Geometry { frame_count: o.frame_count, frame_size: o.frame_size, ring_size: o.ring_size };
-    let zero_copy = o.bind == BindRequest::Auto;
+    let zero_copy = o.bind == BindRequest::Auto && chain <= MAX_ZERO_COPY_CHAIN;
     let mut xsk = xsk::Xsk::create(facts.ifindex, queue, geometry, zero_copy, multi_buffer).map_err(
         |(op, e)| match e.raw_os_error() {
             Some(libc::EOPNOTSUPP | libc::EINVAL) if op == "bind" && multi_buffer => unavailable(format!(

@@ -203,7 +203,8 @@ impl Sender {
     }
 
     /// [`Sender::send_all`] for messages the caller built in buffers of their own: they are
-    /// queued as they are, not copied.
+    /// queued as they are, not copied. The iterator runs under the queue's lock: pass buffers
+    /// already built, and never send through a `Sender` from inside it.
     pub fn send_owned(&self, peer: MacAddr, channel: u16, messages: impl IntoIterator<Item = Vec<u8>>) {
         let mut q = lock(&self.shared.outgoing);
         let before = q.len();

@@ -69,6 +69,13 @@ pub struct NvmeBenchArgs {
 }
 
 impl NvmeBenchArgs {
+    /// The fio directions to measure (`--rw`, default both).
+    fn directions(&self) -> impl Iterator<Item = &'static str> + '_ {
+        ["randread", "randwrite"]
+            .into_iter()
+            .filter(|rw| self.rw.is_empty() || self.rw.iter().any(|r| r == rw))
+    }
+
     fn driver_config(&self) -> lanbus_nvme::DriverConfig {
         let completion = match self.completion.as_str() {
             "interrupt" => lanbus_nvme::CompletionMode::Interrupt,
@@ -207,7 +214,7 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     let report = result?;
     report.finish(args.json.as_deref())?;
-    for rw in ["randread", "randwrite"] {
+    for rw in args.directions() {
         let mut series: Vec<Series> = Vec::new();
         for row in &report.rows {
             if row.metric != "mb_per_s" || row.params.get("rw").and_then(|v| v.as_str()) != Some(rw) {
@@ -283,10 +290,7 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 continue;
             }
         };
-        for rw in ["randread", "randwrite"]
-            .into_iter()
-            .filter(|rw| args.rw.is_empty() || args.rw.iter().any(|r| r == rw))
-        {
+        for rw in args.directions() {
             let sizes: Vec<&str> = if args.block_sizes.is_empty() {
                 BLOCK_SIZES.to_vec()
             } else {

@@ -379,6 +379,10 @@ fn an_mtu_beyond_a_chain_of_umem_frames_is_refused() {
     let err = open_in(&pair.a, small).unwrap_err();
     assert!(err.to_string().contains("at most 17 UMEM frames"), "{err}");
     assert!(!xdp_shown(&pair.a).contains("xdp"), "{}", xdp_shown(&pair.a));
+    // 40,014-byte frames take 11 frames of 4 KiB: 8 per half cannot hold four such chains.
+    let few = AfXdpOptions { frame_count: 16, ring_size: 16, ..AfXdpOptions::default() };
+    let err = open_in(&pair.a, few).unwrap_err();
+    assert!(matches!(err, PortError::Misuse(_)) && err.to_string().contains("at least 44 frames"), "{err}");
     let a = open_ok(&pair.a);
     assert_eq!(a.mtu(), 40000);
 }
