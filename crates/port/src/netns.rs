@@ -207,6 +207,28 @@ impl VethPair {
         Ok(pair)
     }
 
+    /// Sets the MTU of both ends (a veth takes 68..=65535; with an XDP program attached, only what
+    /// the program can see: see the `afxdp` port).
+    pub fn set_mtu(&self, mtu: usize) -> std::io::Result<()> {
+        for end in [&self.a, &self.b] {
+            end.netns.ip(&["link", "set", &end.ifname, "mtu", &mtu.to_string()])?;
+        }
+        Ok(())
+    }
+
+    /// The MTU of end a (both ends have the same unless someone changed one).
+    pub fn mtu(&self) -> std::io::Result<usize> {
+        let out = self.a.netns.ip(&["-o", "link", "show", "dev", &self.a.ifname])?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut words = text.split_whitespace();
+        words
+            .by_ref()
+            .find(|w| *w == "mtu")
+            .and(words.next())
+            .and_then(|m| m.parse().ok())
+            .ok_or_else(|| std::io::Error::other(format!("no MTU in `ip link show`: {text}")))
+    }
+
     /// Waits (at most 3 s) until plain UDP datagrams cross from a to b and back. Right after the
     /// link comes up the kernel may still drop traffic (carrier and qdisc activation are
     /// asynchronous) and neighbours are unresolved, so a fresh pair sometimes loses its very

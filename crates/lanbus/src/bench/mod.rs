@@ -59,6 +59,9 @@ fn free_udp_port() -> anyhow::Result<u16> {
     Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// Bytes of IPv4 and UDP headers in front of a `udp` port's datagram.
+pub const UDP_IPV4_HEADERS: usize = 28;
+
 /// The two ends of a `kind` port (udp, afpacket, afxdp) for a fabric row: over a veth pair between
 /// two namespaces when there is one (root), else udp over loopback.
 pub fn port_pair(
@@ -73,8 +76,10 @@ pub fn port_pair(
             Ok((a, b))
         }
         (_, Some(v)) => {
+            // Datagrams as large as the link takes, as the other ports' frames are.
+            let udp_mtu = v.mtu()? - UDP_IPV4_HEADERS;
             let spec = |end: &lanbus_port::netns::VethEnd, peer: &lanbus_port::netns::VethEnd| match kind {
-                "udp" => format!("udp:{}:7400,peer={}:7400", end.ipv4, peer.ipv4),
+                "udp" => format!("udp:{}:7400,peer={}:7400,mtu={udp_mtu}", end.ipv4, peer.ipv4),
                 "afxdp" => format!("afxdp:{}", end.ifname),
                 _ => format!("{kind}:{},rx=v2", end.ifname),
             };

@@ -248,11 +248,8 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     let veth = if want("afpacket") || want("afxdp") || want("udp") {
         match lanbus_port::netns::VethPair::create() {
             Ok(v) => {
-                for end in [&v.a, &v.b] {
-                    end.netns
-                        .ip(&["link", "set", &end.ifname, "mtu", &args.mtu.to_string()])
-                        .with_context(|| format!("setting the veth's MTU to {}", args.mtu))?;
-                }
+                v.set_mtu(args.mtu as usize)
+                    .with_context(|| format!("setting the veth's MTU to {}", args.mtu))?;
                 Some(v)
             }
             Err(skip) => {

@@ -73,6 +73,10 @@ pub struct TransportArgs {
     /// The ports to measure, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "udp,afpacket,afpacket-v3,afxdp")]
     ports: Vec<String>,
+    /// MTU of the veth pair (every row crosses it, the peers too; lanbus frames are as large as
+    /// it). 9000 is the usual jumbo frame.
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(576..=65_000))]
+    mtu: u32,
 }
 
 /// What a peer process does.
@@ -185,6 +189,8 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     let peer: MacAddr = args.peer.parse().map_err(|e| anyhow!("--peer {:?}: {e:?}", args.peer))?;
     let port = lanbus_port::open(&args.port)?;
     let mut transport = if args.role == Role::Idle { Config::default() } else { Config::point_to_point() };
+    // Frames as large as the link takes (the runtime lowers this to the port's MTU).
+    transport.mtu = 65_535;
     transport.rate.enabled = args.rate_control;
     if let Some(us) = args.min_rto_us {
         transport.min_rto = Duration::from_micros(us);
@@ -474,10 +480,14 @@ struct PortSpecs {
 fn port_specs(pair: &VethPair, kind: &str) -> anyhow::Result<PortSpecs> {
     let (a, b) = (&pair.a, &pair.b);
     let (sa, sb) = match kind {
-        "udp" => (
-            format!("udp:{}:7000,mac={},peer={}@{}:7000", a.ipv4, a.mac, b.mac, b.ipv4),
-            format!("udp:{}:7000,mac={},peer={}@{}:7000", b.ipv4, b.mac, a.mac, a.ipv4),
-        ),
+        // Datagrams as large as the link takes, as the other ports' frames are.
+        "udp" => {
+            let mtu = pair.mtu()? - super::UDP_IPV4_HEADERS;
+            (
+                format!("udp:{}:7000,mac={},peer={}@{}:7000,mtu={mtu}", a.ipv4, a.mac, b.mac, b.ipv4),
+                format!("udp:{}:7000,mac={},peer={}@{}:7000,mtu={mtu}", b.ipv4, b.mac, a.mac, a.ipv4),
+            )
+        }
         "afpacket" => (format!("afpacket:{}", a.ifname), format!("afpacket:{}", b.ifname)),
         "afpacket-v3" => (format!("afpacket:{},rx=v3", a.ifname), format!("afpacket:{},rx=v3", b.ifname)),
         "afxdp" => (format!("afxdp:{}", a.ifname), format!("afxdp:{}", b.ifname)),
@@ -847,6 +857,7 @@ pub fn run(args: TransportArgs) -> anyhow::Result<()> {
         Plan { runs: args.runs.unwrap_or(3).max(1), seconds: 1.5, idle_seconds: 5.0 }
     };
     let pair = VethPair::create().map_err(|skip| anyhow!("bench transport needs a veth pair: {skip}"))?;
+    pair.set_mtu(args.mtu as usize).with_context(|| format!("setting the veth's MTU to {}", args.mtu))?;
     let exe = std::env::current_exe().context("finding this program")?;
     let exe = exe.to_string_lossy().to_string();
     let mut report = Report::new("transport");
@@ -874,6 +885,9 @@ pub fn run(args: TransportArgs) -> anyhow::Result<()> {
         notes.push("peer:iperf3 rows skipped: iperf3 is not installed (apt-get install iperf3)".into());
     }
     ratios(&mut report, &args.ports);
+    for row in &mut report.rows {
+        row.params.insert("mtu".into(), args.mtu.into());
+    }
     report.finish(args.json.as_deref())?;
     for n in &notes {
         println!("note: {n}");
