@@ -22,7 +22,8 @@
 //! than one UMEM frame (an MTU above 3826 with 4 KiB frames, say jumbo frames of 9000) take a
 //! chain of them (multi-buffer AF_XDP, Linux 6.6+; the program is loaded as able to see such
 //! frames, which lets a veth take the MTU): the port then gathers a received chain into one
-//! buffer and fills a frame to send in one before spreading it over the chain. A port is one
+//! buffer, and fills a frame to send in place across a slot of consecutive UMEM frames that it
+//! sends as a chain. A port is one
 //! socket on one queue; a second port on the same interface fails (one XDP program per
 //! interface), with a message saying so.
 //!
@@ -275,7 +276,7 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
     let geometry =
         xsk::Geometry { frame_count: o.frame_count, frame_size: o.frame_size, ring_size: o.ring_size };
     let zero_copy = o.bind == BindRequest::Auto && chain <= MAX_ZERO_COPY_CHAIN;
-    let mut xsk = xsk::Xsk::create(facts.ifindex, queue, geometry, zero_copy, multi_buffer).map_err(
+    let mut xsk = xsk::Xsk::create(facts.ifindex, queue, geometry, zero_copy, chain as u32).map_err(
         |(op, e)| match e.raw_os_error() {
             Some(libc::EOPNOTSUPP | libc::EINVAL) if op == "bind" && multi_buffer => unavailable(format!(
                 "cannot bind to queue {queue} of {ifname} for frames of {frame} bytes, more than one \

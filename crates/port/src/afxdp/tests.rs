@@ -357,6 +357,16 @@ fn jumbo_frames_take_several_umem_frames_both_ways() {
     let bytes: u64 = (0..3_000).map(|s| frame(pair.b.mac, pair.a.mac, s, 9000).len() as u64).sum();
     assert_eq!((ca.tx_bytes, cb.rx_bytes), (bytes, bytes));
     assert_eq!((a.xsk.bad_descs, b.xsk.bad_descs, ca.tx_dropped), (0, 0, 0));
+    // Every transmit slot comes back once the kernel has completed what it sent.
+    for port in [&mut a, &mut b] {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let (mut free, slots) = port.xsk.tx_slots();
+        while free < slots && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+            free = port.xsk.tx_slots().0;
+        }
+        assert_eq!(free, slots, "transmit slots back");
+    }
 }
 
 #[test]

@@ -312,19 +312,24 @@ pub struct Xsk {
     comp: Ring<u64>,
     umem: Mapping,
     frame_size: u32,
-    /// Transmit frames we own.
+    /// Transmit frames we own (with multi-buffer: the first UMEM frame of each free slot of
+    /// `chain` consecutive ones).
     free_tx: Vec<u64>,
     /// Receive frames consumed from rx and not yet back in the fill ring.
     refill: Vec<u64>,
     bind_mode: BindMode,
-    /// Bound with `XDP_USE_SG`: a frame may take several UMEM frames (descriptors chained with
-    /// `XDP_PKT_CONTD`), so the link's MTU may exceed one.
-    multi_buffer: bool,
+    /// UMEM frames one frame may take. Above 1 the socket is bound with `XDP_USE_SG` (frames
+    /// are chains of descriptors, all but the last with `XDP_PKT_CONTD`), and the transmit half
+    /// of UMEM is cut into slots of `chain` consecutive frames, one per frame sent, filled in
+    /// place as one buffer.
+    chain: u32,
+    /// Multi-buffer transmit: the first transmit slot's address, and per slot the descriptors
+    /// the kernel has yet to complete (the slot is free again when they all are).
+    tx_base: u64,
+    slot_pending: Vec<u8>,
     /// Multi-buffer receive: the frame being gathered from its chain (it may end in the next
     /// burst).
     gather: Gather,
-    /// Multi-buffer transmit: where a frame is filled before it is spread over UMEM frames.
-    tx_scratch: Vec<u8>,
     /// Busy polling is on: empty receives and every transmit enter the kernel, which polls the
     /// device queue in that system call.
     busy_poll: bool,
@@ -352,15 +357,17 @@ impl Xsk {
     /// Creates the socket, registers a fresh UMEM, maps the rings, puts the receive half of the
     /// frames in the fill ring and binds to `ifindex`/`queue` with need-wakeup, zero-copy first
     /// when `try_zero_copy` (falling back to copy mode), copy mode otherwise; with
-    /// `multi_buffer`, also with `XDP_USE_SG` (Linux 6.6+), for frames larger than a UMEM frame.
+    /// `chain` above 1 (UMEM frames a frame may take), also with `XDP_USE_SG` (Linux 6.6+), for
+    /// frames larger than a UMEM frame.
     /// Errors name the step that failed.
     pub fn create(
         ifindex: u32,
         queue: u32,
         geo: Geometry,
         try_zero_copy: bool,
-        multi_buffer: bool,
+        chain: u32,
     ) -> Result<Xsk, (&'static str, io::Error)> {
+        let chain = chain.max(1);
         // SAFETY: plain socket(2) call.
         let raw = unsafe { libc::socket(libc::AF_XDP, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
         if raw < 0 {
@@ -435,15 +442,16 @@ impl Xsk {
             comp: comp.into_consumer(),
             umem,
             frame_size: geo.frame_size,
-            free_tx: (rx_frames..geo.frame_count)
+            free_tx: (0..(geo.frame_count - rx_frames) / chain)
                 .rev()
-                .map(|i| u64::from(i) * u64::from(geo.frame_size))
+                .map(|slot| u64::from(rx_frames + slot * chain) * u64::from(geo.frame_size))
                 .collect(),
             refill: (0..rx_frames).map(|i| u64::from(i) * u64::from(geo.frame_size)).collect(),
             bind_mode: BindMode::Copy,
-            multi_buffer,
+            chain,
+            tx_base: u64::from(rx_frames) * u64::from(geo.frame_size),
+            slot_pending: vec![0; ((geo.frame_count - rx_frames) / chain) as usize],
             gather: Gather::default(),
-            tx_scratch: Vec::new(),
             busy_poll: false,
             bad_descs: 0,
         };
@@ -452,9 +460,7 @@ impl Xsk {
         let bind = |flags: u16| -> io::Result<()> {
             let addr = libc::sockaddr_xdp {
                 sxdp_family: libc::AF_XDP as u16,
-                sxdp_flags: flags
-                    | libc::XDP_USE_NEED_WAKEUP
-                    | if multi_buffer { libc::XDP_USE_SG } else { 0 },
+                sxdp_flags: flags | libc::XDP_USE_NEED_WAKEUP | if chain > 1 { libc::XDP_USE_SG } else { 0 },
                 sxdp_ifindex: ifindex,
                 sxdp_queue_id: queue,
                 sxdp_shared_umem_fd: 0,
@@ -527,9 +533,17 @@ impl Xsk {
         self.frame_size
     }
 
+    /// (Transmit slots free now, after taking in completions; transmit slots in all.) A slot is
+    /// one UMEM frame, or `chain` of them with multi-buffer.
+    #[cfg(test)]
+    pub(crate) fn tx_slots(&mut self) -> (usize, usize) {
+        self.reap_completions();
+        (self.free_tx.len(), self.slot_pending.len())
+    }
+
     /// Whether a frame may take several UMEM frames (bound with `XDP_USE_SG`).
     pub fn multi_buffer(&self) -> bool {
-        self.multi_buffer
+        self.chain > 1
     }
 
     /// Gives received frames back to the kernel through the fill ring.
@@ -548,11 +562,24 @@ impl Xsk {
         let n = self.comp.ready();
         for _ in 0..n {
             let addr = self.comp.take();
-            // Distrust: only addresses inside UMEM go back on the free list.
-            if addr < self.umem.len as u64 {
+            // Distrust: only addresses inside UMEM go back on the free list, and a slot only once
+            // all its descriptors are back.
+            if addr >= self.umem.len as u64 {
+                self.bad_descs += 1;
+            } else if self.chain == 1 {
                 self.free_tx.push(self.frame_base(addr));
             } else {
-                self.bad_descs += 1;
+                let slot_bytes = u64::from(self.chain) * u64::from(self.frame_size);
+                let slot = addr.checked_sub(self.tx_base).map(|o| (o / slot_bytes) as usize);
+                match slot.and_then(|i| self.slot_pending.get_mut(i).map(|p| (i, p))) {
+                    Some((i, pending)) if *pending > 0 => {
+                        *pending -= 1;
+                        if *pending == 0 {
+                            self.free_tx.push(self.tx_base + i as u64 * slot_bytes);
+                        }
+                    }
+                    _ => self.bad_descs += 1,
+                }
             }
         }
         self.comp.publish_consumer();
@@ -608,7 +635,7 @@ impl Xsk {
             }
             let valid = inside
                 && desc.addr - base + u64::from(desc.len) <= u64::from(self.frame_size)
-                && (self.multi_buffer || !more);
+                && (self.chain > 1 || !more);
             // SAFETY: the kernel handed this frame to us in an rx descriptor; it lies inside the
             // UMEM mapping (checked above) and the kernel does not write it until we put it in the
             // fill ring, which happens only after this borrow has ended (`Gather` copies what it
@@ -660,7 +687,7 @@ impl Xsk {
         fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
     ) -> io::Result<(u32, u64, u64)> {
         self.reap_completions();
-        if self.multi_buffer && capacity > self.frame_size as usize {
+        if self.chain > 1 {
             return self.tx_burst_chained(max, capacity, fill);
         }
         let room = self.tx.free(max).min(max).min(self.free_tx.len() as u32);
@@ -694,9 +721,9 @@ impl Xsk {
         Ok((queued, bytes, bad))
     }
 
-    /// [`Xsk::tx_burst`] for frames that may take several UMEM frames: each is filled into
-    /// `tx_scratch`, then copied into as many free UMEM frames as it needs, chained with
-    /// `XDP_PKT_CONTD`. A frame is filled only when there is room for the largest one.
+    /// [`Xsk::tx_burst`] for frames that may take several UMEM frames: each is filled in place
+    /// into a free slot of `chain` consecutive ones, then sent as a chain of descriptors, one
+    /// per UMEM frame it covers, all but the last with `XDP_PKT_CONTD`.
     fn tx_burst_chained(
         &mut self,
         max: u32,
@@ -704,44 +731,37 @@ impl Xsk {
         fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
     ) -> io::Result<(u32, u64, u64)> {
         let chunk = self.frame_size as usize;
-        let per_frame = capacity.div_ceil(chunk) as u32;
-        let mut scratch = std::mem::take(&mut self.tx_scratch);
-        scratch.resize(capacity, 0);
+        let capacity = capacity.min(self.chain as usize * chunk);
         let (mut frames, mut descs, mut bytes, mut bad) = (0u32, 0u32, 0u64, 0u64);
         let mut calls = 0;
-        while calls < max {
-            if self.tx.free(descs + per_frame) < descs + per_frame || self.free_tx.len() < per_frame as usize
-            {
-                break;
-            }
+        while calls < max && self.tx.free(descs + self.chain) >= descs + self.chain {
+            let Some(&base) = self.free_tx.last() else { break };
             calls += 1;
-            let Some(len) = fill(&mut scratch) else { break };
+            // SAFETY: `base` starts a slot we own (in `free_tx`: none of its frames is in any
+            // ring), `chain` consecutive UMEM frames inside the mapping, and `capacity` is at
+            // most their length; the kernel reads them only after we publish the descriptors.
+            let buf = unsafe {
+                core::slice::from_raw_parts_mut(self.umem.base.as_ptr().add(base as usize), capacity)
+            };
+            let Some(len) = fill(buf) else { break };
             if len == 0 || len > capacity {
                 bad += 1;
-                continue;
+                continue; // the slot stays free for the next fill
             }
+            self.free_tx.pop();
             let pieces = len.div_ceil(chunk);
-            for (i, piece) in scratch[..len].chunks(chunk).enumerate() {
-                let addr = self.free_tx.pop().expect("room checked above");
-                // SAFETY: `addr` is a frame we own (it was in `free_tx`: in no ring, nothing
-                // refers to it), inside UMEM, and `piece` is at most a frame long and lies in the
-                // heap scratch buffer, disjoint from the UMEM mapping; the kernel reads the frame
-                // only after we publish the descriptor.
-                unsafe {
-                    core::ptr::copy_nonoverlapping(
-                        piece.as_ptr(),
-                        self.umem.base.as_ptr().add(addr as usize),
-                        piece.len(),
-                    );
-                }
+            for i in 0..pieces {
+                let piece = chunk.min(len - i * chunk);
                 let options = if i + 1 < pieces { libc::XDP_PKT_CONTD } else { 0 };
-                self.tx.write(descs, libc::xdp_desc { addr, len: piece.len() as u32, options });
+                let addr = base + (i * chunk) as u64;
+                self.tx.write(descs, libc::xdp_desc { addr, len: piece as u32, options });
                 descs += 1;
             }
+            let slot_bytes = u64::from(self.chain) * chunk as u64;
+            self.slot_pending[((base - self.tx_base) / slot_bytes) as usize] = pieces as u8;
             frames += 1;
             bytes += len as u64;
         }
-        self.tx_scratch = scratch;
         if descs > 0 {
             self.tx.submit(descs);
         }
