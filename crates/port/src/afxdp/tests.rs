@@ -195,11 +195,17 @@ fn afxdp_on_both_ends_carries_bursts_both_ways() {
 #[test]
 fn afxdp_against_the_kernels_af_packet() {
     let pair = veth_or_skip!("afxdp_against_the_kernels_af_packet");
+    against_af_packet(&pair, 5_000, 32, 1500);
+}
+
+/// Exchanges `count` frames (up to `mtu`, in bursts of `burst`) between an afxdp port on end a
+/// and a plain AF_PACKET socket on end b.
+fn against_af_packet(pair: &VethPair, count: u32, burst: u32, mtu: usize) {
     let mut a = open_ok(&pair.a);
     let b_if = pair.b.ifname.clone();
     let mut raw = pair.b.netns.run(move || RawSocket::open(&b_if, 0x88B5)).unwrap();
-    exchange(&mut a, pair.a.mac, &mut raw, pair.b.mac, 5_000, 32, 1500);
-    assert_eq!(a.counters().rx_frames, 5_000);
+    exchange(&mut a, pair.a.mac, &mut raw, pair.b.mac, count, burst, mtu);
+    assert_eq!(a.counters().rx_frames, u64::from(count));
 }
 
 #[test]
@@ -334,17 +340,10 @@ fn generic_mode_works_too() {
     exchange(&mut a, pair.a.mac, &mut b, pair.b.mac, 1_000, 32, 1500);
 }
 
-/// Sets the MTU of both ends of `pair`.
-fn set_mtu(pair: &VethPair, mtu: usize) {
-    for end in [&pair.a, &pair.b] {
-        end.netns.ip(&["link", "set", &end.ifname, "mtu", &mtu.to_string()]).expect("ip link set mtu");
-    }
-}
-
 #[test]
 fn jumbo_frames_take_several_umem_frames_both_ways() {
     let pair = veth_or_skip!("jumbo_frames_take_several_umem_frames_both_ways");
-    set_mtu(&pair, 9000);
+    pair.set_mtu(9000).expect("ip link set mtu");
     let mut a = open_ok(&pair.a);
     let mut b = open_ok(&pair.b);
     assert_eq!(a.mtu(), 9000);
@@ -372,18 +371,14 @@ fn jumbo_frames_take_several_umem_frames_both_ways() {
 #[test]
 fn jumbo_frames_match_the_kernels_af_packet() {
     let pair = veth_or_skip!("jumbo_frames_match_the_kernels_af_packet");
-    set_mtu(&pair, 16000);
-    let mut a = open_ok(&pair.a);
-    let b_if = pair.b.ifname.clone();
-    let mut raw = pair.b.netns.run(move || RawSocket::open(&b_if, 0x88B5)).unwrap();
-    exchange(&mut a, pair.a.mac, &mut raw, pair.b.mac, 1_000, 8, 16000);
-    assert_eq!(a.counters().rx_frames, 1_000);
+    pair.set_mtu(16000).expect("ip link set mtu");
+    against_af_packet(&pair, 1_000, 8, 16000);
 }
 
 #[test]
 fn an_mtu_beyond_a_chain_of_umem_frames_is_refused() {
     let pair = veth_or_skip!("an_mtu_beyond_a_chain_of_umem_frames_is_refused");
-    set_mtu(&pair, 40000);
+    pair.set_mtu(40000).expect("ip link set mtu");
     // 17 frames of 2048 bytes hold 30,464 bytes of frame after the headroom.
     let small = AfXdpOptions { frame_size: 2048, ..AfXdpOptions::default() };
     let err = open_in(&pair.a, small).unwrap_err();
