@@ -401,9 +401,7 @@ impl AfXdpPort {
 impl Port for AfXdpPort {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
         let max = u32::try_from(max).unwrap_or(u32::MAX);
-        let max_frame = self.frame_capacity();
-        let (n, bytes) =
-            self.xsk.rx_burst(max, max_frame, on_frame).map_err(|e| PortError::io("AF_XDP receive", e))?;
+        let (n, bytes) = self.xsk.rx_burst(max, on_frame).map_err(|e| PortError::io("AF_XDP receive", e))?;
         self.counters.rx_frames += u64::from(n);
         self.counters.rx_bytes += bytes;
         Ok(n as usize)

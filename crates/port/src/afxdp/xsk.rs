@@ -270,8 +270,9 @@ struct Gather {
 
 impl Gather {
     /// Takes the next descriptor: its bytes (`None` if it was bad) and whether more of its frame
-    /// follows. Frames longer than `max_frame` are dropped.
-    fn take<'a>(&'a mut self, piece: Option<&'a [u8]>, more: bool, max_frame: usize) -> Gathered<'a> {
+    /// follows. Chains longer than `max_chain` bytes are dropped (a frame in one descriptor is
+    /// bounded by its UMEM frame already).
+    fn take<'a>(&'a mut self, piece: Option<&'a [u8]>, more: bool, max_chain: usize) -> Gathered<'a> {
         if std::mem::take(&mut self.handed_out) {
             self.chain.clear();
         }
@@ -281,9 +282,9 @@ impl Gather {
         }
         let Some(piece) = piece else { return self.drop(more) };
         if !more && self.chain.is_empty() {
-            return if piece.len() <= max_frame { Gathered::Frame(piece) } else { self.drop(false) };
+            return Gathered::Frame(piece);
         }
-        if self.chain.len() + piece.len() > max_frame {
+        if self.chain.len() + piece.len() > max_chain {
             return self.drop(more);
         }
         self.chain.extend_from_slice(piece);
@@ -609,15 +610,11 @@ impl Xsk {
     }
 
     /// Receives up to `max` descriptors, lending each frame (its bytes in UMEM, or gathered from
-    /// its chain of descriptors when bound for multi-buffer) of at most `max_frame` bytes to
-    /// `on_frame`, then returns the UMEM frames to the fill ring. Returns (frames delivered,
+    /// its chain of descriptors when bound for multi-buffer: at most `chain` UMEM frames' worth)
+    /// to `on_frame`, then returns the UMEM frames to the fill ring. Returns (frames delivered,
     /// bytes delivered).
-    pub fn rx_burst(
-        &mut self,
-        max: u32,
-        max_frame: usize,
-        on_frame: &mut dyn FnMut(&[u8]),
-    ) -> io::Result<(u32, u64)> {
+    pub fn rx_burst(&mut self, max: u32, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<(u32, u64)> {
+        let max_chain = self.chain as usize * self.frame_size as usize;
         let n = self.rx.ready().min(max);
         let mut bytes = 0u64;
         let mut delivered = 0;
@@ -646,7 +643,7 @@ impl Xsk {
                     desc.len as usize,
                 )
             });
-            match self.gather.take(piece, more, max_frame) {
+            match self.gather.take(piece, more, max_chain) {
                 Gathered::Frame(frame) => {
                     on_frame(frame);
                     bytes += frame.len() as u64;
