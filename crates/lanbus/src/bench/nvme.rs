@@ -57,9 +57,8 @@ pub struct NvmeBenchArgs {
     /// Directions to measure (comma-separated); default both.
     #[arg(long, value_delimiter = ',', value_parser = ["randread", "randwrite"])]
     rw: Vec<String>,
-    /// How the lanbus rows' NVMe driver learns of completions: `poll` (requests of up to 16 KiB
-    /// poll the completion queue briefly, then sleep on MSI-X; larger ones sleep at once; what
-    /// the host daemon uses) or `interrupt`.
+    /// How the lanbus rows' NVMe driver learns of completions: `poll` (poll the completion
+    /// queue briefly, then sleep on MSI-X; what the host daemon uses) or `interrupt`.
     #[arg(long, default_value = "poll", value_parser = ["poll", "interrupt"])]
     completion: String,
     /// MTU of the veth pair the udp, afpacket and afxdp rows cross. The default is the usual
