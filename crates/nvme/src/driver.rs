@@ -91,8 +91,7 @@ pub enum CompletionMode {
     /// Poll the completion queue's phase tag in host memory for
     /// [`DriverConfig::poll_spin`] (spinning, then yielding the CPU), then sleep on the MSI-X
     /// vector as [`CompletionMode::Interrupt`] does: a completion that comes soon is seen
-    /// without a wake-up, a slow one costs no more CPU than that. Requests that move more than
-    /// [`DriverConfig::poll_max_bytes`] sleep at once.
+    /// without a wake-up, a slow one costs no more CPU than that.
     Poll,
 }
 
@@ -119,11 +118,6 @@ pub struct DriverConfig {
     pub admin_timeout: Duration,
     /// How long [`CompletionMode::Poll`] polls before it sleeps on the interrupt.
     pub poll_spin: Duration,
-    /// [`CompletionMode::Poll`] polls only for requests (commands run together) that move at
-    /// most this many bytes: a larger one takes longer than the spin anyway, and polling would
-    /// only take the CPU from the threads that move its data (measured with `lanbus bench nvme`,
-    /// afxdp, 64 KiB reads: 581 MB/s polling, 676 sleeping).
-    pub poll_max_bytes: usize,
     /// Use the controller's Controller Memory Buffer when it has one (CAP.CMBS) and the [`Bar`]
     /// maps it: I/O submission queues, PRP lists and write data go there with posted writes,
     /// so the controller reads none of them across the bus.
@@ -142,7 +136,6 @@ impl Default for DriverConfig {
             max_inflight_bytes: 4 << 20,
             admin_timeout: Duration::from_secs(10),
             poll_spin: Duration::from_micros(50),
-            poll_max_bytes: 16 << 10,
             use_cmb: true,
         }
     }
@@ -317,14 +310,6 @@ impl<'a> DmaBuf<'a> {
             }
         }
         DmaBuf::new(mem, bytes)
-    }
-
-    /// Bytes of the buffer (whole pages).
-    fn len(&self) -> usize {
-        match self.pool {
-            Pool::Host(mem) => self.pages * mem.page_size(),
-            Pool::Cmb(_) => self.pages * REGION_PAGE,
-        }
     }
 }
 
@@ -773,9 +758,6 @@ impl NvmeDriver {
         let mut next = 0;
         let mut done = 0;
         let mut spins = 0u32;
-        let bytes: usize = cmds.iter().filter_map(|p| p.data.as_ref()).map(DmaBuf::len).sum();
-        let polling =
-            q.qid != 0 && self.cfg.completion == CompletionMode::Poll && bytes <= self.cfg.poll_max_bytes;
         let mut poll_since = Instant::now();
         let mut batch: Vec<u8> = Vec::new();
         while done < cmds.len() {
@@ -851,6 +833,7 @@ impl NvmeDriver {
                     cmds[0].sqe.opcode
                 )));
             }
+            let polling = q.qid != 0 && self.cfg.completion == CompletionMode::Poll;
             if polling && spins == 0 {
                 poll_since = Instant::now();
             }

@@ -349,35 +349,3 @@ fn thread_safety_of_the_public_types() {
     send_sync::<lanbus_nvme::HostRegion>();
     send_sync::<lanbus_nvme::local::LocalNvme>();
 }
-
-#[test]
-fn poll_mode_polls_small_requests_and_sleeps_through_large_ones() {
-    use std::sync::atomic::Ordering;
-    use std::time::Duration;
-    // A spin far longer than any request: a small one is always seen by polling.
-    let cfg = DriverConfig {
-        completion: CompletionMode::Poll,
-        poll_spin: Duration::from_secs(10),
-        poll_max_bytes: 16 << 10,
-        ..DriverConfig::default()
-    };
-    let (_l, d) = pair(512, 8 * MIB, ProcessMode::Thread, cfg);
-    let waits = || d.stats().interrupts.load(Ordering::Relaxed);
-    let before = waits();
-    let small = pattern(3, 16 << 10);
-    let mut back = vec![0u8; small.len()];
-    for i in 0..20 {
-        d.write(i * 32, &small, false).unwrap();
-        d.read(i * 32, &mut back).unwrap();
-        assert_eq!(back, small);
-    }
-    assert_eq!(waits(), before, "requests of up to 16 KiB poll, never sleep");
-    let large = pattern(4, 64 << 10);
-    let mut back = vec![0u8; large.len()];
-    for i in 0..20 {
-        d.write(1024 + i * 128, &large, false).unwrap();
-        d.read(1024 + i * 128, &mut back).unwrap();
-        assert_eq!(back, large);
-    }
-    assert!(waits() > before, "64 KiB requests sleep on the interrupt");
-}
