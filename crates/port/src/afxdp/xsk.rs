@@ -321,11 +321,11 @@ pub struct Xsk {
     bind_mode: BindMode,
     /// UMEM frames one frame may take. Above 1 the socket is bound with `XDP_USE_SG` (frames
     /// are chains of descriptors, all but the last with `XDP_PKT_CONTD`), and the transmit half
-    /// of UMEM is cut into slots of `chain` consecutive frames, one per frame sent, filled in
-    /// place as one buffer.
+    /// of UMEM is cut into slots of `chain` consecutive frames (one frame each otherwise), one
+    /// per frame sent, filled in place as one buffer.
     chain: u32,
-    /// Multi-buffer transmit: the first transmit slot's address, and per slot the descriptors
-    /// the kernel has yet to complete (the slot is free again when they all are).
+    /// The first transmit slot's address, and per slot the descriptors the kernel has yet to
+    /// complete (the slot is free again when they all are).
     tx_base: u64,
     slot_pending: Vec<u8>,
     /// Multi-buffer receive: the frame being gathered from its chain (it may end in the next
@@ -563,24 +563,19 @@ impl Xsk {
         let n = self.comp.ready();
         for _ in 0..n {
             let addr = self.comp.take();
-            // Distrust: only addresses inside UMEM go back on the free list, and a slot only once
-            // all its descriptors are back.
-            if addr >= self.umem.len as u64 {
-                self.bad_descs += 1;
-            } else if self.chain == 1 {
-                self.free_tx.push(self.frame_base(addr));
-            } else {
-                let slot_bytes = u64::from(self.chain) * u64::from(self.frame_size);
-                let slot = addr.checked_sub(self.tx_base).map(|o| (o / slot_bytes) as usize);
-                match slot.and_then(|i| self.slot_pending.get_mut(i).map(|p| (i, p))) {
-                    Some((i, pending)) if *pending > 0 => {
-                        *pending -= 1;
-                        if *pending == 0 {
-                            self.free_tx.push(self.tx_base + i as u64 * slot_bytes);
-                        }
+            // Distrust: only addresses inside a transmit slot count, and a slot goes back on the
+            // free list only once all its descriptors are back.
+            let slot_bytes = u64::from(self.chain) * u64::from(self.frame_size);
+            let slot = addr.checked_sub(self.tx_base).map(|o| o / slot_bytes);
+            let slot = slot.and_then(|i| usize::try_from(i).ok());
+            match slot.and_then(|i| self.slot_pending.get_mut(i).map(|p| (i, p))) {
+                Some((i, pending)) if *pending > 0 => {
+                    *pending -= 1;
+                    if *pending == 0 {
+                        self.free_tx.push(self.tx_base + i as u64 * slot_bytes);
                     }
-                    _ => self.bad_descs += 1,
                 }
+                _ => self.bad_descs += 1,
             }
         }
         self.comp.publish_consumer();
@@ -673,10 +668,11 @@ impl Xsk {
         Ok((delivered, bytes))
     }
 
-    /// Transmits up to `max` frames: each is filled by `fill` straight into a UMEM frame of
-    /// `capacity` bytes (when bound for multi-buffer and `capacity` exceeds a UMEM frame, into a
-    /// buffer of that size, then spread over chained UMEM frames). Returns (frames queued, bytes
-    /// queued, frames the caller over- or under-filled and that were not sent).
+    /// Transmits up to `max` frames: each is filled by `fill` in place into a free transmit slot
+    /// (`chain` consecutive UMEM frames, at most `capacity` bytes of them), then sent as one
+    /// descriptor per UMEM frame it covers, all but the last with `XDP_PKT_CONTD`. Returns
+    /// (frames queued, bytes queued, frames the caller over- or under-filled and that were not
+    /// sent).
     pub fn tx_burst(
         &mut self,
         max: u32,
@@ -684,49 +680,6 @@ impl Xsk {
         fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
     ) -> io::Result<(u32, u64, u64)> {
         self.reap_completions();
-        if self.chain > 1 {
-            return self.tx_burst_chained(max, capacity, fill);
-        }
-        let room = self.tx.free(max).min(max).min(self.free_tx.len() as u32);
-        let capacity = capacity.min(self.frame_size as usize);
-        let (mut queued, mut bytes, mut bad) = (0u32, 0u64, 0u64);
-        // Every call of `fill` counts against `room`, so a caller that keeps returning bad lengths
-        // cannot keep us here.
-        let mut calls = 0;
-        while calls < room {
-            calls += 1;
-            let Some(&addr) = self.free_tx.last() else { break };
-            // SAFETY: `addr` is a frame we own (in `free_tx`: not in any ring), inside UMEM, and
-            // `capacity <= frame_size`; the kernel reads it only after we publish the descriptor.
-            let buf = unsafe {
-                core::slice::from_raw_parts_mut(self.umem.base.as_ptr().add(addr as usize), capacity)
-            };
-            let Some(len) = fill(buf) else { break };
-            if len == 0 || len > capacity {
-                bad += 1;
-                continue; // the frame stays free for the next fill
-            }
-            self.free_tx.pop();
-            self.tx.write(queued, libc::xdp_desc { addr, len: len as u32, options: 0 });
-            queued += 1;
-            bytes += len as u64;
-        }
-        if queued > 0 {
-            self.tx.submit(queued);
-        }
-        self.flush_tx()?;
-        Ok((queued, bytes, bad))
-    }
-
-    /// [`Xsk::tx_burst`] for frames that may take several UMEM frames: each is filled in place
-    /// into a free slot of `chain` consecutive ones, then sent as a chain of descriptors, one
-    /// per UMEM frame it covers, all but the last with `XDP_PKT_CONTD`.
-    fn tx_burst_chained(
-        &mut self,
-        max: u32,
-        capacity: usize,
-        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
-    ) -> io::Result<(u32, u64, u64)> {
         let chunk = self.frame_size as usize;
         let capacity = capacity.min(self.chain as usize * chunk);
         let (mut frames, mut descs, mut bytes, mut bad) = (0u32, 0u32, 0u64, 0u64);
