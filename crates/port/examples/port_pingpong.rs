@@ -93,7 +93,7 @@ fn main() {
     let configs = [
         ("udp", format!("udp:{ip_a}:7000,peer={ip_b}:7000"), format!("udp:{ip_b}:7000,peer={ip_a}:7000")),
         ("afpacket", format!("afpacket:{if_a}"), format!("afpacket:{if_b}")),
-        ("afpacket,rx=v2", format!("afpacket:{if_a},rx=v2"), format!("afpacket:{if_b},rx=v2")),
+        ("afxdp", format!("afxdp:{if_a}"), format!("afxdp:{if_b}")),
     ];
     println!(
         "{:<16} {:<9} {:>9} {:>9}   ({payload}-byte payload, {rounds} round trips)",

