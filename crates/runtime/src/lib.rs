@@ -572,7 +572,12 @@ impl Worker {
         let mut backlog: VecDeque<Outgoing> = VecDeque::new();
         while !self.stopping() {
             let now = self.clock.now();
-            let mut work = self.rx_burst(now, &mut |now, frame| endpoint.handle_frame(now, frame));
+            // Messages go to the handler straight from the port's buffer where order allows.
+            let mut work = self.rx_burst(now, &mut |now, frame| {
+                endpoint.handle_frame_delivering(now, frame, &mut |m, tx| {
+                    handler.on_message(m, &mut Direct { tx, backlog: &mut backlog, now });
+                });
+            });
             if endpoint.poll_timeout().is_some_and(|t| t <= now) {
                 endpoint.handle_timeout(now);
             }

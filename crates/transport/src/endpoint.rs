@@ -74,6 +74,21 @@ impl Endpoint {
         self.route(now);
     }
 
+    /// Takes one received Ethernet frame and lends the messages it completes to `deliver`, with
+    /// the sending half for replies, straight from `frame` where order allows (see
+    /// [`ReceiveHalf::handle_frame_delivering`]); the rest wait in [`Endpoint::poll_message`]
+    /// as after [`Endpoint::handle_frame`]. Saves copying every received byte once.
+    pub fn handle_frame_delivering(
+        &mut self,
+        now: Instant,
+        frame: &[u8],
+        deliver: &mut dyn FnMut(Message<'_>, &mut SendHalf),
+    ) {
+        let tx = &mut self.tx;
+        self.rx.handle_frame_delivering(now, frame, &mut |m| deliver(m, tx));
+        self.route(now);
+    }
+
     /// Fires due timers (ACK coalescing, peer expiry, retransmission, heartbeats).
     pub fn handle_timeout(&mut self, now: Instant) {
         self.rx.handle_timeout(now);

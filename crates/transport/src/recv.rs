@@ -47,6 +47,15 @@ struct RxChannel {
     last_timestamp: u32,
 }
 
+/// The parts of a DATA frame that [`ReceiveHalf::handle_data`] works on.
+struct DataFrame<'a> {
+    src: MacAddr,
+    channel: u16,
+    seq: Seq,
+    ts: u32,
+    payload: &'a [u8],
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Delivered {
     peer: MacAddr,
@@ -192,6 +201,24 @@ impl ReceiveHalf {
     /// Takes one received Ethernet frame (padding after the lanbus payload is allowed). Never
     /// panics; whatever is wrong is counted and dropped.
     pub fn handle_frame(&mut self, now: Instant, frame: &[u8]) {
+        self.take_frame(now, frame, None);
+    }
+
+    /// Takes one received frame like [`ReceiveHalf::handle_frame`], but lends the messages it
+    /// completes to `deliver` straight from `frame`, without copying them, when that keeps them
+    /// in order: nothing delivered earlier still waits in [`ReceiveHalf::poll_message`], and the
+    /// frame holds whole messages only (fragments are reassembled and queued as usual, and so is
+    /// every message while older ones wait).
+    pub fn handle_frame_delivering(
+        &mut self,
+        now: Instant,
+        frame: &[u8],
+        deliver: &mut dyn FnMut(Message<'_>),
+    ) {
+        self.take_frame(now, frame, Some(deliver));
+    }
+
+    fn take_frame(&mut self, now: Instant, frame: &[u8], deliver: Option<&mut dyn FnMut(Message<'_>)>) {
         self.counters.frames_received += 1;
         self.reclaim();
         let Ok(eth) = EthernetFrame::new_checked(frame) else {
@@ -268,7 +295,12 @@ impl ReceiveHalf {
             });
             return;
         }
-        self.handle_data(now, src, channel, Seq(packet.sequence()), packet.timestamp(), packet.payload());
+        let payload = packet.payload();
+        self.handle_data(
+            now,
+            DataFrame { src, channel, seq: Seq(packet.sequence()), ts: packet.timestamp(), payload },
+            deliver,
+        );
     }
 
     /// Drops the delivered prefix of the arena once the application has taken it.
@@ -320,7 +352,8 @@ impl ReceiveHalf {
         Some(i)
     }
 
-    fn handle_data(&mut self, now: Instant, src: MacAddr, channel: u16, seq: Seq, ts: u32, payload: &[u8]) {
+    fn handle_data(&mut self, now: Instant, f: DataFrame<'_>, deliver: Option<&mut dyn FnMut(Message<'_>)>) {
+        let DataFrame { src, channel, seq, ts, payload } = f;
         let Some(ci) = self.channel_index(src, channel) else {
             self.counters.drop_too_many_channels += 1;
             return;
@@ -374,8 +407,18 @@ impl ReceiveHalf {
             in_partial = rec.flags & RECORD_LAST == 0;
             all_whole &= rec.flags == RECORD_FIRST | RECORD_LAST;
         }
-        // Accept. Arena positions grow in delivery order (so `consumed` bounds what was taken):
-        // a frame of whole messages is copied in one piece, others record by record.
+        // Accept. Whole messages with nothing queued before them go straight to `deliver`.
+        if let Some(deliver) = deliver.filter(|_| all_whole && self.delivered.is_empty()) {
+            for rec in Records::new(payload).flatten() {
+                self.counters.messages_delivered += 1;
+                self.counters.bytes_delivered += rec.data.len() as u64;
+                deliver(Message { peer: src, channel, data: rec.data });
+            }
+            self.accepted(now, ci, ts);
+            return;
+        }
+        // Arena positions grow in delivery order (so `consumed` bounds what was taken): a frame
+        // of whole messages is copied in one piece, others record by record.
         let bulk_base = self.arena.len();
         if all_whole {
             self.arena.extend_from_slice(payload);
@@ -416,6 +459,13 @@ impl ReceiveHalf {
                 self.counters.bytes_delivered += len as u64;
             }
         }
+        self.accepted(now, ci, ts);
+    }
+
+    /// Moves channel `ci` past the frame just accepted (sent at `ts`) and owes or sends its ACK.
+    fn accepted(&mut self, now: Instant, ci: usize, ts: u32) {
+        let ch = &mut self.channels[ci];
+        let (peer, channel) = (ch.peer, ch.channel);
         ch.expected = ch.expected + 1;
         ch.unacked += 1;
         ch.last_timestamp = ts;
@@ -424,24 +474,14 @@ impl ReceiveHalf {
             if ch.ack_deadline.take().is_some() {
                 self.armed_acks -= 1;
             }
-            self.feedback.push_back(Feedback::SendAck {
-                peer: src,
-                channel,
-                ack: ch.expected,
-                echo_ns: Some(ts),
-            });
+            self.feedback.push_back(Feedback::SendAck { peer, channel, ack: ch.expected, echo_ns: Some(ts) });
         } else {
             if ch.ack_deadline.is_none() {
                 ch.ack_deadline = Some(now + self.config.ack_delay);
                 self.armed_acks += 1;
             }
             // The sending half may carry this ACK on a DATA frame before the deadline.
-            self.feedback.push_back(Feedback::AckOwed {
-                peer: src,
-                channel,
-                ack: ch.expected,
-                echo_ns: Some(ts),
-            });
+            self.feedback.push_back(Feedback::AckOwed { peer, channel, ack: ch.expected, echo_ns: Some(ts) });
         }
     }
 

@@ -560,21 +560,43 @@ fn traffic_in_both_directions_and_many_channels() {
     }
 }
 
-fn run_schedule(split: bool, f: Faults, seed: u64, count: u64, size: usize, ack_every: u32) {
+/// How a test feeds frames to the receiving side.
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    /// `Endpoint::handle_frame`, messages polled.
+    Endpoint,
+    /// Sender and receiver halves apart, feedback through a queue.
+    Split,
+    /// `Endpoint::handle_frame_delivering`, as the run-to-completion runtime does.
+    InPlace,
+}
+
+fn run_schedule(mode: Mode, f: Faults, seed: u64, count: u64, size: usize, ack_every: u32) {
     let mut c = p2p();
     c.initial_sequence = u32::MAX - (seed as u32 % 64);
     c.ack_every_frames = ack_every;
     c.window_frames = 32;
     let len = move |i: u64| (i as usize * 131 + seed as usize) % (size + 1);
     let deadline = at_us(60_000_000);
-    let (ok, got, a_counters) = if split {
-        let mut p = Pair::split(c, f, seed);
-        let ok = p.transfer(count, 9, deadline, len);
-        (ok, p.at_b, p.a.counters())
-    } else {
-        let mut p = Pair::endpoints(c, f, seed);
-        let ok = p.transfer(count, 9, deadline, len);
-        (ok, p.at_b, p.a.counters())
+    let (ok, got, a_counters) = match mode {
+        Mode::Split => {
+            let mut p = Pair::split(c, f, seed);
+            let ok = p.transfer(count, 9, deadline, len);
+            (ok, p.at_b, p.a.counters())
+        }
+        Mode::Endpoint => {
+            let mut p = Pair::endpoints(c, f, seed);
+            let ok = p.transfer(count, 9, deadline, len);
+            (ok, p.at_b, p.a.counters())
+        }
+        Mode::InPlace => {
+            let mut p = Pair::in_place(c, f, seed);
+            let ok = p.transfer(count, 9, deadline, len);
+            for _ in 0..2 {
+                p.b.drain_messages(&mut p.at_b);
+            }
+            (ok, p.at_b, p.a.counters())
+        }
     };
     assert!(ok, "transfer did not finish: {a_counters:?}");
     assert_stream(&got, A, 9, count, len);
@@ -585,22 +607,23 @@ proptest::proptest! {
 
     #[test]
     fn exactly_once_in_order_intact_under_faults(
-        split in proptest::bool::ANY,
+        mode in proptest::sample::select(vec![Mode::Endpoint, Mode::Split, Mode::InPlace]),
         loss in 0.0f64..0.15, reorder in 0.0f64..0.1, duplicate in 0.0f64..0.1,
         corrupt in 0.0f64..0.05, ack_loss in 0.0f64..0.3,
         seed in 0u64..1_000_000, size in proptest::sample::select(vec![16usize, 200, 3000]),
         ack_every in 1u32..6,
     ) {
         let f = Faults { loss, reorder, duplicate, corrupt, ack_loss };
-        run_schedule(split, f, seed, 150, size, ack_every);
+        run_schedule(mode, f, seed, 150, size, ack_every);
     }
 }
 
 #[test]
 fn harsh_schedule_both_modes() {
     let f = Faults { loss: 0.2, reorder: 0.1, duplicate: 0.1, corrupt: 0.05, ack_loss: 0.3 };
-    run_schedule(false, f, 99, 300, 2000, 3);
-    run_schedule(true, f, 99, 300, 2000, 3);
+    for mode in [Mode::Endpoint, Mode::Split, Mode::InPlace] {
+        run_schedule(mode, f, 99, 300, 2000, 3);
+    }
 }
 
 /// Many frames into a slow link with a small buffer: with rate control the sender backs off
@@ -869,6 +892,60 @@ fn replies_carry_the_ack_of_their_request() {
     assert_eq!((ca.acks_carried, cb.acks_carried), (49, 50));
     assert_eq!((ca.dup_acks_received, cb.dup_acks_received, ca.retransmitted_frames), (0, 0, 0));
     assert_eq!(ca.rtt_samples, 50, "every carried ACK gives an RTT sample");
+}
+
+/// As above, with both sides answering from inside `handle_frame_delivering` (as the
+/// run-to-completion runtime's handlers do): the reply is queued while the request is still lent
+/// from the frame, and carries the request's ACK all the same.
+#[test]
+fn replies_sent_while_the_request_is_lent_carry_its_ack() {
+    let (mut a, mut b) = (Endpoint::new(p2p(), A, at_us(0)), Endpoint::new(p2p(), B, at_us(0)));
+    let mut t = 0;
+    a.send(at_us(t), B, 3, b"ping 0").unwrap();
+    for round in 0..50u32 {
+        let to_b = drain(&mut a, at_us(t));
+        assert_eq!(to_b.len(), 1, "round {round}: one frame a -> b");
+        t += 2;
+        let mut lent = 0;
+        b.handle_frame_delivering(at_us(t), &to_b[0], &mut |m, tx| {
+            assert_eq!(m.data, format!("ping {round}").as_bytes());
+            tx.send(at_us(t), A, 3, format!("pong {round}").as_bytes()).unwrap();
+            lent += 1;
+        });
+        assert_eq!(lent, 1, "round {round}: the request was lent, not queued");
+        assert!(b.poll_message().is_none());
+        let to_a = drain(&mut b, at_us(t));
+        assert_eq!(to_a.len(), 1, "round {round}: one frame b -> a");
+        let h = header(&to_a[0]);
+        assert_eq!((h.kind, h.ack, h.flags & lanbus::FLAG_ACK != 0), (Kind::Data, round + 1, true));
+        t += 2;
+        let next = format!("ping {}", round + 1);
+        a.handle_frame_delivering(at_us(t), &to_a[0], &mut |m, tx| {
+            assert_eq!(m.data, format!("pong {round}").as_bytes());
+            tx.send(at_us(t), B, 3, next.as_bytes()).unwrap();
+        });
+        assert!(a.send_half().queued_frames(B, 3) <= 1, "round {round}: the request is acknowledged");
+    }
+    let (ca, cb) = (a.counters(), b.counters());
+    assert_eq!((ca.ack_frames_sent, cb.ack_frames_sent), (0, 0));
+    assert_eq!((ca.acks_carried, cb.acks_carried), (49, 50));
+    assert_eq!((ca.messages_delivered, cb.messages_delivered), (50, 50));
+}
+
+/// Messages lent in place and messages queued (fragments, frames that arrive while older
+/// messages wait) come out as one stream, in order, under loss and reordering.
+#[test]
+fn messages_lent_in_place_keep_their_order_with_queued_ones() {
+    let f = Faults { loss: 0.05, reorder: 0.05, duplicate: 0.02, ..Faults::default() };
+    let mut p = Pair::in_place(p2p(), f, 17);
+    assert!(p.transfer(700, 3, at_us(10_000_000), mixed_len));
+    for _ in 0..2 {
+        p.b.drain_messages(&mut p.at_b);
+    }
+    assert_stream(&p.at_b, A, 3, 700, mixed_len);
+    let lent = p.b.lent_in_place;
+    assert!((20..700).contains(&lent), "both paths taken: {lent} of 700 lent in place");
+    assert_eq!(p.b.counters().messages_delivered, 700);
 }
 
 /// An owed ACK that went out in an ACK frame is not carried again later (its echo would be

@@ -5,7 +5,9 @@
 //!
 //! Both modes are covered by the [`Node`] trait: an [`Endpoint`] (single thread) and a
 //! [`SplitNode`] (sender and receiver halves that exchange [`Feedback`] through an
-//! `std::sync::mpsc` queue, drained only when the sender side runs, as a TX thread would).
+//! `std::sync::mpsc` queue, drained only when the sender side runs, as a TX thread would); an
+//! [`InPlaceNode`] takes messages as the runtime's run-to-completion loop does, lent straight
+//! from the frame where order allows.
 //! Everything is reproducible from the seed; nothing here reads a clock.
 
 use core::cmp::Ordering;
@@ -123,6 +125,70 @@ impl Node for Endpoint {
     }
     fn frame_capacity(&self) -> usize {
         self.config().frame_capacity()
+    }
+}
+
+/// An [`Endpoint`] fed through [`Endpoint::handle_frame_delivering`], as the runtime's
+/// run-to-completion loop feeds it. Messages lent in place are kept at once; queued ones are
+/// taken only on every other [`Node::drain_messages`], so that frames often arrive while older
+/// messages still wait and the endpoint must queue behind them (after a run, drain twice).
+pub struct InPlaceNode {
+    endpoint: Endpoint,
+    lent: Vec<(MacAddr, u16, Vec<u8>)>,
+    drains: u64,
+    /// Messages that were lent in place (the rest went through the queue).
+    pub lent_in_place: u64,
+}
+
+impl InPlaceNode {
+    /// Wraps `endpoint`.
+    pub fn new(endpoint: Endpoint) -> Self {
+        InPlaceNode { endpoint, lent: Vec::new(), drains: 0, lent_in_place: 0 }
+    }
+}
+
+impl Node for InPlaceNode {
+    fn local_mac(&self) -> MacAddr {
+        self.endpoint.local_mac()
+    }
+    fn send(&mut self, now: Instant, peer: MacAddr, channel: u16, data: &[u8]) -> Result<(), SendError> {
+        self.endpoint.send(now, peer, channel, data)
+    }
+    fn handle_frame(&mut self, now: Instant, frame: &[u8]) {
+        let (lent, count) = (&mut self.lent, &mut self.lent_in_place);
+        self.endpoint.handle_frame_delivering(now, frame, &mut |m, _| {
+            lent.push((m.peer, m.channel, m.data.to_vec()));
+            *count += 1;
+        });
+    }
+    fn handle_timeout(&mut self, now: Instant) {
+        self.endpoint.handle_timeout(now)
+    }
+    fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
+        self.endpoint.poll_transmit(now, buf)
+    }
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.endpoint.poll_timeout()
+    }
+    fn drain_messages(&mut self, out: &mut Vec<(MacAddr, u16, Vec<u8>)>) {
+        // Lent messages came while nothing was queued, so they precede whatever is queued now.
+        out.append(&mut self.lent);
+        self.drains += 1;
+        if self.drains.is_multiple_of(2) {
+            self.endpoint.drain_messages(out);
+        }
+    }
+    fn drain_events(&mut self, out: &mut Vec<Event>) {
+        self.endpoint.drain_events(out)
+    }
+    fn counters(&self) -> Counters {
+        self.endpoint.counters()
+    }
+    fn is_idle(&self) -> bool {
+        self.endpoint.is_idle()
+    }
+    fn frame_capacity(&self) -> usize {
+        self.endpoint.config().frame_capacity()
     }
 }
 
@@ -347,6 +413,20 @@ impl Pair<SplitNode, SplitNode> {
         Pair::new(
             SplitNode::new(Endpoint::new(config.clone(), MacAddr::local(1), now)),
             SplitNode::new(Endpoint::new(config, MacAddr::local(2), now)),
+            faults,
+            seed,
+        )
+    }
+}
+
+impl Pair<InPlaceNode, InPlaceNode> {
+    /// Two endpoints `MacAddr::local(1)` and `local(2)` fed as the run-to-completion loop feeds
+    /// them, with the same config.
+    pub fn in_place(config: Config, faults: Faults, seed: u64) -> Self {
+        let now = Instant::ZERO;
+        Pair::new(
+            InPlaceNode::new(Endpoint::new(config.clone(), MacAddr::local(1), now)),
+            InPlaceNode::new(Endpoint::new(config, MacAddr::local(2), now)),
             faults,
             seed,
         )
