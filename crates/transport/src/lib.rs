@@ -10,7 +10,9 @@
 //!
 //! A driver owns one [`Endpoint`] and loops:
 //!
-//! 1. feed every received frame to [`Endpoint::handle_frame`];
+//! 1. feed every received frame to [`Endpoint::handle_frame`] (or to
+//!    [`Endpoint::handle_frame_delivering`], which lends the frame's messages to a callback at
+//!    once, without a copy, whenever order allows: step 3 then finds only the rest);
 //! 2. if [`Endpoint::poll_timeout`] is due, call [`Endpoint::handle_timeout`];
 //! 3. drain [`Endpoint::poll_message`] and [`Endpoint::poll_event`];
 //! 4. queue new messages with [`Endpoint::send`] (it fails with [`SendError::QueueFull`] when the
