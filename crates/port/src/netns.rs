@@ -12,6 +12,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
 
 use lanbus_wire::MacAddr;
 
@@ -58,10 +59,29 @@ pub struct Netns {
     name: String,
 }
 
+/// Namespaces this process made and has not deleted yet, for [`delete_all`].
+static HELD: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+fn held() -> std::sync::MutexGuard<'static, Vec<String>> {
+    HELD.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Deletes every namespace this process made and still holds, and returns how many: for a
+/// signal handler that ends the process without running destructors (an interrupted bench).
+/// Dropping one of them afterwards is harmless.
+pub fn delete_all() -> usize {
+    let names = std::mem::take(&mut *held());
+    for name in &names {
+        let _ = ip(&["netns", "del", name]);
+    }
+    names.len()
+}
+
 impl Netns {
     /// Creates a namespace with loopback up.
     pub fn create(name: &str) -> std::io::Result<Netns> {
         ip(&["netns", "add", name])?;
+        held().push(name.to_string());
         let ns = Netns { name: name.to_string() };
         ns.ip(&["link", "set", "lo", "up"])?;
         Ok(ns)
@@ -126,6 +146,7 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
+        held().retain(|n| *n != self.name);
         // Deleting the namespace also deletes the interfaces inside it.
         let _ = ip(&["netns", "del", &self.name]);
     }

@@ -3,6 +3,7 @@
 //! Every benchmark prints a table, writes the common JSON format with `--json FILE` (see
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
+mod interrupt;
 pub mod nbd;
 pub mod nvme;
 pub mod pcie;
@@ -43,6 +44,10 @@ pub enum BenchCommand {
 
 /// Runs one benchmark.
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
+    // A peer process is ended by its bench (stdin closed); everything else cleans up on a signal.
+    if !matches!(command, BenchCommand::TransportPeer(_)) {
+        interrupt::install()?;
+    }
     match command {
         BenchCommand::Nbd(args) => nbd::run(args),
         BenchCommand::Nvme(args) => nvme::run(args),

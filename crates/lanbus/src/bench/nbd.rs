@@ -8,7 +8,7 @@
 //! and threading cost rather than the disk.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,7 +16,9 @@ use anyhow::{bail, Context};
 use clap::Args;
 use lanbus_nbd::{BlockDevice, Client, Export, FileDevice, MemDevice, Server};
 
+use super::interrupt::{KillOnDrop, ScratchDir};
 use super::report::{median, Report, Row};
+use crate::signals::end_with_parent;
 
 /// `lanbus bench nbd` options.
 #[derive(Debug, Args)]
@@ -62,7 +64,7 @@ pub fn run_fio(
     size_mib: u64,
     runtime: u64,
 ) -> anyhow::Result<FioResult> {
-    let out = Command::new("fio")
+    let out = end_with_parent(&mut Command::new("fio"))
         .args(["--name=bench", "--ioengine=nbd", "--numjobs=1", "--time_based", "--output-format=json"])
         .arg(format!("--uri={uri}"))
         .arg(format!("--rw={rw}"))
@@ -86,11 +88,6 @@ pub fn run_fio(
     Ok(FioResult { mb_per_s: bw / 1e6, iops })
 }
 
-fn scratch_dir() -> PathBuf {
-    let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
-    base.join(format!("lanbus-bench-nbd-{}", std::process::id()))
-}
-
 fn wait_for_socket(socket: &Path) -> anyhow::Result<()> {
     let t = Instant::now();
     while Client::connect_unix(socket, "export").is_err() {
@@ -102,25 +99,15 @@ fn wait_for_socket(socket: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-struct KillOnDrop(Child);
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Runs the benchmark.
 pub fn run(args: NbdBenchArgs) -> anyhow::Result<()> {
     let help = Command::new("fio").arg("--enghelp=nbd").output().context("fio is not installed")?;
     if !String::from_utf8_lossy(&help.stdout).contains("uri") {
         bail!("this fio has no nbd engine");
     }
-    let dir = scratch_dir();
-    std::fs::create_dir_all(&dir)?;
-    let result = measure(&args, &dir);
-    let _ = std::fs::remove_dir_all(&dir);
-    let report = result?;
+    let dir = ScratchDir::create("nbd")?;
+    let report = measure(&args, dir.path())?;
+    drop(dir);
     report.finish(args.json.as_deref())?;
     Ok(())
 }
@@ -152,7 +139,7 @@ fn measure(args: &NbdBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     }
     if !args.no_peer {
         let socket = dir.join("qemu-nbd.sock");
-        match Command::new("qemu-nbd")
+        match end_with_parent(&mut Command::new("qemu-nbd"))
             .args(["--format=raw", "--persistent", "--shared=4", "--export-name=export", "--cache=writeback"])
             .arg(format!("--socket={}", socket.display()))
             .arg(&image)

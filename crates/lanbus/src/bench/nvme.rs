@@ -25,6 +25,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use clap::Args;
 use lanbus_nbd::{BlockDevice, Export, FileDevice, Server};
+
+use super::interrupt::{KillOnDrop, ScratchDir};
+use crate::signals::end_with_parent;
 use lanbus_nvme::local::{LocalNvme, ProcessMode};
 use lanbus_port::Port;
 
@@ -169,7 +172,7 @@ fn create_backing(dir: &Path, size: u64) -> anyhow::Result<()> {
 fn qemu(dir: &Path) -> anyhow::Result<(Holder, String)> {
     let image = dir.join("backing.img");
     let socket = dir.join("qemu-nbd.sock");
-    let child = Command::new("qemu-nbd")
+    let child = end_with_parent(&mut Command::new("qemu-nbd"))
         .args(["--format=raw", "--persistent", "--shared=4", "--export-name=nvme0", "--cache=writeback"])
         .arg(format!("--socket={}", socket.display()))
         .arg(&image)
@@ -180,14 +183,6 @@ fn qemu(dir: &Path) -> anyhow::Result<(Holder, String)> {
     let child = KillOnDrop(child);
     wait_for_socket(&socket, "nvme0")?;
     Ok((Holder::Qemu(child), format!("nbd+unix:///nvme0?socket={}", socket.display())))
-}
-
-struct KillOnDrop(std::process::Child);
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn wait_for_socket(socket: &Path, export: &str) -> anyhow::Result<()> {
@@ -207,12 +202,9 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
     if !String::from_utf8_lossy(&help.stdout).contains("uri") {
         bail!("this fio has no nbd engine");
     }
-    let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
-    let dir = base.join(format!("lanbus-bench-nvme-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let result = measure(&args, &dir);
-    let _ = std::fs::remove_dir_all(&dir);
-    let report = result?;
+    let dir = ScratchDir::create("nvme")?;
+    let report = measure(&args, dir.path())?;
+    drop(dir);
     report.finish(args.json.as_deref())?;
     for rw in args.directions() {
         let mut series: Vec<Series> = Vec::new();

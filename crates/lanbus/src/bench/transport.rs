@@ -48,6 +48,7 @@ use lanbus_wire::MacAddr;
 use serde_json::{json, Value};
 
 use super::report::{median, Report, Row};
+use crate::signals::end_with_parent;
 
 /// Every port the bench knows, in table order.
 const PORTS: &[&str] = &["udp", "afpacket", "afpacket-v3", "afxdp"];
@@ -662,8 +663,7 @@ fn have(program: &str) -> bool {
 
 /// Starts a peer tool's server in namespace b and gives it a moment to bind.
 fn start_tool_server(ns: &Netns, program: &str, args: &[&str]) -> anyhow::Result<Child> {
-    let child = ns
-        .command(program)
+    let child = end_with_parent(&mut ns.command(program))
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
