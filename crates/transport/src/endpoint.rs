@@ -77,16 +77,19 @@ impl Endpoint {
     /// Takes one received Ethernet frame and lends the messages it completes to `deliver`, with
     /// the sending half for replies, straight from `frame` where order allows (see
     /// [`ReceiveHalf::handle_frame_delivering`]); the rest wait in [`Endpoint::poll_message`]
-    /// as after [`Endpoint::handle_frame`]. Saves copying every received byte once.
+    /// as after [`Endpoint::handle_frame`]. The frame's ACKs reach the sending half first, as
+    /// they do before `poll_message`, so a reply finds the queue room they free. Saves copying
+    /// every received byte once.
     pub fn handle_frame_delivering(
         &mut self,
         now: Instant,
         frame: &[u8],
         deliver: &mut dyn FnMut(Message<'_>, &mut SendHalf),
     ) {
-        let tx = &mut self.tx;
-        self.rx.handle_frame_delivering(now, frame, &mut |m| deliver(m, tx));
+        self.rx.take_frame_to_lend(now, frame);
         self.route(now);
+        let tx = &mut self.tx;
+        self.rx.lend(frame, &mut |m| deliver(m, tx));
     }
 
     /// Fires due timers (ACK coalescing, peer expiry, retransmission, heartbeats).

@@ -89,6 +89,10 @@ pub struct ReceiveHalf {
     arena: Vec<u8>,
     consumed: usize,
     delivered: VecDeque<Delivered>,
+    /// Messages of the frame just taken that are to be lent from it: (peer, channel) and byte
+    /// ranges of the frame (see [`ReceiveHalf::handle_frame_delivering`]).
+    lend_from: (MacAddr, u16),
+    lend: Vec<core::ops::Range<usize>>,
     feedback: VecDeque<Feedback>,
     events: VecDeque<Event>,
     counters: Counters,
@@ -108,6 +112,8 @@ impl ReceiveHalf {
             arena: Vec::new(),
             consumed: 0,
             delivered: VecDeque::new(),
+            lend_from: (MacAddr([0; 6]), 0),
+            lend: Vec::new(),
             feedback: VecDeque::new(),
             events: VecDeque::new(),
             counters: Counters::default(),
@@ -201,24 +207,44 @@ impl ReceiveHalf {
     /// Takes one received Ethernet frame (padding after the lanbus payload is allowed). Never
     /// panics; whatever is wrong is counted and dropped.
     pub fn handle_frame(&mut self, now: Instant, frame: &[u8]) {
-        self.take_frame(now, frame, None);
+        self.take_frame(now, frame, false);
     }
 
     /// Takes one received frame like [`ReceiveHalf::handle_frame`], but lends the messages it
     /// completes to `deliver` straight from `frame`, without copying them, when that keeps them
     /// in order: nothing delivered earlier still waits in [`ReceiveHalf::poll_message`], and the
     /// frame holds whole messages only (fragments are reassembled and queued as usual, and so is
-    /// every message while older ones wait).
+    /// every message while older ones wait). The frame's feedback (the ACK it carries, the ACK it
+    /// makes us owe) is queued in [`ReceiveHalf::poll_feedback`] before the first is lent; a
+    /// driver that hands feedback to its sending half in between uses
+    /// [`ReceiveHalf::take_frame_to_lend`] and [`ReceiveHalf::lend`] instead.
     pub fn handle_frame_delivering(
         &mut self,
         now: Instant,
         frame: &[u8],
         deliver: &mut dyn FnMut(Message<'_>),
     ) {
-        self.take_frame(now, frame, Some(deliver));
+        self.take_frame_to_lend(now, frame);
+        self.lend(frame, deliver);
     }
 
-    fn take_frame(&mut self, now: Instant, frame: &[u8], deliver: Option<&mut dyn FnMut(Message<'_>)>) {
+    /// The first half of [`ReceiveHalf::handle_frame_delivering`]: takes the frame, queues
+    /// feedback, events and the messages that cannot be lent, and notes the ones that can.
+    pub fn take_frame_to_lend(&mut self, now: Instant, frame: &[u8]) {
+        self.take_frame(now, frame, true);
+    }
+
+    /// The second half: lends the messages noted by the last
+    /// [`ReceiveHalf::take_frame_to_lend`] from `frame`, which must be the same frame.
+    pub fn lend(&mut self, frame: &[u8], deliver: &mut dyn FnMut(Message<'_>)) {
+        let (peer, channel) = self.lend_from;
+        for r in self.lend.drain(..) {
+            deliver(Message { peer, channel, data: &frame[r] });
+        }
+    }
+
+    fn take_frame(&mut self, now: Instant, frame: &[u8], lend: bool) {
+        self.lend.clear();
         self.counters.frames_received += 1;
         self.reclaim();
         let Ok(eth) = EthernetFrame::new_checked(frame) else {
@@ -299,7 +325,7 @@ impl ReceiveHalf {
         self.handle_data(
             now,
             DataFrame { src, channel, seq: Seq(packet.sequence()), ts: packet.timestamp(), payload },
-            deliver,
+            lend,
         );
     }
 
@@ -352,7 +378,7 @@ impl ReceiveHalf {
         Some(i)
     }
 
-    fn handle_data(&mut self, now: Instant, f: DataFrame<'_>, deliver: Option<&mut dyn FnMut(Message<'_>)>) {
+    fn handle_data(&mut self, now: Instant, f: DataFrame<'_>, lend: bool) {
         let DataFrame { src, channel, seq, ts, payload } = f;
         let Some(ci) = self.channel_index(src, channel) else {
             self.counters.drop_too_many_channels += 1;
@@ -407,13 +433,19 @@ impl ReceiveHalf {
             in_partial = rec.flags & RECORD_LAST == 0;
             all_whole &= rec.flags == RECORD_FIRST | RECORD_LAST;
         }
-        // Accept. Whole messages with nothing queued before them go straight to `deliver`.
-        if let Some(deliver) = deliver.filter(|_| all_whole && self.delivered.is_empty()) {
-            for rec in Records::new(payload).flatten() {
+        // Accept. Whole messages with nothing queued before them are lent from the frame: note
+        // where they are (the payload follows the two headers).
+        if lend && all_whole && self.delivered.is_empty() {
+            let mut off = 0;
+            while off < payload.len() {
+                let n = usize::from(u16::from_be_bytes([payload[off], payload[off + 1]]));
+                let start = ETH_LEN + LB_LEN + off + RECORD_HEADER_LEN;
+                self.lend.push(start..start + n);
+                off += RECORD_HEADER_LEN + n;
                 self.counters.messages_delivered += 1;
-                self.counters.bytes_delivered += rec.data.len() as u64;
-                deliver(Message { peer: src, channel, data: rec.data });
+                self.counters.bytes_delivered += n as u64;
             }
+            self.lend_from = (src, channel);
             self.accepted(now, ci, ts);
             return;
         }

@@ -932,6 +932,38 @@ fn replies_sent_while_the_request_is_lent_carry_its_ack() {
     assert_eq!((ca.messages_delivered, cb.messages_delivered), (50, 50));
 }
 
+/// The ACK a frame carries frees the sender's queue before the frame's messages are lent, as it
+/// does before `poll_message`: a reply sent from inside the callback finds the room.
+#[test]
+fn a_lent_request_frees_the_queue_its_ack_covers_before_the_reply() {
+    let mut c = p2p();
+    c.send_queue_frames = 4;
+    // a owes the ACK (not due yet), so it rides on a's request rather than in an ACK frame.
+    c.ack_every_frames = 64;
+    c.ack_delay = us(1000);
+    let (mut a, mut b) = (Endpoint::new(c.clone(), A, at_us(0)), Endpoint::new(c, B, at_us(0)));
+    // b's queue is full of four unacknowledged 1400-byte messages, one frame each.
+    for i in 0..4 {
+        b.send(at_us(0), A, 3, &test_message(i, 1400)).unwrap();
+    }
+    assert_eq!(b.send(at_us(0), A, 3, &test_message(4, 1400)), Err(SendError::QueueFull));
+    for f in drain(&mut b, at_us(0)) {
+        a.handle_frame(at_us(5), &f);
+    }
+    while a.poll_message().is_some() {}
+    // a's request carries the ACK of all four.
+    a.send(at_us(5), B, 3, b"request").unwrap();
+    let to_b = drain(&mut a, at_us(5));
+    assert_eq!(to_b.len(), 1);
+    assert_eq!((header(&to_b[0]).kind, header(&to_b[0]).ack), (Kind::Data, 4));
+    let mut replied = None;
+    b.handle_frame_delivering(at_us(10), &to_b[0], &mut |m, tx| {
+        assert_eq!(m.data, b"request");
+        replied = Some(tx.send(at_us(10), A, 3, &test_message(4, 1400)));
+    });
+    assert_eq!(replied, Some(Ok(())), "the reply is queued: the request's ACK freed the queue");
+}
+
 /// Messages lent in place and messages queued (fragments, frames that arrive while older
 /// messages wait) come out as one stream, in order, under loss and reordering.
 #[test]
