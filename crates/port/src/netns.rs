@@ -59,29 +59,41 @@ pub struct Netns {
     name: String,
 }
 
-/// Namespaces this process made and has not deleted yet, for [`delete_all`].
-static HELD: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// Namespaces this process made and has not deleted yet, for [`delete_all`]; `closed` once that
+/// ran (no namespace is made after it).
+struct Held {
+    names: Vec<String>,
+    closed: bool,
+}
 
-fn held() -> std::sync::MutexGuard<'static, Vec<String>> {
+static HELD: Mutex<Held> = Mutex::new(Held { names: Vec::new(), closed: false });
+
+fn held() -> std::sync::MutexGuard<'static, Held> {
     HELD.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Deletes every namespace this process made and still holds, and returns how many: for a
-/// signal handler that ends the process without running destructors (an interrupted bench).
-/// Dropping one of them afterwards is harmless.
+/// Deletes every namespace this process made and still holds, returns how many it deleted, and
+/// makes later [`Netns::create`] calls fail: for a signal handler about to end the process
+/// without running destructors (an interrupted bench). Dropping one of them afterwards is
+/// harmless.
 pub fn delete_all() -> usize {
-    let names = std::mem::take(&mut *held());
-    for name in &names {
-        let _ = ip(&["netns", "del", name]);
-    }
-    names.len()
+    let mut held = held();
+    held.closed = true;
+    let names = std::mem::take(&mut held.names);
+    names.iter().filter(|name| ip(&["netns", "del", name]).is_ok()).count()
 }
 
 impl Netns {
     /// Creates a namespace with loopback up.
     pub fn create(name: &str) -> std::io::Result<Netns> {
+        // Made and registered under the registry's lock, so `delete_all` sees every one.
+        let mut held = held();
+        if held.closed {
+            return Err(std::io::Error::other("the process is shutting down (netns::delete_all ran)"));
+        }
         ip(&["netns", "add", name])?;
-        held().push(name.to_string());
+        held.names.push(name.to_string());
+        drop(held);
         let ns = Netns { name: name.to_string() };
         ns.ip(&["link", "set", "lo", "up"])?;
         Ok(ns)
@@ -146,9 +158,10 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        held().retain(|n| *n != self.name);
+        let mut held = held();
         // Deleting the namespace also deletes the interfaces inside it.
         let _ = ip(&["netns", "del", &self.name]);
+        held.names.retain(|n| *n != self.name);
     }
 }
 

@@ -3,10 +3,12 @@
 //! servers (qemu-nbd, sockperf, iperf3). Their destructors remove them when the bench ends, but
 //! SIGINT (Ctrl-C), SIGTERM and SIGHUP end a process without running destructors. [`install`]
 //! takes those signals on a thread of its own, which removes the scratch directories registered
-//! here and the namespaces this process made, then exits with status 128 + the signal; helper
+//! here and the namespaces this process made, then ends the process by the same signal with its
+//! default action (so that a shell script running benches in a loop stops on Ctrl-C too); helper
 //! servers are started with [`crate::signals::end_with_parent`], so the kernel ends them when the
 //! bench goes, however it goes.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -31,16 +33,22 @@ pub fn install() -> anyhow::Result<()> {
         .name("bench-signals".into())
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
-                let removed = std::mem::take(&mut *dirs());
-                for dir in &removed {
+                // The registry stays locked until the process ends: nothing new gets registered
+                // (and left behind) while this cleans up.
+                let held = dirs();
+                for dir in held.iter() {
                     let _ = std::fs::remove_dir_all(dir);
                 }
                 let namespaces = lanbus_port::netns::delete_all();
-                eprintln!(
-                    "\nlanbus bench: interrupted (signal {sig}); removed network namespaces: {namespaces}, scratch \
-                     directories: {}",
-                    removed.len()
+                // Not eprintln: after SIGHUP the terminal may be gone, and a failed write must
+                // not keep the process from ending.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "\nlanbus bench: interrupted (signal {sig}); removed network namespaces: {namespaces}, \
+                     scratch directories: {}",
+                    held.len()
                 );
+                let _ = signal_hook::low_level::emulate_default_handler(sig);
                 std::process::exit(128 + sig);
             }
         })
@@ -62,8 +70,10 @@ impl ScratchDir {
         let base =
             if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
         let path = base.join(format!("lanbus-bench-{name}-{}", std::process::id()));
+        // Registered under the lock it is created under (see `install`).
+        let mut held = dirs();
         std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
-        dirs().push(path.clone());
+        held.push(path.clone());
         Ok(ScratchDir { path })
     }
 
@@ -75,8 +85,9 @@ impl ScratchDir {
 
 impl Drop for ScratchDir {
     fn drop(&mut self) {
-        dirs().retain(|d| *d != self.path);
+        let mut held = dirs();
         let _ = std::fs::remove_dir_all(&self.path);
+        held.retain(|d| *d != self.path);
     }
 }
 
