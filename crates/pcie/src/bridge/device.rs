@@ -55,7 +55,7 @@ use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
 use super::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, Path};
-use super::inline::{InlinePath, Reads, TlpOut};
+use super::inline::{send_mem_writes, InlinePath, Reads, TlpOut};
 use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL, PCIE_CHANNELS};
 use crate::device::DmaError;
 use crate::request::RequestShape;
@@ -664,13 +664,11 @@ impl Path for FabricPath {
             return Err(DmaError::HostUnreachable);
         };
         let me = lock(&self.f.state).bdf;
-        let tlps = crate::request::write_requests(me, address, data, self.mps)
+        // Encoded straight from `data` into buffers the sender queue takes as they are (`out`
+        // is empty here: `pump` flushes it every time).
+        send_mem_writes(&self.sender, host, channel, me, address, data, self.mps)
             .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))?;
         bump(&c.dma_writes);
-        for t in &tlps {
-            self.out.push(host, channel, t);
-        }
-        self.out.send_via(&self.sender);
         Ok(())
     }
 

@@ -32,7 +32,7 @@ use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
 use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
-use super::inline::append_mem_write;
+use super::inline::send_mem_writes;
 use super::region::{DmaRegion, RegionMap};
 use super::{lock, session_channel, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
 use crate::config::{cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK};
@@ -41,10 +41,6 @@ use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, T
 
 /// The host's own requester ID (the root complex).
 pub const HOST_BDF: Bdf = Bdf(0);
-
-/// TLPs of one [`HostBridge::mmio_write`] handed to the runtime at a time (16 KiB at a 4 KiB max
-/// payload size).
-const WRITE_BATCH: usize = 4;
 
 /// How to run a host bridge.
 #[derive(Debug, Clone)]
@@ -594,24 +590,9 @@ impl Shared {
 
     fn mmio_write(&self, bdf: Bdf, address: u64, data: &[u8]) -> BridgeResult<()> {
         let (mac, channel) = self.mac_of(bdf)?;
-        let chunks = split(address, data.len(), self.config.mps)
-            .map_err(|e| BridgeError::BadRequest(e.to_string()))?;
         let sender = self.sender()?;
-        // Each TLP encoded straight from `data` (what `write_requests` builds) into a buffer the
-        // sender queue takes as it is. Handed over a few at a time: the runtime's thread frames
-        // and transmits the first ones while this one encodes the rest.
-        let mut batch = Vec::with_capacity(WRITE_BATCH);
-        for c in &chunks {
-            let mut tlp = Vec::new();
-            let at = (c.address & 3) as usize;
-            append_mem_write(&mut tlp, HOST_BDF, &c.shape(), at, &data[c.offset..c.offset + c.len]);
-            batch.push(tlp);
-            if batch.len() == WRITE_BATCH {
-                sender.send_owned(mac, channel, batch.drain(..));
-            }
-        }
-        sender.send_owned(mac, channel, batch);
-        Ok(())
+        send_mem_writes(&sender, mac, channel, HOST_BDF, address, data, self.config.mps)
+            .map_err(|e| BridgeError::BadRequest(e.to_string()))
     }
 }
 

@@ -132,6 +132,38 @@ pub(crate) fn append_mem_write(
     header + payload
 }
 
+/// TLPs of one [`send_mem_writes`] handed to the runtime at a time (16 KiB at a 4 KiB max payload
+/// size).
+const WRITE_BATCH: usize = 4;
+
+/// Sends a memory write of `data` at `address` by `me` to `peer` on `channel`, split by `mps`:
+/// each TLP encoded straight from `data` (what [`crate::request::write_requests`] builds) into a
+/// buffer the sender queue takes as it is, handed over a few at a time, so that the runtime's
+/// thread frames and transmits the first ones while this one encodes the rest.
+pub(crate) fn send_mem_writes(
+    sender: &Sender,
+    peer: MacAddr,
+    channel: u16,
+    me: Bdf,
+    address: u64,
+    data: &[u8],
+    mps: usize,
+) -> Result<(), Error> {
+    let chunks = split(address, data.len(), mps)?;
+    let mut batch = Vec::with_capacity(WRITE_BATCH);
+    for c in &chunks {
+        let mut tlp = Vec::new();
+        let at = (c.address & 3) as usize;
+        append_mem_write(&mut tlp, me, &c.shape(), at, &data[c.offset..c.offset + c.len]);
+        batch.push(tlp);
+        if batch.len() == WRITE_BATCH {
+            sender.send_owned(peer, channel, batch.drain(..));
+        }
+    }
+    sender.send_owned(peer, channel, batch);
+    Ok(())
+}
+
 /// A read started by a function, in pieces of at most MRRS bytes.
 struct Op {
     buf: Vec<u8>,
