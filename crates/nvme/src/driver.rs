@@ -322,9 +322,13 @@ impl Drop for DmaBuf<'_> {
     }
 }
 
-/// First-fit allocation of runs of pages, searching on from where the last one ended (requests
-/// come and go roughly in order, so the next free run is usually right there).
+/// First-fit allocation of runs of pages: the lowest free run, so that buffers are reused while
+/// they are still in the CPU's caches (with one request at a time the same pages serve every
+/// request). Searching on from where the last run ended instead walked the whole region, every
+/// buffer cold: `bench nvme`, afxdp, 256 KiB reads 890 -> 964 MB/s, in-process 1828 -> 1968.
+/// Reuse at once is safe: the buffers of a command that timed out are quarantined, never freed.
 struct PageMap {
+    /// Whether each page is used, and an index below which every page is used.
     state: Mutex<(Vec<bool>, usize)>,
 }
 
@@ -336,25 +340,21 @@ impl PageMap {
     /// Index of the first of `pages` free pages, now used.
     fn alloc(&self, pages: usize) -> Option<usize> {
         let mut g = lock(&self.state);
-        let (used, hint) = &mut *g;
+        let (used, full_below) = &mut *g;
         let n = used.len();
         if pages == 0 || pages > n {
             return None;
         }
-        let start = if *hint + pages <= n { *hint } else { 0 };
-        for from in [start, 0] {
-            let mut run = 0;
-            for i in from..n {
-                run = if used[i] { 0 } else { run + 1 };
-                if run == pages {
-                    let first = i + 1 - pages;
-                    used[first..=i].iter_mut().for_each(|u| *u = true);
-                    *hint = if i + 1 == n { 0 } else { i + 1 };
-                    return Some(first);
+        let mut run = 0;
+        for i in *full_below..n {
+            run = if used[i] { 0 } else { run + 1 };
+            if run == pages {
+                let first = i + 1 - pages;
+                used[first..=i].iter_mut().for_each(|u| *u = true);
+                if first == *full_below {
+                    *full_below = i + 1;
                 }
-            }
-            if from == 0 {
-                break;
+                return Some(first);
             }
         }
         None
@@ -363,8 +363,10 @@ impl PageMap {
     /// Frees `pages` pages from index `first` (out-of-range indices are ignored).
     fn free(&self, first: usize, pages: usize) {
         let mut g = lock(&self.state);
-        if let Some(s) = g.0.get_mut(first..first.saturating_add(pages)) {
+        let (used, full_below) = &mut *g;
+        if let Some(s) = used.get_mut(first..first.saturating_add(pages)) {
             s.iter_mut().for_each(|u| *u = false);
+            *full_below = (*full_below).min(first);
         }
     }
 
@@ -1353,5 +1355,41 @@ impl HostMemory for &HostRegion {
     }
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), BusError> {
         DmaMemory::write(*self, addr, data)
+    }
+}
+
+#[cfg(test)]
+mod page_map_tests {
+    use super::PageMap;
+
+    /// The lowest run of `pages` free pages, by a plain scan from 0.
+    fn lowest_run(used: &[bool], pages: usize) -> Option<usize> {
+        (0..used.len()).find(|&s| s + pages <= used.len() && used[s..s + pages].iter().all(|u| !u))
+    }
+
+    proptest::proptest! {
+        /// Any sequence of allocations and frees gives exactly what a plain first-fit scan does.
+        #[test]
+        fn allocates_the_lowest_free_run(ops in proptest::collection::vec((proptest::bool::ANY, 1usize..9, 0usize..64), 1..300)) {
+            let map = PageMap::new(48);
+            let mut model = vec![false; 48];
+            let mut live: Vec<(usize, usize)> = Vec::new();
+            for (alloc, pages, pick) in ops {
+                if alloc || live.is_empty() {
+                    let want = lowest_run(&model, pages);
+                    let got = map.alloc(pages);
+                    proptest::prop_assert_eq!(got, want);
+                    if let Some(first) = got {
+                        model[first..first + pages].iter_mut().for_each(|u| *u = true);
+                        live.push((first, pages));
+                    }
+                } else {
+                    let (first, pages) = live.swap_remove(pick % live.len());
+                    map.free(first, pages);
+                    model[first..first + pages].iter_mut().for_each(|u| *u = false);
+                }
+                proptest::prop_assert_eq!(map.in_use(), model.iter().filter(|u| **u).count());
+            }
+        }
     }
 }
