@@ -166,6 +166,9 @@ struct Shared {
     port_counters: Mutex<PortCounters>,
     /// Whether the sending side has nothing unacknowledged and nothing queued.
     idle: AtomicBool,
+    /// Set after something was queued in `outgoing` or `control_tx`: the run-to-completion loop
+    /// takes those locks only when it is (an empty poll then touches no lock at all).
+    posted: AtomicBool,
     local_mac: MacAddr,
 }
 
@@ -177,8 +180,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Shared {
     fn push_outgoing(&self, peer: MacAddr, channel: u16, data: &[u8]) {
         lock(&self.outgoing).push_back(Outgoing { peer, channel, data: data.to_vec() });
-        // Relaxed is enough for the flag: the queue's mutex orders the data.
+        self.posted_work();
+    }
+
+    /// After queueing in `outgoing` or `control_tx`: marks the node busy, flags the queues and
+    /// wakes the sending thread.
+    fn posted_work(&self) {
+        // Relaxed is enough for `idle`: the queue's mutex orders the data.
         self.idle.store(false, Ordering::Relaxed);
+        // Release pairs with the loop's Acquire swap; the data itself is ordered by the mutex.
+        self.posted.store(true, Ordering::Release);
         self.tx_waker.wake();
     }
 }
@@ -212,9 +223,7 @@ impl Sender {
         let any = q.len() > before;
         drop(q);
         if any {
-            // Relaxed is enough for the flag: the queue's mutex orders the data.
-            self.shared.idle.store(false, Ordering::Relaxed);
-            self.shared.tx_waker.wake();
+            self.shared.posted_work();
         }
     }
 
@@ -272,6 +281,7 @@ impl Runtime {
             rx_counters: Mutex::new(Counters::default()),
             port_counters: Mutex::new(PortCounters::default()),
             idle: AtomicBool::new(true),
+            posted: AtomicBool::new(false),
             local_mac,
         });
         let mut threads = Vec::new();
@@ -320,7 +330,7 @@ impl Runtime {
     /// dropped from then on).
     pub fn set_group(&self, group: u16) {
         lock(&self.shared.control_tx).push_back(Control::SetGroup(group));
-        self.shared.tx_waker.wake();
+        self.shared.posted_work();
         if self.shared.mode == ThreadMode::Pipeline {
             lock(&self.shared.control_rx).push_back(Control::SetGroup(group));
             self.shared.rx_waker.wake();
@@ -521,10 +531,18 @@ impl Worker {
         }
     }
 
-    /// Called after an iteration that did `work` units; blocks if the thread has been idle long
-    /// enough, until a frame (when `watch_port`), a wake-up, or `deadline`.
-    fn idle(&mut self, work: usize, deadline: Option<Instant>, watch_port: bool, waker: &Waker) {
-        let now = self.clock.now();
+    /// Called after an iteration that began at `now` and did `work` units; blocks if the thread
+    /// has been idle long enough, until a frame (when `watch_port`), a wake-up, or `deadline`.
+    /// A busy poll reads no clock here: the iteration's own `now` is close enough to count spin
+    /// time, and an empty poll is a few hundred nanoseconds.
+    fn idle(
+        &mut self,
+        now: Instant,
+        work: usize,
+        deadline: Option<Instant>,
+        watch_port: bool,
+        waker: &Waker,
+    ) {
         if work > 0 {
             self.last_work = now;
             return;
@@ -536,6 +554,7 @@ impl Worker {
             }
             Polling::Adaptive { spin } => spin,
         };
+        let now = self.clock.now();
         if now - self.last_work < spin {
             // Yield after every empty poll here (busy polling yields less often, see
             // `spin_or_yield`): an adaptive node may run more spinning threads than there are
@@ -569,7 +588,10 @@ impl Worker {
     }
 
     fn run_to_completion(&mut self, endpoint: &mut Endpoint, handler: &mut dyn Handler) {
+        let shared = self.shared.clone();
         let mut backlog: VecDeque<Outgoing> = VecDeque::new();
+        // Whether the transport refused part of the shared queue last time.
+        let mut left_queued = false;
         while !self.stopping() {
             let now = self.clock.now();
             // Messages go to the handler straight from the port's buffer where order allows.
@@ -583,14 +605,22 @@ impl Worker {
             }
             work += deliver_rtc(endpoint, handler, &mut backlog, now);
             work += handler.poll(&mut Direct { tx: endpoint.send_half_mut(), backlog: &mut backlog, now });
-            let requests: Vec<Control> = lock(&self.shared.control_tx).drain(..).collect();
-            for c in requests {
-                match c {
-                    Control::SetGroup(g) => endpoint.set_group(g, now),
+            // Acquire pairs with `posted_work`; a queue the transport left messages in is looked
+            // at again whatever the flag says.
+            let posted = shared.posted.swap(false, Ordering::Acquire) || left_queued;
+            if posted {
+                let requests: Vec<Control> = lock(&shared.control_tx).drain(..).collect();
+                for c in requests {
+                    match c {
+                        Control::SetGroup(g) => endpoint.set_group(g, now),
+                    }
                 }
             }
-            work +=
-                feed(&mut backlog, &self.shared, |o| endpoint.send(now, o.peer, o.channel, &o.data).is_ok());
+            let (fed, left) = feed(&mut backlog, &shared, posted, |o| {
+                endpoint.send(now, o.peer, o.channel, &o.data).is_ok()
+            });
+            work += fed;
+            left_queued = left;
             work += self.tx_burst(&mut |frame| endpoint.poll_transmit(now, frame));
             let idle = endpoint.is_idle() && backlog.is_empty();
             if self.publish_due(now, work == 0) {
@@ -599,8 +629,7 @@ impl Worker {
             // Release pairs with the Acquire in `wait_idle`.
             self.shared.idle.store(idle, Ordering::Release);
             let deadline = endpoint.poll_timeout();
-            let waker = self.shared.tx_waker.clone();
-            self.idle(work, deadline, true, &waker);
+            self.idle(now, work, deadline, true, &shared.tx_waker);
         }
         *lock(&self.shared.tx_counters) = endpoint.counters();
     }
@@ -644,26 +673,36 @@ impl Outbox for Direct<'_> {
 }
 
 /// Moves queued messages into the transport in order while it accepts them: first the thread's
-/// own backlog, then the shared queue. Returns how many went in.
-fn feed(backlog: &mut VecDeque<Outgoing>, shared: &Shared, mut send: impl FnMut(&Outgoing) -> bool) -> usize {
+/// own backlog, then (when `look_shared`) the shared queue. Returns how many went in, and whether
+/// messages the transport refused are left in the shared queue.
+fn feed(
+    backlog: &mut VecDeque<Outgoing>,
+    shared: &Shared,
+    look_shared: bool,
+    mut send: impl FnMut(&Outgoing) -> bool,
+) -> (usize, bool) {
     let mut n = 0;
     while let Some(o) = backlog.front() {
         if !send(o) {
-            return n;
+            // The shared queue waits behind the backlog: look at it again next time.
+            return (n, look_shared);
         }
         backlog.pop_front();
         n += 1;
+    }
+    if !look_shared {
+        return (n, false);
     }
     let mut queue = lock(&shared.outgoing);
     while let Some(o) = queue.front() {
         if !send(o) {
             // Keep the rest where it is, in order.
-            return n;
+            return (n, true);
         }
         queue.pop_front();
         n += 1;
     }
-    n
+    (n, false)
 }
 
 /// The pipeline's sending thread.
@@ -694,7 +733,8 @@ impl PipeTx {
                 self.half.handle_timeout(now);
             }
             let half = &mut self.half;
-            work += feed(&mut backlog, &shared, |o| half.send(now, o.peer, o.channel, &o.data).is_ok());
+            work +=
+                feed(&mut backlog, &shared, true, |o| half.send(now, o.peer, o.channel, &o.data).is_ok()).0;
             let half = &mut self.half;
             work += self.worker.tx_burst(&mut |frame| half.poll_transmit(now, frame));
             let idle = self.half.is_idle() && backlog.is_empty();
@@ -703,7 +743,7 @@ impl PipeTx {
             }
             shared.idle.store(idle, Ordering::Release);
             let deadline = self.half.poll_timeout();
-            self.worker.idle(work, deadline, false, &shared.tx_waker);
+            self.worker.idle(now, work, deadline, false, &shared.tx_waker);
         }
         *lock(&shared.tx_counters) = self.half.counters();
     }
@@ -762,9 +802,7 @@ impl Shared {
         }
         drop(q);
         replies.clear();
-        // Relaxed is enough for the flag: the queue's mutex orders the data.
-        self.idle.store(false, Ordering::Relaxed);
-        self.tx_waker.wake();
+        self.posted_work();
     }
 }
 
@@ -815,7 +853,7 @@ impl PipeRx {
                 *lock(&shared.rx_counters) = self.half.counters();
             }
             let deadline = self.half.poll_timeout();
-            self.worker.idle(work, deadline, true, &shared.rx_waker);
+            self.worker.idle(now, work, deadline, true, &shared.rx_waker);
         }
         *lock(&shared.rx_counters) = self.half.counters();
     }

@@ -850,86 +850,82 @@ fn partial_draining_across_frames_keeps_messages_intact() {
     }
 }
 
-/// Request/response: each reply carries the ACK of its request and each next request the ACK of
-/// the reply, so a round trip is two frames, the coalesced ACKs are never sent, and no carried
-/// ACK counts as a duplicate.
-#[test]
-fn replies_carry_the_ack_of_their_request() {
-    let (mut a, mut b) = (Endpoint::new(p2p(), A, at_us(0)), Endpoint::new(p2p(), B, at_us(0)));
-    let mut t = 0;
-    a.send(at_us(t), B, 3, b"ping 0").unwrap();
-    for round in 0..50u32 {
-        let to_b = drain(&mut a, at_us(t));
-        assert_eq!(to_b.len(), 1, "round {round}: one frame a -> b");
-        let h = header(&to_b[0]);
-        assert_eq!(h.kind, Kind::Data);
-        assert_eq!(h.flags & lanbus::FLAG_ACK != 0, round > 0, "round {round}: carries the reply's ACK");
-        if round > 0 {
-            assert_eq!((h.ack, h.flags & FLAG_ECHO != 0), (round, true));
-        }
-        t += 2;
-        b.handle_frame(at_us(t), &to_b[0]);
-        let m = b.poll_message().unwrap();
-        assert_eq!(m.data, format!("ping {round}").as_bytes());
-        b.send(at_us(t), A, 3, format!("pong {round}").as_bytes()).unwrap();
-        let to_a = drain(&mut b, at_us(t));
-        assert_eq!(to_a.len(), 1, "round {round}: one frame b -> a");
-        let h = header(&to_a[0]);
-        assert_eq!((h.kind, h.ack, h.flags & lanbus::FLAG_ACK != 0), (Kind::Data, round + 1, true));
-        t += 2;
-        a.handle_frame(at_us(t), &to_a[0]);
-        assert_eq!(a.poll_message().unwrap().data, format!("pong {round}").as_bytes());
-        assert!(a.send_half().queued_frames(B, 3) == 0, "round {round}: the request is acknowledged");
-        // b's coalescing timer fires: the ACK it owed went out in the reply already.
-        t += 10;
-        b.handle_timeout(at_us(t));
-        assert!(drain(&mut b, at_us(t)).is_empty(), "round {round}: no separate ACK from b");
-        a.send(at_us(t), B, 3, format!("ping {}", round + 1).as_bytes()).unwrap();
-    }
-    let (ca, cb) = (a.counters(), b.counters());
-    assert_eq!((ca.ack_frames_sent, cb.ack_frames_sent), (0, 0));
-    // a's first request had nothing to carry; its 51st (queued, not sent) would carry the last.
-    assert_eq!((ca.acks_carried, cb.acks_carried), (49, 50));
-    assert_eq!((ca.dup_acks_received, cb.dup_acks_received, ca.retransmitted_frames), (0, 0, 0));
-    assert_eq!(ca.rtt_samples, 50, "every carried ACK gives an RTT sample");
-}
-
-/// As above, with both sides answering from inside `handle_frame_delivering` (as the
-/// run-to-completion runtime's handlers do): the reply is queued while the request is still lent
-/// from the frame, and carries the request's ACK all the same.
-#[test]
-fn replies_sent_while_the_request_is_lent_carry_its_ack() {
-    let (mut a, mut b) = (Endpoint::new(p2p(), A, at_us(0)), Endpoint::new(p2p(), B, at_us(0)));
-    let mut t = 0;
-    a.send(at_us(t), B, 3, b"ping 0").unwrap();
-    for round in 0..50u32 {
-        let to_b = drain(&mut a, at_us(t));
-        assert_eq!(to_b.len(), 1, "round {round}: one frame a -> b");
-        t += 2;
+/// Hands `frame` to `e` and answers its one message `expect` with `reply`: from inside
+/// `handle_frame_delivering` when `lend` (as the run-to-completion runtime's handlers do: the
+/// reply is queued while the request is still lent from the frame), else by polling it first.
+fn answer(e: &mut Endpoint, t: Instant, frame: &[u8], lend: bool, expect: &str, to: MacAddr, reply: &str) {
+    if lend {
         let mut lent = 0;
-        b.handle_frame_delivering(at_us(t), &to_b[0], &mut |m, tx| {
-            assert_eq!(m.data, format!("ping {round}").as_bytes());
-            tx.send(at_us(t), A, 3, format!("pong {round}").as_bytes()).unwrap();
+        e.handle_frame_delivering(t, frame, &mut |m, tx| {
+            assert_eq!(m.data, expect.as_bytes());
+            tx.send(t, to, 3, reply.as_bytes()).unwrap();
             lent += 1;
         });
-        assert_eq!(lent, 1, "round {round}: the request was lent, not queued");
-        assert!(b.poll_message().is_none());
-        let to_a = drain(&mut b, at_us(t));
-        assert_eq!(to_a.len(), 1, "round {round}: one frame b -> a");
-        let h = header(&to_a[0]);
-        assert_eq!((h.kind, h.ack, h.flags & lanbus::FLAG_ACK != 0), (Kind::Data, round + 1, true));
-        t += 2;
-        let next = format!("ping {}", round + 1);
-        a.handle_frame_delivering(at_us(t), &to_a[0], &mut |m, tx| {
-            assert_eq!(m.data, format!("pong {round}").as_bytes());
-            tx.send(at_us(t), B, 3, next.as_bytes()).unwrap();
-        });
-        assert!(a.send_half().queued_frames(B, 3) <= 1, "round {round}: the request is acknowledged");
+        assert_eq!(lent, 1, "{expect}: lent, not queued");
+        assert!(e.poll_message().is_none());
+    } else {
+        e.handle_frame(t, frame);
+        assert_eq!(e.poll_message().unwrap().data, expect.as_bytes());
+        e.send(t, to, 3, reply.as_bytes()).unwrap();
     }
-    let (ca, cb) = (a.counters(), b.counters());
-    assert_eq!((ca.ack_frames_sent, cb.ack_frames_sent), (0, 0));
-    assert_eq!((ca.acks_carried, cb.acks_carried), (49, 50));
-    assert_eq!((ca.messages_delivered, cb.messages_delivered), (50, 50));
+}
+
+/// Request/response: each reply carries the ACK of its request and each next request the ACK of
+/// the reply, so a round trip is two frames, the coalesced ACKs are never sent, and no carried
+/// ACK counts as a duplicate; the same whether replies are sent after polling or while the
+/// request is lent from its frame.
+#[test]
+fn replies_carry_the_ack_of_their_request() {
+    for lend in [false, true] {
+        let (mut a, mut b) = (Endpoint::new(p2p(), A, at_us(0)), Endpoint::new(p2p(), B, at_us(0)));
+        let mut t = 0;
+        a.send(at_us(t), B, 3, b"ping 0").unwrap();
+        for round in 0..50u32 {
+            let to_b = drain(&mut a, at_us(t));
+            assert_eq!(to_b.len(), 1, "round {round}: one frame a -> b");
+            let h = header(&to_b[0]);
+            assert_eq!(h.kind, Kind::Data);
+            assert_eq!(h.flags & lanbus::FLAG_ACK != 0, round > 0, "round {round}: carries the reply's ACK");
+            if round > 0 {
+                assert_eq!((h.ack, h.flags & FLAG_ECHO != 0), (round, true));
+            }
+            t += 2;
+            answer(&mut b, at_us(t), &to_b[0], lend, &format!("ping {round}"), A, &format!("pong {round}"));
+            let to_a = drain(&mut b, at_us(t));
+            assert_eq!(to_a.len(), 1, "round {round}: one frame b -> a");
+            let h = header(&to_a[0]);
+            assert_eq!((h.kind, h.ack, h.flags & lanbus::FLAG_ACK != 0), (Kind::Data, round + 1, true));
+            t += 2;
+            // a's next request is queued at once (lent) or after the coalescing timer (polled).
+            let next = format!("ping {}", round + 1);
+            if lend {
+                answer(&mut a, at_us(t), &to_a[0], lend, &format!("pong {round}"), B, &next);
+                assert_eq!(a.send_half().queued_frames(B, 3), 1, "round {round}: only the next request");
+            } else {
+                a.handle_frame(at_us(t), &to_a[0]);
+                assert_eq!(a.poll_message().unwrap().data, format!("pong {round}").as_bytes());
+                assert_eq!(
+                    a.send_half().queued_frames(B, 3),
+                    0,
+                    "round {round}: the request is acknowledged"
+                );
+            }
+            // b's coalescing timer fires: the ACK it owed went out in the reply already.
+            t += 10;
+            b.handle_timeout(at_us(t));
+            assert!(drain(&mut b, at_us(t)).is_empty(), "round {round}: no separate ACK from b");
+            if !lend {
+                a.send(at_us(t), B, 3, next.as_bytes()).unwrap();
+            }
+        }
+        let (ca, cb) = (a.counters(), b.counters());
+        assert_eq!((ca.ack_frames_sent, cb.ack_frames_sent), (0, 0));
+        // a's first request had nothing to carry; its 51st (queued, not sent) would carry the last.
+        assert_eq!((ca.acks_carried, cb.acks_carried), (49, 50));
+        assert_eq!((ca.dup_acks_received, cb.dup_acks_received, ca.retransmitted_frames), (0, 0, 0));
+        assert_eq!(ca.rtt_samples, 50, "every carried ACK gives an RTT sample");
+        assert_eq!((ca.messages_delivered, cb.messages_delivered), (50, 50));
+    }
 }
 
 /// The ACK a frame carries frees the sender's queue before the frame's messages are lent, as it
