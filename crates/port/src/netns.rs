@@ -91,8 +91,13 @@ impl Netns {
         if held.closed {
             return Err(std::io::Error::other("the process is shutting down (netns::delete_all ran)"));
         }
-        ip(&["netns", "add", name])?;
+        // Registered before `ip` runs: a Ctrl-C reaches `ip` too, and may end it after the
+        // namespace exists but before it reports success.
         held.names.push(name.to_string());
+        if let Err(e) = ip(&["netns", "add", name]) {
+            held.names.retain(|n| n != name);
+            return Err(e);
+        }
         drop(held);
         let ns = Netns { name: name.to_string() };
         ns.ip(&["link", "set", "lo", "up"])?;

@@ -544,7 +544,9 @@ impl Worker {
         waker: &Waker,
     ) {
         if work > 0 {
-            self.last_work = now;
+            // Adaptive polling spins for `spin` after the work ended, not after it began (a long
+            // burst must not use up the spin).
+            self.last_work = if self.polling == Polling::Busy { now } else { self.clock.now() };
             return;
         }
         let spin = match self.polling {

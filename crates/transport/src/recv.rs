@@ -215,9 +215,9 @@ impl ReceiveHalf {
     /// in order: nothing delivered earlier still waits in [`ReceiveHalf::poll_message`], and the
     /// frame holds whole messages only (fragments are reassembled and queued as usual, and so is
     /// every message while older ones wait). The frame's feedback (the ACK it carries, the ACK it
-    /// makes us owe) is queued in [`ReceiveHalf::poll_feedback`] before the first is lent; a
-    /// driver that hands feedback to its sending half in between uses
-    /// [`ReceiveHalf::take_frame_to_lend`] and [`ReceiveHalf::lend`] instead.
+    /// makes us owe) is queued in [`ReceiveHalf::poll_feedback`] before the first is lent
+    /// ([`Endpoint::handle_frame_delivering`](crate::Endpoint::handle_frame_delivering) hands it
+    /// to the sending half in between).
     pub fn handle_frame_delivering(
         &mut self,
         now: Instant,
@@ -229,14 +229,16 @@ impl ReceiveHalf {
     }
 
     /// The first half of [`ReceiveHalf::handle_frame_delivering`]: takes the frame, queues
-    /// feedback, events and the messages that cannot be lent, and notes the ones that can.
-    pub fn take_frame_to_lend(&mut self, now: Instant, frame: &[u8]) {
+    /// feedback, events and the messages that cannot be lent, and notes the ones that can. Only
+    /// [`ReceiveHalf::lend`] of the same frame may follow (crate-private: misuse would lose
+    /// messages already acknowledged).
+    pub(crate) fn take_frame_to_lend(&mut self, now: Instant, frame: &[u8]) {
         self.take_frame(now, frame, true);
     }
 
     /// The second half: lends the messages noted by the last
     /// [`ReceiveHalf::take_frame_to_lend`] from `frame`, which must be the same frame.
-    pub fn lend(&mut self, frame: &[u8], deliver: &mut dyn FnMut(Message<'_>)) {
+    pub(crate) fn lend(&mut self, frame: &[u8], deliver: &mut dyn FnMut(Message<'_>)) {
         let (peer, channel) = self.lend_from;
         for r in self.lend.drain(..) {
             deliver(Message { peer, channel, data: &frame[r] });

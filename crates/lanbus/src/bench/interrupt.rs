@@ -48,6 +48,7 @@ pub fn install() -> anyhow::Result<()> {
                      scratch directories: {}",
                     held.len()
                 );
+                // Ends the process by the signal (default action); returns only if that failed.
                 let _ = signal_hook::low_level::emulate_default_handler(sig);
                 std::process::exit(128 + sig);
             }

@@ -15,7 +15,7 @@
 //! and `iops`, with `block_size`, `rw`, (lanbus rows) the driver's `completion` mode and (rows over
 //! the veth) its `mtu`, 9000 by default (the drive's TLPs carry up to 4 KiB); each the
 //! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`), after an unmeasured warm-up run per
-//! direction at the largest block size (see [`warm_up`]). A PNG per direction (MB/s against
+//! direction with blocks twice the largest measured (see [`warm_up`]). A PNG per direction (MB/s against
 //! block size) next to the JSON. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
 //! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
 
@@ -159,24 +159,19 @@ fn over(
     Ok((Holder::Fabric(f, server), uri))
 }
 
-/// One unmeasured fio run at the largest block size, so that every row serves every size in its
-/// steady state whatever order the sizes are measured in. qemu-nbd takes each request's buffer
-/// from glibc's malloc, which maps buffers above its mmap threshold afresh (page faults on every
-/// request) until the first such buffer is freed raises the threshold: measured, qemu-nbd wrote
-/// 256 KiB blocks at 1360 MB/s before any 1 MiB request and at 2268 MB/s after (reads 1212 and
-/// 2000), so with the sizes in ascending order its 256 KiB reads were in one state and its
-/// writes in the other. The lanbus rows (mimalloc, buffers reused) show no such step.
-fn warm_up(uri: &str, sizes: &[&str], size_mib: u64) -> anyhow::Result<()> {
-    let mut largest = ("", 0);
-    for &bs in sizes {
-        let bytes = crate::nbd::parse_size(bs)?;
-        if bytes > largest.1 {
-            largest = (bs, bytes);
-        }
-    }
-    for rw in ["randread", "randwrite"] {
-        run_fio(uri, rw, largest.0, 1, size_mib, 1)
-            .with_context(|| format!("warming up with {rw} {}", largest.0))?;
+/// One unmeasured fio run per direction with blocks of `bytes` (twice the largest measured), so
+/// that every row serves every size in its steady state, whatever order the sizes are measured
+/// in. qemu-nbd takes each request's buffer from glibc (aligned allocations), which maps a buffer
+/// at or above its mmap threshold afresh on every request (page faults on all of it) until
+/// freeing a larger one raises the threshold: measured, qemu-nbd served 256 KiB writes at 1360
+/// MB/s before any 1 MiB request and at 2268 after (reads 1212 and 2000), and 1 MiB reads at
+/// 1440 until a 4 MiB request had gone by, 2130 after. A long-running server has seen large
+/// requests; a fresh one has not. The lanbus rows (mimalloc, buffers reused) show no such step.
+fn warm_up(uri: &str, args: &NvmeBenchArgs, bytes: u64) -> anyhow::Result<()> {
+    let bs = bytes.to_string();
+    for rw in args.directions() {
+        run_fio(uri, rw, &bs, 1, args.size_mib, 1)
+            .with_context(|| format!("warming up with {rw} of {bs} bytes"))?;
     }
     Ok(())
 }
@@ -260,6 +255,16 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
 fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     let size = args.size_mib << 20;
     let want = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
+    let sizes: Vec<&str> = if args.block_sizes.is_empty() {
+        BLOCK_SIZES.to_vec()
+    } else {
+        args.block_sizes.iter().map(String::as_str).collect()
+    };
+    // Every size is checked before anything is set up; twice the largest warms each row up.
+    let mut largest = 0;
+    for &bs in &sizes {
+        largest = largest.max(crate::nbd::parse_size(bs).with_context(|| format!("--block-sizes {bs:?}"))?);
+    }
     let veth = if want("afpacket") || want("afxdp") || want("udp") {
         match lanbus_port::netns::VethPair::create() {
             Ok(v) => {
@@ -302,12 +307,11 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 continue;
             }
         };
-        let sizes: Vec<&str> = if args.block_sizes.is_empty() {
-            BLOCK_SIZES.to_vec()
-        } else {
-            args.block_sizes.iter().map(String::as_str).collect()
-        };
-        warm_up(&uri, &sizes, args.size_mib)?;
+        if let Err(e) = warm_up(&uri, args, 2 * largest) {
+            eprintln!("bench nvme: row {name} missing: {e:#}");
+            missing.push(name);
+            continue;
+        }
         for rw in args.directions() {
             for &bs in &sizes {
                 let mut mbs = Vec::new();
