@@ -9,7 +9,7 @@ use std::process::Command;
 
 /// Makes the process `command` starts receive SIGTERM when the thread that starts it ends,
 /// which for a helper started by the main thread means when this process ends, however it ends
-/// (SIGKILL included). For long-lived helpers of a bench: qemu-nbd, sockperf and iperf3 servers.
+/// (SIGKILL included). For the helpers of a bench: qemu-nbd, fio, sockperf and iperf3.
 pub fn end_with_parent(command: &mut Command) -> &mut Command {
     let parent = std::process::id();
     // SAFETY: the closure runs in the child between fork and exec and only calls prctl(2),

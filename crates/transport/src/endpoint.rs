@@ -75,9 +75,9 @@ impl Endpoint {
     }
 
     /// Takes one received Ethernet frame and lends the messages it completes to `deliver`, with
-    /// the sending half for replies, straight from `frame` where order allows (see
-    /// [`ReceiveHalf::handle_frame_delivering`]); the rest wait in [`Endpoint::poll_message`]
-    /// as after [`Endpoint::handle_frame`]. The frame's ACKs reach the sending half first, as
+    /// the sending half for replies, straight from `frame` where order allows (nothing older
+    /// waits in [`Endpoint::poll_message`], and the frame holds whole messages only); the rest
+    /// wait in `poll_message` as after [`Endpoint::handle_frame`]. The frame's ACKs reach the sending half first, as
     /// they do before `poll_message`, so a reply finds the queue room they free. Saves copying
     /// every received byte once.
     pub fn handle_frame_delivering(

@@ -90,7 +90,7 @@ pub struct ReceiveHalf {
     consumed: usize,
     delivered: VecDeque<Delivered>,
     /// Messages of the frame just taken that are to be lent from it: (peer, channel) and byte
-    /// ranges of the frame (see [`ReceiveHalf::handle_frame_delivering`]).
+    /// ranges of the frame (see [`ReceiveHalf::take_frame_to_lend`]).
     lend_from: (MacAddr, u16),
     lend: Vec<core::ops::Range<usize>>,
     feedback: VecDeque<Feedback>,
@@ -210,34 +210,20 @@ impl ReceiveHalf {
         self.take_frame(now, frame, false);
     }
 
-    /// Takes one received frame like [`ReceiveHalf::handle_frame`], but lends the messages it
-    /// completes to `deliver` straight from `frame`, without copying them, when that keeps them
-    /// in order: nothing delivered earlier still waits in [`ReceiveHalf::poll_message`], and the
-    /// frame holds whole messages only (fragments are reassembled and queued as usual, and so is
-    /// every message while older ones wait). The frame's feedback (the ACK it carries, the ACK it
-    /// makes us owe) is queued in [`ReceiveHalf::poll_feedback`] before the first is lent
-    /// ([`Endpoint::handle_frame_delivering`](crate::Endpoint::handle_frame_delivering) hands it
-    /// to the sending half in between).
-    pub fn handle_frame_delivering(
-        &mut self,
-        now: Instant,
-        frame: &[u8],
-        deliver: &mut dyn FnMut(Message<'_>),
-    ) {
-        self.take_frame_to_lend(now, frame);
-        self.lend(frame, deliver);
-    }
-
-    /// The first half of [`ReceiveHalf::handle_frame_delivering`]: takes the frame, queues
-    /// feedback, events and the messages that cannot be lent, and notes the ones that can. Only
-    /// [`ReceiveHalf::lend`] of the same frame may follow (crate-private: misuse would lose
-    /// messages already acknowledged).
+    /// Takes one received frame like [`ReceiveHalf::handle_frame`], but notes the messages it
+    /// completes for [`ReceiveHalf::lend`] to lend straight from the frame, without copying them,
+    /// when that keeps them in order: nothing delivered earlier still waits in
+    /// [`ReceiveHalf::poll_message`], and the frame holds whole messages only (fragments are
+    /// reassembled and queued as usual, and so is every message while older ones wait). The
+    /// frame's feedback is queued as usual. Only `lend` of the same frame may follow
+    /// (crate-private: misuse would lose messages already acknowledged); see
+    /// [`Endpoint::handle_frame_delivering`](crate::Endpoint::handle_frame_delivering).
     pub(crate) fn take_frame_to_lend(&mut self, now: Instant, frame: &[u8]) {
         self.take_frame(now, frame, true);
     }
 
-    /// The second half: lends the messages noted by the last
-    /// [`ReceiveHalf::take_frame_to_lend`] from `frame`, which must be the same frame.
+    /// Lends the messages noted by the last [`ReceiveHalf::take_frame_to_lend`] from `frame`,
+    /// which must be the same frame.
     pub(crate) fn lend(&mut self, frame: &[u8], deliver: &mut dyn FnMut(Message<'_>)) {
         let (peer, channel) = self.lend_from;
         for r in self.lend.drain(..) {

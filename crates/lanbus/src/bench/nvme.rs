@@ -15,8 +15,8 @@
 //! and `iops`, with `block_size`, `rw`, (lanbus rows) the driver's `completion` mode and (rows over
 //! the veth) its `mtu`, 9000 by default (the drive's TLPs carry up to 4 KiB); each the
 //! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`), after an unmeasured warm-up run per
-//! direction with blocks twice the largest measured (see [`warm_up`]). A PNG per direction (MB/s against
-//! block size) next to the JSON. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
+//! direction with blocks twice the largest measured (see [`warm_up`]). A PNG per direction (MB/s
+//! against block size) next to the JSON. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
 //! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
 
 use std::path::{Path, PathBuf};
@@ -255,16 +255,17 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
 fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     let size = args.size_mib << 20;
     let want = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
-    let sizes: Vec<&str> = if args.block_sizes.is_empty() {
+    let names: Vec<&str> = if args.block_sizes.is_empty() {
         BLOCK_SIZES.to_vec()
     } else {
         args.block_sizes.iter().map(String::as_str).collect()
     };
     // Every size is checked before anything is set up; twice the largest warms each row up.
-    let mut largest = 0;
-    for &bs in &sizes {
-        largest = largest.max(crate::nbd::parse_size(bs).with_context(|| format!("--block-sizes {bs:?}"))?);
+    let mut sizes = Vec::with_capacity(names.len());
+    for bs in names {
+        sizes.push((bs, crate::nbd::parse_size(bs).with_context(|| format!("--block-sizes {bs:?}"))?));
     }
+    let largest = sizes.iter().map(|&(_, bytes)| bytes).max().unwrap_or(0);
     let veth = if want("afpacket") || want("afxdp") || want("udp") {
         match lanbus_port::netns::VethPair::create() {
             Ok(v) => {
@@ -313,7 +314,7 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             continue;
         }
         for rw in args.directions() {
-            for &bs in &sizes {
+            for &(bs, block) in &sizes {
                 let mut mbs = Vec::new();
                 let mut iops = Vec::new();
                 for _ in 0..runs {
@@ -326,7 +327,6 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                     }
                 }
                 let (Some(m), Some(i)) = (median(&mbs), median(&iops)) else { continue };
-                let block = crate::nbd::parse_size(bs)?;
                 for (metric, value) in [("mb_per_s", m), ("iops", i)] {
                     let mut row = Row::new(name, metric, value).with("rw", rw).with("block_size", block);
                     if !name.starts_with("peer:") {
