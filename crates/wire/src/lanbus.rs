@@ -362,29 +362,10 @@ impl Repr {
 /// it, addressing a broadcast to the one receiver, and a corrupted destination is caught by the
 /// receiver's address check anyway. A CRC of degree 32 detects every error of
 /// up to three flipped bits in frames this size and every burst of up to 32 bits; a sum of words
-/// does not (two flips of the same bit in two words cancel).
-///
-/// `crc_fast` folds 64 bytes at a time with carry-less multiplication (VPCLMULQDQ where the CPU
-/// has it): 1 KiB in about 24 ns where the SSE 4.2 `crc32` instruction, even three streams at a
-/// time, takes 78 (4x at 9000 bytes). Every frame is summed twice, so on a 1 KiB ping-pong this
-/// is a tenth of the round trip.
-const CRC: crc_fast::CrcAlgorithm = crc_fast::CrcAlgorithm::Crc32Iscsi;
-
-/// [`frame_crc`] of a frame whose checksum field is already zero: one pass.
-fn zeroed_frame_crc(frame: &[u8]) -> u32 {
-    crc_fast::checksum(CRC, &frame[CHECKSUM_START..]) as u32
-}
-
-/// [`frame_crc`] of a frame as received (the field holds the sender's checksum): the bytes before
-/// the field and four zeros go through a copy on the stack, so that the frame is still read once.
+/// does not (two flips of the same bit in two words cancel). Every frame is summed by its sender
+/// and its receiver, on the round trip's path: see the `crc` module for how it is made fast.
 fn frame_crc(frame: &[u8]) -> u32 {
-    let mut head = [0u8; CHECKSUM_FRAME_OFFSET + 4 - CHECKSUM_START];
-    head[..CHECKSUM_FRAME_OFFSET - CHECKSUM_START]
-        .copy_from_slice(&frame[CHECKSUM_START..CHECKSUM_FRAME_OFFSET]);
-    let mut digest = crc_fast::Digest::new(CRC);
-    digest.update(&head);
-    digest.update(&frame[CHECKSUM_FRAME_OFFSET + 4..]);
-    digest.finalize() as u32
+    crate::crc::crc32c_zero_field(&frame[CHECKSUM_START..], CHECKSUM_FRAME_OFFSET - CHECKSUM_START)
 }
 
 /// Writes the checksum of a whole frame (`frame` = Ethernet header + lanbus header + payload,
@@ -394,7 +375,7 @@ fn frame_crc(frame: &[u8]) -> u32 {
 pub fn fill_checksum(frame: &mut [u8]) {
     frame[ETHERNET_HEADER_LEN + field::FLAGS] |= FLAG_CHECKSUM;
     frame[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].fill(0);
-    let crc = zeroed_frame_crc(frame);
+    let crc = crate::crc::crc32c(&frame[CHECKSUM_START..]);
     frame[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].copy_from_slice(&crc.to_be_bytes());
 }
 

@@ -9,6 +9,7 @@
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
 
+mod crc;
 pub mod ethernet;
 pub mod lanbus;
 pub mod time;
