@@ -18,7 +18,9 @@
 //! (`peer:sockperf-udp`) and with `--nonblocked` on both ends (`peer:sockperf-udp-busy`), both
 //! reporting full round trips (`--full-rtt`), and iperf3 TCP and UDP at maximum rate. Ratios
 //! compare like with like: busy lanbus rows against sockperf busy, adaptive against blocking; and
-//! afxdp goodput against udp's.
+//! afxdp goodput against udp's. Latency is measured in pairs: each run takes sockperf's figure and
+//! every port's right after one another (see [`measure_latency`]), and a latency ratio is the
+//! median of the runs' ratios.
 //!
 //! Transport settings: point to point (no heartbeats), default window (128 frames), checksums and
 //! packing on, and the delay-based rate control off (`--rate-control` on the peer keeps it): on
@@ -33,6 +35,7 @@
 //! prints `ready` once its port is open, and a client (ping or stream) in namespace a that prints
 //! one JSON line of results. Every figure is the median of several runs (`--quick`: one short run).
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read as _, Write as _};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -571,36 +574,182 @@ fn peer_command(ns: &Netns, exe: &str, spec: &str, peer: MacAddr, role: &str, mo
     c
 }
 
-/// The lanbus rows of one port.
-fn measure_port(
+/// The row name and mode sockperf's figures carry when compared with lanbus in `mode`.
+fn sockperf_row(mode: Mode) -> (&'static str, &'static str) {
+    match mode {
+        Mode::Busy => ("peer:sockperf-udp-busy", "busy"),
+        Mode::Adaptive => ("peer:sockperf-udp", "blocking"),
+    }
+}
+
+/// The runs of one ping-pong figure: (run, p50, p99) each, microseconds.
+type Runs = Vec<(usize, f64, f64)>;
+
+/// Ping-pong latency of every port and of sockperf, in pairs: each run measures every figure of
+/// every port right after sockperf's (in alternating order), so that the ratio of a run compares
+/// two measurements taken seconds apart. On a shared VM the cost of a kernel path drifts by tens
+/// of percent within minutes; measured one after the other (all of lanbus, then all of
+/// sockperf), single runs of the afpacket ratio ranged from 0.52 to 0.97. The reported ratio is
+/// the median of the runs' ratios. Returns the ports that worked; one that fails is left out of
+/// the report with a note.
+fn measure_latency(
     pair: &VethPair,
     exe: &str,
-    kind: &str,
+    ports: &[String],
     plan: &Plan,
     report: &mut Report,
-) -> anyhow::Result<()> {
-    let specs = port_specs(pair, kind)?;
-    let secs = plan.seconds.to_string();
-    for mode in [Mode::Busy, Mode::Adaptive] {
-        for &size in PING_SIZES {
-            let (mut p50, mut p99) = (Vec::new(), Vec::new());
-            for run in 0..plan.runs {
-                eprintln!("bench transport: {kind} {} ping-pong {size} B, run {}", mode.name(), run + 1);
-                let mut server = peer_command(&pair.b.netns, exe, &specs.b, pair.a.mac, "echo", mode);
-                server.args(&specs.extra);
-                let _server = Server::start(server, &format!("{kind} echo server"))?;
-                let mut client = peer_command(&pair.a.netns, exe, &specs.a, pair.b.mac, "ping", mode);
-                client.args(["--size", &size.to_string(), "--seconds", &secs]).args(&specs.extra);
-                let v = run_client(client, &format!("{kind} ping client"))?;
-                p50.push(v["p50_us"].as_f64().unwrap_or(f64::NAN));
-                p99.push(v["p99_us"].as_f64().unwrap_or(f64::NAN));
-            }
-            for (metric, values) in [("p50_us", &p50), ("p99_us", &p99)] {
-                if let Some(m) = median(values) {
-                    report.push(Row::new(kind, metric, m).with("size_bytes", size).with("mode", mode.name()));
+    notes: &mut Vec<String>,
+) -> Vec<(String, PortSpecs)> {
+    let mut alive = Vec::new();
+    for kind in ports {
+        match port_specs(pair, kind) {
+            Ok(specs) => alive.push((kind.clone(), specs)),
+            Err(e) => notes.push(format!("{kind}: skipped: {e:#}")),
+        }
+    }
+    let mut sockperf = have("sockperf");
+    if !sockperf {
+        notes.push(
+            "peer:sockperf-udp rows skipped: sockperf is not installed (apt-get install sockperf)".into(),
+        );
+    }
+    let mut runs: BTreeMap<(String, &'static str, usize), Runs> = BTreeMap::new();
+    for run in 0..plan.runs {
+        for mode in [Mode::Busy, Mode::Adaptive] {
+            for &size in PING_SIZES {
+                let peer_first = run % 2 == 0;
+                if peer_first && sockperf {
+                    sockperf = sockperf_sample(pair, plan, mode, size, run, &mut runs, notes);
+                }
+                alive.retain(|(kind, specs)| {
+                    match ping_once(pair, exe, kind, specs, plan, mode, size, run) {
+                        Ok((p50, p99)) => {
+                            runs.entry((kind.clone(), mode.name(), size)).or_default().push((run, p50, p99));
+                            true
+                        }
+                        Err(e) => {
+                            eprintln!("bench transport: {kind} skipped: {e:#}");
+                            notes.push(format!("{kind}: skipped: {e:#}"));
+                            false
+                        }
+                    }
+                });
+                if !peer_first && sockperf {
+                    sockperf = sockperf_sample(pair, plan, mode, size, run, &mut runs, notes);
                 }
             }
         }
+    }
+    // In table order: each port busy then adaptive, then sockperf busy then blocking.
+    let mut rows: Vec<(&str, &'static str)> = Vec::new();
+    for (kind, _) in &alive {
+        rows.extend([Mode::Busy, Mode::Adaptive].map(|m| (kind.as_str(), m.name())));
+    }
+    if sockperf {
+        rows.extend([Mode::Busy, Mode::Adaptive].map(sockperf_row));
+    }
+    for (name, mode) in rows {
+        for &size in PING_SIZES {
+            let Some(r) = runs.get(&(name.to_string(), mode, size)) else { continue };
+            let p50: Vec<f64> = r.iter().map(|s| s.1).collect();
+            let p99: Vec<f64> = r.iter().map(|s| s.2).collect();
+            for (metric, values) in [("p50_us", &p50), ("p99_us", &p99)] {
+                if let Some(m) = median(values) {
+                    report.push(Row::new(name, metric, m).with("size_bytes", size).with("mode", mode));
+                }
+            }
+        }
+    }
+    if sockperf {
+        for (kind, _) in &alive {
+            for mode in [Mode::Busy, Mode::Adaptive] {
+                let (peer, peer_mode) = sockperf_row(mode);
+                for &size in PING_SIZES {
+                    let ours = runs.get(&(kind.clone(), mode.name(), size));
+                    let theirs = runs.get(&(peer.to_string(), peer_mode, size));
+                    if let Some(r) = ours.zip(theirs).and_then(|(a, b)| paired_ratio(a, b)) {
+                        report.push(
+                            Row::new(kind.as_str(), "p50_vs_sockperf", r)
+                                .with("size_bytes", size)
+                                .with("mode", mode.name()),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    alive
+}
+
+/// The median over runs of `ours / theirs` (p50s of the same run); `None` when no run has both.
+fn paired_ratio(ours: &Runs, theirs: &Runs) -> Option<f64> {
+    let ratios: Vec<f64> = ours
+        .iter()
+        .filter_map(|&(run, p50, _)| theirs.iter().find(|t| t.0 == run).map(|t| p50 / t.1))
+        .collect();
+    median(&ratios)
+}
+
+/// One sockperf run into `runs`; false (with a note) when sockperf failed.
+fn sockperf_sample(
+    pair: &VethPair,
+    plan: &Plan,
+    mode: Mode,
+    size: usize,
+    run: usize,
+    runs: &mut BTreeMap<(String, &'static str, usize), Runs>,
+    notes: &mut Vec<String>,
+) -> bool {
+    let (name, peer_mode) = sockperf_row(mode);
+    eprintln!("bench transport: {name} {size} B, run {}", run + 1);
+    match sockperf_once(pair, plan, mode == Mode::Busy, size) {
+        Ok((p50, p99)) => {
+            eprintln!("bench transport:   p50 {p50:.2} us, p99 {p99:.2} us");
+            runs.entry((name.to_string(), peer_mode, size)).or_default().push((run, p50, p99));
+            true
+        }
+        Err(e) => {
+            notes.push(format!("sockperf: {e:#}"));
+            false
+        }
+    }
+}
+
+/// One lanbus ping-pong run: (p50, p99) in microseconds.
+#[allow(clippy::too_many_arguments)]
+fn ping_once(
+    pair: &VethPair,
+    exe: &str,
+    kind: &str,
+    specs: &PortSpecs,
+    plan: &Plan,
+    mode: Mode,
+    size: usize,
+    run: usize,
+) -> anyhow::Result<(f64, f64)> {
+    eprintln!("bench transport: {kind} {} ping-pong {size} B, run {}", mode.name(), run + 1);
+    let mut server = peer_command(&pair.b.netns, exe, &specs.b, pair.a.mac, "echo", mode);
+    server.args(&specs.extra);
+    let _server = Server::start(server, &format!("{kind} echo server"))?;
+    let mut client = peer_command(&pair.a.netns, exe, &specs.a, pair.b.mac, "ping", mode);
+    client.args(["--size", &size.to_string(), "--seconds", &plan.seconds.to_string()]).args(&specs.extra);
+    let v = run_client(client, &format!("{kind} ping client"))?;
+    let (p50, p99) = (v["p50_us"].as_f64().unwrap_or(f64::NAN), v["p99_us"].as_f64().unwrap_or(f64::NAN));
+    eprintln!("bench transport:   p50 {p50:.2} us, p99 {p99:.2} us");
+    Ok((p50, p99))
+}
+
+/// The streaming and idle rows of one port.
+fn measure_streaming(
+    pair: &VethPair,
+    exe: &str,
+    kind: &str,
+    specs: &PortSpecs,
+    plan: &Plan,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let secs = plan.seconds.to_string();
+    for mode in [Mode::Busy, Mode::Adaptive] {
         for &size in STREAM_SIZES {
             let (mut msgs, mut gbit) = (Vec::new(), Vec::new());
             for run in 0..plan.runs {
@@ -687,49 +836,29 @@ fn sockperf_percentile(text: &str, p: &str) -> Option<f64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
-/// sockperf UDP ping-pong, blocking and busy (`--nonblocked` both ends), full round trips.
-fn measure_sockperf(pair: &VethPair, plan: &Plan, report: &mut Report) -> anyhow::Result<()> {
+/// One sockperf UDP ping-pong run, blocking or busy (`--nonblocked` on both ends), full round
+/// trips: (p50, p99) in microseconds.
+fn sockperf_once(pair: &VethPair, plan: &Plan, busy: bool, size: usize) -> anyhow::Result<(f64, f64)> {
     let b_ip = pair.b.ipv4.to_string();
     let secs = (plan.seconds.ceil() as u64).max(1).to_string();
-    for (name, mode, busy) in
-        [("peer:sockperf-udp", "blocking", false), ("peer:sockperf-udp-busy", "busy", true)]
-    {
-        for &size in PING_SIZES {
-            let (mut p50, mut p99) = (Vec::new(), Vec::new());
-            for run in 0..plan.runs {
-                eprintln!("bench transport: {name} {size} B, run {}", run + 1);
-                let mut server_args = vec!["server", "-i", &b_ip, "-p", "11111"];
-                if busy {
-                    server_args.push("--nonblocked");
-                }
-                let server = start_tool_server(&pair.b.netns, "sockperf", &server_args)?;
-                let size_s = size.to_string();
-                let mut args =
-                    vec!["ping-pong", "-i", &b_ip, "-p", "11111", "-m", &size_s, "-t", &secs, "--full-rtt"];
-                if busy {
-                    args.push("--nonblocked");
-                }
-                let out = pair.a.netns.exec("sockperf", &args);
-                stop(server);
-                let out = out?;
-                let text =
-                    String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-                match (sockperf_percentile(&text, "50.000"), sockperf_percentile(&text, "99.000")) {
-                    (Some(a), Some(b)) => {
-                        p50.push(a);
-                        p99.push(b);
-                    }
-                    _ => bail!("could not read sockperf's percentiles from: {}", text.trim()),
-                }
-            }
-            for (metric, values) in [("p50_us", &p50), ("p99_us", &p99)] {
-                if let Some(m) = median(values) {
-                    report.push(Row::new(name, metric, m).with("size_bytes", size).with("mode", mode));
-                }
-            }
-        }
+    let mut server_args = vec!["server", "-i", &b_ip, "-p", "11111"];
+    if busy {
+        server_args.push("--nonblocked");
     }
-    Ok(())
+    let server = start_tool_server(&pair.b.netns, "sockperf", &server_args)?;
+    let size_s = size.to_string();
+    let mut args = vec!["ping-pong", "-i", &b_ip, "-p", "11111", "-m", &size_s, "-t", &secs, "--full-rtt"];
+    if busy {
+        args.push("--nonblocked");
+    }
+    let out = pair.a.netns.exec("sockperf", &args);
+    stop(server);
+    let out = out?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    match (sockperf_percentile(&text, "50.000"), sockperf_percentile(&text, "99.000")) {
+        (Some(a), Some(b)) => Ok((a, b)),
+        _ => bail!("could not read sockperf's percentiles from: {}", text.trim()),
+    }
 }
 
 /// iperf3 TCP and UDP (`-b 0`: as fast as it goes) from a to b; receiver-side figures.
@@ -807,26 +936,9 @@ fn find(report: &Report, name: &str, metric: &str, size: usize, mode: &str) -> O
         .map(|r| r.value)
 }
 
-/// Ratio rows: latency against sockperf mode for mode; goodput of afxdp against udp.
-fn ratios(report: &mut Report, ports: &[String]) {
+/// Goodput of afxdp against udp (the latency ratios come from [`measure_latency`]).
+fn goodput_ratios(report: &mut Report) {
     let mut rows = Vec::new();
-    for kind in ports {
-        for (mode, peer, peer_mode) in
-            [("busy", "peer:sockperf-udp-busy", "busy"), ("adaptive", "peer:sockperf-udp", "blocking")]
-        {
-            for &size in PING_SIZES {
-                if let (Some(ours), Some(theirs)) =
-                    (find(report, kind, "p50_us", size, mode), find(report, peer, "p50_us", size, peer_mode))
-                {
-                    rows.push(
-                        Row::new(kind.as_str(), "p50_vs_sockperf", ours / theirs)
-                            .with("size_bytes", size)
-                            .with("mode", mode),
-                    );
-                }
-            }
-        }
-    }
     for mode in ["busy", "adaptive"] {
         for &size in STREAM_SIZES {
             if let (Some(x), Some(u)) = (
@@ -862,20 +974,12 @@ pub fn run(args: TransportArgs) -> anyhow::Result<()> {
     let exe = exe.to_string_lossy().to_string();
     let mut report = Report::new("transport");
     let mut notes = Vec::new();
-    for kind in &args.ports {
-        if let Err(e) = measure_port(&pair, &exe, kind, &plan, &mut report) {
-            eprintln!("bench transport: {kind} skipped: {e:#}");
-            notes.push(format!("{kind}: skipped: {e:#}"));
+    let alive = measure_latency(&pair, &exe, &args.ports, &plan, &mut report, &mut notes);
+    for (kind, specs) in &alive {
+        if let Err(e) = measure_streaming(&pair, &exe, kind, specs, &plan, &mut report) {
+            eprintln!("bench transport: {kind} streaming skipped: {e:#}");
+            notes.push(format!("{kind}: streaming skipped: {e:#}"));
         }
-    }
-    if have("sockperf") {
-        if let Err(e) = measure_sockperf(&pair, &plan, &mut report) {
-            notes.push(format!("sockperf: {e:#}"));
-        }
-    } else {
-        notes.push(
-            "peer:sockperf-udp rows skipped: sockperf is not installed (apt-get install sockperf)".into(),
-        );
     }
     if have("iperf3") {
         if let Err(e) = measure_iperf3(&pair, &plan, &mut report) {
@@ -884,7 +988,7 @@ pub fn run(args: TransportArgs) -> anyhow::Result<()> {
     } else {
         notes.push("peer:iperf3 rows skipped: iperf3 is not installed (apt-get install iperf3)".into());
     }
-    ratios(&mut report, &args.ports);
+    goodput_ratios(&mut report);
     for row in &mut report.rows {
         row.params.insert("mtu".into(), args.mtu.into());
     }
@@ -917,5 +1021,19 @@ mod tests {
         assert_eq!(sockperf_percentile(text, "90.000"), None);
         assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 0.5), 2.0);
         assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 0.99), 4.0);
+    }
+
+    #[test]
+    fn latency_ratios_pair_runs() {
+        // Run 1 of the port is missing; run 2 of sockperf is: only runs 0 and 3 pair up.
+        let ours: Runs = vec![(0, 2.0, 0.0), (2, 9.0, 0.0), (3, 3.0, 0.0)];
+        let theirs: Runs = vec![(0, 4.0, 0.0), (1, 1.0, 0.0), (3, 4.0, 0.0)];
+        assert_eq!(paired_ratio(&ours, &theirs), Some(0.625));
+        // A slow period hits both rows of its run, not the ratio: the median of the runs' ratios
+        // is 0.5 where the ratio of the medians would be 0.625.
+        let ours: Runs = vec![(0, 2.0, 0.0), (1, 6.0, 0.0), (2, 2.5, 0.0)];
+        let theirs: Runs = vec![(0, 4.0, 0.0), (1, 12.0, 0.0), (2, 3.3, 0.0)];
+        assert_eq!(paired_ratio(&ours, &theirs), Some(0.5));
+        assert_eq!(paired_ratio(&ours, &Vec::new()), None);
     }
 }
