@@ -6,6 +6,7 @@
 //! cannot be opened here (not root, no such interface, not built in), each saying what to do.
 
 use crate::afpacket::{AfPacketConfig, AfPacketPort};
+use crate::afxdp::XdpModeRequest;
 use crate::udp::{UdpConfig, UdpPort};
 use crate::{Port, PortError, Result};
 
@@ -30,9 +31,11 @@ PORT SPECS (--port SPEC)
       frame handed over at once. rx=v3: TPACKET_V3 receive blocks, handed over when full or
       after tov_ms (default 1 ms): batches for streaming, but a lone frame (a request, an ACK)
       waits that long, since the kernel cannot hand over a block early.
-  afxdp:IFACE[:QUEUE]
+  afxdp:IFACE[:QUEUE][,xdp=auto|native|generic]
       AF_XDP socket on IFACE's queue QUEUE (default 0) with an XDP program that takes only
-      EtherType 0x88B5. Needs root, Linux 5.x+ and an XDP-capable driver (generic mode otherwise).
+      EtherType 0x88B5. Needs root and Linux 5.x+. xdp=auto (default): the program runs in the
+      driver (native) where it can, in generic mode otherwise, and in generic mode first on veth,
+      where that is faster for frames from the peer's stack (native copies each one first).
   shm:PATH
       Two processes on one machine through shared-memory rings; PATH is the control socket.
   dpdk:EAL_ARGS
@@ -78,8 +81,8 @@ pub fn open(spec: &str) -> Result<Box<dyn Port>> {
             Ok(Box::new(AfPacketPort::open(&config).map_err(whole)?))
         }
         ("afxdp", Some(args)) => {
-            let (iface, queue) = check_iface_and_queue(spec, args)?;
-            let options = crate::afxdp::AfXdpOptions::default();
+            let (iface, queue, xdp_mode) = parse_afxdp(spec, args)?;
+            let options = crate::afxdp::AfXdpOptions { xdp_mode, ..Default::default() };
             Ok(Box::new(crate::afxdp::open(iface, queue, &options).map_err(whole)?))
         }
         ("shm", Some(path)) => {
@@ -128,15 +131,21 @@ pub fn fuzz_spec(data: &[u8]) {
         assert!(!why.is_empty());
     }
     if let Some((_, args)) = text.split_once(':') {
-        let _ = check_iface_and_queue(&text, args);
+        if let Err(PortError::BadSpec { why, .. }) = parse_afxdp(&text, args) {
+            assert!(!why.is_empty());
+        }
     }
 }
 
-/// Checks `IFACE[:QUEUE]` of an afxdp spec.
-fn check_iface_and_queue<'a>(spec: &str, args: &'a str) -> Result<(&'a str, u32)> {
-    let (iface, queue) = match args.split_once(':') {
-        Some((i, q)) => (i, Some(q)),
+/// Parses `IFACE[:QUEUE][,xdp=auto|native|generic]`, the arguments of an afxdp spec.
+fn parse_afxdp<'a>(spec: &str, args: &'a str) -> Result<(&'a str, u32, XdpModeRequest)> {
+    let (place, options) = match args.split_once(',') {
+        Some((p, o)) => (p, Some(o)),
         None => (args, None),
+    };
+    let (iface, queue) = match place.split_once(':') {
+        Some((i, q)) => (i, Some(q)),
+        None => (place, None),
     };
     crate::afpacket::check_ifname(iface).map_err(|why| bad(spec, why))?;
     let queue = match queue {
@@ -145,7 +154,21 @@ fn check_iface_and_queue<'a>(spec: &str, args: &'a str) -> Result<(&'a str, u32)
         })?,
         None => 0,
     };
-    Ok((iface, queue))
+    let mut xdp = XdpModeRequest::Auto;
+    for option in options.into_iter().flat_map(|o| o.split(',')) {
+        xdp = match option {
+            "xdp=auto" => XdpModeRequest::Auto,
+            "xdp=native" => XdpModeRequest::Native,
+            "xdp=generic" => XdpModeRequest::Generic,
+            other => {
+                return Err(bad(
+                    spec,
+                    format!("unknown afxdp option {other:?}: the one option is xdp=auto|native|generic"),
+                ))
+            }
+        };
+    }
+    Ok((iface, queue, xdp))
 }
 
 #[cfg(test)]
@@ -157,6 +180,16 @@ mod tests {
             Ok(_) => panic!("{spec:?} opened"),
             Err(e) => e,
         }
+    }
+
+    #[test]
+    fn afxdp_specs_name_a_queue_and_an_xdp_mode() {
+        let ok = |args| parse_afxdp("afxdp:...", args).unwrap();
+        assert_eq!(ok("eth0"), ("eth0", 0, XdpModeRequest::Auto));
+        assert_eq!(ok("eth0:3"), ("eth0", 3, XdpModeRequest::Auto));
+        assert_eq!(ok("eth0,xdp=generic"), ("eth0", 0, XdpModeRequest::Generic));
+        assert_eq!(ok("eth0:1,xdp=native"), ("eth0", 1, XdpModeRequest::Native));
+        assert_eq!(ok("eth0,xdp=native,xdp=auto"), ("eth0", 0, XdpModeRequest::Auto));
     }
 
     #[test]
@@ -172,6 +205,8 @@ mod tests {
             ("afpacket:", true, "interface name"),
             ("afpacket:this-name-is-far-too-long", true, "15 bytes"),
             ("afxdp:eth0:q", true, "not a number"),
+            ("afxdp:eth0,xdp=fast", true, "xdp=auto|native|generic"),
+            ("afxdp:eth0:1,mode=native", true, "unknown afxdp option"),
             ("shm:", true, "shm:PATH"),
             ("sim", false, "created in-process"),
             ("dpdk:-l 1", false, "--features dpdk"),

@@ -176,20 +176,29 @@ fn exchange(
 #[test]
 fn afxdp_on_both_ends_carries_bursts_both_ways() {
     let pair = veth_or_skip!("afxdp_on_both_ends_carries_bursts_both_ways");
-    let mut a = open_ok(&pair.a);
-    let mut b = open_ok(&pair.b);
-    assert_eq!(a.xdp_mode(), XdpMode::Native, "veth supports native XDP");
-    assert_eq!(a.bind_mode(), BindMode::Copy, "veth has no zero-copy");
-    assert_eq!(a.mac(), pair.a.mac);
-    assert_eq!(b.mac(), pair.b.mac);
-    assert_eq!(a.mtu(), 1500);
-    let mtu = a.mtu();
-    exchange(&mut a, pair.a.mac, &mut b, pair.b.mac, 10_000, 64, mtu);
-    let (ca, cb) = (a.counters(), b.counters());
-    assert_eq!((ca.tx_frames, ca.rx_frames, cb.tx_frames, cb.rx_frames), (10_000, 10_000, 10_000, 10_000));
-    let bytes: u64 = (0..10_000).map(|s| frame(pair.b.mac, pair.a.mac, s, mtu).len() as u64).sum();
-    assert_eq!((ca.tx_bytes, cb.rx_bytes), (bytes, bytes));
-    assert_eq!((ca.rx_dropped, cb.rx_dropped, ca.tx_dropped), (0, 0, 0));
+    // Auto takes generic XDP on veth (faster there, see `prefers_generic`); native works too.
+    for (request, mode) in
+        [(XdpModeRequest::Auto, XdpMode::Generic), (XdpModeRequest::Native, XdpMode::Native)]
+    {
+        let options = AfXdpOptions { xdp_mode: request, ..AfXdpOptions::default() };
+        let mut a = open_in(&pair.a, options).unwrap_or_else(|e| panic!("{request:?}: {e}"));
+        let mut b = open_in(&pair.b, options).unwrap_or_else(|e| panic!("{request:?}: {e}"));
+        assert_eq!((a.xdp_mode(), b.xdp_mode()), (mode, mode), "{request:?}");
+        assert_eq!(a.bind_mode(), BindMode::Copy, "veth has no zero-copy");
+        assert_eq!(a.mac(), pair.a.mac);
+        assert_eq!(b.mac(), pair.b.mac);
+        assert_eq!(a.mtu(), 1500);
+        let mtu = a.mtu();
+        exchange(&mut a, pair.a.mac, &mut b, pair.b.mac, 10_000, 64, mtu);
+        let (ca, cb) = (a.counters(), b.counters());
+        assert_eq!(
+            (ca.tx_frames, ca.rx_frames, cb.tx_frames, cb.rx_frames),
+            (10_000, 10_000, 10_000, 10_000)
+        );
+        let bytes: u64 = (0..10_000).map(|s| frame(pair.b.mac, pair.a.mac, s, mtu).len() as u64).sum();
+        assert_eq!((ca.tx_bytes, cb.rx_bytes), (bytes, bytes));
+        assert_eq!((ca.rx_dropped, cb.rx_dropped, ca.tx_dropped), (0, 0, 0));
+    }
 }
 
 #[test]
@@ -210,9 +219,15 @@ fn against_af_packet(pair: &VethPair, count: u32, burst: u32, mtu: usize) {
 
 #[test]
 fn other_traffic_flows_and_foreign_frames_reach_the_kernel_not_the_socket() {
-    let pair = veth_or_skip!("other_traffic_flows_and_foreign_frames_reach_the_kernel_not_the_socket");
-    let mut a = open_ok(&pair.a);
-    let _b = open_ok(&pair.b);
+    for xdp_mode in [XdpModeRequest::Generic, XdpModeRequest::Native] {
+        let pair = veth_or_skip!("other_traffic_flows_and_foreign_frames_reach_the_kernel_not_the_socket");
+        other_traffic_flows(&pair, AfXdpOptions { xdp_mode, ..AfXdpOptions::default() });
+    }
+}
+
+fn other_traffic_flows(pair: &VethPair, options: AfXdpOptions) {
+    let mut a = open_in(&pair.a, options).expect("open a");
+    let _b = open_in(&pair.b, options).expect("open b");
 
     // UDP (and the ARP it needs) between the namespace addresses, both ways, with both ends
     // running the program.
@@ -330,22 +345,31 @@ fn a_rejected_program_comes_with_the_verifier_log() {
 }
 
 #[test]
-fn generic_mode_works_too() {
-    let pair = veth_or_skip!("generic_mode_works_too");
-    let generic = AfXdpOptions { xdp_mode: XdpModeRequest::Generic, ..AfXdpOptions::default() };
-    let mut a = open_in(&pair.a, generic).expect("generic mode");
-    assert_eq!(a.xdp_mode(), XdpMode::Generic);
-    assert!(xdp_shown(&pair.a).contains("xdpgeneric"), "{}", xdp_shown(&pair.a));
+fn native_and_generic_ends_work_together() {
+    let pair = veth_or_skip!("native_and_generic_ends_work_together");
+    let native = AfXdpOptions { xdp_mode: XdpModeRequest::Native, ..AfXdpOptions::default() };
+    let mut a = open_in(&pair.a, native).expect("native mode");
+    assert_eq!(a.xdp_mode(), XdpMode::Native);
+    let shown = xdp_shown(&pair.a);
+    assert!(shown.contains("prog/xdp") && !shown.contains("xdpgeneric"), "{shown}");
     let mut b = open_ok(&pair.b);
+    assert_eq!(b.xdp_mode(), XdpMode::Generic);
+    assert!(xdp_shown(&pair.b).contains("xdpgeneric"), "{}", xdp_shown(&pair.b));
     exchange(&mut a, pair.a.mac, &mut b, pair.b.mac, 1_000, 32, 1500);
 }
 
 #[test]
 fn jumbo_frames_take_several_umem_frames_both_ways() {
-    let pair = veth_or_skip!("jumbo_frames_take_several_umem_frames_both_ways");
+    for xdp_mode in [XdpModeRequest::Generic, XdpModeRequest::Native] {
+        let pair = veth_or_skip!("jumbo_frames_take_several_umem_frames_both_ways");
+        jumbo_frames(&pair, AfXdpOptions { xdp_mode, ..AfXdpOptions::default() });
+    }
+}
+
+fn jumbo_frames(pair: &VethPair, options: AfXdpOptions) {
     pair.set_mtu(9000).expect("ip link set mtu");
-    let mut a = open_ok(&pair.a);
-    let mut b = open_ok(&pair.b);
+    let mut a = open_in(&pair.a, options).expect("open a");
+    let mut b = open_in(&pair.b, options).expect("open b");
     assert_eq!(a.mtu(), 9000);
     assert!(a.xsk.multi_buffer() && b.xsk.multi_buffer(), "9014-byte frames need three 4 KiB UMEM frames");
     // Lengths from 60 bytes to the full 9014: one, two and three UMEM frames per frame, in
@@ -534,7 +558,7 @@ fn netlink_attachment_carries_frames_refuses_to_replace_and_detaches() {
     let pair = veth_or_skip!("netlink_attachment_carries_frames_refuses_to_replace_and_detaches");
     let netlink = AfXdpOptions { attach: AttachRequest::Netlink, ..AfXdpOptions::default() };
     let mut a = open_in(&pair.a, netlink).expect("attach through rtnetlink");
-    assert_eq!(a.xdp_mode(), XdpMode::Native);
+    assert_eq!(a.xdp_mode(), XdpMode::Generic, "auto on veth");
     assert!(xdp_shown(&pair.a).contains("prog/xdp"), "{}", xdp_shown(&pair.a));
     for attach in [AttachRequest::Netlink, AttachRequest::Link] {
         let err = open_in(&pair.a, AfXdpOptions { attach, ..AfXdpOptions::default() }).expect_err("replace");
