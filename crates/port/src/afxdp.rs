@@ -1,15 +1,16 @@
 //! The `afxdp` port: lanbus frames through an AF_XDP socket, steered to it by a small XDP
 //! program that the port loads and attaches itself.
 //!
-//! Layer: ports. Spec: `afxdp:IFACE[:QUEUE]` (issue 4). Opening the port on an interface and
+//! Layer: ports. Spec: `afxdp:IFACE[:QUEUE][,xdp=auto|native|generic]` (issue 4). Opening the port on an interface and
 //! receive queue:
 //!
 //! 1. creates an XSKMAP and loads the redirect program ([`bpf::lanbus_redirect_program`]): frames
 //!    with EtherType 0x88B5 go to the socket registered for their receive queue, everything else
 //!    (ARP, IP, other queues) goes to the kernel as before;
 //! 2. attaches it through a BPF link ([`netlink`] `RTM_SETLINK` on kernels without XDP links) in
-//!    native (driver) mode, falling back to generic (SKB) mode when the driver has no XDP; it
-//!    never replaces a program already on the interface;
+//!    native (driver) mode, falling back to generic (SKB) mode when the driver has no XDP (on
+//!    veth generic first: [`prefers_generic`]); it never replaces a program already on the
+//!    interface;
 //! 3. creates the AF_XDP socket ([`xsk::Xsk`]): UMEM, fill/completion/rx/tx rings, bound with
 //!    need-wakeup, zero-copy if the driver offers it, copy mode otherwise;
 //! 4. puts the socket into the map at the queue index.
@@ -270,8 +271,9 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
                  remove it with `ip link set dev {ifname} xdp off`{says}"
                 )),
                 Some(libc::EOPNOTSUPP) => unavailable(format!(
-                "the driver of {ifname} has no native XDP; open with XdpModeRequest::Auto or Generic{says}"
-            )),
+                    "the driver of {ifname} has no native XDP: use generic mode (spec option xdp=generic or \
+                 xdp=auto, XdpModeRequest::Generic or Auto){says}"
+                )),
                 Some(libc::EPERM | libc::EACCES) => unavailable(NEEDS_ROOT.to_string()),
                 _ => {
                     PortError::io("attaching the XDP program", io::Error::new(e.kind(), format!("{e}{says}")))
@@ -329,14 +331,16 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
 
 /// Whether `Auto` tries generic XDP before native on an interface with this driver: on veth.
 ///
-/// A veth runs a native program on frames its peer transmits only after turning each skb into
-/// an XDP buffer, which copies it into a page of its own (`skb_pp_cow_data`), and only from its
-/// NAPI poll, scheduled by the peer's transmit; generic XDP runs the program on the skb itself in
-/// the receive path the transmit already runs. Measured on a veth between two namespaces (copy
-/// mode both ways, `port_pingpong` and `port_rate` examples): ping-pong p50 1 KiB 3.9 -> 3.0 us,
-/// 64 B 2.8 -> 2.35; one-way 1514-byte frames 0.96-1.03 -> 1.13-1.14 Mframes/s, 92-byte 1.37-1.41
-/// -> 1.45-1.51, 9014-byte 0.36 -> 0.38 (native, then generic). Native stays the better mode on
-/// a veth that receives frames redirected from another device's XDP program; ask for it then.
+/// A veth runs a native program on the frames its peer transmits from a NAPI poll that the
+/// transmit schedules, after a hop through a ring and a conversion of each skb into an XDP
+/// buffer (whose memory is then freed as a page fragment); generic XDP runs the program on the
+/// skb in the receive path the transmit already runs. Measured on a veth between two namespaces
+/// (copy mode both ways, `port_pingpong` and `port_rate` examples, native then generic):
+/// ping-pong p50 1 KiB 3.9 -> 3.0 us, 64 B 2.8 -> 2.35; one-way 1514-byte frames 0.96-1.03 ->
+/// 1.13-1.14 Mframes/s, 92-byte 1.37-1.41 -> 1.45-1.51, 9014-byte 0.36 -> 0.38; in a system-wide
+/// profile native mode's extra work shows as `page_frag_free` and `veth_poll`. Native stays the
+/// better mode on a veth that receives frames redirected by another device's XDP program; ask
+/// for it then.
 pub fn prefers_generic(driver: Option<&str>) -> bool {
     driver == Some("veth")
 }
@@ -374,9 +378,10 @@ fn attach(
     match o.xdp_mode {
         XdpModeRequest::Native => in_mode(XdpMode::Native),
         XdpModeRequest::Generic => in_mode(XdpMode::Generic),
+        // If native fails too, generic's error is the one to report.
         XdpModeRequest::Auto if prefers_generic(driver) => match in_mode(XdpMode::Generic) {
             Err((e, says)) if fatal(&e) => Err((e, says)),
-            Err(_) => in_mode(XdpMode::Native),
+            Err(first) => in_mode(XdpMode::Native).map_err(|_| first),
             ok => ok,
         },
         XdpModeRequest::Auto => match in_mode(XdpMode::Native) {
@@ -550,7 +555,8 @@ impl InterfaceFacts {
         let mut req = IfReq { name: [0; libc::IFNAMSIZ], data: [0; 24] };
         req.name[..ifname.len()].copy_from_slice(ifname.as_bytes());
         // ifr_data: a pointer to the ethtool request.
-        req.data[..8].copy_from_slice(&(info.as_mut_ptr() as usize as u64).to_ne_bytes());
+        const PTR: usize = core::mem::size_of::<usize>();
+        req.data[..PTR].copy_from_slice(&(info.as_mut_ptr() as usize).to_ne_bytes());
         // SAFETY: `req` is a live ifreq whose ifr_data points to `info`, a live buffer the size
         // of struct ethtool_drvinfo, which the kernel fills.
         let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCETHTOOL as _, &raw mut req) };

@@ -35,7 +35,8 @@ PORT SPECS (--port SPEC)
       AF_XDP socket on IFACE's queue QUEUE (default 0) with an XDP program that takes only
       EtherType 0x88B5. Needs root and Linux 5.x+. xdp=auto (default): the program runs in the
       driver (native) where it can, in generic mode otherwise, and in generic mode first on veth,
-      where that is faster for frames from the peer's stack (native copies each one first).
+      where that is faster for frames its peer sends. xdp=native: fail where the driver has no
+      XDP. xdp=generic: always generic (SKB) mode.
   shm:PATH
       Two processes on one machine through shared-memory rings; PATH is the control socket.
   dpdk:EAL_ARGS
@@ -139,10 +140,8 @@ pub fn fuzz_spec(data: &[u8]) {
 
 /// Parses `IFACE[:QUEUE][,xdp=auto|native|generic]`, the arguments of an afxdp spec.
 fn parse_afxdp<'a>(spec: &str, args: &'a str) -> Result<(&'a str, u32, XdpModeRequest)> {
-    let (place, options) = match args.split_once(',') {
-        Some((p, o)) => (p, Some(o)),
-        None => (args, None),
-    };
+    let mut parts = args.split(',');
+    let place = parts.next().unwrap_or("").trim();
     let (iface, queue) = match place.split_once(':') {
         Some((i, q)) => (i, Some(q)),
         None => (place, None),
@@ -150,20 +149,36 @@ fn parse_afxdp<'a>(spec: &str, args: &'a str) -> Result<(&'a str, u32, XdpModeRe
     crate::afpacket::check_ifname(iface).map_err(|why| bad(spec, why))?;
     let queue = match queue {
         Some(q) => q.parse::<u32>().map_err(|_| {
-            bad(spec, format!("queue {q:?} is not a number: write afxdp:IFACE or afxdp:IFACE:QUEUE"))
+            bad(
+                spec,
+                format!(
+                    "queue {q:?} is not a receive queue number (0 to 4294967295): write \
+                     afxdp:IFACE[:QUEUE][,xdp=auto|native|generic]"
+                ),
+            )
         })?,
         None => 0,
     };
     let mut xdp = XdpModeRequest::Auto;
-    for option in options.into_iter().flat_map(|o| o.split(',')) {
-        xdp = match option {
-            "xdp=auto" => XdpModeRequest::Auto,
-            "xdp=native" => XdpModeRequest::Native,
-            "xdp=generic" => XdpModeRequest::Generic,
-            other => {
+    for part in parts {
+        xdp = match part.trim().split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
+            Some(("xdp", "auto")) => XdpModeRequest::Auto,
+            Some(("xdp", "native")) => XdpModeRequest::Native,
+            Some(("xdp", "generic")) => XdpModeRequest::Generic,
+            Some(("xdp", other)) => {
                 return Err(bad(
                     spec,
-                    format!("unknown afxdp option {other:?}: the one option is xdp=auto|native|generic"),
+                    format!(
+                        "xdp={other:?}: write xdp=auto (the default: native where the driver can, \
+                         generic first on veth), xdp=native (fail without driver support) or \
+                         xdp=generic"
+                    ),
+                ))
+            }
+            _ => {
+                return Err(bad(
+                    spec,
+                    format!("unknown afxdp option {part:?}; the option is xdp=auto|native|generic"),
                 ))
             }
         };
@@ -190,6 +205,7 @@ mod tests {
         assert_eq!(ok("eth0,xdp=generic"), ("eth0", 0, XdpModeRequest::Generic));
         assert_eq!(ok("eth0:1,xdp=native"), ("eth0", 1, XdpModeRequest::Native));
         assert_eq!(ok("eth0,xdp=native,xdp=auto"), ("eth0", 0, XdpModeRequest::Auto));
+        assert_eq!(ok(" eth0:2 , xdp = native "), ("eth0", 2, XdpModeRequest::Native));
     }
 
     #[test]
@@ -204,9 +220,12 @@ mod tests {
             ("sim:3", true, "no arguments"),
             ("afpacket:", true, "interface name"),
             ("afpacket:this-name-is-far-too-long", true, "15 bytes"),
-            ("afxdp:eth0:q", true, "not a number"),
-            ("afxdp:eth0,xdp=fast", true, "xdp=auto|native|generic"),
+            ("afxdp:eth0:q", true, "not a receive queue number"),
+            ("afxdp:eth0,xdp=fast", true, "xdp=native (fail without driver support)"),
             ("afxdp:eth0:1,mode=native", true, "unknown afxdp option"),
+            ("afxdp:eth0,", true, "unknown afxdp option \"\""),
+            ("afxdp:eth0:4294967296", true, "not a receive queue number"),
+            ("afxdp:eth0:,xdp=native", true, "not a receive queue number"),
             ("shm:", true, "shm:PATH"),
             ("sim", false, "created in-process"),
             ("dpdk:-l 1", false, "--features dpdk"),

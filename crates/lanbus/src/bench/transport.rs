@@ -586,12 +586,13 @@ fn sockperf_row(mode: Mode) -> (&'static str, &'static str) {
 type Runs = Vec<(usize, f64, f64)>;
 
 /// Ping-pong latency of every port and of sockperf, in pairs: each run measures every figure of
-/// every port right after sockperf's (in alternating order), so that the ratio of a run compares
-/// two measurements taken seconds apart. On a shared VM the cost of a kernel path drifts by tens
-/// of percent within minutes; measured one after the other (all of lanbus, then all of
-/// sockperf), single runs of the afpacket ratio ranged from 0.52 to 0.97. The reported ratio is
-/// the median of the runs' ratios. Returns the ports that worked; one that fails is left out of
-/// the report with a note.
+/// every port next to sockperf's (sockperf first in even runs, last in odd ones, so that over the
+/// runs every port is as near it on average), and a figure's ratio is the median of its runs'
+/// ratios. On a shared VM the cost of a kernel path drifts by tens of percent within minutes;
+/// measured one after the other (all of lanbus, then all of sockperf), single runs of the
+/// afpacket 1 KiB ratio ranged from 0.52 to 0.97. A port (or sockperf) that fails stops being
+/// measured, with a note saying where; what it measured before is reported. Returns the ports
+/// that never failed, for the streaming rows.
 fn measure_latency(
     pair: &VethPair,
     exe: &str,
@@ -628,8 +629,14 @@ fn measure_latency(
                             true
                         }
                         Err(e) => {
-                            eprintln!("bench transport: {kind} skipped: {e:#}");
-                            notes.push(format!("{kind}: skipped: {e:#}"));
+                            let why = format!(
+                                "{kind}: stopped at {} ping-pong {size} B, run {}: {e:#} (figures measured \
+                                 before are reported, from the runs they had; its streaming rows are missing)",
+                                mode.name(),
+                                run + 1
+                            );
+                            eprintln!("bench transport: {why}");
+                            notes.push(why);
                             false
                         }
                     }
@@ -640,15 +647,14 @@ fn measure_latency(
             }
         }
     }
-    // In table order: each port busy then adaptive, then sockperf busy then blocking.
+    // In table order: each port busy then adaptive, then sockperf busy then blocking. Whatever
+    // was measured is reported, also of a port or a sockperf that failed later.
     let mut rows: Vec<(&str, &'static str)> = Vec::new();
-    for (kind, _) in &alive {
+    for kind in ports {
         rows.extend([Mode::Busy, Mode::Adaptive].map(|m| (kind.as_str(), m.name())));
     }
-    if sockperf {
-        rows.extend([Mode::Busy, Mode::Adaptive].map(sockperf_row));
-    }
-    for (name, mode) in rows {
+    rows.extend([Mode::Busy, Mode::Adaptive].map(sockperf_row));
+    for &(name, mode) in &rows {
         for &size in PING_SIZES {
             let Some(r) = runs.get(&(name.to_string(), mode, size)) else { continue };
             let p50: Vec<f64> = r.iter().map(|s| s.1).collect();
@@ -660,20 +666,18 @@ fn measure_latency(
             }
         }
     }
-    if sockperf {
-        for (kind, _) in &alive {
-            for mode in [Mode::Busy, Mode::Adaptive] {
-                let (peer, peer_mode) = sockperf_row(mode);
-                for &size in PING_SIZES {
-                    let ours = runs.get(&(kind.clone(), mode.name(), size));
-                    let theirs = runs.get(&(peer.to_string(), peer_mode, size));
-                    if let Some(r) = ours.zip(theirs).and_then(|(a, b)| paired_ratio(a, b)) {
-                        report.push(
-                            Row::new(kind.as_str(), "p50_vs_sockperf", r)
-                                .with("size_bytes", size)
-                                .with("mode", mode.name()),
-                        );
-                    }
+    for kind in ports {
+        for mode in [Mode::Busy, Mode::Adaptive] {
+            let (peer, peer_mode) = sockperf_row(mode);
+            for &size in PING_SIZES {
+                let ours = runs.get(&(kind.clone(), mode.name(), size));
+                let theirs = runs.get(&(peer.to_string(), peer_mode, size));
+                if let Some(r) = ours.zip(theirs).and_then(|(a, b)| paired_ratio(a, b)) {
+                    report.push(
+                        Row::new(kind.as_str(), "p50_vs_sockperf", r)
+                            .with("size_bytes", size)
+                            .with("mode", mode.name()),
+                    );
                 }
             }
         }
@@ -709,7 +713,13 @@ fn sockperf_sample(
             true
         }
         Err(e) => {
-            notes.push(format!("sockperf: {e:#}"));
+            let why = format!(
+                "sockperf: stopped at {name} {size} B, run {}: {e:#} (figures measured before are \
+                 reported, from the runs they had)",
+                run + 1
+            );
+            eprintln!("bench transport: {why}");
+            notes.push(why);
             false
         }
     }

@@ -294,12 +294,14 @@ fn xdp_shown(end: &VethEnd) -> String {
 fn the_program_is_detached_on_drop() {
     let pair = veth_or_skip!("the_program_is_detached_on_drop");
     assert!(!xdp_shown(&pair.a).contains("xdp"), "fresh veth has no XDP");
-    let a = open_ok(&pair.a);
-    let shown = xdp_shown(&pair.a);
-    assert!(shown.contains("prog/xdp"), "attached while open: {shown}");
-    drop(a);
-    let shown = xdp_shown(&pair.a);
-    assert!(!shown.contains("xdp"), "detached after drop: {shown}");
+    for xdp_mode in [XdpModeRequest::Auto, XdpModeRequest::Native] {
+        let a = open_in(&pair.a, AfXdpOptions { xdp_mode, ..AfXdpOptions::default() }).expect("open");
+        let shown = xdp_shown(&pair.a);
+        assert!(shown.contains("prog/xdp"), "{xdp_mode:?}: attached while open: {shown}");
+        drop(a);
+        let shown = xdp_shown(&pair.a);
+        assert!(!shown.contains("xdp"), "{xdp_mode:?}: detached after drop: {shown}");
+    }
     // And the interface can take a port again.
     drop(open_ok(&pair.a));
 }
@@ -317,14 +319,15 @@ fn an_existing_program_is_not_replaced() {
     // The first port's program is still there.
     assert!(xdp_shown(&pair.a).contains("prog/xdp"));
     drop(first);
-    // A program in the other mode blocks native attachment, and Auto must not then fall back to
-    // generic mode and replace it.
-    let generic = AfXdpOptions { xdp_mode: XdpModeRequest::Generic, ..AfXdpOptions::default() };
-    let first = open_in(&pair.b, generic).expect("generic on b");
-    let err = open_in(&pair.b, AfXdpOptions::default()).expect_err("auto over generic");
+    // A program in the other mode blocks the first mode Auto tries (generic, on veth), and Auto
+    // must not then go on to the other mode and attach beside it.
+    let native = AfXdpOptions { xdp_mode: XdpModeRequest::Native, ..AfXdpOptions::default() };
+    let first = open_in(&pair.b, native).expect("native on b");
+    let err = open_in(&pair.b, AfXdpOptions::default()).expect_err("auto over native");
     assert!(err.to_string().contains("already has an XDP program"), "{err}");
-    assert_eq!(first.xdp_mode(), XdpMode::Generic);
-    assert!(xdp_shown(&pair.b).contains("xdpgeneric"));
+    assert_eq!(first.xdp_mode(), XdpMode::Native);
+    let shown = xdp_shown(&pair.b);
+    assert!(shown.contains("prog/xdp") && !shown.contains("xdpgeneric"), "{shown}");
 }
 
 #[test]
@@ -555,10 +558,21 @@ fn the_program_goes_when_the_process_is_killed() {
 
 #[test]
 fn netlink_attachment_carries_frames_refuses_to_replace_and_detaches() {
-    let pair = veth_or_skip!("netlink_attachment_carries_frames_refuses_to_replace_and_detaches");
-    let netlink = AfXdpOptions { attach: AttachRequest::Netlink, ..AfXdpOptions::default() };
+    for (xdp_mode, mode) in
+        [(XdpModeRequest::Auto, XdpMode::Generic), (XdpModeRequest::Native, XdpMode::Native)]
+    {
+        let pair = veth_or_skip!("netlink_attachment_carries_frames_refuses_to_replace_and_detaches");
+        netlink_attachment(
+            &pair,
+            AfXdpOptions { xdp_mode, attach: AttachRequest::Netlink, ..Default::default() },
+            mode,
+        );
+    }
+}
+
+fn netlink_attachment(pair: &VethPair, netlink: AfXdpOptions, mode: XdpMode) {
     let mut a = open_in(&pair.a, netlink).expect("attach through rtnetlink");
-    assert_eq!(a.xdp_mode(), XdpMode::Generic, "auto on veth");
+    assert_eq!(a.xdp_mode(), mode);
     assert!(xdp_shown(&pair.a).contains("prog/xdp"), "{}", xdp_shown(&pair.a));
     for attach in [AttachRequest::Netlink, AttachRequest::Link] {
         let err = open_in(&pair.a, AfXdpOptions { attach, ..AfXdpOptions::default() }).expect_err("replace");
