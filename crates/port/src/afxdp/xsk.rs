@@ -183,6 +183,12 @@ impl<T: Copy> Ring<T> {
 
     /// Publishes `n` written entries to the kernel.
     fn submit(&mut self, n: u32) {
+        // Nothing new: no store. A store, even of the same value, takes the index's cache line
+        // from the kernel's core, which then waits for it on its next look (every received
+        // frame, for the fill ring), and an empty poll would do that on every iteration.
+        if n == 0 {
+            return;
+        }
         self.local = self.local.wrapping_add(n);
         // (B) Release: pairs with the kernel's LOAD.acq of ->producer (C, __xskq_cons_peek), so
         // it sees the entries written above.
@@ -219,6 +225,11 @@ impl<T: Copy> Ring<T> {
 
     /// Hands the slots taken so far back to the kernel.
     fn publish_consumer(&mut self) {
+        // Nothing taken since the last publish: no store (see `submit`). Relaxed: only this side
+        // writes the index, so the load reads back our own last store.
+        if self.consumer_index().load(Ordering::Relaxed) == self.local {
+            return;
+        }
         // (D) Release: pairs with the kernel's LOAD of ->consumer (A, xskq_prod_is_full /
         // xskq_prod_nb_free), so our reads of the slots happen before it reuses them.
         self.consumer_index().store(self.local, Ordering::Release);
