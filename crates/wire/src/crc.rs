@@ -261,16 +261,9 @@ mod tests {
         !crc
     }
 
+    /// `len` bytes that look random: the top byte of a Fibonacci hash of each index.
     fn bytes(len: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
+        (0..len as u64).map(|i| ((i ^ seed << 20).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8).collect()
     }
 
     #[test]
