@@ -393,29 +393,28 @@ pub struct Pair<A: Node, B: Node> {
     buf: Vec<u8>,
 }
 
+impl<N: Node> Pair<N, N> {
+    /// Two endpoints `MacAddr::local(1)` and `local(2)` with the same config, each made a node by
+    /// `node`.
+    fn of(config: Config, faults: Faults, seed: u64, node: impl Fn(Endpoint) -> N) -> Self {
+        let now = Instant::ZERO;
+        let a = node(Endpoint::new(config.clone(), MacAddr::local(1), now));
+        let b = node(Endpoint::new(config, MacAddr::local(2), now));
+        Pair::new(a, b, faults, seed)
+    }
+}
+
 impl Pair<Endpoint, Endpoint> {
     /// Two single-threaded endpoints `MacAddr::local(1)` and `local(2)` with the same config.
     pub fn endpoints(config: Config, faults: Faults, seed: u64) -> Self {
-        let now = Instant::ZERO;
-        Pair::new(
-            Endpoint::new(config.clone(), MacAddr::local(1), now),
-            Endpoint::new(config, MacAddr::local(2), now),
-            faults,
-            seed,
-        )
+        Pair::of(config, faults, seed, |e| e)
     }
 }
 
 impl Pair<SplitNode, SplitNode> {
     /// Two split endpoints `MacAddr::local(1)` and `local(2)` with the same config.
     pub fn split(config: Config, faults: Faults, seed: u64) -> Self {
-        let now = Instant::ZERO;
-        Pair::new(
-            SplitNode::new(Endpoint::new(config.clone(), MacAddr::local(1), now)),
-            SplitNode::new(Endpoint::new(config, MacAddr::local(2), now)),
-            faults,
-            seed,
-        )
+        Pair::of(config, faults, seed, SplitNode::new)
     }
 }
 
@@ -423,13 +422,7 @@ impl Pair<InPlaceNode, InPlaceNode> {
     /// Two endpoints `MacAddr::local(1)` and `local(2)` fed as the run-to-completion loop feeds
     /// them, with the same config.
     pub fn in_place(config: Config, faults: Faults, seed: u64) -> Self {
-        let now = Instant::ZERO;
-        Pair::new(
-            InPlaceNode::new(Endpoint::new(config.clone(), MacAddr::local(1), now)),
-            InPlaceNode::new(Endpoint::new(config, MacAddr::local(2), now)),
-            faults,
-            seed,
-        )
+        Pair::of(config, faults, seed, InPlaceNode::new)
     }
 }
 
