@@ -465,6 +465,8 @@ pub struct AfPacketPort {
     rx_cursor: Option<RxCursor>,
     tx_base: usize,
     tx_frame_bytes: usize,
+    /// Transmit slots in the ring (kept: a division on every poll was ~30 ns of an empty one).
+    tx_slots: usize,
     tx_head: usize,
     /// Frames marked for sending that the kernel has not been told about.
     tx_unkicked: bool,
@@ -636,6 +638,7 @@ impl AfPacketPort {
             rx_cursor: None,
             tx_base: rx_len,
             tx_frame_bytes,
+            tx_slots: (map_len - rx_len) / tx_frame_bytes,
             tx_head: 0,
             tx_unkicked: false,
             ignore_outgoing,
@@ -763,10 +766,6 @@ impl AfPacketPort {
         }
     }
 
-    fn tx_slots(&self) -> usize {
-        (self.map_len - self.tx_base) / self.tx_frame_bytes
-    }
-
     /// The current receive unit as bytes. Only call while the port owns it (its status was seen
     /// with TP_STATUS_USER under Acquire and it has not been released).
     ///
@@ -786,7 +785,7 @@ impl AfPacketPort {
         // kernel's status read (smp_rmb) before it writes a slot or opens a block.
         self.unit_status(self.rx_unit).store(libc::TP_STATUS_KERNEL, Ordering::Release);
         self.rx_cursor = None;
-        self.rx_unit = (self.rx_unit + 1) % self.rx_units;
+        self.rx_unit = if self.rx_unit + 1 == self.rx_units { 0 } else { self.rx_unit + 1 };
     }
 
     fn kick(&mut self) -> Result<()> {
@@ -891,13 +890,13 @@ impl Port for AfPacketPort {
 
     fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize> {
         let capacity = self.frame_capacity();
-        let slots = self.tx_slots();
+        let slots = self.tx_slots;
         let mut sent = 0;
         let mut offered = 0;
         // The burst's first frame through the ring-less socket, unless frames wait in the ring
         // (they must leave first): not kicked yet, or left by a kick the kernel cut short (its
         // send buffer full), which leaves the newest slot still marked SEND_REQUEST.
-        let prev = (self.tx_head + slots - 1) % slots;
+        let prev = if self.tx_head == 0 { slots - 1 } else { self.tx_head - 1 };
         // Acquire as above: the status the kernel last wrote.
         let ring_waits =
             self.tx_unkicked || self.tx_status(prev).load(Ordering::Acquire) == libc::TP_STATUS_SEND_REQUEST;
@@ -963,7 +962,7 @@ impl Port for AfPacketPort {
             // Release: the frame and tp_len are written before the kernel sees SEND_REQUEST;
             // pairs with the kernel's status read (smp_rmb) in tpacket_snd.
             self.tx_status(slot).store(libc::TP_STATUS_SEND_REQUEST, Ordering::Release);
-            self.tx_head = (slot + 1) % slots;
+            self.tx_head = if slot + 1 == slots { 0 } else { slot + 1 };
             self.counters.tx_frames += 1;
             self.counters.tx_bytes += len as u64;
             sent += 1;
