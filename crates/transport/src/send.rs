@@ -460,19 +460,24 @@ impl SendHalf {
             self.next_heartbeat = Some(now + self.config.heartbeat.interval);
             return Some(self.write_heartbeat(now, buf));
         }
+        // Round robin from `rr`, wrapping by comparison: this runs on every poll, and a `%` is a
+        // division each time.
         let n = self.channels.len();
+        let wrap = |i: usize| if i + 1 >= n { 0 } else { i + 1 };
+        let mut ci = if self.rr < n { self.rr } else { 0 };
         let mut paced = false;
-        for i in 0..n {
-            let ci = (self.rr + i) % n;
+        for _ in 0..n {
             let ch = &mut self.channels[ci];
             if !ch.has_sendable(self.window, &self.config.rate) {
+                ci = wrap(ci);
                 continue;
             }
             if !ch.rate.may_send(now) {
                 paced = true;
+                ci = wrap(ci);
                 continue;
             }
-            self.rr = (ci + 1) % n;
+            self.rr = wrap(ci);
             return Some(self.write_data(now, ci, buf));
         }
         if paced {
