@@ -51,6 +51,7 @@ use std::time::Duration;
 use lanbus_wire::ethernet::HEADER_LEN;
 use lanbus_wire::{EtherType, MacAddr};
 
+use crate::cache::{prefetch, prefetch_lines};
 use crate::check::check_frame;
 use crate::udp::poll_ready;
 use crate::{Port, PortCounters, PortError, Result};
@@ -843,6 +844,10 @@ impl Port for AfPacketPort {
                 if status & libc::TP_STATUS_USER == 0 {
                     break;
                 }
+                // The next unit's status is what this loop (or the next poll) reads after this
+                // one: ask for it now, while the frames here are handled.
+                let next = if self.rx_unit + 1 == self.rx_units { 0 } else { self.rx_unit + 1 };
+                prefetch(self.unit_status(next));
                 self.rx_cursor = Some(match self.rx_version {
                     RxVersion::V3 => RxCursor::start(self.owned_unit()),
                     RxVersion::V2 => RxCursor { left: 1, offset: 0 },
@@ -870,6 +875,7 @@ impl Port for AfPacketPort {
                 Step::Packet { outgoing: true, .. } => {}
                 Step::Packet { frame, wire_len, outgoing: false } => {
                     let frame = &block[frame];
+                    prefetch_lines(frame);
                     if frame.len() < wire_len || check_frame(frame, self.mtu).is_err() {
                         self.counters.rx_dropped += 1;
                         continue;

@@ -25,6 +25,7 @@ use lanbus_wire::MacAddr;
 
 pub mod afpacket;
 pub mod afxdp;
+mod cache;
 pub mod check;
 #[cfg(feature = "dpdk")]
 pub mod dpdk;

@@ -649,6 +649,10 @@ impl Xsk {
                     desc.len as usize,
                 )
             });
+            if let Some(piece) = piece {
+                // Written by the kernel on the sending core: see `crate::cache`.
+                crate::cache::prefetch_lines(piece);
+            }
             match self.gather.take(piece, more, max_chain) {
                 Gathered::Frame(frame) => {
                     on_frame(frame);
