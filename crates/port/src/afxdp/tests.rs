@@ -628,3 +628,29 @@ fn wait_sleeps_until_a_frame_or_the_timeout() {
     assert_eq!(got, vec![frame(a_mac, b_mac, 0, 1500)]);
     drop(sender.join().unwrap());
 }
+
+#[test]
+fn the_fill_ring_is_topped_up_a_line_at_a_time_and_small_umems_get_every_frame() {
+    let pair = veth_or_skip!("the_fill_ring_is_topped_up_a_line_at_a_time_and_small_umems_get_every_frame");
+    // Default: 2048 receive frames, returned 8 at a time with 16-23 held back. Small: 16 receive
+    // frames, each returned at once (holding any back would starve the kernel).
+    let small = AfXdpOptions { frame_count: 32, ring_size: 16, ..AfXdpOptions::default() };
+    for (options, rx_frames, held, batch) in
+        [(AfXdpOptions::default(), 2048, 16..=23, 8), (small, 16, 0..=0, 1)]
+    {
+        let mut a = open_in(&pair.a, options).expect("open a");
+        let mut b = open_in(&pair.b, options).expect("open b");
+        let (h, producer) = b.xsk.fill_state();
+        assert!(held.contains(&h), "{rx_frames} frames: {h} held after the first fill");
+        assert_eq!(producer, rx_frames - h, "the first fill gives the kernel the rest");
+        let mtu = a.mtu();
+        // Several times around the ring, one burst in flight at a time.
+        let count = 3 * rx_frames + 5;
+        exchange(&mut a, pair.a.mac, &mut b, pair.b.mac, count, 7, mtu);
+        let (h, producer) = b.xsk.fill_state();
+        assert!(held.contains(&h), "{rx_frames} frames: {h} held after {count} received");
+        assert_eq!(producer % batch, 0, "whole batches only");
+        // Every frame received went back except those held: the kernel consumed `count` entries.
+        assert_eq!(producer.wrapping_sub(count), rx_frames - h, "{rx_frames} frames: entries lost");
+    }
+}

@@ -330,7 +330,8 @@ pub struct Xsk {
     /// Receive frames consumed from rx and not yet back in the fill ring.
     refill: Vec<u64>,
     /// Receive frames kept out of the fill ring, and the batch it is topped up in (see
-    /// `refill_fill_ring`).
+    /// `refill_fill_ring`). `refill` is a stack: the frames at its bottom stay there, so
+    /// `fill_hold` frames of the UMEM's receive half never reach the kernel.
     fill_hold: u32,
     fill_batch: u32,
     bind_mode: BindMode,
@@ -371,7 +372,7 @@ fn setsockopt<T>(fd: &OwnedFd, level: i32, name: i32, value: &T) -> io::Result<(
 
 impl Xsk {
     /// Creates the socket, registers a fresh UMEM, maps the rings, puts the receive half of the
-    /// frames in the fill ring and binds to `ifindex`/`queue` with need-wakeup, zero-copy first
+    /// frames in the fill ring (less `fill_hold`, see `refill_fill_ring`) and binds to `ifindex`/`queue` with need-wakeup, zero-copy first
     /// when `try_zero_copy` (falling back to copy mode), copy mode otherwise; with
     /// `chain` above 1 (UMEM frames a frame may take), also with `XDP_USE_SG` (Linux 6.6+), for
     /// frames larger than a UMEM frame.
@@ -450,6 +451,15 @@ impl Xsk {
             .map_err(|e| ("mmap completion ring", e))?;
 
         let rx_frames = (geo.frame_count / 2).min(geo.ring_size);
+        // Batches of a 64-byte line of 8-byte entries, two lines behind the kernel (see
+        // `refill_fill_ring`), when the receive half is large enough that the kernel still has
+        // its minimum of whole chains without the up to 23 frames held; else every frame at once.
+        let (fill_hold, fill_batch) =
+            if rx_frames >= 64 && (rx_frames - 23) as usize >= super::MIN_CHAINS * chain as usize {
+                (16, 8)
+            } else {
+                (0, 1)
+            };
         let mut xsk = Xsk {
             fd,
             rx: rx.into_consumer(),
@@ -463,10 +473,8 @@ impl Xsk {
                 .map(|slot| u64::from(rx_frames + slot * chain) * u64::from(geo.frame_size))
                 .collect(),
             refill: (0..rx_frames).map(|i| u64::from(i) * u64::from(geo.frame_size)).collect(),
-            // A 64-byte line of 8-byte entries at a time, two lines behind the kernel; a small
-            // UMEM gives the kernel every frame at once.
-            fill_hold: if rx_frames >= 64 { 16 } else { 0 },
-            fill_batch: if rx_frames >= 64 { 8 } else { 1 },
+            fill_hold,
+            fill_batch,
             bind_mode: BindMode::Copy,
             chain,
             tx_base: u64::from(rx_frames) * u64::from(geo.frame_size),
@@ -770,6 +778,12 @@ impl Xsk {
             outstanding = now;
         }
         Ok(())
+    }
+
+    /// Receive frames held out of the fill ring, and the fill ring's producer index (tests).
+    #[cfg(test)]
+    pub(crate) fn fill_state(&self) -> (u32, u32) {
+        (self.refill.len() as u32, self.fill.local)
     }
 
     /// Whether a received frame is waiting.
