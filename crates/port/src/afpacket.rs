@@ -786,7 +786,17 @@ impl AfPacketPort {
         // kernel's status read (smp_rmb) before it writes a slot or opens a block.
         self.unit_status(self.rx_unit).store(libc::TP_STATUS_KERNEL, Ordering::Release);
         self.rx_cursor = None;
-        self.rx_unit = if self.rx_unit + 1 == self.rx_units { 0 } else { self.rx_unit + 1 };
+        self.rx_unit = self.next_unit();
+    }
+
+    /// The receive unit after the current one (wrapping by comparison, not `%`: this runs for
+    /// every frame).
+    fn next_unit(&self) -> usize {
+        if self.rx_unit + 1 == self.rx_units {
+            0
+        } else {
+            self.rx_unit + 1
+        }
     }
 
     fn kick(&mut self) -> Result<()> {
@@ -846,8 +856,7 @@ impl Port for AfPacketPort {
                 }
                 // The next unit's status is what this loop (or the next poll) reads after this
                 // one: ask for it now, while the frames here are handled.
-                let next = if self.rx_unit + 1 == self.rx_units { 0 } else { self.rx_unit + 1 };
-                prefetch(self.unit_status(next));
+                prefetch(self.unit_status(self.next_unit()));
                 self.rx_cursor = Some(match self.rx_version {
                     RxVersion::V3 => RxCursor::start(self.owned_unit()),
                     RxVersion::V2 => RxCursor { left: 1, offset: 0 },

@@ -597,8 +597,8 @@ impl Worker {
         // The earliest timer as computed at the end of the previous iteration, for both the wait
         // and the next iteration's timer check: what changes the timers in between (frames, sends,
         // ACKs) only arms them later than now, so nothing due is missed, and a received frame does
-        // not wait for a second walk over the channels (~60 ns of a turnaround) before its answer
-        // goes out. The pipeline threads do the same.
+        // not wait for a second walk over the channels before its answer goes out. The pipeline
+        // threads do the same.
         let mut deadline = endpoint.poll_timeout();
         while !self.stopping() {
             let now = self.clock.now();

@@ -372,8 +372,9 @@ fn setsockopt<T>(fd: &OwnedFd, level: i32, name: i32, value: &T) -> io::Result<(
 
 impl Xsk {
     /// Creates the socket, registers a fresh UMEM, maps the rings, puts the receive half of the
-    /// frames in the fill ring (less `fill_hold`, see `refill_fill_ring`) and binds to `ifindex`/`queue` with need-wakeup, zero-copy first
-    /// when `try_zero_copy` (falling back to copy mode), copy mode otherwise; with
+    /// frames in the fill ring (less `fill_hold`, see `refill_fill_ring`) and binds to
+    /// `ifindex`/`queue` with need-wakeup, zero-copy first when `try_zero_copy` (falling back to
+    /// copy mode), copy mode otherwise; with
     /// `chain` above 1 (UMEM frames a frame may take), also with `XDP_USE_SG` (Linux 6.6+), for
     /// frames larger than a UMEM frame.
     /// Errors name the step that failed.
@@ -453,10 +454,13 @@ impl Xsk {
         let rx_frames = (geo.frame_count / 2).min(geo.ring_size);
         // Batches of a 64-byte line of 8-byte entries, two lines behind the kernel (see
         // `refill_fill_ring`), when the receive half is large enough that the kernel still has
-        // its minimum of whole chains without the up to 23 frames held; else every frame at once.
+        // its minimum of whole chains without the frames held; else every frame at once.
+        const HOLD: u32 = 16;
+        const BATCH: u32 = 8;
+        let most_held = HOLD + BATCH - 1;
         let (fill_hold, fill_batch) =
-            if rx_frames >= 64 && (rx_frames - 23) as usize >= super::MIN_CHAINS * chain as usize {
-                (16, 8)
+            if rx_frames >= 64 && (rx_frames - most_held) as usize >= super::MIN_CHAINS * chain as usize {
+                (HOLD, BATCH)
             } else {
                 (0, 1)
             };
