@@ -106,6 +106,18 @@ pub enum BindRequest {
     Copy,
 }
 
+/// How frames are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TxRequest {
+    /// In copy mode, a burst of one frame goes out through a plain `AF_PACKET` socket, which
+    /// costs the kernel less than AF_XDP's copy-mode transmit; longer bursts, and every frame in
+    /// zero-copy mode, through the tx ring.
+    #[default]
+    Auto,
+    /// Every frame through the tx ring.
+    Ring,
+}
+
 /// Busy-polling settings (`SO_PREFER_BUSY_POLL`, `SO_BUSY_POLL`, `SO_BUSY_POLL_BUDGET`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BusyPoll {
@@ -134,6 +146,8 @@ pub struct AfXdpOptions {
     pub bind: BindRequest,
     /// Busy polling on the socket; `None` leaves the system default (off).
     pub busy_poll: Option<BusyPoll>,
+    /// How frames are sent.
+    pub tx: TxRequest,
 }
 
 impl Default for AfXdpOptions {
@@ -146,6 +160,7 @@ impl Default for AfXdpOptions {
             attach: AttachRequest::Auto,
             bind: BindRequest::Auto,
             busy_poll: None,
+            tx: TxRequest::Auto,
         }
     }
 }
@@ -313,6 +328,12 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
     if let Some(b) = o.busy_poll {
         xsk.set_busy_poll(b.usecs, b.budget).map_err(|e| classify("setsockopt(SO_BUSY_POLL)", e))?;
     }
+    if o.tx == TxRequest::Auto && xsk.bind_mode() == BindMode::Copy {
+        // Without CAP_NET_RAW (or AF_PACKET) there is no such socket: the ring sends everything.
+        if let Some(socket) = crate::afpacket::single_frame_socket(facts.ifindex as libc::c_int, true) {
+            xsk.send_lone_frames_through(socket);
+        }
+    }
     bpf::map_update_u32(&map, queue, xsk.fd().as_raw_fd() as u32)
         .map_err(|e| classify("bpf(BPF_MAP_UPDATE_ELEM) of the socket into the XSKMAP", e))?;
 
@@ -406,6 +427,12 @@ impl AfXdpPort {
     /// The interface name.
     pub fn ifname(&self) -> &str {
         &self.ifname
+    }
+
+    /// Frames sent through the plain `AF_PACKET` socket rather than the tx ring (see
+    /// [`TxRequest::Auto`]).
+    pub fn lone_frames_sent(&self) -> u64 {
+        self.xsk.lone_frames
     }
 
     /// The receive queue.

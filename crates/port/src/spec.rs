@@ -6,7 +6,7 @@
 //! cannot be opened here (not root, no such interface, not built in), each saying what to do.
 
 use crate::afpacket::{AfPacketConfig, AfPacketPort};
-use crate::afxdp::XdpModeRequest;
+use crate::afxdp::{TxRequest, XdpModeRequest};
 use crate::udp::{UdpConfig, UdpPort};
 use crate::{Port, PortError, Result};
 
@@ -31,12 +31,15 @@ PORT SPECS (--port SPEC)
       frame handed over at once. rx=v3: TPACKET_V3 receive blocks, handed over when full or
       after tov_ms (default 1 ms): batches for streaming, but a lone frame (a request, an ACK)
       waits that long, since the kernel cannot hand over a block early.
-  afxdp:IFACE[:QUEUE][,xdp=auto|native|generic]
+  afxdp:IFACE[:QUEUE][,xdp=auto|native|generic][,tx=auto|ring]
       AF_XDP socket on IFACE's queue QUEUE (default 0) with an XDP program that takes only
       EtherType 0x88B5. Needs root and Linux 5.x+. xdp=auto (default): the program runs in the
       driver (native) where it can, in generic mode otherwise, and in generic mode first on veth,
       where that is faster for frames its peer sends. xdp=native: fail where the driver has no
-      XDP. xdp=generic: always generic (SKB) mode.
+      XDP. xdp=generic: always generic (SKB) mode. tx=auto (default): where the socket is in
+      copy mode (no zero-copy driver; veth), a lone frame goes out through a plain AF_PACKET
+      send, cheaper there than AF_XDP's copy-mode transmit; bursts go through the tx ring.
+      tx=ring: every frame through the tx ring.
   shm:PATH
       Two processes on one machine through shared-memory rings; PATH is the control socket.
   dpdk:EAL_ARGS
@@ -82,8 +85,8 @@ pub fn open(spec: &str) -> Result<Box<dyn Port>> {
             Ok(Box::new(AfPacketPort::open(&config).map_err(whole)?))
         }
         ("afxdp", Some(args)) => {
-            let (iface, queue, xdp_mode) = parse_afxdp(spec, args)?;
-            let options = crate::afxdp::AfXdpOptions { xdp_mode, ..Default::default() };
+            let (iface, queue, xdp_mode, tx) = parse_afxdp(spec, args)?;
+            let options = crate::afxdp::AfXdpOptions { xdp_mode, tx, ..Default::default() };
             Ok(Box::new(crate::afxdp::open(iface, queue, &options).map_err(whole)?))
         }
         ("shm", Some(path)) => {
@@ -138,8 +141,9 @@ pub fn fuzz_spec(data: &[u8]) {
     }
 }
 
-/// Parses `IFACE[:QUEUE][,xdp=auto|native|generic]`, the arguments of an afxdp spec.
-fn parse_afxdp<'a>(spec: &str, args: &'a str) -> Result<(&'a str, u32, XdpModeRequest)> {
+/// Parses `IFACE[:QUEUE][,xdp=auto|native|generic][,tx=auto|ring]`, the arguments of an afxdp
+/// spec.
+fn parse_afxdp<'a>(spec: &str, args: &'a str) -> Result<(&'a str, u32, XdpModeRequest, TxRequest)> {
     let mut parts = args.split(',');
     let place = parts.next().unwrap_or("").trim();
     let (iface, queue) = match place.split_once(':') {
@@ -153,18 +157,30 @@ fn parse_afxdp<'a>(spec: &str, args: &'a str) -> Result<(&'a str, u32, XdpModeRe
                 spec,
                 format!(
                     "queue {q:?} is not a receive queue number (0 to 4294967295): write \
-                     afxdp:IFACE[:QUEUE][,xdp=auto|native|generic]"
+                     afxdp:IFACE[:QUEUE][,xdp=auto|native|generic][,tx=auto|ring]"
                 ),
             )
         })?,
         None => 0,
     };
-    let mut xdp = XdpModeRequest::Auto;
+    let (mut xdp, mut tx) = (XdpModeRequest::Auto, TxRequest::Auto);
     for part in parts {
-        xdp = match part.trim().split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
-            Some(("xdp", "auto")) => XdpModeRequest::Auto,
-            Some(("xdp", "native")) => XdpModeRequest::Native,
-            Some(("xdp", "generic")) => XdpModeRequest::Generic,
+        match part.trim().split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
+            Some(("xdp", "auto")) => xdp = XdpModeRequest::Auto,
+            Some(("xdp", "native")) => xdp = XdpModeRequest::Native,
+            Some(("xdp", "generic")) => xdp = XdpModeRequest::Generic,
+            Some(("tx", "auto")) => tx = TxRequest::Auto,
+            Some(("tx", "ring")) => tx = TxRequest::Ring,
+            Some(("tx", other)) => {
+                return Err(bad(
+                    spec,
+                    format!(
+                        "tx={other:?}: write tx=auto (the default: in copy mode a lone frame goes \
+                         out through a plain AF_PACKET send) or tx=ring (every frame through the \
+                         AF_XDP tx ring)"
+                    ),
+                ))
+            }
             Some(("xdp", other)) => {
                 return Err(bad(
                     spec,
@@ -178,12 +194,15 @@ fn parse_afxdp<'a>(spec: &str, args: &'a str) -> Result<(&'a str, u32, XdpModeRe
             _ => {
                 return Err(bad(
                     spec,
-                    format!("unknown afxdp option {part:?}; the option is xdp=auto|native|generic"),
+                    format!(
+                        "unknown afxdp option {part:?}; the options are xdp=auto|native|generic and \
+                         tx=auto|ring"
+                    ),
                 ))
             }
-        };
+        }
     }
-    Ok((iface, queue, xdp))
+    Ok((iface, queue, xdp, tx))
 }
 
 #[cfg(test)]
@@ -198,14 +217,18 @@ mod tests {
     }
 
     #[test]
-    fn afxdp_specs_name_a_queue_and_an_xdp_mode() {
+    fn afxdp_specs_name_a_queue_an_xdp_mode_and_a_transmit_path() {
         let ok = |args| parse_afxdp("afxdp:...", args).unwrap();
-        assert_eq!(ok("eth0"), ("eth0", 0, XdpModeRequest::Auto));
-        assert_eq!(ok("eth0:3"), ("eth0", 3, XdpModeRequest::Auto));
-        assert_eq!(ok("eth0,xdp=generic"), ("eth0", 0, XdpModeRequest::Generic));
-        assert_eq!(ok("eth0:1,xdp=native"), ("eth0", 1, XdpModeRequest::Native));
-        assert_eq!(ok("eth0,xdp=native,xdp=auto"), ("eth0", 0, XdpModeRequest::Auto));
-        assert_eq!(ok(" eth0:2 , xdp = native "), ("eth0", 2, XdpModeRequest::Native));
+        let (auto, ring) = (TxRequest::Auto, TxRequest::Ring);
+        assert_eq!(ok("eth0"), ("eth0", 0, XdpModeRequest::Auto, auto));
+        assert_eq!(ok("eth0:3"), ("eth0", 3, XdpModeRequest::Auto, auto));
+        assert_eq!(ok("eth0,xdp=generic"), ("eth0", 0, XdpModeRequest::Generic, auto));
+        assert_eq!(ok("eth0:1,xdp=native"), ("eth0", 1, XdpModeRequest::Native, auto));
+        assert_eq!(ok("eth0,xdp=native,xdp=auto"), ("eth0", 0, XdpModeRequest::Auto, auto));
+        assert_eq!(ok(" eth0:2 , xdp = native "), ("eth0", 2, XdpModeRequest::Native, auto));
+        assert_eq!(ok("eth0,tx=ring"), ("eth0", 0, XdpModeRequest::Auto, ring));
+        assert_eq!(ok("eth0:1,tx=ring,xdp=generic"), ("eth0", 1, XdpModeRequest::Generic, ring));
+        assert_eq!(ok("eth0,tx=ring,tx=auto"), ("eth0", 0, XdpModeRequest::Auto, auto));
     }
 
     #[test]
@@ -223,6 +246,7 @@ mod tests {
             ("afxdp:eth0:q", true, "not a receive queue number"),
             ("afxdp:eth0,xdp=fast", true, "xdp=native (fail without driver support)"),
             ("afxdp:eth0:1,mode=native", true, "unknown afxdp option"),
+            ("afxdp:eth0,tx=packet", true, "tx=ring (every frame through the AF_XDP tx ring)"),
             ("afxdp:eth0,", true, "unknown afxdp option \"\""),
             ("afxdp:eth0:4294967296", true, "not a receive queue number"),
             ("afxdp:eth0:,xdp=native", true, "not a receive queue number"),

@@ -395,6 +395,67 @@ fn jumbo_frames(pair: &VethPair, options: AfXdpOptions) {
     }
 }
 
+/// Sends `count` frames from `a` to `b` in bursts whose sizes cycle through `bursts`, without
+/// waiting for one to arrive before sending the next, and checks `b` gets them all once, in
+/// order, intact. Returns how many bursts were of one frame.
+fn one_way_in_mixed_bursts(a: &mut AfXdpPort, b: &mut AfXdpPort, count: u32, bursts: &[u32]) -> u64 {
+    let (a_mac, b_mac, mtu) = (a.mac(), b.mac(), a.mtu());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (mut sent, mut got, mut lone) = (0u32, 0u32, 0u64);
+    let mut buf = Vec::new();
+    for &n in bursts.iter().cycle() {
+        if got == count {
+            break;
+        }
+        assert!(Instant::now() < deadline, "timed out: {got} of {count} frames");
+        let n = n.min(count - sent);
+        let frames: Vec<_> = (sent..sent + n).map(|s| frame(b_mac, a_mac, s, mtu)).collect();
+        let done = Endpoint::send(a, &frames) as u32;
+        lone += u64::from(n == 1 && done == 1);
+        sent += done;
+        b.recv(&mut buf);
+        for f in buf.drain(..) {
+            assert_eq!(f, frame(b_mac, a_mac, got, mtu), "frame {got}");
+            got += 1;
+        }
+    }
+    lone
+}
+
+#[test]
+fn lone_frames_skip_the_ring_in_copy_mode_and_keep_their_order() {
+    let pair = veth_or_skip!("lone_frames_skip_the_ring_in_copy_mode_and_keep_their_order");
+    // Bursts of one (the plain AF_PACKET send) right before and after bursts through the ring.
+    let bursts = [1, 3, 1, 1, 7, 2, 1, 32];
+    for tx in [TxRequest::Auto, TxRequest::Ring] {
+        let options = AfXdpOptions { tx, ..AfXdpOptions::default() };
+        let mut a = open_in(&pair.a, options).expect("open a");
+        let mut b = open_in(&pair.b, options).expect("open b");
+        let lone = one_way_in_mixed_bursts(&mut a, &mut b, 3_000, &bursts);
+        assert!(lone >= 3_000 / 48 * 4, "{tx:?}: {lone} one-frame bursts");
+        let expected = if tx == TxRequest::Auto { lone } else { 0 };
+        assert_eq!(a.lone_frames_sent(), expected, "{tx:?}: frames sent around the ring");
+        let (ca, cb) = (a.counters(), b.counters());
+        assert_eq!(
+            (ca.tx_frames, cb.rx_frames, ca.tx_dropped, cb.rx_dropped),
+            (3_000, 3_000, 0, 0),
+            "{tx:?}"
+        );
+        let bytes: u64 = (0..3_000).map(|s| frame(pair.b.mac, pair.a.mac, s, 1500).len() as u64).sum();
+        assert_eq!((ca.tx_bytes, cb.rx_bytes), (bytes, bytes), "{tx:?}");
+    }
+    // Jumbo frames: a lone frame of several UMEM frames goes out whole from its slot.
+    pair.set_mtu(9000).expect("ip link set mtu");
+    let mut a = open_in(&pair.a, AfXdpOptions::default()).expect("open a");
+    let mut b = open_in(&pair.b, AfXdpOptions::default()).expect("open b");
+    assert!(a.xsk.multi_buffer(), "9014-byte frames take chains");
+    let lone = one_way_in_mixed_bursts(&mut a, &mut b, 1_000, &bursts);
+    assert_eq!(a.lone_frames_sent(), lone);
+    assert_eq!((a.counters().tx_frames, b.counters().rx_frames), (1_000, 1_000));
+    let (free, slots) = a.xsk.tx_slots();
+    assert!(free + 32 >= slots, "lone frames hand their slots straight back: {free} of {slots} free");
+}
+
 #[test]
 fn jumbo_frames_match_the_kernels_af_packet() {
     let pair = veth_or_skip!("jumbo_frames_match_the_kernels_af_packet");
