@@ -245,7 +245,8 @@ fn iface_info(spec: &str, ifname: &str) -> Result<IfaceInfo> {
 /// The ring-less socket single frames go out through: `AF_PACKET`/`SOCK_RAW` bound to interface
 /// `ifindex` with protocol 0, so the kernel hands it no frame, and with the qdisc bypassed like
 /// the ring's socket (so the two reach the driver in the order they are sent). `None` if it
-/// cannot be made: the ring then sends everything.
+/// cannot be made: the ring then sends everything. The `afxdp` port sends its lone frames through
+/// one too, in copy mode.
 pub(crate) fn single_frame_socket(ifindex: libc::c_int, qdisc_bypass: bool) -> Option<OwnedFd> {
     // SAFETY: plain socket(2) call with constant arguments.
     let raw = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };

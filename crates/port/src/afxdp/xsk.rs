@@ -576,6 +576,11 @@ impl Xsk {
     /// took 0.84-0.85x as long (medians per run, 1.3-2.4 us against 1.6-2.5), and the round
     /// trip 0.89x (16 of 20 pairs faster). Sending every frame this way cost streaming goodput
     /// up to 15% (a system call per frame instead of per 32), hence one-frame bursts only.
+    ///
+    /// Both paths hand frames to the driver inside the system call, so on a veth they arrive in
+    /// the order sent. On a multi-queue NIC the socket may pick another transmit queue than the
+    /// ring's, and the NIC may then put a lone frame on the wire before ring frames still in
+    /// its queue: the transport recovers from that as from a loss.
     pub fn send_lone_frames_through(&mut self, socket: OwnedFd) {
         self.lone = Some(socket);
     }
