@@ -1,5 +1,6 @@
 //! The processes of `lanbus bench transport` over udp on loopback (no root, no namespaces): an
-//! echo server and a ping-pong client, a sink and a streaming client, as the bench runs them.
+//! echo server and a ping-pong client, a sink and a streaming client, a raw echo server and a raw
+//! ping client, as the bench runs them.
 
 use std::io::{BufRead, BufReader};
 use std::net::UdpSocket;
@@ -67,4 +68,44 @@ fn ping_pong_and_streaming_between_two_processes() {
     // At least the first window (1 MiB) was delivered, checked and credited.
     assert!(v["messages"].as_u64().unwrap() >= 1024, "{v}");
     assert!(v["msgs_per_s"].as_f64().unwrap() > 0.0, "{v}");
+}
+
+#[test]
+fn raw_round_trips_between_two_processes() {
+    let (a, b) = two_ports();
+    let (sa, sb) = (spec(a, A_MAC, b, B_MAC), spec(b, B_MAC, a, A_MAC));
+    let echo = server("raw-echo", &sb, &[]);
+    let v = client("raw-ping", &sa, &["--size", "1024", "--rounds", "300"]);
+    stop(echo);
+    assert_eq!(v["rounds"], 300);
+    let (p50, p99) = (v["p50_us"].as_f64().unwrap(), v["p99_us"].as_f64().unwrap());
+    assert!(p50 > 0.0 && p50 <= p99, "{v}");
+
+    // Without an echo server the client says so instead of waiting forever.
+    let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
+        .args(["bench", "transport-peer", "--port", &sa, "--peer", B_MAC, "--role", "raw-ping"])
+        .output()
+        .expect("run the client");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("came back from no echo server"), "{out:?}");
+
+    // A frame larger than the port's MTU is refused up front.
+    let echo = server("raw-echo", &sb, &[]);
+    let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
+        .args([
+            "bench",
+            "transport-peer",
+            "--port",
+            &sa,
+            "--peer",
+            B_MAC,
+            "--role",
+            "raw-ping",
+            "--size",
+            "9000",
+        ])
+        .output()
+        .expect("run the client");
+    stop(echo);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not fit the port's MTU"), "{out:?}");
 }

@@ -12,7 +12,11 @@
 //!   sender's handler tops its window up from each credit, so all the work is on the runtime
 //!   threads and the clock stops when the last message is known delivered;
 //! - with adaptive polling only, the CPU an idle lanbus process uses (heartbeats on), from
-//!   `/proc/PID/stat` utime + stime.
+//!   `/proc/PID/stat` utime + stime;
+//! - the bare port's round trip (`raw:PORT` rows, busy only): the same port opened the same way,
+//!   frames as long as the ping-pong's bounced straight back, no transport; run right after each
+//!   busy lanbus run of the same size, so the difference between the two is what the transport
+//!   adds in the same minute, and the raw ratio to sockperf is what the port and kernel leave.
 //!
 //! The peers run in the same invocation on the same veth: sockperf UDP ping-pong blocking
 //! (`peer:sockperf-udp`) and with `--nonblocked` on both ends (`peer:sockperf-udp-busy`), both
@@ -96,6 +100,12 @@ pub enum Role {
     Ping,
     /// Client: stream to a sink.
     Stream,
+    /// Server: bounce every frame straight back through the port, addresses swapped, with no
+    /// transport (the bare port's half of a round trip).
+    RawEcho,
+    /// Client: raw frames as long as a one-message lanbus frame, each sent when the last came
+    /// back from a raw echo server: the bare port's round trip.
+    RawPing,
 }
 
 /// How the peer's runtime polls.
@@ -192,6 +202,11 @@ fn index_of(data: &[u8]) -> Option<u64> {
 pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     let peer: MacAddr = args.peer.parse().map_err(|e| anyhow!("--peer {:?}: {e:?}", args.peer))?;
     let port = lanbus_port::open(&args.port)?;
+    match args.role {
+        Role::RawEcho => return raw_echo(port, args.polling),
+        Role::RawPing => return raw_ping(port, peer, &args),
+        _ => {}
+    }
     let mut transport = if args.role == Role::Idle { Config::default() } else { Config::point_to_point() };
     // Frames as large as the link takes (the runtime lowers this to the port's MTU).
     transport.mtu = 65_535;
@@ -236,7 +251,104 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
         }
         Role::Ping => ping_client(port, config, peer, &args),
         Role::Stream => stream_client(port, config, peer, &args),
+        Role::RawEcho | Role::RawPing => unreachable!("handled before the runtime is set up"),
     }
+}
+
+/// Bounces every frame that arrives back to its sender until stdin closes. Busy: spins on the
+/// port without ever yielding (unlike the runtime, which yields every couple of microseconds);
+/// adaptive: blocks in the port's `wait` when nothing came.
+fn raw_echo(mut port: Box<dyn lanbus_port::Port>, mode: Mode) -> anyhow::Result<()> {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stdin_closed = stop.clone();
+    std::thread::spawn(move || {
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        // Relaxed: only the flag itself is published.
+        stdin_closed.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    println!("ready");
+    std::io::stdout().flush()?;
+    let mut frames: Vec<Vec<u8>> = Vec::new();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let mut got = 0;
+        port.rx_burst(32, &mut |f| {
+            if frames.len() == got {
+                frames.push(Vec::new());
+            }
+            let back = &mut frames[got];
+            back.clear();
+            back.extend_from_slice(f);
+            back.copy_within(6..12, 0);
+            back[6..12].copy_from_slice(&f[0..6]);
+            got += 1;
+        })?;
+        if got == 0 {
+            match mode {
+                Mode::Busy => core::hint::spin_loop(),
+                Mode::Adaptive => port.wait(Some(Duration::from_millis(5)))?,
+            }
+            continue;
+        }
+        let refs: Vec<&[u8]> = frames[..got].iter().map(|f| f.as_slice()).collect();
+        let mut sent = 0;
+        while sent < got {
+            sent += port.send_frames(&refs[sent..])?;
+        }
+    }
+    Ok(())
+}
+
+/// Raw round trips against [`raw_echo`]: one frame of `14 + 32 + size` bytes (the Ethernet and
+/// lanbus headers and the message) at a time, numbered, timed from its send to its reply's
+/// arrival; 100 warm-up rounds, then `rounds` or `seconds`, whichever ends first. Prints the
+/// same JSON line as the ping client.
+fn raw_ping(mut port: Box<dyn lanbus_port::Port>, peer: MacAddr, args: &PeerArgs) -> anyhow::Result<()> {
+    use lanbus_wire::ethernet::HEADER_LEN as ETHERNET;
+    const WARMUP: usize = 100;
+    let len = ETHERNET + lanbus_wire::lanbus::HEADER_LEN + args.size;
+    if len > ETHERNET + port.mtu() {
+        bail!("a {}-byte raw frame does not fit the port's MTU of {}", len, port.mtu());
+    }
+    let mut frame = vec![0u8; len];
+    frame[0..6].copy_from_slice(&peer.0);
+    frame[6..12].copy_from_slice(&port.mac().0);
+    frame[12..14].copy_from_slice(&lanbus_wire::ethernet::EtherType::LANBUS_RAW.to_be_bytes());
+    let until = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let mut samples = Vec::with_capacity(args.rounds);
+    for round in 0u64.. {
+        let seq = round.to_be_bytes();
+        frame[ETHERNET..ETHERNET + 8].copy_from_slice(&seq);
+        let start = Instant::now();
+        while port.send_frames(&[&frame])? == 0 {}
+        let mut polls = 0u32;
+        loop {
+            let mut back = false;
+            port.rx_burst(8, &mut |f| back |= f.len() == len && f[ETHERNET..ETHERNET + 8] == seq)?;
+            if back {
+                break;
+            }
+            if args.polling == Mode::Adaptive {
+                port.wait(Some(Duration::from_millis(5)))?;
+            }
+            // A spinning client reads the clock now and then only.
+            polls = polls.wrapping_add(1);
+            let look = args.polling == Mode::Adaptive || polls.is_multiple_of(1024);
+            if look && start.elapsed() > Duration::from_secs(1) {
+                bail!("raw frame {round} came back from no echo server within 1 s");
+            }
+        }
+        let now = Instant::now();
+        if round >= WARMUP as u64 {
+            samples.push((now - start).as_secs_f64() * 1e6);
+        }
+        if samples.len() >= args.rounds || (now >= until && samples.len() >= 10) {
+            break;
+        }
+    }
+    samples.sort_by(f64::total_cmp);
+    let (p50, p99) = (percentile(&samples, 0.5), percentile(&samples, 0.99));
+    println!("{}", json!({ "p50_us": p50, "p99_us": p99, "rounds": samples.len() }));
+    Ok(())
 }
 
 struct Echo;
@@ -615,6 +727,7 @@ fn measure_latency(
         );
     }
     let mut runs: BTreeMap<(String, &'static str, usize), Runs> = BTreeMap::new();
+    let mut raw_failed: Vec<String> = Vec::new();
     for run in 0..plan.runs {
         for mode in [Mode::Busy, Mode::Adaptive] {
             for &size in PING_SIZES {
@@ -626,6 +739,18 @@ fn measure_latency(
                     match ping_once(pair, exe, kind, specs, plan, mode, size, run) {
                         Ok((p50, p99)) => {
                             runs.entry((kind.clone(), mode.name(), size)).or_default().push((run, p50, p99));
+                            let raw = raw_row(kind);
+                            if mode == Mode::Busy && !raw_failed.contains(&raw) {
+                                match raw_once(pair, exe, kind, specs, plan, size, run) {
+                                    Ok((p50, p99)) => runs.entry((raw, "busy", size)).or_default().push((run, p50, p99)),
+                                    Err(e) => {
+                                        let why = format!("{raw}: stopped at {size} B, run {}: {e:#}", run + 1);
+                                        eprintln!("bench transport: {why}");
+                                        notes.push(why);
+                                        raw_failed.push(raw);
+                                    }
+                                }
+                            }
                             true
                         }
                         Err(e) => {
@@ -647,14 +772,16 @@ fn measure_latency(
             }
         }
     }
-    // In table order: each port busy then adaptive, then sockperf busy then blocking. Whatever
-    // was measured is reported, also of a port or a sockperf that failed later.
-    let mut rows: Vec<(&str, &'static str)> = Vec::new();
+    // In table order: each port busy then adaptive, the bare ports, then sockperf busy then
+    // blocking. Whatever was measured is reported, also of a port or a sockperf that failed later.
+    let mut rows: Vec<(String, &'static str)> = Vec::new();
     for kind in ports {
-        rows.extend([Mode::Busy, Mode::Adaptive].map(|m| (kind.as_str(), m.name())));
+        rows.extend([Mode::Busy, Mode::Adaptive].map(|m| (kind.clone(), m.name())));
     }
-    rows.extend([Mode::Busy, Mode::Adaptive].map(sockperf_row));
-    for &(name, mode) in &rows {
+    rows.extend(ports.iter().map(|kind| (raw_row(kind), "busy")));
+    rows.extend([Mode::Busy, Mode::Adaptive].map(sockperf_row).map(|(name, mode)| (name.to_string(), mode)));
+    for (name, mode) in &rows {
+        let (name, mode) = (name.as_str(), *mode);
         for &size in PING_SIZES {
             let Some(r) = runs.get(&(name.to_string(), mode, size)) else { continue };
             let p50: Vec<f64> = r.iter().map(|s| s.1).collect();
@@ -666,7 +793,8 @@ fn measure_latency(
             }
         }
     }
-    for kind in ports {
+    let raw_rows: Vec<String> = ports.iter().map(|kind| raw_row(kind)).collect();
+    for kind in ports.iter().chain(&raw_rows) {
         for mode in [Mode::Busy, Mode::Adaptive] {
             let (peer, peer_mode) = sockperf_row(mode);
             for &size in PING_SIZES {
@@ -744,6 +872,34 @@ fn ping_once(
     let mut client = peer_command(&pair.a.netns, exe, &specs.a, pair.b.mac, "ping", mode);
     client.args(["--size", &size.to_string(), "--seconds", &plan.seconds.to_string()]).args(&specs.extra);
     let v = run_client(client, &format!("{kind} ping client"))?;
+    let (p50, p99) = (v["p50_us"].as_f64().unwrap_or(f64::NAN), v["p99_us"].as_f64().unwrap_or(f64::NAN));
+    eprintln!("bench transport:   p50 {p50:.2} us, p99 {p99:.2} us");
+    Ok((p50, p99))
+}
+
+/// The row of a port's bare round trip.
+fn raw_row(kind: &str) -> String {
+    format!("raw:{kind}")
+}
+
+/// One bare round-trip run of a port (raw echo server and raw ping client, no transport), right
+/// after the port's busy lanbus run of the same size: what the port and the kernel take of the
+/// round trip, in the same minute; the rest of lanbus's figure is the transport's.
+fn raw_once(
+    pair: &VethPair,
+    exe: &str,
+    kind: &str,
+    specs: &PortSpecs,
+    plan: &Plan,
+    size: usize,
+    run: usize,
+) -> anyhow::Result<(f64, f64)> {
+    eprintln!("bench transport: {} ping-pong {size} B, run {}", raw_row(kind), run + 1);
+    let server = peer_command(&pair.b.netns, exe, &specs.b, pair.a.mac, "raw-echo", Mode::Busy);
+    let _server = Server::start(server, &format!("{kind} raw echo server"))?;
+    let mut client = peer_command(&pair.a.netns, exe, &specs.a, pair.b.mac, "raw-ping", Mode::Busy);
+    client.args(["--size", &size.to_string(), "--seconds", &plan.seconds.to_string()]);
+    let v = run_client(client, &format!("{kind} raw ping client"))?;
     let (p50, p99) = (v["p50_us"].as_f64().unwrap_or(f64::NAN), v["p99_us"].as_f64().unwrap_or(f64::NAN));
     eprintln!("bench transport:   p50 {p50:.2} us, p99 {p99:.2} us");
     Ok((p50, p99))
