@@ -272,6 +272,10 @@ fn raw_echo(mut port: Box<dyn lanbus_port::Port>, mode: Mode) -> anyhow::Result<
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         let mut got = 0;
         port.rx_burst(32, &mut |f| {
+            // Ports deliver whole Ethernet headers; anything shorter is not bounced.
+            if f.len() < lanbus_wire::ethernet::HEADER_LEN {
+                return;
+            }
             if frames.len() == got {
                 frames.push(Vec::new());
             }
