@@ -1,8 +1,8 @@
 //! The `afxdp` port: lanbus frames through an AF_XDP socket, steered to it by a small XDP
 //! program that the port loads and attaches itself.
 //!
-//! Layer: ports. Spec: `afxdp:IFACE[:QUEUE][,xdp=auto|native|generic]` (issue 4). Opening the port on an interface and
-//! receive queue:
+//! Layer: ports. Spec: `afxdp:IFACE[:QUEUE][,xdp=auto|native|generic][,tx=auto|ring]` (issue 4).
+//! Opening the port on an interface and receive queue:
 //!
 //! 1. creates an XSKMAP and loads the redirect program ([`bpf::lanbus_redirect_program`]): frames
 //!    with EtherType 0x88B5 go to the socket registered for their receive queue, everything else
@@ -111,7 +111,7 @@ pub enum BindRequest {
 pub enum TxRequest {
     /// In copy mode, a burst of one frame goes out through a plain `AF_PACKET` socket, which
     /// costs the kernel less than AF_XDP's copy-mode transmit; longer bursts, and every frame in
-    /// zero-copy mode, through the tx ring.
+    /// zero-copy mode or with busy polling, through the tx ring.
     #[default]
     Auto,
     /// Every frame through the tx ring.
@@ -328,8 +328,10 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
     if let Some(b) = o.busy_poll {
         xsk.set_busy_poll(b.usecs, b.budget).map_err(|e| classify("setsockopt(SO_BUSY_POLL)", e))?;
     }
-    if o.tx == TxRequest::Auto && xsk.bind_mode() == BindMode::Copy {
-        // Without CAP_NET_RAW (or AF_PACKET) there is no such socket: the ring sends everything.
+    // With busy polling every transmit stays a kick of this socket, which polls its queue.
+    if o.tx == TxRequest::Auto && xsk.bind_mode() == BindMode::Copy && o.busy_poll.is_none() {
+        // Where the socket cannot be made (a kernel without AF_PACKET, a security module that
+        // refuses it) the ring sends everything.
         if let Some(socket) = crate::afpacket::single_frame_socket(facts.ifindex as libc::c_int, true) {
             xsk.send_lone_frames_through(socket);
         }

@@ -35,9 +35,10 @@
 //! block timeout), which matters only when rate control is on.
 //!
 //! Processes: the bench re-executes this binary inside each namespace (`ip netns exec`, hidden
-//! subcommand `lanbus bench transport-peer`): a server (echo, sink or idle) in namespace b that
-//! prints `ready` once its port is open, and a client (ping or stream) in namespace a that prints
-//! one JSON line of results. Every figure is the median of several runs (`--quick`: one short run).
+//! subcommand `lanbus bench transport-peer`): a server (echo, sink, idle or raw-echo) in namespace b
+//! that prints `ready` once its port is open, and a client (ping, stream or raw-ping) in namespace
+//! a that prints one JSON line of results. Every figure is the median of several runs (`--quick`:
+//! one short run).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read as _, Write as _};
@@ -302,14 +303,16 @@ fn raw_echo(mut port: Box<dyn lanbus_port::Port>, mode: Mode) -> anyhow::Result<
     Ok(())
 }
 
-/// Raw round trips against [`raw_echo`]: one frame of `14 + 32 + size` bytes (the Ethernet and
-/// lanbus headers and the message) at a time, numbered, timed from its send to its reply's
-/// arrival; 100 warm-up rounds, then `rounds` or `seconds`, whichever ends first. Prints the
-/// same JSON line as the ping client.
+/// Raw round trips against [`raw_echo`]: one frame of `14 + 32 + 4 + size` bytes (the Ethernet
+/// and lanbus headers, a message record's header and the message: as long as the ping-pong's
+/// frames) at a time, numbered, timed from its send to its reply's arrival; 100 warm-up rounds,
+/// then `rounds` (at least 10) or `seconds` after the warm-up, whichever ends first. Gives up
+/// when the port takes no frame or none comes back for a second. Prints the same JSON line as
+/// the ping client.
 fn raw_ping(mut port: Box<dyn lanbus_port::Port>, peer: MacAddr, args: &PeerArgs) -> anyhow::Result<()> {
     use lanbus_wire::ethernet::HEADER_LEN as ETHERNET;
     const WARMUP: usize = 100;
-    let len = ETHERNET + lanbus_wire::lanbus::HEADER_LEN + args.size;
+    let len = ETHERNET + lanbus_wire::lanbus::HEADER_LEN + lanbus_wire::lanbus::RECORD_HEADER_LEN + args.size;
     if len > ETHERNET + port.mtu() {
         bail!("a {}-byte raw frame does not fit the port's MTU of {}", len, port.mtu());
     }
@@ -317,13 +320,21 @@ fn raw_ping(mut port: Box<dyn lanbus_port::Port>, peer: MacAddr, args: &PeerArgs
     frame[0..6].copy_from_slice(&peer.0);
     frame[6..12].copy_from_slice(&port.mac().0);
     frame[12..14].copy_from_slice(&lanbus_wire::ethernet::EtherType::LANBUS_RAW.to_be_bytes());
-    let until = Instant::now() + Duration::from_secs_f64(args.seconds);
-    let mut samples = Vec::with_capacity(args.rounds);
+    let rounds = args.rounds.max(10);
+    let mut until = Instant::now();
+    let mut samples = Vec::with_capacity(rounds);
     for round in 0u64.. {
+        if round == WARMUP as u64 {
+            until = Instant::now() + Duration::from_secs_f64(args.seconds);
+        }
         let seq = round.to_be_bytes();
         frame[ETHERNET..ETHERNET + 8].copy_from_slice(&seq);
         let start = Instant::now();
-        while port.send_frames(&[&frame])? == 0 {}
+        while port.send_frames(&[&frame])? == 0 {
+            if start.elapsed() > Duration::from_secs(1) {
+                bail!("the port took no frame to send for a second");
+            }
+        }
         let mut polls = 0u32;
         loop {
             let mut back = false;
@@ -345,7 +356,7 @@ fn raw_ping(mut port: Box<dyn lanbus_port::Port>, peer: MacAddr, args: &PeerArgs
         if round >= WARMUP as u64 {
             samples.push((now - start).as_secs_f64() * 1e6);
         }
-        if samples.len() >= args.rounds || (now >= until && samples.len() >= 10) {
+        if samples.len() >= rounds || (round >= WARMUP as u64 && now >= until && samples.len() >= 10) {
             break;
         }
     }
@@ -731,7 +742,7 @@ fn measure_latency(
         );
     }
     let mut runs: BTreeMap<(String, &'static str, usize), Runs> = BTreeMap::new();
-    let mut raw_failed: Vec<String> = Vec::new();
+    let mut raw_off: Vec<String> = Vec::new();
     for run in 0..plan.runs {
         for mode in [Mode::Busy, Mode::Adaptive] {
             for &size in PING_SIZES {
@@ -743,17 +754,9 @@ fn measure_latency(
                     match ping_once(pair, exe, kind, specs, plan, mode, size, run) {
                         Ok((p50, p99)) => {
                             runs.entry((kind.clone(), mode.name(), size)).or_default().push((run, p50, p99));
-                            let raw = raw_row(kind);
-                            if mode == Mode::Busy && !raw_failed.contains(&raw) {
-                                match raw_once(pair, exe, kind, specs, plan, size, run) {
-                                    Ok((p50, p99)) => runs.entry((raw, "busy", size)).or_default().push((run, p50, p99)),
-                                    Err(e) => {
-                                        let why = format!("{raw}: stopped at {size} B, run {}: {e:#}", run + 1);
-                                        eprintln!("bench transport: {why}");
-                                        notes.push(why);
-                                        raw_failed.push(raw);
-                                    }
-                                }
+                            if mode == Mode::Busy {
+                                let at = (size, run);
+                                raw_sample(pair, exe, kind, specs, plan, at, &mut runs, &mut raw_off, notes);
                             }
                             true
                         }
@@ -884,6 +887,35 @@ fn ping_once(
 /// The row of a port's bare round trip.
 fn raw_row(kind: &str) -> String {
     format!("raw:{kind}")
+}
+
+/// One bare round-trip run of `kind` at `(size, run)` into `runs`, unless an earlier one failed;
+/// a failure is noted and stops the port's raw rows only.
+#[allow(clippy::too_many_arguments)]
+fn raw_sample(
+    pair: &VethPair,
+    exe: &str,
+    kind: &str,
+    specs: &PortSpecs,
+    plan: &Plan,
+    (size, run): (usize, usize),
+    runs: &mut BTreeMap<(String, &'static str, usize), Runs>,
+    failed: &mut Vec<String>,
+    notes: &mut Vec<String>,
+) {
+    let raw = raw_row(kind);
+    if failed.contains(&raw) {
+        return;
+    }
+    match raw_once(pair, exe, kind, specs, plan, size, run) {
+        Ok((p50, p99)) => runs.entry((raw, "busy", size)).or_default().push((run, p50, p99)),
+        Err(e) => {
+            let why = format!("{raw}: stopped at {size} B, run {}: {e:#}", run + 1);
+            eprintln!("bench transport: {why}");
+            notes.push(why);
+            failed.push(raw);
+        }
+    }
 }
 
 /// One bare round-trip run of a port (raw echo server and raw ping client, no transport), right

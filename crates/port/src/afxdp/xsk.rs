@@ -348,7 +348,7 @@ pub struct Xsk {
     /// burst).
     gather: Gather,
     /// Busy polling is on: empty receives and every transmit enter the kernel, which polls the
-    /// device queue in that system call.
+    /// device queue in that system call (the port then sends no lone frames around the ring).
     busy_poll: bool,
     /// Copy mode: the plain `AF_PACKET` socket a burst of one frame goes out through instead of
     /// the tx ring (see [`Xsk::send_lone_frames_through`]).
@@ -577,10 +577,10 @@ impl Xsk {
     /// trip 0.89x (16 of 20 pairs faster). Sending every frame this way cost streaming goodput
     /// up to 15% (a system call per frame instead of per 32), hence one-frame bursts only.
     ///
-    /// Both paths hand frames to the driver inside the system call, so on a veth they arrive in
-    /// the order sent. On a multi-queue NIC the socket may pick another transmit queue than the
-    /// ring's, and the NIC may then put a lone frame on the wire before ring frames still in
-    /// its queue: the transport recovers from that as from a loss.
+    /// Both paths hand frames to the driver inside the system call, so on a device with one
+    /// transmit queue (a veth by default) they arrive in the order sent. With several, the socket
+    /// may pick another queue than the ring's, and a lone frame may then overtake ring frames
+    /// still queued: the transport recovers from that as from a loss.
     pub fn send_lone_frames_through(&mut self, socket: OwnedFd) {
         self.lone = Some(socket);
     }
