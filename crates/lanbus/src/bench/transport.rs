@@ -751,7 +751,7 @@ fn measure_latency(
                     sockperf = sockperf_sample(pair, plan, mode, size, run, &mut runs, notes);
                 }
                 alive.retain(|(kind, specs)| {
-                    match ping_once(pair, exe, kind, specs, plan, mode, size, run) {
+                    match ping_once(pair, exe, kind, specs, plan, Trip::Lanbus(mode), size, run) {
                         Ok((p50, p99)) => {
                             runs.entry((kind.clone(), mode.name(), size)).or_default().push((run, p50, p99));
                             if mode == Mode::Busy {
@@ -860,7 +860,16 @@ fn sockperf_sample(
     }
 }
 
-/// One lanbus ping-pong run: (p50, p99) in microseconds.
+/// What one ping-pong run measures.
+#[derive(Clone, Copy)]
+enum Trip {
+    /// lanbus's round trip (echo server and ping client) with this polling.
+    Lanbus(Mode),
+    /// The bare port's (raw echo server and raw ping client, busy, no transport).
+    Raw,
+}
+
+/// One ping-pong run of `kind`: (p50, p99) in microseconds.
 #[allow(clippy::too_many_arguments)]
 fn ping_once(
     pair: &VethPair,
@@ -868,17 +877,21 @@ fn ping_once(
     kind: &str,
     specs: &PortSpecs,
     plan: &Plan,
-    mode: Mode,
+    trip: Trip,
     size: usize,
     run: usize,
 ) -> anyhow::Result<(f64, f64)> {
-    eprintln!("bench transport: {kind} {} ping-pong {size} B, run {}", mode.name(), run + 1);
-    let mut server = peer_command(&pair.b.netns, exe, &specs.b, pair.a.mac, "echo", mode);
+    let (label, mode, (server_role, client_role)) = match trip {
+        Trip::Lanbus(mode) => (format!("{kind} {}", mode.name()), mode, ("echo", "ping")),
+        Trip::Raw => (raw_row(kind), Mode::Busy, ("raw-echo", "raw-ping")),
+    };
+    eprintln!("bench transport: {label} ping-pong {size} B, run {}", run + 1);
+    let mut server = peer_command(&pair.b.netns, exe, &specs.b, pair.a.mac, server_role, mode);
     server.args(&specs.extra);
-    let _server = Server::start(server, &format!("{kind} echo server"))?;
-    let mut client = peer_command(&pair.a.netns, exe, &specs.a, pair.b.mac, "ping", mode);
+    let _server = Server::start(server, &format!("{kind} {server_role} server"))?;
+    let mut client = peer_command(&pair.a.netns, exe, &specs.a, pair.b.mac, client_role, mode);
     client.args(["--size", &size.to_string(), "--seconds", &plan.seconds.to_string()]).args(&specs.extra);
-    let v = run_client(client, &format!("{kind} ping client"))?;
+    let v = run_client(client, &format!("{kind} {client_role} client"))?;
     let (p50, p99) = (v["p50_us"].as_f64().unwrap_or(f64::NAN), v["p99_us"].as_f64().unwrap_or(f64::NAN));
     eprintln!("bench transport:   p50 {p50:.2} us, p99 {p99:.2} us");
     Ok((p50, p99))
@@ -890,7 +903,9 @@ fn raw_row(kind: &str) -> String {
 }
 
 /// One bare round-trip run of `kind` at `(size, run)` into `runs`, unless an earlier one failed;
-/// a failure is noted and stops the port's raw rows only.
+/// a failure is noted and stops the port's raw rows only. Run right after the port's busy lanbus
+/// run of the same size: what the port and the kernel take of the round trip in the same minute;
+/// the rest of lanbus's figure is the transport's.
 #[allow(clippy::too_many_arguments)]
 fn raw_sample(
     pair: &VethPair,
@@ -907,7 +922,7 @@ fn raw_sample(
     if failed.contains(&raw) {
         return;
     }
-    match raw_once(pair, exe, kind, specs, plan, size, run) {
+    match ping_once(pair, exe, kind, specs, plan, Trip::Raw, size, run) {
         Ok((p50, p99)) => runs.entry((raw, "busy", size)).or_default().push((run, p50, p99)),
         Err(e) => {
             let why = format!("{raw}: stopped at {size} B, run {}: {e:#}", run + 1);
@@ -916,29 +931,6 @@ fn raw_sample(
             failed.push(raw);
         }
     }
-}
-
-/// One bare round-trip run of a port (raw echo server and raw ping client, no transport), right
-/// after the port's busy lanbus run of the same size: what the port and the kernel take of the
-/// round trip, in the same minute; the rest of lanbus's figure is the transport's.
-fn raw_once(
-    pair: &VethPair,
-    exe: &str,
-    kind: &str,
-    specs: &PortSpecs,
-    plan: &Plan,
-    size: usize,
-    run: usize,
-) -> anyhow::Result<(f64, f64)> {
-    eprintln!("bench transport: {} ping-pong {size} B, run {}", raw_row(kind), run + 1);
-    let server = peer_command(&pair.b.netns, exe, &specs.b, pair.a.mac, "raw-echo", Mode::Busy);
-    let _server = Server::start(server, &format!("{kind} raw echo server"))?;
-    let mut client = peer_command(&pair.a.netns, exe, &specs.a, pair.b.mac, "raw-ping", Mode::Busy);
-    client.args(["--size", &size.to_string(), "--seconds", &plan.seconds.to_string()]);
-    let v = run_client(client, &format!("{kind} raw ping client"))?;
-    let (p50, p99) = (v["p50_us"].as_f64().unwrap_or(f64::NAN), v["p99_us"].as_f64().unwrap_or(f64::NAN));
-    eprintln!("bench transport:   p50 {p50:.2} us, p99 {p99:.2} us");
-    Ok((p50, p99))
 }
 
 /// The streaming and idle rows of one port.
