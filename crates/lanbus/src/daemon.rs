@@ -27,7 +27,7 @@ use clap::Args;
 use lanbus_nbd::{Export, Server};
 use lanbus_nvme::pcie::FunctionStats;
 use lanbus_nvme::NvmeDriver;
-use lanbus_pcie::bridge::{DeviceBridge, HostBridge, HostEvent, HostedFunction, RemoteFunction};
+use lanbus_bridge::{DeviceBridge, HostBridge, HostEvent, HostedFunction, RemoteFunction};
 use lanbus_pcie::dma_engine::DmaEngine;
 use serde::Deserialize;
 use serde_json::{json, Value};

@@ -2,7 +2,7 @@
 //! device bridge, the user-space driver on a host bridge, and the namespace as an NBD
 //! [`BlockDevice`].
 //!
-//! Layer: frontend glue (above `lanbus_nvme::pcie`, `lanbus_pcie::bridge` and `lanbus_nbd`). The
+//! Layer: frontend glue (above `lanbus_nvme::pcie`, `lanbus_bridge` and `lanbus_nbd`). The
 //! daemons, `lanbus demo`, `lanbus bench nvme` and the real-client tests all build the drive
 //! through the functions here, so they measure and test the same path.
 
@@ -17,7 +17,7 @@ use lanbus_nvme::{
     Backing, CompletionMode, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking,
     HostRegion, NvmeDriver, RamBacking,
 };
-use lanbus_pcie::bridge::{
+use lanbus_bridge::{
     DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig, HostedFunction, RemoteFunction,
 };
 use lanbus_port::{Port, SimWire, SimWireConfig};

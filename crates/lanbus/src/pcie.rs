@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use lanbus_pcie::bridge::{HostBridge, HostBridgeConfig, RemoteFunction};
+use lanbus_bridge::{HostBridge, HostBridgeConfig, RemoteFunction};
 use lanbus_pcie::config::{cap_id, BarKind};
 use lanbus_runtime::{RuntimeConfig, ThreadMode};
 

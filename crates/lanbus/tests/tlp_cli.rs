@@ -1,21 +1,11 @@
-//! `lanbus tlp decode|encode` through the built binary, on lines of the shared vectors.
+//! `lanbus tlp decode|encode` through the built binary, on lines of the TLP vectors.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// `<repo>/../shared/vectors`, else `/work/shared/vectors`, else `$LANBUS_VECTORS`; panics when
-/// none exists.
+/// The TLP vectors the PCIe crate keeps as fixtures (see its `tests/fixtures/tlp/PROVENANCE.md`).
 fn vectors_dir() -> PathBuf {
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let mut tried = vec![repo.join("../shared/vectors"), PathBuf::from("/work/shared/vectors")];
-    if let Some(v) = std::env::var_os("LANBUS_VECTORS") {
-        tried.push(PathBuf::from(v));
-    }
-    tried
-        .iter()
-        .find(|d| d.join("tlp").is_dir())
-        .cloned()
-        .unwrap_or_else(|| panic!("TLP vectors not found; tried {tried:?} (set LANBUS_VECTORS)"))
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../pcie/tests/fixtures")
 }
 
 fn lanbus(args: &[&str]) -> Output {

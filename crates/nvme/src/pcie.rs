@@ -1,7 +1,7 @@
 //! The NVMe controller as a PCIe function of the lanbus bridges, and the driver's three traits
 //! over a host bridge.
 //!
-//! Layer: NVMe device and driver glue over the pcie engine (`lanbus_pcie::bridge`).
+//! Layer: NVMe device and driver glue over the pcie engine (`lanbus_bridge`).
 //!
 //! - Device side, [`NvmeFunction`]: a [`BlockingDevice`] around a [`Controller`]. Its
 //!   configuration space is the controller's [`PciInfo`] (IDs 1b36:0010, class 010802, BAR0 16 KiB
@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lanbus_pcie::blocking::{BlockingDevice, HostAccess};
-use lanbus_pcie::bridge::{BridgeError, DmaRegion, EventFd, HostBridge, HostedFunction, RemoteFunction};
+use lanbus_bridge::{BridgeError, DmaRegion, EventFd, HostBridge, HostedFunction, RemoteFunction};
 use lanbus_pcie::config::{Bar as PciBar, BarKind, ConfigSpec, MsixSpec};
 use lanbus_pcie::device::{CompleterAbort, DmaError};
 use lanbus_pcie::{Bdf, CplStatus};

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use lanbus_nvme::pcie::{attach, NvmeFunction};
 use lanbus_nvme::{Backing, Controller, ControllerConfig, DriverConfig, HostRegion, RamBacking};
-use lanbus_pcie::bridge::{DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig};
+use lanbus_bridge::{DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig};
 use lanbus_port::{SimWire, SimWireConfig};
 use lanbus_runtime::RuntimeConfig;
 use lanbus_wire::{Clock, MacAddr, MonotonicClock};

@@ -1,4 +1,4 @@
-//! TLPs as JSON, in the schema of `shared/vectors/tlp/codec.jsonl` (see the vectors' README).
+//! TLPs as JSON, in the schema of the TLP test vectors (`tests/fixtures/tlp/PROVENANCE.md`).
 //!
 //! Layer: pcie engine, presentation only (for `lanbus tlp decode|encode` and the vector tests).
 //! [`to_json`] writes the fields the vectors have for the TLP's kind, in the vectors' key order

@@ -16,11 +16,11 @@
 //!   model (configuration space, BAR routing, MSI-X, DMA toward the host), for the device bridge.
 //! - [`blocking`]: [`blocking::BlockingDevice`], models with synchronous DMA, and the
 //!   [`blocking::BlockingFunction`] that hosts one.
-//! - [`bridge`]: the device and host bridges over the lanbus runtime (the only threaded part).
 //! - [`dma_engine`]: a DMA engine device model (copies host memory, raises MSI-X).
-//! - `json` (feature `json`): the JSON schema of `shared/vectors/tlp`, used by `lanbus tlp`.
+//! - `json` (feature `json`): the JSON schema of the TLP test vectors, used by `lanbus tlp`.
 //!
-//! Everything here is sans-IO and deterministic. Bytes from a peer never panic: they give an
+//! Everything here is sans-IO and deterministic: no threads, clocks or sockets (the bridges that
+//! carry TLPs over the fabric are the `lanbus-bridge` crate). Bytes from a peer never panic: they give an
 //! [`Error`].
 //!
 //! A read of 300 bytes at an odd address, answered by a completer with max payload size 128 and
@@ -58,7 +58,6 @@
 #![deny(missing_docs)]
 
 pub mod blocking;
-pub mod bridge;
 pub mod config;
 pub mod device;
 pub mod dma_engine;

@@ -691,7 +691,7 @@ impl Tlp {
     }
 
     /// Bytes of this TLP's header (3 or 4 DW).
-    pub(crate) fn header_len(&self) -> usize {
+    pub fn header_len(&self) -> usize {
         if self.kind.is_4dw() {
             HEADER_LEN_4DW
         } else {
@@ -701,8 +701,9 @@ impl Tlp {
 
     /// Writes the header alone into the front of `buf` (at least [`header_len`](Self::header_len)
     /// bytes) and returns its length; `length_dw` is taken as is, whatever `data` holds. For
-    /// encoders that place the payload themselves: the caller checked the fields.
-    pub(crate) fn emit_header(&self, buf: &mut [u8]) -> usize {
+    /// encoders that place the payload themselves: the caller checked the fields. Panics if `buf` is
+    /// shorter than the header.
+    pub fn emit_header(&self, buf: &mut [u8]) -> usize {
         let header = self.header_len();
         buf[..header].fill(0);
         let mut p = Packet::new_unchecked(buf);

@@ -1,4 +1,4 @@
-//! The shared TLP vectors (made by cocotbext-pcie, an independent PCIe model): every line of
+//! The TLP vectors (made by cocotbext-pcie, an independent PCIe model): every line of
 //! `tlp/codec.jsonl` decodes to its fields and encodes back to its bytes; every line of
 //! `tlp/completion_split.jsonl` yields exactly its request and completions.
 
@@ -9,20 +9,9 @@ use lanbus_pcie::request::{completions_for_read, split_completions, RequestShape
 use lanbus_pcie::{Bdf, Header, ReadReassembly, Tag, Tlp};
 use serde_json::Value;
 
-/// `<repo>/../shared/vectors`, else `/work/shared/vectors`, else `$LANBUS_VECTORS`; panics
-/// (never skips) when none exists.
+/// The TLP vectors made by cocotbext-pcie, committed as fixtures (see `fixtures/tlp/PROVENANCE.md`).
 fn vectors_dir() -> PathBuf {
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let mut tried = vec![repo.join("../shared/vectors"), PathBuf::from("/work/shared/vectors")];
-    if let Some(v) = std::env::var_os("LANBUS_VECTORS") {
-        tried.push(PathBuf::from(v));
-    }
-    for d in &tried {
-        if d.join("tlp").is_dir() {
-            return d.clone();
-        }
-    }
-    panic!("TLP vectors not found; tried {tried:?} (set LANBUS_VECTORS to the vectors directory)");
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
 fn lines(name: &str) -> Vec<(usize, String, Value)> {

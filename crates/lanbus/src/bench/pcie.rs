@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use lanbus_pcie::bridge::{
+use lanbus_bridge::{
     DeviceBridge, DeviceBridgeConfig, DmaBuffer, HostBridge, HostBridgeConfig, HostedFunction, LocalBus,
     RemoteFunction,
 };

@@ -1,7 +1,7 @@
 //! The DMA engine on the in-process bus (no fabric): every transfer raises exactly one interrupt
 //! and copies its bytes.
 
-use lanbus_pcie::bridge::{DmaBuffer, HostedFunction, LocalBus};
+use lanbus_bridge::{DmaBuffer, HostedFunction, LocalBus};
 use lanbus_pcie::dma_engine::{transfer_writes, DmaEngine};
 
 #[test]

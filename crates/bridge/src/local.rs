@@ -12,9 +12,9 @@ use std::sync::Arc;
 use super::hosted::{Hosted, HostedFunction, OpId, Path};
 use super::region::{DmaRegion, RegionMap};
 use super::{BridgeError, BridgeResult};
-use crate::config::{command, reg, BarKind, MSIX_CAP_OFFSET, MSIX_ENABLE, PCIE_CAP_OFFSET};
-use crate::device::{DmaError, MmioError};
-use crate::CplStatus;
+use lanbus_pcie::config::{command, reg, BarKind, MSIX_CAP_OFFSET, MSIX_ENABLE, PCIE_CAP_OFFSET};
+use lanbus_pcie::device::{DmaError, MmioError};
+use lanbus_pcie::CplStatus;
 
 /// Host memory and the MSI-X window, seen by local functions.
 struct LocalPath {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lanbus_pcie::blocking::{BlockingDevice, HostAccess};
-use lanbus_pcie::bridge::{
+use lanbus_bridge::{
     BridgeError, DeviceBridge, DeviceBridgeConfig, DmaBuffer, HostBridge, HostBridgeConfig, HostEvent,
     HostedFunction, RemoteFunction,
 };

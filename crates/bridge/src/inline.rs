@@ -23,9 +23,9 @@ use lanbus_wire::MacAddr;
 
 use super::device::{bump, Counters};
 use super::hosted::{OpId, Path};
-use crate::device::DmaError;
-use crate::request::{split, Chunk, RequestShape};
-use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp};
+use lanbus_pcie::device::DmaError;
+use lanbus_pcie::request::{split, Chunk, RequestShape};
+use lanbus_pcie::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp};
 
 /// Encoded TLPs waiting to be handed to the runtime, in one byte arena reused from call to call.
 #[derive(Default)]
@@ -137,7 +137,7 @@ pub(crate) fn append_mem_write(
 const WRITE_BATCH: usize = 4;
 
 /// Sends a memory write of `data` at `address` by `me` to `peer` on `channel`, split by `mps`:
-/// each TLP encoded straight from `data` (what [`crate::request::write_requests`] builds) into a
+/// each TLP encoded straight from `data` (what [`lanbus_pcie::request::write_requests`] builds) into a
 /// buffer the sender queue takes as it is, handed over a few at a time, so that the runtime's
 /// thread frames and transmits the first ones while this one encodes the rest.
 pub(crate) fn send_mem_writes(
@@ -564,7 +564,7 @@ impl Path for InlinePath {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::write_requests;
+    use lanbus_pcie::request::write_requests;
 
     #[test]
     fn writes_encode_exactly_what_write_requests_builds() {
@@ -648,7 +648,7 @@ mod tests {
     /// Answers `reads` as host memory holding `address as u8` at every address.
     fn answer(p: &mut InlinePath, reads: &[Tlp]) {
         for r in reads {
-            let cpls = crate::request::completions_for_read(r, Bdf(0), 256, 64, |a, d| {
+            let cpls = lanbus_pcie::request::completions_for_read(r, Bdf(0), 256, 64, |a, d| {
                 for (i, b) in d.iter_mut().enumerate() {
                     *b = (a + i as u64) as u8;
                 }

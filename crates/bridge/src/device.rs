@@ -21,17 +21,17 @@
 //! - A blocking model ([`HostedFunction::blocking`], the NVMe controller) has a worker thread that
 //!   answers its function's queued requests, then runs it: DMA reads are split by the programmed
 //!   max read request size into tagged MRd TLPs whose completions are reassembled
-//!   ([`crate::ReadReassembly`]; the split, reassembly and expiry are `inline::Reads`, shared
+//!   ([`lanbus_pcie::ReadReassembly`]; the split, reassembly and expiry are `inline::Reads`, shared
 //!   with the inline path); writes are split by max payload size into posted MWr TLPs; MSI-X
 //!   is a write of the vector's message. Its blocking read waits on the worker, never on the
 //!   receive thread; the receive side notifies the worker only when it sleeps. The model sits
 //!   behind a lock the worker holds while it runs it and the receive thread only tries: when it
 //!   gets it and nothing is queued for the worker, it serves a memory request itself (a doorbell,
 //!   data for device memory, a register read) and runs the work that reads no host memory
-//!   ([`crate::blocking::BlockingDevice::process_posted`]: an NVMe command whose queue and PRPs
+//!   ([`lanbus_pcie::blocking::BlockingDevice::process_posted`]: an NVMe command whose queue and PRPs
 //!   lie in the drive's memory buffer), so the common command needs no thread hand-off. The
 //!   model says which accesses are quick enough for that thread
-//!   ([`crate::blocking::BlockingDevice::serves_inline`]: not a register write that may flush
+//!   ([`lanbus_pcie::blocking::BlockingDevice::serves_inline`]: not a register write that may flush
 //!   storage), and `process_posted` leaves slow commands (Flush, FUA) to the worker, so
 //!   heartbeats and ACKs never wait for a disk. What it sends goes behind what the worker sent:
 //!   straight to the handler's outbox when the sender's queue is drained (run to completion),
@@ -57,9 +57,9 @@ use lanbus_wire::MacAddr;
 use super::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, Path};
 use super::inline::{send_mem_writes, InlinePath, Reads, TlpOut};
 use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL, PCIE_CHANNELS};
-use crate::device::DmaError;
-use crate::request::RequestShape;
-use crate::{Bdf, CplStatus, Header, Tag, Tlp, TlpKind};
+use lanbus_pcie::device::DmaError;
+use lanbus_pcie::request::RequestShape;
+use lanbus_pcie::{Bdf, CplStatus, Header, Tag, Tlp, TlpKind};
 
 /// How to run a device bridge.
 #[derive(Debug, Clone)]

@@ -1,7 +1,7 @@
 //! Host memory that devices may reach by DMA, and the map from bus addresses to it.
 //!
 //! Layer: pcie engine, host side. A [`DmaRegion`] is a span of bytes a user lends the host
-//! bridge at a bus address ([`crate::bridge::HostBridge::add_region`]); device memory reads are
+//! bridge at a bus address ([`crate::HostBridge::add_region`]); device memory reads are
 //! served from it and device memory writes land in it. [`DmaBuffer`] is the plain in-memory one.
 //!
 //! Invariants: regions never overlap; an access is served only when it lies wholly inside one

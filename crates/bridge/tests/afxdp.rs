@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lanbus_pcie::bridge::{
+use lanbus_bridge::{
     DeviceBridge, DeviceBridgeConfig, DmaBuffer, HostBridge, HostBridgeConfig, HostedFunction, RemoteFunction,
 };
 use lanbus_pcie::config::{cap_id, BarKind};

@@ -1,7 +1,7 @@
 //! One device path for every kind of hosted function.
 //!
 //! Layer: pcie engine, device side. [`HostedFunction`] wraps either a sans-IO
-//! [`Function`](crate::device::Function) (its DMA reads are started, and their completions fed
+//! [`Function`](lanbus_pcie::device::Function) (its DMA reads are started, and their completions fed
 //! back with `dma_read_done`, without blocking, so a model like the DMA engine keeps many reads
 //! in flight) or a [`BlockingFunction`] (its DMA reads wait). Both answer configuration and memory
 //! requests through [`serve`], and reach the host through a [`Path`]: the fabric (the device
@@ -9,11 +9,11 @@
 
 use std::collections::HashMap;
 
-use crate::blocking::{BlockingDevice, BlockingFunction, DmaPath};
-use crate::config::{ConfigSpace, ConfigSpec};
-use crate::device::{DeviceModel, DmaError, DmaId, Function, HostRequest, MmioError};
-use crate::request::{completions_for_read, RequestShape};
-use crate::{Bdf, CplStatus, Header, Tlp, TlpKind};
+use lanbus_pcie::blocking::{BlockingDevice, BlockingFunction, DmaPath};
+use lanbus_pcie::config::{ConfigSpace, ConfigSpec};
+use lanbus_pcie::device::{DeviceModel, DmaError, DmaId, Function, HostRequest, MmioError};
+use lanbus_pcie::request::{completions_for_read, RequestShape};
+use lanbus_pcie::{Bdf, CplStatus, Header, Tlp, TlpKind};
 
 use super::ur_completion;
 
@@ -51,7 +51,7 @@ pub(crate) trait Hosted: Send {
     /// Runs pending work through `path`; returns the units of work done.
     fn run(&mut self, path: &mut dyn Path) -> usize;
     /// Whether a memory request at `address` may be served on the receive thread (see
-    /// [`crate::blocking::BlockingFunction::serves_inline`]); only blocking models are asked.
+    /// [`lanbus_pcie::blocking::BlockingFunction::serves_inline`]); only blocking models are asked.
     fn serves_inline(&self, address: u64, len: usize, write: bool) -> bool {
         let _ = (address, len, write);
         false
@@ -78,7 +78,7 @@ impl core::fmt::Debug for HostedFunction {
 
 impl HostedFunction {
     /// A sans-IO device model inside a new [`Function`].
-    pub fn model<D: DeviceModel + Send + 'static>(device: D) -> crate::Result<HostedFunction> {
+    pub fn model<D: DeviceModel + Send + 'static>(device: D) -> lanbus_pcie::Result<HostedFunction> {
         Ok(Self::from_function(Function::new(device)?))
     }
 
@@ -88,7 +88,7 @@ impl HostedFunction {
     }
 
     /// A model with synchronous DMA inside a new [`BlockingFunction`].
-    pub fn blocking<B: BlockingDevice + Send + 'static>(device: B) -> crate::Result<HostedFunction> {
+    pub fn blocking<B: BlockingDevice + Send + 'static>(device: B) -> lanbus_pcie::Result<HostedFunction> {
         Ok(Self::from_blocking(BlockingFunction::new(device)?))
     }
 
@@ -298,7 +298,7 @@ pub(crate) fn decode_table(h: &dyn Hosted) -> Vec<(u64, u64)> {
     (0..6)
         .filter_map(|i| {
             let bar = c.spec().bars[i]?;
-            if bar.kind == crate::config::BarKind::Io {
+            if bar.kind == lanbus_pcie::config::BarKind::Io {
                 return None;
             }
             Some((c.bar_address(i)?, bar.size))

@@ -42,8 +42,8 @@ use core::time::Duration;
 
 use lanbus_wire::MacAddr;
 
-use crate::device::DmaError;
-use crate::{Bdf, CplStatus, Tag, Tlp};
+use lanbus_pcie::device::DmaError;
+use lanbus_pcie::{Bdf, CplStatus, Tag, Tlp};
 
 pub use device::{DeviceBridge, DeviceBridgeConfig, DeviceBridgeStats};
 pub use eventfd::EventFd;
@@ -125,7 +125,7 @@ pub enum BridgeError {
     Completion(CplStatus),
     /// The completions did not add up to the request (a peer's mistake).
     #[error("bad completion: {0}")]
-    BadCompletion(crate::Error),
+    BadCompletion(lanbus_pcie::Error),
     /// The request cannot be built (length, alignment, 4 KiB crossing...): a local mistake.
     #[error("bad request: {0}")]
     BadRequest(String),
@@ -184,7 +184,7 @@ pub(crate) fn ur_completion(completer: Bdf, requester: Bdf, tag: Tag) -> Tlp {
 
 /// Whether a TLP kind is a non-posted request (one that must be answered).
 pub(crate) fn is_non_posted(tlp: &Tlp) -> bool {
-    use crate::TlpKind::*;
+    use lanbus_pcie::TlpKind::*;
     matches!(tlp.kind, MRd32 | MRd64 | IORd | IOWr | CfgRd0 | CfgWr0 | CfgRd1 | CfgWr1)
 }
 

@@ -35,9 +35,9 @@ use lanbus_wire::MacAddr;
 use super::inline::send_mem_writes;
 use super::region::{DmaRegion, RegionMap};
 use super::{lock, session_channel, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
-use crate::config::{cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK};
-use crate::request::{each_completion_for_read, split, CompletionScratch, RequestShape};
-use crate::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
+use lanbus_pcie::config::{cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK};
+use lanbus_pcie::request::{each_completion_for_read, split, CompletionScratch, RequestShape};
+use lanbus_pcie::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
 
 /// The host's own requester ID (the root complex).
 pub const HOST_BDF: Bdf = Bdf(0);
@@ -894,7 +894,7 @@ fn enumerate_function(sh: &Shared, mac: MacAddr, bdf: Bdf) -> BridgeResult<Optio
     }
     let status = (sh.config_read(bdf, reg::COMMAND)? >> 16) as u16;
     let mut capabilities = Vec::new();
-    if status & crate::config::status::CAPABILITIES_LIST != 0 {
+    if status & lanbus_pcie::config::status::CAPABILITIES_LIST != 0 {
         let mut failed = None;
         capabilities = walk_capabilities(|off| match sh.config_read(bdf, off) {
             Ok(v) => v,
