@@ -2,7 +2,7 @@
 //! user-space driver that runs on the host, written against small traits so that they can be
 //! joined in-process ([`local`]) or through the PCIe bridges over the fabric.
 //!
-//! Layering (see `shared/DESIGN.md`, "PCIe over Ethernet"):
+//! Layering (the README's "PCIe over the fabric" section describes the bridges):
 //!
 //! ```text
 //!   host:   NvmeDriver ── Bar (MMIO to BAR0) ── DmaMemory (queues, PRP lists, data) ── InterruptWait

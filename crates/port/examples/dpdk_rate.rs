@@ -5,8 +5,8 @@
 //!
 //! `cargo run --release -p lanbus-port --features dpdk --example dpdk_rate [seconds] [vdev]`, vdev
 //! `af_packet` (default: DPDK's `net_af_packet`) or another DPDK vdev taking `iface=` (`af_xdp`:
-//! DPDK's `net_af_xdp`, which attaches its own XDP program to a's veth; on this machine's veth,
-//! without hugepages, it receives only a small fraction of the frames sent to it).
+//! DPDK's `net_af_xdp`, which attaches its own XDP program to a's veth; on a veth without
+//! hugepages it has been seen to receive only a small fraction of the frames sent to it).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

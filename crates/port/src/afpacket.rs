@@ -14,8 +14,8 @@
 //! - a second socket, bound to the interface with protocol 0 (it receives nothing) and without a
 //!   ring, for the first frame of each burst: a plain `send` of a frame is one copy into an skb,
 //!   where a ring slot costs the kernel a walk of the ring, a page reference per frame and a
-//!   destructor that hands the slot back (raw ping-pong on a veth, `port_pingpong`: 1.9 us against
-//!   2.3-2.4 us a round trip). The rest of a burst goes through the ring behind it; with the
+//!   destructor that hands the slot back (raw ping-pong on a veth, `port_pingpong`: the plain
+//!   `send` gives the shorter round trip). The rest of a burst goes through the ring behind it; with the
 //!   qdisc bypassed both reach the driver within the system call, in order. A socket that cannot
 //!   be made leaves every frame to the ring;
 //! - `PACKET_QDISC_BYPASS` (frames go straight to the driver), `PACKET_IGNORE_OUTGOING` where the
@@ -37,10 +37,10 @@
 //! (`prb_retire_rx_blk_timer_expired`, every `tp_retire_blk_tov` ms converted to jiffies, so at
 //! least 1 ms and a jiffy). Nothing user space can do closes a block early: poll(2) only reports
 //! blocks already closed, and reading the open block would race with the kernel writing it. So a
-//! lone frame (a request, a reply, an ACK) waits up to the timeout: measured on a veth, ping-pong
-//! round trips of about 1 ms, 60-190x sockperf's. V2 hands every frame over at once, at the cost of
-//! a status word per frame instead of per block; `rx=v3` remains for receivers that only stream,
-//! where blocks fill in microseconds and batching pays.
+//! lone frame (a request, a reply, an ACK) waits up to the timeout: on a veth, ping-pong round
+//! trips take about the 1 ms timeout, many times sockperf's. V2 hands every frame over at once,
+//! at the cost of a status word per frame instead of per block; `rx=v3` remains for receivers that
+//! only stream, where blocks fill in microseconds and batching pays.
 
 use core::cell::Cell;
 use core::sync::atomic::{AtomicU32, Ordering};
@@ -467,7 +467,8 @@ pub struct AfPacketPort {
     rx_cursor: Option<RxCursor>,
     tx_base: usize,
     tx_frame_bytes: usize,
-    /// Transmit slots in the ring (kept: a division on every poll was ~30 ns of an empty one).
+    /// Transmit slots in the ring (kept: a division on every poll was a noticeable part of an
+    /// empty one).
     tx_slots: usize,
     tx_head: usize,
     /// Frames marked for sending that the kernel has not been told about.

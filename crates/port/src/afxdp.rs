@@ -1,7 +1,7 @@
 //! The `afxdp` port: lanbus frames through an AF_XDP socket, steered to it by a small XDP
 //! program that the port loads and attaches itself.
 //!
-//! Layer: ports. Spec: `afxdp:IFACE[:QUEUE][,xdp=auto|native|generic][,tx=auto|ring]` (issue 4).
+//! Layer: ports. Spec: `afxdp:IFACE[:QUEUE][,xdp=auto|native|generic][,tx=auto|ring]`.
 //! Opening the port on an interface and receive queue:
 //!
 //! 1. creates an XSKMAP and loads the redirect program ([`bpf::lanbus_redirect_program`]): frames
@@ -32,7 +32,7 @@
 //! NICs hash non-IP frames like lanbus's to queue 0, so open queue 0, or steer EtherType 0x88B5
 //! to the chosen queue (`ethtool -N IFACE flow-type ether proto 0x88b5 action QUEUE`).
 //!
-//! Veth (Linux 6.18 here): native XDP on a veth runs on the frames its peer transmits. Attaching
+//! Veth (as seen on Linux 6.18): native XDP on a veth runs on the frames its peer transmits. Attaching
 //! the program switches on NAPI for the veth and turns off the peer's TSO (`ethtool -k PEER`
 //! shows `tcp-segmentation-offload: off` while attached), so every frame takes that path: no
 //! program, GRO or other setting is needed on the peer, which the tests check by sending from a
@@ -358,10 +358,9 @@ pub fn open(ifname: &str, queue: u32, options: &AfXdpOptions) -> Result<AfXdpPor
 /// transmit schedules, after a hop through a ring and a conversion of each skb into an XDP
 /// buffer (whose memory is then freed as a page fragment); generic XDP runs the program on the
 /// skb in the receive path the transmit already runs. Measured on a veth between two namespaces
-/// (copy mode both ways, `port_pingpong` and `port_rate` examples, native then generic):
-/// ping-pong p50 1 KiB 3.9 -> 3.0 us, 64 B 2.8 -> 2.35; one-way 1514-byte frames 0.96-1.03 ->
-/// 1.13-1.14 Mframes/s, 92-byte 1.37-1.41 -> 1.45-1.51, 9014-byte 0.36 -> 0.38; in a system-wide
-/// profile native mode's extra work shows as `page_frag_free` and `veth_poll`. Native stays the
+/// (copy mode both ways, `port_pingpong` and `port_rate` examples), generic gives the shorter
+/// ping-pong round trip and the higher one-way frame rate at every frame size tried; in a
+/// system-wide profile native mode's extra work shows as `page_frag_free` and `veth_poll`. Native stays the
 /// better mode on a veth that receives frames redirected by another device's XDP program; ask
 /// for it then.
 pub fn prefers_generic(driver: Option<&str>) -> bool {

@@ -1,7 +1,7 @@
 //! The `dpdk` port: lanbus frames through a DPDK ethdev (any NIC DPDK drives, or a virtual device
 //! such as `net_af_packet`), built only with the cargo feature `dpdk`.
 //!
-//! Layer: ports. Spec: `dpdk:<EAL arguments>` (issue 4), e.g.
+//! Layer: ports. Spec: `dpdk:<EAL arguments>`, e.g.
 //! `dpdk:--no-huge --no-pci -m 256 --vdev=net_af_packet0,iface=eth1 -l 0`. [`open`] initialises
 //! DPDK's EAL with those arguments (split at whitespace; no quoting), then configures the ethdev
 //! [`DpdkOptions::port_id`] (0, the first probed device, by default) with one receive and one

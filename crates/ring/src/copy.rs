@@ -1,11 +1,12 @@
 //! Copy helpers: ordinary copies and non-temporal (cache-bypassing) stores, selectable at run time.
 //!
-//! Layer: rings. Seed 003, factor (b): a producer that copies packets into buffers it will not read
-//! again pollutes its own cache and pays a read-for-ownership of each destination line; x86-64
-//! non-temporal stores (`movntdq`, `_mm_stream_si128`) write around the cache. They are weakly
-//! ordered, so a `sfence` must follow before the data is published: every safe function here that
-//! issues them ends with one ([`copy_into`], [`NtBatch`] on finish/drop), and [`copy_bytes`]'s
-//! contract says so. On other architectures [`CopyMode::NonTemporal`] falls back to an ordinary copy.
+//! Layer: rings. The vhost-user cache-efficiency study, factor (b): a producer that copies packets
+//! into buffers it will not read again pollutes its own cache and pays a read-for-ownership of
+//! each destination line; x86-64 non-temporal stores (`movntdq`, `_mm_stream_si128`) write around
+//! the cache. They are weakly ordered, so a `sfence` must follow before the data is published:
+//! every safe function here that issues them ends with one ([`copy_into`], [`NtBatch`] on
+//! finish/drop), and [`copy_bytes`]'s contract says so. On other architectures
+//! [`CopyMode::NonTemporal`] falls back to an ordinary copy.
 
 /// How to copy bytes into a buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

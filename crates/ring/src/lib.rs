@@ -2,7 +2,7 @@
 //! processes.
 //!
 //! Layer: rings (above `wire`, below `port` and `transport`). What is here, and the one lesson from
-//! the vhost-user cache study (seed 003) each piece applies:
+//! the vhost-user cache-efficiency study each piece applies:
 //!
 //! - [`spsc`]: a single-producer single-consumer ring of [`Pod`] values in the `rte_ring` layout:
 //!   producer and consumer indices on their own cache lines with a guard line between (factor (a):
@@ -19,7 +19,8 @@
 //! - [`copy`]: ordinary or non-temporal copies (factor (b)), selectable.
 //! - [`EventFd`] and the prepare-wait / re-check / sleep handshake (`notify`).
 //! - [`pipe`]: a virtqueue and a pool in one region: a one-way frame pipe.
-//! - [`study`]: the vhost-user model of seed 003 with its five factors (`lanbus bench vring`).
+//! - [`study`]: the vhost-user model of the cache-efficiency study with its five factors
+//!   (`lanbus bench vring`).
 //!
 //! # How a shared-memory port uses this (memif-like `shm` port)
 //!

@@ -3,8 +3,8 @@
 //! Layer: rings. Layout at `offset`: a config line (magic, count, buffer size), then `count`
 //! buffers of `buf_size` bytes (a multiple of 64, so every buffer starts on a cache line and
 //! non-temporal stores can fill it). There is no per-buffer header: length, offset and flags travel
-//! in the [`crate::Desc`] (seed 003, factor (d): a 128 B header written per packet cost a third of
-//! the throughput).
+//! in the [`crate::Desc`] (the vhost-user cache-efficiency study, factor (d): a 128 B header written
+//! per packet cost a third of the throughput).
 //!
 //! Which side owns which buffer is the job of the protocol on top ([`crate::pipe`]). The pool only
 //! guarantees bounds: [`Pool::check`] validates a peer-supplied descriptor before any byte is

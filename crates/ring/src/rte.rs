@@ -5,7 +5,8 @@
 //! `dpdk/rte_ring_shim.c` with the calls DPDK's `ring_perf_autotest` times
 //! (`rte_ring_sp_enqueue_bulk` / `rte_ring_sc_dequeue_bulk` of 8-byte values). The halves have the
 //! same shape as ours, so `lanbus bench ring` runs both through one loop. Each call crosses into C
-//! (a direct call; DPDK's own test inlines it), which costs rte_ring about a nanosecond per call.
+//! (a direct call; DPDK's own test inlines it), which adds a function call's cost to each of
+//! rte_ring's.
 
 use std::sync::Arc;
 

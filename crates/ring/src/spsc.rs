@@ -1,9 +1,9 @@
 //! Single-producer single-consumer ring of `Pod` elements, in one process or across two.
 //!
-//! Layer: rings. The layout follows DPDK's `rte_ring` (`rte_ring_core.h`) and the vhost-user cache
-//! study (seed 003, factor (a)): every variable one core writes and the other reads sits on its own
-//! cache line, with an unused guard line after each so the adjacent-line prefetcher does not pull
-//! the neighbour's line in:
+//! Layer: rings. The layout follows DPDK's `rte_ring` (`rte_ring_core.h`) and the vhost-user
+//! cache-efficiency study (factor (a)): every variable one core writes and the other reads sits on
+//! its own cache line, with an unused guard line after each so the adjacent-line prefetcher does
+//! not pull the neighbour's line in:
 //!
 //! ```text
 //! offset   0  config line   magic, capacity, element size (written once by `format`)
@@ -27,8 +27,8 @@
 //! producer asks for the next burst's slot lines with PREFETCHW (where the CPU has it), limited to
 //! slots its cached head says are free: the transfer of those lines from the consumer's core then
 //! overlaps the producer's other work instead of stalling its next stores one round trip per line.
-//! Measured with `lanbus bench ring` (DPDK's two-core method): burst 32 went from ~10 to ~3 ns per
-//! element, burst 8 from ~30 to ~4 ns when the producer stays ahead of the consumer (see the README).
+//! With `lanbus bench ring` (DPDK's two-core method) this cuts the cost per element at bursts 8 and
+//! 32 when the producer stays ahead of the consumer (the README has the figures).
 
 use std::sync::Arc;
 
@@ -105,7 +105,7 @@ mod storage {
     /// is accessed with volatile operations. Bursts are short (8 to 32 elements here), and for
     /// the shortest a call into libc's `memcpy` (which `copy_nonoverlapping` with a run-time length
     /// becomes, and which LLVM also makes of a plain copy loop) costs more than the copy itself:
-    /// profiled, it took a quarter of the one-core bench at burst 8. Volatile slot accesses keep the loop a
+    /// profiling the one-core bench at burst 8 showed it. Volatile slot accesses keep the loop a
     /// loop (LLVM never turns volatile accesses into a `memcpy` call) and also fit the shared
     /// memory, which a peer process may write at any time: each slot is read exactly once. Four
     /// elements move per step (DPDK's `ENQUEUE_PTRS` unrolls by four too), then the rest singly.
@@ -168,9 +168,9 @@ mod storage {
         /// without waiting: PREFETCHW. Only called when [`has_prefetch_write`] said yes.
         ///
         /// Why: a store to a line another core holds must first take the line from it (a
-        /// read-for-ownership, one cross-core round trip: about 70 ns on the test VM), and stores
-        /// leave the store buffer in order, so a producer that writes a burst's slots and then
-        /// `tail` waits for those round trips one after the other on every burst. Asking for the
+        /// read-for-ownership, one cross-core round trip), and stores leave the store buffer in
+        /// order, so a producer that writes a burst's slots and then `tail` waits for those round
+        /// trips one after the other on every burst. Asking for the
         /// next burst's lines right after publishing this one starts that transfer while the
         /// caller does other work (or waits for its next burst), so the next writes find the
         /// lines already owned. A plain read prefetch (PREFETCHT0) does not do it: it brings the

@@ -1,4 +1,4 @@
-//! The vhost-user cache study of seed 003, as a runnable model (`lanbus bench vring`).
+//! The vhost-user cache-efficiency study, as a runnable model (`lanbus bench vring`).
 //!
 //! Layer: rings (measurement code; not used by the data plane). An **Rx thread** (the vhost
 //! back-end) takes free guest buffers from a packed virtqueue, copies 64 B packets into them from

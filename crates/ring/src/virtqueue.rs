@@ -10,8 +10,8 @@
 //!
 //! Both counters start at 1 and flip each time an index wraps past the queue size. Unlike virtio,
 //! a descriptor names a buffer of a [`crate::Pool`] by id with an offset and length (no guest
-//! addresses), and buffer metadata lives here, not in a header inside the buffer (seed 003, factor
-//! (d)). Descriptors are 16 bytes, four per cache line.
+//! addresses), and buffer metadata lives here, not in a header inside the buffer (the vhost-user
+//! cache-efficiency study, factor (d)). Descriptors are 16 bytes, four per cache line.
 //!
 //! Layout at `offset` in a region: a config line (magic, size), a device-wait line, a driver-wait
 //! line, then `size` descriptors. Distrust: each side keeps its indices and wrap counters privately

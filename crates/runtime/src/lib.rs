@@ -517,11 +517,11 @@ impl Worker {
     /// now and then: with fewer free cores than spinning threads (a busy pair plus anything else
     /// on 2 cores) the peer this thread waits for (the other end of a ping-pong, the other
     /// pipeline thread) may be runnable on this very core, and a pure spin holds it off for a
-    /// whole time slice (measured: 20 ms round trips). Not after every empty poll, though:
-    /// sched_yield is a system call that, alone on a core, makes each poll several times longer
-    /// (a frame that arrives waits for it to return), and under load hands the core to another
-    /// task between every two frames (measured: 28% of a busy echo server's time in task
-    /// switches). Yielding every couple of microseconds keeps both costs small.
+    /// whole time slice. Not after every empty poll, though: sched_yield is a system call that,
+    /// alone on a core, makes each poll several times longer (a frame that arrives waits for it
+    /// to return), and under load hands the core to another task between every two frames (a
+    /// busy echo server then spends much of its time in task switches). Yielding every couple of
+    /// microseconds keeps both costs small.
     fn spin_or_yield(&mut self, now: Instant) {
         if now - self.last_yield < SPIN_YIELD_EVERY {
             core::hint::spin_loop();
@@ -562,8 +562,8 @@ impl Worker {
             // `spin_or_yield`): an adaptive node may run more spinning threads than there are
             // cores (the pipeline's two per node), and the peer this thread waits for (the other
             // end of a ping-pong, the other pipeline thread) may be queued on this very core.
-            // Measured: the pipeline veth tests took 2x longer when these yielded every 2 us, and
-            // a pure spin made round trips twice the spin time.
+            // Yielding only every couple of microseconds here made the pipeline veth tests much
+            // slower, and a pure spin made each round trip wait out the spin time.
             std::thread::yield_now();
             return;
         }

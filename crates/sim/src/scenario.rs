@@ -1,5 +1,5 @@
 //! The simulator's scenarios: the fault-injected transfer and the two figures of the ExpressEther
-//! retransmission paper (`shared/seeds/001_*.txt`), each a pure function of its parameters.
+//! retransmission paper, each a pure function of its parameters.
 //!
 //! Layer: simulation. The `lanbus sim ...` commands print and plot what these return; the tests
 //! run short versions and assert the paper's qualitative claims.

@@ -361,7 +361,7 @@ impl SendHalf {
             // timestamp of the frame it discards). Duplicates answering older frames are the
             // echoes of a go-back's own resends of frames the receiver already had; counting them
             // would start another go-back, whose resends draw the next run of duplicates (a storm
-            // that resent 30-50% of the frames on a loss-free veth). The same rule lets a lost
+            // of resends even on a loss-free veth). The same rule lets a lost
             // retransmission be fast-retransmitted again, without waiting for the RTO.
             let base_sent = ch.frames.front().map(|f| header(f).timestamp());
             let news = match (echo_ns, base_sent) {

@@ -9,13 +9,12 @@
 //! blocks and finishes what is left one 8-byte `crc32` instruction at a time, three cycles each,
 //! one after another; the 1068 summed bytes of a 1 KiB message's frame leave 300 over. Here four
 //! 64-byte accumulators take 256 bytes per step, one accumulator then takes 64-byte steps and
-//! a 128-bit one 16-byte steps, and only the last 0-15 bytes go through `crc32`: those 1068
-//! bytes in 35 ns instead of 61 (hot cache, one sum at a time, 2 GHz TSC). Runs of 64 to 255
-//! bytes (a 64 B message's frame, small NVMe commands) start with the one 64-byte accumulator:
-//! the receiver's check of a 64 B message's frame (78 bytes, the field as zeros) in 21 ns instead
-//! of 29-36 through `crc_fast`, 200 bytes in 21 instead of 41 (33 without the field). This is
-//! the one place outside the rings, ports and DMA memory with `unsafe` code: SIMD intrinsics, in
-//! the `fold` module, behind a run-time check of the CPU's features.
+//! a 128-bit one 16-byte steps, and only the last 0-15 bytes go through `crc32`, so the chain of
+//! dependent instructions stays short. Runs of 64 to 255 bytes (a 64 B message's frame, small
+//! NVMe commands) start with the one 64-byte accumulator, which beats `crc_fast` for them too
+//! (`docs/wire.md` has the timings). This is the one place outside the rings, ports and DMA
+//! memory with `unsafe` code: SIMD intrinsics, in the `fold` module, behind a run-time check of
+//! the CPU's features.
 //!
 //! How folding works (the method of Intel's "Fast CRC Computation for Generic Polynomials Using
 //! PCLMULQDQ"): read the message as a polynomial over GF(2), first bit highest. The CRC is that

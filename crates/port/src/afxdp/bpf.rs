@@ -2,9 +2,8 @@
 //! and the attachment to an interface, all through the kernel's `bpf(2)` system call (no clang,
 //! no libbpf).
 //!
-//! Layer: ports (kernel interface). The program implements the one rule the port needs (issue 4:
-//! "redirects only EtherType 0x88B5 frames to the socket and passes everything else to the
-//! kernel"):
+//! Layer: ports (kernel interface). The program implements the one rule the port needs: it
+//! redirects only EtherType 0x88B5 frames to the socket and passes everything else to the kernel:
 //!
 //! ```text
 //!  0: r2 = *(u32 *)(r1 + 4)        ; xdp_md.data_end

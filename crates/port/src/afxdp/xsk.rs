@@ -573,9 +573,8 @@ impl Xsk {
     /// ring, which the next call must reap. Measured on a veth between two namespaces, lanbus's
     /// busy 64 B ping-pong, `tx=auto` against `tx=ring` of one build in alternating runs: the
     /// system call that sends a reply (on a veth it also runs the receiver's whole kernel path)
-    /// took 0.84-0.85x as long (medians per run, 1.3-2.4 us against 1.6-2.5), and the round
-    /// trip 0.89x (16 of 20 pairs faster). Sending every frame this way cost streaming goodput
-    /// up to 15% (a system call per frame instead of per 32), hence one-frame bursts only.
+    /// is shorter, and so is the round trip. Sending every frame this way cost streaming goodput
+    /// (a system call per frame instead of per 32), hence one-frame bursts only.
     ///
     /// Both paths hand frames to the driver inside the system call, so on a device with one
     /// transmit queue (a veth by default) they arrive in the order sent. With several, the socket
