@@ -1,13 +1,17 @@
-//! Transaction tags for non-posted requests, with a completion timeout.
+//! Transaction tags for non-posted requests, with a completion timeout and a quarantine.
 //!
 //! Layer: pcie engine, requester side; sans-IO (time comes in as `now`). Implements PCIe Base
 //! Specification 2.2.6.2 (a tag identifies one outstanding non-posted request of a requester;
 //! 10-bit tags give 1024) and 2.8 (completion timeout).
 //!
-//! Invariants: a tag is outstanding at most once; freed tags are reused oldest-first, so a late
-//! completion is unlikely to meet a fresh request with its tag; a completion for a tag that is
-//! not outstanding (unexpected, or already timed out) is reported as such, never accepted; the
-//! expired tags come out of [`TagAllocator::poll_expired`] in deadline order and are free again.
+//! Invariants: a tag is free, outstanding or quarantined, never two at once. Freed tags are reused
+//! oldest-freed first. A tag whose request timed out is quarantined: a completion for it may still
+//! be on its way, so it is not handed out again until a quarantine of one more completion timeout
+//! has passed or the caller [`release`](TagAllocator::release)s it because the channel that
+//! carried the request was reset (nothing sent on it can arrive any more). So a late completion
+//! can never be taken for a newer request's. A completion for a tag that is not outstanding
+//! (unexpected, timed out or quarantined) is reported as such, never accepted. Expired tags come
+//! out of [`TagAllocator::poll_expired`] in deadline order.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -16,6 +20,15 @@ use std::time::Duration;
 use lanbus_wire::time::Instant;
 
 use crate::tlp::Tag;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Free,
+    /// In flight; its completions are due by the deadline.
+    Outstanding(Instant),
+    /// Timed out; free again at the instant, or when released.
+    Quarantined(Instant),
+}
 
 /// Allocates tags and tracks their completion deadlines.
 ///
@@ -26,11 +39,12 @@ use crate::tlp::Tag;
 #[derive(Debug, Clone)]
 pub struct TagAllocator {
     timeout: Duration,
-    /// Per tag: the deadline while outstanding, with a generation to spot stale heap entries.
-    slots: Vec<(Option<Instant>, u32)>,
+    /// Per tag: its state, with a generation to spot stale heap entries.
+    slots: Vec<(State, u32)>,
     free: VecDeque<u16>,
-    /// Deadlines, earliest first: (deadline, tag, generation). Entries whose generation no
-    /// longer matches the slot are stale and skipped.
+    quarantined: usize,
+    /// Deadlines and quarantine ends, earliest first: (instant, tag, generation). Entries whose
+    /// generation no longer matches the slot are stale and skipped.
     deadlines: BinaryHeap<Reverse<(Instant, u16, u32)>>,
 }
 
@@ -41,71 +55,163 @@ impl TagAllocator {
         let count = count.clamp(1, Tag::COUNT);
         TagAllocator {
             timeout,
-            slots: vec![(None, 0); usize::from(count)],
+            slots: vec![(State::Free, 0); usize::from(count)],
             free: (0..count).collect(),
+            quarantined: 0,
             deadlines: BinaryHeap::new(),
         }
     }
 
     /// Tags in flight.
     pub fn outstanding(&self) -> usize {
-        self.slots.len() - self.free.len()
+        self.slots.len() - self.free.len() - self.quarantined
+    }
+
+    /// Whether a tag is free now (quarantines that have ended count only once
+    /// [`poll_expired`](Self::poll_expired) or [`allocate`](Self::allocate) ended them).
+    pub fn has_free(&self) -> bool {
+        !self.free.is_empty()
+    }
+
+    /// Tags in quarantine.
+    pub fn quarantined(&self) -> usize {
+        self.quarantined
     }
 
     /// Whether `tag` is in flight.
     pub fn is_outstanding(&self, tag: Tag) -> bool {
-        self.slots.get(usize::from(tag.get())).is_some_and(|s| s.0.is_some())
+        self.slots.get(usize::from(tag.get())).is_some_and(|s| matches!(s.0, State::Outstanding(_)))
     }
 
-    /// A free tag for a request sent at `now`, or `None` if all are in flight.
+    /// A free tag for a request sent at `now`, or `None` if all are in flight or quarantined.
     pub fn allocate(&mut self, now: Instant) -> Option<Tag> {
+        self.release_ended(now);
         let t = self.free.pop_front()?;
         let deadline = now + self.timeout;
-        let slot = &mut self.slots[usize::from(t)];
-        slot.0 = Some(deadline);
-        slot.1 = slot.1.wrapping_add(1);
-        self.deadlines.push(Reverse((deadline, t, slot.1)));
+        self.set(t, State::Outstanding(deadline));
         Tag::new(t)
+    }
+
+    fn set(&mut self, t: u16, state: State) {
+        let slot = &mut self.slots[usize::from(t)];
+        slot.0 = state;
+        slot.1 = slot.1.wrapping_add(1);
+        if let State::Outstanding(at) | State::Quarantined(at) = state {
+            self.deadlines.push(Reverse((at, t, slot.1)));
+        }
     }
 
     /// Frees `tag` because its request completed. Returns false (and changes nothing) if the
     /// tag is not outstanding: the completion is unexpected.
     pub fn complete(&mut self, tag: Tag) -> bool {
-        let Some(slot) = self.slots.get_mut(usize::from(tag.get())) else {
-            return false;
-        };
-        if slot.0.take().is_none() {
+        let t = tag.get();
+        if !self.is_outstanding(tag) {
             return false;
         }
-        self.free.push_back(tag.get());
+        self.set(t, State::Free);
+        self.free.push_back(t);
         true
     }
 
-    /// The earliest deadline of a tag in flight.
+    /// Gives up on outstanding `tag` at `now` (its request was abandoned, for example because its
+    /// completer is unreachable): it is quarantined as if it had timed out, since a completion
+    /// for it may still arrive, until one timeout after its deadline or after `now`, whichever is
+    /// later. Returns whether it was outstanding.
+    pub fn abandon(&mut self, tag: Tag, now: Instant) -> bool {
+        let Some((State::Outstanding(deadline), _)) = self.slots.get(usize::from(tag.get())) else {
+            return false;
+        };
+        let end = now.max(*deadline) + self.timeout;
+        self.set(tag.get(), State::Quarantined(end));
+        self.quarantined += 1;
+        true
+    }
+
+    /// Ends the quarantine of `tag` early: the channel that carried its request was reset, so
+    /// no completion for it can arrive any more. Returns whether it was quarantined.
+    pub fn release(&mut self, tag: Tag) -> bool {
+        let t = tag.get();
+        let Some((State::Quarantined(_), _)) = self.slots.get(usize::from(t)) else {
+            return false;
+        };
+        self.set(t, State::Free);
+        self.quarantined -= 1;
+        self.free.push_back(t);
+        true
+    }
+
+    /// Ends every quarantine (the channel that carried their requests was reset); returns how many
+    /// tags were released.
+    pub fn release_all(&mut self) -> usize {
+        if self.quarantined == 0 {
+            return 0;
+        }
+        let count = self.slots.len() as u16;
+        (0..count).filter_map(Tag::new).filter(|t| self.release(*t)).count()
+    }
+
+    /// The earliest deadline of a tag in flight, or end of a quarantine.
     #[must_use]
     pub fn poll_timeout(&mut self) -> Option<Instant> {
         self.drop_stale();
         self.deadlines.peek().map(|Reverse((d, _, _))| *d)
     }
 
-    /// One tag whose deadline is at or before `now`, now free again; `None` when there is none.
+    /// One tag whose deadline is at or before `now`, now quarantined; `None` when there is none.
+    /// Quarantines that ended by `now` end here too.
     #[must_use]
     pub fn poll_expired(&mut self, now: Instant) -> Option<Tag> {
-        self.drop_stale();
-        let Reverse((d, t, _)) = *self.deadlines.peek()?;
-        if d > now {
-            return None;
+        loop {
+            self.drop_stale();
+            let Reverse((d, t, _)) = *self.deadlines.peek()?;
+            if d > now {
+                return None;
+            }
+            self.deadlines.pop();
+            match self.slots[usize::from(t)].0 {
+                State::Outstanding(_) => {
+                    self.set(t, State::Quarantined(d + self.timeout));
+                    self.quarantined += 1;
+                    return Tag::new(t);
+                }
+                State::Quarantined(_) => {
+                    self.set(t, State::Free);
+                    self.quarantined -= 1;
+                    self.free.push_back(t);
+                }
+                State::Free => {}
+            }
         }
-        self.deadlines.pop();
-        self.slots[usize::from(t)].0 = None;
-        self.free.push_back(t);
-        Tag::new(t)
+    }
+
+    /// Ends the quarantines that ended by `now` and stand first in deadline order (an expired
+    /// outstanding tag ahead of them waits for the caller's `poll_expired`). Only when no tag is
+    /// free: otherwise the next `poll_expired` does it.
+    fn release_ended(&mut self, now: Instant) {
+        if !self.free.is_empty() || self.quarantined == 0 {
+            return;
+        }
+        loop {
+            self.drop_stale();
+            let Some(&Reverse((d, t, _))) = self.deadlines.peek() else { return };
+            if d > now || !matches!(self.slots[usize::from(t)].0, State::Quarantined(_)) {
+                return;
+            }
+            self.deadlines.pop();
+            self.set(t, State::Free);
+            self.quarantined -= 1;
+            self.free.push_back(t);
+        }
     }
 
     fn drop_stale(&mut self) {
         while let Some(Reverse((d, t, g))) = self.deadlines.peek() {
             let slot = self.slots[usize::from(*t)];
-            if slot.0 == Some(*d) && slot.1 == *g {
+            let live = match slot.0 {
+                State::Outstanding(at) | State::Quarantined(at) => at == *d,
+                State::Free => false,
+            };
+            if live && slot.1 == *g {
                 break;
             }
             self.deadlines.pop();
@@ -118,9 +224,12 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
+    fn ms(n: u64) -> Instant {
+        Instant::from_nanos(n * 1_000_000)
+    }
+
     #[test]
-    fn allocate_complete_expire() {
-        let ms = |n: u64| Instant::from_nanos(n * 1_000_000);
+    fn allocate_complete_expire_quarantine() {
         let mut a = TagAllocator::new(4, Duration::from_millis(10));
         let t: Vec<Tag> = (0..4).map(|i| a.allocate(ms(i)).unwrap()).collect();
         assert_eq!(a.allocate(ms(4)), None);
@@ -133,49 +242,104 @@ mod tests {
         assert_eq!(a.poll_expired(ms(12)), Some(t[0]));
         assert_eq!(a.poll_expired(ms(12)), Some(t[2]));
         assert_eq!(a.poll_expired(ms(12)), None);
+        assert_eq!((a.outstanding(), a.quarantined()), (1, 2));
         assert_eq!(a.poll_timeout(), Some(ms(13)));
         assert!(!a.complete(t[0]), "a completion after the timeout is unexpected");
-        // Reuse is oldest-freed first.
-        assert_eq!(a.allocate(ms(20)), Some(t[1]));
+        // Only the completed tag is free; the timed-out ones sit out one more timeout.
+        assert_eq!(a.allocate(ms(12)), Some(t[1]));
+        assert_eq!(a.allocate(ms(12)), None);
+        assert_eq!(a.poll_expired(ms(13)), Some(t[3]));
+        // t[0]'s quarantine ends at 20: then it is the oldest free tag.
+        assert_eq!(a.allocate(ms(19)), None);
         assert_eq!(a.allocate(ms(20)), Some(t[0]));
-        // Deadline order; equal deadlines by tag.
-        assert_eq!(a.poll_expired(ms(100)), Some(t[3]));
-        assert_eq!(a.poll_expired(ms(100)), Some(t[0]));
+        // A channel reset releases a quarantined tag at once; releasing twice does nothing.
+        assert!(a.release(t[2]));
+        assert!(!a.release(t[2]));
+        assert!(!a.release(t[0]), "an outstanding tag is not released");
+        assert_eq!(a.allocate(ms(20)), Some(t[2]));
+        // Deadline order.
         assert_eq!(a.poll_expired(ms(100)), Some(t[1]));
-        assert_eq!((a.outstanding(), a.poll_timeout()), (0, None));
+        assert_eq!(a.poll_expired(ms(100)), Some(t[0]));
+        assert_eq!(a.poll_expired(ms(100)), Some(t[2]));
+        assert_eq!(a.poll_expired(ms(100)), None);
+        assert_eq!(a.outstanding(), 0);
+        // Quarantines end at 32 and 33 (t[1]; t[3] expired at 13): nothing is due after that.
+        assert_eq!(a.poll_expired(ms(200)), None);
+        assert_eq!((a.quarantined(), a.poll_timeout()), (0, None));
     }
 
-    // Against a model: a map of outstanding tags to deadlines.
+    // Against a model: each tag free, outstanding until a deadline or quarantined until an end.
     #[test]
     fn matches_model() {
+        #[derive(Clone, Copy, PartialEq, Debug)]
+        enum M {
+            Out(Instant),
+            Quarantine(Instant),
+        }
+        let timeout = Duration::from_micros(50);
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        let mut a = TagAllocator::new(1024, Duration::from_micros(50));
-        let mut model = std::collections::BTreeMap::<u16, Instant>::new();
+        let mut a = TagAllocator::new(64, timeout);
+        let mut model = std::collections::BTreeMap::<u16, M>::new();
         let mut now = Instant::ZERO;
-        for _ in 0..20_000 {
-            now += Duration::from_nanos(rng.random_range(0..200));
-            match rng.random_range(0..3) {
+        for _ in 0..50_000 {
+            now += Duration::from_nanos(rng.random_range(0..2000));
+            match rng.random_range(0..4) {
                 0 => {
-                    if let Some(t) = a.allocate(now) {
-                        assert!(model.insert(t.get(), now + Duration::from_micros(50)).is_none());
-                    } else {
-                        assert_eq!(model.len(), 1024);
+                    // Expired tags must be polled before a quarantine behind them can end.
+                    let due = model.values().any(|m| matches!(m, M::Out(d) if *d <= now));
+                    match a.allocate(now) {
+                        Some(t) => {
+                            let was = model.insert(t.get(), M::Out(now + timeout));
+                            let ended = |m: Option<M>| match m {
+                                None => true,
+                                Some(M::Quarantine(e)) => e <= now,
+                                Some(M::Out(_)) => false,
+                            };
+                            assert!(ended(was), "{t:?} handed out while {was:?}");
+                        }
+                        None => assert!(
+                            due || model.len() == 64
+                                && !model.values().any(|m| matches!(m, M::Quarantine(e) if *e <= now)),
+                            "no tag although one is free"
+                        ),
                     }
                 }
                 1 => {
-                    let t = Tag::new(rng.random_range(0..1024)).unwrap();
-                    assert_eq!(a.complete(t), model.remove(&t.get()).is_some());
+                    let t = Tag::new(rng.random_range(0..64)).unwrap();
+                    let outstanding = matches!(model.get(&t.get()), Some(M::Out(_)));
+                    assert_eq!(a.complete(t), outstanding);
+                    if outstanding {
+                        model.remove(&t.get());
+                    }
+                }
+                2 => {
+                    let t = Tag::new(rng.random_range(0..64)).unwrap();
+                    let quarantined = matches!(model.get(&t.get()), Some(M::Quarantine(_)));
+                    assert_eq!(a.release(t), quarantined);
+                    if quarantined {
+                        model.remove(&t.get());
+                    }
                 }
                 _ => {
                     while let Some(t) = a.poll_expired(now) {
-                        let d = model.remove(&t.get()).expect("expired tag was outstanding");
+                        let Some(M::Out(d)) = model.get(&t.get()).copied() else {
+                            panic!("{t:?} expired but was not outstanding")
+                        };
                         assert!(d <= now);
+                        model.insert(t.get(), M::Quarantine(d + timeout));
                     }
-                    assert!(model.values().all(|d| *d > now));
-                    assert_eq!(a.poll_timeout(), model.values().min().copied());
+                    model.retain(|_, m| !matches!(m, M::Quarantine(e) if *e <= now));
+                    assert!(model.values().all(|m| match m {
+                        M::Out(d) | M::Quarantine(d) => *d > now,
+                    }));
+                    let next = model.values().map(|m| match m {
+                        M::Out(d) | M::Quarantine(d) => *d,
+                    });
+                    assert_eq!(a.poll_timeout(), next.min());
                 }
             }
-            assert_eq!(a.outstanding(), model.len());
+            let out = model.values().filter(|m| matches!(m, M::Out(_))).count();
+            assert_eq!(a.outstanding(), out);
         }
     }
 }

@@ -3,13 +3,13 @@
 //! TLPs, programs it through memory writes, and the engine copies host memory with read requests
 //! (split by MRRS, completed split by MPS/RCB) and posted writes, then raises MSI-X.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use lanbus_pcie::config::{command, reg, MSIX_CAP_OFFSET, MSIX_ENABLE};
 use lanbus_pcie::device::{DmaError, DmaId, Function, HostRequest};
 use lanbus_pcie::dma_engine::{regs, transfer_writes, DmaEngine, DEVICE_ID, VENDOR_ID};
-use lanbus_pcie::request::{completions_for_read, refuse};
+use lanbus_pcie::request::{completions_for_read, refuse, write_requests};
 use lanbus_pcie::requester::{Requester, RequesterEvent, TransactionId};
 use lanbus_pcie::{Bdf, CplStatus, Error, Header, Tlp, TlpKind};
 use lanbus_wire::time::Instant;
@@ -31,8 +31,11 @@ struct World {
     mem: Vec<u8>,
     interrupts: Vec<u32>,
     host: Requester,
+    /// The host's posted writes (they need no requester state), in order.
+    host_posted: VecDeque<Tlp>,
     device: Function<DmaEngine>,
     dma: Requester,
+    dma_posted: VecDeque<Tlp>,
     dma_ids: HashMap<TransactionId, DmaId>,
     host_done: HashMap<TransactionId, Result<Vec<u8>, Error>>,
 }
@@ -44,9 +47,11 @@ impl World {
         World {
             mem: (0..HOST_LEN).map(|_| rng.random()).collect(),
             interrupts: vec![],
-            host: Requester::new(HOST, 32, timeout, 512, 256).unwrap(),
+            host: Requester::new(HOST, 32, timeout, 512).unwrap(),
+            host_posted: VecDeque::new(),
             device: Function::new(DmaEngine::new()).unwrap(),
-            dma: Requester::new(DEV, 64, timeout, 512, 256).unwrap(),
+            dma: Requester::new(DEV, 64, timeout, 512).unwrap(),
+            dma_posted: VecDeque::new(),
             dma_ids: HashMap::new(),
             host_done: HashMap::new(),
         }
@@ -58,10 +63,10 @@ impl World {
         loop {
             let mut moved = false;
             // Host -> device.
-            while let Some(t) = self.host.poll_transmit(now) {
+            while let Some(t) = self.host_posted.pop_front().or_else(|| self.host.poll_transmit(now)) {
                 moved = true;
                 for c in self.device.handle_request(&wire(&t)).unwrap() {
-                    self.host.handle_completion(&wire(&c)).unwrap();
+                    self.host.handle_completion(now, &wire(&c)).unwrap();
                 }
             }
             while let Some(e) = self.host.poll_event() {
@@ -75,14 +80,16 @@ impl World {
                 moved = true;
                 match r {
                     HostRequest::Read { id, address, len } => {
-                        let t = self.dma.read(address, len).unwrap();
+                        let t = self.dma.read(now, address, len).unwrap();
                         self.dma_ids.insert(t, id);
                     }
-                    HostRequest::Write { address, data } => self.dma.write(address, &data).unwrap(),
+                    HostRequest::Write { address, data } => {
+                        self.dma_posted.extend(write_requests(DEV, address, &data, 256).unwrap())
+                    }
                 }
             }
             // Device -> host: the host bridge's side.
-            while let Some(t) = self.dma.poll_transmit(now) {
+            while let Some(t) = self.dma_posted.pop_front().or_else(|| self.dma.poll_transmit(now)) {
                 moved = true;
                 let t = wire(&t);
                 let Header::Mem(h) = t.header else { panic!("{t:?}") };
@@ -104,7 +111,7 @@ impl World {
                             refuse(&t, HOST, CplStatus::UnsupportedRequest).into_iter().collect()
                         };
                         for c in cpls {
-                            self.dma.handle_completion(&wire(&c)).unwrap();
+                            self.dma.handle_completion(now, &wire(&c)).unwrap();
                         }
                     }
                     TlpKind::MWr32 | TlpKind::MWr64 if h.address == MSI_ADDR => {
@@ -153,25 +160,25 @@ impl World {
     }
 
     fn config_read(&mut self, register: u16) -> u32 {
-        let id = self.host.config_read(DEV, register, 0xf).unwrap();
+        let id = self.host.config_read(Instant::ZERO, DEV, register, 0xf).unwrap();
         self.run();
         let d = self.host_done.remove(&id).unwrap().unwrap();
         u32::from_le_bytes(d.try_into().unwrap())
     }
 
     fn config_write(&mut self, register: u16, v: u32) {
-        let id = self.host.config_write(DEV, register, 0xf, v.to_le_bytes()).unwrap();
+        let id = self.host.config_write(Instant::ZERO, DEV, register, 0xf, v.to_le_bytes()).unwrap();
         self.run();
         assert_eq!(self.host_done.remove(&id).unwrap(), Ok(vec![]));
     }
 
     fn mmio_write(&mut self, address: u64, v: u32) {
-        self.host.write(address, &v.to_le_bytes()).unwrap();
+        self.host_posted.extend(write_requests(HOST, address, &v.to_le_bytes(), 256).unwrap());
         self.run();
     }
 
     fn mmio_read(&mut self, address: u64) -> u32 {
-        let id = self.host.read(address, 4).unwrap();
+        let id = self.host.read(Instant::ZERO, address, 4).unwrap();
         self.run();
         u32::from_le_bytes(self.host_done.remove(&id).unwrap().unwrap().try_into().unwrap())
     }
