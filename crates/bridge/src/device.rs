@@ -55,8 +55,10 @@ use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
 use super::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, Path};
-use super::inline::{send_mem_writes, InlinePath, Reads, TlpOut};
 use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL, PCIE_CHANNELS};
+use crate::counters::{bump, Counters};
+use crate::inline::{send_mem_writes, InlinePath, TlpOut};
+use crate::reads::Reads;
 use lanbus_pcie::device::DmaError;
 use lanbus_pcie::request::RequestShape;
 use lanbus_pcie::{Bdf, CplStatus, Header, Tag, Tlp, TlpKind};
@@ -121,28 +123,6 @@ pub struct DeviceBridgeStats {
     /// Memory requests to blocking functions served on the receive thread (with the work they
     /// started that reads no host memory) instead of by the function's worker.
     pub served_inline: u64,
-}
-
-#[derive(Default)]
-pub(crate) struct Counters {
-    pub(crate) tlps_received: AtomicU64,
-    pub(crate) foreign_requests: AtomicU64,
-    pub(crate) other_channel: AtomicU64,
-    pub(crate) malformed: AtomicU64,
-    pub(crate) ur_sent: AtomicU64,
-    pub(crate) unclaimed_writes: AtomicU64,
-    pub(crate) unexpected_completions: AtomicU64,
-    pub(crate) dma_reads: AtomicU64,
-    pub(crate) dma_read_failures: AtomicU64,
-    pub(crate) dma_writes: AtomicU64,
-    pub(crate) dma_writes_dropped: AtomicU64,
-    pub(crate) host_changes: AtomicU64,
-    pub(crate) served_inline: AtomicU64,
-}
-
-pub(crate) fn bump(c: &AtomicU64) {
-    // Relaxed: a statistics counter orders nothing.
-    c.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Who we serve.

@@ -32,12 +32,16 @@ use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
 use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
-use super::inline::send_mem_writes;
-use super::region::{DmaRegion, RegionMap};
-use super::{lock, session_channel, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
-use lanbus_pcie::config::{cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK};
-use lanbus_pcie::request::{each_completion_for_read, split, CompletionScratch, RequestShape};
-use lanbus_pcie::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp, TlpKind};
+use crate::counters::bump;
+use crate::inline::send_mem_writes;
+use crate::region::{DmaRegion, RegionMap};
+use crate::{lock, session_channel, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
+use lanbus_pcie::config::{
+    cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK,
+};
+use lanbus_pcie::request::{each_completion_for_read, CompletionScratch, RequestShape};
+use lanbus_pcie::requester::{Requester, RequesterEvent, TransactionId};
+use lanbus_pcie::{Bdf, CplStatus, Error, Header, Tag, Tlp, TlpKind};
 
 /// The host's own requester ID (the root complex).
 pub const HOST_BDF: Bdf = Bdf(0);
@@ -225,11 +229,6 @@ struct Counters {
     enumeration_failures: AtomicU64,
 }
 
-fn bump(c: &AtomicU64) {
-    // Relaxed: a statistics counter orders nothing.
-    c.fetch_add(1, Ordering::Relaxed);
-}
-
 /// One device bridge of our group.
 struct DevEntry {
     name: String,
@@ -253,8 +252,10 @@ struct State {
     next_generation: u64,
 }
 
-/// A user's request in flight.
+/// A user waiting for one transaction.
 struct Waiter {
+    /// The function it is addressed to.
+    bdf: Bdf,
     state: Mutex<WaitState>,
     done: Condvar,
     /// Bumped under `state`'s lock at every change (see [`spin_then_wait`]).
@@ -262,9 +263,7 @@ struct Waiter {
 }
 
 struct WaitState {
-    remaining: usize,
-    data: Vec<u8>,
-    error: Option<BridgeError>,
+    result: Option<BridgeResult<Vec<u8>>>,
     /// Users sleeping on `done` (only then is a notification worth a system call).
     sleepers: usize,
 }
@@ -307,19 +306,18 @@ fn spin_then_wait<'a, T>(
 }
 
 impl Waiter {
-    fn finish_part(&self, result: Result<(usize, Vec<u8>), BridgeError>) {
-        let mut w = lock(&self.state);
-        match result {
-            Ok((offset, bytes)) => {
-                if let Some(dst) = w.data.get_mut(offset..offset + bytes.len()) {
-                    dst.copy_from_slice(&bytes);
-                }
-            }
-            Err(e) => {
-                w.error.get_or_insert(e);
-            }
+    fn new(bdf: Bdf) -> Waiter {
+        Waiter {
+            bdf,
+            state: Mutex::new(WaitState { result: None, sleepers: 0 }),
+            done: Condvar::new(),
+            seq: AtomicU64::new(0),
         }
-        w.remaining = w.remaining.saturating_sub(1);
+    }
+
+    fn finish(&self, result: BridgeResult<Vec<u8>>) {
+        let mut w = lock(&self.state);
+        w.result = Some(result);
         // Relaxed: a hint for the spinning user, who then takes the lock.
         self.seq.fetch_add(1, Ordering::Relaxed);
         let sleeping = w.sleepers > 0;
@@ -330,28 +328,35 @@ impl Waiter {
     }
 }
 
-struct PendingReq {
-    peer: MacAddr,
-    bdf: Bdf,
-    offset: usize,
-    /// Memory reads: the reassembly; configuration requests: `None`.
-    asm: Option<ReadReassembly>,
-    waiter: Arc<Waiter>,
+/// Our requests to one device bridge: the PCIe requester (tags, splits, reassembly, timeouts)
+/// and the users waiting for its transactions.
+struct Session {
+    requester: Requester,
+    waiters: HashMap<TransactionId, Arc<Waiter>>,
 }
 
-struct Pending {
-    free: Vec<u16>,
-    by_tag: HashMap<u16, PendingReq>,
-    /// Users sleeping on `tags_freed`.
-    sleepers: usize,
+/// What a session's requester ended or wants sent, to act on once its lock is released.
+#[derive(Default)]
+struct Outcome {
+    finished: Vec<(Arc<Waiter>, BridgeResult<Vec<u8>>)>,
+    tlps: Vec<Tlp>,
 }
 
-impl Shared {
-    /// Wakes users waiting for tags, if any sleeps. Called with `pending` released.
-    fn tags_freed(&self, sleepers: usize) {
-        if sleepers > 0 {
-            self.tags_freed.notify_all();
+impl Session {
+    /// Drains the requester at `now`: ended transactions with their users, requests to send.
+    fn drain(&mut self, sh: &Shared, mac: MacAddr, now: lanbus_wire::time::Instant) -> Outcome {
+        let mut out = Outcome::default();
+        while let Some(e) = self.requester.poll_event() {
+            let (id, result) = match e {
+                RequesterEvent::Done { id, data } => (id, Ok(data)),
+                RequesterEvent::Failed { id, error } => (id, Err(error)),
+            };
+            let Some(w) = self.waiters.remove(&id) else { continue };
+            let result = result.map_err(|e| sh.bridge_error(e, w.bdf, mac));
+            out.finished.push((w, result));
         }
+        out.tlps.extend(std::iter::from_fn(|| self.requester.poll_transmit(now)));
+        out
     }
 }
 
@@ -380,9 +385,10 @@ struct Shared {
     state: Mutex<State>,
     /// Signalled when devices are added or removed.
     changed: Condvar,
-    pending: Mutex<Pending>,
-    /// Signalled when tags are freed.
-    tags_freed: Condvar,
+    /// Our requests, per device bridge. Never locked together with `state`.
+    sessions: Mutex<HashMap<MacAddr, Session>>,
+    /// Time zero of the sessions' requesters.
+    origin: Instant,
     regions: RwLock<RegionMap>,
     interrupts: Mutex<Interrupts>,
     interrupted: Condvar,
@@ -417,6 +423,10 @@ impl Shared {
         let channel = session_channel();
         st.devices.insert(mac, DevEntry { name, bus, channel, generation, functions: Vec::new() });
         drop(st);
+        let c = &self.config;
+        let requester = Requester::new(HOST_BDF, Tag::COUNT, c.completion_timeout, c.mrrs)
+            .expect("the mrrs was checked at start");
+        lock(&self.sessions).insert(mac, Session { requester, waiters: HashMap::new() });
         if let Some(j) = lock(&self.jobs).as_ref() {
             let _ = j.send(Job::Enumerate { mac, generation, bus });
         }
@@ -430,19 +440,11 @@ impl Shared {
         st.allocations.retain(|(_, _, m)| *m != mac);
         drop(st);
         self.changed.notify_all();
-        let sleepers = {
-            let mut p = lock(&self.pending);
-            let gone: Vec<u16> = p.by_tag.iter().filter(|(_, r)| r.peer == mac).map(|(t, _)| *t).collect();
-            for t in gone {
-                if let Some(r) = p.by_tag.remove(&t) {
-                    p.free.push(t);
-                    bump(&self.counters.device_gone);
-                    r.waiter.finish_part(Err(BridgeError::DeviceGone { bdf: r.bdf, mac }));
-                }
-            }
-            p.sleepers
-        };
-        self.tags_freed(sleepers);
+        if let Some(mut session) = lock(&self.sessions).remove(&mac) {
+            let now = self.now();
+            session.requester.abort_all(now, Error::Unreachable(reason.to_string()));
+            self.act(mac, None, session.drain(self, mac, now));
+        }
         for f in d.functions {
             self.emit(HostEvent::DeviceRemoved { bdf: f.bdf, mac, reason: reason.to_string() });
         }
@@ -456,105 +458,107 @@ impl Shared {
         Ok((mac, channel))
     }
 
-    /// Sends requests built by `build` (one per part, given its tag) to `bdf`'s device and waits
-    /// for all their completions. `parts`: (offset in the result, reassembly address and length
-    /// for memory reads).
+    /// `now` on the sessions' requesters' clock.
+    fn now(&self) -> lanbus_wire::time::Instant {
+        let since = self.origin.elapsed();
+        lanbus_wire::time::Instant::from_nanos(u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// A failed transaction as the user sees it (counted).
+    fn bridge_error(&self, error: Error, bdf: Bdf, mac: MacAddr) -> BridgeError {
+        match error {
+            Error::CompletionTimeout => {
+                bump(&self.counters.timeouts);
+                BridgeError::Timeout(self.config.completion_timeout)
+            }
+            Error::CompletionStatus(status) => BridgeError::Completion(status),
+            Error::Unreachable(_) => {
+                bump(&self.counters.device_gone);
+                BridgeError::DeviceGone { bdf, mac }
+            }
+            e => BridgeError::BadCompletion(e),
+        }
+    }
+
+    /// Finishes the users of ended transactions and sends what the requester released, through
+    /// `out` (the receive thread) or the runtime's sender (a user thread).
+    fn act(&self, mac: MacAddr, out: Option<&mut dyn Outbox>, outcome: Outcome) {
+        for (w, result) in outcome.finished {
+            w.finish(result);
+        }
+        if outcome.tlps.is_empty() {
+            return;
+        }
+        let Some(channel) = lock(&self.state).devices.get(&mac).map(|d| d.channel) else { return };
+        match out {
+            Some(out) => {
+                for t in &outcome.tlps {
+                    if let Ok(bytes) = t.encode() {
+                        out.send(mac, channel, &bytes);
+                    }
+                }
+            }
+            None => {
+                if let Ok(sender) = self.sender() {
+                    let _ = crate::send_tlps(&sender, mac, channel, &outcome.tlps);
+                }
+            }
+        }
+    }
+
+    /// Starts a transaction with `bdf`'s device bridge (`start` builds it in the session's
+    /// requester), sends its requests and waits until it ends: with its bytes, an error status,
+    /// the device gone, or a timeout. The requester guarantees the end; a waiting user runs the
+    /// session's timeouts when they are due.
     fn transact(
         &self,
         bdf: Bdf,
-        total: usize,
-        parts: Vec<(usize, Option<(u64, usize)>)>,
-        mut build: impl FnMut(usize, Tag) -> Tlp,
+        start: impl FnOnce(&mut Requester, lanbus_wire::time::Instant) -> lanbus_pcie::Result<TransactionId>,
     ) -> BridgeResult<Vec<u8>> {
         let (mac, channel) = self.mac_of(bdf)?;
-        let timeout = self.config.completion_timeout;
-        let deadline = Instant::now() + timeout;
-        if parts.len() > usize::from(Tag::COUNT) {
-            return Err(BridgeError::BadRequest(format!("{} requests at once", parts.len())));
-        }
-        let waiter = Arc::new(Waiter {
-            state: Mutex::new(WaitState {
-                remaining: parts.len(),
-                data: vec![0; total],
-                error: None,
-                sleepers: 0,
-            }),
-            done: Condvar::new(),
-            seq: AtomicU64::new(0),
-        });
-        let mut tlps = Vec::with_capacity(parts.len());
-        let mut tags = Vec::with_capacity(parts.len());
-        {
-            let mut p = lock(&self.pending);
-            while p.free.len() < parts.len() {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    bump(&self.counters.timeouts);
-                    return Err(BridgeError::Timeout(timeout));
-                }
-                p.sleepers += 1;
-                p = self.tags_freed.wait_timeout(p, left).unwrap_or_else(|e| e.into_inner()).0;
-                p.sleepers -= 1;
-            }
-            for (i, (offset, read)) in parts.iter().enumerate() {
-                let t = p.free.pop().expect("counted");
-                let tag = Tag::new(t).expect("tags are below 1024");
-                let asm = match read {
-                    Some((a, l)) => Some(
-                        ReadReassembly::new(HOST_BDF, tag, *a, *l)
-                            .map_err(|e| BridgeError::BadRequest(e.to_string()))?,
-                    ),
-                    None => None,
-                };
-                p.by_tag
-                    .insert(t, PendingReq { peer: mac, bdf, offset: *offset, asm, waiter: waiter.clone() });
-                tags.push(t);
-                tlps.push(build(i, tag));
-            }
-        }
-        // The device may have gone between the lookup and the registration.
-        if !lock(&self.state).devices.contains_key(&mac) {
-            self.forget(&tags);
-            return Err(BridgeError::DeviceGone { bdf, mac });
-        }
         let sender = self.sender()?;
-        if let Err(e) = super::send_tlps(&sender, mac, channel, &tlps) {
-            self.forget(&tags);
-            return Err(e);
-        }
-        let mut w = spin_then_wait(
-            &waiter.state,
-            &waiter.done,
-            &waiter.seq,
-            deadline,
-            |w| &mut w.sleepers,
-            |w| w.remaining == 0 || w.error.is_some(),
-        );
-        if w.remaining > 0 && w.error.is_none() {
-            drop(w);
-            self.forget(&tags);
-            bump(&self.counters.timeouts);
-            return Err(BridgeError::Timeout(timeout));
-        }
-        if let Some(e) = w.error.take() {
-            drop(w);
-            self.forget(&tags);
-            return Err(e);
-        }
-        Ok(std::mem::take(&mut w.data))
-    }
-
-    /// Drops requests still in flight (timed out or failed) and frees their tags.
-    fn forget(&self, tags: &[u16]) {
-        let mut p = lock(&self.pending);
-        for t in tags {
-            if p.by_tag.remove(t).is_some() {
-                p.free.push(*t);
+        let waiter = Arc::new(Waiter::new(bdf));
+        let tlps = {
+            let mut sessions = lock(&self.sessions);
+            let s = sessions.get_mut(&mac).ok_or(BridgeError::DeviceGone { bdf, mac })?;
+            let now = self.now();
+            let id = start(&mut s.requester, now).map_err(|e| BridgeError::BadRequest(e.to_string()))?;
+            s.waiters.insert(id, waiter.clone());
+            std::iter::from_fn(|| s.requester.poll_transmit(now)).collect::<Vec<_>>()
+        };
+        crate::send_tlps(&sender, mac, channel, &tlps)?;
+        loop {
+            let due = match lock(&self.sessions).get_mut(&mac).map(|s| s.requester.poll_timeout()) {
+                Some(Some(t)) => self.origin + Duration::from_nanos(t.as_nanos()),
+                Some(None) => Instant::now() + self.config.completion_timeout,
+                // The device went: `remove_device` has finished every waiter of its session.
+                None => Instant::now(),
+            };
+            let mut w = spin_then_wait(
+                &waiter.state,
+                &waiter.done,
+                &waiter.seq,
+                due,
+                |w| &mut w.sleepers,
+                |w| w.result.is_some(),
+            );
+            if let Some(result) = w.result.take() {
+                return result;
             }
+            drop(w);
+            let outcome = {
+                let mut sessions = lock(&self.sessions);
+                let Some(s) = sessions.get_mut(&mac) else {
+                    drop(sessions);
+                    let w = lock(&waiter.state).result.take();
+                    return w.unwrap_or(Err(BridgeError::DeviceGone { bdf, mac }));
+                };
+                let now = self.now();
+                s.requester.handle_timeout(now);
+                s.drain(self, mac, now)
+            };
+            self.act(mac, None, outcome);
         }
-        let sleepers = p.sleepers;
-        drop(p);
-        self.tags_freed(sleepers);
     }
 
     fn sender(&self) -> BridgeResult<Sender> {
@@ -563,27 +567,18 @@ impl Shared {
 
     fn config_read(&self, bdf: Bdf, register: u16) -> BridgeResult<u32> {
         let r = register & !3;
-        let d = self
-            .transact(bdf, 4, vec![(0, None)], |_, tag| Tlp::cfg_read(false, HOST_BDF, tag, bdf, r, 0xf))?;
+        let d = self.transact(bdf, |req, now| req.config_read(now, bdf, r, 0xf))?;
         Ok(u32::from_le_bytes([d[0], d[1], d[2], d[3]]))
     }
 
     fn config_write(&self, bdf: Bdf, register: u16, first_be: u8, value: u32) -> BridgeResult<()> {
         let r = register & !3;
-        self.transact(bdf, 0, vec![(0, None)], |_, tag| {
-            Tlp::cfg_write(false, HOST_BDF, tag, bdf, r, first_be, value.to_le_bytes())
-        })?;
+        self.transact(bdf, |req, now| req.config_write(now, bdf, r, first_be, value.to_le_bytes()))?;
         Ok(())
     }
 
     fn mmio_read(&self, bdf: Bdf, address: u64, buf: &mut [u8]) -> BridgeResult<()> {
-        let chunks = split(address, buf.len(), self.config.mrrs)
-            .map_err(|e| BridgeError::BadRequest(e.to_string()))?;
-        let parts = chunks.iter().map(|c| (c.offset, Some((c.address, c.len)))).collect();
-        let data = self.transact(bdf, buf.len(), parts, |i, tag| {
-            let s = chunks[i].shape();
-            Tlp::mem_read(HOST_BDF, tag, s.address, s.length_dw, s.first_be, s.last_be)
-        })?;
+        let data = self.transact(bdf, |req, now| req.read(now, address, buf.len()))?;
         buf.copy_from_slice(&data);
         Ok(())
     }
@@ -618,37 +613,22 @@ impl HostHandler {
         self.send(out, peer, channel, &ur_completion(HOST_BDF, tlp.requester_id(), tlp.tag));
     }
 
-    fn complete(&self, peer: MacAddr, tlp: &Tlp) {
-        let Header::Completion(c) = &tlp.header else { return };
-        let mut p = lock(&self.shared.pending);
-        let t = tlp.tag.get();
-        let Some(r) = p.by_tag.get_mut(&t).filter(|r| r.peer == peer && c.requester_id == HOST_BDF) else {
-            bump(&self.shared.counters.unexpected_completions);
-            return;
-        };
-        let result = match r.asm.as_mut() {
-            None if c.status == CplStatus::Success => Ok((r.offset, tlp.data.clone())),
-            None => Err(BridgeError::Completion(c.status)),
-            Some(asm) => match asm.handle_completion(tlp) {
-                Ok(Progress::Partial) => return,
-                Ok(Progress::Complete) => match r.asm.take().map(|a| a.into_data()) {
-                    Some(Ok(d)) => Ok((r.offset, d)),
-                    Some(Err(e)) => Err(BridgeError::BadCompletion(e)),
-                    None => return,
-                },
-                Err(Error::CompletionStatus(s)) => Err(BridgeError::Completion(s)),
-                Err(_) => {
-                    bump(&self.shared.counters.unexpected_completions);
+    fn complete(&self, peer: MacAddr, tlp: &Tlp, out: &mut dyn Outbox) {
+        let sh = &self.shared;
+        let outcome = {
+            let mut sessions = lock(&sh.sessions);
+            let now = sh.now();
+            let accepted =
+                sessions.get_mut(&peer).map(|s| s.requester.handle_completion(now, tlp).map(|()| s));
+            match accepted {
+                Some(Ok(s)) => s.drain(sh, peer, now),
+                _ => {
+                    bump(&sh.counters.unexpected_completions);
                     return;
                 }
-            },
+            }
         };
-        let r = p.by_tag.remove(&t).expect("found above");
-        p.free.push(t);
-        let sleepers = p.sleepers;
-        drop(p);
-        self.shared.tags_freed(sleepers);
-        r.waiter.finish_part(result);
+        sh.act(peer, Some(out), outcome);
     }
 
     fn interrupt(&self, peer: MacAddr, requester: Bdf, data: &[u8]) {
@@ -716,7 +696,7 @@ impl Handler for HostHandler {
             tlp.data = payload.to_vec();
         }
         match (&tlp.kind, &tlp.header) {
-            (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp),
+            (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp, out),
             (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) => {
                 let shape = RequestShape::of_memory(h, tlp.length_dw);
                 let (first, len) = shape.byte_range();
@@ -1040,6 +1020,10 @@ fn config_thread(sh: Arc<Shared>, jobs: mpsc::Receiver<Job>) {
                         d.channel = session_channel();
                     }
                     drop(st);
+                    // Nothing of the old channel is taken any more: its tags are free.
+                    if let Some(s) = lock(&sh.sessions).get_mut(&mac) {
+                        s.requester.handle_reset();
+                    }
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
@@ -1075,12 +1059,8 @@ impl HostBridge {
             config,
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
-            pending: Mutex::new(Pending {
-                free: (0..Tag::COUNT).rev().collect(),
-                by_tag: HashMap::new(),
-                sleepers: 0,
-            }),
-            tags_freed: Condvar::new(),
+            sessions: Mutex::new(HashMap::new()),
+            origin: Instant::now(),
             regions: RwLock::new(RegionMap::default()),
             interrupts: Mutex::new(Interrupts::default()),
             interrupted: Condvar::new(),

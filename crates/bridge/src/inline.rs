@@ -5,27 +5,27 @@
 //! read completions and runs it right where the TLPs arrive; the TLPs it sends (completions, DMA
 //! reads and writes, MSI-X) collect in a [`TlpOut`] that the caller flushes into the runtime's
 //! outbox (no worker thread, no queue, no wake-up per TLP). [`InlinePath`] is the fabric [`Path`]
-//! of such a function: tagged reads split by max read request size, reassembled from their
-//! completions ([`Reads`], which a blocking function's worker path uses too); posted writes
-//! split by max payload size.
+//! of such a function: its DMA reads go through [`Reads`] (the PCIe crate's requester, which a
+//! blocking function's worker path uses too); posted writes are split by max payload size and
+//! encoded straight from the model's bytes.
 //!
 //! Invariant: everything here runs under the function's mutex; the caller takes the session
 //! snapshot (host, channel) under the session lock and holds that lock while the function uses
 //! it (lock order: session, then function), so the session lock is never taken inside and a
 //! host lost meanwhile is never put back. Only the receive thread sends the function's output.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lanbus_runtime::Sender;
 use lanbus_wire::MacAddr;
 
-use super::device::{bump, Counters};
-use super::hosted::{OpId, Path};
+use crate::counters::{bump, Counters};
+use crate::hosted::{OpId, Path};
+use crate::reads::Reads;
 use lanbus_pcie::device::DmaError;
-use lanbus_pcie::request::{split, Chunk, RequestShape};
-use lanbus_pcie::{Bdf, CplStatus, Error, Header, Progress, ReadReassembly, Tag, Tlp};
+use lanbus_pcie::request::{split, RequestShape};
+use lanbus_pcie::{Bdf, CplStatus, Error, Tlp};
 
 /// Encoded TLPs waiting to be handed to the runtime, in one byte arena reused from call to call.
 #[derive(Default)]
@@ -164,285 +164,6 @@ pub(crate) fn send_mem_writes(
     Ok(())
 }
 
-/// A read started by a function, in pieces of at most MRRS bytes.
-struct Op {
-    buf: Vec<u8>,
-    todo: VecDeque<Chunk>,
-    /// Tags in flight for this read.
-    tags: Vec<u16>,
-    error: Option<DmaError>,
-    /// When the read fails unless it progresses (refreshed when one of its TLPs is sent or ends).
-    deadline: Instant,
-}
-
-/// One read TLP in flight.
-struct InTag {
-    op: OpId,
-    offset: usize,
-    peer: MacAddr,
-    asm: ReadReassembly,
-}
-
-/// The DMA reads of one function: split by max read request size into tagged MRd TLPs,
-/// reassembled from their completions, failed when they stall. Sans-IO (the caller passes the
-/// time and sends what `pump` emits); both paths use it, the inline one under the function's
-/// mutex and a worker's under its function state's lock.
-///
-/// Invariants: a tag is either free or in `tags` (and then in its op's `tags`); a read ends (moves
-/// to `finished`) once nothing of it is in flight and it is done or failed; every read not yet
-/// ended has a deadline (`next_deadline`), also one that waits for tags, so none waits forever.
-/// After anything frees tags (`complete`, `expire`, `fail_all`) the caller calls `pump`.
-pub(crate) struct Reads {
-    counters: Arc<Counters>,
-    timeout: Duration,
-    next_op: OpId,
-    ops: BTreeMap<OpId, Op>,
-    tags: HashMap<u16, InTag>,
-    free_tags: Vec<u16>,
-    finished: VecDeque<(OpId, Result<Vec<u8>, DmaError>)>,
-    /// When a completion last arrived: a read waiting for tags is not stalled while the reads
-    /// ahead of it progress.
-    progress: Instant,
-    /// A tag was freed or a read ended since `take_changed` (the worker wakes on it).
-    changed: bool,
-}
-
-impl Reads {
-    pub(crate) fn new(counters: Arc<Counters>, timeout: Duration, tags: u16) -> Reads {
-        Reads {
-            counters,
-            timeout,
-            next_op: 0,
-            ops: BTreeMap::new(),
-            tags: HashMap::new(),
-            free_tags: (0..tags).rev().collect(),
-            finished: VecDeque::new(),
-            progress: Instant::now(),
-            changed: false,
-        }
-    }
-
-    /// Starts a read of `len` bytes at `address` in pieces of `mrrs` bytes; `pump` sends them.
-    pub(crate) fn start(&mut self, address: u64, len: usize, mrrs: usize, now: Instant) -> OpId {
-        let id = self.next_op;
-        self.next_op += 1;
-        bump(&self.counters.dma_reads);
-        match split(address, len, mrrs) {
-            Ok(chunks) => {
-                let deadline = now + self.timeout;
-                let op =
-                    Op { buf: vec![0; len], todo: chunks.into(), tags: Vec::new(), error: None, deadline };
-                self.ops.insert(id, op);
-                self.settle(id);
-            }
-            Err(_) => {
-                bump(&self.counters.dma_read_failures);
-                self.finished.push_back((id, Err(DmaError::Completion(CplStatus::UnsupportedRequest))));
-                self.changed = true;
-            }
-        }
-        id
-    }
-
-    /// Hands `send` a read TLP (for `host`, from `me`) for the reads' pieces while tags are free,
-    /// oldest read first; with no host, the reads' unsent pieces fail.
-    pub(crate) fn pump(
-        &mut self,
-        host: Option<MacAddr>,
-        me: Bdf,
-        now: Instant,
-        mut send: impl FnMut(MacAddr, &Tlp),
-    ) {
-        if self.free_tags.is_empty() || self.ops.values().all(|o| o.todo.is_empty() || o.error.is_some()) {
-            return;
-        }
-        let Some(host) = host else {
-            for o in self.ops.values_mut().filter(|o| !o.todo.is_empty()) {
-                o.todo.clear();
-                o.error.get_or_insert(DmaError::HostUnreachable);
-            }
-            self.settle_all();
-            return;
-        };
-        let mut failed = false;
-        'ops: for (id, o) in self.ops.iter_mut() {
-            while o.error.is_none() && !o.todo.is_empty() {
-                let Some(tag) = self.free_tags.pop() else { break 'ops };
-                let c = o.todo.pop_front().expect("not empty");
-                let asm = Tag::new(tag).and_then(|t| ReadReassembly::new(me, t, c.address, c.len).ok());
-                let (Some(t), Some(asm)) = (Tag::new(tag), asm) else {
-                    self.free_tags.push(tag);
-                    o.error = Some(DmaError::Completion(CplStatus::UnsupportedRequest));
-                    failed = true;
-                    break;
-                };
-                let shape = c.shape();
-                self.tags.insert(tag, InTag { op: *id, offset: c.offset, peer: host, asm });
-                o.tags.push(tag);
-                o.deadline = now + self.timeout;
-                send(
-                    host,
-                    &Tlp::mem_read(me, t, shape.address, shape.length_dw, shape.first_be, shape.last_be),
-                );
-            }
-        }
-        if failed {
-            self.settle_all();
-        }
-    }
-
-    /// Moves read `id` to `finished` if nothing of it is in flight and it is done or failed.
-    fn settle(&mut self, id: OpId) {
-        let Some(o) = self.ops.get(&id) else { return };
-        if !o.tags.is_empty() || !(o.todo.is_empty() || o.error.is_some()) {
-            return;
-        }
-        let o = self.ops.remove(&id).expect("present");
-        let result = match o.error {
-            Some(e) => {
-                bump(&self.counters.dma_read_failures);
-                Err(e)
-            }
-            None => Ok(o.buf),
-        };
-        self.finished.push_back((id, result));
-        self.changed = true;
-    }
-
-    fn settle_all(&mut self) {
-        let ids: Vec<OpId> = self.ops.keys().copied().collect();
-        for id in ids {
-            self.settle(id);
-        }
-    }
-
-    /// Ends read TLP `tag` (already out of the table) of read `op`, its piece at `offset`, with
-    /// `result`.
-    fn end(&mut self, tag: u16, op: OpId, offset: usize, result: Result<Vec<u8>, DmaError>, now: Instant) {
-        self.free_tags.push(tag);
-        self.changed = true;
-        if let Some(o) = self.ops.get_mut(&op) {
-            o.tags.retain(|t| *t != tag);
-            o.deadline = now + self.timeout;
-            match result {
-                Ok(data) => {
-                    if let Some(dst) = o.buf.get_mut(offset..offset + data.len()) {
-                        dst.copy_from_slice(&data);
-                    }
-                }
-                Err(e) => {
-                    o.error.get_or_insert(e);
-                    o.todo.clear();
-                }
-            }
-        }
-        self.settle(op);
-    }
-
-    /// Feeds a completion from `peer`; false if it matches no read in flight. The caller pumps.
-    pub(crate) fn complete(&mut self, peer: MacAddr, tlp: &Tlp, now: Instant) -> bool {
-        if !matches!(tlp.header, Header::Completion(_)) {
-            return false;
-        }
-        let tag = tlp.tag.get();
-        let Some(p) = self.tags.get_mut(&tag).filter(|p| p.peer == peer) else {
-            return false;
-        };
-        let progress = match p.asm.handle_completion(tlp) {
-            Ok(Progress::Partial) => {
-                self.progress = now;
-                return true;
-            }
-            Ok(Progress::Complete) => Ok(()),
-            Err(Error::CompletionStatus(s)) => Err(DmaError::Completion(s)),
-            Err(_) => return false,
-        };
-        self.progress = now;
-        let p = self.tags.remove(&tag).expect("found above");
-        let (op, offset) = (p.op, p.offset);
-        let result = progress
-            .and_then(|()| p.asm.into_data().map_err(|_| DmaError::Completion(CplStatus::CompleterAbort)));
-        self.end(tag, op, offset, result, now);
-        true
-    }
-
-    /// When read `o` fails unless it progresses: its own deadline while it has TLPs in flight;
-    /// while it waits for tags, also not before the function's last completion plus the timeout.
-    fn deadline_of(&self, o: &Op) -> Option<Instant> {
-        if !o.tags.is_empty() {
-            Some(o.deadline)
-        } else if !o.todo.is_empty() && o.error.is_none() {
-            Some(o.deadline.max(self.progress + self.timeout))
-        } else {
-            None
-        }
-    }
-
-    /// Fails with [`DmaError::Timeout`] every read that made no progress within the completion
-    /// timeout: its TLPs in flight and the pieces it has not sent. The caller pumps.
-    pub(crate) fn expire(&mut self, now: Instant) {
-        let expired: Vec<OpId> = self
-            .ops
-            .iter()
-            .filter(|(_, o)| self.deadline_of(o).is_some_and(|d| d <= now))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in expired {
-            let o = self.ops.get_mut(&id).expect("listed");
-            o.todo.clear();
-            o.error.get_or_insert(DmaError::Timeout);
-            for tag in o.tags.drain(..) {
-                self.tags.remove(&tag);
-                self.free_tags.push(tag);
-            }
-            self.changed = true;
-            self.settle(id);
-        }
-    }
-
-    /// Fails every read with `error` (the host is gone).
-    pub(crate) fn fail_all(&mut self, error: DmaError) {
-        for (tag, _) in self.tags.drain() {
-            self.free_tags.push(tag);
-        }
-        for o in self.ops.values_mut() {
-            o.tags.clear();
-            o.todo.clear();
-            o.error.get_or_insert(error);
-        }
-        self.changed = true;
-        self.settle_all();
-    }
-
-    /// The earliest deadline of a read not yet ended.
-    pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.ops.values().filter_map(|o| self.deadline_of(o)).min()
-    }
-
-    /// A finished read, if any.
-    pub(crate) fn poll(&mut self) -> Option<(OpId, Result<Vec<u8>, DmaError>)> {
-        self.finished.pop_front()
-    }
-
-    /// Read `op`'s result if it finished; `Some(Err(Timeout))` if no such read is known.
-    pub(crate) fn take(&mut self, op: OpId) -> Option<Result<Vec<u8>, DmaError>> {
-        match self.finished.iter().position(|(id, _)| *id == op) {
-            Some(i) => Some(self.finished.remove(i).expect("found").1),
-            None if !self.ops.contains_key(&op) => Some(Err(DmaError::Timeout)),
-            None => None,
-        }
-    }
-
-    /// Whether a tag was freed or a read ended since the last `take_changed`.
-    pub(crate) fn changed(&self) -> bool {
-        self.changed
-    }
-
-    pub(crate) fn take_changed(&mut self) -> bool {
-        std::mem::take(&mut self.changed)
-    }
-}
-
 /// The fabric path of an inline function.
 pub(crate) struct InlinePath {
     /// The function's ID as its host addressed it.
@@ -507,8 +228,8 @@ impl InlinePath {
         self.reads.fail_all(DmaError::HostUnreachable);
     }
 
-    /// The earliest deadline of a read not yet ended.
-    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+    /// The earliest deadline of a read not yet ended, or the end of a tag's quarantine.
+    pub(crate) fn next_deadline(&mut self) -> Option<Instant> {
         self.reads.next_deadline()
     }
 }
@@ -619,116 +340,5 @@ mod tests {
                 Err(_) => proptest::prop_assert!(got.is_err() && sent.is_empty()),
             }
         }
-    }
-
-    const HOST: MacAddr = MacAddr([2, 0, 0, 0, 0, 9]);
-    const TIMEOUT: Duration = Duration::from_millis(100);
-
-    fn me() -> Bdf {
-        Bdf::new(3, 0, 1).unwrap()
-    }
-
-    /// An inline path with 256 tags and MRRS 512, its host set.
-    fn path() -> InlinePath {
-        let mut p = InlinePath::new(me(), Arc::default(), TIMEOUT, 256, 128, 512);
-        (p.host, p.channel) = (Some(HOST), 0x5005);
-        p
-    }
-
-    /// The read TLPs the path sent since the last call.
-    fn sent(p: &mut InlinePath) -> Vec<Tlp> {
-        let mut v = Vec::new();
-        p.out.drain(|peer, _, b| {
-            assert_eq!(peer, HOST);
-            v.push(Tlp::decode(b).unwrap());
-        });
-        v
-    }
-
-    /// Answers `reads` as host memory holding `address as u8` at every address.
-    fn answer(p: &mut InlinePath, reads: &[Tlp]) {
-        for r in reads {
-            let cpls = lanbus_pcie::request::completions_for_read(r, Bdf(0), 256, 64, |a, d| {
-                for (i, b) in d.iter_mut().enumerate() {
-                    *b = (a + i as u64) as u8;
-                }
-                Ok(())
-            })
-            .unwrap();
-            for c in &cpls {
-                assert!(p.complete(HOST, c));
-            }
-        }
-    }
-
-    fn finished(p: &mut InlinePath) -> Vec<(OpId, Result<Vec<u8>, DmaError>)> {
-        std::iter::from_fn(|| p.poll_read()).collect()
-    }
-
-    #[test]
-    fn a_read_waiting_for_tags_times_out_after_a_stall_instead_of_hanging() {
-        let mut p = path();
-        // 1 MiB at MRRS 512: 2048 pieces, every tag in flight; the second read waits for tags.
-        let a = p.start_read(0x10_0000, 1 << 20);
-        assert_eq!(sent(&mut p).len(), 256);
-        let b = p.start_read(0x20_0000, 4096);
-        assert!(sent(&mut p).is_empty(), "no tag left");
-        let deadline = p.next_deadline().expect("reads pending");
-        // The host stalls past the completion timeout: both reads end, neither hangs.
-        p.expire(deadline.max(Instant::now() + TIMEOUT) + Duration::from_millis(1));
-        let done = finished(&mut p);
-        assert_eq!(done, vec![(a, Err(DmaError::Timeout)), (b, Err(DmaError::Timeout))]);
-        assert_eq!(p.next_deadline(), None);
-        // Every tag is free again.
-        let c = p.start_read(0x30_0000, 256 * 512);
-        let reads = sent(&mut p);
-        assert_eq!(reads.len(), 256);
-        answer(&mut p, &reads);
-        let done = finished(&mut p);
-        assert_eq!(done.len(), 1);
-        assert_eq!(done[0].0, c);
-        let want: Vec<u8> = (0..256 * 512u64).map(|i| (0x30_0000 + i) as u8).collect();
-        assert_eq!(done[0].1.as_deref(), Ok(&want[..]));
-    }
-
-    #[test]
-    fn tags_a_timeout_frees_go_to_the_read_waiting_for_them() {
-        let mut p = path();
-        let a = p.start_read(0x10_0000, 1 << 20);
-        let started = Instant::now();
-        assert_eq!(sent(&mut p).len(), 256);
-        std::thread::sleep(Duration::from_millis(20));
-        // Started 20 ms later: it has not waited a whole timeout when the first read expires.
-        let b = p.start_read(0x20_0000, 4096);
-        assert!(sent(&mut p).is_empty());
-        p.expire(started + TIMEOUT + Duration::from_millis(1));
-        assert_eq!(finished(&mut p), vec![(a, Err(DmaError::Timeout))]);
-        // The freed tags went to the waiting read at once.
-        let reads = sent(&mut p);
-        assert_eq!(reads.len(), 8);
-        assert!(p.next_deadline().is_some());
-        answer(&mut p, &reads);
-        let want: Vec<u8> = (0..4096u64).map(|i| (0x20_0000 + i) as u8).collect();
-        assert_eq!(finished(&mut p), vec![(b, Ok(want))]);
-    }
-
-    #[test]
-    fn a_read_waiting_for_tags_lives_while_the_reads_ahead_progress() {
-        let mut p = path();
-        let _a = p.start_read(0x10_0000, 1 << 20);
-        let first = sent(&mut p);
-        let b = p.start_read(0x20_0000, 4096);
-        // The first read progresses (one piece answered) just before the second read has waited
-        // a whole timeout: the second one is not failed for waiting.
-        std::thread::sleep(TIMEOUT - Duration::from_millis(20));
-        answer(&mut p, &first[..1]);
-        let more = sent(&mut p);
-        assert_eq!(more.len(), 1, "the freed tag went to the first read's next piece");
-        p.expire(Instant::now() + Duration::from_millis(40));
-        assert!(finished(&mut p).is_empty(), "nothing failed");
-        // It keeps a deadline: a stall from here fails it too.
-        p.expire(Instant::now() + TIMEOUT * 2);
-        let done = finished(&mut p);
-        assert!(done.iter().any(|(id, r)| *id == b && *r == Err(DmaError::Timeout)), "{done:?}");
     }
 }

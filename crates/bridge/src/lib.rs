@@ -30,12 +30,14 @@
 //! - [`region`]: [`DmaRegion`] and [`DmaBuffer`], host memory that devices may reach.
 //! - [`local`]: [`LocalBus`], the same functions driven in-process with no fabric (the ceiling).
 
+mod counters;
 pub mod device;
 mod eventfd;
 pub mod host;
 mod hosted;
 mod inline;
 pub mod local;
+mod reads;
 pub mod region;
 
 use core::time::Duration;

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lanbus_pcie::blocking::{BlockingDevice, HostAccess};
 use lanbus_bridge::{
     BridgeError, DeviceBridge, DeviceBridgeConfig, DmaBuffer, HostBridge, HostBridgeConfig, HostEvent,
     HostedFunction, RemoteFunction,
 };
+use lanbus_pcie::blocking::{BlockingDevice, HostAccess};
 use lanbus_pcie::config::{cap_id, Bar, BarKind, ConfigSpec, MsixSpec};
 use lanbus_pcie::device::{CompleterAbort, DmaError};
 use lanbus_pcie::dma_engine::{self, regs, transfer_writes, DmaEngine};

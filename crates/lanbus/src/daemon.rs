@@ -24,10 +24,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use lanbus_bridge::{DeviceBridge, HostBridge, HostEvent, HostedFunction, RemoteFunction};
 use lanbus_nbd::{Export, Server};
 use lanbus_nvme::pcie::FunctionStats;
 use lanbus_nvme::NvmeDriver;
-use lanbus_bridge::{DeviceBridge, HostBridge, HostEvent, HostedFunction, RemoteFunction};
 use lanbus_pcie::dma_engine::DmaEngine;
 use serde::Deserialize;
 use serde_json::{json, Value};

@@ -11,14 +11,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use lanbus_bridge::{
+    DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig, HostedFunction, RemoteFunction,
+};
 use lanbus_nbd::{BlockDevice, DeviceError, Errno};
 use lanbus_nvme::pcie::{attach, FunctionStats, NvmeFunction};
 use lanbus_nvme::{
     Backing, CompletionMode, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking,
     HostRegion, NvmeDriver, RamBacking,
-};
-use lanbus_bridge::{
-    DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig, HostedFunction, RemoteFunction,
 };
 use lanbus_port::{Port, SimWire, SimWireConfig};
 use lanbus_runtime::{RuntimeConfig, ThreadMode};

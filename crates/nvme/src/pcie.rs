@@ -25,8 +25,8 @@ use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lanbus_pcie::blocking::{BlockingDevice, HostAccess};
 use lanbus_bridge::{BridgeError, DmaRegion, EventFd, HostBridge, HostedFunction, RemoteFunction};
+use lanbus_pcie::blocking::{BlockingDevice, HostAccess};
 use lanbus_pcie::config::{Bar as PciBar, BarKind, ConfigSpec, MsixSpec};
 use lanbus_pcie::device::{CompleterAbort, DmaError};
 use lanbus_pcie::{Bdf, CplStatus};

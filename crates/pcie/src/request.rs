@@ -121,12 +121,14 @@ fn check_limit(limit: usize) -> Result<u64> {
 
 /// Splits `len` bytes at `address` into pieces of at most `limit` bytes (MPS for writes, MRRS
 /// for reads), each ending on a multiple of `limit` so that it fits `limit / 4` DWs and never
-/// crosses 4 KiB. A zero `len` gives one zero-length piece.
+/// crosses 4 KiB. A zero `len` gives one zero-length piece. Fails, as [`RequestShape::for_range`]
+/// does, for a range whose DW-rounded end is past 2^64 - 4, so every piece has a shape.
 pub fn split(address: u64, len: usize, limit: usize) -> Result<Vec<Chunk>> {
     let limit = check_limit(limit)?;
-    let end = address
-        .checked_add(len as u64)
-        .ok_or_else(|| Error::BadRequest(format!("{len} bytes at {address:#x} wrap the address space")))?;
+    let dw_end = if len == 0 { (address & !3).checked_add(4) } else { address.checked_add(len as u64 + 3) };
+    let end = dw_end
+        .map(|_| address.wrapping_add(len as u64))
+        .ok_or_else(|| Error::BadRequest(format!("{len} bytes at {address:#x} reach past 2^64 - 4")))?;
     if len == 0 {
         return Ok(vec![Chunk { address, offset: 0, len: 0 }]);
     }
@@ -459,6 +461,31 @@ mod tests {
             }
         }
         assert!(split(0, 10, 100).is_err());
+        // Near the top of the address space: every piece split off has a shape, or none is.
+        for (addr, len) in
+            [(u64::MAX - 0x573, 1393usize), (u64::MAX - 2, 0), (u64::MAX - 3, 1), (u64::MAX, 1)]
+        {
+            assert!(split(addr, len, 128).is_err(), "{addr:#x} {len}");
+        }
+        let top = split(u64::MAX - 0x1003, 0x1000, 128).unwrap();
+        assert!(top.iter().all(|c| RequestShape::for_range(c.address, c.len).is_ok()));
+    }
+
+    proptest::proptest! {
+        // Whatever the range, `split` either fails or gives pieces that all have a shape (the
+        // bridges build requests from them without checking again).
+        #[test]
+        fn split_pieces_always_have_a_shape(
+            address in proptest::prop_oneof![0u64..0x3000, (u64::MAX - 0x3000)..=u64::MAX],
+            len in 0usize..9000,
+            limit_log in 7u32..=12,
+        ) {
+            if let Ok(chunks) = split(address, len, 1 << limit_log) {
+                for c in chunks {
+                    proptest::prop_assert!(RequestShape::for_range(c.address, c.len).is_ok());
+                }
+            }
+        }
     }
 
     #[test]

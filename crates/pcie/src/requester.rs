@@ -179,6 +179,11 @@ impl Requester {
         self.transactions.len()
     }
 
+    /// Requests sent whose completions are still due.
+    pub fn requests_in_flight(&self) -> usize {
+        self.tags.outstanding()
+    }
+
     /// Tags quarantined after a timeout or an abort.
     pub fn quarantined_tags(&self) -> usize {
         self.tags.quarantined()

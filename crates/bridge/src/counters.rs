@@ -1,0 +1,27 @@
+//! Statistics counters the bridges' threads bump.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Adds one to a statistics counter.
+pub(crate) fn bump(c: &AtomicU64) {
+    // Relaxed: a statistics counter orders nothing.
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The device bridge's counters (see [`crate::DeviceBridgeStats`] for what each counts).
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) tlps_received: AtomicU64,
+    pub(crate) foreign_requests: AtomicU64,
+    pub(crate) other_channel: AtomicU64,
+    pub(crate) malformed: AtomicU64,
+    pub(crate) ur_sent: AtomicU64,
+    pub(crate) unclaimed_writes: AtomicU64,
+    pub(crate) unexpected_completions: AtomicU64,
+    pub(crate) dma_reads: AtomicU64,
+    pub(crate) dma_read_failures: AtomicU64,
+    pub(crate) dma_writes: AtomicU64,
+    pub(crate) dma_writes_dropped: AtomicU64,
+    pub(crate) host_changes: AtomicU64,
+    pub(crate) served_inline: AtomicU64,
+}
