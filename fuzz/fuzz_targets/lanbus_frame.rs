@@ -1,2 +1,2 @@
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| lanbus_wire::lanbus::fuzz_lanbus_frame(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| lanbus_wire::frame::fuzz_lanbus_frame(data));

@@ -54,11 +54,11 @@ use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender, ThreadMode
 use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
-use super::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, Path};
-use super::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL, PCIE_CHANNELS};
 use crate::counters::{bump, Counters};
+use crate::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, Path};
 use crate::inline::{send_mem_writes, InlinePath, TlpOut};
 use crate::reads::Reads;
+use crate::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL, PCIE_CHANNELS};
 use lanbus_pcie::device::DmaError;
 use lanbus_pcie::request::RequestShape;
 use lanbus_pcie::{Bdf, CplStatus, Header, Tag, Tlp, TlpKind};
@@ -87,7 +87,7 @@ impl Default for DeviceBridgeConfig {
             group: 0,
             name: "lanbus-device".into(),
             runtime: RuntimeConfig::default(),
-            completion_timeout: super::DEFAULT_COMPLETION_TIMEOUT,
+            completion_timeout: crate::DEFAULT_COMPLETION_TIMEOUT,
             tags_per_function: 256,
         }
     }
@@ -538,7 +538,7 @@ impl Handler for DevHandler {
                         let req = Incoming { session, peer: m.peer, channel: m.channel, tlp, payload };
                         self.to_function(&f, req, out)
                     }
-                    None if super::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
+                    None if crate::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
                     None => bump(&c.unclaimed_writes),
                 }
             }
@@ -546,7 +546,7 @@ impl Handler for DevHandler {
                 tlp.data = payload.to_vec();
                 self.complete(m.peer, &tlp, session, out)
             }
-            _ if super::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
+            _ if crate::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
             _ => bump(&c.malformed),
         }
     }
@@ -670,7 +670,7 @@ impl Path for FabricPath {
                 }
                 st.reads.next_deadline().unwrap_or_else(|| Instant::now() + self.shared.timeout)
             };
-            let spin_until = Instant::now() + super::spin_budget();
+            let spin_until = Instant::now() + crate::spin_budget();
             let mut st = lock(&self.f.state);
             if st.stop {
                 return Err(DmaError::HostUnreachable);
@@ -764,7 +764,7 @@ fn worker(index: usize, shared: Arc<Shared>, sender: Sender) {
     // Whether the model had work left after its last run (read under its lock, then).
     let mut wants_run = true;
     loop {
-        let spin_until = Instant::now() + super::spin_budget();
+        let spin_until = Instant::now() + crate::spin_budget();
         {
             let mut st = lock(&f.state);
             loop {

@@ -79,7 +79,7 @@ impl Default for HostBridgeConfig {
             mps: 256,
             mrrs: 512,
             rcb: 64,
-            completion_timeout: super::DEFAULT_COMPLETION_TIMEOUT,
+            completion_timeout: crate::DEFAULT_COMPLETION_TIMEOUT,
             runtime: RuntimeConfig::default(),
         }
     }
@@ -269,7 +269,7 @@ struct WaitState {
 }
 
 /// Waits on `cv` for `ready` (checked under `m`'s lock) until `deadline`: first spins (yielding)
-/// for [`super::spin_budget`] on `seq`, which whoever changes `m`'s data bumps while holding the
+/// for [`crate::spin_budget`] on `seq`, which whoever changes `m`'s data bumps while holding the
 /// lock, so the spinning thread takes the lock only when something changed (a spinning locker
 /// would slow the thread that brings the news); then sleeps, with `sleepers` counting sleeping
 /// threads so notifiers can skip the system call when there are none. Returns the guard; `ready`
@@ -282,7 +282,7 @@ fn spin_then_wait<'a, T>(
     sleepers: impl Fn(&mut T) -> &mut usize,
     mut ready: impl FnMut(&mut T) -> bool,
 ) -> std::sync::MutexGuard<'a, T> {
-    let spin_until = (Instant::now() + super::spin_budget()).min(deadline);
+    let spin_until = (Instant::now() + crate::spin_budget()).min(deadline);
     let mut g = lock(m);
     while !ready(&mut g) && Instant::now() < spin_until {
         // Relaxed: a hint only; the lock taken after a change orders the data.
@@ -751,7 +751,7 @@ impl Handler for HostHandler {
                     None => bump(&c.unknown_address_writes),
                 }
             }
-            _ if super::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
+            _ if crate::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
             _ => bump(&c.malformed),
         }
     }

@@ -5,7 +5,7 @@
 //! back with `dma_read_done`, without blocking, so a model like the DMA engine keeps many reads
 //! in flight) or a [`BlockingFunction`] (its DMA reads wait). Both answer configuration and memory
 //! requests through [`serve`], and reach the host through a [`Path`]: the fabric (the device
-//! bridge) or local memory ([`super::LocalBus`]).
+//! bridge) or local memory ([`crate::LocalBus`]).
 
 use std::collections::HashMap;
 
@@ -15,7 +15,7 @@ use lanbus_pcie::device::{DeviceModel, DmaError, DmaId, Function, HostRequest, M
 use lanbus_pcie::request::{completions_for_read, RequestShape};
 use lanbus_pcie::{Bdf, CplStatus, Header, Tlp, TlpKind};
 
-use super::ur_completion;
+use crate::ur_completion;
 
 /// Names one read started on a [`Path`].
 pub(crate) type OpId = u64;
@@ -64,7 +64,7 @@ pub(crate) trait Hosted: Send {
     }
 }
 
-/// A PCIe function ready to be hosted by a [`super::DeviceBridge`] or a [`super::LocalBus`].
+/// A PCIe function ready to be hosted by a [`super::DeviceBridge`] or a [`crate::LocalBus`].
 pub struct HostedFunction {
     pub(crate) inner: Box<dyn Hosted>,
 }
@@ -283,7 +283,7 @@ pub(crate) fn serve(h: &mut dyn Hosted, me: Bdf, tlp: &Tlp, payload: &[u8]) -> V
             }
             Vec::new()
         }
-        _ if super::is_non_posted(tlp) => vec![ur_completion(me, tlp.requester_id(), tlp.tag)],
+        _ if crate::is_non_posted(tlp) => vec![ur_completion(me, tlp.requester_id(), tlp.tag)],
         _ => Vec::new(),
     }
 }

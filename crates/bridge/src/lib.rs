@@ -1,7 +1,8 @@
 //! The PCIe bridges over the lanbus fabric: a device bridge that hosts PCIe functions in an
 //! "I/O box", and a host bridge that enumerates them and lets local users reach them.
 //!
-//! Layer: pcie engine, the threaded part (everything else in this crate is sans-IO). Both bridges
+//! Layer: bridges, the threaded part of PCIe over Ethernet (the PCIe logic itself, TLPs, the
+//! requester, configuration space and device models, is the sans-IO `lanbus-pcie`). Both bridges
 //! ride a [`lanbus_runtime::Runtime`]: one TLP per transport message on a channel of
 //! [`PCIE_CHANNELS`], between a host and the devices of its group (heartbeats carry role, name and
 //! group; the transport drops DATA of other groups).
@@ -22,13 +23,16 @@
 //! writes and MSI-X, and hands completions to the user threads that wait for them; enumeration
 //! runs on a configuration thread.
 //!
-//! Every non-posted request carries a tag and a deadline: it ends with its completions, a clear
-//! error when its peer goes down or leaves the group, or a timeout. Nothing waits forever.
+//! Every non-posted request goes through `lanbus_pcie::requester::Requester`, driven with this
+//! crate's clock: it carries a tag and a deadline and ends with its completions, a clear error
+//! when its peer goes down or leaves the group, or a timeout. Nothing waits forever.
 //!
 //! - [`device`]: [`DeviceBridge`] and [`HostedFunction`].
 //! - [`host`]: [`HostBridge`], [`RemoteFunction`], interrupts and events.
 //! - [`region`]: [`DmaRegion`] and [`DmaBuffer`], host memory that devices may reach.
 //! - [`local`]: [`LocalBus`], the same functions driven in-process with no fabric (the ceiling).
+
+#![deny(missing_docs)]
 
 mod counters;
 pub mod device;

@@ -9,9 +9,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use super::hosted::{Hosted, HostedFunction, OpId, Path};
-use super::region::{DmaRegion, RegionMap};
-use super::{BridgeError, BridgeResult};
+use crate::hosted::{Hosted, HostedFunction, OpId, Path};
+use crate::region::{DmaRegion, RegionMap};
+use crate::{BridgeError, BridgeResult};
 use lanbus_pcie::config::{command, reg, BarKind, MSIX_CAP_OFFSET, MSIX_ENABLE, PCIE_CAP_OFFSET};
 use lanbus_pcie::device::{DmaError, MmioError};
 use lanbus_pcie::CplStatus;

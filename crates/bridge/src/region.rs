@@ -9,7 +9,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::lock;
+use crate::lock;
 
 /// Bytes a device may read and write by DMA. Offsets are from the region's start; callers stay
 /// inside `0..len()`.

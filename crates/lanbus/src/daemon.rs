@@ -29,10 +29,10 @@ use lanbus_nbd::{Export, Server};
 use lanbus_nvme::pcie::FunctionStats;
 use lanbus_nvme::NvmeDriver;
 use lanbus_pcie::dma_engine::DmaEngine;
-use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::fabric::{self, NvmeBacking, NvmeBlock};
+use lanbus_node::config::{self, DeviceFile, ExportSpec, HostFile};
+use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
 
 /// Default control socket of `lanbus device`.
 pub const DEVICE_CONTROL: &str = "/tmp/lanbus-device.sock";
@@ -107,58 +107,6 @@ pub struct StatusArgs {
     /// Print the raw JSON.
     #[arg(long)]
     json: bool,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DeviceFile {
-    port: Option<String>,
-    group: Option<u16>,
-    nvme: Option<String>,
-    lba_size: Option<u32>,
-    control: Option<PathBuf>,
-    name: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct HostFile {
-    port: Option<String>,
-    group: Option<u16>,
-    export: Option<String>,
-    control: Option<PathBuf>,
-    name: Option<String>,
-}
-
-fn read_toml<T: for<'de> Deserialize<'de> + Default>(path: Option<&Path>) -> anyhow::Result<T> {
-    let Some(path) = path else { return Ok(T::default()) };
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    toml::from_str(&text).with_context(|| format!("{}: bad config", path.display()))
-}
-
-/// Where the host exports the namespace.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ExportSpec {
-    /// A Unix socket path.
-    Unix(PathBuf),
-    /// A TCP address.
-    Tcp(std::net::SocketAddr),
-}
-
-impl std::str::FromStr for ExportSpec {
-    type Err = anyhow::Error;
-    fn from_str(s: &str) -> anyhow::Result<ExportSpec> {
-        match s.strip_prefix("nbd:") {
-            Some(rest) => match rest.strip_prefix("tcp:") {
-                Some(addr) => {
-                    Ok(ExportSpec::Tcp(addr.parse().with_context(|| format!("{addr:?}: not IP:PORT"))?))
-                }
-                None if !rest.is_empty() => Ok(ExportSpec::Unix(rest.into())),
-                None => bail!("{s:?}: expected nbd:PATH or nbd:tcp:ADDR"),
-            },
-            None => bail!("{s:?}: expected nbd:PATH or nbd:tcp:ADDR"),
-        }
-    }
 }
 
 /// SIGINT/SIGTERM set the returned flag.
@@ -249,7 +197,7 @@ fn controller_json(stats: &FunctionStats) -> Value {
 
 /// Runs `lanbus device`.
 pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
-    let file: DeviceFile = read_toml(args.config.as_deref())?;
+    let file: DeviceFile = config::read_toml(args.config.as_deref())?;
     let port_spec = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
     let group = args.group.or(file.group).unwrap_or(0);
     let nvme = args.nvme.or(file.nvme);
@@ -264,13 +212,13 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     let name = args.name.or(file.name).unwrap_or_else(|| "lanbus-device".into());
     let backing: Option<NvmeBacking> = nvme.as_deref().map(str::parse).transpose()?;
     // Before any thread starts, so that every thread inherits the blocked mask.
-    let signals = crate::signals::Blocked::termination()?;
+    let signals = lanbus_node::process::Blocked::termination()?;
     let mut functions = Vec::new();
     let mut nvme_info = None;
     if let Some(b) = &backing {
-        let ctrl = fabric::controller(b, lba)?;
+        let ctrl = drive::controller(b, lba)?;
         let blocks = ctrl.namespace_blocks();
-        let (f, stats) = fabric::nvme_function(ctrl)?;
+        let (f, stats) = drive::nvme_function(ctrl)?;
         functions.push(f);
         nvme_info = Some((blocks, stats));
     }
@@ -279,7 +227,7 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     }
     let port = lanbus_port::open(&port_spec)?;
     let listener = bind_control(&control)?;
-    let config = fabric::device_config(group, &name, args.mode.into());
+    let config = config::device_config(group, &name, args.mode.into());
     let bridge = DeviceBridge::start(port, config, functions)?;
     let what = match (&nvme, &nvme_info) {
         (Some(n), Some((blocks, _))) => format!("NVMe {n}, {blocks} x {lba} bytes"),
@@ -372,7 +320,7 @@ struct Exported {
 }
 
 fn export(host: &Arc<HostBridge>, f: &RemoteFunction, spec: &ExportSpec) -> anyhow::Result<Exported> {
-    let driver = fabric::start_driver(host, f)?;
+    let driver = drive::start_driver(host, f)?;
     let server = Server::builder()
         .export(
             Export::new("nvme0", Arc::new(NvmeBlock::new(driver.clone())))
@@ -416,7 +364,7 @@ fn unexport(e: Exported, spec: &ExportSpec, why: &str) {
 
 /// Runs `lanbus host`.
 pub fn host(args: HostArgs) -> anyhow::Result<()> {
-    let file: HostFile = read_toml(args.config.as_deref())?;
+    let file: HostFile = config::read_toml(args.config.as_deref())?;
     let port_spec = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
     let group = args.group.or(file.group).unwrap_or(0);
     let spec: ExportSpec =
@@ -426,7 +374,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let stop = stop_flag()?;
     let port = lanbus_port::open(&port_spec)?;
     let listener = bind_control(&control)?;
-    let host = Arc::new(HostBridge::start(port, fabric::host_config(group, &name, args.mode.into()))?);
+    let host = Arc::new(HostBridge::start(port, config::host_config(group, &name, args.mode.into()))?);
     let events = host.subscribe();
     eprintln!(
         "lanbus host: {name} ({}) group {group} on {port_spec}; waiting for an NVMe device; control {}",
@@ -455,7 +403,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             "mac": host.local_mac().to_string(),
             "group": group,
             "peers": peers,
-            "devices": devices.iter().map(fabric::lspci).collect::<Vec<_>>(),
+            "devices": devices.iter().map(lanbus_node::lspci::describe).collect::<Vec<_>>(),
             "export": cur.as_ref().map(|e| e.uri.clone()),
             "queues": cur.as_ref().map(|e| json!({
                 "io_queue_pairs": e.driver.io_queue_count(),
@@ -478,10 +426,10 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             // Relaxed: polled; the handler only sets it.
             while !stop.load(Ordering::Relaxed) {
                 for f in pending.drain(..) {
-                    if !fabric::is_nvme(&f) || lock().is_some() {
+                    if !drive::is_nvme(&f) || lock().is_some() {
                         continue;
                     }
-                    eprint!("lanbus host: found\n{}", fabric::lspci(&f));
+                    eprint!("lanbus host: found\n{}", lanbus_node::lspci::describe(&f));
                     match export(&host, &f, &spec) {
                         Ok(e) => {
                             eprintln!("lanbus host: exporting {} as {}", f.bdf, e.uri);

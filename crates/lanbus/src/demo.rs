@@ -18,7 +18,8 @@ use clap::Args;
 use lanbus_nbd::{Client, Export, Server};
 use rand::{Rng, SeedableRng};
 
-use crate::fabric::{self, NvmeBacking, NvmeBlock, SimFabric};
+use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
+use lanbus_node::fabric::SimFabric;
 
 /// Arguments of `lanbus demo` (none needed).
 #[derive(Debug, Args)]
@@ -65,10 +66,10 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         a.seed
     );
     println!("  host:    host bridge, user-space NVMe driver, NBD server on a Unix socket\n");
-    let ctrl = fabric::controller(&NvmeBacking::Ram(size), 512)?;
+    let ctrl = drive::controller(&NvmeBacking::Ram(size), 512)?;
     let mut fab = SimFabric::start(ctrl, a.loss, a.seed)?;
     println!("enumerated through configuration TLPs ({:.0} ms):", started.elapsed().as_secs_f64() * 1e3);
-    print!("{}", fabric::lspci(&fab.function));
+    print!("{}", lanbus_node::lspci::describe(&fab.function));
     let id = fab.driver.identity().clone();
     println!(
         "NVMe driver: {:?} serial {:?}, namespace {} x {} bytes, {} I/O queue pairs, MSI-X interrupts\n",

@@ -1,16 +1,11 @@
 //! `lanbus`: the command-line front of the fabric: daemons, simulator, benchmarks and tools.
 #![deny(unsafe_code)]
 
-mod bench;
 mod daemon;
 mod demo;
-mod fabric;
 mod nbd;
 mod pcie;
-mod plot;
 mod port;
-mod progress;
-mod signals;
 mod sim_cmd;
 mod tlp;
 
@@ -35,7 +30,7 @@ struct Cli {
 enum Command {
     /// Measurements, each with its peer (kernel sockets, rte_ring, qemu-nbd...) in the same run.
     #[command(subcommand)]
-    Bench(bench::BenchCommand),
+    Bench(lanbus_bench::BenchCommand),
     /// The PCIe TLP codec: decode hex to JSON, encode JSON to hex.
     #[command(subcommand)]
     Tlp(tlp::TlpCommand),
@@ -69,7 +64,7 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Bench(c) => bench::run(c),
+        Command::Bench(c) => lanbus_bench::run(c),
         Command::Tlp(c) => tlp::run(c),
         Command::Port(c) => port::run(c),
         Command::Nbd(c) => nbd::run(c),

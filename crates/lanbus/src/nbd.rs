@@ -48,20 +48,6 @@ pub struct ServeArgs {
     workers: usize,
 }
 
-/// Parses `4096`, `64K`, `1M`, `2G`, `1T` (binary units).
-pub(crate) fn parse_size(s: &str) -> anyhow::Result<u64> {
-    let s = s.trim();
-    let (digits, shift) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&s[..s.len() - 1], 10),
-        Some('M') => (&s[..s.len() - 1], 20),
-        Some('G') => (&s[..s.len() - 1], 30),
-        Some('T') => (&s[..s.len() - 1], 40),
-        _ => (s, 0),
-    };
-    let n: u64 = digits.parse().with_context(|| format!("size {s:?} is not a number with K/M/G/T"))?;
-    n.checked_mul(1 << shift).with_context(|| format!("size {s:?} is too large"))
-}
-
 /// Runs one `lanbus nbd` command.
 pub fn run(command: NbdCommand) -> anyhow::Result<()> {
     match command {
@@ -81,7 +67,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             Arc::new(FileDevice::from_file(file, size, args.block_size, args.read_only)?)
         }
         (None, Some(size)) => {
-            let dev = MemDevice::with_block_size(parse_size(size)?, args.block_size)?;
+            let dev = MemDevice::with_block_size(lanbus_node::parse_size(size)?, args.block_size)?;
             Arc::new(if args.read_only { dev.into_read_only() } else { dev })
         }
         _ => bail!("give exactly one of --file PATH or --ram SIZE"),
@@ -131,16 +117,4 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     eprintln!("lanbus nbd: stopped: {stats:?}");
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn sizes() {
-        assert_eq!(super::parse_size("4096").unwrap(), 4096);
-        assert_eq!(super::parse_size("64k").unwrap(), 64 << 10);
-        assert_eq!(super::parse_size("1G").unwrap(), 1 << 30);
-        assert!(super::parse_size("x").is_err());
-        assert!(super::parse_size("99999999999T").is_err());
-    }
 }

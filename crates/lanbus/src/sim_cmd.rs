@@ -16,8 +16,8 @@ use lanbus_sim::scenario::{
     TransferParams,
 };
 
-use crate::plot::{write_png, Plot, Series};
-use crate::progress::Progress;
+use lanbus_bench::plot::{write_png, Plot, Series};
+use lanbus_bench::progress::Progress;
 
 /// The simulator scenarios.
 #[derive(Debug, Subcommand)]

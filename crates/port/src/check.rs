@@ -12,7 +12,7 @@ use lanbus_wire::EtherType;
 /// The shortest Ethernet payload a port delivers: the fixed lanbus header (version, kind, flags,
 /// group, channel, sequence, ACK, timestamps, length, checksum), 32 bytes.
 ///
-/// This mirrors `lanbus_wire::lanbus::HEADER_LEN` of the transport branch; the two must agree.
+/// This mirrors `lanbus_wire::frame::HEADER_LEN` of the transport branch; the two must agree.
 pub const MIN_PAYLOAD_BYTES: usize = 32;
 
 /// Why a received frame was not delivered.

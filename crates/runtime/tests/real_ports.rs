@@ -398,7 +398,7 @@ fn junk_frames(a: MacAddr, b: MacAddr, count: u64) -> Vec<Vec<u8>> {
             };
             f.extend((0..len).map(|_| next() as u8));
             if i % 3 == 2 {
-                f[14] = lanbus_wire::lanbus::VERSION;
+                f[14] = lanbus_wire::frame::VERSION;
             }
             f
         })

@@ -397,8 +397,8 @@ pub fn latency_point(p: &LatencyParams, progress: &mut dyn FnMut(f64)) -> Latenc
     sim.add_route(sw, dst_mac, dst_port);
 
     let frame_bytes =
-        lanbus_wire::ethernet::HEADER_LEN + lanbus_wire::lanbus::HEADER_LEN + 4 + p.message_bytes;
-    let ack_bytes = (lanbus_wire::ethernet::HEADER_LEN + lanbus_wire::lanbus::HEADER_LEN).max(60);
+        lanbus_wire::ethernet::HEADER_LEN + lanbus_wire::frame::HEADER_LEN + 4 + p.message_bytes;
+    let ack_bytes = (lanbus_wire::ethernet::HEADER_LEN + lanbus_wire::frame::HEADER_LEN).max(60);
     let hop = |len: usize| crate::serialisation(len + p.link.overhead_bytes, p.link.rate_bps) + p.link.delay;
     let base_rtt = 2 * hop(frame_bytes) + 2 * hop(ack_bytes);
 

@@ -3,7 +3,7 @@
 
 use core::time::Duration;
 
-use lanbus_wire::lanbus::Role;
+use lanbus_wire::frame::Role;
 
 /// Delay-based rate control (Timely/Swift spirit) and pacing of one channel.
 #[derive(Debug, Clone, PartialEq)]
@@ -145,7 +145,7 @@ impl Config {
 
     /// Largest payload (message records) one frame carries.
     pub(crate) fn max_payload(&self) -> usize {
-        self.mtu.clamp(64, 65_535) - lanbus_wire::lanbus::HEADER_LEN
+        self.mtu.clamp(64, 65_535) - lanbus_wire::frame::HEADER_LEN
     }
 
     /// Bytes of the largest Ethernet frame this endpoint writes: the size of the buffer

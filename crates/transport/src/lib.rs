@@ -4,7 +4,7 @@
 //! Nothing here reads a clock, touches a socket or spawns a thread: the driver passes `now` into
 //! every call and moves frames between the core and a port. The same code runs in the daemon and in
 //! the simulator. Frames are Ethernet II with EtherType 0x88B5 and the header of
-//! [`lanbus_wire::lanbus`] (`docs/wire.md` draws every byte).
+//! [`lanbus_wire::frame`] (`docs/wire.md` draws every byte).
 //!
 //! # Call order
 //!
@@ -95,7 +95,7 @@ use lanbus_wire::MacAddr;
 pub use config::{Config, HeartbeatConfig, RateConfig};
 pub use counters::Counters;
 pub use endpoint::Endpoint;
-pub use lanbus_wire::lanbus::Role;
+pub use lanbus_wire::frame::Role;
 pub use recv::{Message, ReceiveHalf};
 pub use send::SendHalf;
 pub use seq::Seq;

@@ -14,7 +14,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use lanbus_wire::ethernet::{EtherType, EthernetFrame, HEADER_LEN as ETH_LEN};
-use lanbus_wire::lanbus::{
+use lanbus_wire::frame::{
     self, HeartbeatRepr, Kind, Packet, Records, Role, FLAG_ACK, FLAG_CHECKSUM, FLAG_ECHO,
     HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN, RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST,
 };
@@ -253,13 +253,13 @@ impl ReceiveHalf {
             self.counters.drop_bad_frame += 1;
             return;
         };
-        if packet.version() != lanbus::VERSION {
+        if packet.version() != frame::VERSION {
             self.counters.drop_bad_version += 1;
             return;
         }
         let whole = &frame[..ETH_LEN + LB_LEN + usize::from(packet.payload_len())];
         let has_sum = packet.flags() & FLAG_CHECKSUM != 0;
-        if (self.config.checksum && !has_sum) || (has_sum && !lanbus::verify_checksum(whole)) {
+        if (self.config.checksum && !has_sum) || (has_sum && !frame::verify_checksum(whole)) {
             self.counters.drop_bad_checksum += 1;
             return;
         }

@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 
 use lanbus_wire::ethernet::{EtherType, EthernetFrame, EthernetRepr, HEADER_LEN as ETH_LEN};
-use lanbus_wire::lanbus::{
+use lanbus_wire::frame::{
     self, HeartbeatRepr, Kind, Packet, Repr, FLAG_ACK, FLAG_ECHO, HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN,
     RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST,
 };
@@ -511,10 +511,10 @@ impl SendHalf {
             self.counters.acks_carried += 1;
         }
         if self.config.checksum {
-            lanbus::fill_checksum(out);
+            frame::fill_checksum(out);
         } else {
             let mut h = header_mut(out);
-            h.set_flags(h.flags() & !lanbus::FLAG_CHECKSUM);
+            h.set_flags(h.flags() & !frame::FLAG_CHECKSUM);
         }
         if ch.next < ch.high {
             self.counters.retransmitted_frames += 1;
@@ -557,7 +557,7 @@ impl SendHalf {
         repr.emit(&mut Packet::new_unchecked(&mut buf[ETH_LEN..]));
         let len = ETH_LEN + LB_LEN + usize::from(repr.payload_len);
         if self.config.checksum {
-            lanbus::fill_checksum(&mut buf[..len]);
+            frame::fill_checksum(&mut buf[..len]);
         }
         len
     }
@@ -639,7 +639,7 @@ fn start_frame(f: &mut Vec<u8>, local: MacAddr, peer: MacAddr, channel: u16, seq
 
 /// Appends one message record to a frame and updates its payload length.
 fn append_record(f: &mut Vec<u8>, flags: u8, data: &[u8]) {
-    // The record header of lanbus_wire::lanbus::MessageRecord, written in place: this runs once
+    // The record header of lanbus_wire::frame::MessageRecord, written in place: this runs once
     // per message, and extend_from_slice avoids zero-filling bytes about to be overwritten.
     let n = data.len() as u16;
     let [n0, n1] = n.to_be_bytes();

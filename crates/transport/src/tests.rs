@@ -3,7 +3,7 @@
 use core::time::Duration;
 
 use lanbus_wire::ethernet::{EtherType, EthernetFrame, EthernetRepr, HEADER_LEN as ETH_LEN};
-use lanbus_wire::lanbus::{self, Kind, Packet, Repr, FLAG_ECHO, HEADER_LEN as LB_LEN};
+use lanbus_wire::frame::{self, Kind, Packet, Repr, FLAG_ECHO, HEADER_LEN as LB_LEN};
 use lanbus_wire::{Instant, MacAddr};
 
 use crate::testutil::{test_message, Dir, Faults, Node, Pair, SplitNode};
@@ -58,7 +58,7 @@ fn ack_frame(from: MacAddr, to: MacAddr, channel: u16, ack: u32, echo: Option<u3
         payload_len: 0,
     }
     .emit(&mut Packet::new_unchecked(&mut f[ETH_LEN..]));
-    lanbus::fill_checksum(&mut f);
+    frame::fill_checksum(&mut f);
     f
 }
 
@@ -491,15 +491,15 @@ fn bad_frames_never_panic_and_are_counted() {
     b.handle_frame(at_us(1), &v2);
     let mut other = good.clone();
     other[0..6].copy_from_slice(&MacAddr::local(9).0);
-    lanbus::fill_checksum(&mut other);
+    frame::fill_checksum(&mut other);
     b.handle_frame(at_us(1), &other);
     let mut kind = good.clone();
     kind[ETH_LEN + 1] = 77;
-    lanbus::fill_checksum(&mut kind);
+    frame::fill_checksum(&mut kind);
     b.handle_frame(at_us(1), &kind);
     let mut records = good.clone();
     records[ETH_LEN + LB_LEN + 2] = 0x02; // a LAST fragment with no FIRST
-    lanbus::fill_checksum(&mut records);
+    frame::fill_checksum(&mut records);
     b.handle_frame(at_us(1), &records);
     let c = b.counters();
     assert_eq!(c.drop_bad_frame, 4, "{c:?}");
@@ -693,7 +693,7 @@ proptest::proptest! {
             if fix && f.len() >= ETH_LEN + LB_LEN {
                 let plen = usize::from(u16::from_be_bytes([f[ETH_LEN + 24], f[ETH_LEN + 25]]));
                 let end = (ETH_LEN + LB_LEN + plen).min(f.len());
-                lanbus::fill_checksum(&mut f[..end]);
+                frame::fill_checksum(&mut f[..end]);
             }
             let now = at_us(k as u64);
             b.handle_frame(now, &f);
@@ -885,7 +885,7 @@ fn replies_carry_the_ack_of_their_request() {
             assert_eq!(to_b.len(), 1, "round {round}: one frame a -> b");
             let h = header(&to_b[0]);
             assert_eq!(h.kind, Kind::Data);
-            assert_eq!(h.flags & lanbus::FLAG_ACK != 0, round > 0, "round {round}: carries the reply's ACK");
+            assert_eq!(h.flags & frame::FLAG_ACK != 0, round > 0, "round {round}: carries the reply's ACK");
             if round > 0 {
                 assert_eq!((h.ack, h.flags & FLAG_ECHO != 0), (round, true));
             }
@@ -894,7 +894,7 @@ fn replies_carry_the_ack_of_their_request() {
             let to_a = drain(&mut b, at_us(t));
             assert_eq!(to_a.len(), 1, "round {round}: one frame b -> a");
             let h = header(&to_a[0]);
-            assert_eq!((h.kind, h.ack, h.flags & lanbus::FLAG_ACK != 0), (Kind::Data, round + 1, true));
+            assert_eq!((h.kind, h.ack, h.flags & frame::FLAG_ACK != 0), (Kind::Data, round + 1, true));
             t += 2;
             // a's next request is queued at once (lent) or after the coalescing timer (polled).
             let next = format!("ping {}", round + 1);
@@ -999,7 +999,7 @@ fn an_ack_frame_settles_the_owed_ack() {
     b.send(at_us(30), A, 3, b"late reply").unwrap();
     let data = drain(&mut b, at_us(30));
     assert_eq!(data.len(), 1);
-    assert_eq!(header(&data[0]).flags & lanbus::FLAG_ACK, 0, "nothing owed any more");
+    assert_eq!(header(&data[0]).flags & frame::FLAG_ACK, 0, "nothing owed any more");
 }
 
 /// Everything `n` wants to send now (any harness node).

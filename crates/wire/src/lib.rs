@@ -11,7 +11,7 @@
 
 mod crc;
 pub mod ethernet;
-pub mod lanbus;
+pub mod frame;
 pub mod time;
 pub mod tlp;
 

@@ -7,6 +7,8 @@ mod interrupt;
 pub mod nbd;
 pub mod nvme;
 pub mod pcie;
+pub mod plot;
+pub mod progress;
 pub mod report;
 mod ring;
 pub mod transport;

@@ -5,7 +5,7 @@
 //! takes those signals on a thread of its own, which removes the scratch directories registered
 //! here and the namespaces this process made, then ends the process by the same signal with its
 //! default action (so that a shell script running benches in a loop stops on Ctrl-C too); helper
-//! servers are started with [`crate::signals::end_with_parent`], so the kernel ends them when the
+//! servers are started with [`lanbus_node::process::end_with_parent`], so the kernel ends them when the
 //! bench goes, however it goes.
 
 use std::io::Write as _;

@@ -245,7 +245,7 @@ pub fn run(args: TransportCoreArgs) -> anyhow::Result<()> {
     let runs = args.runs.max(1);
     let mut report = Report::new("transport-core");
     let sizes: Vec<(usize, u64)> = match args.size {
-        Some(s) if s > lanbus_wire::lanbus::MAX_MESSAGE_LEN => bail!("--size is at most 65536 bytes"),
+        Some(s) if s > lanbus_wire::frame::MAX_MESSAGE_LEN => bail!("--size is at most 65536 bytes"),
         Some(s) => vec![(s, (256_000_000 / (s as u64 + 64)).max(1000))],
         None => vec![(64, 4_000_000), (1024, 1_000_000)],
     };

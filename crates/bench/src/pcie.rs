@@ -210,9 +210,9 @@ fn over_fabric(
     plan: &Plan,
 ) -> anyhow::Result<()> {
     // No false "device down" under load while measuring: 2 s without heartbeats.
-    let mut host_rt = crate::pcie::runtime_for(mode, "bench-host");
+    let mut host_rt = lanbus_node::config::runtime_config("bench-host", mode);
     host_rt.transport.heartbeat.missed_limit = 20;
-    let mut dev_rt = crate::pcie::runtime_for(mode, "bench-dev");
+    let mut dev_rt = lanbus_node::config::runtime_config("bench-dev", mode);
     dev_rt.transport.heartbeat.missed_limit = 20;
     let hc = HostBridgeConfig {
         group: 1,

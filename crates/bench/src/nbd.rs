@@ -18,7 +18,7 @@ use lanbus_nbd::{BlockDevice, Client, Export, FileDevice, MemDevice, Server};
 
 use super::interrupt::{KillOnDrop, ScratchDir};
 use super::report::{median, Report, Row};
-use crate::signals::end_with_parent;
+use lanbus_node::process::end_with_parent;
 
 /// `lanbus bench nbd` options.
 #[derive(Debug, Args)]
@@ -172,7 +172,7 @@ fn measure(args: &NbdBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                     report.push(
                         Row::new(name.clone(), metric, value)
                             .with("rw", rw)
-                            .with("block_size", crate::nbd::parse_size(bs)?)
+                            .with("block_size", lanbus_node::parse_size(bs)?)
                             .with("iodepth", args.iodepth),
                     );
                 }

@@ -28,14 +28,15 @@ use clap::Args;
 use lanbus_nbd::{BlockDevice, Export, FileDevice, Server};
 
 use super::interrupt::{KillOnDrop, ScratchDir};
-use crate::signals::end_with_parent;
+use lanbus_node::process::end_with_parent;
 use lanbus_nvme::local::{LocalNvme, ProcessMode};
 use lanbus_port::Port;
 
 use super::nbd::run_fio;
 use super::report::{median, Report, Row};
-use crate::fabric::{self, NvmeBacking, NvmeBlock, SimFabric};
 use crate::plot::{write_png, Plot, Series};
+use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
+use lanbus_node::fabric::SimFabric;
 
 /// `lanbus bench nvme` options.
 #[derive(Debug, Args)]
@@ -85,7 +86,7 @@ impl NvmeBenchArgs {
             "interrupt" => lanbus_nvme::CompletionMode::Interrupt,
             _ => lanbus_nvme::CompletionMode::Poll,
         };
-        lanbus_nvme::DriverConfig { completion, ..fabric::driver_config() }
+        lanbus_nvme::DriverConfig { completion, ..drive::driver_config() }
     }
 }
 
@@ -140,8 +141,8 @@ fn backing(dir: &Path) -> NvmeBacking {
 }
 
 fn local(dir: &Path, dcfg: lanbus_nvme::DriverConfig) -> anyhow::Result<(Holder, String)> {
-    let ctrl = fabric::controller(&backing(dir), 512)?;
-    let nvme = LocalNvme::new(ctrl, fabric::DMA_REGION_PAGES, ProcessMode::Thread);
+    let ctrl = drive::controller(&backing(dir), 512)?;
+    let nvme = LocalNvme::new(ctrl, drive::DMA_REGION_PAGES, ProcessMode::Thread);
     let drv = Arc::new(nvme.driver(dcfg)?);
     let (server, uri) = serve(dir, "local", Arc::new(NvmeBlock::new(drv)))?;
     Ok((Holder::Local(nvme, server), uri))
@@ -153,7 +154,7 @@ fn over(
     ports: (Box<dyn Port>, Box<dyn Port>),
     dcfg: lanbus_nvme::DriverConfig,
 ) -> anyhow::Result<(Holder, String)> {
-    let ctrl = fabric::controller(&backing(dir), 512)?;
+    let ctrl = drive::controller(&backing(dir), 512)?;
     let f = SimFabric::over_with(ctrl, ports.0, ports.1, dcfg)?;
     let (server, uri) = serve(dir, name, Arc::new(NvmeBlock::new(f.driver.clone())))?;
     Ok((Holder::Fabric(f, server), uri))
@@ -263,7 +264,7 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     // Every size is checked before anything is set up; twice the largest warms each row up.
     let mut sizes = Vec::with_capacity(names.len());
     for bs in names {
-        sizes.push((bs, crate::nbd::parse_size(bs).with_context(|| format!("--block-sizes {bs:?}"))?));
+        sizes.push((bs, lanbus_node::parse_size(bs).with_context(|| format!("--block-sizes {bs:?}"))?));
     }
     let largest = sizes.iter().map(|&(_, bytes)| bytes).max().unwrap_or(0);
     let veth = if want("afpacket") || want("afxdp") || want("udp") {
@@ -295,7 +296,9 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         let target = match name {
             "local" => local(dir, args.driver_config()),
             "peer:qemu-nbd" => qemu(dir),
-            "sim" => SimFabric::sim_ports(0.0, 1).and_then(|p| over(dir, "sim", p, args.driver_config())),
+            "sim" => SimFabric::sim_ports(0.0, 1)
+                .map_err(anyhow::Error::from)
+                .and_then(|p| over(dir, "sim", p, args.driver_config())),
             kind => {
                 super::port_pair(kind, veth.as_ref()).and_then(|p| over(dir, kind, p, args.driver_config()))
             }

@@ -56,7 +56,7 @@ use lanbus_wire::MacAddr;
 use serde_json::{json, Value};
 
 use super::report::{median, Report, Row};
-use crate::signals::end_with_parent;
+use lanbus_node::process::end_with_parent;
 
 /// Every port the bench knows, in table order.
 const PORTS: &[&str] = &["udp", "afpacket", "afpacket-v3", "afxdp"];
@@ -312,7 +312,7 @@ fn raw_echo(mut port: Box<dyn lanbus_port::Port>, mode: Mode) -> anyhow::Result<
 fn raw_ping(mut port: Box<dyn lanbus_port::Port>, peer: MacAddr, args: &PeerArgs) -> anyhow::Result<()> {
     use lanbus_wire::ethernet::HEADER_LEN as ETHERNET;
     const WARMUP: usize = 100;
-    let len = ETHERNET + lanbus_wire::lanbus::HEADER_LEN + lanbus_wire::lanbus::RECORD_HEADER_LEN + args.size;
+    let len = ETHERNET + lanbus_wire::frame::HEADER_LEN + lanbus_wire::frame::RECORD_HEADER_LEN + args.size;
     if len > ETHERNET + port.mtu() {
         bail!("a {}-byte raw frame does not fit the port's MTU of {}", len, port.mtu());
     }

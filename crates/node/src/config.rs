@@ -1,0 +1,131 @@
+//! Settings shared by everything that runs a node: the runtime's and the bridges' (the daemons,
+//! `lanbus demo`, the benches and `lanbus lspci` use the same), and the daemons' configuration
+//! files.
+//!
+//! Layer: assembly.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use lanbus_bridge::{DeviceBridgeConfig, HostBridgeConfig};
+use lanbus_runtime::{RuntimeConfig, ThreadMode};
+use serde::Deserialize;
+
+use crate::{Error, Result};
+
+/// The runtime settings the daemons use on a port of this spec.
+pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
+    let mut c = RuntimeConfig { name: name.into(), threads, ..RuntimeConfig::default() };
+    // Delay-based rate control reads a busy machine's scheduling delays as queueing and paces
+    // down to its floor; one host and one device on a link do not need it.
+    c.transport.rate.enabled = false;
+    // A peer is down after 1 s without heartbeats (10 intervals), not 300 ms: on a loaded machine
+    // a starved thread can miss three 100 ms beats, and a device that loses its host fails the
+    // DMA of the command it is running (the controller then reports a fatal status).
+    c.transport.heartbeat.missed_limit = 10;
+    // Retransmission timeouts below a few milliseconds fire spuriously on a machine whose
+    // threads are descheduled for that long (measured on the 2-core bench VM: every frame the
+    // device resent after a timeout had arrived, and Go-Back-N resent its whole window each
+    // time). A real loss in the middle of a burst is still repaired by fast retransmit.
+    c.transport.min_rto = Duration::from_millis(5);
+    // Frames as large as the port's link takes (the runtime lowers this to the port's MTU): a
+    // 4 KiB TLP then needs two frames instead of three on a 3500-byte veth, one on jumbo frames.
+    c.transport.mtu = 65_535;
+    c
+}
+
+/// Host bridge settings for `group`.
+pub fn host_config(group: u16, name: &str, threads: ThreadMode) -> HostBridgeConfig {
+    HostBridgeConfig {
+        group,
+        name: name.into(),
+        runtime: runtime_config(name, threads),
+        completion_timeout: Duration::from_secs(2),
+        // The largest payload PCIe allows (the drive supports it): a software bridge pays per
+        // TLP, not per byte, so a 1 MiB transfer is 256 TLPs instead of 4,096 at 256 bytes
+        // (`lanbus bench nvme`, afxdp, 64 KiB reads: 261 -> 407 MB/s, writes 165 -> 350).
+        mps: 4096,
+        mrrs: 4096,
+        ..HostBridgeConfig::default()
+    }
+}
+
+/// Device bridge settings for `group`.
+pub fn device_config(group: u16, name: &str, threads: ThreadMode) -> DeviceBridgeConfig {
+    DeviceBridgeConfig {
+        group,
+        name: name.into(),
+        runtime: runtime_config(name, threads),
+        completion_timeout: Duration::from_secs(2),
+        ..DeviceBridgeConfig::default()
+    }
+}
+
+/// The I/O box daemon's configuration file (TOML; every key optional, the command line wins).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceFile {
+    /// The port spec.
+    pub port: Option<String>,
+    /// The group whose host the I/O box serves.
+    pub group: Option<u16>,
+    /// The NVMe drive's blocks ([`crate::drive::NvmeBacking`]).
+    pub nvme: Option<String>,
+    /// The namespace's logical block size: 512 or 4096.
+    pub lba_size: Option<u32>,
+    /// The control socket.
+    pub control: Option<PathBuf>,
+    /// The name announced in heartbeats.
+    pub name: Option<String>,
+}
+
+/// The host daemon's configuration file (TOML; every key optional, the command line wins).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostFile {
+    /// The port spec.
+    pub port: Option<String>,
+    /// The group whose devices the host uses.
+    pub group: Option<u16>,
+    /// Where the namespace is exported ([`ExportSpec`]).
+    pub export: Option<String>,
+    /// The control socket.
+    pub control: Option<PathBuf>,
+    /// The name announced in heartbeats.
+    pub name: Option<String>,
+}
+
+/// Reads a daemon's configuration file (none: every key unset).
+pub fn read_toml<T: for<'de> Deserialize<'de> + Default>(path: Option<&Path>) -> Result<T> {
+    let Some(path) = path else { return Ok(T::default()) };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::Config { path: path.to_path_buf(), why: format!("cannot read it: {e}") })?;
+    toml::from_str(&text).map_err(|e| Error::Config { path: path.to_path_buf(), why: e.to_string() })
+}
+
+/// Where the host exports the namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExportSpec {
+    /// A Unix socket path.
+    Unix(PathBuf),
+    /// A TCP address.
+    Tcp(std::net::SocketAddr),
+}
+
+impl std::str::FromStr for ExportSpec {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<ExportSpec> {
+        let expected = || Error::BadSpec(format!("{s:?}: expected nbd:PATH or nbd:tcp:ADDR"));
+        match s.strip_prefix("nbd:") {
+            Some(rest) => match rest.strip_prefix("tcp:") {
+                Some(addr) => {
+                    let addr = addr.parse().map_err(|_| Error::BadSpec(format!("{addr:?}: not IP:PORT")))?;
+                    Ok(ExportSpec::Tcp(addr))
+                }
+                None if !rest.is_empty() => Ok(ExportSpec::Unix(rest.into())),
+                None => Err(expected()),
+            },
+            None => Err(expected()),
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! A lanbus node as a library: the pieces that make a host or an I/O box out of the bridges, the
+//! device models and the frontends, so a program can run one without the `lanbus` command line.
+//!
+//! Layer: assembly, above `lanbus-bridge`, `lanbus-nvme` and `lanbus-nbd`; the `lanbus` binary's
+//! daemons, `lanbus demo` and `lanbus bench` are built on it.
+//!
+//! - [`config`]: the runtime and bridge settings every node uses, and the daemons' files.
+//! - [`drive`]: the remote NVMe drive: the controller model as a device bridge's function, the
+//!   driver on a host bridge, the namespace as an NBD block device.
+//! - [`fabric`]: a host and an I/O box in one process over a simulated wire or two real ports.
+//! - [`lspci`]: remote functions described like `lspci -v`.
+//! - [`process`]: a daemon's signals and helper processes that end with it.
+//!
+//! A remote drive over the simulated wire, written and read back through the NVMe driver
+//! (`examples/remote_drive.rs` exports it over NBD too):
+//!
+//! ```
+//! use lanbus_node::drive::{controller, NvmeBacking};
+//! use lanbus_node::fabric::SimFabric;
+//!
+//! let ctrl = controller(&NvmeBacking::Ram(4 << 20), 512)?;
+//! let fabric = SimFabric::start(ctrl, 0.0, 1)?;
+//! fabric.driver.write_at(4096, &[7; 512], false).expect("write");
+//! let mut back = [0; 512];
+//! fabric.driver.read_at(4096, &mut back).expect("read");
+//! assert_eq!(back, [7; 512]);
+//! # fabric.driver.shutdown().expect("shutdown");
+//! # Ok::<(), lanbus_node::Error>(())
+//! ```
+#![deny(unsafe_code)]
+#![deny(missing_docs)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use lanbus_pcie::Bdf;
+
+pub mod config;
+pub mod drive;
+pub mod fabric;
+pub mod lspci;
+pub mod process;
+
+/// What went wrong assembling or running a node.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A spec, size or address given by the user that does not parse.
+    #[error("{0}")]
+    BadSpec(String),
+    /// A configuration file that cannot be read or does not describe a daemon.
+    #[error("{}: {why}", path.display())]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// The drive's backing file cannot be opened or created.
+    #[error("opening {}{hint}: {source}", path.display())]
+    Backing {
+        /// The file.
+        path: PathBuf,
+        /// What the user may do about it.
+        hint: &'static str,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// The NVMe controller model or its function refused the configuration.
+    #[error("NVMe controller: {0}")]
+    Nvme(String),
+    /// The NVMe driver did not start on the function.
+    #[error("starting the driver on {bdf}: {source}")]
+    Driver {
+        /// The function.
+        bdf: Bdf,
+        /// Why.
+        source: lanbus_nvme::pcie::AttachError,
+    },
+    /// A bridge failed to start or to reach its device.
+    #[error(transparent)]
+    Bridge(#[from] lanbus_bridge::BridgeError),
+    /// A port could not be opened.
+    #[error(transparent)]
+    Port(#[from] lanbus_port::PortError),
+    /// No device appeared on the host bridge in time.
+    #[error("the host bridge enumerated nothing in {0:?}")]
+    NoDevice(Duration),
+}
+
+/// Result of the assembly.
+pub type Result<T> = core::result::Result<T, Error>;
+
+/// Parses a size: `4096`, `64K`, `1M`, `2G`, `1T` (binary units).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let s = s.trim();
+    let (digits, shift) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 10),
+        Some('M') => (&s[..s.len() - 1], 20),
+        Some('G') => (&s[..s.len() - 1], 30),
+        Some('T') => (&s[..s.len() - 1], 40),
+        _ => (s, 0),
+    };
+    let n: u64 =
+        digits.parse().map_err(|_| Error::BadSpec(format!("size {s:?} is not a number with K/M/G/T")))?;
+    n.checked_mul(1 << shift).ok_or_else(|| Error::BadSpec(format!("size {s:?} is too large")))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes() {
+        assert_eq!(super::parse_size("4096").unwrap(), 4096);
+        assert_eq!(super::parse_size("64k").unwrap(), 64 << 10);
+        assert_eq!(super::parse_size("1G").unwrap(), 1 << 30);
+        assert!(super::parse_size("x").is_err());
+        assert!(super::parse_size("99999999999T").is_err());
+    }
+}
