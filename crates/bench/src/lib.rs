@@ -28,7 +28,7 @@ pub enum BenchCommand {
     /// Messages/s through two transport endpoints in one thread, frames handed over directly (no
     /// wire). There is no peer program for an in-process protocol core; frames/s are shown too.
     TransportCore(transport_core::TransportCoreArgs),
-    /// The vhost-user cache study (seed 003): factors (a)-(e) on a two-thread virtqueue model.
+    /// The vhost-user cache-efficiency study: factors (a)-(e) on a two-thread virtqueue model.
     Vring(vring::Args),
     /// Our SPSC ring against DPDK rte_ring (dpdk-test) and the rtrb crate, ns per element.
     Ring(ring::Args),

@@ -132,7 +132,7 @@ fn measure(args: &NbdBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         } else {
             Arc::new(MemDevice::new(size))
         };
-        let server = Server::builder().export(Export::new("export", device)).log(false).build()?;
+        let server = Server::builder().export(Export::new("export", device)).build()?;
         server.serve(std::os::unix::net::UnixListener::bind(&socket)?)?;
         let uri = format!("nbd+unix:///export?socket={}", socket.display());
         targets.push((format!("lanbus-nbd:{kind}"), uri, Some(server), None));

@@ -130,7 +130,7 @@ impl Drop for Holder {
 
 fn serve(dir: &Path, name: &str, device: Arc<dyn BlockDevice>) -> anyhow::Result<(Server, String)> {
     let socket = dir.join(format!("{name}.sock"));
-    let server = Server::builder().export(Export::new("nvme0", device)).log(false).build()?;
+    let server = Server::builder().export(Export::new("nvme0", device)).build()?;
     server.serve(std::os::unix::net::UnixListener::bind(&socket)?)?;
     Ok((server, format!("nbd+unix:///nvme0?socket={}", socket.display())))
 }

@@ -1,6 +1,6 @@
 //! The common benchmark report: one table on the terminal, one JSON file, the same rows.
 //!
-//! Format (from DESIGN.md, "Measurements"):
+//! Format (`docs/architecture.md`, "Measurements"):
 //! `{"bench": NAME, "lanbus": VERSION, "machine": {"cpus": N, "model": "..."}, "rows": [...]}` where
 //! each row has `name` (peers are `peer:<program>`), `metric` (unit in the name), `value` (the
 //! median of the runs) and the parameters that make it unique (`size_bytes`, `block_size`, `mode`...).

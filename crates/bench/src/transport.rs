@@ -155,7 +155,7 @@ pub struct PeerArgs {
     /// whose receive path batches frames, like TPACKET_V3's 1 ms block timeout).
     #[arg(long)]
     target_delay_us: Option<u64>,
-    /// Keep the transport's delay-based rate control on (the bench turns it off; see the README).
+    /// Keep the transport's delay-based rate control on (the bench turns it off: see `docs/architecture.md`).
     #[arg(long)]
     rate_control: bool,
     /// Adaptive polling: spin this long after the last work before blocking (default: the
@@ -625,7 +625,7 @@ fn port_specs(pair: &VethPair, kind: &str) -> anyhow::Result<PortSpecs> {
         other => bail!("unknown port {other:?}; one of {}", PORTS.join(", ")),
     };
     // TPACKET_V3 hands frames over when a block retires (1 ms when it does not fill): that delay
-    // is the port's, not a queue's, so the rate control must tolerate it (see the README).
+    // is the port's, not a queue's, so the rate control must tolerate it (see `docs/architecture.md`).
     let extra = if kind == "afpacket-v3" { vec!["--target-delay-us".into(), "2000".into()] } else { vec![] };
     Ok(PortSpecs { a: sa, b: sb, extra })
 }

@@ -1,4 +1,4 @@
-//! `lanbus bench vring`: the vhost-user cache study of seed 003, reproduced.
+//! `lanbus bench vring`: the vhost-user cache-efficiency study, reproduced.
 //!
 //! Runs the two-thread virtqueue model of `lanbus_ring::study` (Rx thread and guest thread pinned
 //! to two CPUs) in the paper's configurations: `base` (DPDK-like: shared variables packed

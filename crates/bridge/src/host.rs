@@ -1010,7 +1010,7 @@ fn config_thread(sh: Arc<Shared>, jobs: mpsc::Receiver<Job>) {
                     if !still_there || sh.stop.load(Ordering::Acquire) {
                         break;
                     }
-                    eprintln!("lanbus host bridge: {e} (attempt {attempt} of 3)");
+                    tracing::warn!("enumeration: {e} (attempt {attempt} of 3)");
                     let mut st = lock(&sh.state);
                     st.allocations.retain(|(_, _, m)| *m != mac);
                     // Retry on a fresh channel: the one drawn may still carry an earlier session

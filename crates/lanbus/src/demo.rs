@@ -85,7 +85,6 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
     let socket = dir.0.join("nvme0.sock");
     let server = Server::builder()
         .export(Export::new("nvme0", Arc::new(NvmeBlock::new(fab.driver.clone()))).description("lanbus demo"))
-        .log(false)
         .build()?;
     server.serve(std::os::unix::net::UnixListener::bind(&socket)?)?;
     let uri = format!("nbd+unix:///nvme0?socket={}", socket.display());

@@ -22,8 +22,25 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Debug, Parser)]
 #[command(name = "lanbus", version, about, long_about = None, after_help = lanbus_port::SPEC_HELP)]
 struct Cli {
+    /// More log lines on stderr: -v for the libraries' informational events, -vv for debugging
+    /// (RUST_LOG, e.g. `RUST_LOG=lanbus_bridge=debug`, selects them finer and wins over -v).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
+}
+
+/// Sends the libraries' `tracing` events to stderr: warnings by default, more with `-v`/`-vv`,
+/// or exactly what `RUST_LOG` says.
+fn install_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
 #[derive(Debug, Subcommand)]
@@ -63,6 +80,7 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    install_logging(cli.verbose);
     let result = match cli.command {
         Command::Bench(c) => lanbus_bench::run(c),
         Command::Tlp(c) => tlp::run(c),

@@ -1,5 +1,5 @@
-//! `lanbus tlp decode|encode`: the TLP codec on the command line, in the JSON schema of the shared
-//! vectors (`shared/vectors/README.md`).
+//! `lanbus tlp decode|encode`: the TLP codec on the command line, in the JSON schema of the TLP
+//! test vectors (`crates/pcie/tests/fixtures/tlp/PROVENANCE.md`).
 
 use anyhow::Context;
 use clap::Subcommand;

@@ -202,6 +202,7 @@ pub fn negotiate(
 /// Fuzz entry (target `nbd_handshake`): runs the whole server handshake over `data` as the
 /// client's bytes. It must end with an outcome or an error, never a panic, and never write more
 /// than a bounded amount per option.
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_handshake(data: &[u8]) {
     let exports = [ExportInfo {
         name: "export".into(),

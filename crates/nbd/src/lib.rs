@@ -46,8 +46,11 @@ pub mod server;
 
 pub use client::{Client, ClientError, Completion};
 pub use device::{BlockDevice, DeviceError, FileDevice, MemDevice};
+#[cfg(any(test, fuzzing))]
 pub use handshake::fuzz_handshake;
-pub use proto::{fuzz_option, fuzz_request, Errno};
+pub use proto::Errno;
+#[cfg(any(test, fuzzing))]
+pub use proto::{fuzz_option, fuzz_request};
 pub use server::{Export, Listener, Server, ServerBuilder, Stats, Stream};
 
 /// Errors of setting up or stopping a server.

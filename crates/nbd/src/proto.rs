@@ -657,6 +657,7 @@ pub fn check_request(h: &RequestHeader, limits: &ExportLimits) -> Result<Action,
 /// request after request, checks each against a small export and skips WRITE payloads, as the
 /// server's reader does. Asserts that a parsed header re-emits to the same bytes and that an
 /// accepted request lies inside the export. Never panics otherwise.
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_request(data: &[u8]) {
     let limits = ExportLimits { size_bytes: 1 << 20, min_block: 512, max_payload: 1 << 16, read_only: false };
     let ro = ExportLimits { read_only: true, ..limits };
@@ -687,6 +688,7 @@ pub fn fuzz_request(data: &[u8]) {
 
 /// Fuzz entry for option payloads: parses `data` as an option header followed by its payload and,
 /// for INFO/GO, as an information request that must re-emit to the same bytes.
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_option(data: &[u8]) {
     let _ = parse_client_flags(data);
     if let Ok(h) = OptionHeader::parse(data) {

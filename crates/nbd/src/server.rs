@@ -330,7 +330,6 @@ struct Config {
     max_connections: u64,
     write_timeout: Duration,
     handshake_timeout: Duration,
-    log: bool,
 }
 
 /// Builds a [`Server`].
@@ -384,12 +383,6 @@ impl ServerBuilder {
         self
     }
 
-    /// Log connection events and protocol errors to stderr (default on).
-    pub fn log(mut self, on: bool) -> Self {
-        self.config.log = on;
-        self
-    }
-
     /// Checks the exports and builds the server.
     pub fn build(self) -> Result<Server, Error> {
         if self.exports.is_empty() {
@@ -440,12 +433,6 @@ struct Inner {
 }
 
 impl Inner {
-    fn log(&self, msg: std::fmt::Arguments<'_>) {
-        if self.config.log {
-            eprintln!("lanbus-nbd: {msg}");
-        }
-    }
-
     fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
         // The registry holds no invariant a panicking thread could break half-way.
         self.registry.lock().unwrap_or_else(|p| p.into_inner())
@@ -471,7 +458,6 @@ impl Server {
                 max_connections: 64,
                 write_timeout: Duration::from_secs(30),
                 handshake_timeout: Duration::from_secs(30),
-                log: true,
             },
         }
     }
@@ -518,8 +504,7 @@ impl Server {
         }
         for (wake, thread) in acceptors {
             if matches!(wake, WakeAddr::Unknown) {
-                self.inner
-                    .log(format_args!("cannot wake an accept thread on an unnamed socket; left running"));
+                tracing::warn!("cannot wake an accept thread on an unnamed socket; left running");
                 continue;
             }
             let _ = thread.join();
@@ -534,7 +519,7 @@ impl Server {
         for e in &self.inner.exports {
             if !e.read_only {
                 if let Err(err) = e.device.flush() {
-                    self.inner.log(format_args!("flush of export {:?} failed: {err}", e.name));
+                    tracing::warn!("flush of export {:?} failed: {err}", e.name);
                     first_error.get_or_insert(Error::Flush(e.name.clone(), err));
                 }
             }
@@ -554,7 +539,7 @@ fn accept_loop(inner: &Arc<Inner>, listener: Listener) {
                 if inner.stopping.load(Ordering::Relaxed) {
                     return;
                 }
-                inner.log(format_args!("accept failed: {e}"));
+                tracing::warn!("accept failed: {e}");
                 // Out of descriptors or similar: do not spin.
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
@@ -567,13 +552,13 @@ fn accept_loop(inner: &Arc<Inner>, listener: Listener) {
         bump(&inner.counters.connections_accepted, 1);
         if reg.connections.len() as u64 >= inner.config.max_connections {
             bump(&inner.counters.connections_refused, 1);
-            inner.log(format_args!("refusing {}: {} connections open", stream.peer(), reg.connections.len()));
+            tracing::warn!("refusing {}: {} connections open", stream.peer(), reg.connections.len());
             continue;
         }
         let control = match stream.try_clone() {
             Ok(c) => c,
             Err(e) => {
-                inner.log(format_args!("cannot clone a socket: {e}"));
+                tracing::warn!("cannot clone a socket: {e}");
                 continue;
             }
         };
@@ -589,7 +574,7 @@ fn accept_loop(inner: &Arc<Inner>, listener: Listener) {
                 bump(&inner.counters.connections_active, 1);
                 reg.connections.insert(id, (control, thread));
             }
-            Err(e) => inner.log(format_args!("cannot start a connection thread: {e}")),
+            Err(e) => tracing::warn!("cannot start a connection thread: {e}"),
         }
     }
 }
@@ -627,20 +612,20 @@ fn run_connection(inner: &Arc<Inner>, id: u64, stream: Stream) {
     let stopping = inner.stopping.load(Ordering::Relaxed);
     match result {
         Ok(Ended::Aborted) | Ok(Ended::Disconnected) | Ok(Ended::ClosedBetweenRequests) => {}
-        Err(ConnError::Io(e)) if !stopping => inner.log(format_args!("conn {id} ({peer}): I/O error: {e}")),
+        Err(ConnError::Io(e)) if !stopping => tracing::info!("conn {id} ({peer}): I/O error: {e}"),
         Err(ConnError::Io(_)) | Err(ConnError::Handshake(HandshakeError::Closed)) => {}
         Err(ConnError::Handshake(HandshakeError::Io(e))) => {
             if !stopping {
                 if matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::TimedOut) {
                     bump(&inner.counters.protocol_disconnects, 1);
                 }
-                inner.log(format_args!("conn {id} ({peer}): handshake ended: {e}"));
+                tracing::info!("conn {id} ({peer}): handshake ended: {e}");
             }
         }
         Err(e) if stopping && matches!(e, ConnError::Truncated(_)) => {}
         Err(e) => {
             bump(&inner.counters.protocol_disconnects, 1);
-            inner.log(format_args!("conn {id} ({peer}): disconnected: {e}"));
+            tracing::info!("conn {id} ({peer}): disconnected: {e}");
         }
     }
     // Deregister before the count drops, so that a caller who sees no active connection can rely
@@ -695,7 +680,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: Stream) -> Result<Ended, ConnErr
     if !export.read_only {
         if let Err(e) = export.device.flush() {
             bump(&inner.counters.device_errors, 1);
-            inner.log(format_args!("flush at disconnect of export {:?} failed: {e}", export.name));
+            tracing::warn!("flush at disconnect of export {:?} failed: {e}", export.name);
         }
     }
     result

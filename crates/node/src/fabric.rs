@@ -121,7 +121,6 @@ mod real_clients {
         std::fs::create_dir_all(&dir).unwrap();
         let server = Server::builder()
             .export(Export::new("nvme0", Arc::new(NvmeBlock::new(fabric.driver.clone()))))
-            .log(true)
             .build()
             .unwrap();
         let socket = dir.join("nvme0.sock");

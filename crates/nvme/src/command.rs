@@ -452,6 +452,7 @@ pub fn decode_io(sqe: &Sqe) -> Result<IoCommand, Status> {
 /// SQE with both decoders and checks the invariants: an entry re-emits to the same bytes (except
 /// the reserved CDW0 bits), decoded sizes are within their field widths, and a completion entry
 /// round-trips. Panics only if an invariant breaks.
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_command(data: &[u8]) {
     let Some(bytes) = data.get(..SQE_LEN) else { return };
     let mut raw = [0u8; SQE_LEN];

@@ -2,7 +2,7 @@
 //! user-space driver that runs on the host, written against small traits so that they can be
 //! joined in-process ([`local`]) or through the PCIe bridges over the fabric.
 //!
-//! Layering (the README's "PCIe over the fabric" section describes the bridges):
+//! Layering (`docs/architecture.md` describes the bridges):
 //!
 //! ```text
 //!   host:   NvmeDriver ── Bar (MMIO to BAR0) ── DmaMemory (queues, PRP lists, data) ── InterruptWait
@@ -55,7 +55,9 @@ pub mod prp;
 pub mod status;
 
 pub use backing::{Backing, FileBacking, RamBacking};
-pub use command::{fuzz_command, Completion, Sqe};
+#[cfg(any(test, fuzzing))]
+pub use command::fuzz_command;
+pub use command::{Completion, Sqe};
 pub use controller::{Controller, ControllerConfig, ControllerStats, PciInfo};
 pub use driver::{
     Bar, CompletionMode, DmaMemory, DriverConfig, DriverError, HostRegion, InterruptWait, NvmeDriver,

@@ -1,6 +1,6 @@
 //! A DMA engine device model: copies host memory to host memory, then raises MSI-X.
 //!
-//! Layer: pcie engine, a [`DeviceModel`] for tests and measurement (issue 5 item 8). Not a real
+//! Layer: pcie engine, a [`DeviceModel`] for tests and measurement (`lanbus bench pcie`). Not a real
 //! device's register set; its own, little-endian, in BAR 0 (4 KiB, 32-bit memory):
 //!
 //! | offset | register | access |

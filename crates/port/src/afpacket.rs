@@ -420,6 +420,7 @@ fn v2_packet(slot: &[u8]) -> Step {
 /// The fuzz target's body: walks arbitrary bytes as a TPACKET_V3 receive block and reads them as a
 /// TPACKET_V2 slot, as the port does with the kernel's rings, and admission-checks every frame
 /// found. Panics only if the walk indexes out of bounds or fails to end.
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_rx_block(data: &[u8]) {
     if let Step::Packet { frame, .. } = v2_packet(data) {
         let _ = check_frame(&data[frame], 1500);

@@ -126,6 +126,7 @@ pub fn open(spec: &str) -> Result<Box<dyn Port>> {
 /// The fuzz target's body: parses arbitrary bytes as the arguments of every spec kind that has a
 /// parser (without opening anything). Panics only if a parser does; every error must explain
 /// itself (a non-empty message).
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_spec(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     if let Err(why) = UdpConfig::parse(&text) {

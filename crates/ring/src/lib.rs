@@ -128,6 +128,7 @@ pub type Result<T> = core::result::Result<T, Error>;
 ///
 /// Layout of `data`: repeated records of `[offset: u16 le][len: u8][len bytes]`.
 #[cfg(not(loom))]
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_shared_region(data: &[u8]) {
     use std::sync::Arc;
     let cfg = pipe::PipeConfig { slots: 8, buffers: 16, buf_size: 128 };
@@ -173,4 +174,30 @@ pub fn fuzz_shared_region(data: &[u8]) {
     let _ = pipe::Sender::attach(region.clone(), 0, CopyMode::NonTemporal).map(|mut s| s.send(&[1; 10]));
     let _ = Consumer::<u64>::attach(region.clone(), ring_at).map(|mut c| c.try_pop());
     let _ = Producer::<u64>::attach(region, ring_at).map(|mut p| p.try_push(1));
+}
+
+#[cfg(test)]
+mod fuzz_tests {
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever bytes a peer writes over a pipe and a ring, attaching and using them returns
+        /// values or errors and never panics or faults (the same function is the fuzz target).
+        #[test]
+        fn garbage_region(data in proptest::collection::vec(any::<u8>(), 0..600)) {
+            super::fuzz_shared_region(&data);
+        }
+
+        /// The same with records aimed at the headers and descriptors, where garbage matters most.
+        #[test]
+        fn garbage_region_headers(records in proptest::collection::vec((0u16..700, proptest::collection::vec(any::<u8>(), 1..16)), 0..30)) {
+            let mut data = Vec::new();
+            for (at, bytes) in records {
+                data.extend_from_slice(&at.to_le_bytes());
+                data.push(bytes.len() as u8);
+                data.extend_from_slice(&bytes);
+            }
+            super::fuzz_shared_region(&data);
+        }
+    }
 }

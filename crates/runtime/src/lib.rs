@@ -486,7 +486,7 @@ impl Worker {
             Ok(n) => n,
             Err(e) => {
                 if self.clock.now() - self.last_publish >= Duration::from_secs(1) {
-                    eprintln!("lanbus runtime: port error (retrying): {e}");
+                    tracing::warn!("port error (retrying): {e}");
                 }
                 0
             }
@@ -580,7 +580,7 @@ impl Worker {
                 let t = Some(timeout.map_or(cap, |t| t.min(cap)));
                 let r = self.with_port(|p| p.wait(t));
                 if let Err(e) = r {
-                    eprintln!("lanbus runtime: port wait failed: {e}");
+                    tracing::warn!("port wait failed: {e}");
                     std::thread::sleep(cap);
                 }
                 waker.drain();

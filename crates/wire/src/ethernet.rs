@@ -230,6 +230,7 @@ impl EthernetRepr {
 
 /// The fuzz target's body: parses arbitrary bytes as a frame and checks that a parsed header
 /// emits back to the same bytes. Panics only if that invariant breaks.
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_frame(data: &[u8]) {
     if let Ok(frame) = EthernetFrame::new_checked(data) {
         let repr = EthernetRepr::parse(&frame);

@@ -586,6 +586,7 @@ impl<'a> HeartbeatRepr<'a> {
 /// The fuzz target's body: decodes arbitrary bytes as an Ethernet frame carrying lanbus, walks
 /// every structure inside, and checks that what parses emits back to the same bytes. Panics only
 /// if such an invariant breaks.
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_lanbus_frame(data: &[u8]) {
     let Ok(eth) = crate::EthernetFrame::new_checked(data) else { return };
     let Ok(packet) = Packet::new_checked(eth.payload()) else { return };

@@ -524,6 +524,7 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
 
 /// The fuzz target's body for the view alone: every accessor of a checked packet on arbitrary
 /// bytes. Panics only if a checked view panics.
+#[cfg(any(test, fuzzing))]
 pub fn fuzz_view(data: &[u8]) {
     if let Ok(p) = Packet::new_checked(data) {
         let _ = (p.fmt(), p.raw_type(), p.tc(), p.attr(), p.ln(), p.th(), p.td(), p.ep(), p.at());
