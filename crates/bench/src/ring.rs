@@ -20,7 +20,7 @@
 //! shared with other jobs a window often loses a thread to the scheduler: the bench runs every
 //! ring `--runs` times, interleaved (run 1 of each ring and of dpdk-test, then run 2...), and
 //! reports the median (`ns_per_elem`) and the least disturbed run (`ns_per_elem_min`);
-//! `--verbose` shows, per run and side, the failed attempts and whether the thread was descheduled.
+//! `--sides` shows, per run and side, the failed attempts and whether the thread was descheduled.
 //!
 //! rte_ring is measured twice. `peer:rte_ring` runs `dpdk-test` (Debian package `dpdk-dev`) with
 //! `ring_perf_autotest`: DPDK's own numbers; when it is missing the bench says how to install it.
@@ -63,7 +63,7 @@ pub struct Args {
     /// Print each two-core run's sides: ns/element, failed (full/empty) attempts, and how often the
     /// thread was descheduled during its timed loop.
     #[arg(long)]
-    pub verbose: bool,
+    pub sides: bool,
     /// Write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -547,7 +547,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 line += &format!(" {} 1-core {v:.2};", ROWS[ring]);
             }
             eprintln!("{line} ns/elem");
-            if args.verbose {
+            if args.sides {
                 for (ring, pair) in two {
                     eprintln!("    {} 2-core: {pair}", ROWS[ring]);
                 }

@@ -87,10 +87,9 @@ pub(crate) fn session_channel() -> u16 {
 ///
 /// Spinning pays only with a core to spare: the runtime threads of a busy node spin already (one
 /// in run-to-completion mode, two in pipeline mode), and a third spinner on a 2-core machine takes
-/// the core the thread bringing the news needs. Measured with `lanbus bench pcie --quick` on 2
-/// cores (load ~4): 4 B MMIO read p50 over afxdp 10.5 us without spinning, 13.9 us spinning 20 us,
-/// 15.6 us spinning 100 us (rtc; the same order over every port and in pipeline mode), 4 KiB DMA
-/// throughput no worse. So: no spin below 4 CPUs, 50 us from 4 on.
+/// the core the thread bringing the news needs: on 2 cores MMIO reads got slower the longer users
+/// spun, over every port and in both thread modes (`docs/measurements/2026-11-21-pcie.md`). So:
+/// no spin below 4 CPUs, 50 us from 4 on.
 pub(crate) fn spin_budget() -> Duration {
     static BUDGET: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *BUDGET.get_or_init(|| {

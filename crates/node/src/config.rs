@@ -43,7 +43,7 @@ pub fn host_config(group: u16, name: &str, threads: ThreadMode) -> HostBridgeCon
         completion_timeout: Duration::from_secs(2),
         // The largest payload PCIe allows (the drive supports it): a software bridge pays per
         // TLP, not per byte, so a 1 MiB transfer is 256 TLPs instead of 4,096 at 256 bytes
-        // (`lanbus bench nvme`, afxdp, 64 KiB reads: 261 -> 407 MB/s, writes 165 -> 350).
+        // (`docs/measurements/2026-11-21-nvme.md`).
         mps: 4096,
         mrrs: 4096,
         ..HostBridgeConfig::default()
