@@ -1,0 +1,183 @@
+//! The driver's value types (host side): its settings ([`DriverConfig`], [`CompletionMode`]), its
+//! error ([`DriverError`], with the errno a block-device client is given), what Identify reported
+//! ([`Identity`]), what it keeps in the controller's memory buffer ([`CmbUse`]) and its counters
+//! ([`DriverStats`]). All of them are public as `lanbus_nvme::driver::*`.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use crate::status::Status;
+use crate::BusError;
+
+/// How the driver learns of completions. Every CQ has interrupts enabled (IEN) either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompletionMode {
+    /// Sleep on the queue's MSI-X vector.
+    Interrupt,
+    /// Poll the completion queue's phase tag in host memory for
+    /// [`DriverConfig::poll_spin`] (spinning, then yielding the CPU), then sleep on the MSI-X
+    /// vector as [`CompletionMode::Interrupt`] does: a completion that comes soon is seen
+    /// without a wake-up, a slow one costs no more CPU than that.
+    Poll,
+}
+
+/// Settings of the driver.
+#[derive(Debug, Clone)]
+pub struct DriverConfig {
+    /// I/O queue pairs wanted (the controller may grant fewer).
+    pub io_queues: u16,
+    /// Entries per I/O queue (capped by CAP.MQES + 1).
+    pub queue_entries: u32,
+    /// Admin queue entries.
+    pub admin_entries: u32,
+    /// Completion by interrupt or polling.
+    pub completion: CompletionMode,
+    /// MSI-X vectors the function has (from its MSI-X capability): vector 0 is the admin
+    /// queue's; I/O queue i gets vector 1 + (i - 1) mod (vectors - 1), or 0 if there is one.
+    pub msix_vectors: u16,
+    /// Time an I/O request may take before it fails with [`DriverError::Timeout`].
+    pub io_timeout: Duration,
+    /// Most data one request has in flight (its DMA buffers): a larger read or write goes in
+    /// windows of this size. Size the DMA region for (threads x this) plus the queues.
+    pub max_inflight_bytes: usize,
+    /// Time an admin command may take.
+    pub admin_timeout: Duration,
+    /// How long [`CompletionMode::Poll`] polls before it sleeps on the interrupt.
+    pub poll_spin: Duration,
+    /// Use the controller's Controller Memory Buffer when it has one (CAP.CMBS) and the
+    /// [`Bar`](super::Bar) maps it: I/O submission queues, PRP lists and write data go there with
+    /// posted writes, so the controller reads none of them across the bus.
+    pub use_cmb: bool,
+}
+
+impl Default for DriverConfig {
+    fn default() -> Self {
+        DriverConfig {
+            io_queues: 4,
+            queue_entries: 256,
+            admin_entries: 32,
+            completion: CompletionMode::Interrupt,
+            msix_vectors: 17,
+            io_timeout: Duration::from_secs(30),
+            max_inflight_bytes: 4 << 20,
+            admin_timeout: Duration::from_secs(10),
+            poll_spin: Duration::from_micros(50),
+            use_cmb: true,
+        }
+    }
+}
+
+/// What went wrong in the driver.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DriverError {
+    /// The controller completed a command with an error status.
+    #[error("NVMe command {opcode:#04x} on queue {qid} failed: {status}")]
+    Status {
+        /// The NVMe status (type, code, name).
+        status: Status,
+        /// Opcode of the failed command.
+        opcode: u8,
+        /// Submission queue it was on (0 = admin).
+        qid: u16,
+    },
+    /// A wait timed out.
+    #[error("timed out waiting for {0}")]
+    Timeout(String),
+    /// An MMIO or host-memory access failed.
+    #[error("bus error: {0}")]
+    Bus(#[from] BusError),
+    /// CSTS.CFS: the controller hit a fatal error; reset it (build a new driver).
+    #[error("controller fatal status (CSTS.CFS) set; the controller must be reset")]
+    ControllerFatal,
+    /// The DMA memory region has no room for the buffer.
+    #[error("out of DMA memory ({0} contiguous pages wanted)")]
+    OutOfDmaMemory(usize),
+    /// The controller lacks something the driver needs.
+    #[error("controller not supported: {0}")]
+    Unsupported(String),
+    /// The caller passed a bad argument (out of range, misaligned, wrong length).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+impl DriverError {
+    /// The POSIX errno that best describes the failure to a block-device client (NBD replies,
+    /// for example): `EINVAL` for bad arguments and out-of-range or invalid-field statuses,
+    /// `ETIMEDOUT` for timeouts, `ENOMEM` for exhausted DMA memory, `ENOTSUP` for missing
+    /// features, `EIO` for everything else.
+    pub fn errno(&self) -> i32 {
+        const EIO: i32 = 5;
+        const ENOMEM: i32 = 12;
+        const EINVAL: i32 = 22;
+        const ENOTSUP: i32 = 95;
+        const ETIMEDOUT: i32 = 110;
+        match self {
+            DriverError::InvalidArgument(_) => EINVAL,
+            DriverError::Status { status, .. }
+                if status.same_code(Status::LBA_OUT_OF_RANGE)
+                    || status.same_code(Status::INVALID_FIELD)
+                    || status.same_code(Status::INVALID_NAMESPACE) =>
+            {
+                EINVAL
+            }
+            DriverError::Timeout(_) => ETIMEDOUT,
+            DriverError::OutOfDmaMemory(_) => ENOMEM,
+            DriverError::Unsupported(_) => ENOTSUP,
+            _ => EIO,
+        }
+    }
+}
+
+/// What Identify said about the controller and namespace 1.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// Serial number.
+    pub serial: String,
+    /// Model number.
+    pub model: String,
+    /// Firmware revision.
+    pub firmware: String,
+    /// Maximum data transfer size in bytes.
+    pub max_transfer_bytes: usize,
+    /// A volatile write cache is present (Flush matters).
+    pub volatile_write_cache: bool,
+    /// Optional NVM command support bits (ONCS).
+    pub oncs: u16,
+    /// The namespace used.
+    pub nsid: u32,
+    /// Namespace size in logical blocks.
+    pub blocks: u64,
+    /// Logical block size in bytes.
+    pub lba_size: u32,
+}
+
+/// What the driver keeps in the controller's memory buffer
+/// ([`NvmeDriver::cmb_in_use`](super::NvmeDriver::cmb_in_use)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CmbUse {
+    /// Size of the buffer.
+    pub bytes: u64,
+    /// I/O submission queues live there.
+    pub submission_queues: bool,
+    /// PRP lists live there.
+    pub prp_lists: bool,
+    /// Write data lives there.
+    pub write_data: bool,
+    /// Pages allocated now.
+    pub pages_in_use: usize,
+}
+
+/// Counters of the driver.
+#[derive(Debug, Default)]
+pub struct DriverStats {
+    /// Commands submitted.
+    pub commands: AtomicU64,
+    /// Completion entries that matched no outstanding command (dropped).
+    pub stray_completions: AtomicU64,
+    /// Interrupt waits that returned with an event.
+    pub interrupts: AtomicU64,
+    /// DMA pages never freed because a command using them failed without a completion (the
+    /// device might still write to them).
+    pub quarantined_pages: AtomicU64,
+}
