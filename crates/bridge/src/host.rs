@@ -35,7 +35,7 @@ use lanbus_pcie::config::{
     cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK,
 };
 use lanbus_pcie::request::{each_completion_for_read, CompletionScratch, RequestShape};
-use lanbus_pcie::requester::{Requester, RequesterEvent, TransactionId};
+use lanbus_pcie::requester::{Requester, RequesterEvent, TransactionId, TransactionMap};
 use lanbus_pcie::{Bdf, CplStatus, Error, Header, Tag, Tlp, TlpKind};
 
 /// The host's own requester ID (the root complex).
@@ -329,7 +329,28 @@ impl Waiter {
 /// and the users waiting for its transactions.
 struct Session {
     requester: Requester,
-    waiters: HashMap<TransactionId, Arc<Waiter>>,
+    waiters: TransactionMap<Arc<Waiter>>,
+}
+
+/// The sessions by device bridge: a host has few, so a list searched by MAC beats hashing on
+/// every completion.
+#[derive(Default)]
+struct Sessions(Vec<(MacAddr, Session)>);
+
+impl Sessions {
+    fn get_mut(&mut self, mac: &MacAddr) -> Option<&mut Session> {
+        self.0.iter_mut().find(|(m, _)| m == mac).map(|(_, s)| s)
+    }
+
+    fn insert(&mut self, mac: MacAddr, session: Session) {
+        self.remove(&mac);
+        self.0.push((mac, session));
+    }
+
+    fn remove(&mut self, mac: &MacAddr) -> Option<Session> {
+        let i = self.0.iter().position(|(m, _)| m == mac)?;
+        Some(self.0.swap_remove(i).1)
+    }
 }
 
 /// What a session's requester ended or wants sent, to act on once its lock is released.
@@ -383,7 +404,7 @@ struct Shared {
     /// Signalled when devices are added or removed.
     changed: Condvar,
     /// Our requests, per device bridge. Never locked together with `state`.
-    sessions: Mutex<HashMap<MacAddr, Session>>,
+    sessions: Mutex<Sessions>,
     /// Time zero of the sessions' requesters.
     origin: Instant,
     regions: RwLock<RegionMap>,
@@ -423,7 +444,7 @@ impl Shared {
         let c = &self.config;
         let requester = Requester::new(HOST_BDF, Tag::COUNT, c.completion_timeout, c.mrrs)
             .expect("the mrrs was checked at start");
-        lock(&self.sessions).insert(mac, Session { requester, waiters: HashMap::new() });
+        lock(&self.sessions).insert(mac, Session { requester, waiters: TransactionMap::default() });
         if let Some(j) = lock(&self.jobs).as_ref() {
             let _ = j.send(Job::Enumerate { mac, generation, bus });
         }
@@ -815,7 +836,7 @@ impl HostBridge {
             config,
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
-            sessions: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(Sessions::default()),
             origin: Instant::now(),
             regions: RwLock::new(RegionMap::default()),
             interrupts: Mutex::new(Interrupts::default()),

@@ -11,12 +11,12 @@
 //! are accepted only from the host the reads went to; after anything that may free a tag
 //! (`complete`, `expire`) the caller calls `pump`.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lanbus_pcie::device::DmaError;
-use lanbus_pcie::requester::{Requester, RequesterEvent, TransactionId};
+use lanbus_pcie::requester::{Requester, RequesterEvent, TransactionMap};
 use lanbus_pcie::{Bdf, CplStatus, Error, Tlp};
 use lanbus_wire::MacAddr;
 
@@ -34,7 +34,7 @@ pub(crate) struct Reads {
     origin: Instant,
     /// The host the reads in flight were sent to.
     host: Option<MacAddr>,
-    ops: BTreeMap<TransactionId, OpId>,
+    ops: TransactionMap<OpId>,
     next_op: OpId,
     finished: VecDeque<(OpId, Result<Vec<u8>, DmaError>)>,
     /// A tag was freed or a read ended since `take_changed` (the worker wakes on it).
@@ -48,7 +48,7 @@ impl Reads {
             requester: Requester::new(Bdf(0), tags, timeout, MRRS_MAX).expect("4096 is a valid size"),
             origin: Instant::now(),
             host: None,
-            ops: BTreeMap::new(),
+            ops: TransactionMap::default(),
             next_op: 0,
             finished: VecDeque::new(),
             changed: false,

@@ -17,7 +17,7 @@
 //!   over a [`backing::Backing`] store. All host-memory traffic goes through [`HostMemory`], which
 //!   the device bridge implements with memory read/write TLPs.
 //! - [`command`]: the pure decoder of 64-byte submission queue entries and the completion queue
-//!   entry codec ([`command::fuzz_command`] is the fuzz target's body).
+//!   entry codec (`command::fuzz_command`, built for the fuzzer and the unit tests, is the fuzz target's body).
 //! - [`driver`]: the host-side driver over [`driver::Bar`], [`driver::DmaMemory`] and
 //!   [`driver::InterruptWait`].
 //! - [`local`]: the in-process join (no fabric): the `local` row of `lanbus bench nvme`.

@@ -44,6 +44,41 @@ use crate::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TransactionId(pub u64);
 
+/// A map keyed by [`TransactionId`] with a cheap hash: the ids are a local counter, never chosen
+/// by a peer, so the default hasher's protection against chosen keys buys nothing here, while the
+/// map sits on every request's path.
+pub type TransactionMap<V> = HashMap<TransactionId, V, BuildIdHasher>;
+
+/// Builds [`IdHasher`]s (see [`TransactionMap`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BuildIdHasher;
+
+impl std::hash::BuildHasher for BuildIdHasher {
+    type Hasher = IdHasher;
+    fn build_hasher(&self) -> IdHasher {
+        IdHasher(0)
+    }
+}
+
+/// Hashes a sequential id by one multiplication (Fibonacci hashing), which spreads consecutive
+/// ids over the whole word, so the map's probe bits differ from one id to the next.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 /// How a transaction ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RequesterEvent {
@@ -75,10 +110,29 @@ pub struct RequesterCounters {
 
 #[derive(Debug)]
 struct Transaction {
+    /// The bytes read so far; allocated when the first part ends, unless that part is the whole
+    /// transaction, whose reassembled bytes then become the data as they are.
     data: Vec<u8>,
+    len: usize,
     /// Parts not yet ended.
     parts_left: usize,
     failed: bool,
+}
+
+impl Transaction {
+    /// Puts a part's bytes at `offset`.
+    fn place(&mut self, offset: usize, bytes: Vec<u8>) {
+        if self.data.is_empty() && offset == 0 && bytes.len() == self.len {
+            self.data = bytes;
+            return;
+        }
+        if self.data.len() != self.len {
+            self.data = vec![0; self.len];
+        }
+        if let Some(dst) = self.data.get_mut(offset..offset + bytes.len()) {
+            dst.copy_from_slice(&bytes);
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -123,7 +177,7 @@ pub struct Requester {
     timeout: Duration,
     tags: TagAllocator,
     next_id: u64,
-    transactions: HashMap<TransactionId, Transaction>,
+    transactions: TransactionMap<Transaction>,
     /// Indexed by tag.
     in_flight: Vec<Option<InFlight>>,
     queued: VecDeque<Queued>,
@@ -146,7 +200,7 @@ impl Requester {
             timeout,
             tags,
             next_id: 0,
-            transactions: HashMap::new(),
+            transactions: TransactionMap::default(),
             in_flight: (0..count).map(|_| None).collect(),
             queued: VecDeque::new(),
             progress: Instant::ZERO,
@@ -200,7 +254,7 @@ impl Requester {
         let before = self.queued.len();
         self.queued.extend(requests.into_iter().map(|request| Queued { id, request, since: now }));
         let parts = self.queued.len() - before;
-        self.transactions.insert(id, Transaction { data: vec![0; len], parts_left: parts, failed: false });
+        self.transactions.insert(id, Transaction { data: Vec::new(), len, parts_left: parts, failed: false });
         id
     }
 
@@ -275,8 +329,11 @@ impl Requester {
         let Some(t) = self.transactions.get_mut(&id) else { return };
         t.parts_left = t.parts_left.saturating_sub(1);
         if t.parts_left == 0 {
-            let t = self.transactions.remove(&id).expect("present");
+            let mut t = self.transactions.remove(&id).expect("present");
             if !t.failed {
+                // Zero-length reads and configuration writes end with no bytes placed.
+                let len = t.len.max(t.data.len());
+                t.data.resize(len, 0);
                 self.events.push_back(RequesterEvent::Done { id, data: t.data });
             }
         }
@@ -338,12 +395,8 @@ impl Requester {
                 if let Part::Memory { offset, reassembly } = flight.part {
                     match reassembly.into_data() {
                         Ok(d) => {
-                            if let Some(dst) = self
-                                .transactions
-                                .get_mut(&id)
-                                .and_then(|t| t.data.get_mut(offset..offset + d.len()))
-                            {
-                                dst.copy_from_slice(&d);
+                            if let Some(t) = self.transactions.get_mut(&id) {
+                                t.place(offset, d);
                             }
                         }
                         Err(e) => self.fail(id, e),
