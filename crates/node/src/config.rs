@@ -19,9 +19,10 @@ pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
     // Delay-based rate control reads a busy machine's scheduling delays as queueing and paces
     // down to its floor; one host and one device on a link do not need it.
     c.transport.rate.enabled = false;
-    // A peer is down after 1 s without heartbeats (10 intervals), not 300 ms: on a loaded machine
-    // a starved thread can miss three 100 ms beats, and a device that loses its host fails the
-    // DMA of the command it is running (the controller then reports a fatal status).
+    // A peer is down after 1 s with no frame from it (10 heartbeat intervals), not 300 ms: an idle
+    // peer is heard only through its heartbeats, and on a loaded machine a starved thread can
+    // miss three 100 ms beats; a device that loses its host fails the DMA of the command it is
+    // running (the controller then reports a fatal status).
     c.transport.heartbeat.missed_limit = 10;
     // Retransmission timeouts below a few milliseconds fire spuriously on a machine whose
     // threads are descheduled for that long (measured on the 2-core bench VM: every frame the

@@ -47,7 +47,8 @@ pub struct HeartbeatConfig {
     pub enabled: bool,
     /// How often to broadcast a heartbeat.
     pub interval: Duration,
-    /// A peer is down after this many of its announced intervals without a heartbeat.
+    /// A peer is down after this many of its announced intervals with no frame at all from it
+    /// (any valid DATA, ACK or heartbeat frame counts).
     pub missed_limit: u32,
     /// Our role.
     pub role: Role,

@@ -60,7 +60,9 @@
 //! effect. `poll_transmit` returns `None` while paced out or window-limited.
 //!
 //! *Heartbeats* ([`HeartbeatConfig`]): each endpoint broadcasts its role, name and group; a peer
-//! table expires peers after K missed heartbeats and reports [`Event`]s. DATA and ACK frames whose
+//! table reports [`Event`]s. Any valid frame from a peer (DATA, ACK or heartbeat) is a sign of
+//! life: a peer is down only when nothing at all arrived from it for K of its heartbeat
+//! intervals, so a peer too busy to be heard between its data frames is never taken for dead. DATA and ACK frames whose
 //! header group differs from the local group are dropped and counted; with heartbeats enabled,
 //! DATA and ACK frames from a MAC never heard in a heartbeat are dropped too.
 //!
@@ -134,7 +136,8 @@ pub enum Event {
         /// Its name.
         name: String,
     },
-    /// A peer missed [`HeartbeatConfig::missed_limit`] heartbeats.
+    /// Nothing at all (no DATA, ACK or heartbeat) arrived from a peer for
+    /// [`HeartbeatConfig::missed_limit`] of its heartbeat intervals.
     PeerDown {
         /// Its MAC address.
         peer: MacAddr,

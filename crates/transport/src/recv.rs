@@ -68,6 +68,9 @@ struct Peer {
     role: Role,
     group: u16,
     name: String,
+    /// How long the peer stays up after any valid frame from it: its announced heartbeat
+    /// interval times the missed-heartbeat limit.
+    lifetime: core::time::Duration,
     expires: Instant,
 }
 
@@ -86,6 +89,9 @@ pub struct ReceiveHalf {
     last: Option<(u64, usize)>,
     armed_acks: usize,
     peers: HashMap<MacAddr, Peer>,
+    /// The peer whose expiry was last pushed back by a frame, and when: a burst from one peer
+    /// looks its entry up once per a sixteenth of its lifetime, not once per frame.
+    refreshed: Option<(MacAddr, Instant)>,
     arena: Vec<u8>,
     consumed: usize,
     delivered: VecDeque<Delivered>,
@@ -109,6 +115,7 @@ impl ReceiveHalf {
             last: None,
             armed_acks: 0,
             peers: HashMap::new(),
+            refreshed: None,
             arena: Vec::new(),
             consumed: 0,
             delivered: VecDeque::new(),
@@ -263,6 +270,8 @@ impl ReceiveHalf {
             self.counters.drop_bad_checksum += 1;
             return;
         }
+        // Any valid frame is a sign of life: a peer busy sending data stays up without heartbeats.
+        self.refresh(now, src);
         let kind = packet.kind();
         if kind == Kind::Heartbeat {
             if dst != self.local && !dst.is_broadcast() {
@@ -315,6 +324,19 @@ impl ReceiveHalf {
             DataFrame { src, channel, seq: Seq(packet.sequence()), ts: packet.timestamp(), payload },
             lend,
         );
+    }
+
+    /// Pushes back the expiry of `peer`, if it is in the peer table.
+    fn refresh(&mut self, now: Instant, peer: MacAddr) {
+        if let Some((last, at)) = self.refreshed {
+            if last == peer && now.saturating_duration_since(at) < self.config.heartbeat.interval / 16 {
+                return;
+            }
+        }
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.expires = p.expires.max(now + p.lifetime);
+            self.refreshed = Some((peer, now));
+        }
     }
 
     /// Drops the delivered prefix of the arena once the application has taken it.
@@ -515,10 +537,12 @@ impl ReceiveHalf {
         }
         // Distrust the announced interval: between 1 ms and 60 s.
         let interval = core::time::Duration::from_micros(u64::from(hb.interval_us).clamp(1_000, 60_000_000));
-        let expires = now + interval * self.config.heartbeat.missed_limit.max(1);
+        let lifetime = interval * self.config.heartbeat.missed_limit.max(1);
+        let expires = now + lifetime;
         match self.peers.get_mut(&src) {
             Some(p) => {
-                p.expires = expires;
+                p.lifetime = lifetime;
+                p.expires = p.expires.max(expires);
                 p.role = hb.role;
                 if p.name != hb.name {
                     p.name = hb.name.to_string();
@@ -529,8 +553,8 @@ impl ReceiveHalf {
                 }
             }
             None => {
-                self.peers
-                    .insert(src, Peer { role: hb.role, group: hb.group, name: hb.name.to_string(), expires });
+                let name = hb.name.to_string();
+                self.peers.insert(src, Peer { role: hb.role, group: hb.group, name, lifetime, expires });
                 self.events.push_back(Event::PeerUp {
                     peer: src,
                     role: hb.role,

@@ -477,6 +477,38 @@ fn heartbeats_bring_peers_up_and_expire_them() {
 }
 
 #[test]
+fn a_peer_busy_sending_data_is_never_declared_down_without_its_heartbeats() {
+    let mut c = Config::default();
+    c.heartbeat.interval = Duration::from_millis(10);
+    c.heartbeat.missed_limit = 3;
+    let mut p = Pair::endpoints(c, Faults::default(), 7);
+    p.run_until(at_us(1000), |_| false);
+    assert!(matches!(p.events_a.as_slice(), [Event::PeerUp { peer: B, .. }]));
+    // From 1 ms on every heartbeat of B is lost, but B streams data to A for 200 ms (more than
+    // six times the 30 ms lifetime): its DATA frames keep it up.
+    p.filter = Some(Box::new(|dir, f| dir == Dir::AtoB || header(f).kind != Kind::Heartbeat));
+    let mut next_message = 0u64;
+    while p.now < at_us(200_000) {
+        while p.b.send(p.now, A, 1, &test_message(next_message, 200)).is_ok() {
+            next_message += 1;
+        }
+        let next = p.now + us(500);
+        p.run_until(next, |_| false);
+    }
+    assert!(p.a.counters().messages_delivered > 500, "{:?}", p.a.counters());
+    assert_eq!(p.a.counters().drop_unknown_peer, 0);
+    assert_eq!(p.events_a.len(), 1, "no PeerDown while data flows: {:?}", p.events_a);
+    // Now B falls silent altogether. Its last frame left at most one 10 ms clock step before
+    // this, so A declares it down between 20 and 30 ms from now, not earlier.
+    let silent = p.now;
+    p.filter = Some(Box::new(|dir, _| dir == Dir::AtoB));
+    p.run_until(silent + us(19_000), |_| false);
+    assert_eq!(p.events_a.len(), 1, "still up 19 ms after: {:?}", p.events_a);
+    p.run_until(silent + us(32_000), |_| false);
+    assert_eq!(p.events_a.last(), Some(&Event::PeerDown { peer: B }));
+}
+
+#[test]
 fn bad_frames_never_panic_and_are_counted() {
     let mut b = Endpoint::new(p2p(), B, Instant::ZERO);
     let (_, frames) = loaded(p2p(), 1);
