@@ -580,6 +580,11 @@ impl Handler for DevHandler {
                     self.shared.lose_host(&mut s);
                 }
             }
+            Event::PeerRestarted { peer, .. } if s.host == Some(*peer) => {
+                // Our host came back as a new incarnation: what we were doing for the old one
+                // fails, and the new one is served once it enumerates us again.
+                self.shared.lose_host(&mut s);
+            }
             Event::GroupChanged { peer, new, .. } => {
                 if let Some(p) = s.peers.get_mut(peer) {
                     p.1 = *new;

@@ -789,6 +789,17 @@ impl Handler for HostHandler {
                 lock(&sh.state).peers.remove(peer);
                 sh.remove_device(*peer, "stopped heartbeating");
             }
+            Event::PeerRestarted { peer, .. } => {
+                // A device bridge came back as a new incarnation: its functions are new too. The
+                // old session's requests fail, and the device is enumerated again.
+                let info = lock(&sh.state).peers.get(peer).cloned();
+                sh.remove_device(*peer, "restarted");
+                if let Some((Role::Device, g, name)) = info {
+                    if g == group {
+                        sh.add_device(*peer, name);
+                    }
+                }
+            }
             Event::GroupChanged { peer, new, .. } => {
                 let info = {
                     let mut st = lock(&sh.state);

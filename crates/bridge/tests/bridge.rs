@@ -381,6 +381,45 @@ fn group_reassignment_moves_the_device_between_hosts() {
     groups_move_devices(ThreadMode::Pipeline);
 }
 
+/// A device bridge that restarts with the same MAC is a new incarnation to its host at once
+/// (its epoch says so): the old session's functions go, the new ones are enumerated, and DMA
+/// works again, long before the old incarnation would have expired (1 s without a frame).
+fn device_restarts(mode: ThreadMode) {
+    let hub = Hub::new(HubConfig { seed: 5, ..HubConfig::default() }).unwrap();
+    let h = HostBridge::start(hub_node(&hub, 1), host_config(mode, 1)).unwrap();
+    let events = h.subscribe();
+    let d = DeviceBridge::start(hub_node(&hub, 9), device_config(mode, 1), dma_engine()).unwrap();
+    let f = one_device(&h);
+    assert!(matches!(events.recv_timeout(WAIT), Ok(HostEvent::DeviceAdded(_))));
+    h.add_region(SRC, DmaBuffer::from_vec(vec![3; 4096])).unwrap();
+    let dst = DmaBuffer::new(4096);
+    h.add_region(DST, dst.clone()).unwrap();
+    assert_eq!(transfer(&h, &f, SRC, DST, 4096, 1) & regs::STATUS_ERROR, 0);
+
+    d.shutdown();
+    let restarted = std::time::Instant::now();
+    let d = DeviceBridge::start(hub_node(&hub, 9), device_config(mode, 1), dma_engine()).unwrap();
+    let removed = events.recv_timeout(WAIT);
+    assert!(
+        matches!(&removed, Ok(HostEvent::DeviceRemoved { mac, reason, .. }) if *mac == d.local_mac() && reason == "restarted"),
+        "{removed:?}"
+    );
+    assert!(matches!(events.recv_timeout(WAIT), Ok(HostEvent::DeviceAdded(_))));
+    let seen_after = restarted.elapsed();
+    let f = one_device(&h);
+    dst.with(|b| b.fill(0));
+    // The new incarnation's engine counts from 1 again.
+    assert_eq!(transfer(&h, &f, SRC, DST, 4096, 1) & regs::STATUS_ERROR, 0);
+    assert_eq!(dst.read_vec(0, 4096), vec![3; 4096]);
+    assert!(seen_after < Duration::from_millis(900), "the restart took {seen_after:?} to be seen");
+    assert!(h.runtime_stats().transport.peer_restarts >= 1);
+}
+
+#[test]
+fn a_device_bridge_restarted_with_the_same_mac_is_enumerated_again_at_once() {
+    device_restarts(ThreadMode::RunToCompletion);
+}
+
 fn device_goes_down(mode: ThreadMode) {
     let hub = Hub::new(HubConfig { seed: 31, ..HubConfig::default() }).unwrap();
     let mut hc = host_config(mode, 5);

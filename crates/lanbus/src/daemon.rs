@@ -162,6 +162,7 @@ fn transport_json(rt: &lanbus_runtime::Stats) -> Value {
         + t.drop_unknown_peer
         + t.drop_out_of_order
         + t.drop_duplicate
+        + t.drop_stale_epoch
         + t.drop_backlog
         + t.drop_too_many_channels;
     json!({
@@ -169,6 +170,8 @@ fn transport_json(rt: &lanbus_runtime::Stats) -> Value {
         "frames_received": t.frames_received,
         "retransmitted_frames": t.retransmitted_frames,
         "fast_retransmits": t.fast_retransmits,
+        "tail_loss_probes": t.tail_loss_probes,
+        "peer_restarts": t.peer_restarts,
         "retransmission_timeouts": t.timeouts,
         "drops": drops,
         "drops_out_of_order": t.drop_out_of_order,

@@ -10,10 +10,10 @@ use lanbus_wire::ethernet::HEADER_LEN;
 use lanbus_wire::EtherType;
 
 /// The shortest Ethernet payload a port delivers: the fixed lanbus header (version, kind, flags,
-/// group, channel, sequence, ACK, timestamps, length, checksum), 32 bytes.
+/// group, channel, sequence, ACK, timestamps, length, checksum, epochs), 40 bytes.
 ///
 /// This mirrors `lanbus_wire::frame::HEADER_LEN` of the transport branch; the two must agree.
-pub const MIN_PAYLOAD_BYTES: usize = 32;
+pub const MIN_PAYLOAD_BYTES: usize = 40;
 
 /// Why a received frame was not delivered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

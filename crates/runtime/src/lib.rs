@@ -255,6 +255,23 @@ pub struct Runtime {
     threads: Vec<JoinHandle<()>>,
 }
 
+/// A nonzero epoch for a new incarnation: the wall clock, the process and a counter mixed (not
+/// cryptographic; two incarnations of one MAC only need to differ, which they do unless they
+/// start in the same nanosecond).
+fn draw_epoch() -> u32 {
+    use std::sync::atomic::AtomicU64;
+    static STARTS: AtomicU64 = AtomicU64::new(0);
+    // Relaxed: only distinctness of the values matters.
+    let n = STARTS.fetch_add(1, Ordering::Relaxed);
+    let t =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let mut x = t ^ (u64::from(std::process::id()) << 32) ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 29;
+    (x as u32).max(1)
+}
+
 impl Runtime {
     /// Starts the node's threads.
     pub fn start(
@@ -267,6 +284,9 @@ impl Runtime {
         let mut transport = config.transport.clone();
         // The transport never writes frames larger than the port carries.
         transport.mtu = transport.mtu.min(port.mtu());
+        if transport.epoch == 0 {
+            transport.epoch = draw_epoch();
+        }
         let endpoint = Endpoint::new(transport, local_mac, clock.now());
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),

@@ -264,6 +264,8 @@ impl LatencyParams {
         let mut transport = Config::point_to_point();
         transport.pack_messages = false;
         transport.rate.enabled = false;
+        // The paper's scheme: Go-Back-N, fast retransmit and the timer, no tail-loss probe.
+        transport.tail_loss_probe = false;
         LatencyParams {
             loss,
             messages,
@@ -470,6 +472,7 @@ impl MultiParams {
     pub fn paper(sessions: u16, rate_control: bool, duration: Duration, seed: u64) -> Self {
         let mut transport = Config::point_to_point();
         transport.rate.enabled = rate_control;
+        transport.tail_loss_probe = false;
         MultiParams {
             sessions,
             burst_bytes: 1_000_000,

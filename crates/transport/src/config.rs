@@ -87,6 +87,13 @@ pub struct Config {
     pub initial_rto: Duration,
     /// Lower bound of the RTO.
     pub min_rto: Duration,
+    /// Send the oldest unacknowledged frame once more when no ACK came for two smoothed round
+    /// trips plus the ACK delay while frames are in flight (a tail-loss probe, as TCP's
+    /// RACK-TLP): a lost last frame, which no later frame reveals through duplicate ACKs, then
+    /// costs a few round trips instead of a retransmission timeout. One probe per flight (until
+    /// the next ACK progress); the RTO still backs it up. Off in the simulator's
+    /// reproduction of the retransmission paper, whose scheme has no probe.
+    pub tail_loss_probe: bool,
     /// Upper bound of the RTO, backoff included.
     pub max_rto: Duration,
     /// Acknowledge after this many in-order frames...
@@ -101,6 +108,10 @@ pub struct Config {
     pub initial_sequence: u32,
     /// Our group; DATA/ACK frames from other groups are dropped.
     pub group: u16,
+    /// This incarnation's epoch, carried by every frame; a driver draws a new one each time the
+    /// endpoint starts (the runtime does when this is 0), so that peers tell a restart from the
+    /// incarnation before it. 0 here in a sans-IO endpoint means 1.
+    pub epoch: u32,
     /// Receive channels (peer, channel) kept at most; frames opening more are dropped.
     pub max_channels: usize,
     /// Received bytes waiting in `poll_message` before new DATA frames are dropped (unacknowledged,
@@ -121,6 +132,7 @@ impl Default for Config {
             dup_ack_threshold: 2,
             initial_rto: Duration::from_millis(1),
             min_rto: Duration::from_micros(100),
+            tail_loss_probe: true,
             max_rto: Duration::from_millis(100),
             ack_every_frames: 4,
             ack_delay: Duration::from_micros(5),
@@ -128,6 +140,7 @@ impl Default for Config {
             checksum: true,
             initial_sequence: 0,
             group: 0,
+            epoch: 0,
             max_channels: 4096,
             max_receive_backlog_bytes: 16 << 20,
             rate: RateConfig::default(),

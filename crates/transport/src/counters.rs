@@ -22,6 +22,11 @@ pub struct Counters {
     pub fast_retransmits: u64,
     /// Retransmission timeouts (go-backs on the timer).
     pub timeouts: u64,
+    /// Tail-loss probes: the oldest unacknowledged frame sent again after about two round trips
+    /// without an ACK, before the retransmission timer (see [`Config::tail_loss_probe`]).
+    ///
+    /// [`Config::tail_loss_probe`]: crate::Config::tail_loss_probe
+    pub tail_loss_probes: u64,
     /// Times `poll_transmit` had data but was held back by pacing.
     pub paced_out: u64,
     /// Frames handed to `handle_frame`.
@@ -53,6 +58,11 @@ pub struct Counters {
     pub drop_out_of_order: u64,
     /// DATA frames dropped: already received.
     pub drop_duplicate: u64,
+    /// Frames dropped: sent by an earlier incarnation of the peer, or meant for an earlier
+    /// incarnation of this endpoint (their epochs say so).
+    pub drop_stale_epoch: u64,
+    /// Peers seen coming back with a new epoch (restarted): their channels started afresh.
+    pub peer_restarts: u64,
     /// DATA frames dropped: the application has not drained enough delivered messages.
     pub drop_backlog: u64,
     /// DATA frames dropped: they would open more than `max_channels` receive channels (or
@@ -103,6 +113,7 @@ impl Counters {
             + self.drop_unknown_peer
             + self.drop_out_of_order
             + self.drop_duplicate
+            + self.drop_stale_epoch
             + self.drop_backlog
             + self.drop_too_many_channels
     }
@@ -131,6 +142,7 @@ impl Counters {
             retransmitted_frames,
             fast_retransmits,
             timeouts,
+            tail_loss_probes,
             paced_out,
             frames_received,
             acks_received,
@@ -146,6 +158,8 @@ impl Counters {
             drop_unknown_peer,
             drop_out_of_order,
             drop_duplicate,
+            drop_stale_epoch,
+            peer_restarts,
             drop_backlog,
             drop_too_many_channels,
             messages_sent,

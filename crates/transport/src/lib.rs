@@ -46,6 +46,11 @@
 //! retransmitted frames) is unnecessary: a retransmission carries a fresh timestamp, and the echo
 //! says which copy was answered (as RFC 7323 §4 argues for TCP timestamps).
 //!
+//! With [`Config::tail_loss_probe`], when no ACK came for two smoothed round trips (plus the
+//! ACK delay) while frames are in flight, the oldest unacknowledged frame goes once more before
+//! the timer: the receiver's answer to it (an advancing or a duplicate ACK) moves the sender on
+//! within a round trip, so a lost last frame no longer waits for the RTO.
+//!
 //! *Receiver*: accepts only the frame whose sequence is the next expected one; any other DATA frame
 //! is dropped (counted as out of order or duplicate) and answered at once with a duplicate ACK, always
 //! in an ACK frame of its own (never carried on DATA: the sender counts only ACK frames).
@@ -58,6 +63,13 @@
 //! Timely's gradient does); a channel also keeps at most `rate * (min RTT + target delay)` bytes in
 //! flight (Swift's window), so a growing queue slows it through the ACK clock before any cut takes
 //! effect. `poll_transmit` returns `None` while paced out or window-limited.
+//!
+//! *Restarts*: every frame carries its sender's epoch (one per incarnation, [`Config::epoch`]) and
+//! the receiver's epoch as the sender knows it. A peer heard with a new epoch has restarted:
+//! both sides start every channel with it afresh and the application gets
+//! [`Event::PeerRestarted`]. Frames from a peer's earlier incarnation, and frames meant for an
+//! earlier incarnation of ours, are dropped (the latter answered with an ACK frame that carries
+//! our epoch, so the peer learns of our restart at once).
 //!
 //! *Heartbeats* ([`HeartbeatConfig`]): each endpoint broadcasts its role, name and group; a peer
 //! table reports [`Event`]s. Any valid frame from a peer (DATA, ACK or heartbeat) is a sign of
@@ -142,6 +154,15 @@ pub enum Event {
         /// Its MAC address.
         peer: MacAddr,
     },
+    /// A peer came back with a new epoch: it restarted (with the same MAC). Every channel with it
+    /// started afresh on both sides; messages queued for or partly received from its earlier
+    /// incarnation are gone. A peer table entry stays as it was (no `PeerDown`/`PeerUp`).
+    PeerRestarted {
+        /// Its MAC address.
+        peer: MacAddr,
+        /// Its new epoch.
+        epoch: u32,
+    },
     /// A live peer announced a different group.
     GroupChanged {
         /// Its MAC address.
@@ -206,6 +227,21 @@ pub enum Feedback {
         ack: Seq,
         /// The peer's timestamp to echo back (ns, truncated).
         echo_ns: Option<u32>,
+    },
+    /// The receiver heard a peer's epoch for the first time: frames to it carry it from now on.
+    PeerEpoch {
+        /// The peer.
+        peer: MacAddr,
+        /// Its epoch.
+        epoch: u32,
+    },
+    /// The receiver saw a peer come back with a new epoch (it restarted): the sending half drops
+    /// everything queued or in flight to it and starts its channels afresh.
+    PeerRestarted {
+        /// The peer.
+        peer: MacAddr,
+        /// Its new epoch.
+        epoch: u32,
     },
     /// The receiver discarded an out-of-order or already-received DATA frame and wants a
     /// duplicate ACK sent at once: always in an ACK frame of its own, never carried on DATA nor

@@ -64,6 +64,13 @@ struct Delivered {
     len: usize,
 }
 
+/// What this half knows of a peer's incarnations.
+struct Incarnations {
+    current: u32,
+    /// Its earlier epochs, most recent first: frames still carrying one are stale.
+    retired: [u32; 4],
+}
+
 struct Peer {
     role: Role,
     group: u16,
@@ -92,6 +99,12 @@ pub struct ReceiveHalf {
     /// The peer whose expiry was last pushed back by a frame, and when: a burst from one peer
     /// looks its entry up once per a sixteenth of its lifetime, not once per frame.
     refreshed: Option<(MacAddr, Instant)>,
+    /// This incarnation's epoch.
+    epoch: u32,
+    /// Every peer's epochs, and the last (peer, epoch) found current (a burst from one peer looks
+    /// its entry up once).
+    incarnations: HashMap<MacAddr, Incarnations>,
+    epoch_seen: Option<(MacAddr, u32)>,
     arena: Vec<u8>,
     consumed: usize,
     delivered: VecDeque<Delivered>,
@@ -106,6 +119,7 @@ pub struct ReceiveHalf {
 
 impl ReceiveHalf {
     pub(crate) fn new(config: Config, local: MacAddr) -> Self {
+        let epoch = config.epoch.max(1);
         ReceiveHalf {
             group: config.group,
             config,
@@ -116,6 +130,9 @@ impl ReceiveHalf {
             armed_acks: 0,
             peers: HashMap::new(),
             refreshed: None,
+            epoch,
+            incarnations: HashMap::new(),
+            epoch_seen: None,
             arena: Vec::new(),
             consumed: 0,
             delivered: VecDeque::new(),
@@ -270,6 +287,9 @@ impl ReceiveHalf {
             self.counters.drop_bad_checksum += 1;
             return;
         }
+        if (dst == self.local || dst.is_broadcast()) && !self.check_epoch(src, packet.epoch()) {
+            return;
+        }
         // Any valid frame is a sign of life: a peer busy sending data stays up without heartbeats.
         self.refresh(now, src);
         let kind = packet.kind();
@@ -298,6 +318,17 @@ impl ReceiveHalf {
             return;
         }
         let channel = packet.channel();
+        let meant_for = packet.peer_epoch();
+        if meant_for != 0 && meant_for != self.epoch {
+            // Sent to an earlier incarnation of ours: the peer has not heard of our restart. An
+            // ACK frame of ours (it carries our epoch) tells it at once.
+            self.counters.drop_stale_epoch += 1;
+            let ack = self
+                .channel_index(src, channel)
+                .map_or(Seq(self.config.initial_sequence), |i| self.channels[i].expected);
+            self.feedback.push_back(Feedback::SendDuplicateAck { peer: src, channel, ack, echo_ns: None });
+            return;
+        }
         if kind == Kind::Data && packet.flags() & FLAG_ACK != 0 {
             // A cumulative ACK is true whatever becomes of the frame's own data below.
             let echo_ns = (packet.flags() & FLAG_ECHO != 0).then(|| packet.echo());
@@ -324,6 +355,58 @@ impl ReceiveHalf {
             DataFrame { src, channel, seq: Seq(packet.sequence()), ts: packet.timestamp(), payload },
             lend,
         );
+    }
+
+    /// Checks a frame's sender epoch: false if the frame comes from an earlier incarnation of the
+    /// peer (drop it). A new epoch means the peer restarted: its channels start afresh here, and
+    /// the sending half and the application are told.
+    fn check_epoch(&mut self, peer: MacAddr, epoch: u32) -> bool {
+        if self.epoch_seen == Some((peer, epoch)) {
+            return true;
+        }
+        if epoch == 0 {
+            // Every sender stamps a nonzero epoch.
+            self.counters.drop_bad_frame += 1;
+            return false;
+        }
+        match self.incarnations.get_mut(&peer) {
+            None => {
+                self.incarnations.insert(peer, Incarnations { current: epoch, retired: [0; 4] });
+                self.feedback.push_back(Feedback::PeerEpoch { peer, epoch });
+            }
+            Some(inc) if inc.current == epoch => {}
+            Some(inc) if inc.retired.contains(&epoch) => {
+                self.counters.drop_stale_epoch += 1;
+                return false;
+            }
+            Some(inc) => {
+                inc.retired.rotate_right(1);
+                inc.retired[0] = inc.current;
+                inc.current = epoch;
+                self.restart_channels(peer);
+                self.counters.peer_restarts += 1;
+                self.feedback.push_back(Feedback::PeerRestarted { peer, epoch });
+                self.events.push_back(Event::PeerRestarted { peer, epoch });
+            }
+        }
+        self.epoch_seen = Some((peer, epoch));
+        true
+    }
+
+    /// Starts every receive channel from `peer` afresh (it restarted). Messages already
+    /// delivered stay for `poll_message`; a message half reassembled is dropped.
+    fn restart_channels(&mut self, peer: MacAddr) {
+        for ch in self.channels.iter_mut().filter(|c| c.peer == peer) {
+            ch.expected = Seq(self.config.initial_sequence);
+            ch.partial.clear();
+            ch.in_partial = false;
+            ch.unacked = 0;
+            if ch.ack_deadline.take().is_some() {
+                self.armed_acks -= 1;
+            }
+            ch.last_timestamp = 0;
+        }
+        self.feedback.retain(|f| !matches!(f, Feedback::AckOwed { peer: p, .. } | Feedback::SendAck { peer: p, .. } if *p == peer));
     }
 
     /// Pushes back the expiry of `peer`, if it is in the peer table.

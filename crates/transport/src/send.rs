@@ -32,6 +32,18 @@ fn header_mut(frame: &mut [u8]) -> Packet<&mut [u8]> {
     Packet::new_unchecked(&mut frame[ETH_LEN..])
 }
 
+/// When a tail-loss probe for a flight sent or acknowledged at `now` fires: two smoothed round
+/// trips plus the receiver's ACK delay, if that comes before the retransmission timer (and the
+/// channel has an RTT sample to go by; before one, the RTO alone serves).
+fn probe_at(config: &Config, ch: &TxChannel, now: Instant) -> Option<Instant> {
+    if !config.tail_loss_probe {
+        return None;
+    }
+    let srtt = core::time::Duration::from_nanos(ch.rtt.srtt()?);
+    let pto = srtt * 2 + config.ack_delay;
+    (pto < ch.rtt.rto()).then(|| now + pto)
+}
+
 /// A large message does not start in a queued frame with less room than this.
 const MIN_SPLIT_ROOM: usize = 256;
 
@@ -44,6 +56,13 @@ struct TxChannel {
     high: usize,
     dup_acks: u32,
     rto_deadline: Option<Instant>,
+    /// When a tail-loss probe fires, while frames are in flight and no probe was sent since the
+    /// last ACK progress.
+    probe_deadline: Option<Instant>,
+    /// A probe went since the last ACK progress (one per flight: after it, the RTO).
+    probed: bool,
+    /// A probe is due to be written by `poll_transmit`.
+    probe_pending: bool,
     rtt: RttEstimator,
     rate: RateControl,
     /// Bytes of `frames[..next]`: sent in this round and not acknowledged.
@@ -57,6 +76,8 @@ struct TxChannel {
     carried: Option<(Seq, Option<u32>)>,
     /// The newest ACK this half sent the peer on this channel (in an ACK frame or carried).
     last_acked: Option<Seq>,
+    /// The peer's epoch as this half knows it (0: not yet), stamped on every frame.
+    peer_epoch: u32,
 }
 
 impl TxChannel {
@@ -110,6 +131,12 @@ pub struct SendHalf {
     acks: VecDeque<AckDue>,
     next_heartbeat: Option<Instant>,
     rr: usize,
+    /// Channels with a tail-loss probe to write.
+    probes_pending: usize,
+    /// This incarnation's epoch.
+    epoch: u32,
+    /// Every peer's epoch as the receive half learnt it.
+    peer_epochs: std::collections::HashMap<MacAddr, u32>,
     counters: Counters,
     window: usize,
     /// The latest owed ACK of a channel this half has not sent on yet (channel key, ACK, echo):
@@ -120,6 +147,7 @@ pub struct SendHalf {
 impl SendHalf {
     pub(crate) fn new(config: Config, local: MacAddr, now: Instant) -> Self {
         let window = config.window_frames.max(1) as usize;
+        let epoch = config.epoch.max(1);
         SendHalf {
             group: config.group,
             next_heartbeat: config.heartbeat.enabled.then_some(now),
@@ -131,6 +159,9 @@ impl SendHalf {
             pool: Vec::new(),
             acks: VecDeque::new(),
             rr: 0,
+            probes_pending: 0,
+            epoch,
+            peer_epochs: std::collections::HashMap::new(),
             counters: Counters::default(),
             window,
             owed_unopened: None,
@@ -191,6 +222,9 @@ impl SendHalf {
                     high: 0,
                     dup_acks: 0,
                     rto_deadline: None,
+                    probe_deadline: None,
+                    probed: false,
+                    probe_pending: false,
                     rtt: RttEstimator::new(self.config.initial_rto, self.config.min_rto, self.config.max_rto),
                     rate: RateControl::new(&self.config.rate),
                     inflight_bytes: 0,
@@ -200,6 +234,7 @@ impl SendHalf {
                         .map(|(_, ack, echo)| (ack, echo)),
                     carried: None,
                     last_acked: None,
+                    peer_epoch: self.peer_epochs.get(&peer).copied().unwrap_or(0),
                 });
                 self.index.insert(k, i);
                 i
@@ -301,6 +336,50 @@ impl SendHalf {
             Feedback::AckCarried { peer, channel, ack, echo_ns } => {
                 self.on_ack(now, peer, channel, ack, echo_ns, true)
             }
+            Feedback::PeerEpoch { peer, epoch } => self.learn_epoch(peer, epoch),
+            Feedback::PeerRestarted { peer, epoch } => {
+                self.learn_epoch(peer, epoch);
+                self.restart_peer(peer);
+            }
+        }
+    }
+
+    /// Notes `peer`'s epoch: frames to it carry it from now on.
+    fn learn_epoch(&mut self, peer: MacAddr, epoch: u32) {
+        self.peer_epochs.insert(peer, epoch);
+        for ch in self.channels.iter_mut().filter(|c| c.peer == peer) {
+            ch.peer_epoch = epoch;
+        }
+    }
+
+    /// `peer` restarted: whatever was queued or in flight to it, and the ACKs owed it, are
+    /// dropped, and its channels start again at the initial sequence.
+    fn restart_peer(&mut self, peer: MacAddr) {
+        let initial = Seq(self.config.initial_sequence);
+        for ch in self.channels.iter_mut().filter(|c| c.peer == peer) {
+            self.pool.extend(ch.frames.drain(..).map(|mut f| {
+                f.clear();
+                f
+            }));
+            ch.base = initial;
+            ch.next = 0;
+            ch.high = 0;
+            ch.dup_acks = 0;
+            ch.rto_deadline = None;
+            ch.probe_deadline = None;
+            ch.probed = false;
+            if std::mem::take(&mut ch.probe_pending) {
+                self.probes_pending -= 1;
+            }
+            ch.inflight_bytes = 0;
+            ch.owed = None;
+            ch.carried = None;
+            ch.last_acked = None;
+        }
+        self.acks.retain(|a| a.peer != peer);
+        // The key's high 48 bits are the peer's MAC.
+        if self.owed_unopened.is_some_and(|(k, ..)| k >> 16 == key(peer, 0) >> 16) {
+            self.owed_unopened = None;
         }
     }
 
@@ -374,6 +453,7 @@ impl SendHalf {
                 if ch.dup_acks == self.config.dup_ack_threshold.max(1) {
                     ch.go_back();
                     ch.rto_deadline = None;
+                    ch.probe_deadline = None;
                     self.counters.fast_retransmits += 1;
                 }
             }
@@ -393,12 +473,23 @@ impl SendHalf {
         ch.dup_acks = 0;
         ch.rtt.on_progress();
         ch.rto_deadline = (ch.high > 0).then(|| now + ch.rtt.rto());
+        ch.probed = false;
+        ch.probe_deadline = (ch.high > 0).then(|| probe_at(&self.config, ch, now)).flatten();
     }
 
     /// Fires due timers: retransmission timeouts (go back to the first unacknowledged frame,
     /// double the RTO) and the heartbeat schedule.
     pub fn handle_timeout(&mut self, now: Instant) {
         for ch in &mut self.channels {
+            if ch.probe_deadline.is_some_and(|d| d <= now) {
+                ch.probe_deadline = None;
+                if ch.high > 0 && !ch.probe_pending {
+                    ch.probe_pending = true;
+                    ch.probed = true;
+                    self.probes_pending += 1;
+                    self.counters.tail_loss_probes += 1;
+                }
+            }
             if ch.rto_deadline.is_some_and(|d| d <= now) {
                 ch.rto_deadline = None;
                 if ch.high > 0 {
@@ -420,6 +511,9 @@ impl SendHalf {
         let mut consider = |x: Instant| t = Some(t.map_or(x, |t| t.min(x)));
         for ch in &self.channels {
             if let Some(d) = ch.rto_deadline {
+                consider(d);
+            }
+            if let Some(d) = ch.probe_deadline {
                 consider(d);
             }
             if ch.has_sendable(self.window, &self.config.rate) {
@@ -460,6 +554,19 @@ impl SendHalf {
             self.next_heartbeat = Some(now + self.config.heartbeat.interval);
             return Some(self.write_heartbeat(now, buf));
         }
+        while self.probes_pending > 0 {
+            let Some(ci) = self.channels.iter().position(|c| c.probe_pending) else {
+                self.probes_pending = 0;
+                break;
+            };
+            self.probes_pending -= 1;
+            let ch = &mut self.channels[ci];
+            ch.probe_pending = false;
+            // An ACK may have emptied the flight since the probe was due.
+            if ch.high > 0 {
+                return Some(self.write_probe(now, ci, buf));
+            }
+        }
         // Round robin from `rr`, wrapping by comparison: this runs on every poll, and a `%` is a
         // division each time.
         let n = self.channels.len();
@@ -489,8 +596,45 @@ impl SendHalf {
     /// Writes channel `ci`'s next DATA frame into `buf`, carrying the channel's owed ACK if any.
     /// The channel must have a sendable frame that pacing allows now.
     fn write_data(&mut self, now: Instant, ci: usize, buf: &mut [u8]) -> usize {
+        let next = self.channels[ci].next;
+        let len = self.emit_stored(now, ci, next, buf);
         let ch = &mut self.channels[ci];
-        let frame = &mut ch.frames[ch.next];
+        if ch.next < ch.high {
+            self.counters.retransmitted_frames += 1;
+        }
+        ch.next += 1;
+        ch.inflight_bytes += len;
+        ch.high = ch.high.max(ch.next);
+        if ch.rto_deadline.is_none() {
+            ch.rto_deadline = Some(now + ch.rtt.rto());
+        }
+        if ch.probe_deadline.is_none() && !ch.probed {
+            ch.probe_deadline = probe_at(&self.config, ch, now);
+        }
+        ch.rate.on_send(now, len);
+        self.counters.frames_sent += 1;
+        self.counters.data_frames_sent += 1;
+        len
+    }
+
+    /// Writes channel `ci`'s tail-loss probe: its oldest unacknowledged frame once more, outside
+    /// the window's order (the frames after it stay in flight as they are). Whatever was lost,
+    /// the receiver's answer to it moves the sender on: an ACK that advances if the frame or its
+    /// ACK was lost, a duplicate ACK otherwise. A spurious probe costs one frame.
+    fn write_probe(&mut self, now: Instant, ci: usize, buf: &mut [u8]) -> usize {
+        let len = self.emit_stored(now, ci, 0, buf);
+        self.counters.retransmitted_frames += 1;
+        self.counters.frames_sent += 1;
+        self.counters.data_frames_sent += 1;
+        len
+    }
+
+    /// Copies stored frame `index` of channel `ci` into `buf` for transmission now: fresh
+    /// timestamp (kept in the stored frame too, see `on_ack`), our group, the channel's owed ACK
+    /// if any, the checksum.
+    fn emit_stored(&mut self, now: Instant, ci: usize, index: usize, buf: &mut [u8]) -> usize {
+        let ch = &mut self.channels[ci];
+        let frame = &mut ch.frames[index];
         // The stored frame keeps the stamp of its latest transmission (see `on_ack`).
         header_mut(frame).set_timestamp(stamp(now));
         let len = frame.len();
@@ -498,6 +642,8 @@ impl SendHalf {
         let out = &mut buf[..len];
         let mut h = header_mut(out);
         h.set_group(self.group);
+        h.set_epoch(self.epoch);
+        h.set_peer_epoch(ch.peer_epoch);
         if let Some((ack, echo)) = ch.owed.take() {
             h.set_ack(ack.0);
             let mut flags = h.flags() | FLAG_ACK;
@@ -516,18 +662,6 @@ impl SendHalf {
             let mut h = header_mut(out);
             h.set_flags(h.flags() & !frame::FLAG_CHECKSUM);
         }
-        if ch.next < ch.high {
-            self.counters.retransmitted_frames += 1;
-        }
-        ch.next += 1;
-        ch.inflight_bytes += len;
-        ch.high = ch.high.max(ch.next);
-        if ch.rto_deadline.is_none() {
-            ch.rto_deadline = Some(now + ch.rtt.rto());
-        }
-        ch.rate.on_send(now, len);
-        self.counters.frames_sent += 1;
-        self.counters.data_frames_sent += 1;
         len
     }
 
@@ -585,6 +719,8 @@ impl SendHalf {
             timestamp: stamp(now),
             echo: a.echo_ns.unwrap_or(0),
             payload_len: 0,
+            epoch: self.epoch,
+            peer_epoch: self.peer_epochs.get(&a.peer).copied().unwrap_or(0),
         };
         self.counters.frames_sent += 1;
         self.counters.ack_frames_sent += 1;
@@ -610,6 +746,8 @@ impl SendHalf {
             timestamp: stamp(now),
             echo: 0,
             payload_len: plen as u16,
+            epoch: self.epoch,
+            peer_epoch: 0,
         };
         self.counters.frames_sent += 1;
         self.counters.heartbeats_sent += 1;
@@ -632,6 +770,8 @@ fn start_frame(f: &mut Vec<u8>, local: MacAddr, peer: MacAddr, channel: u16, seq
         ack: 0,
         timestamp: 0,
         echo: 0,
+        epoch: 0,
+        peer_epoch: 0,
         payload_len: 0,
     }
     .emit(&mut Packet::new_unchecked(&mut f[ETH_LEN..]));

@@ -1,6 +1,6 @@
 //! The lanbus header (wire layer): what follows an Ethernet II header with EtherType 0x88B5.
 //!
-//! `docs/wire.md` draws every byte. In short, a 32-byte header:
+//! `docs/wire.md` draws every byte. In short, a 40-byte header:
 //!
 //! ```text
 //!  0       1       2       3       4               6               8
@@ -13,7 +13,14 @@
 //! +---------------+---------------+-------------------------------+
 //! | payload length|     rsvd      |           checksum            |  24..32
 //! +---------------+---------------+-------------------------------+
+//! |         sender's epoch        |   receiver's epoch (or 0)     |  32..40
+//! +-------------------------------+-------------------------------+
 //! ```
+//!
+//! An epoch names one incarnation of an endpoint (drawn anew each time it starts): a frame says
+//! which incarnation sent it and which incarnation of the receiver it is meant for, so a peer that
+//! restarts with the same MAC is told apart from its previous self, and frames of either old
+//! incarnation are recognised as such.
 //!
 //! then `payload length` bytes: message records for DATA ([`MessageRecord`]), nothing for ACK, a
 //! [`HeartbeatRepr`] for HEARTBEAT. Bytes after the payload (Ethernet minimum-size padding) are
@@ -29,10 +36,11 @@ use crate::ethernet::HEADER_LEN as ETHERNET_HEADER_LEN;
 use crate::{Error, Result};
 
 /// The only version this implementation speaks. Frames with another version are dropped.
-pub const VERSION: u8 = 1;
+/// Version 2 added the epochs (and grew the header from 32 to 40 bytes).
+pub const VERSION: u8 = 2;
 
 /// Length of the lanbus header.
-pub const HEADER_LEN: usize = 32;
+pub const HEADER_LEN: usize = 40;
 
 /// Largest message the transport carries (64 KiB), segmented over as many frames as needed.
 pub const MAX_MESSAGE_LEN: usize = 65_536;
@@ -66,6 +74,8 @@ mod field {
     pub const PAYLOAD_LEN: Range<usize> = 24..26;
     pub const RESERVED1: Range<usize> = 26..28;
     pub const CHECKSUM: Range<usize> = 28..32;
+    pub const EPOCH: Range<usize> = 32..36;
+    pub const PEER_EPOCH: Range<usize> = 36..40;
 }
 
 /// What a frame carries.
@@ -206,6 +216,18 @@ impl<T: AsRef<[u8]>> Packet<T> {
         be32(&self.buffer.as_ref()[field::CHECKSUM])
     }
 
+    /// The epoch of the endpoint that sent the frame: one value per incarnation.
+    pub fn epoch(&self) -> u32 {
+        be32(&self.buffer.as_ref()[field::EPOCH])
+    }
+
+    /// The receiver's epoch as the sender knows it: frames meant for an earlier incarnation of
+    /// the receiver carry that one's. 0 when the sender has not heard the receiver yet (and on
+    /// heartbeats, which go to everyone).
+    pub fn peer_epoch(&self) -> u32 {
+        be32(&self.buffer.as_ref()[field::PEER_EPOCH])
+    }
+
     /// The payload (exactly `payload_len` bytes; padding after it is not included).
     pub fn payload(&self) -> &[u8] {
         let end = HEADER_LEN + usize::from(self.payload_len());
@@ -277,6 +299,16 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
         self.set32(field::CHECKSUM, c);
     }
 
+    /// Sets the sender's epoch.
+    pub fn set_epoch(&mut self, e: u32) {
+        self.set32(field::EPOCH, e);
+    }
+
+    /// Sets the receiver's epoch as the sender knows it (0: not known).
+    pub fn set_peer_epoch(&mut self, e: u32) {
+        self.set32(field::PEER_EPOCH, e);
+    }
+
     /// Zeroes the reserved bytes.
     pub fn clear_reserved(&mut self) {
         self.buffer.as_mut()[field::RESERVED0] = 0;
@@ -311,6 +343,10 @@ pub struct Repr {
     pub echo: u32,
     /// Payload length.
     pub payload_len: u16,
+    /// The sender's epoch.
+    pub epoch: u32,
+    /// The receiver's epoch as the sender knows it (0: not known).
+    pub peer_epoch: u32,
 }
 
 impl Repr {
@@ -330,6 +366,8 @@ impl Repr {
             timestamp: p.timestamp(),
             echo: p.echo(),
             payload_len: p.payload_len(),
+            epoch: p.epoch(),
+            peer_epoch: p.peer_epoch(),
         })
     }
 
@@ -353,6 +391,8 @@ impl Repr {
         p.set_echo(self.echo);
         p.set_payload_len(self.payload_len);
         p.set_checksum(0);
+        p.set_epoch(self.epoch);
+        p.set_peer_epoch(self.peer_epoch);
     }
 }
 
@@ -634,12 +674,14 @@ mod tests {
     use crate::{EtherType, EthernetFrame, EthernetRepr, MacAddr};
 
     // DATA, flags ECHO, group 7, channel 3, seq 0xfffffffe, ack 0, ts 0x01020304, echo 0x0a0b0c0d,
-    // payload 7 bytes: one record (len 3, FIRST|LAST, "abc").
-    static DATA_HEADER: [u8; 32] = [
-        0x01, 0x01, 0x02, 0x00, 0x00, 0x07, 0x00, 0x03, //
+    // epochs 0x11223344 (sender) and 0x55667788 (receiver), payload 7 bytes: one record (len 3,
+    // FIRST|LAST, "abc").
+    static DATA_HEADER: [u8; 40] = [
+        0x02, 0x01, 0x02, 0x00, 0x00, 0x07, 0x00, 0x03, //
         0xff, 0xff, 0xff, 0xfe, 0x00, 0x00, 0x00, 0x00, //
         0x01, 0x02, 0x03, 0x04, 0x0a, 0x0b, 0x0c, 0x0d, //
-        0x00, 0x07, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x07, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, //
+        0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
     ];
     static RECORD: [u8; 7] = [0x00, 0x03, 0x03, 0x00, b'a', b'b', b'c'];
 
@@ -654,6 +696,8 @@ mod tests {
             timestamp: 0x0102_0304,
             echo: 0x0a0b_0c0d,
             payload_len: 7,
+            epoch: 0x1122_3344,
+            peer_epoch: 0x5566_7788,
         }
     }
 
@@ -667,7 +711,7 @@ mod tests {
     fn deconstruct() {
         let bytes = data_packet();
         let p = Packet::new_checked(&bytes[..]).unwrap();
-        assert_eq!(p.version(), 1);
+        assert_eq!(p.version(), 2);
         assert_eq!(p.kind(), Kind::Data);
         assert_eq!(p.flags(), FLAG_ECHO);
         assert_eq!(p.group(), 7);
@@ -677,6 +721,7 @@ mod tests {
         assert_eq!(p.timestamp(), 0x0102_0304);
         assert_eq!(p.echo(), 0x0a0b_0c0d);
         assert_eq!(p.payload_len(), 7);
+        assert_eq!((p.epoch(), p.peer_epoch()), (0x1122_3344, 0x5566_7788));
         assert_eq!(p.payload(), &RECORD);
         assert_eq!(Repr::parse(&p).unwrap(), data_repr());
         let recs: Vec<_> = Records::new(p.payload()).collect();
@@ -685,7 +730,7 @@ mod tests {
 
     #[test]
     fn construct() {
-        let mut buf = vec![0xaau8; 39];
+        let mut buf = vec![0xaau8; 47];
         let mut p = Packet::new_unchecked(&mut buf[..]);
         data_repr().emit(&mut p);
         let n = MessageRecord { flags: RECORD_FIRST | RECORD_LAST, data: b"abc" }.emit(p.payload_mut());
@@ -693,12 +738,13 @@ mod tests {
         assert_eq!(buf, data_packet());
     }
 
-    // ACK from group 1 channel 0: ack 5, echo valid.
-    static ACK_HEADER: [u8; 32] = [
-        0x01, 0x02, 0x02, 0x00, 0x00, 0x01, 0x00, 0x00, //
+    // ACK from group 1 channel 0: ack 5, echo valid, sender epoch 1, receiver's not known yet.
+    static ACK_HEADER: [u8; 40] = [
+        0x02, 0x02, 0x02, 0x00, 0x00, 0x01, 0x00, 0x00, //
         0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x05, //
         0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00, 0x08, //
-        0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, //
+        0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00,
     ];
 
     #[test]
@@ -713,11 +759,13 @@ mod tests {
             timestamp: 9,
             echo: 8,
             payload_len: 0,
+            epoch: 1,
+            peer_epoch: 0,
         };
         let p = Packet::new_checked(&ACK_HEADER[..]).unwrap();
         assert_eq!(Repr::parse(&p).unwrap(), repr);
         assert!(p.payload().is_empty());
-        let mut out = [0u8; 32];
+        let mut out = [0u8; 40];
         repr.emit(&mut Packet::new_unchecked(&mut out[..]));
         assert_eq!(out, ACK_HEADER);
     }
@@ -756,15 +804,15 @@ mod tests {
     #[test]
     fn truncated_and_malformed() {
         let bytes = data_packet();
-        assert_eq!(Packet::new_checked(&bytes[..31]).unwrap_err(), Error::Truncated { need: 32, have: 31 });
-        assert_eq!(Packet::new_checked(&bytes[..38]).unwrap_err(), Error::Truncated { need: 39, have: 38 });
+        assert_eq!(Packet::new_checked(&bytes[..39]).unwrap_err(), Error::Truncated { need: 40, have: 39 });
+        assert_eq!(Packet::new_checked(&bytes[..46]).unwrap_err(), Error::Truncated { need: 47, have: 46 });
         // Padding after the payload is allowed and ignored.
         let mut padded = bytes.clone();
         padded.extend_from_slice(&[0; 10]);
         assert_eq!(Packet::new_checked(&padded[..]).unwrap().payload(), &RECORD);
-        let mut v2 = bytes.clone();
-        v2[0] = 2;
-        let p = Packet::new_checked(&v2[..]).unwrap();
+        let mut v1 = bytes.clone();
+        v1[0] = 1;
+        let p = Packet::new_checked(&v1[..]).unwrap();
         assert_eq!(Repr::parse(&p), Err(Error::Malformed { what: "lanbus version" }));
         let mut k = bytes.clone();
         k[1] = 9;
@@ -822,16 +870,18 @@ mod tests {
 
     #[test]
     fn checksum_fixture_from_an_independent_encoder() {
-        // An ACK frame (02:4c:42:00:00:02 -> ...:01, group 7, channel 3, ack 0xffffffff, echo 1000)
-        // encoded by a separate Python script (a table CRC-32C from RFC 3720's definition) from
-        // docs/wire.md's description.
-        let hex =
-            "024c42000001024c4200000288b5010203000007000300000000ffffffff000007d0000003e800000000ba9e0e30";
+        // An ACK frame (02:4c:42:00:00:02 -> ...:01, group 7, channel 3, ack 0xffffffff, echo 1000,
+        // epochs 0x0a0b0c0d and 0x01020304) encoded by a separate Python script (a bitwise
+        // CRC-32C from RFC 3720's definition, checked against "123456789") from docs/wire.md's
+        // description.
+        let hex = "024c42000001024c4200000288b5020203000007000300000000ffffffff000007d0000003e8\
+                   000000004fd36f220a0b0c0d01020304";
         let f: Vec<u8> =
             (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
         assert!(verify_checksum(&f));
         let p = Packet::new_checked(&f[ETHERNET_HEADER_LEN..]).unwrap();
         assert_eq!((p.kind(), p.group(), p.channel(), p.ack(), p.echo()), (Kind::Ack, 7, 3, u32::MAX, 1000));
+        assert_eq!((p.epoch(), p.peer_epoch()), (0x0a0b_0c0d, 0x0102_0304));
         let mut again = f.clone();
         fill_checksum(&mut again);
         assert_eq!(again, f);

@@ -32,9 +32,11 @@ pub fn seq_of(frame: &[u8]) -> u32 {
     u32::from_be_bytes(frame[HEADER_LEN..HEADER_LEN + 4].try_into().unwrap())
 }
 
-/// A payload length for `seq` between 32 and `max`, deterministic.
+/// A payload length for `seq` between the shortest a port delivers (a lanbus header) and `max`,
+/// deterministic.
 pub fn len_for(seq: u32, max: usize) -> usize {
-    32 + (seq as usize * 7919) % (max - 32 + 1)
+    let min = lanbus_port::check::MIN_PAYLOAD_BYTES;
+    min + (seq as usize * 7919) % (max - min + 1)
 }
 
 /// Receives until `n` frames arrived or `timeout` passed, blocking in `wait` when idle.
