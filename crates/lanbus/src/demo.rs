@@ -135,8 +135,14 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         let Some(rt) = rt else { continue };
         let t = rt.transport;
         println!(
-            "  transport ({who}): {} frames sent, {} retransmitted ({} fast retransmits, {} timeouts), {} dropped out of order",
-            t.frames_sent, t.retransmitted_frames, t.fast_retransmits, t.timeouts, t.drop_out_of_order
+            "  transport ({who}): {} frames sent, {} retransmitted ({} fast retransmits, {} tail-loss \
+             probes, {} timeouts), {} dropped out of order",
+            t.frames_sent,
+            t.retransmitted_frames,
+            t.fast_retransmits,
+            t.tail_loss_probes,
+            t.timeouts,
+            t.drop_out_of_order
         );
     }
     fab.unplug();
