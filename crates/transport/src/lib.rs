@@ -92,6 +92,8 @@ mod config;
 mod counters;
 mod endpoint;
 mod map;
+#[cfg(test)]
+mod peer_tests;
 mod rate;
 mod recv;
 mod rtt;
