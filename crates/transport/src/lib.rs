@@ -58,7 +58,9 @@
 //! [`Config::ack_delay`], whichever comes first.
 //!
 //! *Rate control* ([`RateConfig`], Timely/Swift spirit): each channel paces its frames at a rate
-//! that is cut multiplicatively when the RTT exceeds the minimum RTT plus a target queueing delay
+//! that is cut multiplicatively when the fabric's RTT (the RTT less the time the receiver says it
+//! held the frame before acknowledging it, as Swift separates fabric and host delay) exceeds the
+//! minimum RTT plus a target queueing delay
 //! and raised additively when it is below (held while the RTT is above target but falling, as
 //! Timely's gradient does); a channel also keeps at most `rate * (min RTT + target delay)` bytes in
 //! flight (Swift's window), so a growing queue slows it through the ACK clock before any cut takes
@@ -106,7 +108,7 @@ mod tests;
 #[cfg(any(test, feature = "testing"))]
 pub mod testutil;
 
-use lanbus_wire::MacAddr;
+use lanbus_wire::{Instant, MacAddr};
 
 pub use config::{Config, HeartbeatConfig, RateConfig};
 pub use counters::Counters;
@@ -190,6 +192,9 @@ pub enum Feedback {
         ack: Seq,
         /// The timestamp of ours that the ACK echoes (ns, truncated to 32 bits).
         echo_ns: Option<u32>,
+        /// How long the peer held the echoed frame before this ACK left it (its own delay, which
+        /// rate control leaves out of the fabric's), ns.
+        hold_ns: u64,
     },
     /// A DATA frame from the peer carried an ACK for data this endpoint sent (a piggybacked
     /// ACK): it advances the window like [`Feedback::AckReceived`] but never counts as a
@@ -203,6 +208,9 @@ pub enum Feedback {
         ack: Seq,
         /// The timestamp of ours that the ACK echoes (ns, truncated to 32 bits).
         echo_ns: Option<u32>,
+        /// How long the peer held the echoed frame before this ACK left it (its own delay, which
+        /// rate control leaves out of the fabric's), ns.
+        hold_ns: u64,
     },
     /// The receiver accepted DATA from a peer and owes it this ACK, which it will send on its own
     /// once enough frames arrived or the ACK delay is over; until then the sending half may carry
@@ -217,6 +225,8 @@ pub enum Feedback {
         ack: Seq,
         /// The peer's timestamp to echo back (ns, truncated).
         echo_ns: Option<u32>,
+        /// When the frame whose timestamp is echoed arrived: the ACK reports how long it held it.
+        received: Instant,
     },
     /// The receiver wants an ACK sent to a peer. If it advances beyond every ACK sent or owed
     /// on the channel, a DATA frame written at once may carry it instead of an ACK frame.
@@ -229,6 +239,8 @@ pub enum Feedback {
         ack: Seq,
         /// The peer's timestamp to echo back (ns, truncated).
         echo_ns: Option<u32>,
+        /// When the frame whose timestamp is echoed arrived: the ACK reports how long it held it.
+        received: Instant,
     },
     /// The receiver heard a peer's epoch for the first time: frames to it carry it from now on.
     PeerEpoch {
@@ -257,6 +269,8 @@ pub enum Feedback {
         ack: Seq,
         /// The timestamp of the discarded frame, to echo back (ns, truncated).
         echo_ns: Option<u32>,
+        /// When the discarded frame arrived.
+        received: Instant,
     },
 }
 

@@ -1,6 +1,8 @@
 //! Transport layer: delay-based rate control and pacing of one channel (in the spirit of Timely and Swift).
 //!
-//! The RTT minus the smallest RTT seen is taken as the queueing delay. Above
+//! The RTT here is the fabric's: the sender's sample less the time the receiver reports it held
+//! the frame before acknowledging it (coalescing, its threads waiting for a core), which is no
+//! queue on the wire. That RTT minus the smallest seen is taken as the queueing delay. Above
 //! `min_rtt + target_queue_delay` the rate is multiplied by `1 - beta * (rtt - target) / rtt`
 //! (at most once per smoothed RTT, never by less than `1 - max_decrease`); at or below target it
 //! grows by `additive_increase_bps` once per smoothed RTT. A timeout cuts by `max_decrease`.

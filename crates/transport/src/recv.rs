@@ -45,6 +45,8 @@ struct RxChannel {
     unacked: u32,
     ack_deadline: Option<Instant>,
     last_timestamp: u32,
+    /// When the frame of `last_timestamp` arrived.
+    last_arrival: Instant,
 }
 
 /// The parts of a DATA frame that [`ReceiveHalf::handle_data`] works on.
@@ -211,6 +213,7 @@ impl ReceiveHalf {
                         channel: ch.channel,
                         ack: ch.expected,
                         echo_ns: Some(ch.last_timestamp),
+                        received: ch.last_arrival,
                     });
                 }
             }
@@ -326,7 +329,13 @@ impl ReceiveHalf {
             let ack = self
                 .channel_index(src, channel)
                 .map_or(Seq(self.config.initial_sequence), |i| self.channels[i].expected);
-            self.feedback.push_back(Feedback::SendDuplicateAck { peer: src, channel, ack, echo_ns: None });
+            self.feedback.push_back(Feedback::SendDuplicateAck {
+                peer: src,
+                channel,
+                ack,
+                echo_ns: None,
+                received: now,
+            });
             return;
         }
         if kind == Kind::Data && packet.flags() & FLAG_ACK != 0 {
@@ -337,6 +346,7 @@ impl ReceiveHalf {
                 channel,
                 ack: Seq(packet.ack()),
                 echo_ns,
+                hold_ns: u64::from(packet.hold_us()) * 1000,
             });
         }
         if kind == Kind::Ack {
@@ -346,6 +356,7 @@ impl ReceiveHalf {
                 channel,
                 ack: Seq(packet.ack()),
                 echo_ns,
+                hold_ns: u64::from(packet.hold_us()) * 1000,
             });
             return;
         }
@@ -405,6 +416,7 @@ impl ReceiveHalf {
                 self.armed_acks -= 1;
             }
             ch.last_timestamp = 0;
+            ch.last_arrival = Instant::ZERO;
         }
         self.feedback.retain(|f| !matches!(f, Feedback::AckOwed { peer: p, .. } | Feedback::SendAck { peer: p, .. } if *p == peer));
     }
@@ -462,6 +474,7 @@ impl ReceiveHalf {
                     unacked: 0,
                     ack_deadline: None,
                     last_timestamp: 0,
+                    last_arrival: Instant::ZERO,
                 });
                 self.index.insert(k, i);
                 i
@@ -496,6 +509,7 @@ impl ReceiveHalf {
                 channel,
                 ack: ch.expected,
                 echo_ns: Some(ts),
+                received: now,
             });
             return;
         }
@@ -594,19 +608,34 @@ impl ReceiveHalf {
         ch.expected = ch.expected + 1;
         ch.unacked += 1;
         ch.last_timestamp = ts;
+        ch.last_arrival = now;
         if ch.unacked >= self.config.ack_every_frames.max(1) || self.config.ack_delay.is_zero() {
             ch.unacked = 0;
             if ch.ack_deadline.take().is_some() {
                 self.armed_acks -= 1;
             }
-            self.feedback.push_back(Feedback::SendAck { peer, channel, ack: ch.expected, echo_ns: Some(ts) });
+            let received = now;
+            self.feedback.push_back(Feedback::SendAck {
+                peer,
+                channel,
+                ack: ch.expected,
+                echo_ns: Some(ts),
+                received,
+            });
         } else {
             if ch.ack_deadline.is_none() {
                 ch.ack_deadline = Some(now + self.config.ack_delay);
                 self.armed_acks += 1;
             }
             // The sending half may carry this ACK on a DATA frame before the deadline.
-            self.feedback.push_back(Feedback::AckOwed { peer, channel, ack: ch.expected, echo_ns: Some(ts) });
+            let received = now;
+            self.feedback.push_back(Feedback::AckOwed {
+                peer,
+                channel,
+                ack: ch.expected,
+                echo_ns: Some(ts),
+                received,
+            });
         }
     }
 

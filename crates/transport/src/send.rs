@@ -32,6 +32,12 @@ fn header_mut(frame: &mut [u8]) -> Packet<&mut [u8]> {
     Packet::new_unchecked(&mut frame[ETH_LEN..])
 }
 
+/// How long since `received`, in the microseconds an ACK reports (saturating).
+fn hold_us(now: Instant, received: Instant) -> u16 {
+    let us = (now.saturating_duration_since(received).as_nanos() + 500) / 1000;
+    u16::try_from(us).unwrap_or(u16::MAX)
+}
+
 /// When a tail-loss probe for a flight sent or acknowledged at `now` fires: two smoothed round
 /// trips plus the receiver's ACK delay, if that comes before the retransmission timer (and the
 /// channel has an RTT sample to go by; before one, the RTO alone serves).
@@ -70,7 +76,7 @@ struct TxChannel {
     /// The ACK (and echo) the receive half owes the peer on this channel, which the next DATA
     /// frame carries ([`Feedback::AckOwed`], or a due [`Feedback::SendAck`] whose carrier is
     /// written in the same `poll_transmit`).
-    owed: Option<(Seq, Option<u32>)>,
+    owed: Option<(Seq, Option<u32>, Instant)>,
     /// The last ACK a DATA frame carried: the same ACK coming later as [`Feedback::SendAck`]
     /// (the coalescing timer firing) is not sent again.
     carried: Option<(Seq, Option<u32>)>,
@@ -110,6 +116,8 @@ struct AckDue {
     channel: u16,
     ack: Seq,
     echo_ns: Option<u32>,
+    /// When the echoed frame arrived (the ACK reports how long it was held).
+    received: Instant,
     /// A duplicate ACK ([`Feedback::SendDuplicateAck`]): always an ACK frame of its own.
     duplicate: bool,
 }
@@ -141,7 +149,7 @@ pub struct SendHalf {
     window: usize,
     /// The latest owed ACK of a channel this half has not sent on yet (channel key, ACK, echo):
     /// a first reply carries the ACK of its request too.
-    owed_unopened: Option<(u64, Seq, Option<u32>)>,
+    owed_unopened: Option<(u64, Seq, Option<u32>, Instant)>,
 }
 
 impl SendHalf {
@@ -231,7 +239,7 @@ impl SendHalf {
                     owed: self
                         .owed_unopened
                         .take_if(|(owed_key, ..)| *owed_key == k)
-                        .map(|(_, ack, echo)| (ack, echo)),
+                        .map(|(_, ack, echo, received)| (ack, echo, received)),
                     carried: None,
                     last_acked: None,
                     peer_epoch: self.peer_epochs.get(&peer).copied().unwrap_or(0),
@@ -312,29 +320,31 @@ impl SendHalf {
     /// Takes one value from the receive half: an ACK that arrived, or an ACK to send.
     pub fn handle_feedback(&mut self, now: Instant, feedback: Feedback) {
         match feedback {
-            Feedback::SendAck { peer, channel, ack, echo_ns } => {
+            Feedback::SendAck { peer, channel, ack, echo_ns, received } => {
                 if let Some(ch) = self.existing_channel(peer, channel) {
                     if ch.carried == Some((ack, echo_ns)) {
                         // A DATA frame already carried exactly this ACK.
                         return;
                     }
                 }
-                self.acks.push_back(AckDue { peer, channel, ack, echo_ns, duplicate: false });
+                self.acks.push_back(AckDue { peer, channel, ack, echo_ns, received, duplicate: false });
             }
-            Feedback::SendDuplicateAck { peer, channel, ack, echo_ns } => {
+            Feedback::SendDuplicateAck { peer, channel, ack, echo_ns, received } => {
                 // Never skipped, even when equal to a carried ACK: frames of one burst share
                 // a timestamp, so a duplicate can echo exactly what a DATA frame carried.
-                self.acks.push_back(AckDue { peer, channel, ack, echo_ns, duplicate: true });
+                self.acks.push_back(AckDue { peer, channel, ack, echo_ns, received, duplicate: true });
             }
-            Feedback::AckOwed { peer, channel, ack, echo_ns } => match self.existing_channel(peer, channel) {
-                Some(ch) => ch.owed = Some((ack, echo_ns)),
-                None => self.owed_unopened = Some((key(peer, channel), ack, echo_ns)),
-            },
-            Feedback::AckReceived { peer, channel, ack, echo_ns } => {
-                self.on_ack(now, peer, channel, ack, echo_ns, false)
+            Feedback::AckOwed { peer, channel, ack, echo_ns, received } => {
+                match self.existing_channel(peer, channel) {
+                    Some(ch) => ch.owed = Some((ack, echo_ns, received)),
+                    None => self.owed_unopened = Some((key(peer, channel), ack, echo_ns, received)),
+                }
             }
-            Feedback::AckCarried { peer, channel, ack, echo_ns } => {
-                self.on_ack(now, peer, channel, ack, echo_ns, true)
+            Feedback::AckReceived { peer, channel, ack, echo_ns, hold_ns } => {
+                self.on_ack(now, peer, channel, ack, echo_ns.map(|e| (e, hold_ns)), false)
+            }
+            Feedback::AckCarried { peer, channel, ack, echo_ns, hold_ns } => {
+                self.on_ack(now, peer, channel, ack, echo_ns.map(|e| (e, hold_ns)), true)
             }
             Feedback::PeerEpoch { peer, epoch } => self.learn_epoch(peer, epoch),
             Feedback::PeerRestarted { peer, epoch } => {
@@ -401,9 +411,10 @@ impl SendHalf {
         peer: MacAddr,
         channel: u16,
         ack: Seq,
-        echo_ns: Option<u32>,
+        echo: Option<(u32, u64)>,
         carried: bool,
     ) {
+        let echo_ns = echo.map(|(e, _)| e);
         let Some(&ci) = self.index.get(&key(peer, channel)) else {
             self.counters.bad_acks += 1;
             return;
@@ -423,15 +434,19 @@ impl SendHalf {
             return;
         }
         self.counters.acks_received += 1;
-        if let Some(echo) = echo_ns {
+        if let Some((echo, hold_ns)) = echo {
             let rtt_ns = u64::from(stamp(now).wrapping_sub(echo));
             // An echo more than the RTO bound old is from another epoch of the 4.3 s timestamp
             // wheel (or a confused peer): no sample.
             if rtt_ns <= self.config.max_rto.as_nanos() as u64 {
+                // The timer waits for the whole answer; rate control reads only the fabric's
+                // share, without the time the receiver held the frame (its scheduling and ACK
+                // coalescing are no queue on the wire).
                 ch.rtt.on_sample(rtt_ns);
                 self.counters.record_rtt(rtt_ns);
                 let srtt = ch.rtt.srtt().unwrap_or(rtt_ns);
-                ch.rate.on_rtt(&self.config.rate, now, rtt_ns, srtt);
+                let fabric_ns = rtt_ns.saturating_sub(hold_ns).max(1);
+                ch.rate.on_rtt(&self.config.rate, now, fabric_ns, srtt);
             }
         }
         if advance == 0 {
@@ -644,11 +659,12 @@ impl SendHalf {
         h.set_group(self.group);
         h.set_epoch(self.epoch);
         h.set_peer_epoch(ch.peer_epoch);
-        if let Some((ack, echo)) = ch.owed.take() {
+        if let Some((ack, echo, received)) = ch.owed.take() {
             h.set_ack(ack.0);
             let mut flags = h.flags() | FLAG_ACK;
             if let Some(echo) = echo {
                 h.set_echo(echo);
+                h.set_hold_us(hold_us(now, received));
                 flags |= FLAG_ECHO;
             }
             h.set_flags(flags);
@@ -677,11 +693,11 @@ impl SendHalf {
         let ci = *self.index.get(&key(a.peer, a.channel))?;
         let ch = &mut self.channels[ci];
         let advances = ch.last_acked.is_some_and(|last| last.is_before(a.ack))
-            && ch.owed.is_none_or(|(owed, _)| owed.is_before(a.ack));
+            && ch.owed.is_none_or(|(owed, ..)| owed.is_before(a.ack));
         if !advances || !ch.has_sendable(self.window, &self.config.rate) || !ch.rate.may_send(now) {
             return None;
         }
-        ch.owed = Some((a.ack, a.echo_ns));
+        ch.owed = Some((a.ack, a.echo_ns, a.received));
         Some(ci)
     }
 
@@ -701,11 +717,11 @@ impl SendHalf {
         // owed ACK later would echo a stale timestamp.
         let settles = |owed: Seq| !a.ack.is_before(owed);
         if let Some(ch) = self.existing_channel(a.peer, a.channel) {
-            if ch.owed.is_some_and(|(owed, _)| settles(owed)) {
+            if ch.owed.is_some_and(|(owed, ..)| settles(owed)) {
                 ch.owed = None;
             }
             ch.note_acked(a.ack);
-        } else if self.owed_unopened.is_some_and(|(k, owed, _)| k == key(a.peer, a.channel) && settles(owed))
+        } else if self.owed_unopened.is_some_and(|(k, owed, ..)| k == key(a.peer, a.channel) && settles(owed))
         {
             self.owed_unopened = None;
         }
@@ -719,6 +735,7 @@ impl SendHalf {
             timestamp: stamp(now),
             echo: a.echo_ns.unwrap_or(0),
             payload_len: 0,
+            hold_us: hold_us(now, a.received),
             epoch: self.epoch,
             peer_epoch: self.peer_epochs.get(&a.peer).copied().unwrap_or(0),
         };
@@ -746,6 +763,7 @@ impl SendHalf {
             timestamp: stamp(now),
             echo: 0,
             payload_len: plen as u16,
+            hold_us: 0,
             epoch: self.epoch,
             peer_epoch: 0,
         };
@@ -770,6 +788,7 @@ fn start_frame(f: &mut Vec<u8>, local: MacAddr, peer: MacAddr, channel: u16, seq
         ack: 0,
         timestamp: 0,
         echo: 0,
+        hold_us: 0,
         epoch: 0,
         peer_epoch: 0,
         payload_len: 0,

@@ -56,6 +56,7 @@ fn ack_frame(from: MacAddr, to: MacAddr, channel: u16, ack: u32, echo: Option<u3
         timestamp: 0,
         echo: echo.unwrap_or(0),
         payload_len: 0,
+        hold_us: 0,
         // The epoch every test endpoint has (its config leaves it 0), the receiver's not known.
         epoch: 1,
         peer_epoch: 0,
@@ -386,13 +387,17 @@ fn acks_are_coalesced_by_count_and_by_time() {
     for (i, f) in frames.iter().enumerate() {
         b.handle_frame(at_us(i as u64), f);
     }
-    let acks: Vec<u32> = drain(&mut b, at_us(5)).iter().map(|f| header(f).ack).collect();
-    assert_eq!(acks, vec![4], "one ACK after 4 frames");
+    let acks: Vec<(u32, u16)> =
+        drain(&mut b, at_us(5)).iter().map(|f| (header(f).ack, header(f).hold_us)).collect();
+    // One ACK after 4 frames, echoing frame 3 (arrived at 3 us), sent at 5 us: held 2 us.
+    assert_eq!(acks, vec![(4, 2)], "one ACK after 4 frames");
     // Frames 4 and 5 wait at most ack_delay after frame 4 (t = 4 us).
     assert_eq!(b.poll_timeout(), Some(at_us(11)));
     b.handle_timeout(at_us(11));
-    let acks: Vec<u32> = drain(&mut b, at_us(11)).iter().map(|f| header(f).ack).collect();
-    assert_eq!(acks, vec![6]);
+    let acks: Vec<(u32, u16)> =
+        drain(&mut b, at_us(11)).iter().map(|f| (header(f).ack, header(f).hold_us)).collect();
+    // Echoing frame 5 (arrived at 5 us): held 6 us.
+    assert_eq!(acks, vec![(6, 6)]);
     assert_eq!(b.poll_timeout(), None);
 }
 
@@ -512,6 +517,41 @@ fn rate_control_paces_and_reacts_to_delay() {
     let rate1 = a.send_half().pacing_rate_bps(B, 0).unwrap();
     // 200 us against a 10 us minimum and a 110 us target: 1 - 0.8 * 90 / 200.
     assert!((rate1 - rate0 * 0.64).abs() < 1.0, "{rate0} -> {rate1}");
+}
+
+#[test]
+fn rate_control_leaves_out_the_time_the_receiver_held_a_frame() {
+    let mut c = p2p();
+    c.rate.enabled = true;
+    c.rate.line_rate_bps = 1_000_000_000;
+    c.rate.target_queue_delay = us(100);
+    let mut a = Endpoint::new(c, A, Instant::ZERO);
+    for i in 0..5 {
+        a.send(Instant::ZERO, B, 0, &test_message(i, 1000)).unwrap();
+    }
+    let _ = drain(&mut a, Instant::ZERO);
+    let gap = a.poll_timeout().unwrap();
+    let _ = drain(&mut a, gap);
+    let held = |ack: u32, echo: Instant, hold_us: u16| {
+        let mut f = ack_frame(B, A, 0, ack, Some(echo.as_nanos() as u32));
+        Packet::new_unchecked(&mut f[ETH_LEN..]).set_hold_us(hold_us);
+        frame::fill_checksum(&mut f);
+        f
+    };
+    let rate0 = a.send_half().pacing_rate_bps(B, 0).unwrap();
+    a.handle_frame(at_us(20), &held(1, at_us(10), 0));
+    // A 200 us round trip of which the receiver held the frame 190 us (its thread was not
+    // scheduled): 10 us on the fabric, no queue, no cut. The timer still counts all of it.
+    a.handle_frame(at_us(300), &held(2, at_us(100), 190));
+    let rate1 = a.send_half().pacing_rate_bps(B, 0).unwrap();
+    assert!(rate1 >= rate0, "{rate0} -> {rate1}");
+    assert_eq!(a.counters().rtt_max(), Some(us(200)));
+    // Held 50 us of 200: 150 us on the fabric against a 110 us target, 1 - 0.8 * 40 / 150.
+    assert!(!drain(&mut a, at_us(400)).is_empty());
+    a.handle_frame(at_us(600), &held(3, at_us(400), 50));
+    let rate2 = a.send_half().pacing_rate_bps(B, 0).unwrap();
+    let want = rate1 * (1.0 - 0.8 * 40.0 / 150.0);
+    assert!((rate2 - want).abs() < 1.0, "{rate1} -> {rate2}, want {want}");
 }
 
 #[test]

@@ -11,7 +11,7 @@
 //! +-------------------------------+-------------------------------+
 //! |     send timestamp (ns)       |    echoed timestamp (ns)      |  16..24
 //! +---------------+---------------+-------------------------------+
-//! | payload length|     rsvd      |           checksum            |  24..32
+//! | payload length|   hold (µs)   |           checksum            |  24..32
 //! +---------------+---------------+-------------------------------+
 //! |         sender's epoch        |   receiver's epoch (or 0)     |  32..40
 //! +-------------------------------+-------------------------------+
@@ -72,7 +72,7 @@ mod field {
     pub const TIMESTAMP: Range<usize> = 16..20;
     pub const ECHO: Range<usize> = 20..24;
     pub const PAYLOAD_LEN: Range<usize> = 24..26;
-    pub const RESERVED1: Range<usize> = 26..28;
+    pub const HOLD: Range<usize> = 26..28;
     pub const CHECKSUM: Range<usize> = 28..32;
     pub const EPOCH: Range<usize> = 32..36;
     pub const PEER_EPOCH: Range<usize> = 36..40;
@@ -206,6 +206,13 @@ impl<T: AsRef<[u8]>> Packet<T> {
         be32(&self.buffer.as_ref()[field::ECHO])
     }
 
+    /// ACK, and DATA with [`FLAG_ACK`] and [`FLAG_ECHO`]: how long the receiver held the frame
+    /// whose timestamp it echoes before this acknowledgement left, in microseconds (saturating
+    /// at 65535). The sender leaves it out of the delay it reads as the fabric's queueing.
+    pub fn hold_us(&self) -> u16 {
+        be16(&self.buffer.as_ref()[field::HOLD])
+    }
+
     /// Bytes of payload after the header.
     pub fn payload_len(&self) -> u16 {
         be16(&self.buffer.as_ref()[field::PAYLOAD_LEN])
@@ -289,6 +296,11 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
         self.set32(field::ECHO, t);
     }
 
+    /// Sets the hold time reported with the echoed timestamp.
+    pub fn set_hold_us(&mut self, us: u16) {
+        self.set16(field::HOLD, us);
+    }
+
     /// Sets the payload length.
     pub fn set_payload_len(&mut self, n: u16) {
         self.set16(field::PAYLOAD_LEN, n);
@@ -312,7 +324,6 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
     /// Zeroes the reserved bytes.
     pub fn clear_reserved(&mut self) {
         self.buffer.as_mut()[field::RESERVED0] = 0;
-        self.buffer.as_mut()[field::RESERVED1].fill(0);
     }
 
     /// The payload, writable (panics if the buffer is shorter than the declared payload).
@@ -343,6 +354,8 @@ pub struct Repr {
     pub echo: u32,
     /// Payload length.
     pub payload_len: u16,
+    /// Hold time of the echoed frame, µs (ACK, and DATA with [`FLAG_ACK`]).
+    pub hold_us: u16,
     /// The sender's epoch.
     pub epoch: u32,
     /// The receiver's epoch as the sender knows it (0: not known).
@@ -366,6 +379,7 @@ impl Repr {
             timestamp: p.timestamp(),
             echo: p.echo(),
             payload_len: p.payload_len(),
+            hold_us: p.hold_us(),
             epoch: p.epoch(),
             peer_epoch: p.peer_epoch(),
         })
@@ -390,6 +404,7 @@ impl Repr {
         p.set_timestamp(self.timestamp);
         p.set_echo(self.echo);
         p.set_payload_len(self.payload_len);
+        p.set_hold_us(self.hold_us);
         p.set_checksum(0);
         p.set_epoch(self.epoch);
         p.set_peer_epoch(self.peer_epoch);
@@ -638,11 +653,10 @@ pub fn fuzz_lanbus_frame(data: &[u8]) {
     repr.emit(&mut view);
     view.set_checksum(packet.checksum());
     let raw = &eth.payload()[..HEADER_LEN];
-    // Reserved bytes are emitted as zero; everything else must round-trip.
+    // The reserved byte is emitted as zero; everything else must round-trip.
     let mut expect = [0u8; HEADER_LEN];
     expect.copy_from_slice(raw);
     expect[field::RESERVED0] = 0;
-    expect[field::RESERVED1].fill(0);
     assert_eq!(out, expect, "lanbus header does not round-trip");
     match repr.kind {
         Kind::Data => {
@@ -696,6 +710,7 @@ mod tests {
             timestamp: 0x0102_0304,
             echo: 0x0a0b_0c0d,
             payload_len: 7,
+            hold_us: 0,
             epoch: 0x1122_3344,
             peer_epoch: 0x5566_7788,
         }
@@ -738,12 +753,13 @@ mod tests {
         assert_eq!(buf, data_packet());
     }
 
-    // ACK from group 1 channel 0: ack 5, echo valid, sender epoch 1, receiver's not known yet.
+    // ACK from group 1 channel 0: ack 5, echo valid, held 0x1234 us, sender epoch 1, receiver's
+    // not known yet.
     static ACK_HEADER: [u8; 40] = [
         0x02, 0x02, 0x02, 0x00, 0x00, 0x01, 0x00, 0x00, //
         0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x05, //
         0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00, 0x08, //
-        0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, //
+        0x00, 0x00, 0x12, 0x34, 0x00, 0x00, 0x00, 0x00, //
         0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00,
     ];
 
@@ -759,6 +775,7 @@ mod tests {
             timestamp: 9,
             echo: 8,
             payload_len: 0,
+            hold_us: 0x1234,
             epoch: 1,
             peer_epoch: 0,
         };
