@@ -42,7 +42,7 @@ pub const HOST_CONTROL: &str = "/tmp/lanbus-host.sock";
 /// `lanbus device` options (each may come from `--config FILE` instead; the command line wins).
 #[derive(Debug, Args)]
 pub struct DeviceArgs {
-    /// A TOML file with the same keys: port, group, nvme, lba_size, control, name.
+    /// A TOML file with the same keys: port, group, nvme, lba_size, control, name, state.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -67,6 +67,11 @@ pub struct DeviceArgs {
     /// /tmp/lanbus-device.sock).
     #[arg(long)]
     control: Option<PathBuf>,
+    /// Where a group set at run time (`lanbus device-ctl PATH group N`) is kept, so that a
+    /// restart serves the same group unless --group itself changed (default: the control
+    /// socket's path with `.state` added).
+    #[arg(long)]
+    state: Option<PathBuf>,
     /// Name announced in heartbeats.
     #[arg(long)]
     name: Option<String>,
@@ -202,7 +207,7 @@ fn controller_json(stats: &FunctionStats) -> Value {
 pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     let file: DeviceFile = config::read_toml(args.config.as_deref())?;
     let port_spec = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
-    let group = args.group.or(file.group).unwrap_or(0);
+    let configured_group = args.group.or(file.group).unwrap_or(0);
     let nvme = args.nvme.or(file.nvme);
     if nvme.is_none() && !args.dma_engine {
         bail!("no device to host: give --nvme file=PATH[,size=SIZE]|ram=SIZE and/or --dma-engine");
@@ -213,6 +218,21 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     }
     let control = args.control.or(file.control).unwrap_or_else(|| DEVICE_CONTROL.into());
     let name = args.name.or(file.name).unwrap_or_else(|| "lanbus-device".into());
+    let state_path = args.state.or(file.state).unwrap_or_else(|| {
+        let mut p = control.clone().into_os_string();
+        p.push(".state");
+        p.into()
+    });
+    let state = config::DeviceState::resume(&state_path, configured_group)?;
+    state.store(&state_path)?;
+    let group = state.current_group;
+    if group != configured_group {
+        eprintln!(
+            "lanbus device: serving group {group}, set at run time before the restart (configured \
+             {configured_group}; {} keeps it)",
+            state_path.display()
+        );
+    }
     let backing: Option<NvmeBacking> = nvme.as_deref().map(str::parse).transpose()?;
     // Before any thread starts, so that every thread inherits the blocked mask.
     let signals = lanbus_node::process::Blocked::termination()?;
@@ -289,7 +309,11 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
                 Ok(g) => {
                     bridge.set_group(g);
                     eprintln!("lanbus device: moved to group {g}");
-                    format!("ok group {g}")
+                    let kept = config::DeviceState { configured_group, current_group: g };
+                    match kept.store(&state_path) {
+                        Ok(()) => format!("ok group {g}"),
+                        Err(e) => format!("ok group {g} (not kept across a restart: {e})"),
+                    }
                 }
                 Err(_) => format!("error: bad group {n:?} (0..=65535)"),
             },

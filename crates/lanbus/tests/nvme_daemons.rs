@@ -164,6 +164,47 @@ fn host_restart_keeps_flushed_data_and_device_loss_unexports() {
 }
 
 #[test]
+fn a_group_set_at_run_time_survives_the_device_daemons_restart() {
+    let dir: PathBuf = std::env::temp_dir().join(format!("lanbus-regroup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = 40_000 + (std::process::id() % 20_000) as u16;
+    let ctl = dir.join("dev.ctl");
+    let run = |group: u16, log: &str| {
+        let args = [
+            "device".to_string(),
+            "--port".into(),
+            format!("udp:127.0.0.1:{base},peer=127.0.0.1:{}", base + 1),
+            "--group".into(),
+            group.to_string(),
+            "--dma-engine".into(),
+            "--control".into(),
+            ctl.display().to_string(),
+        ];
+        let d = spawn(&args, &dir.join(log));
+        wait_for("the control socket", || ctl.exists());
+        d
+    };
+    let group_now = || status(&ctl)["group"].as_u64().unwrap();
+    let mut d = run(9, "run1.log");
+    assert_eq!(group_now(), 9);
+    let out = lanbus().arg("device-ctl").arg(&ctl).args(["group", "11"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(group_now(), 11);
+    assert!(d.term());
+    // Restarted with the same configuration: still group 11, and it says why.
+    let mut d = run(9, "run2.log");
+    assert_eq!(group_now(), 11);
+    assert!(d.term());
+    let log = std::fs::read_to_string(dir.join("run2.log")).unwrap();
+    assert!(log.contains("serving group 11, set at run time"), "{log}");
+    // A new configured group wins over the old run time choice.
+    let mut d = run(12, "run3.log");
+    assert_eq!(group_now(), 12);
+    assert!(d.term());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn bad_arguments_fail_with_a_message() {
     let out = lanbus().args(["device", "--port", "udp:127.0.0.1:1", "--nvme", "disk=/x"]).output().unwrap();
     assert!(!out.status.success());

@@ -78,6 +78,55 @@ pub struct DeviceFile {
     pub control: Option<PathBuf>,
     /// The name announced in heartbeats.
     pub name: Option<String>,
+    /// Where the group set at run time is kept across restarts ([`DeviceState`]).
+    pub state: Option<PathBuf>,
+}
+
+/// What an I/O box keeps across its daemon's restarts: the group it was configured with and the
+/// group it was moved to at run time (`lanbus device-ctl PATH group N`). A restart keeps the run
+/// time group as long as the configured group is unchanged; a new configured group wins.
+///
+/// Stored as two lines of TOML (`configured_group = N`, `current_group = M`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct DeviceState {
+    /// The group the configuration (command line or file) gave.
+    pub configured_group: u16,
+    /// The group the device serves.
+    pub current_group: u16,
+}
+
+impl DeviceState {
+    /// The group to serve at start, given the configured one and the state left by the last run
+    /// (if `path` holds one): the run time group if the configuration did not change since.
+    pub fn resume(path: &Path, configured_group: u16) -> Result<DeviceState> {
+        let fresh = DeviceState { configured_group, current_group: configured_group };
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(fresh),
+            Err(e) => {
+                return Err(Error::Config { path: path.to_path_buf(), why: format!("cannot read it: {e}") })
+            }
+        };
+        let last: DeviceState = toml::from_str(&text).map_err(|e| Error::Config {
+            path: path.to_path_buf(),
+            why: format!("not a device state: {e}"),
+        })?;
+        Ok(if last.configured_group == configured_group { last } else { fresh })
+    }
+
+    /// Writes the state to `path` (through a temporary file renamed over it, so a crash leaves
+    /// the old state or the new, never half of one).
+    pub fn store(&self, path: &Path) -> Result<()> {
+        let text =
+            format!("configured_group = {}\ncurrent_group = {}\n", self.configured_group, self.current_group);
+        let tmp = path.with_extension("state-new");
+        let fail = |e: std::io::Error| Error::Config {
+            path: path.to_path_buf(),
+            why: format!("cannot write it: {e}"),
+        };
+        std::fs::write(&tmp, text).map_err(fail)?;
+        std::fs::rename(&tmp, path).map_err(fail)
+    }
 }
 
 /// The host daemon's configuration file (TOML; every key optional, the command line wins).
