@@ -16,6 +16,7 @@
 //! group N; answer: a JSON object with the new group).
 
 use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +34,7 @@ use serde_json::{json, Value};
 
 use lanbus_node::config::{self, DeviceFile, ExportSpec, HostFile};
 use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
+use lanbus_node::metrics::{self, Sample};
 
 /// Default control socket of `lanbus device`.
 pub const DEVICE_CONTROL: &str = "/tmp/lanbus-device.sock";
@@ -42,7 +44,7 @@ pub const HOST_CONTROL: &str = "/tmp/lanbus-host.sock";
 /// `lanbus device` options (each may come from `--config FILE` instead; the command line wins).
 #[derive(Debug, Args)]
 pub struct DeviceArgs {
-    /// A TOML file with the same keys: port, group, nvme, lba_size, control, name, state.
+    /// A TOML file with the same keys: port, group, nvme, lba_size, control, name, state, metrics.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -72,6 +74,10 @@ pub struct DeviceArgs {
     /// socket's path with `.state` added).
     #[arg(long)]
     state: Option<PathBuf>,
+    /// Serve the counters (transport, bridge, drive) in the Prometheus text format over HTTP at
+    /// this local address, e.g. 127.0.0.1:9466 (`GET /metrics`).
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
     /// Name announced in heartbeats.
     #[arg(long)]
     name: Option<String>,
@@ -80,7 +86,7 @@ pub struct DeviceArgs {
 /// `lanbus host` options (each may come from `--config FILE` instead; the command line wins).
 #[derive(Debug, Args)]
 pub struct HostArgs {
-    /// A TOML file with the same keys: port, group, export, control, name.
+    /// A TOML file with the same keys: port, group, export, control, name, metrics.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -98,6 +104,10 @@ pub struct HostArgs {
     /// Control socket for `lanbus status` (default /tmp/lanbus-host.sock).
     #[arg(long)]
     control: Option<PathBuf>,
+    /// Serve the counters (transport, bridge, export) in the Prometheus text format over HTTP at
+    /// this local address, e.g. 127.0.0.1:9467 (`GET /metrics`).
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
     /// Name announced in heartbeats.
     #[arg(long)]
     name: Option<String>,
@@ -112,6 +122,27 @@ pub struct StatusArgs {
     /// Print the raw JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// Binds the metrics address (the command line's, else the file's), if any.
+fn bind_metrics(
+    arg: Option<std::net::SocketAddr>,
+    file: Option<&str>,
+) -> anyhow::Result<Option<TcpListener>> {
+    let addr = match (arg, file) {
+        (Some(a), _) => a,
+        (None, Some(f)) => f.parse().with_context(|| format!("metrics = {f:?}: not IP:PORT"))?,
+        (None, None) => return Ok(None),
+    };
+    let l = TcpListener::bind(addr).with_context(|| format!("binding the metrics address {addr}"))?;
+    eprintln!("lanbus: metrics at http://{addr}/metrics");
+    Ok(Some(l))
+}
+
+/// The same samples the metrics endpoint serves, as one JSON object (series name: value), for
+/// `lanbus status`.
+fn metrics_json(samples: &[Sample]) -> Value {
+    Value::Object(samples.iter().map(|s| (s.series(), json!(s.value))).collect())
 }
 
 /// SIGINT/SIGTERM set the returned flag.
@@ -248,6 +279,7 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     if args.dma_engine {
         functions.push(HostedFunction::model(DmaEngine::new())?);
     }
+    let metrics_listener = bind_metrics(args.metrics, file.metrics.as_deref())?;
     let port = lanbus_port::open(&port_spec)?;
     let listener = bind_control(&control)?;
     let config = config::device_config(group, &name, args.mode.into());
@@ -262,6 +294,40 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
         bridge.local_mac(),
         control.display()
     );
+    let collect = || {
+        let mut out = Vec::new();
+        metrics::runtime_samples(&bridge.runtime_stats(), &mut out);
+        let b = bridge.stats();
+        let c = Sample::counter;
+        out.extend([
+            c("bridge_tlps_received_total", "TLPs the device bridge received.", b.tlps_received),
+            c("bridge_dma_reads_total", "DMA reads the functions issued.", b.dma_reads),
+            c("bridge_dma_read_failures_total", "DMA reads that failed.", b.dma_read_failures),
+            c("bridge_dma_writes_total", "DMA writes the functions issued.", b.dma_writes),
+            c("bridge_foreign_requests_total", "Requests from hosts not ours.", b.foreign_requests),
+            c("bridge_host_changes_total", "Times the bridge took up or lost its host.", b.host_changes),
+        ]);
+        out.push(Sample::gauge("group", "The group the I/O box serves.", f64::from(bridge.group())));
+        out.push(Sample::gauge(
+            "host_present",
+            "1 while a host of the group is served.",
+            f64::from(u8::from(bridge.host().is_some())),
+        ));
+        if let Some((_, st)) = &nvme_info {
+            let (n, _) = st.get();
+            out.extend([
+                c("nvme_io_commands_total", "NVMe I/O commands the drive ran.", n.io_commands),
+                c("nvme_bytes_read_total", "Bytes the drive read for hosts.", n.bytes_read),
+                c("nvme_bytes_written_total", "Bytes the drive wrote for hosts.", n.bytes_written),
+                c(
+                    "nvme_error_completions_total",
+                    "NVMe commands completed with an error.",
+                    n.error_completions,
+                ),
+            ]);
+        }
+        out
+    };
     let answer = |line: &str| -> String {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
@@ -302,6 +368,7 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
                     "completion_timeouts": bridge.stats().dma_read_failures,
                     "bridge": format!("{:?}", bridge.stats()),
                     "transport": transport_json(&bridge.runtime_stats()),
+                    "metrics": metrics_json(&collect()),
                 })
                 .to_string()
             }
@@ -323,6 +390,9 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     let control_stop = AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| serve_control(&listener, &control_stop, &answer));
+        if let Some(l) = &metrics_listener {
+            s.spawn(|| metrics::serve(l, &control_stop, &collect));
+        }
         let sig = signals.wait();
         eprintln!("lanbus device: signal {sig}, stopping");
         // Relaxed: the flag only asks the loop to end.
@@ -399,6 +469,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let control = args.control.or(file.control).unwrap_or_else(|| HOST_CONTROL.into());
     let name = args.name.or(file.name).unwrap_or_else(|| "lanbus-host".into());
     let stop = stop_flag()?;
+    let metrics_listener = bind_metrics(args.metrics, file.metrics.as_deref())?;
     let port = lanbus_port::open(&port_spec)?;
     let listener = bind_control(&control)?;
     let host = Arc::new(HostBridge::start(port, config::host_config(group, &name, args.mode.into()))?);
@@ -410,10 +481,41 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     );
     let current: Mutex<Option<Exported>> = Mutex::new(None);
     let lock = || current.lock().unwrap_or_else(|e| e.into_inner());
+    let collect = || {
+        let mut out = Vec::new();
+        metrics::runtime_samples(&host.runtime_stats(), &mut out);
+        let b = host.stats();
+        let c = Sample::counter;
+        out.extend([
+            c("bridge_tlps_received_total", "TLPs the host bridge received.", b.tlps_received),
+            c(
+                "bridge_dma_reads_served_total",
+                "Device DMA reads served from host memory.",
+                b.dma_reads_served,
+            ),
+            c(
+                "bridge_dma_writes_applied_total",
+                "Device DMA writes applied to host memory.",
+                b.dma_writes_applied,
+            ),
+            c("bridge_interrupts_total", "MSI-X interrupts delivered.", b.interrupts),
+            c("bridge_completion_timeouts_total", "Requests that timed out.", b.timeouts),
+            c("bridge_device_gone_total", "Requests failed because their device went.", b.device_gone),
+        ]);
+        out.push(Sample::gauge("devices", "Remote functions enumerated.", host.devices().len() as f64));
+        out.push(Sample::gauge(
+            "exported",
+            "1 while the drive is exported.",
+            f64::from(u8::from(lock().is_some())),
+        ));
+        out
+    };
     let answer = |line: &str| -> String {
         if line != "status" && line != "status json" {
             return format!("error: unknown command {line:?} (want `status`)");
         }
+        // Before the export's lock below: collecting takes it too.
+        let metrics = metrics_json(&collect());
         let devices = host.devices();
         let mut peers: Vec<Value> = Vec::new();
         for f in &devices {
@@ -442,12 +544,16 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             "completion_timeouts": hb.timeouts,
             "bridge": format!("{hb:?}"),
             "transport": transport_json(&host.runtime_stats()),
+            "metrics": metrics,
         })
         .to_string()
     };
     let control_stop = AtomicBool::new(false);
     std::thread::scope(|s| -> anyhow::Result<()> {
         s.spawn(|| serve_control(&listener, &control_stop, &answer));
+        if let Some(l) = &metrics_listener {
+            s.spawn(|| metrics::serve(l, &control_stop, &collect));
+        }
         let result = (|| -> anyhow::Result<()> {
             let mut pending: Vec<RemoteFunction> = host.devices();
             // Relaxed: polled; the handler only sets it.

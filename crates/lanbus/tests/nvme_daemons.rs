@@ -82,6 +82,8 @@ fn host_restart_keeps_flushed_data_and_device_loss_unexports() {
             format!("file={},size=32M", disk.display()),
             s("--control"),
             dev_ctl.display().to_string(),
+            s("--metrics"),
+            format!("127.0.0.1:{}", base + 2),
         ],
         &dir.join("device.log"),
     );
@@ -133,6 +135,28 @@ fn host_restart_keeps_flushed_data_and_device_loss_unexports() {
     let st = status(&dev_ctl);
     assert_eq!(st["role"], "device");
     assert!(st["controller"]["io_commands"].as_u64().unwrap() >= 3, "{st}");
+    // The metrics endpoint serves the same counters `lanbus status` shows, and they move.
+    let scrape = || -> String {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", base + 2)).unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+        let mut reply = String::new();
+        conn.read_to_string(&mut reply).unwrap();
+        assert!(reply.starts_with("HTTP/1.0 200 OK"), "{reply}");
+        reply
+    };
+    let value = |text: &str, series: &str| -> f64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{series} ")))
+            .unwrap_or_else(|| panic!("{series}: {text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let first = scrape();
+    assert!(first.contains("# TYPE lanbus_frames_sent_total counter"), "{first}");
+    assert_eq!(value(&first, "lanbus_group"), 9.0);
+    let writes = value(&first, "lanbus_nvme_io_commands_total");
+    assert!(st["metrics"]["lanbus_nvme_io_commands_total"].as_f64().unwrap() >= 3.0, "{st}");
 
     // The host restarts on the same port (same MAC, a new session): the data is there.
     assert!(host.term(), "host exits 0 on SIGTERM");
@@ -146,6 +170,9 @@ fn host_restart_keeps_flushed_data_and_device_loss_unexports() {
     let mut back = vec![0u8; b.len()];
     c.read(17 << 20, &mut back).unwrap();
     assert!(back == b);
+    let later = scrape();
+    assert!(value(&later, "lanbus_nvme_io_commands_total") > writes, "{later}");
+    assert!(value(&later, "lanbus_frames_sent_total") > value(&first, "lanbus_frames_sent_total"));
 
     // The device goes away: the host unexports; the connected client gets an error, not a hang.
     assert!(device.term(), "device exits 0 on SIGTERM");

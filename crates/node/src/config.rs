@@ -80,6 +80,8 @@ pub struct DeviceFile {
     pub name: Option<String>,
     /// Where the group set at run time is kept across restarts ([`DeviceState`]).
     pub state: Option<PathBuf>,
+    /// Where the counters are served in the Prometheus text format.
+    pub metrics: Option<String>,
 }
 
 /// What an I/O box keeps across its daemon's restarts: the group it was configured with and the
@@ -143,6 +145,8 @@ pub struct HostFile {
     pub control: Option<PathBuf>,
     /// The name announced in heartbeats.
     pub name: Option<String>,
+    /// Where the counters are served in the Prometheus text format.
+    pub metrics: Option<String>,
 }
 
 /// Reads a daemon's configuration file (none: every key unset).

@@ -9,6 +9,7 @@
 //!   driver on a host bridge, the namespace as an NBD block device.
 //! - [`fabric`]: a host and an I/O box in one process over a simulated wire or two real ports.
 //! - [`lspci`]: remote functions described like `lspci -v`.
+//! - [`metrics`]: a daemon's counters in the Prometheus text format, served over HTTP.
 //! - [`process`]: a daemon's signals and helper processes that end with it.
 //!
 //! A remote drive over the simulated wire, written and read back through the NVMe driver
@@ -39,6 +40,7 @@ pub mod config;
 pub mod drive;
 pub mod fabric;
 pub mod lspci;
+pub mod metrics;
 pub mod process;
 
 /// What went wrong assembling or running a node.

@@ -1,0 +1,209 @@
+//! A daemon's counters in the Prometheus text exposition format (version 0.0.4), served over
+//! HTTP on a local address (`--metrics ADDR`) and read by `lanbus status` as the same numbers.
+//!
+//! Layer: assembly. The daemons collect [`Sample`]s from their bridge, runtime and device
+//! counters; [`render`] writes them (one `# HELP` and `# TYPE` per metric name, names prefixed
+//! `lanbus_`); [`serve`] answers `GET /metrics` (anything else gets 404, a request that is not
+//! HTTP gets 400) until its stop flag is set. Requests come from the network: a slow or broken
+//! client costs one bounded read, never the daemon.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use lanbus_runtime::Stats;
+
+/// Whether a metric only grows or may go either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only grows (since the daemon started).
+    Counter,
+    /// Goes up and down.
+    Gauge,
+}
+
+/// One value of one metric.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// The metric's name without the `lanbus_` prefix.
+    pub name: &'static str,
+    /// What it counts.
+    pub help: &'static str,
+    /// Counter or gauge.
+    pub kind: Kind,
+    /// Label pairs.
+    pub labels: Vec<(&'static str, String)>,
+    /// The value.
+    pub value: f64,
+}
+
+impl Sample {
+    /// A counter sample without labels.
+    pub fn counter(name: &'static str, help: &'static str, value: u64) -> Sample {
+        Sample { name, help, kind: Kind::Counter, labels: Vec::new(), value: value as f64 }
+    }
+
+    /// A gauge sample without labels.
+    pub fn gauge(name: &'static str, help: &'static str, value: f64) -> Sample {
+        Sample { name, help, kind: Kind::Gauge, labels: Vec::new(), value }
+    }
+
+    /// The series name with its labels, as the exposition format writes it.
+    pub fn series(&self) -> String {
+        if self.labels.is_empty() {
+            return format!("lanbus_{}", self.name);
+        }
+        let labels: Vec<String> = self.labels.iter().map(|(k, v)| format!("{k}=\"{}\"", escape(v))).collect();
+        format!("lanbus_{}{{{}}}", self.name, labels.join(","))
+    }
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// The transport's and the port's counters of a runtime.
+pub fn runtime_samples(stats: &Stats, out: &mut Vec<Sample>) {
+    let t = &stats.transport;
+    let c = Sample::counter;
+    out.extend([
+        c("frames_sent_total", "Frames the transport wrote (all kinds).", t.frames_sent),
+        c("frames_received_total", "Frames handed to the transport.", t.frames_received),
+        c("retransmitted_frames_total", "DATA frames sent again.", t.retransmitted_frames),
+        c("fast_retransmits_total", "Go-backs on duplicate ACKs.", t.fast_retransmits),
+        c("tail_loss_probes_total", "Tail-loss probes sent.", t.tail_loss_probes),
+        c("retransmission_timeouts_total", "Retransmission timer expiries.", t.timeouts),
+        c("frames_dropped_total", "Received frames dropped, all reasons.", t.drops()),
+        c("peer_restarts_total", "Peers seen coming back with a new epoch.", t.peer_restarts),
+        c("messages_sent_total", "Messages queued for sending.", t.messages_sent),
+        c("messages_delivered_total", "Messages delivered in order.", t.messages_delivered),
+        c("port_rx_frames_total", "Frames the port received.", stats.port.rx_frames),
+        c("port_tx_frames_total", "Frames the port sent.", stats.port.tx_frames),
+        c("port_rx_dropped_total", "Frames the port dropped on receive.", stats.port.rx_dropped),
+    ]);
+    if let Some(rtt) = t.rtt_mean() {
+        out.push(Sample::gauge("rtt_mean_seconds", "Mean round trip of the RTT samples.", rtt.as_secs_f64()));
+    }
+    out.push(Sample::gauge(
+        "send_backlog_messages",
+        "Messages local threads queued that wait for room in the transport.",
+        stats.backlog_messages as f64,
+    ));
+}
+
+/// Writes `samples` in the text exposition format.
+pub fn render(samples: &[Sample]) -> String {
+    let mut out = String::new();
+    let mut described: Vec<&str> = Vec::new();
+    for s in samples {
+        if !described.contains(&s.name) {
+            described.push(s.name);
+            let kind = match s.kind {
+                Kind::Counter => "counter",
+                Kind::Gauge => "gauge",
+            };
+            out += &format!("# HELP lanbus_{} {}\n# TYPE lanbus_{} {kind}\n", s.name, s.help, s.name);
+        }
+        out += &format!("{} {}\n", s.series(), s.value);
+    }
+    out
+}
+
+/// Serves `GET /metrics` on `listener` with what `collect` gives at each request, until `stop`.
+/// The listener is made non-blocking; a request is answered on this thread, with a bounded wait
+/// for the client's request line.
+pub fn serve(listener: &TcpListener, stop: &AtomicBool, collect: &dyn Fn() -> Vec<Sample>) {
+    let _ = listener.set_nonblocking(true);
+    // Relaxed: a flag polled every 50 ms; nothing else is published through it.
+    while !stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+                let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
+                let mut line = String::new();
+                let _ = BufReader::new((&stream).take(8192)).read_line(&mut line);
+                let (status, body) = answer(&line, collect);
+                let reply = format!(
+                    "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = (&stream).write_all(reply.as_bytes());
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// The status line and body for one request line.
+fn answer(request_line: &str, collect: &dyn Fn() -> Vec<Sample>) -> (&'static str, String) {
+    let mut words = request_line.split_whitespace();
+    match (words.next(), words.next(), words.next()) {
+        (Some("GET"), Some(path), Some(v)) if v.starts_with("HTTP/") => {
+            if path == "/metrics" || path.starts_with("/metrics?") {
+                ("200 OK", render(&collect()))
+            } else {
+                ("404 Not Found", "only /metrics is served here\n".into())
+            }
+        }
+        _ => ("400 Bad Request", "expected GET /metrics HTTP/1.x\n".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples() -> Vec<Sample> {
+        let mut port = Sample::counter("frames_total", "Frames.", 7);
+        port.labels.push(("port", "afxdp:eth\"1\"".into()));
+        vec![port, Sample::counter("frames_total", "Frames.", 9), Sample::gauge("group", "The group.", 3.0)]
+    }
+
+    #[test]
+    fn renders_the_exposition_format() {
+        let text = render(&samples());
+        assert_eq!(
+            text,
+            "# HELP lanbus_frames_total Frames.\n# TYPE lanbus_frames_total counter\n\
+             lanbus_frames_total{port=\"afxdp:eth\\\"1\\\"\"} 7\nlanbus_frames_total 9\n\
+             # HELP lanbus_group The group.\n# TYPE lanbus_group gauge\nlanbus_group 3\n"
+        );
+    }
+
+    #[test]
+    fn answers_get_metrics_and_refuses_the_rest() {
+        let c = || samples();
+        assert_eq!(answer("GET /metrics HTTP/1.1\r\n", &c).0, "200 OK");
+        assert_eq!(answer("GET /metrics?x=1 HTTP/1.0\r\n", &c).0, "200 OK");
+        assert_eq!(answer("GET / HTTP/1.1\r\n", &c).0, "404 Not Found");
+        for bad in ["", "garbage", "POST /metrics HTTP/1.1", "GET /metrics", "\u{0}\u{1}"] {
+            assert_eq!(answer(bad, &c).0, "400 Bad Request", "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn serves_over_tcp_until_stopped() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| serve(&listener, &stop, &samples));
+            let mut conn = std::net::TcpStream::connect(addr).unwrap();
+            conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut reply = String::new();
+            conn.read_to_string(&mut reply).unwrap();
+            assert!(reply.starts_with("HTTP/1.0 200 OK\r\n"), "{reply}");
+            assert!(reply.ends_with("lanbus_group 3\n"), "{reply}");
+            // A client that sends nothing and goes away does not stop the server.
+            drop(std::net::TcpStream::connect(addr).unwrap());
+            let mut conn = std::net::TcpStream::connect(addr).unwrap();
+            conn.write_all(b"GET /nothing HTTP/1.1\r\n\r\n").unwrap();
+            let mut reply = String::new();
+            conn.read_to_string(&mut reply).unwrap();
+            assert!(reply.starts_with("HTTP/1.0 404"), "{reply}");
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+}
