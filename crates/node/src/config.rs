@@ -183,3 +183,44 @@ impl std::str::FromStr for ExportSpec {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("lanbus-state-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_run_time_group_is_resumed_while_the_configured_one_stays() {
+        let d = dir("resume");
+        let p = d.join("dev.state");
+        assert_eq!(
+            DeviceState::resume(&p, 9).unwrap(),
+            DeviceState { configured_group: 9, current_group: 9 }
+        );
+        DeviceState { configured_group: 9, current_group: 11 }.store(&p).unwrap();
+        assert_eq!(DeviceState::resume(&p, 9).unwrap().current_group, 11);
+        assert_eq!(DeviceState::resume(&p, 12).unwrap().current_group, 12, "a new configuration wins");
+        std::fs::write(&p, "configured_group = 9\ncurrent_group = 70000\n").unwrap();
+        assert!(matches!(DeviceState::resume(&p, 9), Err(Error::Config { .. })));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    proptest::proptest! {
+        // Whatever the state file holds, resuming answers a state or a clear error.
+        #[test]
+        fn any_state_file_resumes_or_is_refused(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..120), group: u16) {
+            let d = dir("fuzz");
+            let p = d.join("dev.state");
+            std::fs::write(&p, &bytes).unwrap();
+            match DeviceState::resume(&p, group) {
+                Ok(s) => proptest::prop_assert!(s.configured_group == group),
+                Err(e) => proptest::prop_assert!(e.to_string().contains("dev.state")),
+            }
+        }
+    }
+}

@@ -151,6 +151,21 @@ fn answer(request_line: &str, collect: &dyn Fn() -> Vec<Sample>) -> (&'static st
     }
 }
 
+/// The fuzz target's body: any bytes as the request line a client sends get one of the three
+/// answers, and only a `GET` of `/metrics` gets the metrics (here none: an empty body). Panics
+/// only if that breaks.
+#[cfg(any(test, fuzzing))]
+pub fn fuzz_request_line(data: &[u8]) {
+    let line = String::from_utf8_lossy(data);
+    let (status, body) = answer(&line, &Vec::new);
+    assert!(["200 OK", "404 Not Found", "400 Bad Request"].contains(&status));
+    let words: Vec<&str> = line.split_whitespace().take(3).collect();
+    let metrics = matches!(words.as_slice(),
+        ["GET", p, v] if (*p == "/metrics" || p.starts_with("/metrics?")) && v.starts_with("HTTP/"));
+    assert_eq!(status == "200 OK", metrics && body.is_empty(), "{line:?}");
+    assert!(status == "200 OK" || !body.is_empty());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,6 +195,25 @@ mod tests {
         assert_eq!(answer("GET / HTTP/1.1\r\n", &c).0, "404 Not Found");
         for bad in ["", "garbage", "POST /metrics HTTP/1.1", "GET /metrics", "\u{0}\u{1}"] {
             assert_eq!(answer(bad, &c).0, "400 Bad Request", "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn fuzz_body_accepts_its_corpus_and_edge_cases() {
+        for line in ["GET /metrics HTTP/1.1\r\n", "GET /metrics", "GET\t/metrics\tHTTP/1.0", "", "\u{0}"] {
+            fuzz_request_line(line.as_bytes());
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_request_line_gets_an_answer(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
+            fuzz_request_line(&bytes);
+        }
+
+        #[test]
+        fn request_lines_that_look_like_http(path in "[ -~]{0,40}", version in "HTTP/[0-9.]{0,4}|[A-Z]{0,5}") {
+            fuzz_request_line(format!("GET {path} {version}\r\n").as_bytes());
         }
     }
 
