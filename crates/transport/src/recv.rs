@@ -380,7 +380,10 @@ impl ReceiveHalf {
             self.counters.drop_bad_frame += 1;
             return false;
         }
+        let full = self.incarnations.len() >= self.config.max_channels;
         match self.incarnations.get_mut(&peer) {
+            // Bounded like the channels: a flood of made-up MACs does not grow the table.
+            None if full => {}
             None => {
                 self.incarnations.insert(peer, Incarnations { current: epoch, retired: [0; 4] });
                 self.feedback.push_back(Feedback::PeerEpoch { peer, epoch });
