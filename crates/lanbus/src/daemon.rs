@@ -189,18 +189,7 @@ fn serve_control(l: &UnixListener, stop: &AtomicBool, answer: &dyn Fn(&str) -> S
 
 fn transport_json(rt: &lanbus_runtime::Stats) -> Value {
     let t = &rt.transport;
-    let drops = t.drop_bad_frame
-        + t.drop_bad_version
-        + t.drop_unknown_kind
-        + t.drop_bad_checksum
-        + t.drop_not_for_us
-        + t.drop_wrong_group
-        + t.drop_unknown_peer
-        + t.drop_out_of_order
-        + t.drop_duplicate
-        + t.drop_stale_epoch
-        + t.drop_backlog
-        + t.drop_too_many_channels;
+    let drops = t.drops();
     json!({
         "frames_sent": t.frames_sent,
         "frames_received": t.frames_received,
@@ -211,6 +200,7 @@ fn transport_json(rt: &lanbus_runtime::Stats) -> Value {
         "retransmission_timeouts": t.timeouts,
         "drops": drops,
         "drops_out_of_order": t.drop_out_of_order,
+        "frames_held": t.frames_held,
         "drops_bad_checksum": t.drop_bad_checksum,
         "messages_sent": t.messages_sent,
         "messages_delivered": t.messages_delivered,

@@ -136,12 +136,13 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         let t = rt.transport;
         println!(
             "  transport ({who}): {} frames sent, {} retransmitted ({} fast retransmits, {} tail-loss \
-             probes, {} timeouts), {} dropped out of order",
+             probes, {} timeouts), {} held past a hole, {} dropped out of order",
             t.frames_sent,
             t.retransmitted_frames,
             t.fast_retransmits,
             t.tail_loss_probes,
             t.timeouts,
+            t.frames_held,
             t.drop_out_of_order
         );
     }

@@ -71,7 +71,12 @@ pub fn runtime_samples(stats: &Stats, out: &mut Vec<Sample>) {
         c("frames_sent_total", "Frames the transport wrote (all kinds).", t.frames_sent),
         c("frames_received_total", "Frames handed to the transport.", t.frames_received),
         c("retransmitted_frames_total", "DATA frames sent again.", t.retransmitted_frames),
-        c("fast_retransmits_total", "Go-backs on duplicate ACKs.", t.fast_retransmits),
+        c(
+            "fast_retransmits_total",
+            "Fast retransmits: go-backs on duplicate ACKs, or frames found lost by selective acknowledgements.",
+            t.fast_retransmits,
+        ),
+        c("frames_held_total", "DATA frames held past a hole until it filled (selective repeat).", t.frames_held),
         c("tail_loss_probes_total", "Tail-loss probes sent.", t.tail_loss_probes),
         c("retransmission_timeouts_total", "Retransmission timer expiries.", t.timeouts),
         c("frames_dropped_total", "Received frames dropped, all reasons.", t.drops()),

@@ -265,6 +265,7 @@ impl LatencyParams {
         transport.pack_messages = false;
         transport.rate.enabled = false;
         // The paper's scheme: Go-Back-N, fast retransmit and the timer, no tail-loss probe.
+        transport.selective_repeat = false;
         transport.tail_loss_probe = false;
         LatencyParams {
             loss,
@@ -472,6 +473,8 @@ impl MultiParams {
     pub fn paper(sessions: u16, rate_control: bool, duration: Duration, seed: u64) -> Self {
         let mut transport = Config::point_to_point();
         transport.rate.enabled = rate_control;
+        // The paper's scheme: Go-Back-N, no tail-loss probe.
+        transport.selective_repeat = false;
         transport.tail_loss_probe = false;
         MultiParams {
             sessions,

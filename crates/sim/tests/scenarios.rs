@@ -39,6 +39,29 @@ fn fig2_latency_flat_up_to_1e5_and_growing_from_1e3() {
     assert!(high.retransmitted_frames > low.retransmitted_frames);
 }
 
+/// Fig. 2 with selective repeat: a loss costs the frame lost, not the window behind it, so
+/// goodput holds at 1e-2 and the tail of latency grows far less than Go-Back-N's at 1e-3.
+#[test]
+fn fig2_selective_repeat_keeps_goodput_at_1e2_and_the_tail_short_at_1e3() {
+    let run = |loss, selective| {
+        let mut p = LatencyParams::paper(loss, 150_000, 1);
+        p.transport.selective_repeat = selective;
+        let r = latency_point(&p, &mut |_| {});
+        println!("{r:?}");
+        assert_eq!((r.delivered, r.errors), (150_000, 0));
+        r
+    };
+    let base = run(0.0, true);
+    let sr_1e3 = run(1e-3, true);
+    let sr_1e2 = run(1e-2, true);
+    let gbn_1e3 = run(1e-3, false);
+    let gbn_1e2 = run(1e-2, false);
+    assert!(sr_1e2.goodput_gbps >= 0.9 * base.goodput_gbps, "{sr_1e2:?} vs {base:?}");
+    assert!(sr_1e3.p99_us <= 2.5 * base.p99_us, "{sr_1e3:?} vs {base:?}");
+    assert!(gbn_1e3.p99_us > sr_1e3.p99_us, "{gbn_1e3:?}");
+    assert!(gbn_1e2.retransmitted_frames > 10 * sr_1e2.retransmitted_frames, "{gbn_1e2:?}");
+}
+
 #[test]
 fn fig3_without_rate_control_collapses_and_rate_control_does_better() {
     let duration = Duration::from_millis(150);

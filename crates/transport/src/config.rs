@@ -81,7 +81,16 @@ pub struct Config {
     pub window_frames: u32,
     /// Frames (sent-unacknowledged plus queued) a channel holds before `send` says `QueueFull`.
     pub send_queue_frames: usize,
-    /// Duplicate ACKs that trigger a fast retransmit (2 in the paper).
+    /// Selective repeat: the receiver holds frames that arrive past a hole (up to 256 frames,
+    /// within the receive backlog) and its ACKs say which ones it holds; the sender resends only
+    /// the frames found lost (a frame sent no earlier than a lost one was acknowledged past it).
+    /// Off: Go-Back-N, the retransmission paper's scheme (the receiver drops every frame after a
+    /// hole and the sender resends the window from it). Each side's setting governs its own half,
+    /// and either works with the other.
+    pub selective_repeat: bool,
+    /// Duplicate ACKs that trigger a fast retransmit (2 in the paper); with selective repeat,
+    /// frames acknowledged past a hole before it counts as lost (fewer if fewer were sent after
+    /// it).
     pub dup_ack_threshold: u32,
     /// Retransmission timeout before the first RTT sample.
     pub initial_rto: Duration,
@@ -129,6 +138,7 @@ impl Default for Config {
             mtu: 1500,
             window_frames: 128,
             send_queue_frames: 1024,
+            selective_repeat: true,
             dup_ack_threshold: 2,
             initial_rto: Duration::from_millis(1),
             min_rto: Duration::from_micros(100),

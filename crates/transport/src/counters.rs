@@ -16,9 +16,10 @@ pub struct Counters {
     pub heartbeats_sent: u64,
     /// ACKs carried on DATA frames (piggybacked) instead of sent as ACK frames.
     pub acks_carried: u64,
-    /// DATA frames sent again (Go-Back-N resends).
+    /// DATA frames sent again (go-back resends, selective resends and probes).
     pub retransmitted_frames: u64,
-    /// Fast retransmits (go-backs on duplicate ACKs).
+    /// Fast retransmits: go-backs on duplicate ACKs, or with selective repeat, frames found
+    /// lost (a frame sent no earlier than them was selectively acknowledged).
     pub fast_retransmits: u64,
     /// Retransmission timeouts (go-backs on the timer).
     pub timeouts: u64,
@@ -54,8 +55,11 @@ pub struct Counters {
     pub drop_wrong_group: u64,
     /// DATA/ACK frames dropped: heartbeats are on and the sender was never heard (or is down).
     pub drop_unknown_peer: u64,
-    /// DATA frames dropped: ahead of the next expected sequence.
+    /// DATA frames dropped: ahead of the next expected sequence (with selective repeat: too far
+    /// ahead to hold, or no room).
     pub drop_out_of_order: u64,
+    /// DATA frames held past a hole until it fills (selective repeat); not a drop.
+    pub frames_held: u64,
     /// DATA frames dropped: already received.
     pub drop_duplicate: u64,
     /// Frames dropped: sent by an earlier incarnation of the peer, or meant for an earlier
@@ -157,6 +161,7 @@ impl Counters {
             drop_wrong_group,
             drop_unknown_peer,
             drop_out_of_order,
+            frames_held,
             drop_duplicate,
             drop_stale_epoch,
             peer_restarts,

@@ -29,7 +29,7 @@
 //!
 //! Per (peer MAC, channel id) there is one ordered stream in each direction.
 //!
-//! *Sender* (Go-Back-N): messages are segmented by the MTU into frames (several small messages
+//! *Sender*: messages are segmented by the MTU into frames (several small messages
 //! packed into one frame when [`Config::pack_messages`]), queued, and numbered with a wrapping
 //! 32-bit [`Seq`]. At most [`Config::window_frames`] frames past the oldest unacknowledged one are
 //! ever transmitted. A cumulative ACK `a` releases every frame before `a`. An ACK that does not
@@ -51,9 +51,18 @@
 //! the timer: the receiver's answer to it (an advancing or a duplicate ACK) moves the sender on
 //! within a round trip, so a lost last frame no longer waits for the RTO.
 //!
-//! *Receiver*: accepts only the frame whose sequence is the next expected one; any other DATA frame
-//! is dropped (counted as out of order or duplicate) and answered at once with a duplicate ACK, always
-//! in an ACK frame of its own (never carried on DATA: the sender counts only ACK frames).
+//! *Selective repeat* ([`Config::selective_repeat`], on by default): the receiver holds DATA
+//! frames that arrive past a hole (up to 256, within its receive backlog) and every ACK frame it
+//! sends meanwhile carries a bitmap of them ([`Sack`]). The sender does not send held frames again
+//! and takes a frame for lost when frames sent no earlier than it are held past it (the duplicate
+//! ACK threshold of them, or all sent after it if fewer); only lost frames go again, before new
+//! ones. A timeout forgets the reports and goes back as above. Go-Back-N (the setting off) is the
+//! retransmission paper's scheme, which the simulator's reproduction of it keeps.
+//!
+//! *Receiver*: delivers frames in sequence order only. Any DATA frame other than the next expected
+//! one is held (selective repeat) or dropped (counted as out of order or duplicate), and answered
+//! at once with a duplicate ACK, always in an ACK frame of its own (never carried on DATA: the
+//! sender counts only ACK frames).
 //! Accepted frames are acknowledged every [`Config::ack_every_frames`] frames or after
 //! [`Config::ack_delay`], whichever comes first.
 //!
@@ -102,6 +111,8 @@ mod rtt;
 mod send;
 mod seq;
 #[cfg(test)]
+mod sr_tests;
+#[cfg(test)]
 mod star_tests;
 #[cfg(test)]
 mod tests;
@@ -113,7 +124,7 @@ use lanbus_wire::{Instant, MacAddr};
 pub use config::{Config, HeartbeatConfig, RateConfig};
 pub use counters::Counters;
 pub use endpoint::Endpoint;
-pub use lanbus_wire::frame::Role;
+pub use lanbus_wire::frame::{Role, Sack};
 pub use recv::{Message, ReceiveHalf};
 pub use send::SendHalf;
 pub use seq::Seq;
@@ -195,6 +206,8 @@ pub enum Feedback {
         /// How long the peer held the echoed frame before this ACK left it (its own delay, which
         /// rate control leaves out of the fabric's), ns.
         hold_ns: u64,
+        /// The frames past `ack` the peer holds (selective repeat; empty otherwise).
+        sack: Sack,
     },
     /// A DATA frame from the peer carried an ACK for data this endpoint sent (a piggybacked
     /// ACK): it advances the window like [`Feedback::AckReceived`] but never counts as a
@@ -241,6 +254,9 @@ pub enum Feedback {
         echo_ns: Option<u32>,
         /// When the frame whose timestamp is echoed arrived: the ACK reports how long it held it.
         received: Instant,
+        /// Frames past `ack` held (selective repeat): a non-empty report always goes in an ACK
+        /// frame of its own.
+        sack: Sack,
     },
     /// The receiver heard a peer's epoch for the first time: frames to it carry it from now on.
     PeerEpoch {
@@ -257,7 +273,7 @@ pub enum Feedback {
         /// Its new epoch.
         epoch: u32,
     },
-    /// The receiver discarded an out-of-order or already-received DATA frame and wants a
+    /// The receiver held or discarded an out-of-order or already-received DATA frame and wants a
     /// duplicate ACK sent at once: always in an ACK frame of its own, never carried on DATA nor
     /// merged with another ACK, since the peer counts only ACK frames toward fast retransmit.
     SendDuplicateAck {
@@ -271,6 +287,8 @@ pub enum Feedback {
         echo_ns: Option<u32>,
         /// When the discarded frame arrived.
         received: Instant,
+        /// Frames past `ack` held (selective repeat).
+        sack: Sack,
     },
 }
 

@@ -1,5 +1,6 @@
-//! The receiving half (transport layer): frame validation, the group rule, in-order acceptance,
-//! reassembly, delivery without per-message allocation, ACK generation and the peer table.
+//! The receiving half (transport layer): frame validation, the group rule, in-order acceptance
+//! (with selective repeat, frames past a hole are held until it fills), reassembly, delivery
+//! without per-message allocation, ACK generation and the peer table.
 //!
 //! Every byte here comes from the network and is distrusted: lengths are checked by the wire
 //! views, record flags must form whole messages, reassembled messages are bounded by 64 KiB, the
@@ -15,8 +16,8 @@ use std::collections::{HashMap, VecDeque};
 
 use lanbus_wire::ethernet::{EtherType, EthernetFrame, HEADER_LEN as ETH_LEN};
 use lanbus_wire::frame::{
-    self, HeartbeatRepr, Kind, Packet, Records, Role, FLAG_ACK, FLAG_CHECKSUM, FLAG_ECHO,
-    HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN, RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST,
+    self, HeartbeatRepr, Kind, Packet, Records, Role, Sack, FLAG_ACK, FLAG_CHECKSUM, FLAG_ECHO, FLAG_SACK,
+    HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN, RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST, SACK_MAX_FRAMES,
 };
 use lanbus_wire::{Instant, MacAddr};
 
@@ -47,6 +48,27 @@ struct RxChannel {
     last_timestamp: u32,
     /// When the frame of `last_timestamp` arrived.
     last_arrival: Instant,
+    /// Selective repeat: frames that arrived past a hole, `held[k]` being sequence `expected + k`
+    /// (so `held[0]` is always `None`: the hole). Empty when nothing is held.
+    held: VecDeque<Option<Held>>,
+}
+
+/// A DATA frame received past a hole, kept until the frames before it arrive.
+struct Held {
+    payload: Vec<u8>,
+}
+
+impl RxChannel {
+    /// The frames held past the hole at `expected`, as an ACK reports them.
+    fn sack(&self) -> Sack {
+        let mut s = Sack::EMPTY;
+        for (k, h) in self.held.iter().enumerate().skip(1) {
+            if h.is_some() {
+                s.set(k - 1);
+            }
+        }
+        s
+    }
 }
 
 /// The parts of a DATA frame that [`ReceiveHalf::handle_data`] works on.
@@ -116,6 +138,10 @@ pub struct ReceiveHalf {
     lend: Vec<core::ops::Range<usize>>,
     feedback: VecDeque<Feedback>,
     events: VecDeque<Event>,
+    /// Payload bytes held past holes on every channel (they count toward the receive backlog).
+    held_bytes: usize,
+    /// Buffers of held frames, for reuse.
+    held_pool: Vec<Vec<u8>>,
     counters: Counters,
 }
 
@@ -142,6 +168,8 @@ impl ReceiveHalf {
             lend: Vec::new(),
             feedback: VecDeque::new(),
             events: VecDeque::new(),
+            held_bytes: 0,
+            held_pool: Vec::new(),
             counters: Counters::default(),
         }
     }
@@ -214,6 +242,7 @@ impl ReceiveHalf {
                         ack: ch.expected,
                         echo_ns: Some(ch.last_timestamp),
                         received: ch.last_arrival,
+                        sack: ch.sack(),
                     });
                 }
             }
@@ -335,6 +364,7 @@ impl ReceiveHalf {
                 ack,
                 echo_ns: None,
                 received: now,
+                sack: Sack::EMPTY,
             });
             return;
         }
@@ -351,12 +381,15 @@ impl ReceiveHalf {
         }
         if kind == Kind::Ack {
             let echo_ns = (packet.flags() & FLAG_ECHO != 0).then(|| packet.echo());
+            let sack =
+                if packet.flags() & FLAG_SACK != 0 { Sack::parse(packet.payload()) } else { Sack::EMPTY };
             self.feedback.push_back(Feedback::AckReceived {
                 peer: src,
                 channel,
                 ack: Seq(packet.ack()),
                 echo_ns,
                 hold_ns: u64::from(packet.hold_us()) * 1000,
+                sack,
             });
             return;
         }
@@ -410,6 +443,11 @@ impl ReceiveHalf {
     /// Starts every receive channel from `peer` afresh (it restarted). Messages already
     /// delivered stay for `poll_message`; a message half reassembled is dropped.
     fn restart_channels(&mut self, peer: MacAddr) {
+        for ci in 0..self.channels.len() {
+            if self.channels[ci].peer == peer {
+                self.drop_held(ci);
+            }
+        }
         for ch in self.channels.iter_mut().filter(|c| c.peer == peer) {
             ch.expected = Seq(self.config.initial_sequence);
             ch.partial.clear();
@@ -478,6 +516,7 @@ impl ReceiveHalf {
                     ack_deadline: None,
                     last_timestamp: 0,
                     last_arrival: Instant::ZERO,
+                    held: VecDeque::new(),
                 });
                 self.index.insert(k, i);
                 i
@@ -493,15 +532,17 @@ impl ReceiveHalf {
             self.counters.drop_too_many_channels += 1;
             return;
         };
-        let ch = &mut self.channels[ci];
-        if seq != ch.expected {
-            if ch.expected.is_before(seq) {
-                self.counters.drop_out_of_order += 1;
+        let expected = self.channels[ci].expected;
+        if seq != expected {
+            if expected.is_before(seq) {
+                self.hold(ci, seq - expected, payload);
             } else {
                 self.counters.drop_duplicate += 1;
             }
-            // Answer at once: a duplicate ACK tells the sender what is missing. It goes in an
-            // ACK frame of its own (only those count toward fast retransmit), one per frame.
+            // Answer at once: a duplicate ACK tells the sender what is missing (and, with
+            // selective repeat, what is held past it). It goes in an ACK frame of its own (only
+            // those count toward fast retransmit), one per frame.
+            let ch = &mut self.channels[ci];
             if ch.ack_deadline.take().is_some() {
                 self.armed_acks -= 1;
             }
@@ -513,13 +554,117 @@ impl ReceiveHalf {
                 ack: ch.expected,
                 echo_ns: Some(ts),
                 received: now,
+                sack: ch.sack(),
             });
             return;
         }
-        if self.arena.len() - self.consumed + payload.len() > self.config.max_receive_backlog_bytes {
+        if self.backlog() + payload.len() > self.config.max_receive_backlog_bytes {
             self.counters.drop_backlog += 1;
             return;
         }
+        if !self.deliver(ci, payload, lend) {
+            return;
+        }
+        if self.channels[ci].held.is_empty() {
+            self.accepted(now, ci, ts);
+        } else {
+            self.fill_hole(now, ci, ts);
+        }
+    }
+
+    /// Bytes received and not yet taken by the application, or held past a hole.
+    fn backlog(&self) -> usize {
+        self.arena.len() - self.consumed + self.held_bytes
+    }
+
+    /// Selective repeat: keeps DATA frame `expected + ahead` of channel `ci`, which arrived before
+    /// the frames ahead of it, if its records parse and there is room (the frames' bytes count
+    /// toward the receive backlog, and at most [`SACK_MAX_FRAMES`] frames past the hole are
+    /// kept, as many as an ACK can report). Otherwise it is dropped and counted.
+    fn hold(&mut self, ci: usize, ahead: i32, payload: &[u8]) {
+        let ahead = ahead as usize;
+        let room = self.backlog() + payload.len() <= self.config.max_receive_backlog_bytes;
+        if !self.config.selective_repeat || ahead > SACK_MAX_FRAMES || !room {
+            self.counters.drop_out_of_order += 1;
+            return;
+        }
+        if self.channels[ci].held.get(ahead).is_some_and(Option::is_some) {
+            self.counters.drop_duplicate += 1;
+            return;
+        }
+        // The records' own shape is checked now; whether they continue the message before
+        // them, when the hole fills.
+        if Records::new(payload).any(|r| r.is_err()) {
+            self.counters.drop_bad_frame += 1;
+            return;
+        }
+        let mut buf = self.held_pool.pop().unwrap_or_default();
+        buf.clear();
+        buf.extend_from_slice(payload);
+        self.held_bytes += buf.len();
+        let held = &mut self.channels[ci].held;
+        if held.len() <= ahead {
+            held.resize_with(ahead + 1, || None);
+        }
+        held[ahead] = Some(Held { payload: buf });
+        self.counters.frames_held += 1;
+    }
+
+    /// The frame at `expected` of channel `ci` (sent at `ts`) was just delivered and frames past
+    /// it are held: delivers those that now follow in order, and acknowledges at once (the
+    /// sender waits for this ACK to learn the hole is filled), with what is still held.
+    fn fill_hole(&mut self, now: Instant, ci: usize, ts: u32) {
+        let ch = &mut self.channels[ci];
+        ch.expected = ch.expected + 1;
+        ch.held.pop_front();
+        while let Some(Some(_)) = self.channels[ci].held.front() {
+            let Some(Some(h)) = self.channels[ci].held.pop_front() else { unreachable!() };
+            self.held_bytes -= h.payload.len();
+            let ok = self.deliver(ci, &h.payload, false);
+            self.held_pool.push(h.payload);
+            if !ok {
+                // Whole records that do not continue the message before them: the peer is
+                // broken. Everything held is let go; the sender's timer sends it again.
+                self.drop_held(ci);
+                break;
+            }
+            self.channels[ci].expected = self.channels[ci].expected + 1;
+        }
+        let ch = &mut self.channels[ci];
+        if ch.held.iter().all(Option::is_none) {
+            ch.held.clear();
+        }
+        ch.last_timestamp = ts;
+        ch.last_arrival = now;
+        ch.unacked = 0;
+        if ch.ack_deadline.take().is_some() {
+            self.armed_acks -= 1;
+        }
+        self.feedback.push_back(Feedback::SendAck {
+            peer: ch.peer,
+            channel: ch.channel,
+            ack: ch.expected,
+            echo_ns: Some(ts),
+            received: now,
+            sack: ch.sack(),
+        });
+    }
+
+    /// Lets go of every frame held past a hole on channel `ci`.
+    fn drop_held(&mut self, ci: usize) {
+        for h in self.channels[ci].held.drain(..).flatten() {
+            self.held_bytes -= h.payload.len();
+            self.held_pool.push(h.payload);
+        }
+    }
+
+    /// Validates the payload of the frame at `expected` on channel `ci` against the message being
+    /// reassembled there, then delivers its messages (noted for lending if `lend` and order
+    /// allows, else copied into the arena). False, with nothing changed, if the records do not
+    /// form whole messages with what came before.
+    fn deliver(&mut self, ci: usize, payload: &[u8], lend: bool) -> bool {
+        let ch = &mut self.channels[ci];
+        let (src, channel) = (ch.peer, ch.channel);
         // Validate the whole frame before changing anything.
         let mut in_partial = ch.in_partial;
         let mut partial_len = ch.partial.len();
@@ -527,18 +672,18 @@ impl ReceiveHalf {
         for rec in Records::new(payload) {
             let Ok(rec) = rec else {
                 self.counters.drop_bad_frame += 1;
-                return;
+                return false;
             };
             let first = rec.flags & RECORD_FIRST != 0;
             if first == in_partial {
                 // A FIRST inside a message, or a continuation outside one.
                 self.counters.drop_bad_frame += 1;
-                return;
+                return false;
             }
             partial_len = if first { 0 } else { partial_len } + rec.data.len();
             if partial_len > MAX_MESSAGE_LEN {
                 self.counters.drop_bad_frame += 1;
-                return;
+                return false;
             }
             in_partial = rec.flags & RECORD_LAST == 0;
             all_whole &= rec.flags == RECORD_FIRST | RECORD_LAST;
@@ -556,8 +701,7 @@ impl ReceiveHalf {
                 self.counters.bytes_delivered += n as u64;
             }
             self.lend_from = (src, channel);
-            self.accepted(now, ci, ts);
-            return;
+            return true;
         }
         // Arena positions grow in delivery order (so `consumed` bounds what was taken): a frame
         // of whole messages is copied in one piece, others record by record.
@@ -601,7 +745,7 @@ impl ReceiveHalf {
                 self.counters.bytes_delivered += len as u64;
             }
         }
-        self.accepted(now, ci, ts);
+        true
     }
 
     /// Moves channel `ci` past the frame just accepted (sent at `ts`) and owes or sends its ACK.
@@ -624,6 +768,7 @@ impl ReceiveHalf {
                 ack: ch.expected,
                 echo_ns: Some(ts),
                 received,
+                sack: Sack::EMPTY,
             });
         } else {
             if ch.ack_deadline.is_none() {

@@ -1,26 +1,33 @@
-//! The sending half (transport layer): segmentation and packing, the Go-Back-N window, fast
-//! retransmit, the retransmission timer, pacing, and transmission of ACKs and heartbeats.
+//! The sending half (transport layer): segmentation and packing, the window, fast retransmit
+//! (Go-Back-N, or selective repeat), the retransmission timer, pacing, and transmission of ACKs
+//! and heartbeats.
 //!
 //! Per channel the frames live in one queue: `frames[0]` carries sequence `base` (the oldest
 //! unacknowledged), `frames[..high]` have been transmitted at least once (sealed: nothing more is
 //! packed into them), `frames[high..]` are queued, and `next` is the index the next transmission
-//! takes (it goes back to 0 on fast retransmit or timeout). Invariants: `next <= high <=
-//! frames.len()`, `next < window` whenever a DATA frame is written, and an ACK only advances `base`
-//! up to `base + high` (the frames actually sent).
+//! in order takes (it goes back to 0 on a Go-Back-N fast retransmit or a timeout). Invariants:
+//! `next <= high <= frames.len()`, `next < window` whenever a DATA frame is written, and an ACK
+//! only advances `base` up to `base + high` (the frames actually sent).
+//!
+//! With selective repeat each frame also has marks (`marks[i]` for `frames[i]`): `SACKED`, the
+//! receiver holds it past a hole; `LOST`, a frame sent no earlier than it was acknowledged past it,
+//! so it goes again before anything new. `inflight_bytes` counts the frames of `frames[..next]`
+//! with neither mark. A timeout clears every mark (the receiver may have let go of what it held)
+//! and goes back like Go-Back-N; sending in order then skips frames acknowledged meanwhile.
 
 use std::collections::VecDeque;
 
 use lanbus_wire::ethernet::{EtherType, EthernetFrame, EthernetRepr, HEADER_LEN as ETH_LEN};
 use lanbus_wire::frame::{
-    self, HeartbeatRepr, Kind, Packet, Repr, FLAG_ACK, FLAG_ECHO, HEADER_LEN as LB_LEN, MAX_MESSAGE_LEN,
-    RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST,
+    self, HeartbeatRepr, Kind, Packet, Repr, FLAG_ACK, FLAG_ECHO, FLAG_SACK, HEADER_LEN as LB_LEN,
+    MAX_MESSAGE_LEN, RECORD_FIRST, RECORD_HEADER_LEN, RECORD_LAST,
 };
 use lanbus_wire::{Instant, MacAddr};
 
 use crate::map::{key, ChannelMap};
 use crate::rate::RateControl;
 use crate::rtt::RttEstimator;
-use crate::{stamp, Config, Counters, Feedback, RateConfig, SendError, Seq};
+use crate::{stamp, Config, Counters, Feedback, RateConfig, Sack, SendError, Seq};
 
 /// The lanbus header of a stored frame (which this half wrote: it holds a whole header).
 fn header(frame: &[u8]) -> Packet<&[u8]> {
@@ -53,10 +60,19 @@ fn probe_at(config: &Config, ch: &TxChannel, now: Instant) -> Option<Instant> {
 /// A large message does not start in a queued frame with less room than this.
 const MIN_SPLIT_ROOM: usize = 256;
 
+/// Frame mark (selective repeat): the receiver holds the frame past a hole.
+const SACKED: u8 = 1;
+/// Frame mark (selective repeat): the frame was lost and goes again before new frames.
+const LOST: u8 = 2;
+
 struct TxChannel {
     peer: MacAddr,
     channel: u16,
     frames: VecDeque<Vec<u8>>,
+    /// Selective repeat's marks of each frame ([`SACKED`], [`LOST`]), parallel to `frames`.
+    marks: VecDeque<u8>,
+    /// Frames marked [`LOST`].
+    lost: usize,
     base: Seq,
     next: usize,
     high: usize,
@@ -87,10 +103,74 @@ struct TxChannel {
 }
 
 impl TxChannel {
+    /// The frame to send next, if any: the oldest frame marked lost, else the next in order
+    /// within the window.
+    fn candidate(&self, window: usize) -> Option<usize> {
+        if self.lost > 0 {
+            return self.marks.iter().position(|m| m & LOST != 0);
+        }
+        (self.next < self.frames.len() && self.next < window).then_some(self.next)
+    }
+
     fn has_sendable(&self, window: usize, rate: &RateConfig) -> bool {
-        self.next < self.frames.len()
-            && self.next < window
-            && self.rate.window_allows(rate, self.inflight_bytes, self.frames[self.next].len())
+        self.candidate(window)
+            .is_some_and(|i| self.rate.window_allows(rate, self.inflight_bytes, self.frames[i].len()))
+    }
+
+    /// Moves `next` past frames the receiver already holds (after a go-back).
+    fn skip_sacked(&mut self) {
+        while self.next < self.high && self.marks[self.next] & SACKED != 0 {
+            self.next += 1;
+        }
+    }
+
+    /// Applies a selective acknowledgement (bit `k`: the frame after `base` by `k + 1`): marks
+    /// the frames held, then finds the frames lost. A frame in flight is lost when frames after
+    /// it, sent no earlier than it, are held: at least `threshold` of them, or all that were
+    /// sent after it if fewer (a lost frame's resend is thus found lost again, and an early
+    /// report never retires a resend still on its way). Returns how many were found lost.
+    fn apply_sack(&mut self, sack: &Sack, threshold: usize) -> usize {
+        for k in sack.iter() {
+            let i = k + 1;
+            if i >= self.high {
+                break;
+            }
+            let m = self.marks[i];
+            if m & SACKED != 0 {
+                continue;
+            }
+            if m & LOST != 0 {
+                self.lost -= 1;
+            } else if i < self.next {
+                self.inflight_bytes -= self.frames[i].len();
+            }
+            self.marks[i] = SACKED;
+        }
+        self.skip_sacked();
+        let mut found = 0;
+        let mut held_after = 0usize;
+        let mut newest_held: Option<u32> = None;
+        for i in (0..self.high).rev() {
+            let m = self.marks[i];
+            let sent = header(&self.frames[i]).timestamp();
+            if m & SACKED != 0 {
+                held_after += 1;
+                newest_held = Some(match newest_held {
+                    Some(t) if t.wrapping_sub(sent) as i32 >= 0 => t,
+                    _ => sent,
+                });
+                continue;
+            }
+            let enough = held_after > 0 && held_after >= threshold.min(self.high - 1 - i);
+            let later = newest_held.is_some_and(|t| t.wrapping_sub(sent) as i32 >= 0);
+            if i < self.next && m & LOST == 0 && enough && later {
+                self.marks[i] |= LOST;
+                self.lost += 1;
+                self.inflight_bytes -= self.frames[i].len();
+                found += 1;
+            }
+        }
+        found
     }
 
     /// Notes that `ack` went to the peer (in an ACK frame or carried): `last_acked` only moves
@@ -102,11 +182,14 @@ impl TxChannel {
         });
     }
 
-    /// Go back to the first unacknowledged frame.
+    /// Go back to the first unacknowledged frame (and forget the receiver's reports: it may
+    /// have let go of what it held).
     fn go_back(&mut self) {
         self.dup_acks = 0;
         self.next = 0;
         self.inflight_bytes = 0;
+        self.marks.iter_mut().for_each(|m| *m = 0);
+        self.lost = 0;
     }
 }
 
@@ -120,6 +203,8 @@ struct AckDue {
     received: Instant,
     /// A duplicate ACK ([`Feedback::SendDuplicateAck`]): always an ACK frame of its own.
     duplicate: bool,
+    /// Frames held past `ack` (selective repeat): reported only in an ACK frame.
+    sack: Sack,
 }
 
 /// The sending half of an [`Endpoint`](crate::Endpoint): owns everything that writes frames.
@@ -225,6 +310,8 @@ impl SendHalf {
                     peer,
                     channel,
                     frames: VecDeque::new(),
+                    marks: VecDeque::new(),
+                    lost: 0,
                     base: Seq(self.config.initial_sequence),
                     next: 0,
                     high: 0,
@@ -309,6 +396,7 @@ impl SendHalf {
             start_frame(&mut f, local, ch.peer, ch.channel, seq);
             append_record(&mut f, flags, &data[off..off + n]);
             ch.frames.push_back(f);
+            ch.marks.push_back(0);
             off += n;
             first = false;
         }
@@ -320,19 +408,19 @@ impl SendHalf {
     /// Takes one value from the receive half: an ACK that arrived, or an ACK to send.
     pub fn handle_feedback(&mut self, now: Instant, feedback: Feedback) {
         match feedback {
-            Feedback::SendAck { peer, channel, ack, echo_ns, received } => {
+            Feedback::SendAck { peer, channel, ack, echo_ns, received, sack } => {
                 if let Some(ch) = self.existing_channel(peer, channel) {
-                    if ch.carried == Some((ack, echo_ns)) {
+                    if sack.is_empty() && ch.carried == Some((ack, echo_ns)) {
                         // A DATA frame already carried exactly this ACK.
                         return;
                     }
                 }
-                self.acks.push_back(AckDue { peer, channel, ack, echo_ns, received, duplicate: false });
+                self.acks.push_back(AckDue { peer, channel, ack, echo_ns, received, duplicate: false, sack });
             }
-            Feedback::SendDuplicateAck { peer, channel, ack, echo_ns, received } => {
+            Feedback::SendDuplicateAck { peer, channel, ack, echo_ns, received, sack } => {
                 // Never skipped, even when equal to a carried ACK: frames of one burst share
                 // a timestamp, so a duplicate can echo exactly what a DATA frame carried.
-                self.acks.push_back(AckDue { peer, channel, ack, echo_ns, received, duplicate: true });
+                self.acks.push_back(AckDue { peer, channel, ack, echo_ns, received, duplicate: true, sack });
             }
             Feedback::AckOwed { peer, channel, ack, echo_ns, received } => {
                 match self.existing_channel(peer, channel) {
@@ -340,11 +428,11 @@ impl SendHalf {
                     None => self.owed_unopened = Some((key(peer, channel), ack, echo_ns, received)),
                 }
             }
-            Feedback::AckReceived { peer, channel, ack, echo_ns, hold_ns } => {
-                self.on_ack(now, peer, channel, ack, echo_ns.map(|e| (e, hold_ns)), false)
+            Feedback::AckReceived { peer, channel, ack, echo_ns, hold_ns, sack } => {
+                self.on_ack(now, peer, channel, ack, echo_ns.map(|e| (e, hold_ns)), &sack, false)
             }
             Feedback::AckCarried { peer, channel, ack, echo_ns, hold_ns } => {
-                self.on_ack(now, peer, channel, ack, echo_ns.map(|e| (e, hold_ns)), true)
+                self.on_ack(now, peer, channel, ack, echo_ns.map(|e| (e, hold_ns)), &Sack::EMPTY, true)
             }
             Feedback::PeerEpoch { peer, epoch } => self.learn_epoch(peer, epoch),
             Feedback::PeerRestarted { peer, epoch } => {
@@ -371,6 +459,8 @@ impl SendHalf {
                 f.clear();
                 f
             }));
+            ch.marks.clear();
+            ch.lost = 0;
             ch.base = initial;
             ch.next = 0;
             ch.high = 0;
@@ -403,8 +493,10 @@ impl SendHalf {
         self.channels.get_mut(i)
     }
 
-    /// An ACK arrived, in an ACK frame or `carried` by a DATA frame (which is never a duplicate
-    /// ACK: the peer sends DATA whenever it has some, not because a frame went missing).
+    /// An ACK arrived, in an ACK frame (with the frames the receiver holds past it, `sack`) or
+    /// `carried` by a DATA frame (which is never a duplicate ACK: the peer sends DATA whenever it
+    /// has some, not because a frame went missing).
+    #[allow(clippy::too_many_arguments)]
     fn on_ack(
         &mut self,
         now: Instant,
@@ -412,6 +504,7 @@ impl SendHalf {
         channel: u16,
         ack: Seq,
         echo: Option<(u32, u64)>,
+        sack: &Sack,
         carried: bool,
     ) {
         let echo_ns = echo.map(|(e, _)| e);
@@ -433,6 +526,7 @@ impl SendHalf {
         if carried && advance == 0 {
             return;
         }
+        let selective = self.config.selective_repeat && !sack.is_empty();
         self.counters.acks_received += 1;
         if let Some((echo, hold_ns)) = echo {
             let rtt_ns = u64::from(stamp(now).wrapping_sub(echo));
@@ -448,6 +542,14 @@ impl SendHalf {
                 let fabric_ns = rtt_ns.saturating_sub(hold_ns).max(1);
                 ch.rate.on_rtt(&self.config.rate, now, fabric_ns, srtt);
             }
+        }
+        if advance == 0 && selective {
+            if ch.high > 0 {
+                self.counters.dup_acks_received += 1;
+                let lost = ch.apply_sack(sack, self.config.dup_ack_threshold.max(1) as usize);
+                self.counters.fast_retransmits += lost as u64;
+            }
+            return;
         }
         if advance == 0 {
             // A duplicate ACK is news that the frame at `base` was lost only if it answers a frame
@@ -476,7 +578,10 @@ impl SendHalf {
         }
         for i in 0..advance {
             if let Some(f) = ch.frames.pop_front() {
-                if i < ch.next {
+                let m = ch.marks.pop_front().unwrap_or(0);
+                if m & LOST != 0 {
+                    ch.lost -= 1;
+                } else if i < ch.next && m & SACKED == 0 {
                     ch.inflight_bytes -= f.len();
                 }
                 self.pool.push(f);
@@ -486,6 +591,10 @@ impl SendHalf {
         ch.high -= advance;
         ch.next = ch.next.saturating_sub(advance);
         ch.dup_acks = 0;
+        if selective {
+            let lost = ch.apply_sack(sack, self.config.dup_ack_threshold.max(1) as usize);
+            self.counters.fast_retransmits += lost as u64;
+        }
         ch.rtt.on_progress();
         ch.rto_deadline = (ch.high > 0).then(|| now + ch.rtt.rto());
         ch.probed = false;
@@ -608,18 +717,26 @@ impl SendHalf {
         None
     }
 
-    /// Writes channel `ci`'s next DATA frame into `buf`, carrying the channel's owed ACK if any.
-    /// The channel must have a sendable frame that pacing allows now.
+    /// Writes channel `ci`'s next DATA frame into `buf` (a frame found lost, else the next in
+    /// order), carrying the channel's owed ACK if any. The channel must have a sendable frame
+    /// that pacing allows now.
     fn write_data(&mut self, now: Instant, ci: usize, buf: &mut [u8]) -> usize {
-        let next = self.channels[ci].next;
-        let len = self.emit_stored(now, ci, next, buf);
+        let index = self.channels[ci].candidate(self.window).expect("write_data needs a sendable frame");
+        let len = self.emit_stored(now, ci, index, buf);
         let ch = &mut self.channels[ci];
-        if ch.next < ch.high {
+        if ch.marks[index] & LOST != 0 {
+            ch.marks[index] &= !LOST;
+            ch.lost -= 1;
             self.counters.retransmitted_frames += 1;
+        } else {
+            if ch.next < ch.high {
+                self.counters.retransmitted_frames += 1;
+            }
+            ch.next += 1;
+            ch.high = ch.high.max(ch.next);
+            ch.skip_sacked();
         }
-        ch.next += 1;
         ch.inflight_bytes += len;
-        ch.high = ch.high.max(ch.next);
         if ch.rto_deadline.is_none() {
             ch.rto_deadline = Some(now + ch.rtt.rto());
         }
@@ -687,7 +804,7 @@ impl SendHalf {
     /// last ACK sent and the owed one (no echo of an ACK already on its way), on a channel with
     /// a DATA frame that may go now.
     fn carrier(&mut self, now: Instant, a: &AckDue) -> Option<usize> {
-        if a.duplicate {
+        if a.duplicate || !a.sack.is_empty() {
             return None;
         }
         let ci = *self.index.get(&key(a.peer, a.channel))?;
@@ -725,16 +842,22 @@ impl SendHalf {
         {
             self.owed_unopened = None;
         }
+        let sack = a.sack.as_bytes();
+        buf[ETH_LEN + LB_LEN..][..sack.len()].copy_from_slice(sack);
+        let mut flags = if a.echo_ns.is_some() { FLAG_ECHO } else { 0 };
+        if !sack.is_empty() {
+            flags |= FLAG_SACK;
+        }
         let repr = Repr {
             kind: Kind::Ack,
-            flags: if a.echo_ns.is_some() { FLAG_ECHO } else { 0 },
+            flags,
             group: self.group,
             channel: a.channel,
             sequence: 0,
             ack: a.ack.0,
             timestamp: stamp(now),
             echo: a.echo_ns.unwrap_or(0),
-            payload_len: 0,
+            payload_len: sack.len() as u16,
             hold_us: hold_us(now, a.received),
             epoch: self.epoch,
             peer_epoch: self.peer_epochs.get(&a.peer).copied().unwrap_or(0),

@@ -52,6 +52,72 @@ pub const FLAG_ECHO: u8 = 0x02;
 /// Flag (DATA frames): the cumulative ACK field is valid; the frame also acknowledges the
 /// opposite direction of its channel (a piggybacked ACK), with [`FLAG_ECHO`] echoing a timestamp.
 pub const FLAG_ACK: u8 = 0x04;
+/// Flag (ACK frames): the payload is a [`Sack`] bitmap of frames received beyond the cumulative
+/// ACK (selective repeat).
+pub const FLAG_SACK: u8 = 0x08;
+
+/// Frames past the cumulative ACK that one [`Sack`] can report.
+pub const SACK_MAX_FRAMES: usize = 256;
+
+/// Which frames beyond a cumulative ACK `a` the receiver holds: bit `i` (bit `i % 8` of byte
+/// `i / 8`, least significant first) is frame `a + 1 + i` (frame `a` itself is missing, or the ACK
+/// would be past it). Carried as the payload of an ACK frame with [`FLAG_SACK`], as many bytes as
+/// needed (at most [`SACK_MAX_FRAMES`] / 8); a longer payload is cut, so any bytes parse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Sack {
+    bytes: [u8; SACK_MAX_FRAMES / 8],
+    len: u8,
+}
+
+impl Sack {
+    /// No frame beyond the cumulative ACK.
+    pub const EMPTY: Sack = Sack { bytes: [0; SACK_MAX_FRAMES / 8], len: 0 };
+
+    /// The bitmap in an ACK frame's payload (bytes beyond [`SACK_MAX_FRAMES`] / 8 are ignored).
+    pub fn parse(payload: &[u8]) -> Sack {
+        let mut s = Sack::EMPTY;
+        let n = payload.len().min(s.bytes.len());
+        s.bytes[..n].copy_from_slice(&payload[..n]);
+        s.len = n as u8;
+        s.trim();
+        s
+    }
+
+    /// Marks frame `a + 1 + index` as received (indexes from [`SACK_MAX_FRAMES`] on are not
+    /// reported).
+    pub fn set(&mut self, index: usize) {
+        if index < SACK_MAX_FRAMES {
+            self.bytes[index / 8] |= 1 << (index % 8);
+            self.len = self.len.max((index / 8 + 1) as u8);
+        }
+    }
+
+    /// Whether frame `a + 1 + index` was received.
+    pub fn get(&self, index: usize) -> bool {
+        index < SACK_MAX_FRAMES && self.bytes[index / 8] & (1 << (index % 8)) != 0
+    }
+
+    /// Whether no frame is reported.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The indexes reported, in increasing order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..usize::from(self.len) * 8).filter(|&i| self.get(i))
+    }
+
+    /// The bitmap's wire form (no trailing zero bytes).
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+
+    fn trim(&mut self) {
+        while self.len > 0 && self.bytes[usize::from(self.len) - 1] == 0 {
+            self.len -= 1;
+        }
+    }
+}
 
 /// Where the checksum's coverage starts: the source MAC (see [`fill_checksum`]).
 const CHECKSUM_START: usize = 6;
@@ -678,7 +744,15 @@ pub fn fuzz_lanbus_frame(data: &[u8]) {
                 assert_eq!(&buf[..n], packet.payload(), "heartbeat does not round-trip");
             }
         }
-        Kind::Ack | Kind::Unknown(_) => {}
+        Kind::Ack => {
+            let sack = Sack::parse(packet.payload());
+            assert!(sack.as_bytes().len() <= packet.payload().len());
+            assert_eq!(Sack::parse(sack.as_bytes()), sack, "SACK bitmap does not round-trip");
+            let mut again = Sack::EMPTY;
+            sack.iter().for_each(|i| again.set(i));
+            assert_eq!(again, sack, "SACK indexes do not rebuild the bitmap");
+        }
+        Kind::Unknown(_) => {}
     }
 }
 
@@ -964,7 +1038,40 @@ mod tests {
         fuzz_lanbus_frame(&f[..20]);
     }
 
+    #[test]
+    fn sack_bits_are_least_significant_first_and_trailing_zeros_are_cut() {
+        let mut s = Sack::EMPTY;
+        assert!(s.is_empty());
+        s.set(0);
+        s.set(9);
+        s.set(SACK_MAX_FRAMES); // not reportable: ignored
+        assert_eq!(s.as_bytes(), &[0x01, 0x02]);
+        assert!(s.get(0) && s.get(9) && !s.get(1) && !s.get(SACK_MAX_FRAMES));
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![0, 9]);
+        assert_eq!(Sack::parse(&[0x01, 0x02, 0x00, 0x00]), s);
+        assert_eq!(Sack::parse(&[0; 40]), Sack::EMPTY);
+    }
+
     proptest::proptest! {
+        #[test]
+        fn sack_round_trips(indexes in proptest::collection::btree_set(0usize..SACK_MAX_FRAMES + 20, 0..40)) {
+            let mut s = Sack::EMPTY;
+            for &i in &indexes {
+                s.set(i);
+            }
+            let reported: Vec<usize> = indexes.iter().copied().filter(|&i| i < SACK_MAX_FRAMES).collect();
+            proptest::prop_assert_eq!(s.iter().collect::<Vec<_>>(), reported);
+            proptest::prop_assert_eq!(Sack::parse(s.as_bytes()), s);
+        }
+
+        #[test]
+        fn sack_parses_any_payload(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..64)) {
+            let s = Sack::parse(&bytes);
+            let n = bytes.len().min(SACK_MAX_FRAMES / 8);
+            proptest::prop_assert!(bytes[..n].starts_with(s.as_bytes()));
+            proptest::prop_assert!(bytes[s.as_bytes().len()..n].iter().all(|&b| b == 0));
+        }
+
         #[test]
         fn random_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
             fuzz_lanbus_frame(&bytes);
