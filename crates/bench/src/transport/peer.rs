@@ -38,6 +38,9 @@ pub struct PeerArgs {
     /// Keep the transport's delay-based rate control on (the bench turns it off: see `docs/architecture.md`).
     #[arg(long)]
     rate_control: bool,
+    /// Rate control: the starting and highest pacing rate, Gbit/s (default: the transport's).
+    #[arg(long)]
+    line_rate_gbps: Option<f64>,
     /// Adaptive polling: spin this long after the last work before blocking (default: the
     /// runtime's).
     #[arg(long)]
@@ -94,6 +97,9 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     transport.rate.enabled = args.rate_control;
     if let Some(us) = args.min_rto_us {
         transport.min_rto = Duration::from_micros(us);
+    }
+    if let Some(g) = args.line_rate_gbps {
+        transport.rate.line_rate_bps = (g * 1e9) as u64;
     }
     if let Some(us) = args.target_delay_us {
         transport.rate.target_queue_delay = Duration::from_micros(us);
