@@ -27,12 +27,10 @@
 //! median of the runs' ratios.
 //!
 //! Transport settings: point to point (no heartbeats), default window (128 frames), checksums and
-//! packing on, and the delay-based rate control off (`--rate-control` on the peer keeps it): on
-//! a shared 2-core VM scheduling delays of tens of microseconds to milliseconds look like queueing
-//! delay to it, and it cuts the rate and the bytes in flight to about one frame per round trip
-//! (measured: 1 KiB goodput over udp 2,300 msgs/s with it, about 100,000 without). Over the
-//! TPACKET_V3 port the tolerated queueing delay is raised to 2 ms for the same reason (its 1 ms
-//! block timeout), which matters only when rate control is on.
+//! packing on, and the delay-based rate control on, as in the daemons (`--no-rate-control` on the
+//! peer turns it off). It reads the fabric's round trip without either end's own waits (the
+//! ports' receive timestamps, where they have them, and the hold each ACK reports): TPACKET_V3's
+//! 1 ms block timeout and a thread waiting for a core are not taken for a queue.
 //!
 //! Processes: the bench re-executes this binary inside each namespace (`ip netns exec`, hidden
 //! subcommand `lanbus bench transport-peer`): a server (echo, sink, idle or raw-echo) in namespace b
@@ -141,11 +139,10 @@ struct Plan {
     idle_seconds: f64,
 }
 
-/// The port specs of one kind on both ends, and transport tweaks for it.
+/// The port specs of one kind on both ends.
 struct PortSpecs {
     a: String,
     b: String,
-    extra: Vec<String>,
 }
 
 fn port_specs(pair: &VethPair, kind: &str) -> anyhow::Result<PortSpecs> {
@@ -164,10 +161,7 @@ fn port_specs(pair: &VethPair, kind: &str) -> anyhow::Result<PortSpecs> {
         "afxdp" => (format!("afxdp:{}", a.ifname), format!("afxdp:{}", b.ifname)),
         other => bail!("unknown port {other:?}; one of {}", PORTS.join(", ")),
     };
-    // TPACKET_V3 hands frames over when a block retires (1 ms when it does not fill): that delay
-    // is the port's, not a queue's, so the rate control must tolerate it (see `docs/architecture.md`).
-    let extra = if kind == "afpacket-v3" { vec!["--target-delay-us".into(), "2000".into()] } else { vec![] };
-    Ok(PortSpecs { a: sa, b: sb, extra })
+    Ok(PortSpecs { a: sa, b: sb })
 }
 
 /// A server process in a namespace, stopped (stdin closed, then killed if need be) on drop.
@@ -426,11 +420,10 @@ fn ping_once(
         Trip::Raw => (raw_row(kind), Mode::Busy, ("raw-echo", "raw-ping")),
     };
     eprintln!("bench transport: {label} ping-pong {size} B, run {}", run + 1);
-    let mut server = peer_command(&pair.b.netns, exe, &specs.b, pair.a.mac, server_role, mode);
-    server.args(&specs.extra);
+    let server = peer_command(&pair.b.netns, exe, &specs.b, pair.a.mac, server_role, mode);
     let _server = Server::start(server, &format!("{kind} {server_role} server"))?;
     let mut client = peer_command(&pair.a.netns, exe, &specs.a, pair.b.mac, client_role, mode);
-    client.args(["--size", &size.to_string(), "--seconds", &plan.seconds.to_string()]).args(&specs.extra);
+    client.args(["--size", &size.to_string(), "--seconds", &plan.seconds.to_string()]);
     let v = run_client(client, &format!("{kind} {client_role} client"))?;
     let (p50, p99) = (v["p50_us"].as_f64().unwrap_or(f64::NAN), v["p99_us"].as_f64().unwrap_or(f64::NAN));
     eprintln!("bench transport:   p50 {p50:.2} us, p99 {p99:.2} us");
@@ -489,10 +482,10 @@ fn measure_streaming(
             for run in 0..plan.runs {
                 eprintln!("bench transport: {kind} {} streaming {size} B, run {}", mode.name(), run + 1);
                 let mut server = peer_command(&pair.b.netns, exe, &specs.b, pair.a.mac, "sink", mode);
-                server.args(["--size", &size.to_string()]).args(&specs.extra);
+                server.args(["--size", &size.to_string()]);
                 let _server = Server::start(server, &format!("{kind} sink"))?;
                 let mut client = peer_command(&pair.a.netns, exe, &specs.a, pair.b.mac, "stream", mode);
-                client.args(["--size", &size.to_string(), "--seconds", &secs]).args(&specs.extra);
+                client.args(["--size", &size.to_string(), "--seconds", &secs]);
                 let v = run_client(client, &format!("{kind} stream client"))?;
                 msgs.push(v["msgs_per_s"].as_f64().unwrap_or(f64::NAN));
                 gbit.push(v["gbit_per_s"].as_f64().unwrap_or(f64::NAN));

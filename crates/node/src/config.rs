@@ -15,10 +15,11 @@ use crate::{Error, Result};
 
 /// The runtime settings the daemons use on a port of this spec.
 pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
+    // Delay-based rate control is on (the transport's default): both ends leave their own delay
+    // out of the round trip it reads (the receiver's hold reported in each ACK, counted from the
+    // port's receive timestamp, and the time an ACK waited here before it was read), so a busy
+    // machine's scheduling delay is not taken for a queue in the network.
     let mut c = RuntimeConfig { name: name.into(), threads, ..RuntimeConfig::default() };
-    // Delay-based rate control reads a busy machine's scheduling delays as queueing and paces
-    // down to its floor; one host and one device on a link do not need it.
-    c.transport.rate.enabled = false;
     // A peer is down after 1 s with no frame from it (10 heartbeat intervals), not 300 ms: an idle
     // peer is heard only through its heartbeats, and on a loaded machine a starved thread can
     // miss three 100 ms beats; a device that loses its host fails the DMA of the command it is

@@ -78,9 +78,13 @@ const V2_STATUS: usize = 0;
 const V2_LEN: usize = 4;
 const V2_SNAPLEN: usize = 8;
 const V2_MAC: usize = 12;
+const V2_SEC: usize = 16;
+const V2_NSEC: usize = 20;
 
 // Offsets in `struct tpacket3_hdr`.
 const PKT_NEXT_OFFSET: usize = 0;
+const PKT_SEC: usize = 4;
+const PKT_NSEC: usize = 8;
 const PKT_SNAPLEN: usize = 12;
 const PKT_LEN: usize = 16;
 const PKT_STATUS: usize = 20;
@@ -354,7 +358,18 @@ enum Step {
         wire_len: usize,
         /// Whether this host sent it.
         outgoing: bool,
+        /// When the kernel received it (`tp_sec`, `tp_nsec`), ns since the Unix epoch; 0 if
+        /// unset.
+        stamp_ns: u64,
     },
+}
+
+/// A ring header's receive time, ns since the Unix epoch (0 when missing).
+fn stamp_at(buf: &[u8], sec: usize, nsec: usize) -> u64 {
+    match (read_u32(buf, sec), read_u32(buf, nsec)) {
+        (Some(s), Some(ns)) => u64::from(s) * 1_000_000_000 + u64::from(ns),
+        _ => 0,
+    }
 }
 
 /// Reads the packet at the cursor and moves past it. Trusts nothing in the block: every offset
@@ -389,9 +404,12 @@ fn next_packet(block: &[u8], cursor: &mut RxCursor) -> Step {
     cursor.offset = if next >= TPACKET3_HDRLEN { at + next } else { 0 };
     let start = at + mac_off;
     match start.checked_add(snaplen) {
-        Some(end) if mac_off >= TPACKET3_HDRLEN && end <= block.len() => {
-            Step::Packet { frame: start..end, wire_len, outgoing: pkttype == libc::PACKET_OUTGOING }
-        }
+        Some(end) if mac_off >= TPACKET3_HDRLEN && end <= block.len() => Step::Packet {
+            frame: start..end,
+            wire_len,
+            outgoing: pkttype == libc::PACKET_OUTGOING,
+            stamp_ns: stamp_at(block, at + PKT_SEC, at + PKT_NSEC),
+        },
         _ => Step::Bad,
     }
 }
@@ -410,9 +428,12 @@ fn v2_packet(slot: &[u8]) -> Step {
         return Step::Bad;
     };
     match mac_off.checked_add(snaplen) {
-        Some(end) if mac_off >= TPACKET2_HDRLEN && end <= slot.len() => {
-            Step::Packet { frame: mac_off..end, wire_len, outgoing: pkttype == libc::PACKET_OUTGOING }
-        }
+        Some(end) if mac_off >= TPACKET2_HDRLEN && end <= slot.len() => Step::Packet {
+            frame: mac_off..end,
+            wire_len,
+            outgoing: pkttype == libc::PACKET_OUTGOING,
+            stamp_ns: stamp_at(slot, V2_SEC, V2_NSEC),
+        },
         _ => Step::Bad,
     }
 }
@@ -843,6 +864,14 @@ impl Drop for AfPacketPort {
 
 impl Port for AfPacketPort {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        self.rx_burst_stamped(max, &mut |frame, _| on_frame(frame))
+    }
+
+    fn rx_burst_stamped(
+        &mut self,
+        max: usize,
+        on_frame: &mut dyn FnMut(&[u8], Option<u64>),
+    ) -> Result<usize> {
         // Slots marked for sending while the kernel had no room go out without new frames.
         if self.tx_unkicked {
             self.kick()?;
@@ -885,7 +914,7 @@ impl Port for AfPacketPort {
                 Step::Bad => self.counters.rx_dropped += 1,
                 // Our own (or this host's) transmission looped back to packet taps: not for us.
                 Step::Packet { outgoing: true, .. } => {}
-                Step::Packet { frame, wire_len, outgoing: false } => {
+                Step::Packet { frame, wire_len, outgoing: false, stamp_ns } => {
                     let frame = &block[frame];
                     prefetch_lines(frame);
                     if frame.len() < wire_len || check_frame(frame, self.mtu).is_err() {
@@ -895,7 +924,7 @@ impl Port for AfPacketPort {
                     self.counters.rx_frames += 1;
                     self.counters.rx_bytes += frame.len() as u64;
                     delivered += 1;
-                    on_frame(frame);
+                    on_frame(frame, (stamp_ns != 0).then_some(stamp_ns));
                 }
             }
         }
@@ -1042,6 +1071,9 @@ mod tests {
             b[at + PKT_LEN..at + PKT_LEN + 4].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
             b[at + PKT_MAC..at + PKT_MAC + 2].copy_from_slice(&(mac as u16).to_ne_bytes());
             b[at + TPACKET3_HDR_ALIGNED + SLL_PKTTYPE] = *pkttype;
+            // Received at 1700000000.000000123 plus a second per packet.
+            b[at + PKT_SEC..at + PKT_SEC + 4].copy_from_slice(&(1_700_000_000 + i as u32).to_ne_bytes());
+            b[at + PKT_NSEC..at + PKT_NSEC + 4].copy_from_slice(&123u32.to_ne_bytes());
             b[at + mac..at + mac + frame.len()].copy_from_slice(frame);
             at += slot;
         }
@@ -1067,14 +1099,17 @@ mod tests {
         let b = block(&[(&one, libc::PACKET_HOST), (&two, libc::PACKET_OUTGOING)], 4096);
         let steps = walk(&b);
         assert_eq!(steps.len(), 3);
-        let Step::Packet { frame, wire_len: 60, outgoing: false } = steps[0].clone() else {
+        let Step::Packet { frame, wire_len: 60, outgoing: false, stamp_ns } = steps[0].clone() else {
             panic!("{steps:?}")
         };
         assert_eq!(&b[frame], &one[..]);
-        let Step::Packet { frame, wire_len: 100, outgoing: true } = steps[1].clone() else {
+        let first = stamp_ns;
+        let Step::Packet { frame, wire_len: 100, outgoing: true, stamp_ns } = steps[1].clone() else {
             panic!("{steps:?}")
         };
         assert_eq!(&b[frame], &two[..]);
+        assert_eq!(first % 1_000_000_000, 123, "the kernel's receive time, seconds and nanoseconds");
+        assert_eq!(stamp_ns - first, 1_000_000_000);
         assert_eq!(steps[2], Step::Done);
     }
 
@@ -1115,7 +1150,12 @@ mod tests {
         slot[V2_SNAPLEN..V2_SNAPLEN + 4].copy_from_slice(&90u32.to_ne_bytes());
         slot[V2_MAC..V2_MAC + 2].copy_from_slice(&(mac as u16).to_ne_bytes());
         slot[mac..mac + 90].copy_from_slice(&frame);
-        assert_eq!(v2_packet(&slot), Step::Packet { frame: mac..mac + 90, wire_len: 90, outgoing: false });
+        slot[V2_SEC..V2_SEC + 4].copy_from_slice(&2u32.to_ne_bytes());
+        slot[V2_NSEC..V2_NSEC + 4].copy_from_slice(&5u32.to_ne_bytes());
+        assert_eq!(
+            v2_packet(&slot),
+            Step::Packet { frame: mac..mac + 90, wire_len: 90, outgoing: false, stamp_ns: 2_000_000_005 }
+        );
         slot[TPACKET2_HDR_ALIGNED + SLL_PKTTYPE] = libc::PACKET_OUTGOING;
         assert!(matches!(v2_packet(&slot), Step::Packet { outgoing: true, .. }));
         let mut bad = slot.clone();

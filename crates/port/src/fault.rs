@@ -95,16 +95,24 @@ impl<P: Port> FaultyPort<P> {
 
 impl<P: Port> Port for FaultyPort<P> {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        self.rx_burst_stamped(max, &mut |frame, _| on_frame(frame))
+    }
+
+    fn rx_burst_stamped(
+        &mut self,
+        max: usize,
+        on_frame: &mut dyn FnMut(&[u8], Option<u64>),
+    ) -> Result<usize> {
         let (rng, loss, counters) = (&mut self.rng, self.config.rx_loss, &self.counters);
         let mut delivered = 0;
-        self.inner.rx_burst(max, &mut |frame| {
+        self.inner.rx_burst_stamped(max, &mut |frame, stamp| {
             if loss > 0.0 && rng.random_bool(loss) {
                 // Relaxed: a statistic.
                 counters.rx_dropped.fetch_add(1, Ordering::Relaxed);
                 return;
             }
             delivered += 1;
-            on_frame(frame);
+            on_frame(frame, stamp);
         })?;
         Ok(delivered)
     }

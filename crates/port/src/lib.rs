@@ -102,6 +102,11 @@ impl PortError {
 /// Result of a port operation.
 pub type Result<T> = core::result::Result<T, PortError>;
 
+/// The clock receive timestamps are in: nanoseconds since the Unix epoch (`CLOCK_REALTIME`).
+pub fn realtime_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
 /// A poll-mode port: bursts of Ethernet frames in and out.
 ///
 /// Call order: any interleaving of `rx_burst`, `tx_burst` and `wait` from one thread. A port that
@@ -111,6 +116,19 @@ pub trait Port: Send {
     /// header first). Returns how many frames were delivered; 0 means nothing is waiting. The slice
     /// is valid only during the call.
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize>;
+
+    /// [`Port::rx_burst`], also giving each frame's receive timestamp where the port has one:
+    /// when the frame reached this host's kernel, in nanoseconds since the Unix epoch
+    /// (`CLOCK_REALTIME`, compare with [`realtime_ns`]). The time between that and when the frame
+    /// is read is this host's (its threads waiting for a core, a ring's block timeout), not the
+    /// network's. The default gives `None` for every frame.
+    fn rx_burst_stamped(
+        &mut self,
+        max: usize,
+        on_frame: &mut dyn FnMut(&[u8], Option<u64>),
+    ) -> Result<usize> {
+        self.rx_burst(max, &mut |frame| on_frame(frame, None))
+    }
 
     /// Transmits up to `max` frames. For each, `fill` is given a buffer of at least
     /// [`Port::frame_capacity`] bytes; it writes one frame at the start and returns its length, or
@@ -163,6 +181,13 @@ pub trait Port: Send {
 impl<P: Port + ?Sized> Port for Box<P> {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
         (**self).rx_burst(max, on_frame)
+    }
+    fn rx_burst_stamped(
+        &mut self,
+        max: usize,
+        on_frame: &mut dyn FnMut(&[u8], Option<u64>),
+    ) -> Result<usize> {
+        (**self).rx_burst_stamped(max, on_frame)
     }
     fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize> {
         (**self).tx_burst(max, fill)

@@ -68,6 +68,16 @@ impl Default for Polling {
     }
 }
 
+/// When a frame stamped `stamp_ns` by its port (wall-clock ns) reached this host, on the
+/// runtime's clock, read at `now` when the wall clock said `real_now_ns`. A stamp from the future
+/// or more than a second old (a wall clock stepped, or another clock) counts as `now`.
+fn arrival(now: Instant, real_now_ns: u64, stamp_ns: u64) -> Instant {
+    match real_now_ns.checked_sub(stamp_ns) {
+        Some(ago) if ago < 1_000_000_000 => Instant::from_nanos(now.as_nanos().saturating_sub(ago)),
+        _ => now,
+    }
+}
+
 /// How to run a node.
 #[derive(Debug, Clone)]
 pub struct RuntimeConfig {
@@ -487,11 +497,22 @@ impl Worker {
         }
     }
 
-    /// Receives one burst, feeding each frame to `on_frame`. Port errors are transient here
-    /// (an interface flap, a full socket buffer): they are reported once a second and retried.
+    /// Receives one burst, feeding each frame to `on_frame` with when it reached this host (the
+    /// port's receive timestamp on this clock, else `now`). Port errors are transient here (an
+    /// interface flap, a full socket buffer): they are reported once a second and retried.
     fn rx_burst(&mut self, now: Instant, on_frame: &mut dyn FnMut(Instant, &[u8])) -> usize {
         let burst = self.burst;
-        let r = self.with_port(|p| p.rx_burst(burst, &mut |frame| on_frame(now, frame)));
+        // The port's stamps are wall-clock time: read it once per burst, when a stamp comes.
+        let mut real_now = None;
+        let r = self.with_port(|p| {
+            p.rx_burst_stamped(burst, &mut |frame, stamp| {
+                let arrived = stamp.map_or(now, |s| {
+                    let real = *real_now.get_or_insert_with(lanbus_port::realtime_ns);
+                    arrival(now, real, s)
+                });
+                on_frame(arrived, frame)
+            })
+        });
         self.count_port_result(r)
     }
 
@@ -623,8 +644,8 @@ impl Worker {
         while !self.stopping() {
             let now = self.clock.now();
             // Messages go to the handler straight from the port's buffer where order allows.
-            let mut work = self.rx_burst(now, &mut |now, frame| {
-                endpoint.handle_frame_delivering(now, frame, &mut |m, tx| {
+            let mut work = self.rx_burst(now, &mut |arrived, frame| {
+                endpoint.handle_frame_delivering_at(now, arrived, frame, &mut |m, tx| {
                     handler.on_message(m, &mut Direct { tx, backlog: &mut backlog, now });
                 });
             });
@@ -844,7 +865,8 @@ impl PipeRx {
         while !self.worker.stopping() {
             let now = self.worker.clock.now();
             let half = &mut self.half;
-            let mut work = self.worker.rx_burst(now, &mut |now, frame| half.handle_frame(now, frame));
+            let mut work =
+                self.worker.rx_burst(now, &mut |arrived, frame| half.handle_frame_at(now, arrived, frame));
             let requests: Vec<Control> = lock(&shared.control_rx).drain(..).collect();
             for c in requests {
                 // The TX thread gets the same request in its own queue.

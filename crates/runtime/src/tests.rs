@@ -309,3 +309,15 @@ fn handler_poll_runs_when_woken_and_its_output_keeps_the_handlers_order() {
         assert!(polls.load(std::sync::atomic::Ordering::Relaxed) >= 50);
     }
 }
+
+#[test]
+fn a_port_stamp_becomes_the_arrival_on_the_runtime_clock() {
+    let now = Instant::from_nanos(5_000_000);
+    // Stamped 30 us before the wall clock was read: arrived 30 us before now.
+    assert_eq!(crate::arrival(now, 1_000_030_000, 1_000_000_000), Instant::from_nanos(4_970_000));
+    // A stamp from the future, a second old or more, or older than the runtime's clock: now, or
+    // the clock's start.
+    assert_eq!(crate::arrival(now, 1_000_000_000, 1_000_000_001), now);
+    assert_eq!(crate::arrival(now, 3_000_000_000, 1_000_000_000), now);
+    assert_eq!(crate::arrival(now, 1_900_000_000, 1_000_000_000), Instant::ZERO);
+}

@@ -71,20 +71,6 @@ impl Handler for Nothing {
     }
 }
 
-/// The transport's settings for a port kind. TPACKET_V3 hands received frames over a block at a
-/// time, and a block that does not fill retires after 1 ms: under light load every frame waits
-/// up to that long, which the delay-based rate control takes for queueing and answers by cutting
-/// the rate (and the bytes in flight) to the minimum, a spiral down to about one frame per
-/// millisecond. The port's own batching delay is not congestion, so over v3 the tolerated
-/// queueing delay is raised above it.
-fn transport_for(kind: &str) -> Config {
-    let mut c = Config::point_to_point();
-    if kind == "afpacket-v3" {
-        c.rate.target_queue_delay = Duration::from_millis(2);
-    }
-    c
-}
-
 fn config(mode: ThreadMode, name: &str, transport: &Config) -> RuntimeConfig {
     RuntimeConfig {
         transport: transport.clone(),
@@ -299,7 +285,7 @@ fn veth_lossy(kind: &str, mode: ThreadMode, seed: u64) {
     };
     let (sa, sb) = specs(&pair, kind);
     let (a, b) = open_pair(&pair, &sa, &sb);
-    lossy(&label, a, b, mode, &transport_for(kind), seed);
+    lossy(&label, a, b, mode, &Config::point_to_point(), seed);
 }
 
 #[test]
@@ -432,7 +418,7 @@ fn veth_junk(kind: &str) {
     let frames = junk_frames(pair.a.mac, pair.b.mac, JUNK);
     let ifname = pair.a.ifname.clone();
     let netns = &pair.a.netns;
-    let out = deliver(&label, a, b, ThreadMode::RunToCompletion, &transport_for(kind), 20_000, || {
+    let out = deliver(&label, a, b, ThreadMode::RunToCompletion, &Config::point_to_point(), 20_000, || {
         netns
             .run(move || {
                 let raw = RawSocket::open(&ifname);

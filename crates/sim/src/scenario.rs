@@ -24,6 +24,14 @@ use crate::stats::Samples;
 use crate::traffic::{ConstantRate, PoissonBursts};
 use crate::{Forwarding, LinkConfig, Node, Sim, SwitchConfig};
 
+/// The transport's settings for an endpoint on an access link of `rate_bps`: the defaults, point
+/// to point, with rate control starting at (and never above) the link's rate.
+pub fn transport_for(rate_bps: u64) -> Config {
+    let mut c = Config::point_to_point();
+    c.rate.line_rate_bps = rate_bps;
+    c
+}
+
 /// The MAC of simulated host `i` (locally administered, unicast).
 pub fn host_mac(i: u16) -> MacAddr {
     let [hi, lo] = i.to_be_bytes();
@@ -63,7 +71,7 @@ impl TransferParams {
                 tx_queue_bytes: 256 * 1024,
                 seed,
             },
-            transport: Config::point_to_point(),
+            transport: transport_for(10_000_000_000),
             time_limit: Duration::from_secs(3600),
         }
     }
@@ -261,7 +269,7 @@ impl LatencyParams {
     /// The paper's setting at loss rate `loss`: 10 Gbit/s links of 1 µs each side of the switch,
     /// one TLP per frame (packing off), rate control off (one session cannot congest the switch).
     pub fn paper(loss: f64, messages: u64, seed: u64) -> Self {
-        let mut transport = Config::point_to_point();
+        let mut transport = transport_for(LinkConfig::default().rate_bps);
         transport.pack_messages = false;
         transport.rate.enabled = false;
         // The paper's scheme: Go-Back-N, fast retransmit and the timer, no tail-loss probe.
@@ -471,7 +479,7 @@ pub struct MultiParams {
 impl MultiParams {
     /// The paper's workload with `sessions` sessions, rate control on or off.
     pub fn paper(sessions: u16, rate_control: bool, duration: Duration, seed: u64) -> Self {
-        let mut transport = Config::point_to_point();
+        let mut transport = transport_for(LinkConfig::default().rate_bps);
         transport.rate.enabled = rate_control;
         // The paper's scheme: Go-Back-N, no tail-loss probe.
         transport.selective_repeat = false;

@@ -10,12 +10,17 @@ use lanbus_wire::frame::Role;
 pub struct RateConfig {
     /// Whether channels are paced at all. Off: frames go out as fast as the window allows.
     pub enabled: bool,
-    /// The starting and highest pacing rate, bits per second (the access link's rate).
+    /// The starting and highest pacing rate, bits per second: the access link's rate where it is
+    /// known (the simulator sets its links'); by default 100 Gbit/s, beyond what a software
+    /// endpoint sends, so that only measured delay sets the pace.
     pub line_rate_bps: u64,
     /// The lowest pacing rate, bits per second.
     pub min_rate_bps: u64,
     /// Queueing delay tolerated above the minimum RTT before the rate is cut; a channel also
-    /// keeps at most `rate * (min RTT + this)` bytes in flight.
+    /// keeps at most `rate * (min RTT + this)` bytes in flight. The default, 25 µs, is a fifth
+    /// of a 128 KiB switch buffer at 10 Gbit/s, and above what a busy host adds to a round trip
+    /// once both ends leave out their own waits (the port's receive timestamps): a port sends
+    /// frames in bursts, whose last frame waits for the others, and threads share cores.
     pub target_queue_delay: Duration,
     /// Rate added once per RTT while the delay is below target, bits per second.
     pub additive_increase_bps: u64,
@@ -29,9 +34,9 @@ impl Default for RateConfig {
     fn default() -> Self {
         RateConfig {
             enabled: true,
-            line_rate_bps: 10_000_000_000,
+            line_rate_bps: 100_000_000_000,
             min_rate_bps: 50_000_000,
-            target_queue_delay: Duration::from_micros(10),
+            target_queue_delay: Duration::from_micros(25),
             additive_increase_bps: 250_000_000,
             beta: 0.8,
             max_decrease: 0.5,

@@ -74,6 +74,13 @@ impl Endpoint {
         self.route(now);
     }
 
+    /// Takes one received Ethernet frame that reached this host at `arrived` (the port's receive
+    /// timestamp); see [`ReceiveHalf::handle_frame_at`].
+    pub fn handle_frame_at(&mut self, now: Instant, arrived: Instant, frame: &[u8]) {
+        self.rx.handle_frame_at(now, arrived, frame);
+        self.route(now);
+    }
+
     /// Takes one received Ethernet frame and lends the messages it completes to `deliver`, with
     /// the sending half for replies, straight from `frame` where order allows (nothing older
     /// waits in [`Endpoint::poll_message`], and the frame holds whole messages only); the rest
@@ -86,7 +93,19 @@ impl Endpoint {
         frame: &[u8],
         deliver: &mut dyn FnMut(Message<'_>, &mut SendHalf),
     ) {
-        self.rx.take_frame_to_lend(now, frame);
+        self.handle_frame_delivering_at(now, now, frame, deliver);
+    }
+
+    /// [`Endpoint::handle_frame_delivering`] for a frame that reached this host at `arrived`
+    /// (the port's receive timestamp); see [`ReceiveHalf::handle_frame_at`].
+    pub fn handle_frame_delivering_at(
+        &mut self,
+        now: Instant,
+        arrived: Instant,
+        frame: &[u8],
+        deliver: &mut dyn FnMut(Message<'_>, &mut SendHalf),
+    ) {
+        self.rx.take_frame_to_lend(now, arrived, frame);
         self.route(now);
         let tx = &mut self.tx;
         self.rx.lend(frame, &mut |m| deliver(m, tx));

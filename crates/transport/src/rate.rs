@@ -140,9 +140,18 @@ mod tests {
         Instant::from_nanos(us * 1000)
     }
 
+    /// A 10 Gbit/s access link and a 10 µs target.
+    fn ten_gig() -> RateConfig {
+        RateConfig {
+            line_rate_bps: 10_000_000_000,
+            target_queue_delay: Duration::from_micros(10),
+            ..RateConfig::default()
+        }
+    }
+
     #[test]
     fn decreases_above_target_and_increases_below() {
-        let cfg = RateConfig::default();
+        let cfg = ten_gig();
         let mut r = RateControl::new(&cfg);
         r.on_rtt(&cfg, t(0), 10_000, 10_000);
         assert_eq!(r.rate_bps(), 10e9, "at line rate already");
@@ -175,7 +184,7 @@ mod tests {
 
     #[test]
     fn keeps_rate_times_horizon_in_flight() {
-        let cfg = RateConfig::default();
+        let cfg = ten_gig();
         let mut r = RateControl::new(&cfg);
         // Before any sample the horizon is the target delay: 10 Gbit/s * 10 us = 12500 bytes.
         assert!(r.window_allows(&cfg, 0, 100_000), "one frame always goes");
@@ -184,7 +193,7 @@ mod tests {
         r.on_rtt(&cfg, t(0), 10_000, 10_000); // min RTT 10 us: 25000 bytes
         assert!(r.window_allows(&cfg, 23_500, 1500) && !r.window_allows(&cfg, 23_501, 1500));
         let off = RateControl::new(&RateConfig { enabled: false, ..cfg });
-        assert!(off.window_allows(&RateConfig::default(), usize::MAX / 2, 1500));
+        assert!(off.window_allows(&ten_gig(), usize::MAX / 2, 1500));
     }
 
     #[test]

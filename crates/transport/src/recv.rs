@@ -138,6 +138,10 @@ pub struct ReceiveHalf {
     lend: Vec<core::ops::Range<usize>>,
     feedback: VecDeque<Feedback>,
     events: VecDeque<Event>,
+    /// When the frame being taken reached this host (its port's receive timestamp, else `now`):
+    /// the ACKs it causes report how long it was held from then, and an ACK it carries how long
+    /// it waited here before it was read.
+    arrived: Instant,
     /// Payload bytes held past holes on every channel (they count toward the receive backlog).
     held_bytes: usize,
     /// Buffers of held frames, for reuse.
@@ -168,6 +172,7 @@ impl ReceiveHalf {
             lend: Vec::new(),
             feedback: VecDeque::new(),
             events: VecDeque::new(),
+            arrived: Instant::ZERO,
             held_bytes: 0,
             held_pool: Vec::new(),
             counters: Counters::default(),
@@ -263,7 +268,16 @@ impl ReceiveHalf {
     /// Takes one received Ethernet frame (padding after the lanbus payload is allowed). Never
     /// panics; whatever is wrong is counted and dropped.
     pub fn handle_frame(&mut self, now: Instant, frame: &[u8]) {
-        self.take_frame(now, frame, false);
+        self.take_frame(now, now, frame, false);
+    }
+
+    /// Takes one received frame like [`ReceiveHalf::handle_frame`], which reached this host at
+    /// `arrived` (the port's receive timestamp; taken as `now` if later): the time since is this
+    /// host's, not the fabric's. The ACKs the frame causes report their hold from `arrived`, and
+    /// an ACK it carries adds the wait to the peer's reported hold, so that rate control reads
+    /// neither end's scheduling delay as queueing.
+    pub fn handle_frame_at(&mut self, now: Instant, arrived: Instant, frame: &[u8]) {
+        self.take_frame(now, arrived, frame, false);
     }
 
     /// Takes one received frame like [`ReceiveHalf::handle_frame`], but notes the messages it
@@ -274,8 +288,8 @@ impl ReceiveHalf {
     /// frame's feedback is queued as usual. Only `lend` of the same frame may follow
     /// (crate-private: misuse would lose messages already acknowledged); see
     /// [`Endpoint::handle_frame_delivering`](crate::Endpoint::handle_frame_delivering).
-    pub(crate) fn take_frame_to_lend(&mut self, now: Instant, frame: &[u8]) {
-        self.take_frame(now, frame, true);
+    pub(crate) fn take_frame_to_lend(&mut self, now: Instant, arrived: Instant, frame: &[u8]) {
+        self.take_frame(now, arrived, frame, true);
     }
 
     /// Lends the messages noted by the last [`ReceiveHalf::take_frame_to_lend`] from `frame`,
@@ -287,8 +301,11 @@ impl ReceiveHalf {
         }
     }
 
-    fn take_frame(&mut self, now: Instant, frame: &[u8], lend: bool) {
+    fn take_frame(&mut self, now: Instant, arrived: Instant, frame: &[u8], lend: bool) {
         self.lend.clear();
+        self.arrived = arrived.min(now);
+        // How long the frame waited here before this call, added to an ACK's reported hold.
+        let waited_ns = now.saturating_duration_since(self.arrived).as_nanos() as u64;
         self.counters.frames_received += 1;
         self.reclaim();
         let Ok(eth) = EthernetFrame::new_checked(frame) else {
@@ -363,7 +380,7 @@ impl ReceiveHalf {
                 channel,
                 ack,
                 echo_ns: None,
-                received: now,
+                received: self.arrived,
                 sack: Sack::EMPTY,
             });
             return;
@@ -376,7 +393,7 @@ impl ReceiveHalf {
                 channel,
                 ack: Seq(packet.ack()),
                 echo_ns,
-                hold_ns: u64::from(packet.hold_us()) * 1000,
+                hold_ns: u64::from(packet.hold_us()) * 1000 + waited_ns,
             });
         }
         if kind == Kind::Ack {
@@ -388,7 +405,7 @@ impl ReceiveHalf {
                 channel,
                 ack: Seq(packet.ack()),
                 echo_ns,
-                hold_ns: u64::from(packet.hold_us()) * 1000,
+                hold_ns: u64::from(packet.hold_us()) * 1000 + waited_ns,
                 sack,
             });
             return;
@@ -553,7 +570,7 @@ impl ReceiveHalf {
                 channel,
                 ack: ch.expected,
                 echo_ns: Some(ts),
-                received: now,
+                received: self.arrived,
                 sack: ch.sack(),
             });
             return;
@@ -568,7 +585,7 @@ impl ReceiveHalf {
         if self.channels[ci].held.is_empty() {
             self.accepted(now, ci, ts);
         } else {
-            self.fill_hole(now, ci, ts);
+            self.fill_hole(ci, ts);
         }
     }
 
@@ -613,7 +630,8 @@ impl ReceiveHalf {
     /// The frame at `expected` of channel `ci` (sent at `ts`) was just delivered and frames past
     /// it are held: delivers those that now follow in order, and acknowledges at once (the
     /// sender waits for this ACK to learn the hole is filled), with what is still held.
-    fn fill_hole(&mut self, now: Instant, ci: usize, ts: u32) {
+    fn fill_hole(&mut self, ci: usize, ts: u32) {
+        let arrived = self.arrived;
         let ch = &mut self.channels[ci];
         ch.expected = ch.expected + 1;
         ch.held.pop_front();
@@ -635,7 +653,7 @@ impl ReceiveHalf {
             ch.held.clear();
         }
         ch.last_timestamp = ts;
-        ch.last_arrival = now;
+        ch.last_arrival = arrived;
         ch.unacked = 0;
         if ch.ack_deadline.take().is_some() {
             self.armed_acks -= 1;
@@ -645,7 +663,7 @@ impl ReceiveHalf {
             channel: ch.channel,
             ack: ch.expected,
             echo_ns: Some(ts),
-            received: now,
+            received: arrived,
             sack: ch.sack(),
         });
     }
@@ -750,18 +768,18 @@ impl ReceiveHalf {
 
     /// Moves channel `ci` past the frame just accepted (sent at `ts`) and owes or sends its ACK.
     fn accepted(&mut self, now: Instant, ci: usize, ts: u32) {
+        let received = self.arrived;
         let ch = &mut self.channels[ci];
         let (peer, channel) = (ch.peer, ch.channel);
         ch.expected = ch.expected + 1;
         ch.unacked += 1;
         ch.last_timestamp = ts;
-        ch.last_arrival = now;
+        ch.last_arrival = received;
         if ch.unacked >= self.config.ack_every_frames.max(1) || self.config.ack_delay.is_zero() {
             ch.unacked = 0;
             if ch.ack_deadline.take().is_some() {
                 self.armed_acks -= 1;
             }
-            let received = now;
             self.feedback.push_back(Feedback::SendAck {
                 peer,
                 channel,
@@ -776,7 +794,6 @@ impl ReceiveHalf {
                 self.armed_acks += 1;
             }
             // The sending half may carry this ACK on a DATA frame before the deadline.
-            let received = now;
             self.feedback.push_back(Feedback::AckOwed {
                 peer,
                 channel,

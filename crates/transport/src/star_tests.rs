@@ -138,6 +138,8 @@ pub(crate) fn incast(config: &Config, senders: usize, bytes_each: usize, buffer_
 fn rate_control_helps_an_incast() {
     for senders in [4usize, 8] {
         let mut c = Config::point_to_point();
+        // The star's links run at 10 Gbit/s.
+        c.rate.line_rate_bps = 10_000_000_000;
         c.rate.enabled = false;
         let off = incast(&c, senders, 512 * 1024, 128 * 1024);
         c.rate.enabled = true;
@@ -158,9 +160,10 @@ fn rate_control_helps_an_incast() {
             on.max_queue
         );
         assert!(on.drops * 20 < off.drops, "{summary}");
-        // With 8 senders the losses cost far more than pacing; with 4 the two come close, and
-        // rate control must at least not cost time.
-        let slack = if senders >= 8 { 1.0 } else { 1.05 };
+        // With 8 senders the losses cost far more than pacing; with 4 the two come close (the
+        // 25 µs target, above the scheduling noise of a busy host, lets the first bursts queue
+        // longer before the cut), and rate control may cost a few percent at most.
+        let slack = if senders >= 8 { 1.0 } else { 1.08 };
         assert!(on.completion.as_secs_f64() < off.completion.as_secs_f64() * slack, "{summary}");
         assert!(on.completion.as_secs_f64() < ideal.as_secs_f64() * 1.3, "{summary}");
     }

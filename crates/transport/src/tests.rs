@@ -575,6 +575,63 @@ fn rate_control_leaves_out_the_time_the_receiver_held_a_frame() {
     assert!((rate2 - want).abs() < 1.0, "{rate1} -> {rate2}, want {want}");
 }
 
+/// With the port's receive timestamps, neither end's wait before it read a frame counts as the
+/// fabric's: the receiver's hold runs from when the DATA frame arrived, and the sender adds the
+/// time the ACK waited before it was read. Without them the same waits cut the rate.
+#[test]
+fn rate_control_leaves_out_the_time_frames_waited_unread_at_either_end() {
+    // One exchange starting at `t0`: the DATA frame takes 10 us to b, which reads it `wait` later
+    // and answers; the ACK takes 10 us back and waits `wait` before a reads it. Returns a's
+    // pacing rate after it and the ACK's reported hold.
+    fn exchange(
+        a: &mut Endpoint,
+        b: &mut Endpoint,
+        i: u64,
+        t0: Instant,
+        wait: Duration,
+        stamps: bool,
+    ) -> (f64, u16) {
+        a.send(t0, B, 0, &test_message(i, 1000)).unwrap();
+        let data = drain(a, t0).pop().unwrap();
+        let (reached, read) = (t0 + us(10), t0 + us(10) + wait);
+        if stamps {
+            b.handle_frame_at(read, reached, &data);
+        } else {
+            b.handle_frame(read, &data);
+        }
+        // b's ACK goes when its coalescing delay is over.
+        let t = b.poll_timeout().unwrap();
+        b.handle_timeout(t);
+        let ack = drain(b, t).pop().unwrap();
+        let hold = Packet::new_checked(&ack[ETH_LEN..]).unwrap().hold_us();
+        let (reached, read) = (t + us(10), t + us(10) + wait);
+        if stamps {
+            a.handle_frame_at(read, reached, &ack);
+        } else {
+            a.handle_frame(read, &ack);
+        }
+        (a.send_half().pacing_rate_bps(B, 0).unwrap(), hold)
+    }
+    for stamps in [true, false] {
+        let mut c = p2p();
+        c.rate.enabled = true;
+        c.rate.line_rate_bps = 1_000_000_000;
+        c.rate.target_queue_delay = us(100);
+        let (mut a, mut b) = (Endpoint::new(c.clone(), A, Instant::ZERO), Endpoint::new(c, B, Instant::ZERO));
+        // A first exchange without waits: the minimum round trip.
+        let (rate0, _) = exchange(&mut a, &mut b, 0, at_us(0), Duration::ZERO, stamps);
+        // Both threads wait 300 us for a core before they read.
+        let (rate1, hold) = exchange(&mut a, &mut b, 1, at_us(1000), us(300), stamps);
+        if stamps {
+            assert!(hold >= 300, "b held the frame from its arrival: {hold} us");
+            assert!(rate1 >= rate0, "no queue on the fabric: {rate0} -> {rate1}");
+        } else {
+            assert!(rate1 < rate0, "read as a queue without the stamps: {rate0} -> {rate1}");
+        }
+        assert!(a.counters().rtt_max().unwrap() >= us(600), "the timer counts the whole round trip");
+    }
+}
+
 #[test]
 fn traffic_in_both_directions_and_many_channels() {
     let f = Faults { loss: 0.02, reorder: 0.02, duplicate: 0.01, corrupt: 0.01, ack_loss: 0.05 };

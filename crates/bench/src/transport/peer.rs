@@ -31,13 +31,12 @@ pub struct PeerArgs {
     /// How long a client measures, seconds (ping stops at `rounds` or this, whichever is first).
     #[arg(long, default_value_t = 1.5)]
     seconds: f64,
-    /// Raise the rate control's tolerated queueing delay to this many microseconds (for ports
-    /// whose receive path batches frames, like TPACKET_V3's 1 ms block timeout).
+    /// Rate control: the queueing delay tolerated, microseconds (default: the transport's).
     #[arg(long)]
     target_delay_us: Option<u64>,
-    /// Keep the transport's delay-based rate control on (the bench turns it off: see `docs/architecture.md`).
+    /// Turn the transport's delay-based rate control off (it is on, as in the daemons).
     #[arg(long)]
-    rate_control: bool,
+    no_rate_control: bool,
     /// Rate control: the starting and highest pacing rate, Gbit/s (default: the transport's).
     #[arg(long)]
     line_rate_gbps: Option<f64>,
@@ -94,7 +93,7 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     let mut transport = if args.role == Role::Idle { Config::default() } else { Config::point_to_point() };
     // Frames as large as the link takes (the runtime lowers this to the port's MTU).
     transport.mtu = 65_535;
-    transport.rate.enabled = args.rate_control;
+    transport.rate.enabled = !args.no_rate_control;
     if let Some(us) = args.min_rto_us {
         transport.min_rto = Duration::from_micros(us);
     }
