@@ -3,6 +3,7 @@
 //! Every benchmark prints a table, writes the common JSON format with `--json FILE` (see
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
+pub mod fabric;
 mod interrupt;
 pub mod nbd;
 pub mod nvme;
@@ -39,6 +40,11 @@ pub enum BenchCommand {
     /// namespaces, one process each: ping-pong latency, streaming goodput, idle CPU; peers
     /// sockperf and iperf3 on the same veth. Needs root.
     Transport(transport::TransportArgs),
+    /// Several host and I/O-box pairs streaming at once through one switch (a Linux bridge of
+    /// network namespaces): aggregate goodput, Jain's fairness, rate control on and off, with and
+    /// without a CPU hog and a shared tbf bottleneck; iperf3 TCP over the same switch as the peer.
+    /// Needs root.
+    Fabric(fabric::FabricArgs),
     /// One side of `bench transport` (started by it inside a namespace).
     #[command(hide = true)]
     TransportPeer(transport::PeerArgs),
@@ -58,6 +64,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Ring(a) => ring::run(a),
         BenchCommand::Pcie(args) => pcie::run(args),
         BenchCommand::Transport(args) => transport::run(args),
+        BenchCommand::Fabric(args) => fabric::run(args),
         BenchCommand::TransportPeer(args) => transport::run_peer(args),
     }
 }

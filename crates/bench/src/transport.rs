@@ -165,13 +165,13 @@ fn port_specs(pair: &VethPair, kind: &str) -> anyhow::Result<PortSpecs> {
 }
 
 /// A server process in a namespace, stopped (stdin closed, then killed if need be) on drop.
-struct Server {
+pub(crate) struct Server {
     child: Child,
 }
 
 impl Server {
     /// Starts `command` and waits for its `ready` line.
-    fn start(mut command: Command, what: &str) -> anyhow::Result<Server> {
+    pub(crate) fn start(mut command: Command, what: &str) -> anyhow::Result<Server> {
         command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = command.spawn().with_context(|| format!("starting {what}"))?;
         let mut line = String::new();
@@ -218,7 +218,7 @@ impl Drop for Server {
 }
 
 /// Runs a client command to completion and parses its JSON line.
-fn run_client(mut command: Command, what: &str) -> anyhow::Result<Value> {
+pub(crate) fn run_client(mut command: Command, what: &str) -> anyhow::Result<Value> {
     let out = command.stdin(Stdio::null()).output().with_context(|| format!("starting {what}"))?;
     if !out.status.success() {
         bail!("{what} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
@@ -228,7 +228,7 @@ fn run_client(mut command: Command, what: &str) -> anyhow::Result<Value> {
     serde_json::from_str(line).with_context(|| format!("{what} printed {line:?}"))
 }
 
-fn peer_command(ns: &Netns, exe: &str, spec: &str, peer: MacAddr, role: &str, mode: Mode) -> Command {
+pub(crate) fn peer_command(ns: &Netns, exe: &str, spec: &str, peer: MacAddr, role: &str, mode: Mode) -> Command {
     let mut c = ns.command(exe);
     c.args(["bench", "transport-peer", "--port", spec, "--peer", &peer.to_string(), "--role", role]);
     c.args(["--polling", mode.name()]);
