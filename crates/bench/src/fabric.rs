@@ -59,6 +59,9 @@ pub struct FabricArgs {
     /// MTU of every link.
     #[arg(long, default_value_t = 9000)]
     mtu: usize,
+    /// Rate control: the queueing delay tolerated, microseconds (default: the transport's).
+    #[arg(long)]
+    rc_target_us: Option<u64>,
 }
 
 /// The switch and the pairs on it; removed on drop (each namespace takes its links with it).
@@ -224,16 +227,27 @@ impl Who {
     }
 }
 
+/// The peer's rate control options.
+fn rc_args(a: &FabricArgs, rate_control: bool) -> Vec<String> {
+    // The daemons' floor of the retransmission timeout: eight processes share the cores here,
+    // and a lower one fires whenever a receiver waits for a core (each timeout also halves the
+    // rate when rate control is on).
+    let mut v: Vec<String> = vec!["--min-rto-us".into(), "5000".into()];
+    match (rate_control, a.rc_target_us) {
+        (false, _) => v.push("--no-rate-control".into()),
+        (true, Some(us)) => v.extend(["--target-delay-us".into(), us.to_string()]),
+        (true, None) => {}
+    }
+    v
+}
+
 /// All lanbus pairs streaming at once.
 fn lanbus_pairs(f: &Fabric, exe: &str, a: &FabricArgs, seconds: f64, rate_control: bool) -> anyhow::Result<Vec<f64>> {
     let size = a.size.to_string();
     let mut sinks = Vec::new();
     for (i, d) in f.devices.iter().enumerate() {
         let mut c = peer_command(d, exe, "afpacket:eth0", host_mac(i), "sink", Mode::Adaptive);
-        c.args(["--size", &size]);
-        if !rate_control {
-            c.arg("--no-rate-control");
-        }
+        c.args(["--size", &size]).args(rc_args(a, rate_control));
         sinks.push(Server::start(c, &format!("sink d{}", i + 1))?);
     }
     let secs = seconds.to_string();
@@ -243,10 +257,7 @@ fn lanbus_pairs(f: &Fabric, exe: &str, a: &FabricArgs, seconds: f64, rate_contro
         .enumerate()
         .map(|(i, h)| {
             let mut c = peer_command(h, exe, "afpacket:eth0", device_mac(i), "stream", Mode::Adaptive);
-            c.args(["--size", &size, "--seconds", &secs]);
-            if !rate_control {
-                c.arg("--no-rate-control");
-            }
+            c.args(["--size", &size, "--seconds", &secs]).args(rc_args(a, rate_control));
             std::thread::spawn(move || run_client(c, &format!("stream h{}", i + 1)))
         })
         .collect();

@@ -470,6 +470,9 @@ fn stream_client(
         "timeouts": stats.transport.timeouts,
         "fast_retransmits": stats.transport.fast_retransmits,
         "paced_out": stats.transport.paced_out,
+        "rtt_min_us": stats.transport.rtt_min_ns as f64 / 1e3,
+        "rtt_mean_us": stats.transport.rtt_mean().map_or(0.0, |d| d.as_secs_f64() * 1e6),
+        "rtt_max_us": stats.transport.rtt_max_ns as f64 / 1e3,
     });
     println!("{out}");
     Ok(())
