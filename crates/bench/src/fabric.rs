@@ -100,7 +100,9 @@ fn ip(args: &[&str]) -> anyhow::Result<()> {
 impl Fabric {
     fn build(pairs: usize, mtu: usize) -> anyhow::Result<Fabric> {
         let tag = std::process::id();
-        let ns = |what: &str| Netns::create(&format!("lbf{tag}-{what}")).with_context(|| format!("namespace {what}"));
+        let ns = |what: &str| {
+            Netns::create(&format!("lbf{tag}-{what}")).with_context(|| format!("namespace {what}"))
+        };
         let switch = ns("sw")?;
         let boxes = ns("box")?;
         let mtu_s = mtu.to_string();
@@ -146,7 +148,10 @@ impl Fabric {
             // A burst of a few jumbo frames and a queue of 2 ms at the rate.
             let out = self.switch.exec(
                 "tc",
-                &["qdisc", "add", "dev", UPLINK, "root", "tbf", "rate", &rate, "burst", "64kb", "latency", "2ms"],
+                &[
+                    "qdisc", "add", "dev", UPLINK, "root", "tbf", "rate", &rate, "burst", "64kb", "latency",
+                    "2ms",
+                ],
             )?;
             if !out.status.success() {
                 bail!("tc tbf on the shared link: {}", String::from_utf8_lossy(&out.stderr).trim());
@@ -202,6 +207,9 @@ impl Drop for Hog {
     }
 }
 
+/// One configuration: a CPU hog or not, the bottleneck's rate (Mbit/s) if any, and who runs.
+type Case = (bool, Option<u64>, Who);
+
 /// What one configuration measured in one run.
 struct Sample {
     /// Each pair's goodput, Gbit/s.
@@ -242,7 +250,13 @@ fn rc_args(a: &FabricArgs, rate_control: bool) -> Vec<String> {
 }
 
 /// All lanbus pairs streaming at once.
-fn lanbus_pairs(f: &Fabric, exe: &str, a: &FabricArgs, seconds: f64, rate_control: bool) -> anyhow::Result<Vec<f64>> {
+fn lanbus_pairs(
+    f: &Fabric,
+    exe: &str,
+    a: &FabricArgs,
+    seconds: f64,
+    rate_control: bool,
+) -> anyhow::Result<Vec<f64>> {
     let size = a.size.to_string();
     let mut sinks = Vec::new();
     for (i, d) in f.devices.iter().enumerate() {
@@ -332,7 +346,7 @@ pub fn run(a: FabricArgs) -> anyhow::Result<()> {
     };
     let cases: Vec<(bool, Option<u64>)> =
         [false, true].into_iter().flat_map(|hog| [(hog, None), (hog, Some(a.bottleneck_mbit))]).collect();
-    let mut samples: Vec<((bool, Option<u64>, Who), Sample)> = Vec::new();
+    let mut samples: Vec<(Case, Sample)> = Vec::new();
     for run in 0..runs {
         for &(hog, bottleneck) in &cases {
             fabric.bottleneck(bottleneck)?;
@@ -365,7 +379,8 @@ pub fn run(a: FabricArgs) -> anyhow::Result<()> {
             let figure = |f: &dyn Fn(&Sample) -> f64| median(&mine.iter().map(|s| f(s)).collect::<Vec<_>>());
             let total = figure(&|s| s.gbps.iter().sum()).unwrap_or(f64::NAN);
             let fairness = figure(&|s| jain(&s.gbps)).unwrap_or(f64::NAN);
-            let slowest = figure(&|s| s.gbps.iter().copied().fold(f64::INFINITY, f64::min)).unwrap_or(f64::NAN);
+            let slowest =
+                figure(&|s| s.gbps.iter().copied().fold(f64::INFINITY, f64::min)).unwrap_or(f64::NAN);
             let drops = figure(&|s| s.drops as f64).unwrap_or(f64::NAN);
             let (name, rc) = who.row();
             let row = |metric: &str, value: f64| {
@@ -404,7 +419,10 @@ pub fn run(a: FabricArgs) -> anyhow::Result<()> {
                     .with("hog", if hog { "yes" } else { "no" })
                     .with("bottleneck_mbit", bottleneck.map_or(Value::from("none"), Value::from)),
             );
-            let mut line = format!("{case}: rate control on/off aggregate {ratio:.2}x, fairness {:.3} on, {:.3} off", on.1, off.1);
+            let mut line = format!(
+                "{case}: rate control on/off aggregate {ratio:.2}x, fairness {:.3} on, {:.3} off",
+                on.1, off.1
+            );
             if bottleneck.is_some() {
                 line += &format!(", bottleneck drops {:.0} on, {:.0} off", on.2, off.2);
             }
@@ -418,7 +436,10 @@ pub fn run(a: FabricArgs) -> anyhow::Result<()> {
                     .with("hog", if hog { "yes" } else { "no" })
                     .with("bottleneck_mbit", bottleneck.map_or(Value::from("none"), Value::from)),
             );
-            lines.push(format!("{case}: lanbus (rate control on) / iperf3 TCP aggregate {ratio:.2}x, TCP fairness {:.3}", peer.1));
+            lines.push(format!(
+                "{case}: lanbus (rate control on) / iperf3 TCP aggregate {ratio:.2}x, TCP fairness {:.3}",
+                peer.1
+            ));
         }
     }
     for row in &mut report.rows {

@@ -228,7 +228,14 @@ pub(crate) fn run_client(mut command: Command, what: &str) -> anyhow::Result<Val
     serde_json::from_str(line).with_context(|| format!("{what} printed {line:?}"))
 }
 
-pub(crate) fn peer_command(ns: &Netns, exe: &str, spec: &str, peer: MacAddr, role: &str, mode: Mode) -> Command {
+pub(crate) fn peer_command(
+    ns: &Netns,
+    exe: &str,
+    spec: &str,
+    peer: MacAddr,
+    role: &str,
+    mode: Mode,
+) -> Command {
     let mut c = ns.command(exe);
     c.args(["bench", "transport-peer", "--port", spec, "--peer", &peer.to_string(), "--role", role]);
     c.args(["--polling", mode.name()]);
