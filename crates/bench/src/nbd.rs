@@ -53,6 +53,8 @@ pub struct FioResult {
     pub mb_per_s: f64,
     /// Operations per second.
     pub iops: f64,
+    /// 99th percentile of the completion latency, microseconds.
+    pub p99_us: f64,
 }
 
 /// Runs one time-based fio job with the nbd engine against `uri` and reads its JSON output.
@@ -64,7 +66,24 @@ pub fn run_fio(
     size_mib: u64,
     runtime: u64,
 ) -> anyhow::Result<FioResult> {
-    let out = end_with_parent(&mut Command::new("fio"))
+    run_fio_in(None, uri, rw, bs, iodepth, size_mib, runtime)
+}
+
+/// [`run_fio`] inside network namespace `ns` (fio as a client across a link), or here.
+pub fn run_fio_in(
+    ns: Option<&lanbus_port::netns::Netns>,
+    uri: &str,
+    rw: &str,
+    bs: &str,
+    iodepth: u32,
+    size_mib: u64,
+    runtime: u64,
+) -> anyhow::Result<FioResult> {
+    let mut command = match ns {
+        Some(ns) => ns.command("fio"),
+        None => Command::new("fio"),
+    };
+    let out = end_with_parent(&mut command)
         .args(["--name=bench", "--ioengine=nbd", "--numjobs=1", "--time_based", "--output-format=json"])
         .arg(format!("--uri={uri}"))
         .arg(format!("--rw={rw}"))
@@ -85,7 +104,8 @@ pub fn run_fio(
     let job = &v["jobs"][0][dir];
     let bw = job["bw_bytes"].as_f64().context("fio JSON without bw_bytes")?;
     let iops = job["iops"].as_f64().context("fio JSON without iops")?;
-    Ok(FioResult { mb_per_s: bw / 1e6, iops })
+    let p99_us = job["clat_ns"]["percentile"]["99.000000"].as_f64().map_or(f64::NAN, |ns| ns / 1e3);
+    Ok(FioResult { mb_per_s: bw / 1e6, iops, p99_us })
 }
 
 fn wait_for_socket(socket: &Path) -> anyhow::Result<()> {

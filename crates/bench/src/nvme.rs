@@ -3,7 +3,12 @@
 //!
 //! - `local`: the controller model in-process (driver and controller joined directly, the
 //!   controller on its own thread as on the device bridge), behind the NBD server: no fabric;
-//! - `peer:qemu-nbd`: qemu-nbd serving the same backing file;
+//! - `peer:qemu-nbd`: qemu-nbd serving the same backing file on a local Unix socket (no network:
+//!   the reference without any link);
+//! - `peer:nbd-tcp`: the socket path a user would otherwise deploy: qemu-nbd in one network
+//!   namespace serving the same backing file over TCP, fio in the other, across the same veth
+//!   at the same MTU as the lanbus rows (root). Every lanbus row's `ratio_vs_nbd_tcp` compares
+//!   it with this row;
 //! - `sim`: the whole fabric (device bridge, transport, host bridge, driver) over the in-process
 //!   simulated wire;
 //! - `udp`, `afpacket`, `afxdp`: the fabric over real ports: over a veth pair between two network
@@ -14,7 +19,8 @@
 //! (writeback cache, no O_DIRECT, for both). Every row runs the same fio job. Metrics `mb_per_s`
 //! and `iops`, with `block_size`, `rw`, (lanbus rows) the driver's `completion` mode and (rows over
 //! the veth) its `mtu`, 9000 by default (the drive's TLPs carry up to 4 KiB); each the
-//! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`), after an unmeasured warm-up run per
+//! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`); at 4 KiB also `p99_us`, the 99th
+//! percentile of fio's completion latency. Each after an unmeasured warm-up run per
 //! direction with blocks twice the largest measured (see [`warm_up`]). A PNG per direction (MB/s
 //! against block size) next to the JSON. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
 //! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
@@ -32,11 +38,12 @@ use lanbus_node::process::end_with_parent;
 use lanbus_nvme::local::{LocalNvme, ProcessMode};
 use lanbus_port::Port;
 
-use super::nbd::run_fio;
+use super::nbd::run_fio_in;
 use super::report::{median, Report, Row};
 use crate::plot::{write_png, Plot, Series};
 use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
 use lanbus_node::fabric::SimFabric;
+use lanbus_port::netns::{Netns, VethPair};
 
 /// `lanbus bench nvme` options.
 #[derive(Debug, Args)]
@@ -168,10 +175,10 @@ fn over(
 /// MB/s before any 1 MiB request and at 2268 after (reads 1212 and 2000), and 1 MiB reads at
 /// 1440 until a 4 MiB request had gone by, 2130 after. A long-running server has seen large
 /// requests; a fresh one has not. The lanbus rows (mimalloc, buffers reused) show no such step.
-fn warm_up(uri: &str, args: &NvmeBenchArgs, bytes: u64) -> anyhow::Result<()> {
+fn warm_up(ns: Option<&Netns>, uri: &str, args: &NvmeBenchArgs, bytes: u64) -> anyhow::Result<()> {
     let bs = bytes.to_string();
     for rw in args.directions() {
-        run_fio(uri, rw, &bs, 1, args.size_mib, 1)
+        run_fio_in(ns, uri, rw, &bs, 1, args.size_mib, 1)
             .with_context(|| format!("warming up with {rw} of {bs} bytes"))?;
     }
     Ok(())
@@ -203,6 +210,46 @@ fn qemu(dir: &Path) -> anyhow::Result<(Holder, String)> {
     wait_for_socket(&socket, "nvme0")?;
     Ok((Holder::Qemu(child), format!("nbd+unix:///nvme0?socket={}", socket.display())))
 }
+
+/// qemu-nbd in namespace b of `veth` serving the backing file over TCP on its address; the URI
+/// for fio in namespace a.
+fn qemu_tcp(dir: &Path, veth: &VethPair) -> anyhow::Result<(Holder, String)> {
+    let image = dir.join("backing.img");
+    let addr = std::net::SocketAddr::from((veth.b.ipv4, NBD_TCP_PORT));
+    let mut command = veth.b.netns.command("qemu-nbd");
+    let child = end_with_parent(&mut command)
+        .args(["--format=raw", "--persistent", "--shared=4", "--export-name=nvme0", "--cache=writeback"])
+        .arg(format!("--bind={}", veth.b.ipv4))
+        .arg(format!("--port={NBD_TCP_PORT}"))
+        .arg(&image)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("qemu-nbd (Debian package qemu-utils)")?;
+    let child = KillOnDrop(child);
+    // Ready once it accepts a connection from the client's side of the link.
+    let t = std::time::Instant::now();
+    loop {
+        let up = veth
+            .a
+            .netns
+            .run(move || {
+                std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_millis(200)).is_ok()
+            })
+            .unwrap_or(false);
+        if up {
+            break;
+        }
+        if t.elapsed() > std::time::Duration::from_secs(10) {
+            bail!("qemu-nbd did not listen on {addr} in namespace {}", veth.b.netns.name());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Ok((Holder::Qemu(child), format!("nbd://{addr}/nvme0")))
+}
+
+/// The TCP port of the `peer:nbd-tcp` row's qemu-nbd (NBD's registered port).
+const NBD_TCP_PORT: u16 = 10809;
 
 fn wait_for_socket(socket: &Path, export: &str) -> anyhow::Result<()> {
     let t = std::time::Instant::now();
@@ -267,7 +314,7 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         sizes.push((bs, lanbus_node::parse_size(bs).with_context(|| format!("--block-sizes {bs:?}"))?));
     }
     let largest = sizes.iter().map(|&(_, bytes)| bytes).max().unwrap_or(0);
-    let veth = if want("afpacket") || want("afxdp") || want("udp") {
+    let veth = if want("afpacket") || want("afxdp") || want("udp") || want("peer:nbd-tcp") {
         match lanbus_port::netns::VethPair::create() {
             Ok(v) => {
                 v.set_mtu(args.mtu as usize)
@@ -275,7 +322,9 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 Some(v)
             }
             Err(skip) => {
-                eprintln!("bench nvme: rows afpacket and afxdp missing: {skip}; udp runs over loopback");
+                eprintln!(
+                    "bench nvme: rows afpacket, afxdp and peer:nbd-tcp missing: {skip}; udp runs over loopback"
+                );
                 None
             }
         }
@@ -286,16 +335,22 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     // from the others, and an AF_XDP socket takes the veth's lanbus frames from AF_PACKET.
     let mut rows: Vec<&str> = vec!["local", "peer:qemu-nbd", "sim", "udp"];
     if veth.is_some() {
-        rows.extend(["afpacket", "afxdp"]);
+        rows.extend(["peer:nbd-tcp", "afpacket", "afxdp"]);
     }
     let (runs, runtime) = if args.quick { (1, 1) } else { (3, 2) };
     create_backing(dir, size)?;
     let mut report = Report::new("nvme");
     let mut missing = Vec::new();
     for name in rows.into_iter().filter(|n| want(n)) {
+        // fio runs here, except across the veth for the TCP peer.
+        let fio_ns = (name == "peer:nbd-tcp").then(|| veth.as_ref().map(|v| &v.a.netns)).flatten();
         let target = match name {
             "local" => local(dir, args.driver_config()),
             "peer:qemu-nbd" => qemu(dir),
+            "peer:nbd-tcp" => match veth.as_ref() {
+                Some(v) => qemu_tcp(dir, v),
+                None => Err(anyhow::anyhow!("needs a veth pair (root)")),
+            },
             "sim" => SimFabric::sim_ports(0.0, 1)
                 .map_err(anyhow::Error::from)
                 .and_then(|p| over(dir, "sim", p, args.driver_config())),
@@ -311,7 +366,7 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 continue;
             }
         };
-        if let Err(e) = warm_up(&uri, args, 2 * largest) {
+        if let Err(e) = warm_up(fio_ns, &uri, args, 2 * largest) {
             eprintln!("bench nvme: row {name} missing: {e:#}");
             missing.push(name);
             continue;
@@ -320,22 +375,28 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             for &(bs, block) in &sizes {
                 let mut mbs = Vec::new();
                 let mut iops = Vec::new();
+                let mut p99 = Vec::new();
                 for _ in 0..runs {
-                    match run_fio(&uri, rw, bs, 1, args.size_mib, runtime) {
+                    match run_fio_in(fio_ns, &uri, rw, bs, 1, args.size_mib, runtime) {
                         Ok(r) => {
                             mbs.push(r.mb_per_s);
                             iops.push(r.iops);
+                            p99.push(r.p99_us);
                         }
                         Err(e) => eprintln!("bench nvme: {name} {rw} {bs}: {e:#}"),
                     }
                 }
                 let (Some(m), Some(i)) = (median(&mbs), median(&iops)) else { continue };
-                for (metric, value) in [("mb_per_s", m), ("iops", i)] {
+                let mut figures = vec![("mb_per_s", m), ("iops", i)];
+                if block == 4096 {
+                    figures.extend(median(&p99).map(|p| ("p99_us", p)));
+                }
+                for (metric, value) in figures {
                     let mut row = Row::new(name, metric, value).with("rw", rw).with("block_size", block);
                     if !name.starts_with("peer:") {
                         row = row.with("completion", args.completion.as_str());
                     }
-                    if veth.is_some() && ["udp", "afpacket", "afxdp"].contains(&name) {
+                    if veth.is_some() && ["udp", "afpacket", "afxdp", "peer:nbd-tcp"].contains(&name) {
                         row = row.with("mtu", args.mtu);
                     }
                     report.push(row);
@@ -348,5 +409,29 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     if !missing.is_empty() {
         eprintln!("bench nvme: rows not measured: {}", missing.join(", "));
     }
+    ratios_vs_nbd_tcp(&mut report);
     Ok(report)
+}
+
+/// Each lanbus row's bandwidth against `peer:nbd-tcp`'s at the same direction and block size
+/// (`ratio_vs_nbd_tcp`), when that row was measured.
+fn ratios_vs_nbd_tcp(report: &mut Report) {
+    let key = |r: &Row| (r.params.get("rw").cloned(), r.params.get("block_size").cloned());
+    let peer: Vec<_> = report
+        .rows
+        .iter()
+        .filter(|r| r.name == "peer:nbd-tcp" && r.metric == "mb_per_s")
+        .map(|r| (key(r), r.value))
+        .collect();
+    let mut ratios = Vec::new();
+    for r in report.rows.iter().filter(|r| !r.name.starts_with("peer:") && r.metric == "mb_per_s") {
+        if let Some((_, base)) = peer.iter().find(|(k, _)| *k == key(r)) {
+            let mut row = Row::new(r.name.clone(), "ratio_vs_nbd_tcp", r.value / base);
+            for (k, v) in &r.params {
+                row = row.with(k, v.clone());
+            }
+            ratios.push(row);
+        }
+    }
+    report.rows.extend(ratios);
 }
