@@ -241,10 +241,11 @@ fn rc_args(a: &FabricArgs, rate_control: bool) -> Vec<String> {
     // and a lower one fires whenever a receiver waits for a core (each timeout also halves the
     // rate when rate control is on).
     let mut v: Vec<String> = vec!["--min-rto-us".into(), "5000".into()];
-    match (rate_control, a.rc_target_us) {
-        (false, _) => v.push("--no-rate-control".into()),
-        (true, Some(us)) => v.extend(["--target-delay-us".into(), us.to_string()]),
-        (true, None) => {}
+    if rate_control {
+        v.push("--rate-control".into());
+        if let Some(us) = a.rc_target_us {
+            v.extend(["--target-delay-us".into(), us.to_string()]);
+        }
     }
     v
 }

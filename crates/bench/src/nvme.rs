@@ -78,6 +78,10 @@ pub struct NvmeBenchArgs {
     /// Linux 6.6+); 3500 is the largest that fits one, 1500 is plain Ethernet.
     #[arg(long, default_value_t = 9000, value_parser = clap::value_parser!(u32).range(576..=65_000))]
     mtu: u32,
+    /// fio I/O depths to measure (comma-separated); the paper's is 1. Deeper queues show how the
+    /// fabric scales with outstanding I/O (the driver's queue pairs, the fabric's channels).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    iodepth: Vec<u32>,
 }
 
 impl NvmeBenchArgs {
@@ -279,13 +283,17 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
                 continue;
             }
             let bs = row.params.get("block_size").and_then(|v| v.as_f64()).unwrap_or(0.0) / 1024.0;
-            match series.iter_mut().find(|s| s.name == row.name) {
+            let name = match row.params.get("iodepth").and_then(|v| v.as_u64()) {
+                Some(d) if d != 1 => format!("{} qd{d}", row.name),
+                _ => row.name.clone(),
+            };
+            match series.iter_mut().find(|s| s.name == name) {
                 Some(s) => s.points.push((bs, row.value)),
-                None => series.push(Series { name: row.name.clone(), points: vec![(bs, row.value)] }),
+                None => series.push(Series { name, points: vec![(bs, row.value)] }),
             }
         }
         let plot = Plot {
-            title: format!("NVMe over lanbus, fio {rw}, numjobs=1, iodepth=1"),
+            title: format!("NVMe over lanbus, fio {rw}, numjobs=1"),
             x_label: "block size (KiB)".into(),
             y_label: "MB/s".into(),
             x_log: true,
@@ -301,6 +309,10 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
 }
 
 fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
+    anyhow::ensure!(
+        !args.iodepth.is_empty() && args.iodepth.iter().all(|d| (1..=256).contains(d)),
+        "--iodepth: depths of 1 to 256"
+    );
     let size = args.size_mib << 20;
     let want = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
     let names: Vec<&str> = if args.block_sizes.is_empty() {
@@ -372,12 +384,13 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             continue;
         }
         for rw in args.directions() {
-            for &(bs, block) in &sizes {
+            for (&depth, &(bs, block)) in args.iodepth.iter().flat_map(|d| sizes.iter().map(move |s| (d, s)))
+            {
                 let mut mbs = Vec::new();
                 let mut iops = Vec::new();
                 let mut p99 = Vec::new();
                 for _ in 0..runs {
-                    match run_fio_in(fio_ns, &uri, rw, bs, 1, args.size_mib, runtime) {
+                    match run_fio_in(fio_ns, &uri, rw, bs, depth, args.size_mib, runtime) {
                         Ok(r) => {
                             mbs.push(r.mb_per_s);
                             iops.push(r.iops);
@@ -392,7 +405,10 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                     figures.extend(median(&p99).map(|p| ("p99_us", p)));
                 }
                 for (metric, value) in figures {
-                    let mut row = Row::new(name, metric, value).with("rw", rw).with("block_size", block);
+                    let mut row = Row::new(name, metric, value)
+                        .with("rw", rw)
+                        .with("block_size", block)
+                        .with("iodepth", depth);
                     if !name.starts_with("peer:") {
                         row = row.with("completion", args.completion.as_str());
                     }
@@ -401,7 +417,7 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                     }
                     report.push(row);
                 }
-                eprintln!("bench nvme: {name:>14} {rw:>9} {bs:>4}: {m:8.1} MB/s {i:8.0} IOPS");
+                eprintln!("bench nvme: {name:>14} {rw:>9} {bs:>4} qd{depth}: {m:8.1} MB/s {i:8.0} IOPS");
             }
         }
         drop(holder);
@@ -416,7 +432,10 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
 /// Each lanbus row's bandwidth against `peer:nbd-tcp`'s at the same direction and block size
 /// (`ratio_vs_nbd_tcp`), when that row was measured.
 fn ratios_vs_nbd_tcp(report: &mut Report) {
-    let key = |r: &Row| (r.params.get("rw").cloned(), r.params.get("block_size").cloned());
+    let key = |r: &Row| {
+        let p = |k: &str| r.params.get(k).cloned();
+        (p("rw"), p("block_size"), p("iodepth"))
+    };
     let peer: Vec<_> = report
         .rows
         .iter()

@@ -27,10 +27,9 @@
 //! median of the runs' ratios.
 //!
 //! Transport settings: point to point (no heartbeats), default window (128 frames), checksums and
-//! packing on, and the delay-based rate control on, as in the daemons (`--no-rate-control` on the
-//! peer turns it off). It reads the fabric's round trip without either end's own waits (the
-//! ports' receive timestamps, where they have them, and the hold each ACK reports): TPACKET_V3's
-//! 1 ms block timeout and a thread waiting for a core are not taken for a queue.
+//! packing on, and the delay-based rate control off, as in the daemons (`--rate-control` on the
+//! peer keeps it: it reads the fabric's round trip without either end's own waits, the ports'
+//! receive timestamps and the hold each ACK reports, and costs one stream 3% here).
 //!
 //! Processes: the bench re-executes this binary inside each namespace (`ip netns exec`, hidden
 //! subcommand `lanbus bench transport-peer`): a server (echo, sink, idle or raw-echo) in namespace b

@@ -34,9 +34,9 @@ pub struct PeerArgs {
     /// Rate control: the queueing delay tolerated, microseconds (default: the transport's).
     #[arg(long)]
     target_delay_us: Option<u64>,
-    /// Turn the transport's delay-based rate control off (it is on, as in the daemons).
+    /// Keep the transport's delay-based rate control on (off, as in the daemons).
     #[arg(long)]
-    no_rate_control: bool,
+    rate_control: bool,
     /// Rate control: the starting and highest pacing rate, Gbit/s (default: the transport's).
     #[arg(long)]
     line_rate_gbps: Option<f64>,
@@ -93,7 +93,7 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     let mut transport = if args.role == Role::Idle { Config::default() } else { Config::point_to_point() };
     // Frames as large as the link takes (the runtime lowers this to the port's MTU).
     transport.mtu = 65_535;
-    transport.rate.enabled = !args.no_rate_control;
+    transport.rate.enabled = args.rate_control;
     if let Some(us) = args.min_rto_us {
         transport.min_rto = Duration::from_micros(us);
     }
