@@ -20,7 +20,9 @@
 //! and `iops`, with `block_size`, `rw`, (lanbus rows) the driver's `completion` mode and (rows over
 //! the veth) its `mtu`, 9000 by default (the drive's TLPs carry up to 4 KiB); each the
 //! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`); at 4 KiB also `p99_us`, the 99th
-//! percentile of fio's completion latency. Each after an unmeasured warm-up run per
+//! percentile of fio's completion latency. After each port's rows, its floor: `raw:PORT`
+//! (`mb_per_s_one_way`), the bare port's one-way bandwidth in frames of the link's MTU, the same
+//! ports opened the same way with nothing above them. Each after an unmeasured warm-up run per
 //! direction with blocks twice the largest measured (see [`warm_up`]). A PNG per direction (MB/s
 //! against block size) next to the JSON. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
 //! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
@@ -421,6 +423,24 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             }
         }
         drop(holder);
+        // The bare port's floor, right after its row and with the row's bridges gone.
+        if ["udp", "afpacket", "afxdp"].contains(&name) {
+            let mut floors = Vec::new();
+            for _ in 0..runs {
+                match raw_one_way(name, veth.as_ref(), runtime as f64) {
+                    Ok(g) => floors.push(g * 1e3 / 8.0),
+                    Err(e) => eprintln!("bench nvme: raw:{name} floor: {e:#}"),
+                }
+            }
+            if let Some(m) = median(&floors) {
+                let mut row = Row::new(format!("raw:{name}"), "mb_per_s_one_way", m);
+                if veth.is_some() {
+                    row = row.with("mtu", args.mtu);
+                }
+                report.push(row);
+                eprintln!("bench nvme: {:>14} one way: {m:8.1} MB/s of whole frames", format!("raw:{name}"));
+            }
+        }
     }
     if !missing.is_empty() {
         eprintln!("bench nvme: rows not measured: {}", missing.join(", "));
@@ -453,4 +473,45 @@ fn ratios_vs_nbd_tcp(report: &mut Report) {
         }
     }
     report.rows.extend(ratios);
+}
+
+/// The bare port's one-way bandwidth (`raw:KIND` rows, Gbit/s of whole frames): `a` sends frames
+/// of the link's MTU to `b` as fast as it takes them for `seconds`, `b` counts what arrives. The
+/// same ports as the row's, opened the same way, with no transport, bridge or drive: the floor
+/// the row's figures stand on. Returns Gbit/s received.
+fn raw_one_way(kind: &str, veth: Option<&VethPair>, seconds: f64) -> anyhow::Result<f64> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (mut a, mut b) = super::port_pair(kind, veth)?;
+    let len = lanbus_wire::ethernet::HEADER_LEN + a.mtu().min(b.mtu());
+    let mut frame = vec![0u8; len];
+    frame[0..6].copy_from_slice(&b.mac().0);
+    frame[6..12].copy_from_slice(&a.mac().0);
+    frame[12..14].copy_from_slice(&lanbus_wire::ethernet::EtherType::LANBUS_RAW.to_be_bytes());
+    let stop = Arc::new(AtomicBool::new(false));
+    let sending = stop.clone();
+    let sender = std::thread::spawn(move || {
+        // Relaxed: only the flag itself is published.
+        while !sending.load(Ordering::Relaxed) {
+            let sent = a.tx_burst(32, &mut |buf| {
+                buf[..frame.len()].copy_from_slice(&frame);
+                Some(frame.len())
+            });
+            if !matches!(sent, Ok(n) if n > 0) {
+                std::thread::yield_now();
+            }
+        }
+    });
+    let start = std::time::Instant::now();
+    let until = start + std::time::Duration::from_secs_f64(seconds);
+    let mut bytes = 0u64;
+    while std::time::Instant::now() < until {
+        let n = b.rx_burst(64, &mut |f| bytes += f.len() as u64)?;
+        if n == 0 {
+            std::thread::yield_now();
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let _ = sender.join();
+    Ok(bytes as f64 * 8.0 / elapsed / 1e9)
 }
