@@ -59,11 +59,6 @@ impl RttEstimator {
         self.backoff = 0;
     }
 
-    /// Whether the timer expired since the last progress (the RTO is backed off).
-    pub(crate) fn backed_off(&self) -> bool {
-        self.backoff > 0
-    }
-
     /// The timer expired: double the RTO (§5.5), up to the bound.
     pub(crate) fn on_timeout(&mut self) {
         self.backoff = self.backoff.saturating_add(1).min(32);

@@ -619,13 +619,8 @@ impl SendHalf {
                 if ch.high > 0 {
                     ch.go_back();
                     ch.dup_acks = 0;
-                    // One cut per episode (as TCP's one reduction per loss): the timeouts that
-                    // follow before any progress are the same silence backed off, and cutting
-                    // on each took a stalled flow down to its floor (4,096x after 12).
-                    if !ch.rtt.backed_off() {
-                        ch.rate.on_timeout(&self.config.rate, now);
-                    }
                     ch.rtt.on_timeout();
+                    ch.rate.on_timeout(&self.config.rate, now);
                     self.counters.timeouts += 1;
                 }
             }

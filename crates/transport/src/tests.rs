@@ -1267,34 +1267,3 @@ fn a_due_ack_is_not_stranded_when_its_carrier_does_not_go() {
     }
     assert_eq!(a.send_half().queued_frames(B, 3), 0, "the four requests are acknowledged: {to_a:?}");
 }
-
-/// A run of timeouts with no progress between them is one silence backed off: rate control cuts
-/// once for it, not once per expiry.
-#[test]
-fn timeouts_without_progress_cut_the_rate_once() {
-    let mut c = p2p();
-    c.rate.enabled = true;
-    c.tail_loss_probe = false;
-    let line = c.rate.line_rate_bps as f64;
-    let mut a = Endpoint::new(c, A, Instant::ZERO);
-    a.send(Instant::ZERO, B, 0, &test_message(0, 1000)).unwrap();
-    assert_eq!(drain(&mut a, Instant::ZERO).len(), 1);
-    let mut t = Instant::ZERO;
-    for _ in 0..5 {
-        t = a.poll_timeout().unwrap();
-        a.handle_timeout(t);
-        assert_eq!(drain(&mut a, t).len(), 1, "the timeout resends");
-    }
-    assert_eq!(a.counters().timeouts, 5);
-    assert_eq!(a.send_half().pacing_rate_bps(B, 0), Some(line * 0.5));
-    // Progress ends the episode: the next silence cuts again.
-    a.handle_frame(t, &ack_frame(B, A, 0, 1, None));
-    a.send(t, B, 0, &test_message(1, 1000)).unwrap();
-    let t = a.poll_timeout().map_or(t, |p| p.max(t));
-    a.handle_timeout(t);
-    assert_eq!(drain(&mut a, t).len(), 1);
-    let rto = a.poll_timeout().unwrap();
-    a.handle_timeout(rto);
-    assert_eq!(a.counters().timeouts, 6);
-    assert_eq!(a.send_half().pacing_rate_bps(B, 0), Some(line * 0.25));
-}
