@@ -107,6 +107,14 @@ pub struct MultiArgs {
     /// Session counts to run, comma-separated (each session offers 0.70 Gbit/s on average).
     #[arg(long, value_delimiter = ',', default_value = "1,3,4,6,7,9,10,11,13")]
     sessions: Vec<u16>,
+    /// The fabric at scale instead: this many hosts (up to 1000) share the switch port, each
+    /// sending the paper's 1 MB bursts at the gap that makes the port's offered utilisation each
+    /// of `--utilization` (replaces `--sessions`).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    hosts: Option<u16>,
+    /// With `--hosts`: the offered utilisations of the switch port to run, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0.05,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8")]
+    utilization: Vec<f64>,
     /// Switch output buffer per port, KiB.
     #[arg(long, default_value_t = 128)]
     buffer_kib: usize,
@@ -352,10 +360,25 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
     create_dir(&a.out)?;
     let started = std::time::Instant::now();
     let duration = Duration::from_millis(a.duration_ms);
+    // (sessions, mean gap between a session's bursts): the paper's gap, or with --hosts the gap
+    // that offers each utilisation.
+    let points: Vec<(u16, Option<Duration>)> = match a.hosts {
+        None => a.sessions.iter().map(|&s| (s, None)).collect(),
+        Some(h) => {
+            for &u in &a.utilization {
+                anyhow::ensure!(u > 0.0 && u <= 2.0, "--utilization: values in (0, 2], got {u}");
+            }
+            let per_host_bits = |u: f64| f64::from(h) * 1e6 * 8.0 / (u * 10e9);
+            a.utilization.iter().map(|&u| (h, Some(Duration::from_secs_f64(per_host_bits(u))))).collect()
+        }
+    };
     let mut cases = Vec::new();
     for rc in [false, true] {
-        for &s in &a.sessions {
+        for &(s, gap) in &points {
             let mut p = MultiParams::paper(s, rc, duration, a.seed);
+            if let Some(g) = gap {
+                p.mean_gap = g;
+            }
             p.switch_buffer_bytes = a.buffer_kib * 1024;
             if let Some(us) = a.rc_target_us {
                 p.transport.rate.target_queue_delay = Duration::from_micros(us);
@@ -377,10 +400,16 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         r
     });
     drop(bar);
-    println!(
-        "sessions of 1 MB bursts, exponential gaps of mean 11.4 ms (0.70 Gbit/s each), {} ms of arrivals per point,",
-        a.duration_ms
-    );
+    match a.hosts {
+        None => println!(
+            "sessions of 1 MB bursts, exponential gaps of mean 11.4 ms (0.70 Gbit/s each), {} ms of arrivals per point,",
+            a.duration_ms
+        ),
+        Some(h) => println!(
+            "{h} hosts sending 1 MB bursts at exponential gaps set for each utilisation, {} ms of arrivals per point,",
+            a.duration_ms
+        ),
+    }
     println!("10 Gbit/s links of 1 us into one switch port with {} KiB of buffer", a.buffer_kib);
     println!(
         "{:>8} {:>6} {:>5} {:>10} {:>9} {:>7} {:>8} {:>8} {:>8}",
@@ -434,6 +463,18 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
     println!(
         "claim (lanbus): with rate control, fewer drops and a higher mean ratio from 30% up: {}",
         if better { "holds" } else { "does NOT hold" }
+    );
+    // The utilisation up to which bursts keep 90% of their ideal rate on average.
+    let reach = |pts: &[&MultiPoint]| {
+        let mut sorted: Vec<&&MultiPoint> = pts.iter().collect();
+        sorted.sort_by(|x, y| x.utilization.total_cmp(&y.utilization));
+        sorted.iter().take_while(|p| p.mean_ratio >= 0.9).last().map_or(0.0, |p| p.utilization)
+    };
+    let (reach_off, reach_on) = (reach(&off), reach(&on));
+    println!(
+        "mean ratio at or above 0.9 up to utilisation {reach_off:.2} without rate control, {reach_on:.2} with it \
+         (goal: at least double): {}",
+        if reach_on >= 2.0 * reach_off && reach_on > 0.0 { "holds" } else { "does NOT hold" }
     );
     let line =
         |pts: &[&MultiPoint], f: fn(&MultiPoint) -> f64| pts.iter().map(|p| (p.utilization, f(p))).collect();

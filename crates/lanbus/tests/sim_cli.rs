@@ -120,3 +120,42 @@ fn multi_session_writes_csv_and_png() {
     assert_eq!(&png[1..4], b"PNG");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn multi_session_at_scale_sets_each_utilisation_and_reports_the_reach() {
+    let dir = temp_dir("scale");
+    let out = lanbus(&[
+        "sim",
+        "multi-session",
+        "--hosts",
+        "16",
+        "--utilization",
+        "0.1,0.3",
+        "--duration-ms",
+        "40",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("16 hosts sending 1 MB bursts") && text.contains("up to utilisation"), "{text}");
+    let csv = std::fs::read_to_string(dir.join("multi_session.csv")).unwrap();
+    let rows: Vec<&str> = csv.lines().skip(1).collect();
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    for prefix in ["16,0.1000,false,", "16,0.3000,false,", "16,0.1000,true,", "16,0.3000,true,"] {
+        assert!(rows.iter().any(|r| r.starts_with(prefix)), "{prefix} in {rows:?}");
+    }
+    let bad = lanbus(&[
+        "sim",
+        "multi-session",
+        "--hosts",
+        "4",
+        "--utilization",
+        "0",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--utilization"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
