@@ -55,6 +55,10 @@ pub struct FioResult {
     pub iops: f64,
     /// 99th percentile of the completion latency, microseconds.
     pub p99_us: f64,
+    /// Bytes moved in the measured time.
+    pub bytes: f64,
+    /// CPU seconds fio (the client) used in the measured time.
+    pub client_cpu_s: f64,
 }
 
 /// Runs one time-based fio job with the nbd engine against `uri` and reads its JSON output.
@@ -105,7 +109,12 @@ pub fn run_fio_in(
     let bw = job["bw_bytes"].as_f64().context("fio JSON without bw_bytes")?;
     let iops = job["iops"].as_f64().context("fio JSON without iops")?;
     let p99_us = job["clat_ns"]["percentile"]["99.000000"].as_f64().map_or(f64::NAN, |ns| ns / 1e3);
-    Ok(FioResult { mb_per_s: bw / 1e6, iops, p99_us })
+    let bytes = job["io_bytes"].as_f64().unwrap_or(f64::NAN);
+    let whole = &v["jobs"][0];
+    let cpu_percent =
+        whole["usr_cpu"].as_f64().unwrap_or(f64::NAN) + whole["sys_cpu"].as_f64().unwrap_or(f64::NAN);
+    let run_s = whole["job_runtime"].as_f64().unwrap_or(f64::NAN) / 1e3;
+    Ok(FioResult { mb_per_s: bw / 1e6, iops, p99_us, bytes, client_cpu_s: cpu_percent / 100.0 * run_s })
 }
 
 fn wait_for_socket(socket: &Path) -> anyhow::Result<()> {

@@ -22,7 +22,10 @@
 //! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`); at 4 KiB also `p99_us`, the 99th
 //! percentile of fio's completion latency. After each port's rows, its floor: `raw:PORT`
 //! (`mb_per_s_one_way`), the bare port's one-way bandwidth in frames of the link's MTU, the same
-//! ports opened the same way with nothing above them. Each after an unmeasured warm-up run per
+//! ports opened the same way with nothing above them. Every figure also carries the CPU it cost,
+//! in seconds per GB moved: `client_cpu_s_per_gb` (fio, from its own accounting) and
+//! `server_cpu_s_per_gb` (qemu-nbd for the peers; for the lanbus rows this process, which holds
+//! both bridges, the driver, the controller and the NBD server: both ends of the link). Each after an unmeasured warm-up run per
 //! direction with blocks twice the largest measured (see [`warm_up`]). A PNG per direction (MB/s
 //! against block size) next to the JSON. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
 //! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
@@ -104,6 +107,19 @@ impl NvmeBenchArgs {
 }
 
 const BLOCK_SIZES: [&str; 5] = ["4k", "16k", "64k", "256k", "1m"];
+
+/// CPU seconds process `pid` has used so far (user and system, from /proc), if it can be read.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks / hz as f64)
+}
 
 /// What keeps one target alive while fio runs against it.
 enum Holder {
@@ -254,6 +270,9 @@ fn qemu_tcp(dir: &Path, veth: &VethPair) -> anyhow::Result<(Holder, String)> {
     Ok((Holder::Qemu(child), format!("nbd://{addr}/nvme0")))
 }
 
+/// fio's unmeasured ramp-up before each run, seconds (`run_fio`'s `--ramp_time`).
+const FIO_RAMP_S: f64 = 1.0;
+
 /// The TCP port of the `peer:nbd-tcp` row's qemu-nbd (NBD's registered port).
 const NBD_TCP_PORT: u16 = 10809;
 
@@ -372,6 +391,8 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 super::port_pair(kind, veth.as_ref()).and_then(|p| over(dir, kind, p, args.driver_config()))
             }
         };
+        // The serving side's process: qemu-nbd for the peers; this one (bridges, driver, NBD
+        // server, controller) for the lanbus rows.
         let (holder, uri) = match target {
             Ok(t) => t,
             Err(e) => {
@@ -379,6 +400,10 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 missing.push(name);
                 continue;
             }
+        };
+        let server_pid = match &holder {
+            Holder::Qemu(child) => child.0.id(),
+            _ => std::process::id(),
         };
         if let Err(e) = warm_up(fio_ns, &uri, args, 2 * largest) {
             eprintln!("bench nvme: row {name} missing: {e:#}");
@@ -391,12 +416,22 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 let mut mbs = Vec::new();
                 let mut iops = Vec::new();
                 let mut p99 = Vec::new();
+                let (mut client_cpu, mut server_cpu) = (Vec::new(), Vec::new());
                 for _ in 0..runs {
+                    let before = cpu_seconds(server_pid);
                     match run_fio_in(fio_ns, &uri, rw, bs, depth, args.size_mib, runtime) {
                         Ok(r) => {
                             mbs.push(r.mb_per_s);
                             iops.push(r.iops);
                             p99.push(r.p99_us);
+                            let gb = r.bytes / 1e9;
+                            client_cpu.push(r.client_cpu_s / gb);
+                            // The server's CPU covers fio's ramp-up second too: counted at the
+                            // measured rate.
+                            let served_gb = gb * (runtime as f64 + FIO_RAMP_S) / runtime as f64;
+                            if let (Some(b), Some(a)) = (before, cpu_seconds(server_pid)) {
+                                server_cpu.push((a - b) / served_gb);
+                            }
                         }
                         Err(e) => eprintln!("bench nvme: {name} {rw} {bs}: {e:#}"),
                     }
@@ -406,6 +441,8 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 if block == 4096 {
                     figures.extend(median(&p99).map(|p| ("p99_us", p)));
                 }
+                figures.extend(median(&client_cpu).map(|c| ("client_cpu_s_per_gb", c)));
+                figures.extend(median(&server_cpu).map(|c| ("server_cpu_s_per_gb", c)));
                 for (metric, value) in figures {
                     let mut row = Row::new(name, metric, value)
                         .with("rw", rw)
