@@ -217,18 +217,23 @@ fn create_backing(dir: &Path, size: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn qemu(dir: &Path) -> anyhow::Result<(Holder, String)> {
-    let image = dir.join("backing.img");
-    let socket = dir.join("qemu-nbd.sock");
-    let child = end_with_parent(&mut Command::new("qemu-nbd"))
+/// qemu-nbd (started by `command`) serving the backing file as export `nvme0`, writeback cache
+/// like the lanbus rows' controller, listening where `listen` says.
+fn qemu_nbd(mut command: Command, dir: &Path, listen: &[String]) -> anyhow::Result<KillOnDrop> {
+    let child = end_with_parent(&mut command)
         .args(["--format=raw", "--persistent", "--shared=4", "--export-name=nvme0", "--cache=writeback"])
-        .arg(format!("--socket={}", socket.display()))
-        .arg(&image)
+        .args(listen)
+        .arg(dir.join("backing.img"))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .context("qemu-nbd (Debian package qemu-utils)")?;
-    let child = KillOnDrop(child);
+    Ok(KillOnDrop(child))
+}
+
+fn qemu(dir: &Path) -> anyhow::Result<(Holder, String)> {
+    let socket = dir.join("qemu-nbd.sock");
+    let child = qemu_nbd(Command::new("qemu-nbd"), dir, &[format!("--socket={}", socket.display())])?;
     wait_for_socket(&socket, "nvme0")?;
     Ok((Holder::Qemu(child), format!("nbd+unix:///nvme0?socket={}", socket.display())))
 }
@@ -236,19 +241,9 @@ fn qemu(dir: &Path) -> anyhow::Result<(Holder, String)> {
 /// qemu-nbd in namespace b of `veth` serving the backing file over TCP on its address; the URI
 /// for fio in namespace a.
 fn qemu_tcp(dir: &Path, veth: &VethPair) -> anyhow::Result<(Holder, String)> {
-    let image = dir.join("backing.img");
     let addr = std::net::SocketAddr::from((veth.b.ipv4, NBD_TCP_PORT));
-    let mut command = veth.b.netns.command("qemu-nbd");
-    let child = end_with_parent(&mut command)
-        .args(["--format=raw", "--persistent", "--shared=4", "--export-name=nvme0", "--cache=writeback"])
-        .arg(format!("--bind={}", veth.b.ipv4))
-        .arg(format!("--port={NBD_TCP_PORT}"))
-        .arg(&image)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("qemu-nbd (Debian package qemu-utils)")?;
-    let child = KillOnDrop(child);
+    let listen = [format!("--bind={}", veth.b.ipv4), format!("--port={NBD_TCP_PORT}")];
+    let child = qemu_nbd(veth.b.netns.command("qemu-nbd"), dir, &listen)?;
     // Ready once it accepts a connection from the client's side of the link.
     let t = std::time::Instant::now();
     loop {
