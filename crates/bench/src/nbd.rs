@@ -61,20 +61,9 @@ pub struct FioResult {
     pub client_cpu_s: f64,
 }
 
-/// Runs one time-based fio job with the nbd engine against `uri` and reads its JSON output.
+/// Runs one time-based fio job with the nbd engine against `uri` and reads its JSON output:
+/// inside network namespace `ns` (fio as a client across a link), or here.
 pub fn run_fio(
-    uri: &str,
-    rw: &str,
-    bs: &str,
-    iodepth: u32,
-    size_mib: u64,
-    runtime: u64,
-) -> anyhow::Result<FioResult> {
-    run_fio_in(None, uri, rw, bs, iodepth, size_mib, runtime)
-}
-
-/// [`run_fio`] inside network namespace `ns` (fio as a client across a link), or here.
-pub fn run_fio_in(
     ns: Option<&lanbus_port::netns::Netns>,
     uri: &str,
     rw: &str,
@@ -192,7 +181,7 @@ fn measure(args: &NbdBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 let mut mbs = Vec::new();
                 let mut iops = Vec::new();
                 for _ in 0..args.runs.max(1) {
-                    let r = run_fio(uri, rw, bs, args.iodepth, args.size_mib, args.runtime)?;
+                    let r = run_fio(None, uri, rw, bs, args.iodepth, args.size_mib, args.runtime)?;
                     mbs.push(r.mb_per_s);
                     iops.push(r.iops);
                 }

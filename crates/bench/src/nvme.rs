@@ -43,7 +43,7 @@ use lanbus_node::process::end_with_parent;
 use lanbus_nvme::local::{LocalNvme, ProcessMode};
 use lanbus_port::Port;
 
-use super::nbd::run_fio_in;
+use super::nbd::run_fio;
 use super::report::{median, Report, Row};
 use crate::plot::{write_png, Plot, Series};
 use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
@@ -200,7 +200,7 @@ fn over(
 fn warm_up(ns: Option<&Netns>, uri: &str, args: &NvmeBenchArgs, bytes: u64) -> anyhow::Result<()> {
     let bs = bytes.to_string();
     for rw in args.directions() {
-        run_fio_in(ns, uri, rw, &bs, 1, args.size_mib, 1)
+        run_fio(ns, uri, rw, &bs, 1, args.size_mib, 1)
             .with_context(|| format!("warming up with {rw} of {bs} bytes"))?;
     }
     Ok(())
@@ -414,7 +414,7 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 let (mut client_cpu, mut server_cpu) = (Vec::new(), Vec::new());
                 for _ in 0..runs {
                     let before = cpu_seconds(server_pid);
-                    match run_fio_in(fio_ns, &uri, rw, bs, depth, args.size_mib, runtime) {
+                    match run_fio(fio_ns, &uri, rw, bs, depth, args.size_mib, runtime) {
                         Ok(r) => {
                             mbs.push(r.mb_per_s);
                             iops.push(r.iops);
