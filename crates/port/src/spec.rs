@@ -45,6 +45,11 @@ PORT SPECS (--port SPEC)
   dpdk:EAL_ARGS
       A DPDK port (space-separated EAL arguments, e.g. dpdk:-l 1 --vdev=net_af_packet0,iface=eth1).
       Needs a build with --features dpdk (Debian package libdpdk-dev) and hugepages or --no-huge.
+  Any spec with arguments also takes ,loss=P[,loss_seed=N]
+      The port drops each frame it receives and each frame it sends with probability P (0 to 1),
+      drawn from a generator seeded with N (default: from the port's MAC address), and counts
+      them as dropped. For trying recovery over real links: a frame crossing two such ports is
+      lost with probability about 2P.
 ";
 
 fn bad(spec: &str, why: impl Into<String>) -> PortError {
@@ -55,9 +60,63 @@ fn unavailable(spec: &str, why: impl Into<String>) -> PortError {
     PortError::Unavailable { spec: spec.to_string(), why: why.into() }
 }
 
+/// Injected loss asked for with `,loss=P[,loss_seed=N]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Loss {
+    rate: f64,
+    seed: Option<u64>,
+}
+
+/// Takes the `loss=` and `loss_seed=` options out of a spec's arguments; returns the rest.
+fn split_loss(args: &str) -> core::result::Result<(String, Option<Loss>), String> {
+    let mut rate = None;
+    let mut seed = None;
+    let mut rest = Vec::new();
+    for part in args.split(',') {
+        match part.trim().split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
+            Some(("loss", v)) => match v.parse::<f64>() {
+                Ok(p) if (0.0..=1.0).contains(&p) => rate = Some(p),
+                _ => return Err(format!("loss={v}: expected a probability from 0 to 1, e.g. loss=0.01")),
+            },
+            Some(("loss_seed", v)) => match v.parse::<u64>() {
+                Ok(n) => seed = Some(n),
+                Err(_) => return Err(format!("loss_seed={v}: expected an unsigned integer")),
+            },
+            _ => rest.push(part),
+        }
+    }
+    match (rate, seed) {
+        (None, Some(_)) => Err("loss_seed= needs loss=P as well".into()),
+        (rate, seed) => Ok((rest.join(","), rate.map(|rate| Loss { rate, seed }))),
+    }
+}
+
 /// Opens the port a spec names (see [`SPEC_HELP`]).
 pub fn open(spec: &str) -> Result<Box<dyn Port>> {
     let spec = spec.trim();
+    let (kind, args) = match spec.split_once(':') {
+        Some((k, a)) => (k, Some(a)),
+        None => (spec, None),
+    };
+    let Some(args) = args else { return open_plain(spec) };
+    let (rest, loss) = split_loss(args).map_err(|why| bad(spec, why))?;
+    let Some(loss) = loss else { return open_plain(spec) };
+    let port = open_plain(&format!("{kind}:{rest}")).map_err(|e| match e {
+        PortError::BadSpec { why, .. } => bad(spec, why),
+        PortError::Unavailable { why, .. } => unavailable(spec, why),
+        other => other,
+    })?;
+    let seed = loss.seed.unwrap_or_else(|| {
+        port.mac()
+            .0
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    });
+    Ok(Box::new(crate::fault::FaultyPort::new(port, crate::fault::FaultConfig::loss(loss.rate, seed))))
+}
+
+/// Opens a spec without the loss options.
+fn open_plain(spec: &str) -> Result<Box<dyn Port>> {
     let (kind, args) = match spec.split_once(':') {
         Some((k, a)) => (k, Some(a)),
         None => (spec, None),
@@ -139,6 +198,13 @@ pub fn fuzz_spec(data: &[u8]) {
         if let Err(PortError::BadSpec { why, .. }) = parse_afxdp(&text, args) {
             assert!(!why.is_empty());
         }
+    }
+    match split_loss(&text) {
+        Ok((rest, loss)) => {
+            assert!(rest.len() <= text.len());
+            assert!(loss.is_none_or(|l| (0.0..=1.0).contains(&l.rate)));
+        }
+        Err(why) => assert!(!why.is_empty()),
     }
 }
 
@@ -230,6 +296,41 @@ mod tests {
         assert_eq!(ok("eth0,tx=ring"), ("eth0", 0, XdpModeRequest::Auto, ring));
         assert_eq!(ok("eth0:1,tx=ring,xdp=generic"), ("eth0", 1, XdpModeRequest::Generic, ring));
         assert_eq!(ok("eth0,tx=ring,tx=auto"), ("eth0", 0, XdpModeRequest::Auto, auto));
+    }
+
+    #[test]
+    fn loss_options_come_off_any_spec() {
+        let loss = |rate, seed| Some(Loss { rate, seed });
+        assert_eq!(split_loss("eth0").unwrap(), ("eth0".into(), None));
+        assert_eq!(split_loss("eth0,loss=0.01").unwrap(), ("eth0".into(), loss(0.01, None)));
+        assert_eq!(
+            split_loss("eth0, loss = 0.5 ,rx=v3,loss_seed=7").unwrap(),
+            ("eth0,rx=v3".into(), loss(0.5, Some(7)))
+        );
+        for bad in
+            ["eth0,loss=2", "eth0,loss=x", "eth0,loss=-0.1", "eth0,loss_seed=1", "eth0,loss=0.1,loss_seed=-1"]
+        {
+            assert!(!split_loss(bad).unwrap_err().is_empty(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_lossy_port_drops_what_it_receives_and_counts_it() {
+        let base = 30_000 + (std::process::id() % 20_000) as u16;
+        let (pa, pb) = (base, base + 1);
+        let mut a = open(&format!("udp:127.0.0.1:{pa},peer=127.0.0.1:{pb}")).unwrap();
+        let mut b = open(&format!("udp:127.0.0.1:{pb},peer=127.0.0.1:{pa},loss=1,loss_seed=3")).unwrap();
+        let mut frame = [0u8; 60];
+        frame[..6].copy_from_slice(&b.mac().0);
+        frame[12..14].copy_from_slice(&0x88B5u16.to_be_bytes());
+        assert_eq!(a.send_frames(&[&frame, &frame]).unwrap(), 2);
+        let t = std::time::Instant::now();
+        while b.counters().rx_dropped < 2 && t.elapsed() < core::time::Duration::from_secs(5) {
+            assert_eq!(b.rx_burst(8, &mut |_| panic!("a frame got through loss=1")).unwrap(), 0);
+        }
+        assert_eq!(b.counters().rx_dropped, 2);
+        assert!(matches!(err("udp:127.0.0.1:0,loss=1.5"), PortError::BadSpec { .. }));
+        assert!(matches!(err("udp:127.0.0.1:0,loss_seed=4"), PortError::BadSpec { .. }));
     }
 
     #[test]
