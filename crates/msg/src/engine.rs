@@ -1,0 +1,807 @@
+//! The engine: one endpoint's sends, receives, matching and rendezvous state.
+
+use std::collections::{HashMap, VecDeque};
+
+use lanbus_wire::MacAddr;
+
+use crate::wire::{Record, Route, DATA_HEADER, EAGER_HEADER};
+
+/// An engine's address: its node's MAC and its id on that node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Addr {
+    /// The node (the transport endpoint the records travel through).
+    pub mac: MacAddr,
+    /// The engine on that node.
+    pub id: u16,
+}
+
+/// Settings of an engine.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Messages of at most this many bytes go eagerly (whole, at once); longer ones by
+    /// rendezvous. At most [`Config::MAX_EAGER`].
+    pub eager_limit: usize,
+    /// Bytes of a rendezvous message per DATA record. At most [`Config::MAX_CHUNK`].
+    pub data_chunk: usize,
+}
+
+impl Config {
+    /// The largest eager message: one transport message holds the record.
+    pub const MAX_EAGER: usize = lanbus_wire::frame::MAX_MESSAGE_LEN - EAGER_HEADER;
+    /// The largest DATA chunk: one transport message holds the record.
+    pub const MAX_CHUNK: usize = lanbus_wire::frame::MAX_MESSAGE_LEN - DATA_HEADER;
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        // The MPI-over-DPDK paper finds eager ahead up to about 13 KB and rendezvous from about
+        // 26 KB; 16 KiB sits between.
+        Config { eager_limit: 16 << 10, data_chunk: Config::MAX_CHUNK }
+    }
+}
+
+/// The sources a receive takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// Any sender (MPI_ANY_SOURCE).
+    Any,
+    /// Only this one.
+    Only(Addr),
+}
+
+/// What a receive (or a probe) matches: a message from `source` in `context` whose tag equals
+/// `tag` in every bit that `ignore` leaves clear (`ignore = !0`: any tag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Match {
+    /// Sender.
+    pub source: Source,
+    /// Context (an MPI communicator).
+    pub context: u32,
+    /// Tag.
+    pub tag: u64,
+    /// Tag bits that do not matter.
+    pub ignore: u64,
+}
+
+impl Match {
+    /// A message from `source` in `context` with exactly `tag`.
+    pub fn exact(source: Source, context: u32, tag: u64) -> Match {
+        Match { source, context, tag, ignore: 0 }
+    }
+
+    /// Any tag from `source` in `context`.
+    pub fn any_tag(source: Source, context: u32) -> Match {
+        Match { source, context, tag: 0, ignore: !0 }
+    }
+
+    fn takes(&self, from: Addr, context: u32, tag: u64) -> bool {
+        let source_ok = match self.source {
+            Source::Any => true,
+            Source::Only(a) => a == from,
+        };
+        source_ok && context == self.context && (tag ^ self.tag) & !self.ignore == 0
+    }
+}
+
+/// A send or receive, named when it is started and in its completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// A message as matching sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Status {
+    /// Who sent it.
+    pub source: Addr,
+    /// Its context.
+    pub context: u32,
+    /// Its tag.
+    pub tag: u64,
+    /// Its length as sent.
+    pub len: u64,
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The peer went down (its transport said so) before the request finished.
+    PeerDown(MacAddr),
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The message left: its buffer is no longer needed.
+    Sent,
+    /// A message arrived. `data` holds at most the receive's capacity; `truncated` says the
+    /// message was longer (`status.len` is its length as sent).
+    Received {
+        /// The message as matched.
+        status: Status,
+        /// Its bytes.
+        data: Vec<u8>,
+        /// Whether bytes past the capacity were dropped.
+        truncated: bool,
+        /// When the receive was matched, counting this engine's matches from 1. MPI's ordering
+        /// rule is about this order: a rendezvous receive completes after its data, so eager
+        /// receives matched after it may complete first.
+        matched: u64,
+    },
+    /// A receive cancelled before anything matched it.
+    Cancelled,
+    /// The request cannot finish.
+    Failed(Failure),
+}
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The request.
+    pub id: RequestId,
+    /// How it ended.
+    pub outcome: Outcome,
+}
+
+/// A record to hand to the transport: to node `dest`, on the messaging channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    /// The node.
+    pub dest: MacAddr,
+    /// The record.
+    pub bytes: Vec<u8>,
+}
+
+/// A message taken out of the unexpected queue by [`Engine::claim`], to be received with
+/// [`Engine::recv_claimed`] (MPI_Mprobe and MPI_Mrecv).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Claim(u64);
+
+/// What an engine counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Messages sent eagerly.
+    pub eager_sent: u64,
+    /// Messages sent by rendezvous.
+    pub rendezvous_sent: u64,
+    /// Messages received (completed receives).
+    pub received: u64,
+    /// Messages that arrived before a receive matched them.
+    pub unexpected: u64,
+    /// Receives whose message was longer than their capacity.
+    pub truncated: u64,
+    /// Records that did not parse (dropped).
+    pub bad_records: u64,
+    /// Records for another engine id (dropped).
+    pub misrouted: u64,
+    /// CTS or DATA records naming no request of this engine, or out of its bounds (dropped).
+    pub stray: u64,
+}
+
+enum Arrival {
+    Eager(Vec<u8>),
+    Rts { len: u64, send_id: u32 },
+}
+
+struct Unexpected {
+    from: Addr,
+    context: u32,
+    tag: u64,
+    arrival: Arrival,
+}
+
+struct Posted {
+    id: RequestId,
+    m: Match,
+    capacity: usize,
+}
+
+/// A rendezvous send waiting for its CTS.
+struct Announced {
+    id: RequestId,
+    dest: Addr,
+    data: Vec<u8>,
+}
+
+/// A rendezvous send whose DATA is going out.
+struct Stream {
+    id: RequestId,
+    dest: Addr,
+    data: Vec<u8>,
+    recv_id: u32,
+    granted: usize,
+    offset: usize,
+}
+
+/// A rendezvous receive whose DATA is coming in.
+struct Incoming {
+    id: RequestId,
+    matched: u64,
+    status: Status,
+    buf: Vec<u8>,
+    got: usize,
+}
+
+/// One endpoint of tagged messaging (sans-IO). Records come in through
+/// [`Engine::handle_message`] and go out through [`Engine::poll_transmit`]; finished requests
+/// come out of [`Engine::poll_completion`]. The transport under it must deliver each node pair's
+/// records reliably and in order (one lanbus channel does): that is what keeps MPI's rule that
+/// messages from one sender matching one receive are received in the order they were sent.
+pub struct Engine {
+    me: Addr,
+    cfg: Config,
+    next_request: u64,
+    next_wire_id: u32,
+    posted: VecDeque<Posted>,
+    unexpected: VecDeque<Unexpected>,
+    /// Claimed messages; `Err(node)` when their rendezvous data can no longer come.
+    claimed: HashMap<u64, Result<Unexpected, MacAddr>>,
+    announced: HashMap<u32, Announced>,
+    streams: VecDeque<Stream>,
+    incoming: HashMap<u32, Incoming>,
+    control: VecDeque<Outgoing>,
+    done: VecDeque<Completion>,
+    matches: u64,
+    counters: Counters,
+}
+
+impl Engine {
+    /// An engine at address `me`. Limits above the maximums are lowered to them.
+    pub fn new(me: Addr, mut cfg: Config) -> Engine {
+        cfg.eager_limit = cfg.eager_limit.min(Config::MAX_EAGER);
+        cfg.data_chunk = cfg.data_chunk.clamp(1, Config::MAX_CHUNK);
+        Engine {
+            me,
+            cfg,
+            next_request: 0,
+            next_wire_id: 0,
+            posted: VecDeque::new(),
+            unexpected: VecDeque::new(),
+            claimed: HashMap::new(),
+            announced: HashMap::new(),
+            streams: VecDeque::new(),
+            incoming: HashMap::new(),
+            control: VecDeque::new(),
+            done: VecDeque::new(),
+            matches: 0,
+            counters: Counters::default(),
+        }
+    }
+
+    /// This engine's address.
+    pub fn addr(&self) -> Addr {
+        self.me
+    }
+
+    /// A snapshot of the counters.
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// Messages waiting for a receive, and the bytes the eager ones hold.
+    pub fn unexpected(&self) -> (usize, usize) {
+        let bytes = self
+            .unexpected
+            .iter()
+            .map(|u| match &u.arrival {
+                Arrival::Eager(d) => d.len(),
+                Arrival::Rts { .. } => 0,
+            })
+            .sum();
+        (self.unexpected.len(), bytes)
+    }
+
+    fn request(&mut self) -> RequestId {
+        self.next_request += 1;
+        RequestId(self.next_request)
+    }
+
+    fn wire_id(&mut self) -> u32 {
+        self.next_wire_id = self.next_wire_id.wrapping_add(1);
+        self.next_wire_id
+    }
+
+    fn complete(&mut self, id: RequestId, outcome: Outcome) {
+        self.done.push_back(Completion { id, outcome });
+    }
+
+    fn record(&mut self, dest: Addr, record: Record<'_>) {
+        let mut bytes = Vec::new();
+        record.emit(Route { src: self.me.id, dst: dest.id }, &mut bytes);
+        self.control.push_back(Outgoing { dest: dest.mac, bytes });
+    }
+
+    /// Sends `data` to `dest` in `context` with `tag`. Completes with [`Outcome::Sent`] once
+    /// the data is handed on (at once for an eager message or one to this engine itself; for
+    /// rendezvous, once the receiver asked for it and the last DATA record went out).
+    pub fn send(&mut self, dest: Addr, context: u32, tag: u64, data: Vec<u8>) -> RequestId {
+        let id = self.request();
+        if dest == self.me {
+            self.counters.eager_sent += 1;
+            self.arrive(self.me, context, tag, Arrival::Eager(data));
+            self.complete(id, Outcome::Sent);
+        } else if data.len() <= self.cfg.eager_limit {
+            self.counters.eager_sent += 1;
+            self.record(dest, Record::Eager { context, tag, data: &data });
+            self.complete(id, Outcome::Sent);
+        } else {
+            self.counters.rendezvous_sent += 1;
+            let send_id = self.wire_id();
+            self.record(dest, Record::Rts { context, tag, len: data.len() as u64, send_id });
+            self.announced.insert(send_id, Announced { id, dest, data });
+        }
+        id
+    }
+
+    /// Posts a receive of at most `capacity` bytes for the first message `m` takes: one waiting
+    /// already (oldest first), else the next to arrive.
+    pub fn post_recv(&mut self, m: Match, capacity: usize) -> RequestId {
+        let id = self.request();
+        match self.unexpected.iter().position(|u| m.takes(u.from, u.context, u.tag)) {
+            Some(i) => {
+                let u = self.unexpected.remove(i).expect("found");
+                self.deliver(id, capacity, u);
+            }
+            None => self.posted.push_back(Posted { id, m, capacity }),
+        }
+        id
+    }
+
+    /// Cancels a posted receive that nothing matched yet (it completes with
+    /// [`Outcome::Cancelled`]); false if it is not waiting (matched, finished or unknown).
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        match self.posted.iter().position(|p| p.id == id) {
+            Some(i) => {
+                self.posted.remove(i);
+                self.complete(id, Outcome::Cancelled);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The first waiting message `m` takes, if any (MPI_Iprobe); it stays waiting.
+    pub fn probe(&self, m: Match) -> Option<Status> {
+        self.unexpected.iter().find(|u| m.takes(u.from, u.context, u.tag)).map(status_of)
+    }
+
+    /// Takes the first waiting message `m` takes out of matching (MPI_Improbe): no receive
+    /// matches it any more; [`Engine::recv_claimed`] receives it.
+    pub fn claim(&mut self, m: Match) -> Option<(Claim, Status)> {
+        let i = self.unexpected.iter().position(|u| m.takes(u.from, u.context, u.tag))?;
+        let u = self.unexpected.remove(i).expect("found");
+        let status = status_of(&u);
+        self.next_request += 1;
+        self.claimed.insert(self.next_request, Ok(u));
+        Some((Claim(self.next_request), status))
+    }
+
+    /// Receives a claimed message into at most `capacity` bytes (MPI_Mrecv); `None` if the
+    /// claim is not this engine's.
+    pub fn recv_claimed(&mut self, claim: Claim, capacity: usize) -> Option<RequestId> {
+        let claimed = self.claimed.remove(&claim.0)?;
+        let id = self.request();
+        match claimed {
+            Ok(u) => self.deliver(id, capacity, u),
+            Err(mac) => self.complete(id, Outcome::Failed(Failure::PeerDown(mac))),
+        }
+        Some(id)
+    }
+
+    /// A message arrived from `from`: to the first posted receive that takes it, else waiting.
+    fn arrive(&mut self, from: Addr, context: u32, tag: u64, arrival: Arrival) {
+        let u = Unexpected { from, context, tag, arrival };
+        match self.posted.iter().position(|p| p.m.takes(from, context, tag)) {
+            Some(i) => {
+                let p = self.posted.remove(i).expect("found");
+                self.deliver(p.id, p.capacity, u);
+            }
+            None => {
+                self.counters.unexpected += 1;
+                self.unexpected.push_back(u);
+            }
+        }
+    }
+
+    /// Receive `id` of `capacity` bytes takes message `u`.
+    fn deliver(&mut self, id: RequestId, capacity: usize, u: Unexpected) {
+        let status = status_of(&u);
+        self.matches += 1;
+        let matched = self.matches;
+        match u.arrival {
+            Arrival::Eager(mut data) => {
+                let truncated = data.len() > capacity;
+                data.truncate(capacity);
+                self.received(id, status, data, truncated, matched);
+            }
+            Arrival::Rts { len, send_id } => {
+                let granted = len.min(capacity as u64);
+                let recv_id = self.wire_id();
+                self.record(u.from, Record::Cts { send_id, recv_id, granted });
+                if granted == 0 {
+                    self.received(id, status, Vec::new(), len > 0, matched);
+                } else {
+                    let buf = vec![0; granted as usize];
+                    self.incoming.insert(recv_id, Incoming { id, matched, status, buf, got: 0 });
+                }
+            }
+        }
+    }
+
+    fn received(&mut self, id: RequestId, status: Status, data: Vec<u8>, truncated: bool, matched: u64) {
+        self.counters.received += 1;
+        self.counters.truncated += u64::from(truncated);
+        self.complete(id, Outcome::Received { status, data, truncated, matched });
+    }
+
+    /// Takes one record that arrived from node `from` (the transport's message on the messaging
+    /// channel). Records that do not parse, are for another engine, or name no request of this
+    /// one are counted and dropped.
+    pub fn handle_message(&mut self, from: MacAddr, bytes: &[u8]) {
+        let Ok((route, record)) = Record::parse(bytes) else {
+            self.counters.bad_records += 1;
+            return;
+        };
+        if route.dst != self.me.id {
+            self.counters.misrouted += 1;
+            return;
+        }
+        let from = Addr { mac: from, id: route.src };
+        match record {
+            Record::Eager { context, tag, data } => {
+                self.arrive(from, context, tag, Arrival::Eager(data.to_vec()))
+            }
+            Record::Rts { context, tag, len, send_id } => {
+                self.arrive(from, context, tag, Arrival::Rts { len, send_id })
+            }
+            Record::Cts { send_id, recv_id, granted } => {
+                let fits = self
+                    .announced
+                    .get(&send_id)
+                    .is_some_and(|a| a.dest == from && granted <= a.data.len() as u64);
+                if !fits {
+                    self.counters.stray += 1;
+                    return;
+                }
+                let a = self.announced.remove(&send_id).expect("checked");
+                if granted == 0 {
+                    self.complete(a.id, Outcome::Sent);
+                } else {
+                    let s = Stream {
+                        id: a.id,
+                        dest: a.dest,
+                        data: a.data,
+                        recv_id,
+                        granted: granted as usize,
+                        offset: 0,
+                    };
+                    self.streams.push_back(s);
+                }
+            }
+            Record::Data { recv_id, offset, data } => {
+                let fits = self.incoming.get(&recv_id).is_some_and(|i| {
+                    i.status.source == from
+                        && offset.checked_add(data.len() as u64).is_some_and(|end| end <= i.buf.len() as u64)
+                });
+                if !fits {
+                    self.counters.stray += 1;
+                    return;
+                }
+                let i = self.incoming.get_mut(&recv_id).expect("checked");
+                let at = offset as usize;
+                i.buf[at..at + data.len()].copy_from_slice(data);
+                i.got += data.len();
+                if i.got >= i.buf.len() {
+                    let i = self.incoming.remove(&recv_id).expect("there");
+                    let truncated = i.status.len > i.buf.len() as u64;
+                    self.received(i.id, i.status, i.buf, truncated, i.matched);
+                }
+            }
+        }
+    }
+
+    /// The next record to hand to the transport: control records (eager messages, RTS, CTS)
+    /// first, in order, then DATA of the rendezvous sends under way, a chunk each in turn. If the
+    /// transport cannot take it now, keep it and offer it again before anything else.
+    pub fn poll_transmit(&mut self) -> Option<Outgoing> {
+        if let Some(o) = self.control.pop_front() {
+            return Some(o);
+        }
+        let mut s = self.streams.pop_front()?;
+        let n = self.cfg.data_chunk.min(s.granted - s.offset);
+        let mut bytes = Vec::with_capacity(DATA_HEADER + n);
+        Record::Data { recv_id: s.recv_id, offset: s.offset as u64, data: &s.data[s.offset..s.offset + n] }
+            .emit(Route { src: self.me.id, dst: s.dest.id }, &mut bytes);
+        s.offset += n;
+        let dest = s.dest.mac;
+        if s.offset == s.granted {
+            self.complete(s.id, Outcome::Sent);
+        } else {
+            self.streams.push_back(s);
+        }
+        Some(Outgoing { dest, bytes })
+    }
+
+    /// The next finished request.
+    pub fn poll_completion(&mut self) -> Option<Completion> {
+        self.done.pop_front()
+    }
+
+    /// Node `mac` went down (its transport said so): every request that needs it fails, and
+    /// rendezvous announcements from it are forgotten (their data will not come).
+    pub fn peer_down(&mut self, mac: MacAddr) {
+        let failed = Outcome::Failed(Failure::PeerDown(mac));
+        let mut ids = Vec::new();
+        self.announced.retain(|_, a| {
+            let keep = a.dest.mac != mac;
+            if !keep {
+                ids.push(a.id);
+            }
+            keep
+        });
+        self.streams.retain(|s| {
+            let keep = s.dest.mac != mac;
+            if !keep {
+                ids.push(s.id);
+            }
+            keep
+        });
+        self.incoming.retain(|_, i| {
+            let keep = i.status.source.mac != mac;
+            if !keep {
+                ids.push(i.id);
+            }
+            keep
+        });
+        self.posted.retain(|p| {
+            let keep = !matches!(p.m.source, Source::Only(a) if a.mac == mac);
+            if !keep {
+                ids.push(p.id);
+            }
+            keep
+        });
+        let lost = |u: &Unexpected| u.from.mac == mac && matches!(u.arrival, Arrival::Rts { .. });
+        self.unexpected.retain(|u| !lost(u));
+        for c in self.claimed.values_mut() {
+            if c.as_ref().is_ok_and(lost) {
+                *c = Err(mac);
+            }
+        }
+        self.control.retain(|o| o.dest != mac);
+        ids.sort();
+        for id in ids {
+            self.complete(id, failed.clone());
+        }
+    }
+}
+
+fn status_of(u: &Unexpected) -> Status {
+    let len = match &u.arrival {
+        Arrival::Eager(d) => d.len() as u64,
+        Arrival::Rts { len, .. } => *len,
+    };
+    Status { source: u.from, context: u.context, tag: u.tag, len }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(node: u8, id: u16) -> Addr {
+        Addr { mac: MacAddr::local(node.into()), id }
+    }
+
+    /// Engines exchanging records directly (a perfect wire); returns the completions seen.
+    struct Net {
+        engines: Vec<Engine>,
+        done: Vec<(usize, Completion)>,
+    }
+
+    impl Net {
+        fn new(addrs: &[Addr], cfg: Config) -> Net {
+            Net { engines: addrs.iter().map(|&a| Engine::new(a, cfg.clone())).collect(), done: Vec::new() }
+        }
+
+        fn pump(&mut self) {
+            loop {
+                let mut moved = false;
+                for i in 0..self.engines.len() {
+                    while let Some(o) = self.engines[i].poll_transmit() {
+                        moved = true;
+                        let from = self.engines[i].addr().mac;
+                        let dst = crate::wire::destination(&o.bytes).unwrap();
+                        let to = self
+                            .engines
+                            .iter()
+                            .position(|e| e.addr() == Addr { mac: o.dest, id: dst })
+                            .unwrap();
+                        self.engines[to].handle_message(from, &o.bytes);
+                    }
+                }
+                for (i, e) in self.engines.iter_mut().enumerate() {
+                    while let Some(c) = e.poll_completion() {
+                        moved = true;
+                        self.done.push((i, c));
+                    }
+                }
+                if !moved {
+                    return;
+                }
+            }
+        }
+
+        fn outcome(&self, engine: usize, id: RequestId) -> Option<&Outcome> {
+            self.done.iter().find(|(i, c)| *i == engine && c.id == id).map(|(_, c)| &c.outcome)
+        }
+
+        fn data(&self, engine: usize, id: RequestId) -> (Status, Vec<u8>, bool) {
+            match self.outcome(engine, id) {
+                Some(Outcome::Received { status, data, truncated, .. }) => {
+                    (*status, data.clone(), *truncated)
+                }
+                other => panic!("receive {id:?} on {engine}: {other:?}"),
+            }
+        }
+    }
+
+    fn bytes(n: usize, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
+    }
+
+    #[test]
+    fn eager_and_rendezvous_before_and_after_the_receive() {
+        let (a, b) = (addr(1, 1), addr(2, 7));
+        let mut net = Net::new(&[a, b], Config { eager_limit: 1000, data_chunk: 300 });
+        // Receive posted first, then the messages; then messages first, receives after.
+        let r1 = net.engines[1].post_recv(Match::exact(Source::Only(a), 0, 5), 10_000);
+        let r2 = net.engines[1].post_recv(Match::exact(Source::Only(a), 0, 5), 10_000);
+        let s1 = net.engines[0].send(b, 0, 5, bytes(100, 1));
+        let s2 = net.engines[0].send(b, 0, 5, bytes(5000, 2));
+        net.engines[0].send(b, 0, 6, bytes(2500, 3));
+        net.engines[0].send(b, 0, 6, bytes(10, 4));
+        net.pump();
+        assert_eq!(net.data(1, r1).1, bytes(100, 1));
+        assert_eq!(net.data(1, r2).1, bytes(5000, 2));
+        assert_eq!(net.outcome(0, s1), Some(&Outcome::Sent));
+        assert_eq!(net.outcome(0, s2), Some(&Outcome::Sent));
+        assert_eq!(net.engines[1].unexpected().0, 2);
+        let r3 = net.engines[1].post_recv(Match::exact(Source::Any, 0, 6), 10_000);
+        let r4 = net.engines[1].post_recv(Match::exact(Source::Any, 0, 6), 10_000);
+        net.pump();
+        let (status, data, truncated) = net.data(1, r3);
+        assert_eq!((status.source, status.tag, status.len, truncated), (a, 6, 2500, false));
+        assert_eq!(data, bytes(2500, 3));
+        assert_eq!(net.data(1, r4).1, bytes(10, 4));
+        let c = net.engines[0].counters();
+        assert_eq!((c.eager_sent, c.rendezvous_sent), (2, 2));
+        assert_eq!(net.engines[1].counters().unexpected, 2);
+    }
+
+    #[test]
+    fn wildcards_take_the_oldest_match_and_the_mask_ignores_bits() {
+        let (a1, a2, b) = (addr(1, 1), addr(1, 2), addr(2, 1));
+        let mut net = Net::new(&[a1, a2, b], Config::default());
+        net.engines[1].send(b, 3, 0x100 | 7, bytes(4, 1));
+        net.pump();
+        net.engines[0].send(b, 3, 0x200 | 7, bytes(4, 2));
+        net.engines[0].send(b, 4, 0x200 | 7, bytes(4, 3));
+        net.pump();
+        // Low byte 7, any high bits, context 3: the oldest (from a2) first.
+        let m = Match { source: Source::Any, context: 3, tag: 7, ignore: !0xff };
+        let r1 = net.engines[2].post_recv(m, 64);
+        let r2 = net.engines[2].post_recv(m, 64);
+        let r3 = net.engines[2].post_recv(m, 64);
+        net.pump();
+        assert_eq!(net.data(2, r1).0.source, a2);
+        assert_eq!(net.data(2, r2).0.source, a1);
+        assert!(net.outcome(2, r3).is_none(), "context 4 does not match context 3");
+        assert!(net.engines[2].cancel(r3));
+        assert!(!net.engines[2].cancel(r3));
+        net.pump();
+        assert_eq!(net.outcome(2, r3), Some(&Outcome::Cancelled));
+        let r4 = net.engines[2].post_recv(Match::any_tag(Source::Only(a1), 4), 64);
+        net.pump();
+        assert_eq!(net.data(2, r4).1, bytes(4, 3));
+    }
+
+    #[test]
+    fn long_messages_are_truncated_never_overrun() {
+        let (a, b) = (addr(1, 1), addr(2, 1));
+        let mut net = Net::new(&[a, b], Config { eager_limit: 100, data_chunk: 64 });
+        let m = Match::any_tag(Source::Any, 0);
+        let r1 = net.engines[1].post_recv(m, 50);
+        let r2 = net.engines[1].post_recv(m, 300);
+        let r3 = net.engines[1].post_recv(m, 0);
+        let s1 = net.engines[0].send(b, 0, 1, bytes(80, 1));
+        let s2 = net.engines[0].send(b, 0, 2, bytes(1000, 2));
+        let s3 = net.engines[0].send(b, 0, 3, bytes(1000, 3));
+        net.pump();
+        let (st, d, t) = net.data(1, r1);
+        assert_eq!((st.len, d, t), (80, bytes(50, 1), true));
+        let (st, d, t) = net.data(1, r2);
+        assert_eq!((st.len, d, t), (1000, bytes(300, 2), true));
+        let (st, d, t) = net.data(1, r3);
+        assert_eq!((st.len, d.len(), t), (1000, 0, true));
+        for s in [s1, s2, s3] {
+            assert_eq!(net.outcome(0, s), Some(&Outcome::Sent));
+        }
+        assert_eq!(net.engines[1].counters().truncated, 3);
+    }
+
+    #[test]
+    fn probe_claim_and_sends_to_self() {
+        let a = addr(1, 1);
+        let mut net = Net::new(&[a], Config { eager_limit: 8, data_chunk: 8 });
+        let m = Match::exact(Source::Only(a), 9, 1);
+        assert_eq!(net.engines[0].probe(m), None);
+        let s = net.engines[0].send(a, 9, 1, bytes(100, 5));
+        net.engines[0].send(a, 9, 1, bytes(3, 6));
+        net.pump();
+        assert_eq!(net.outcome(0, s), Some(&Outcome::Sent), "a send to self completes at once");
+        let p = net.engines[0].probe(m).unwrap();
+        assert_eq!((p.source, p.len), (a, 100));
+        let (claim, status) = net.engines[0].claim(m).unwrap();
+        assert_eq!(status, p);
+        // The claimed message is out of matching: a receive now takes the second one.
+        let r = net.engines[0].post_recv(m, 100);
+        net.pump();
+        assert_eq!(net.data(0, r).1, bytes(3, 6));
+        let rc = net.engines[0].recv_claimed(claim, 100).unwrap();
+        net.pump();
+        assert_eq!(net.data(0, rc).1, bytes(100, 5));
+    }
+
+    #[test]
+    fn bad_stray_and_misrouted_records_are_counted_and_dropped() {
+        let (a, b) = (addr(1, 1), addr(2, 1));
+        let mut e = Engine::new(b, Config::default());
+        e.handle_message(a.mac, &[1, 2, 3]);
+        let mut rec = Vec::new();
+        Record::Eager { context: 0, tag: 0, data: b"x" }.emit(Route { src: 1, dst: 2 }, &mut rec);
+        e.handle_message(a.mac, &rec);
+        rec.clear();
+        Record::Cts { send_id: 77, recv_id: 1, granted: 1 }.emit(Route { src: 1, dst: 1 }, &mut rec);
+        e.handle_message(a.mac, &rec);
+        rec.clear();
+        Record::Data { recv_id: 5, offset: 0, data: b"zz" }.emit(Route { src: 1, dst: 1 }, &mut rec);
+        e.handle_message(a.mac, &rec);
+        // An RTS matched by a receive of 4 bytes: DATA past 4, or from someone else, is stray.
+        rec.clear();
+        Record::Rts { context: 0, tag: 0, len: 10, send_id: 1 }.emit(Route { src: 1, dst: 1 }, &mut rec);
+        e.handle_message(a.mac, &rec);
+        let r = e.post_recv(Match::any_tag(Source::Any, 0), 4);
+        let cts = e.poll_transmit().unwrap();
+        let Ok((_, Record::Cts { recv_id, granted, .. })) = Record::parse(&cts.bytes) else { panic!() };
+        assert_eq!(granted, 4);
+        for (mac, offset, data) in
+            [(a.mac, 2u64, &b"abc"[..]), (MacAddr::local(9), 0, b"ab"), (a.mac, u64::MAX, b"a")]
+        {
+            rec.clear();
+            Record::Data { recv_id, offset, data }.emit(Route { src: 1, dst: 1 }, &mut rec);
+            e.handle_message(mac, &rec);
+        }
+        assert!(e.poll_completion().is_none());
+        rec.clear();
+        Record::Data { recv_id, offset: 0, data: b"abcd" }.emit(Route { src: 1, dst: 1 }, &mut rec);
+        e.handle_message(a.mac, &rec);
+        let c = e.poll_completion().unwrap();
+        assert_eq!(c.id, r);
+        assert!(matches!(c.outcome, Outcome::Received { ref data, truncated: true, .. } if data == b"abcd"));
+        let n = e.counters();
+        assert_eq!((n.bad_records, n.misrouted, n.stray), (1, 1, 5));
+    }
+
+    #[test]
+    fn a_peer_down_fails_what_needs_it() {
+        let (a, b) = (addr(1, 1), addr(2, 1));
+        let mut e = Engine::new(a, Config { eager_limit: 10, data_chunk: 10 });
+        let s = e.send(b, 0, 0, bytes(100, 1));
+        let r = e.post_recv(Match::exact(Source::Only(b), 0, 0), 10);
+        let other = e.post_recv(Match::exact(Source::Any, 0, 0), 10);
+        e.peer_down(b.mac);
+        assert!(e.poll_transmit().is_none(), "nothing more goes to a node that is down");
+        let failed = Outcome::Failed(Failure::PeerDown(b.mac));
+        assert_eq!(e.poll_completion(), Some(Completion { id: s, outcome: failed.clone() }));
+        assert_eq!(e.poll_completion(), Some(Completion { id: r, outcome: failed }));
+        assert_eq!(e.poll_completion(), None);
+        assert!(e.cancel(other), "a receive from any source still waits");
+    }
+}
