@@ -5,6 +5,7 @@
 
 pub mod fabric;
 mod interrupt;
+pub mod msg;
 pub mod nbd;
 pub mod nvme;
 pub mod pcie;
@@ -45,6 +46,10 @@ pub enum BenchCommand {
     /// without a CPU hog and a shared tbf bottleneck; iperf3 TCP over the same switch as the peer.
     /// Needs root.
     Fabric(fabric::FabricArgs),
+    /// MPI-style ping-pong latency through the messaging engine (eager below 16 KiB, rendezvous
+    /// above) over udp, afpacket and afxdp on a veth pair between two namespaces, against
+    /// NetPIPE's TCP ping-pong (NPtcp) on the same veth. Needs root.
+    Msg(msg::MsgArgs),
     /// One side of `bench transport` (started by it inside a namespace).
     #[command(hide = true)]
     TransportPeer(transport::PeerArgs),
@@ -65,6 +70,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Pcie(args) => pcie::run(args),
         BenchCommand::Transport(args) => transport::run(args),
         BenchCommand::Fabric(args) => fabric::run(args),
+        BenchCommand::Msg(args) => msg::run(args),
         BenchCommand::TransportPeer(args) => transport::run_peer(args),
     }
 }

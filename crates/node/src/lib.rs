@@ -10,6 +10,7 @@
 //! - [`fabric`]: a host and an I/O box in one process over a simulated wire or two real ports.
 //! - [`lspci`]: remote functions described like `lspci -v`.
 //! - [`metrics`]: a daemon's counters in the Prometheus text format, served over HTTP.
+//! - [`msg`]: a messaging endpoint (the MPI engine) over a runtime on a port it owns.
 //! - [`process`]: a daemon's signals and helper processes that end with it.
 //!
 //! A remote drive over the simulated wire, written and read back through the NVMe driver
@@ -41,6 +42,7 @@ pub mod drive;
 pub mod fabric;
 pub mod lspci;
 pub mod metrics;
+pub mod msg;
 pub mod process;
 
 /// What went wrong assembling or running a node.

@@ -1,0 +1,314 @@
+//! Messaging on a node that owns its port (direct mode): one messaging engine over a runtime.
+//!
+//! The engine ([`lanbus_msg::Engine`]) is sans-IO; here the runtime's handler feeds it the
+//! records of [`MSG_CHANNEL`] and sends what it produces, while user threads start sends and
+//! receives and wait for them. Every record the engine produces goes out from the handler's
+//! thread (a user call wakes it), so records leave in the order the engine made them. A peer
+//! that goes down or restarts fails the requests that need it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use lanbus_msg::{Addr, Config, Engine, Match, Outcome, RequestId, Status, MSG_CHANNEL};
+use lanbus_port::Port;
+use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
+use lanbus_transport::{Event, Message};
+
+/// Why a messaging call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MsgError {
+    /// The request did not finish in time (it stays under way).
+    #[error("request {0:?} did not finish within {1:?}")]
+    Timeout(RequestId, Duration),
+    /// The request failed (its peer went down or restarted).
+    #[error("request {id:?} failed: {why:?}")]
+    Failed {
+        /// The request.
+        id: RequestId,
+        /// Why.
+        why: lanbus_msg::Failure,
+    },
+    /// A receive was cancelled.
+    #[error("request {0:?} was cancelled")]
+    Cancelled(RequestId),
+    /// The runtime could not start.
+    #[error("starting the node's runtime: {0}")]
+    Start(std::io::Error),
+}
+
+struct Shared {
+    engine: Mutex<Engine>,
+    finished: Mutex<HashMap<RequestId, Outcome>>,
+    done: Condvar,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    /// Moves the engine's finished requests where waiters find them.
+    fn settle(&self, engine: &mut Engine) {
+        let mut any = false;
+        let mut finished = lock(&self.finished);
+        while let Some(c) = engine.poll_completion() {
+            finished.insert(c.id, c.outcome);
+            any = true;
+        }
+        drop(finished);
+        if any {
+            self.done.notify_all();
+        }
+    }
+
+    /// Sends what the engine has and settles what finished; returns the records sent.
+    fn flush(&self, out: &mut dyn Outbox) -> usize {
+        let mut engine = lock(&self.engine);
+        let mut n = 0;
+        while let Some(o) = engine.poll_transmit() {
+            out.send(o.dest, MSG_CHANNEL, &o.bytes);
+            n += 1;
+        }
+        self.settle(&mut engine);
+        n
+    }
+}
+
+struct MsgHandler {
+    shared: Arc<Shared>,
+}
+
+impl Handler for MsgHandler {
+    fn on_message(&mut self, message: Message<'_>, out: &mut dyn Outbox) {
+        if message.channel != MSG_CHANNEL {
+            return;
+        }
+        lock(&self.shared.engine).handle_message(message.peer, message.data);
+        self.shared.flush(out);
+    }
+
+    fn on_event(&mut self, event: &Event, out: &mut dyn Outbox) {
+        match event {
+            Event::PeerDown { peer } | Event::PeerRestarted { peer, .. } => {
+                lock(&self.shared.engine).peer_down(*peer);
+                self.shared.flush(out);
+            }
+            _ => {}
+        }
+    }
+
+    fn poll(&mut self, out: &mut dyn Outbox) -> usize {
+        self.shared.flush(out)
+    }
+}
+
+/// A messaging endpoint that owns its port.
+pub struct MsgNode {
+    shared: Arc<Shared>,
+    sender: Sender,
+    addr: Addr,
+    runtime: Option<Runtime>,
+    /// How long [`MsgNode::wait`] polls (yielding its core) before it sleeps.
+    spin: Duration,
+}
+
+impl MsgNode {
+    /// Starts the node on `port` with engine id `id`.
+    pub fn start(
+        port: Box<dyn Port>,
+        id: u16,
+        runtime: RuntimeConfig,
+        cfg: Config,
+    ) -> Result<MsgNode, MsgError> {
+        let addr = Addr { mac: port.mac(), id };
+        let shared = Arc::new(Shared {
+            engine: Mutex::new(Engine::new(addr, cfg)),
+            finished: Mutex::new(HashMap::new()),
+            done: Condvar::new(),
+        });
+        let handler = MsgHandler { shared: shared.clone() };
+        let runtime = Runtime::start(port, runtime, Box::new(handler)).map_err(MsgError::Start)?;
+        let sender = runtime.sender();
+        // Waiting threads spin only when a core is to spare: on two cores a spinning waiter
+        // holds off the runtime's threads that would deliver what it waits for.
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let spin = if cpus >= 4 { Duration::from_micros(50) } else { Duration::ZERO };
+        Ok(MsgNode { shared, sender, addr, runtime: Some(runtime), spin })
+    }
+
+    /// This endpoint's address.
+    pub fn addr(&self) -> Addr {
+        self.addr
+    }
+
+    /// Sets how long [`MsgNode::wait`] spins before sleeping (0: sleep at once).
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
+    }
+
+    /// Runs `f` on the engine, then has the handler send what it made.
+    fn with_engine<T>(&self, f: impl FnOnce(&mut Engine) -> T) -> T {
+        let mut engine = lock(&self.shared.engine);
+        let r = f(&mut engine);
+        self.shared.settle(&mut engine);
+        drop(engine);
+        self.sender.wake_handler();
+        r
+    }
+
+    /// Starts sending `data` to `dest` in `context` with `tag`.
+    pub fn isend(&self, dest: Addr, context: u32, tag: u64, data: Vec<u8>) -> RequestId {
+        self.with_engine(|e| e.send(dest, context, tag, data))
+    }
+
+    /// Posts a receive of at most `capacity` bytes.
+    pub fn irecv(&self, m: Match, capacity: usize) -> RequestId {
+        self.with_engine(|e| e.post_recv(m, capacity))
+    }
+
+    /// The first waiting message `m` takes, if any.
+    pub fn probe(&self, m: Match) -> Option<Status> {
+        lock(&self.shared.engine).probe(m)
+    }
+
+    /// Cancels a posted receive nothing matched yet.
+    pub fn cancel(&self, id: RequestId) -> bool {
+        self.with_engine(|e| e.cancel(id))
+    }
+
+    /// The outcome of request `id` if it finished (taken: a second call says `None`).
+    pub fn test(&self, id: RequestId) -> Option<Outcome> {
+        lock(&self.shared.finished).remove(&id)
+    }
+
+    /// Waits until request `id` finishes, at most `timeout`.
+    pub fn wait(&self, id: RequestId, timeout: Duration) -> Result<Outcome, MsgError> {
+        let start = Instant::now();
+        while start.elapsed() < self.spin {
+            if let Some(o) = self.test(id) {
+                return check(id, o);
+            }
+            std::thread::yield_now();
+        }
+        let mut finished = lock(&self.shared.finished);
+        loop {
+            if let Some(o) = finished.remove(&id) {
+                return check(id, o);
+            }
+            let left = timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Err(MsgError::Timeout(id, timeout));
+            }
+            finished = self.shared.done.wait_timeout(finished, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Sends and waits until the data is handed on.
+    pub fn send(
+        &self,
+        dest: Addr,
+        context: u32,
+        tag: u64,
+        data: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(), MsgError> {
+        let id = self.isend(dest, context, tag, data);
+        self.wait(id, timeout).map(|_| ())
+    }
+
+    /// Receives the next message `m` takes (at most `capacity` bytes); returns its status, its
+    /// bytes and whether it was truncated.
+    pub fn recv(
+        &self,
+        m: Match,
+        capacity: usize,
+        timeout: Duration,
+    ) -> Result<(Status, Vec<u8>, bool), MsgError> {
+        let id = self.irecv(m, capacity);
+        match self.wait(id, timeout)? {
+            Outcome::Received { status, data, truncated, .. } => Ok((status, data, truncated)),
+            other => unreachable!("a receive ends received, failed or cancelled, not {other:?}"),
+        }
+    }
+
+    /// The engine's counters.
+    pub fn counters(&self) -> lanbus_msg::Counters {
+        lock(&self.shared.engine).counters()
+    }
+
+    /// The runtime's counters.
+    pub fn runtime_stats(&self) -> lanbus_runtime::Stats {
+        self.runtime.as_ref().map(Runtime::stats).unwrap_or_default()
+    }
+}
+
+fn check(id: RequestId, o: Outcome) -> Result<Outcome, MsgError> {
+    match o {
+        Outcome::Failed(why) => Err(MsgError::Failed { id, why }),
+        Outcome::Cancelled => Err(MsgError::Cancelled(id)),
+        o => Ok(o),
+    }
+}
+
+impl Drop for MsgNode {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            // Let what was sent reach the peer before the threads stop.
+            rt.wait_idle(Duration::from_secs(2));
+            rt.shutdown();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lanbus_msg::Source;
+
+    fn pair() -> (MsgNode, MsgNode) {
+        let (a, b) = crate::fabric::SimFabric::sim_ports(0.01, 5).unwrap();
+        let rc =
+            RuntimeConfig { transport: lanbus_transport::Config::point_to_point(), ..Default::default() };
+        let a = MsgNode::start(a, 1, rc.clone(), Config::default()).unwrap();
+        let b = MsgNode::start(b, 1, rc, Config::default()).unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn ping_pong_eager_and_rendezvous_between_two_nodes() {
+        let (a, b) = pair();
+        let t = Duration::from_secs(10);
+        let (aa, ba) = (a.addr(), b.addr());
+        let echo = std::thread::spawn(move || {
+            for _ in 0..4 {
+                let (st, data, truncated) = b.recv(Match::any_tag(Source::Any, 0), 1 << 20, t).unwrap();
+                assert!(!truncated);
+                b.send(st.source, 0, st.tag + 1, data, t).unwrap();
+            }
+            b
+        });
+        for (i, len) in [0usize, 100, 16 << 10, 300 << 10].into_iter().enumerate() {
+            let data: Vec<u8> = (0..len).map(|j| (j * 7 + i) as u8).collect();
+            a.send(ba, 0, i as u64 * 10, data.clone(), t).unwrap();
+            let (st, back, _) =
+                a.recv(Match::exact(Source::Only(ba), 0, i as u64 * 10 + 1), 1 << 20, t).unwrap();
+            assert_eq!((st.source, st.len as usize), (ba, len));
+            assert!(back == data, "{len} bytes came back intact");
+        }
+        let b = echo.join().unwrap();
+        assert_eq!(a.counters().rendezvous_sent, 1);
+        assert_eq!(b.counters().received, 4);
+        assert_eq!(aa.id, 1);
+    }
+
+    #[test]
+    fn waits_time_out_and_cancelled_receives_say_so() {
+        let (a, _b) = pair();
+        let id = a.irecv(Match::any_tag(Source::Any, 0), 16);
+        assert!(matches!(a.wait(id, Duration::from_millis(20)), Err(MsgError::Timeout(..))));
+        assert!(a.cancel(id));
+        assert!(matches!(a.wait(id, Duration::from_secs(1)), Err(MsgError::Cancelled(_))));
+    }
+}
