@@ -18,8 +18,9 @@
 //! exists): the lanbus rows' controller reads and writes it with pread/pwrite, as qemu-nbd does
 //! (writeback cache, no O_DIRECT, for both). Every row runs the same fio job. Metrics `mb_per_s`
 //! and `iops`, with `block_size`, `rw`, (lanbus rows) the driver's `completion` mode and (rows over
-//! the veth) its `mtu`, 9000 by default (the drive's TLPs carry up to 4 KiB); each the
-//! median of the runs (3 of 2 s, or 1 of 1 s with `--quick`); at 4 KiB also `p99_us`, the 99th
+//! the veth) its `mtu`, 9000 by default (the drive's TLPs carry up to 4 KiB; `--mtu 1500,9000`
+//! runs those rows at each); each the median of the runs (`--runs`, 3 of 2 s, or 1 of 1 s with
+//! `--quick`), which go in turns: every row once, then every row again; at 4 KiB also `p99_us`, the 99th
 //! percentile of fio's completion latency. After each port's rows, its floor: `raw:PORT`
 //! (`mb_per_s_one_way`), the bare port's one-way bandwidth in frames of the link's MTU, the same
 //! ports opened the same way with nothing above them. Every figure also carries the CPU it cost,
@@ -62,6 +63,10 @@ pub struct NvmeBenchArgs {
     /// One 1-second fio run per point instead of three of 2 seconds.
     #[arg(long)]
     quick: bool,
+    /// fio runs per point, of 2 seconds each; a figure is their median (default 3, 1 with
+    /// --quick). Runs go in turns: every row once, then every row again.
+    #[arg(long)]
+    runs: Option<usize>,
     /// Namespace size in MiB (the backing file every row serves).
     #[arg(long, default_value_t = 256)]
     size_mib: u64,
@@ -78,11 +83,13 @@ pub struct NvmeBenchArgs {
     /// queue briefly, then sleep on MSI-X; what the host daemon uses) or `interrupt`.
     #[arg(long, default_value = "poll", value_parser = ["poll", "interrupt"])]
     completion: String,
-    /// MTU of the veth pair the udp, afpacket and afxdp rows cross. The default is the usual
-    /// jumbo frame (an AF_XDP frame then takes three 4 KiB UMEM frames: multi-buffer AF_XDP,
-    /// Linux 6.6+); 3500 is the largest that fits one, 1500 is plain Ethernet.
-    #[arg(long, default_value_t = 9000, value_parser = clap::value_parser!(u32).range(576..=65_000))]
-    mtu: u32,
+    /// MTUs of the veth pair the udp, afpacket, afxdp and peer:nbd-tcp rows cross
+    /// (comma-separated: those rows run at each, and each figure names its MTU). The default is
+    /// the usual jumbo frame (an AF_XDP frame then takes three 4 KiB UMEM frames: multi-buffer
+    /// AF_XDP, Linux 6.6+); 3500 is the largest that fits one, 1500 is plain Ethernet; a veth
+    /// takes up to 65000 here.
+    #[arg(long, value_delimiter = ',', default_value = "9000")]
+    mtu: Vec<u32>,
     /// fio I/O depths to measure (comma-separated); the paper's is 1. Deeper queues show how the
     /// fabric scales with outstanding I/O (the driver's queue pairs, the fabric's channels).
     #[arg(long, value_delimiter = ',', default_value = "1")]
@@ -159,6 +166,8 @@ impl Drop for Holder {
 
 fn serve(dir: &Path, name: &str, device: Arc<dyn BlockDevice>) -> anyhow::Result<(Server, String)> {
     let socket = dir.join(format!("{name}.sock"));
+    // The same row's socket from an earlier run (its server has stopped).
+    let _ = std::fs::remove_file(&socket);
     let server = Server::builder().export(Export::new("nvme0", device)).build()?;
     server.serve(std::os::unix::net::UnixListener::bind(&socket)?)?;
     Ok((server, format!("nbd+unix:///nvme0?socket={}", socket.display())))
@@ -233,6 +242,7 @@ fn qemu_nbd(mut command: Command, dir: &Path, listen: &[String]) -> anyhow::Resu
 
 fn qemu(dir: &Path) -> anyhow::Result<(Holder, String)> {
     let socket = dir.join("qemu-nbd.sock");
+    let _ = std::fs::remove_file(&socket);
     let child = qemu_nbd(Command::new("qemu-nbd"), dir, &[format!("--socket={}", socket.display())])?;
     wait_for_socket(&socket, "nvme0")?;
     Ok((Holder::Qemu(child), format!("nbd+unix:///nvme0?socket={}", socket.display())))
@@ -324,10 +334,41 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The rows that cross the veth, measured at every `--mtu`.
+const VETH_ROWS: [&str; 4] = ["udp", "afpacket", "afxdp", "peer:nbd-tcp"];
+
+/// A port's floor: the port kind and the veth's MTU (none over loopback).
+type Floor = (&'static str, Option<u32>);
+
+/// One point of one row: what identifies it in the report.
+#[derive(Debug, Clone, PartialEq)]
+struct Point {
+    name: &'static str,
+    rw: &'static str,
+    block: u64,
+    depth: u32,
+    /// The veth's MTU, for rows that cross it.
+    mtu: Option<u32>,
+}
+
+/// A point's figures, one per run.
+#[derive(Debug, Default)]
+struct Samples {
+    mbs: Vec<f64>,
+    iops: Vec<f64>,
+    p99: Vec<f64>,
+    client_cpu: Vec<f64>,
+    server_cpu: Vec<f64>,
+}
+
 fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     anyhow::ensure!(
         !args.iodepth.is_empty() && args.iodepth.iter().all(|d| (1..=256).contains(d)),
         "--iodepth: depths of 1 to 256"
+    );
+    anyhow::ensure!(
+        !args.mtu.is_empty() && args.mtu.iter().all(|m| (576..=65_000).contains(m)),
+        "--mtu: MTUs of 576 to 65000"
     );
     let size = args.size_mib << 20;
     let want = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
@@ -342,13 +383,9 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         sizes.push((bs, lanbus_node::parse_size(bs).with_context(|| format!("--block-sizes {bs:?}"))?));
     }
     let largest = sizes.iter().map(|&(_, bytes)| bytes).max().unwrap_or(0);
-    let veth = if want("afpacket") || want("afxdp") || want("udp") || want("peer:nbd-tcp") {
+    let veth = if VETH_ROWS.iter().any(|n| want(n)) {
         match lanbus_port::netns::VethPair::create() {
-            Ok(v) => {
-                v.set_mtu(args.mtu as usize)
-                    .with_context(|| format!("setting the veth's MTU to {}", args.mtu))?;
-                Some(v)
-            }
+            Ok(v) => Some(v),
             Err(skip) => {
                 eprintln!(
                     "bench nvme: rows afpacket, afxdp and peer:nbd-tcp missing: {skip}; udp runs over loopback"
@@ -361,132 +398,169 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     };
     // Each row's drive and bridges exist only while it is measured: idle bridges would take CPU
     // from the others, and an AF_XDP socket takes the veth's lanbus frames from AF_PACKET.
-    let mut rows: Vec<&str> = vec!["local", "peer:qemu-nbd", "sim", "udp"];
+    let mut rows: Vec<&'static str> = vec!["local", "peer:qemu-nbd", "sim", "udp"];
     if veth.is_some() {
         rows.extend(["peer:nbd-tcp", "afpacket", "afxdp"]);
     }
-    let (runs, runtime) = if args.quick { (1, 1) } else { (3, 2) };
+    rows.retain(|n| want(n));
+    let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
+    let runtime = if args.quick { 1 } else { 2 };
     create_backing(dir, size)?;
-    let mut report = Report::new("nvme");
-    let mut missing = Vec::new();
-    for name in rows.into_iter().filter(|n| want(n)) {
-        // fio runs here, except across the veth for the TCP peer.
-        let fio_ns = (name == "peer:nbd-tcp").then(|| veth.as_ref().map(|v| &v.a.netns)).flatten();
-        let target = match name {
-            "local" => local(dir, args.driver_config()),
-            "peer:qemu-nbd" => qemu(dir),
-            "peer:nbd-tcp" => match veth.as_ref() {
-                Some(v) => qemu_tcp(dir, v),
-                None => Err(anyhow::anyhow!("needs a veth pair (root)")),
-            },
-            "sim" => SimFabric::sim_ports(0.0, 1)
-                .map_err(anyhow::Error::from)
-                .and_then(|p| over(dir, "sim", p, args.driver_config())),
-            kind => {
-                super::port_pair(kind, veth.as_ref()).and_then(|p| over(dir, kind, p, args.driver_config()))
+    let mut points: Vec<(Point, Samples)> = Vec::new();
+    let mut floors: Vec<(Floor, Vec<f64>)> = Vec::new();
+    let mut missing: Vec<String> = Vec::new();
+    // Runs go in turns: every row (at every MTU) once, then again; a figure is the median of its
+    // runs, so a drift of the machine's speed spreads over all rows alike.
+    for run in 1..=runs {
+        for (m, &mtu) in args.mtu.iter().enumerate() {
+            if let Some(v) = &veth {
+                v.set_mtu(mtu as usize).with_context(|| format!("setting the veth's MTU to {mtu}"))?;
             }
-        };
-        // The serving side's process: qemu-nbd for the peers; this one (bridges, driver, NBD
-        // server, controller) for the lanbus rows.
-        let (holder, uri) = match target {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!("bench nvme: row {name} missing: {e:#}");
-                missing.push(name);
-                continue;
-            }
-        };
-        let server_pid = match &holder {
-            Holder::Qemu(child) => child.0.id(),
-            _ => std::process::id(),
-        };
-        if let Err(e) = warm_up(fio_ns, &uri, args, 2 * largest) {
-            eprintln!("bench nvme: row {name} missing: {e:#}");
-            missing.push(name);
-            continue;
-        }
-        for rw in args.directions() {
-            for (&depth, &(bs, block)) in args.iodepth.iter().flat_map(|d| sizes.iter().map(move |s| (d, s)))
-            {
-                let mut mbs = Vec::new();
-                let mut iops = Vec::new();
-                let mut p99 = Vec::new();
-                let (mut client_cpu, mut server_cpu) = (Vec::new(), Vec::new());
-                for _ in 0..runs {
-                    let before = cpu_seconds(server_pid);
-                    match run_fio(fio_ns, &uri, rw, bs, depth, args.size_mib, runtime) {
-                        Ok(r) => {
-                            mbs.push(r.mb_per_s);
-                            iops.push(r.iops);
-                            p99.push(r.p99_us);
-                            let gb = r.bytes / 1e9;
-                            client_cpu.push(r.client_cpu_s / gb);
-                            // The server's CPU covers fio's ramp-up second too: counted at the
-                            // measured rate.
-                            let served_gb = gb * (runtime as f64 + FIO_RAMP_S) / runtime as f64;
-                            if let (Some(b), Some(a)) = (before, cpu_seconds(server_pid)) {
-                                server_cpu.push((a - b) / served_gb);
-                            }
-                        }
-                        Err(e) => eprintln!("bench nvme: {name} {rw} {bs}: {e:#}"),
+            for &name in &rows {
+                let crosses = veth.is_some() && VETH_ROWS.contains(&name);
+                // Rows without the veth do not depend on its MTU: once per run.
+                if !crosses && m > 0 {
+                    continue;
+                }
+                let mtu = crosses.then_some(mtu);
+                let label = mtu.map_or(name.to_string(), |m| format!("{name} (MTU {m})"));
+                eprintln!("bench nvme: run {run}/{runs}: {label}");
+                if let Err(e) =
+                    measure_row(args, dir, veth.as_ref(), name, mtu, &sizes, largest, runtime, &mut points)
+                {
+                    eprintln!("bench nvme: row {label} missing: {e:#}");
+                    if !missing.contains(&label) {
+                        missing.push(label);
+                    }
+                    continue;
+                }
+                // The bare port's floor, right after its row and with the row's bridges gone.
+                if ["udp", "afpacket", "afxdp"].contains(&name) {
+                    match raw_one_way(name, veth.as_ref(), runtime as f64) {
+                        Ok(g) => match floors.iter_mut().find(|(k, _)| *k == (name, mtu)) {
+                            Some((_, v)) => v.push(g * 1e3 / 8.0),
+                            None => floors.push(((name, mtu), vec![g * 1e3 / 8.0])),
+                        },
+                        Err(e) => eprintln!("bench nvme: raw:{name} floor: {e:#}"),
                     }
                 }
-                let (Some(m), Some(i)) = (median(&mbs), median(&iops)) else { continue };
-                let mut figures = vec![("mb_per_s", m), ("iops", i)];
-                if block == 4096 {
-                    figures.extend(median(&p99).map(|p| ("p99_us", p)));
-                }
-                figures.extend(median(&client_cpu).map(|c| ("client_cpu_s_per_gb", c)));
-                figures.extend(median(&server_cpu).map(|c| ("server_cpu_s_per_gb", c)));
-                for (metric, value) in figures {
-                    let mut row = Row::new(name, metric, value)
-                        .with("rw", rw)
-                        .with("block_size", block)
-                        .with("iodepth", depth);
-                    if !name.starts_with("peer:") {
-                        row = row.with("completion", args.completion.as_str());
-                    }
-                    if veth.is_some() && ["udp", "afpacket", "afxdp", "peer:nbd-tcp"].contains(&name) {
-                        row = row.with("mtu", args.mtu);
-                    }
-                    report.push(row);
-                }
-                eprintln!("bench nvme: {name:>14} {rw:>9} {bs:>4} qd{depth}: {m:8.1} MB/s {i:8.0} IOPS");
-            }
-        }
-        drop(holder);
-        // The bare port's floor, right after its row and with the row's bridges gone.
-        if ["udp", "afpacket", "afxdp"].contains(&name) {
-            let mut floors = Vec::new();
-            for _ in 0..runs {
-                match raw_one_way(name, veth.as_ref(), runtime as f64) {
-                    Ok(g) => floors.push(g * 1e3 / 8.0),
-                    Err(e) => eprintln!("bench nvme: raw:{name} floor: {e:#}"),
-                }
-            }
-            if let Some(m) = median(&floors) {
-                let mut row = Row::new(format!("raw:{name}"), "mb_per_s_one_way", m);
-                if veth.is_some() {
-                    row = row.with("mtu", args.mtu);
-                }
-                report.push(row);
-                eprintln!("bench nvme: {:>14} one way: {m:8.1} MB/s of whole frames", format!("raw:{name}"));
             }
         }
     }
     if !missing.is_empty() {
         eprintln!("bench nvme: rows not measured: {}", missing.join(", "));
     }
+    let mut report = Report::new("nvme");
+    for (p, s) in &points {
+        let (Some(m), Some(i)) = (median(&s.mbs), median(&s.iops)) else { continue };
+        let mut figures = vec![("mb_per_s", m), ("iops", i)];
+        if p.block == 4096 {
+            figures.extend(median(&s.p99).map(|v| ("p99_us", v)));
+        }
+        figures.extend(median(&s.client_cpu).map(|c| ("client_cpu_s_per_gb", c)));
+        figures.extend(median(&s.server_cpu).map(|c| ("server_cpu_s_per_gb", c)));
+        for (metric, value) in figures {
+            let mut row = Row::new(p.name, metric, value)
+                .with("rw", p.rw)
+                .with("block_size", p.block)
+                .with("iodepth", p.depth);
+            if !p.name.starts_with("peer:") {
+                row = row.with("completion", args.completion.as_str());
+            }
+            if let Some(mtu) = p.mtu {
+                row = row.with("mtu", mtu);
+            }
+            report.push(row);
+        }
+    }
+    for ((name, mtu), v) in &floors {
+        if let Some(m) = median(v) {
+            let mut row = Row::new(format!("raw:{name}"), "mb_per_s_one_way", m);
+            if let Some(mtu) = mtu {
+                row = row.with("mtu", *mtu);
+            }
+            report.push(row);
+        }
+    }
     ratios_vs_nbd_tcp(&mut report);
     Ok(report)
 }
 
-/// Each lanbus row's bandwidth against `peer:nbd-tcp`'s at the same direction and block size
-/// (`ratio_vs_nbd_tcp`), when that row was measured.
+/// Sets up row `name` (at `mtu` if it crosses the veth), warms it up, runs fio once at every
+/// point and adds the figures to `points`; the row's drive and bridges go when it returns.
+#[allow(clippy::too_many_arguments)]
+fn measure_row(
+    args: &NvmeBenchArgs,
+    dir: &Path,
+    veth: Option<&VethPair>,
+    name: &'static str,
+    mtu: Option<u32>,
+    sizes: &[(&str, u64)],
+    largest: u64,
+    runtime: u64,
+    points: &mut Vec<(Point, Samples)>,
+) -> anyhow::Result<()> {
+    // fio runs here, except across the veth for the TCP peer.
+    let fio_ns = (name == "peer:nbd-tcp").then(|| veth.map(|v| &v.a.netns)).flatten();
+    let (holder, uri) = match name {
+        "local" => local(dir, args.driver_config())?,
+        "peer:qemu-nbd" => qemu(dir)?,
+        "peer:nbd-tcp" => qemu_tcp(dir, veth.context("needs a veth pair (root)")?)?,
+        "sim" => over(dir, "sim", SimFabric::sim_ports(0.0, 1)?, args.driver_config())?,
+        kind => over(dir, kind, super::port_pair(kind, veth)?, args.driver_config())?,
+    };
+    // The serving side's process: qemu-nbd for the peers; this one (bridges, driver, NBD server,
+    // controller) for the lanbus rows.
+    let server_pid = match &holder {
+        Holder::Qemu(child) => child.0.id(),
+        _ => std::process::id(),
+    };
+    warm_up(fio_ns, &uri, args, 2 * largest)?;
+    for rw in args.directions() {
+        for (&depth, &(bs, block)) in args.iodepth.iter().flat_map(|d| sizes.iter().map(move |s| (d, s))) {
+            let before = cpu_seconds(server_pid);
+            let r = match run_fio(fio_ns, &uri, rw, bs, depth, args.size_mib, runtime) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("bench nvme: {name} {rw} {bs}: {e:#}");
+                    continue;
+                }
+            };
+            let point = Point { name, rw, block, depth, mtu };
+            let i = match points.iter().position(|(p, _)| *p == point) {
+                Some(i) => i,
+                None => {
+                    points.push((point, Samples::default()));
+                    points.len() - 1
+                }
+            };
+            let s = &mut points[i].1;
+            s.mbs.push(r.mb_per_s);
+            s.iops.push(r.iops);
+            s.p99.push(r.p99_us);
+            let gb = r.bytes / 1e9;
+            s.client_cpu.push(r.client_cpu_s / gb);
+            // The server's CPU covers fio's ramp-up second too: counted at the measured rate.
+            let served_gb = gb * (runtime as f64 + FIO_RAMP_S) / runtime as f64;
+            if let (Some(b), Some(a)) = (before, cpu_seconds(server_pid)) {
+                s.server_cpu.push((a - b) / served_gb);
+            }
+            eprintln!(
+                "bench nvme: {name:>14} {rw:>9} {bs:>4} qd{depth}: {:8.1} MB/s {:8.0} IOPS",
+                r.mb_per_s, r.iops
+            );
+        }
+    }
+    drop(holder);
+    Ok(())
+}
+
+/// Each lanbus row's bandwidth against `peer:nbd-tcp`'s at the same direction, block size, depth
+/// and MTU (`ratio_vs_nbd_tcp`), when that row was measured.
 fn ratios_vs_nbd_tcp(report: &mut Report) {
     let key = |r: &Row| {
         let p = |k: &str| r.params.get(k).cloned();
-        (p("rw"), p("block_size"), p("iodepth"))
+        (p("rw"), p("block_size"), p("iodepth"), p("mtu"))
     };
     let peer: Vec<_> = report
         .rows
