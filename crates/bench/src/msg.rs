@@ -6,7 +6,11 @@
 //! endpoints over a port of that kind (udp, afpacket, afxdp), one in each namespace, each owning
 //! its port (direct mode): one sends a message of each size and waits for it to come back,
 //! in three trials after a warm-up; the figure is half the mean round trip of the best trial,
-//! which is what NetPIPE reports (osu_latency reports the mean of one trial). Messages up to 16 KiB go eagerly, longer ones by rendezvous
+//! which is what NetPIPE reports (osu_latency reports the mean of one trial). `--protocols
+//! auto,eager,rendezvous` adds a row per protocol (the engine's choice, every message eager,
+//! every message by rendezvous), which shows where the two cross; `--bandwidth` adds osu_bw's
+//! streaming pattern (a window of messages back to back, then one short answer; the best of
+//! three trials) against NetPIPE's one-way streaming (`NPtcp -s`, `bw_vs_nptcp`). Messages up to 16 KiB go eagerly, longer ones by rendezvous
 //! (RTS, CTS, then the data). The peer runs NPtcp's receiver in one namespace and its transmitter
 //! in the other over the same sizes. Runs go in turns (each lanbus kind, then the peer) and a
 //! figure is the median of its runs; `latency_vs_nptcp` divides lanbus's by NetPIPE's (below 1:
@@ -18,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use lanbus_msg::{Config, Match, Source};
+use lanbus_msg::{Config, Match, Outcome, Source};
 use lanbus_node::msg::MsgNode;
 use lanbus_node::process::end_with_parent;
 use lanbus_port::netns::VethPair;
@@ -51,10 +55,60 @@ pub struct MsgArgs {
     /// Skip the NetPIPE peer.
     #[arg(long)]
     no_peer: bool,
+    /// How messages travel (comma-separated): the engine's choice, all eager (up to 65,516
+    /// bytes), all by rendezvous. One row each.
+    #[arg(long, value_delimiter = ',', default_value = "auto")]
+    protocols: Vec<Protocol>,
+    /// Also measure streaming bandwidth (osu_bw's pattern: a window of messages back to back,
+    /// then one short answer), against NetPIPE's one-way streaming (`NPtcp -s`).
+    #[arg(long)]
+    bandwidth: bool,
+    /// Messages per window of the bandwidth measurement.
+    #[arg(long, default_value_t = 64)]
+    window: usize,
 }
 
 /// The tag that ends the echo side.
 const STOP: u64 = u64::MAX;
+/// The tag of a streamed message (bandwidth) the echo side only takes.
+const STREAM: u64 = u64::MAX - 1;
+/// The tag of a window's last streamed message: the echo side answers with [`ACK`].
+const STREAM_LAST: u64 = u64::MAX - 2;
+/// The tag of the echo side's answer to a window.
+const ACK: u64 = u64::MAX - 3;
+
+/// How messages travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Protocol {
+    /// The engine's choice: eager up to its limit (16 KiB), rendezvous above.
+    Auto,
+    /// Every message eagerly (up to the largest eager message, 65,516 bytes).
+    Eager,
+    /// Every message by rendezvous (RTS, CTS, then the data).
+    Rendezvous,
+}
+
+impl Protocol {
+    fn config(self) -> Config {
+        match self {
+            Protocol::Auto => Config::default(),
+            Protocol::Eager => Config { eager_limit: Config::MAX_EAGER, ..Config::default() },
+            Protocol::Rendezvous => Config { eager_limit: 0, ..Config::default() },
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Protocol::Auto => "auto",
+            Protocol::Eager => "eager",
+            Protocol::Rendezvous => "rendezvous",
+        }
+    }
+
+    fn carries(self, size: usize) -> bool {
+        self != Protocol::Eager || size <= Config::MAX_EAGER
+    }
+}
 
 /// Round trips per trial at `size` (after a tenth as many warm-up ones).
 fn iterations(size: usize, quick: bool) -> usize {
@@ -66,9 +120,35 @@ fn iterations(size: usize, quick: bool) -> usize {
     }
 }
 
-/// Half the mean round trip of the best of three trials, µs, for every size, through the
-/// messaging engine over `kind`.
-fn lanbus_latency(kind: &str, veth: &VethPair, sizes: &[usize], quick: bool) -> anyhow::Result<Vec<f64>> {
+/// Windows per trial of the streaming measurement at `size` (`window` messages each).
+fn windows(size: usize, window: usize, quick: bool) -> usize {
+    let n = ((256usize << 20) / (size.max(1) * window)).clamp(4, 200);
+    if quick {
+        (n / 4).max(2)
+    } else {
+        n
+    }
+}
+
+/// What one lanbus row measured: per size, the one-way latency (µs) and, if asked, the
+/// streaming bandwidth (MB/s).
+struct Measured {
+    latency_us: Vec<Option<f64>>,
+    bw_mb_per_s: Vec<Option<f64>>,
+}
+
+/// Through the messaging engine over `kind` with `protocol`: per size, half the mean round trip
+/// of the best of three trials (µs), and with `window` osu_bw's pattern: `window` messages sent
+/// back to back, answered by one short message once all arrived, the best of three trials
+/// (MB/s). Sizes the protocol cannot carry are `None`.
+fn lanbus_row(
+    kind: &str,
+    veth: &VethPair,
+    protocol: Protocol,
+    sizes: &[usize],
+    window: Option<usize>,
+    quick: bool,
+) -> anyhow::Result<Measured> {
     let (pa, pb) = super::port_pair(kind, Some(veth))?;
     let rc = |name: &str| {
         let mut c = lanbus_node::config::runtime_config(name, ThreadMode::default());
@@ -76,22 +156,43 @@ fn lanbus_latency(kind: &str, veth: &VethPair, sizes: &[usize], quick: bool) -> 
         c.transport.heartbeat.enabled = false;
         c
     };
-    let a = MsgNode::start(pa, 1, rc("msg-a"), Config::default())?;
-    let b = MsgNode::start(pb, 1, rc("msg-b"), Config::default())?;
+    let a = MsgNode::start(pa, 1, rc("msg-a"), protocol.config())?;
+    let b = MsgNode::start(pb, 1, rc("msg-b"), protocol.config())?;
     let (to_b, largest) = (b.addr(), sizes.iter().copied().max().unwrap_or(0));
     let timeout = Duration::from_secs(10);
+    let posted = window.unwrap_or(1).max(1);
+    // The echo side keeps `posted` receives posted (as osu_bw's receiver does) and takes them in
+    // order: it echoes a ping, drops a streamed message, answers a window's last one.
     let echo = std::thread::spawn(move || -> anyhow::Result<()> {
+        let any = Match::any_tag(Source::Any, 0);
+        let mut waiting: std::collections::VecDeque<_> = (0..posted).map(|_| b.irecv(any, largest)).collect();
         loop {
-            let (status, data, _) = b.recv(Match::any_tag(Source::Any, 0), largest, timeout)?;
-            if status.tag == STOP {
-                return Ok(());
+            let id = waiting.pop_front().expect("always some posted");
+            let Outcome::Received { status, data, .. } = b.wait(id, timeout)? else {
+                bail!("a receive ended without a message");
+            };
+            match status.tag {
+                STOP => {
+                    for id in waiting {
+                        b.cancel(id);
+                    }
+                    return Ok(());
+                }
+                STREAM => {}
+                STREAM_LAST => b.send(status.source, 0, ACK, Vec::new(), timeout)?,
+                tag => b.send(status.source, 0, tag, data, timeout)?,
             }
-            b.send(status.source, 0, status.tag, data, timeout)?;
+            waiting.push_back(b.irecv(any, largest));
         }
     });
-    let mut out = Vec::new();
+    let mut measured = Measured { latency_us: Vec::new(), bw_mb_per_s: Vec::new() };
     let mut run = || -> anyhow::Result<()> {
         for &size in sizes {
+            if !protocol.carries(size) {
+                measured.latency_us.push(None);
+                measured.bw_mb_per_s.push(None);
+                continue;
+            }
             let data = vec![0x5a; size];
             let n = iterations(size, quick);
             let round_trips = |count: usize| -> anyhow::Result<f64> {
@@ -111,7 +212,34 @@ fn lanbus_latency(kind: &str, veth: &VethPair, sizes: &[usize], quick: bool) -> 
             for _ in 0..3 {
                 best = best.min(round_trips(n)?);
             }
-            out.push(best);
+            measured.latency_us.push(Some(best));
+            let Some(window) = window else {
+                measured.bw_mb_per_s.push(None);
+                continue;
+            };
+            let w = windows(size, window, quick);
+            let stream = |count: usize| -> anyhow::Result<f64> {
+                let start = Instant::now();
+                for _ in 0..count {
+                    let ids: Vec<_> = (0..window)
+                        .map(|i| {
+                            let tag = if i + 1 == window { STREAM_LAST } else { STREAM };
+                            a.isend(to_b, 0, tag, data.clone())
+                        })
+                        .collect();
+                    for id in ids {
+                        a.wait(id, timeout)?;
+                    }
+                    a.recv(Match::exact(Source::Only(to_b), 0, ACK), 0, timeout)?;
+                }
+                Ok((size * window * count) as f64 / start.elapsed().as_secs_f64() / 1e6)
+            };
+            stream(1)?;
+            let mut best: f64 = 0.0;
+            for _ in 0..3 {
+                best = best.max(stream(w)?);
+            }
+            measured.bw_mb_per_s.push(Some(best));
         }
         Ok(())
     };
@@ -123,27 +251,32 @@ fn lanbus_latency(kind: &str, veth: &VethPair, sizes: &[usize], quick: bool) -> 
         Err(_) => bail!("the echo side panicked"),
     }
     result?;
-    Ok(out)
+    Ok(measured)
 }
 
-/// NetPIPE's one-way time, µs, for every size it measured from 1 byte to `upto` (NPtcp without
-/// perturbations: powers of two and the sizes halfway between).
-fn nptcp_latency(veth: &VethPair, upto: usize, dir: &Path) -> anyhow::Result<Vec<(usize, f64)>> {
+/// NetPIPE over TCP for every size it measured from 1 byte to `upto` (NPtcp without
+/// perturbations: powers of two and the sizes between): ping-pong, its one-way time (µs); with
+/// `stream`, one-way streaming (`-s`), its throughput (MB/s).
+fn nptcp(veth: &VethPair, upto: usize, stream: bool, dir: &Path) -> anyhow::Result<Vec<(usize, f64)>> {
     let upper = upto.max(1).to_string();
-    let mut receiver =
-        end_with_parent(veth.b.netns.command("NPtcp").args(["-l", "1", "-u", &upper, "-p", "0"]))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting NPtcp (Debian package netpipe-tcp)")?;
+    let mut opts = vec!["-l", "1", "-u", &upper, "-p", "0"];
+    if stream {
+        opts.push("-s");
+    }
+    let mut receiver = end_with_parent(veth.b.netns.command("NPtcp").args(&opts))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting NPtcp (Debian package netpipe-tcp)")?;
     let file = dir.join("np.out");
+    let _ = std::fs::remove_file(&file);
     let host = veth.b.ipv4.to_string();
     let file_s = file.display().to_string();
     let mut result = None;
     // The receiver may take a moment to listen: the transmitter fails at once if it does not.
     for _ in 0..50 {
-        let out = end_with_parent(veth.a.netns.command("NPtcp").args(["-h", &host, "-l", "1", "-u", &upper]))
-            .args(["-p", "0", "-o", &file_s])
+        let out = end_with_parent(veth.a.netns.command("NPtcp").args(["-h", &host]).args(&opts))
+            .args(["-o", &file_s])
             .stdin(Stdio::null())
             .output()
             .context("running NPtcp")?;
@@ -163,9 +296,9 @@ fn nptcp_latency(veth: &VethPair, upto: usize, dir: &Path) -> anyhow::Result<Vec
     let mut rows = Vec::new();
     for line in text.lines() {
         let mut f = line.split_whitespace();
-        let (Some(bytes), Some(_mbps), Some(secs)) = (f.next(), f.next(), f.next()) else { continue };
-        if let (Ok(b), Ok(s)) = (bytes.parse::<usize>(), secs.parse::<f64>()) {
-            rows.push((b, s * 1e6));
+        let (Some(bytes), Some(mbps), Some(secs)) = (f.next(), f.next(), f.next()) else { continue };
+        if let (Ok(b), Ok(mbps), Ok(s)) = (bytes.parse::<usize>(), mbps.parse::<f64>(), secs.parse::<f64>()) {
+            rows.push((b, if stream { mbps / 8.0 } else { s * 1e6 }));
         }
     }
     if rows.is_empty() {
@@ -182,6 +315,10 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     if let Some(k) = args.ports.iter().find(|k| !["udp", "afpacket", "afxdp"].contains(&k.as_str())) {
         bail!("--ports: unknown kind {k:?} (udp, afpacket, afxdp)");
     }
+    if args.protocols.is_empty() {
+        bail!("--protocols: at least one of auto, eager, rendezvous");
+    }
+    let window = args.bandwidth.then_some(args.window.max(1));
     let veth =
         VethPair::create().map_err(|skip| anyhow::anyhow!("bench msg needs two namespaces: {skip}"))?;
     veth.set_mtu(args.mtu).with_context(|| format!("setting the veth's MTU to {}", args.mtu))?;
@@ -193,24 +330,33 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir)?;
     let runs = args.runs.unwrap_or(if args.quick { 1 } else { 5 }).max(1);
     let largest = *args.sizes.iter().max().expect("checked");
-    let mut lanbus: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); args.sizes.len()]; args.ports.len()];
-    let mut nptcp: Vec<Vec<f64>> = vec![Vec::new(); args.sizes.len()];
+    let n = args.sizes.len();
+    // Per (port, protocol): per size, the runs' latencies and bandwidths.
+    let rows: Vec<(&str, Protocol)> =
+        args.ports.iter().flat_map(|k| args.protocols.iter().map(move |&p| (k.as_str(), p))).collect();
+    let mut lat: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; rows.len()];
+    let mut bw: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; rows.len()];
+    let (mut np_lat, mut np_bw): (Vec<Vec<f64>>, Vec<Vec<f64>>) = (vec![Vec::new(); n], vec![Vec::new(); n]);
     for r in 0..runs {
-        for (k, kind) in args.ports.iter().enumerate() {
-            eprintln!("bench msg: run {}/{runs}: {kind}", r + 1);
-            let l = lanbus_latency(kind, &veth, &args.sizes, args.quick)
-                .with_context(|| format!("{kind} row"))?;
-            for (i, v) in l.into_iter().enumerate() {
-                lanbus[k][i].push(v);
+        for (k, &(kind, protocol)) in rows.iter().enumerate() {
+            eprintln!("bench msg: run {}/{runs}: {kind} {}", r + 1, protocol.name());
+            let m = lanbus_row(kind, &veth, protocol, &args.sizes, window, args.quick)
+                .with_context(|| format!("{kind} {} row", protocol.name()))?;
+            for i in 0..n {
+                lat[k][i].extend(m.latency_us[i]);
+                bw[k][i].extend(m.bw_mb_per_s[i]);
             }
         }
         if peer {
             eprintln!("bench msg: run {}/{runs}: NPtcp", r + 1);
-            let np = nptcp_latency(&veth, largest, &dir)?;
-            for (i, &size) in args.sizes.iter().enumerate() {
-                if let Some(&(_, us)) = np.iter().find(|(b, _)| *b == size) {
-                    nptcp[i].push(us);
+            let pick = |np: &[(usize, f64)], out: &mut Vec<Vec<f64>>| {
+                for (i, &size) in args.sizes.iter().enumerate() {
+                    out[i].extend(np.iter().find(|(b, _)| *b == size).map(|&(_, v)| v));
                 }
+            };
+            pick(&nptcp(&veth, largest, false, &dir)?, &mut np_lat);
+            if window.is_some() {
+                pick(&nptcp(&veth, largest, true, &dir)?, &mut np_bw);
             }
         }
     }
@@ -221,17 +367,26 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     };
     let mut ratios = Vec::new();
     for (i, &size) in args.sizes.iter().enumerate() {
-        let peer_us = median(&nptcp[i]);
-        if let Some(us) = peer_us {
+        let (peer_lat, peer_bw) = (median(&np_lat[i]), median(&np_bw[i]));
+        if let Some(us) = peer_lat {
             report.push(row("peer:NPtcp", "latency_us", us, size));
-            report.push(row("peer:NPtcp", "mb_per_s", size as f64 / us, size));
         }
-        for (k, kind) in args.ports.iter().enumerate() {
-            let Some(us) = median(&lanbus[k][i]) else { continue };
-            report.push(row(kind, "latency_us", us, size));
-            report.push(row(kind, "mb_per_s", size as f64 / us, size));
-            if let Some(p) = peer_us {
-                ratios.push(row(kind, "latency_vs_nptcp", us / p, size));
+        if let Some(mbs) = peer_bw {
+            report.push(row("peer:NPtcp", "bw_mb_per_s", mbs, size));
+        }
+        for (k, &(kind, protocol)) in rows.iter().enumerate() {
+            let with = |r: Row| r.with("protocol", protocol.name());
+            if let Some(us) = median(&lat[k][i]) {
+                report.push(with(row(kind, "latency_us", us, size)));
+                if let Some(p) = peer_lat {
+                    ratios.push(with(row(kind, "latency_vs_nptcp", us / p, size)));
+                }
+            }
+            if let Some(mbs) = median(&bw[k][i]) {
+                report.push(with(row(kind, "bw_mb_per_s", mbs, size)));
+                if let Some(p) = peer_bw {
+                    ratios.push(with(row(kind, "bw_vs_nptcp", mbs / p, size)));
+                }
             }
         }
     }

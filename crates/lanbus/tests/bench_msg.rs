@@ -13,7 +13,9 @@ fn bench_msg_measures_both_ports_and_the_peer() {
     let peer = Command::new("NPtcp").arg("-h").output().is_ok();
     let json = std::env::temp_dir().join(format!("lanbus-bench-msg-{}.json", std::process::id()));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_lanbus"));
-    cmd.args(["bench", "msg", "--quick", "--sizes", "64,65536", "--json"]).arg(&json);
+    cmd.args(["bench", "msg", "--quick", "--sizes", "64,65536", "--protocols", "auto,eager", "--bandwidth"])
+        .args(["--window", "8", "--json"])
+        .arg(&json);
     if !peer {
         eprintln!("NPtcp is not installed (Debian package netpipe-tcp): measuring without the peer");
         cmd.arg("--no-peer");
@@ -23,22 +25,38 @@ fn bench_msg_measures_both_ports_and_the_peer() {
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let _ = std::fs::remove_file(&json);
     let rows = v["rows"].as_array().unwrap();
-    let value = |name: &str, metric: &str, size: u64| {
+    let find = |name: &str, protocol: &str, metric: &str, size: u64| {
         rows.iter()
-            .find(|r| r["name"] == name && r["metric"] == metric && r["size_bytes"] == size)
+            .find(|r| {
+                r["name"] == name
+                    && r["metric"] == metric
+                    && r["size_bytes"] == size
+                    && (protocol.is_empty() || r["protocol"] == protocol)
+            })
             .and_then(|r| r["value"].as_f64())
-            .unwrap_or_else(|| panic!("no {name} {metric} at {size}: {v}"))
+    };
+    let value = |name: &str, protocol: &str, metric: &str, size: u64| {
+        find(name, protocol, metric, size)
+            .unwrap_or_else(|| panic!("no {name} {protocol} {metric} at {size}: {v}"))
     };
     for kind in ["udp", "afpacket"] {
         for size in [64, 65536] {
-            let us = value(kind, "latency_us", size);
+            let us = value(kind, "auto", "latency_us", size);
             assert!(us > 0.0 && us < 100_000.0, "{kind} {size}: {us} µs");
+            assert!(value(kind, "auto", "bw_mb_per_s", size) > 0.0);
             if peer {
-                assert!(value(kind, "latency_vs_nptcp", size) > 0.0);
+                assert!(value(kind, "auto", "latency_vs_nptcp", size) > 0.0);
+                assert!(value(kind, "auto", "bw_vs_nptcp", size) > 0.0);
             }
         }
+        assert!(value(kind, "eager", "latency_us", 64) > 0.0);
+        assert!(
+            find(kind, "eager", "latency_us", 65536).is_none(),
+            "65536 bytes are too many for one eager record"
+        );
     }
     if peer {
-        assert!(value("peer:NPtcp", "latency_us", 64) > 0.0);
+        assert!(value("peer:NPtcp", "", "latency_us", 64) > 0.0);
+        assert!(value("peer:NPtcp", "", "bw_mb_per_s", 65536) > 0.0);
     }
 }
