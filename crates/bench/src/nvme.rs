@@ -28,7 +28,16 @@
 //! `server_cpu_s_per_gb` (qemu-nbd for the peers; for the lanbus rows this process, which holds
 //! both bridges, the driver, the controller and the NBD server: both ends of the link). Each after an unmeasured warm-up run per
 //! direction with blocks twice the largest measured (see [`warm_up`]). A PNG per direction (MB/s
-//! against block size) next to the JSON. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
+//! against block size) next to the JSON. At depth 1 each lanbus row also splits a request's time
+//! into stages (`stage_us`, microseconds per request, from counters the NBD server, the driver
+//! and the backing store keep): `client_and_socket` (fio and the Unix socket: fio's time per
+//! request less the server's stages), `nbd_payload` (reading a WRITE's data from the socket),
+//! `driver_copy` (the driver copying data between the request and DMA memory: for a write into
+//! the drive's memory buffer, across the fabric), `fabric_and_device` (the driver waiting for its
+//! commands: bridges, transport, port and controller, less the backing store), `backing`
+//! (pread/pwrite of the backing file) and `nbd_reply` (sending the reply, a READ's data
+//! included). The stages overlap a little (a reply is read while it is sent), so the first is
+//! clamped at zero. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
 //! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
 
 use std::path::{Path, PathBuf};
@@ -130,16 +139,87 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
 
 /// What keeps one target alive while fio runs against it.
 enum Holder {
-    Local(LocalNvme, Server),
-    Fabric(SimFabric, Server),
+    Local(Timing, LocalNvme, Server),
+    Fabric(Timing, SimFabric, Server),
     Qemu(KillOnDrop),
+}
+
+/// Where a lanbus row's time counters are.
+struct Timing {
+    driver: Arc<lanbus_nvme::NvmeDriver>,
+    backing: Arc<lanbus_nvme::backing::BackingTime>,
+}
+
+/// The time counters of a lanbus row at one moment (nanoseconds, and NBD requests served).
+#[derive(Debug, Clone, Copy, Default)]
+struct Stamps {
+    requests: u64,
+    payload_ns: u64,
+    device_ns: u64,
+    reply_ns: u64,
+    io_ns: u64,
+    copy_ns: u64,
+    backing_ns: u64,
+}
+
+/// The stages a request's time is split into (`stage_us` rows), in the order a read passes them.
+const STAGES: [&str; 6] =
+    ["client_and_socket", "nbd_payload", "driver_copy", "fabric_and_device", "backing", "nbd_reply"];
+
+impl Holder {
+    fn stamps(&self) -> Option<Stamps> {
+        let (t, server) = match self {
+            Holder::Local(t, _, s) | Holder::Fabric(t, _, s) => (t, s),
+            Holder::Qemu(_) => return None,
+        };
+        let n = server.stats();
+        let d = t.driver.stats();
+        // Relaxed: statistics, read as a snapshot.
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        Some(Stamps {
+            requests: n.requests_read + n.requests_write,
+            payload_ns: n.payload_ns,
+            device_ns: n.device_ns,
+            reply_ns: n.reply_ns,
+            io_ns: get(&d.io_ns),
+            copy_ns: get(&d.copy_ns),
+            backing_ns: t.backing.read_ns() + t.backing.write_ns(),
+        })
+    }
+}
+
+impl Stamps {
+    /// Microseconds per request in each of [`STAGES`] between `self` and the later `after`, for
+    /// requests of `total_us` each (fio's time per request at depth 1).
+    fn per_request(&self, after: &Stamps, total_us: f64) -> Option<[f64; 6]> {
+        let n = after.requests.checked_sub(self.requests).filter(|&n| n > 0)? as f64;
+        let us = |a: u64, b: u64| a.saturating_sub(b) as f64 / 1e3 / n;
+        let (payload, device, reply) = (
+            us(after.payload_ns, self.payload_ns),
+            us(after.device_ns, self.device_ns),
+            us(after.reply_ns, self.reply_ns),
+        );
+        let (io, copy, backing) = (
+            us(after.io_ns, self.io_ns),
+            us(after.copy_ns, self.copy_ns),
+            us(after.backing_ns, self.backing_ns),
+        );
+        Some([
+            (total_us - payload - device - reply).max(0.0),
+            payload,
+            copy,
+            (io - copy - backing).max(0.0),
+            backing,
+            reply,
+        ])
+    }
 }
 
 impl Drop for Holder {
     fn drop(&mut self) {
         // Stop the NBD server (requests finished, flushed) before its drive goes.
         let server = match self {
-            Holder::Local(_, s) | Holder::Fabric(_, s) => s,
+            Holder::Local(_, _, s) | Holder::Fabric(_, _, s) => s,
             Holder::Qemu(child) => {
                 let _ = child.0.kill();
                 return;
@@ -148,7 +228,7 @@ impl Drop for Holder {
         if let Err(e) = server.shutdown() {
             eprintln!("bench nvme: stopping an NBD server: {e}");
         }
-        if let Holder::Fabric(f, _) = self {
+        if let Holder::Fabric(_, f, _) = self {
             if std::env::var_os("LANBUS_BENCH_DEBUG").is_some() {
                 eprintln!("host {:?}\nhost runtime {:?}", f.host.stats(), f.host.runtime_stats());
                 if let Some(d) = &f.device {
@@ -158,7 +238,7 @@ impl Drop for Holder {
             }
             let _ = f.driver.shutdown();
         }
-        if let Holder::Local(n, _) = self {
+        if let Holder::Local(_, n, _) = self {
             let _ = n.controller().stats();
         }
     }
@@ -179,11 +259,11 @@ fn backing(dir: &Path) -> NvmeBacking {
 }
 
 fn local(dir: &Path, dcfg: lanbus_nvme::DriverConfig) -> anyhow::Result<(Holder, String)> {
-    let ctrl = drive::controller(&backing(dir), 512)?;
+    let (ctrl, backing) = drive::controller_timed(&backing(dir), 512)?;
     let nvme = LocalNvme::new(ctrl, drive::DMA_REGION_PAGES, ProcessMode::Thread);
-    let drv = Arc::new(nvme.driver(dcfg)?);
-    let (server, uri) = serve(dir, "local", Arc::new(NvmeBlock::new(drv)))?;
-    Ok((Holder::Local(nvme, server), uri))
+    let driver = Arc::new(nvme.driver(dcfg)?);
+    let (server, uri) = serve(dir, "local", Arc::new(NvmeBlock::new(driver.clone())))?;
+    Ok((Holder::Local(Timing { driver, backing }, nvme, server), uri))
 }
 
 fn over(
@@ -192,10 +272,11 @@ fn over(
     ports: (Box<dyn Port>, Box<dyn Port>),
     dcfg: lanbus_nvme::DriverConfig,
 ) -> anyhow::Result<(Holder, String)> {
-    let ctrl = drive::controller(&backing(dir), 512)?;
+    let (ctrl, backing) = drive::controller_timed(&backing(dir), 512)?;
     let f = SimFabric::over_with(ctrl, ports.0, ports.1, dcfg)?;
     let (server, uri) = serve(dir, name, Arc::new(NvmeBlock::new(f.driver.clone())))?;
-    Ok((Holder::Fabric(f, server), uri))
+    let timing = Timing { driver: f.driver.clone(), backing };
+    Ok((Holder::Fabric(timing, f, server), uri))
 }
 
 /// One unmeasured fio run per direction with blocks of `bytes` (twice the largest measured), so
@@ -359,6 +440,8 @@ struct Samples {
     p99: Vec<f64>,
     client_cpu: Vec<f64>,
     server_cpu: Vec<f64>,
+    /// Per stage of [`STAGES`], microseconds per request.
+    stages: [Vec<f64>; 6],
 }
 
 fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
@@ -459,6 +542,7 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         }
         figures.extend(median(&s.client_cpu).map(|c| ("client_cpu_s_per_gb", c)));
         figures.extend(median(&s.server_cpu).map(|c| ("server_cpu_s_per_gb", c)));
+        let stages = STAGES.iter().zip(&s.stages).filter_map(|(stage, v)| median(v).map(|m| (*stage, m)));
         for (metric, value) in figures {
             let mut row = Row::new(p.name, metric, value)
                 .with("rw", p.rw)
@@ -467,6 +551,17 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             if !p.name.starts_with("peer:") {
                 row = row.with("completion", args.completion.as_str());
             }
+            if let Some(mtu) = p.mtu {
+                row = row.with("mtu", mtu);
+            }
+            report.push(row);
+        }
+        for (stage, value) in stages {
+            let mut row = Row::new(p.name, "stage_us", value)
+                .with("stage", stage)
+                .with("rw", p.rw)
+                .with("block_size", p.block)
+                .with("iodepth", p.depth);
             if let Some(mtu) = p.mtu {
                 row = row.with("mtu", mtu);
             }
@@ -519,6 +614,7 @@ fn measure_row(
     for rw in args.directions() {
         for (&depth, &(bs, block)) in args.iodepth.iter().flat_map(|d| sizes.iter().map(move |s| (d, s))) {
             let before = cpu_seconds(server_pid);
+            let stamps = holder.stamps();
             let r = match run_fio(fio_ns, &uri, rw, bs, depth, args.size_mib, runtime) {
                 Ok(r) => r,
                 Err(e) => {
@@ -544,6 +640,15 @@ fn measure_row(
             let served_gb = gb * (runtime as f64 + FIO_RAMP_S) / runtime as f64;
             if let (Some(b), Some(a)) = (before, cpu_seconds(server_pid)) {
                 s.server_cpu.push((a - b) / served_gb);
+            }
+            if depth == 1 && r.iops > 0.0 {
+                if let Some(per) =
+                    stamps.zip(holder.stamps()).and_then(|(b, a)| b.per_request(&a, 1e6 / r.iops))
+                {
+                    for (v, samples) in per.into_iter().zip(s.stages.iter_mut()) {
+                        samples.push(v);
+                    }
+                }
             }
             eprintln!(
                 "bench nvme: {name:>14} {rw:>9} {bs:>4} qd{depth}: {:8.1} MB/s {:8.0} IOPS",

@@ -36,6 +36,17 @@ fn rows_over_the_veth_are_measured_at_every_mtu() {
         assert!(find("afpacket", "mb_per_s"), "afpacket at MTU {mtu}: {v}");
         assert!(find("raw:afpacket", "mb_per_s_one_way"), "the floor at MTU {mtu}: {v}");
     }
+    // Each lanbus point splits its time into stages; the fabric's wait is never empty.
+    let stage = |name: &str| {
+        rows.iter()
+            .find(|r| r["name"] == "afpacket" && r["metric"] == "stage_us" && r["stage"] == name && r["mtu"] == 9000)
+            .and_then(|r| r["value"].as_f64())
+            .unwrap_or_else(|| panic!("no stage {name}: {v}"))
+    };
+    assert!(stage("fabric_and_device") > 0.0);
+    for name in ["client_and_socket", "nbd_payload", "driver_copy", "backing", "nbd_reply"] {
+        assert!(stage(name) >= 0.0);
+    }
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("run 2/2: afpacket (MTU 9000)"), "{stderr}");
 }

@@ -267,6 +267,12 @@ pub struct Stats {
     pub bytes_written: u64,
     /// Device operations that failed (the client got the errno).
     pub device_errors: u64,
+    /// Nanoseconds spent reading WRITE payloads from clients.
+    pub payload_ns: u64,
+    /// Nanoseconds spent in the device's reads and writes.
+    pub device_ns: u64,
+    /// Nanoseconds spent sending replies (READ data included).
+    pub reply_ns: u64,
     /// Clients disconnected for breaking the protocol (bad magic or flags, oversized option,
     /// unknown export by name, close in the middle of a request).
     pub protocol_disconnects: u64,
@@ -291,6 +297,9 @@ struct Counters {
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
     device_errors: AtomicU64,
+    payload_ns: AtomicU64,
+    device_ns: AtomicU64,
+    reply_ns: AtomicU64,
     protocol_disconnects: AtomicU64,
 }
 
@@ -317,6 +326,9 @@ impl Counters {
             bytes_read: g(&self.bytes_read),
             bytes_written: g(&self.bytes_written),
             device_errors: g(&self.device_errors),
+            payload_ns: g(&self.payload_ns),
+            device_ns: g(&self.device_ns),
+            reply_ns: g(&self.reply_ns),
             protocol_disconnects: g(&self.protocol_disconnects),
         }
     }
@@ -836,7 +848,10 @@ impl Conn<'_> {
                 // At most MAX_PAYLOAD_BYTES, checked above, and within the budget.
                 let mut payload = std::mem::take(spare);
                 payload.resize(length as usize, 0);
-                if let Err(e) = read_full(reader, &mut payload, "a WRITE payload") {
+                let start = std::time::Instant::now();
+                let read = read_full(reader, &mut payload, "a WRITE payload");
+                bump(&self.counters.payload_ns, start.elapsed().as_nanos() as u64);
+                if let Err(e) = read {
                     self.budget.give(u64::from(length));
                     return Err(Err(e));
                 }
@@ -884,7 +899,9 @@ impl Conn<'_> {
             self.execute(&job, &mut reply);
             // A failed send marks the connection broken; the remaining jobs still run and release
             // their budget, which keeps the reader from waiting forever.
+            let start = std::time::Instant::now();
             let _ = self.send(&reply);
+            bump(&self.counters.reply_ns, start.elapsed().as_nanos() as u64);
             self.budget.give(job.budget_bytes);
             spare = job.payload;
             for b in [&mut spare, &mut reply] {
@@ -904,7 +921,10 @@ impl Conn<'_> {
             Action::Read { offset, length } => {
                 // Every byte is overwritten by the read (or the reply is cut to its header).
                 out.resize(SimpleReply::LEN + length as usize, 0);
-                match dev.read_at(offset, &mut out[SimpleReply::LEN..]) {
+                let start = std::time::Instant::now();
+                let read = dev.read_at(offset, &mut out[SimpleReply::LEN..]);
+                bump(&c.device_ns, start.elapsed().as_nanos() as u64);
+                match read {
                     Ok(()) => {
                         bump(&c.bytes_read, length.into());
                         SimpleReply { error: 0, handle: job.handle }.emit_into(out);
@@ -914,7 +934,9 @@ impl Conn<'_> {
                 }
             }
             Action::Write { offset, length, fua } => {
+                let start = std::time::Instant::now();
                 let r = dev.write_at(offset, &job.payload, fua);
+                bump(&c.device_ns, start.elapsed().as_nanos() as u64);
                 if r.is_ok() {
                     bump(&c.bytes_written, length.into());
                 }

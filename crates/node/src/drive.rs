@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use lanbus_bridge::{HostBridge, HostedFunction, RemoteFunction};
 use lanbus_nbd::{BlockDevice, DeviceError, Errno};
+use lanbus_nvme::backing::{BackingTime, Timed};
 use lanbus_nvme::pcie::{attach, FunctionStats, NvmeFunction};
 use lanbus_nvme::{
     Backing, CompletionMode, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking,
@@ -115,7 +116,18 @@ pub const CMB_BYTES: u64 = 16 << 20;
 
 /// A controller model over `backing` with `lba_size`-byte blocks (512 or 4096).
 pub fn controller(backing: &NvmeBacking, lba_size: u32) -> Result<Controller> {
-    let store: Box<dyn Backing> = match backing {
+    controller_over(open_backing(backing)?, lba_size)
+}
+
+/// [`controller`], with a handle on the time its backing store spends in reads and writes (for
+/// measurements of where a command's time goes).
+pub fn controller_timed(backing: &NvmeBacking, lba_size: u32) -> Result<(Controller, Arc<BackingTime>)> {
+    let (store, time) = Timed::new(open_backing(backing)?);
+    Ok((controller_over(Box::new(store), lba_size)?, time))
+}
+
+fn open_backing(backing: &NvmeBacking) -> Result<Box<dyn Backing>> {
+    Ok(match backing {
         NvmeBacking::Ram(n) => Box::new(RamBacking::new(*n)),
         NvmeBacking::File { path, size: Some(n) } => {
             Box::new(FileBacking::open(path, *n).map_err(|source| Error::Backing {
@@ -131,7 +143,10 @@ pub fn controller(backing: &NvmeBacking, lba_size: u32) -> Result<Controller> {
                 source,
             })?)
         }
-    };
+    })
+}
+
+fn controller_over(store: Box<dyn Backing>, lba_size: u32) -> Result<Controller> {
     if store.len() < u64::from(lba_size) {
         return Err(Error::BadSpec(format!("the backing store is smaller than one {lba_size}-byte block")));
     }

@@ -5,6 +5,9 @@
 //! [`DriverConfig::max_inflight_bytes`](super::DriverConfig::max_inflight_bytes), each with its
 //! PRPs (section 4.3) over buffers of its own.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
 use super::memory::DmaBuf;
 use super::{DriverError, NvmeDriver, Pending, Result};
 use crate::command::{nvm_opcode, Sqe};
@@ -47,7 +50,9 @@ impl NvmeDriver {
             self.put(*addr, bytes)?;
         }
         if let Some(d) = data {
+            let start = Instant::now();
             self.put(buf.addr, d)?;
+            bump_ns(&self.stats.copy_ns, start);
         }
         let blocks = (len / self.identity.lba_size as usize) as u32;
         let sqe = Sqe {
@@ -74,6 +79,13 @@ impl NvmeDriver {
 
     /// Reads `buf.len()` bytes (a multiple of the block size) starting at block `lba`.
     pub fn read(&self, lba: u64, buf: &mut [u8]) -> Result<()> {
+        let start = Instant::now();
+        let r = self.read_untimed(lba, buf);
+        bump_ns(&self.stats.io_ns, start);
+        r
+    }
+
+    fn read_untimed(&self, lba: u64, buf: &mut [u8]) -> Result<()> {
         let bs = self.identity.lba_size as usize;
         if !buf.len().is_multiple_of(bs) {
             return Err(DriverError::InvalidArgument(format!(
@@ -91,11 +103,13 @@ impl NvmeDriver {
                 cmds.push(self.rw_command(false, lba + (i * chunk / bs) as u64, part.len(), None, false)?);
             }
             self.run_io(&mut cmds)?;
+            let copy = Instant::now();
             for (part, cmd) in group.chunks_mut(chunk).zip(&cmds) {
                 if let Some(d) = &cmd.data {
                     self.mem.read(d.addr, part)?;
                 }
             }
+            bump_ns(&self.stats.copy_ns, copy);
         }
         Ok(())
     }
@@ -103,6 +117,13 @@ impl NvmeDriver {
     /// Writes `data` (a multiple of the block size) starting at block `lba`; with `fua` the data
     /// is durable when this returns.
     pub fn write(&self, lba: u64, data: &[u8], fua: bool) -> Result<()> {
+        let start = Instant::now();
+        let r = self.write_untimed(lba, data, fua);
+        bump_ns(&self.stats.io_ns, start);
+        r
+    }
+
+    fn write_untimed(&self, lba: u64, data: &[u8], fua: bool) -> Result<()> {
         let bs = self.identity.lba_size as usize;
         if !data.len().is_multiple_of(bs) {
             return Err(DriverError::InvalidArgument(format!(
@@ -277,4 +298,10 @@ impl NvmeDriver {
         }
         Ok(())
     }
+}
+
+/// Adds the time since `start` to a nanosecond counter.
+fn bump_ns(counter: &AtomicU64, start: Instant) {
+    // Relaxed: a statistic, read as a snapshot.
+    counter.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
 }

@@ -180,4 +180,9 @@ pub struct DriverStats {
     /// DMA pages never freed because a command using them failed without a completion (the
     /// device might still write to them).
     pub quarantined_pages: AtomicU64,
+    /// Nanoseconds spent in reads and writes, from building their commands to the last
+    /// completion with the data copied out.
+    pub io_ns: AtomicU64,
+    /// Nanoseconds of those spent copying data between the caller's buffers and DMA memory.
+    pub copy_ns: AtomicU64,
 }
