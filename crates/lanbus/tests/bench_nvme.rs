@@ -39,7 +39,9 @@ fn rows_over_the_veth_are_measured_at_every_mtu() {
     // Each lanbus point splits its time into stages; the fabric's wait is never empty.
     let stage = |name: &str| {
         rows.iter()
-            .find(|r| r["name"] == "afpacket" && r["metric"] == "stage_us" && r["stage"] == name && r["mtu"] == 9000)
+            .find(|r| {
+                r["name"] == "afpacket" && r["metric"] == "stage_us" && r["stage"] == name && r["mtu"] == 9000
+            })
             .and_then(|r| r["value"].as_f64())
             .unwrap_or_else(|| panic!("no stage {name}: {v}"))
     };
