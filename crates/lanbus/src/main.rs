@@ -3,6 +3,7 @@
 
 mod daemon;
 mod demo;
+mod msgd;
 mod nbd;
 mod pcie;
 mod port;
@@ -75,6 +76,9 @@ enum Command {
     Host(daemon::HostArgs),
     /// Asks a running `lanbus host` or `lanbus device` for peers, devices, queues and counters.
     Status(daemon::StatusArgs),
+    /// The messaging daemon: owns the port; the node's processes attach to it over a Unix
+    /// socket and shared memory to send and receive MPI-style messages, until SIGINT/SIGTERM.
+    Msgd(msgd::MsgdArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -92,6 +96,7 @@ fn main() -> std::process::ExitCode {
         Command::DeviceCtl(a) => pcie::device_ctl(a),
         Command::Host(a) => daemon::host(a),
         Command::Status(a) => daemon::status(a),
+        Command::Msgd(a) => msgd::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -11,6 +11,8 @@
 //! - [`lspci`]: remote functions described like `lspci -v`.
 //! - [`metrics`]: a daemon's counters in the Prometheus text format, served over HTTP.
 //! - [`msg`]: a messaging endpoint (the MPI engine) over a runtime on a port it owns.
+//! - [`msgd`]: the messaging daemon that owns the port, and the processes that attach to it
+//!   over shared memory.
 //! - [`process`]: a daemon's signals and helper processes that end with it.
 //!
 //! A remote drive over the simulated wire, written and read back through the NVMe driver
@@ -43,6 +45,7 @@ pub mod fabric;
 pub mod lspci;
 pub mod metrics;
 pub mod msg;
+pub mod msgd;
 pub mod process;
 
 /// What went wrong assembling or running a node.

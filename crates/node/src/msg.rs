@@ -36,6 +36,12 @@ pub enum MsgError {
     /// The runtime could not start.
     #[error("starting the node's runtime: {0}")]
     Start(std::io::Error),
+    /// Attaching to a messaging daemon failed; the message says why.
+    #[error("attaching to the messaging daemon at {0}")]
+    Attach(String),
+    /// The messaging daemon went away: nothing more can be sent or received through it.
+    #[error("the messaging daemon went away")]
+    DaemonGone,
 }
 
 struct Shared {

@@ -60,7 +60,7 @@ pub use notify::EventFd;
 #[cfg(not(loom))]
 pub use pool::Pool;
 #[cfg(not(loom))]
-pub use region::{recv_fds, send_fds, Region, MAX_FDS};
+pub use region::{peer_cred, recv_fds, send_fds, PeerCred, Region, MAX_FDS};
 pub use spsc::{channel, Consumer, Producer};
 pub use sync::{CacheAligned, CACHE_LINE};
 pub use virtqueue::{virtqueue, Desc, Device, Driver};

@@ -152,6 +152,39 @@ impl Drop for Region {
     }
 }
 
+/// The process at the other end of a Unix socket, as the kernel recorded it when it connected
+/// (`SO_PEERCRED`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCred {
+    /// Its process id.
+    pub pid: i32,
+    /// Its effective user id.
+    pub uid: u32,
+    /// Its effective group id.
+    pub gid: u32,
+}
+
+/// The credentials of the process at the other end of `sock`.
+pub fn peer_cred(sock: &UnixStream) -> Result<PeerCred> {
+    // SAFETY: ucred is plain data; zero is a valid initial value.
+    let mut cred: libc::ucred = unsafe { core::mem::zeroed() };
+    let mut len = core::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live and sized for SO_PEERCRED's answer.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(Error::io("getsockopt SO_PEERCRED", io::Error::last_os_error()));
+    }
+    Ok(PeerCred { pid: cred.pid, uid: cred.uid, gid: cred.gid })
+}
+
 /// Most fds [`recv_fds`] accepts in one message.
 pub const MAX_FDS: usize = 4;
 

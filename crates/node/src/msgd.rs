@@ -1,0 +1,765 @@
+//! The messaging poller daemon and its clients (the MPI-over-DPDK paper's design): one process
+//! owns the port and the transport; the processes of a node attach to it over a Unix socket and
+//! shared memory, and need neither the port nor its privileges.
+//!
+//! A client connects to the daemon's socket; the daemon checks who it is (`SO_PEERCRED`: root,
+//! the daemon's own user, or a member of its group), gives it an engine id on the node (ids are
+//! not reused while the daemon runs, so a late record for a process that went away is dropped,
+//! never delivered to a newcomer), and hands it a memfd with two rings (`lanbus_ring::pipe`, one
+//! each way) and two eventfd doorbells. The client runs its own messaging engine
+//! ([`lanbus_msg::Engine`]): matching, eager and rendezvous all happen in the process, which
+//! polls its own ring (progress is made inside its calls, as libfabric's manual progress). Each
+//! ring entry is one record with the peer node's MAC in front (`[MAC 6][record]`): the
+//! destination's on the way out, the source's on the way in; an entry with no record after the
+//! MAC tells the client that node went down.
+//!
+//! The daemon forwards: records a client writes go to the transport (or straight to another
+//! client of the same node), records the transport delivers go to the client their destination
+//! id names. A client whose ring holds a record that does not parse, or one claiming another
+//! client's id as its source, is disconnected; nothing else is affected. A client that goes away
+//! (its socket closes) is forgotten. A daemon that goes away closes every client's socket: their
+//! calls fail with [`MsgError::DaemonGone`](crate::msg::MsgError::DaemonGone) instead of waiting.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::Read;
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lanbus_msg::{wire, Addr, Config, Engine, Match, Outcome, RequestId, Status, MSG_CHANNEL};
+use lanbus_port::Port;
+use lanbus_ring::pipe::{PipeConfig, Receiver, Sender as PipeSender};
+use lanbus_ring::{peer_cred, recv_fds, send_fds, CopyMode, EventFd, Region};
+use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
+use lanbus_transport::{Event, Message};
+use lanbus_wire::MacAddr;
+
+use crate::msg::MsgError;
+
+/// One ring's shape: entries of a MAC and a whole record (a transport message of up to 64 KiB).
+const PIPE: PipeConfig = PipeConfig { slots: 64, buffers: 64, buf_size: 65_600 };
+const HELLO: &[u8; 8] = b"LBMSGD\x01\0";
+/// The hello: [`HELLO`], the node's MAC, the client's id.
+const HELLO_LEN: usize = 16;
+
+fn pipe_offset(k: usize) -> usize {
+    k * PIPE.bytes_needed().next_multiple_of(4096)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn ring_io(e: lanbus_ring::Error) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+/// What the daemon counts.
+#[derive(Debug, Default)]
+pub struct DaemonCounters {
+    /// Clients that attached.
+    pub attached: AtomicU64,
+    /// Clients refused (not the daemon's user or group, or the hand-over failed).
+    pub refused: AtomicU64,
+    /// Clients disconnected for writing records that do not parse or claim another id.
+    pub disconnected_hostile: AtomicU64,
+    /// Records from the network for no attached client (dropped).
+    pub no_such_client: AtomicU64,
+    /// Records forwarded from clients.
+    pub from_clients: AtomicU64,
+    /// Records handed to clients.
+    pub to_clients: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    // Relaxed: a statistic.
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The daemon's side of one client.
+struct Client {
+    /// Entries for the client: the ring, and what waits for room in it (in order).
+    to_client: Mutex<(PipeSender, VecDeque<Vec<u8>>)>,
+    /// The client's doorbell, rung when its ring may have entries.
+    client_bell: EventFd,
+}
+
+impl Client {
+    /// Queues `[mac][record]` for the client, in order behind anything waiting for room.
+    fn deliver(&self, mac: MacAddr, record: &[u8]) {
+        let mut g = lock(&self.to_client);
+        let (ring, waiting) = &mut *g;
+        let mut entry = Vec::with_capacity(6 + record.len());
+        entry.extend_from_slice(&mac.0);
+        entry.extend_from_slice(record);
+        waiting.push_back(entry);
+        flush(ring, waiting);
+        if ring.wake_needed() {
+            let _ = self.client_bell.notify();
+        }
+    }
+
+    /// Moves what waits into the ring as room allows; true if anything still waits.
+    fn flush(&self) -> bool {
+        let mut g = lock(&self.to_client);
+        let (ring, waiting) = &mut *g;
+        let moved = flush(ring, waiting);
+        if moved && ring.wake_needed() {
+            let _ = self.client_bell.notify();
+        }
+        !waiting.is_empty()
+    }
+}
+
+/// Moves entries from `waiting` into `ring` while it has room; whether any moved.
+fn flush(ring: &mut PipeSender, waiting: &mut VecDeque<Vec<u8>>) -> bool {
+    let _ = ring.reclaim();
+    let mut moved = false;
+    while let Some(entry) = waiting.front() {
+        match ring.send(entry) {
+            Ok(true) => {
+                waiting.pop_front();
+                moved = true;
+            }
+            _ => break,
+        }
+    }
+    moved
+}
+
+struct Shared {
+    mac: MacAddr,
+    clients: Mutex<HashMap<u16, Arc<Client>>>,
+    counters: DaemonCounters,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn client(&self, id: u16) -> Option<Arc<Client>> {
+        lock(&self.clients).get(&id).cloned()
+    }
+}
+
+struct DaemonHandler {
+    shared: Arc<Shared>,
+}
+
+impl Handler for DaemonHandler {
+    fn on_message(&mut self, message: Message<'_>, _out: &mut dyn Outbox) {
+        if message.channel != MSG_CHANNEL {
+            return;
+        }
+        match wire::destination(message.data).and_then(|id| self.shared.client(id)) {
+            Some(c) => {
+                c.deliver(message.peer, message.data);
+                bump(&self.shared.counters.to_clients);
+            }
+            None => bump(&self.shared.counters.no_such_client),
+        }
+    }
+
+    fn on_event(&mut self, event: &Event, _out: &mut dyn Outbox) {
+        if let Event::PeerDown { peer } | Event::PeerRestarted { peer, .. } = event {
+            let clients: Vec<_> = lock(&self.shared.clients).values().cloned().collect();
+            for c in clients {
+                c.deliver(*peer, &[]);
+            }
+        }
+    }
+}
+
+/// The messaging daemon: a port, its transport and the clients attached over `socket`.
+pub struct MsgDaemon {
+    shared: Arc<Shared>,
+    runtime: Option<Runtime>,
+    accept: Option<JoinHandle<()>>,
+    path: PathBuf,
+}
+
+impl MsgDaemon {
+    /// Starts the daemon on `port`, taking clients at the Unix socket `socket` (a stale file
+    /// there is replaced).
+    pub fn start(port: Box<dyn Port>, socket: &Path, runtime: RuntimeConfig) -> std::io::Result<MsgDaemon> {
+        let shared = Arc::new(Shared {
+            mac: port.mac(),
+            clients: Mutex::new(HashMap::new()),
+            counters: DaemonCounters::default(),
+            stop: AtomicBool::new(false),
+        });
+        if UnixStream::connect(socket).is_err() {
+            let _ = std::fs::remove_file(socket);
+        }
+        let listener = UnixListener::bind(socket)?;
+        listener.set_nonblocking(true)?;
+        let runtime = Runtime::start(port, runtime, Box::new(DaemonHandler { shared: shared.clone() }))?;
+        let sender = runtime.sender();
+        let s = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("msgd-accept".into())
+            .spawn(move || accept_loop(&s, &listener, &sender))?;
+        Ok(MsgDaemon { shared, runtime: Some(runtime), accept: Some(accept), path: socket.to_path_buf() })
+    }
+
+    /// The node's MAC address (every client's address has it).
+    pub fn mac(&self) -> MacAddr {
+        self.shared.mac
+    }
+
+    /// Clients attached now.
+    pub fn clients(&self) -> usize {
+        lock(&self.shared.clients).len()
+    }
+
+    /// The daemon's counters.
+    pub fn counters(&self) -> &DaemonCounters {
+        &self.shared.counters
+    }
+
+    /// The runtime's counters.
+    pub fn runtime_stats(&self) -> lanbus_runtime::Stats {
+        self.runtime.as_ref().map(Runtime::stats).unwrap_or_default()
+    }
+}
+
+impl Drop for MsgDaemon {
+    fn drop(&mut self) {
+        // Relaxed: polled by the daemon's threads; joining them orders the rest.
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+        if let Some(rt) = self.runtime.take() {
+            rt.wait_idle(Duration::from_secs(1));
+            rt.shutdown();
+        }
+    }
+}
+
+/// Whether the process at the other end may attach: root, the daemon's user, or its group.
+fn allowed(sock: &UnixStream) -> bool {
+    let Ok(cred) = peer_cred(sock) else { return false };
+    let (uid, gid) = own_ids();
+    cred.uid == 0 || cred.uid == uid || cred.gid == gid
+}
+
+/// This process's effective user and group, read through a socket pair's credentials.
+fn own_ids() -> (u32, u32) {
+    match UnixStream::pair().ok().and_then(|(a, _b)| peer_cred(&a).ok()) {
+        Some(c) => (c.uid, c.gid),
+        None => (u32::MAX, u32::MAX),
+    }
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: &UnixListener, sender: &Sender) {
+    let mut threads: Vec<JoinHandle<()>> = Vec::new();
+    let mut next_id: u16 = 0;
+    // Relaxed: a flag polled between accepts.
+    while !shared.stop.load(Ordering::Relaxed) {
+        let sock = match listener.accept() {
+            Ok((sock, _)) => sock,
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(5));
+                threads.retain(|t| !t.is_finished());
+                continue;
+            }
+        };
+        if !allowed(&sock) {
+            bump(&shared.counters.refused);
+            continue;
+        }
+        // Ids go up and are not reused while the daemon runs (until they wrap after 65,535).
+        let id = loop {
+            next_id = next_id.wrapping_add(1).max(1);
+            if !lock(&shared.clients).contains_key(&next_id) {
+                break next_id;
+            }
+        };
+        match attach(shared, sock, id, sender.clone()) {
+            Ok(t) => {
+                bump(&shared.counters.attached);
+                threads.push(t);
+            }
+            Err(_) => bump(&shared.counters.refused),
+        }
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+}
+
+/// Hands client `id` its memory and doorbells and starts the thread that serves it.
+fn attach(
+    shared: &Arc<Shared>,
+    sock: UnixStream,
+    id: u16,
+    sender: Sender,
+) -> std::io::Result<JoinHandle<()>> {
+    let region = Arc::new(Region::memfd("lanbus-msgd", pipe_offset(2)).map_err(ring_io)?);
+    PIPE.format(&region, pipe_offset(0)).map_err(ring_io)?;
+    PIPE.format(&region, pipe_offset(1)).map_err(ring_io)?;
+    let to_client =
+        PipeSender::attach(region.clone(), pipe_offset(0), CopyMode::Ordinary).map_err(ring_io)?;
+    let from_client = Receiver::attach(region.clone(), pipe_offset(1)).map_err(ring_io)?;
+    let (daemon_bell, client_bell) = (EventFd::new().map_err(ring_io)?, EventFd::new().map_err(ring_io)?);
+    let mut hello = [0u8; HELLO_LEN];
+    hello[..8].copy_from_slice(HELLO);
+    hello[8..14].copy_from_slice(&shared.mac.0);
+    hello[14..16].copy_from_slice(&id.to_le_bytes());
+    let memfd = region.fd().ok_or_else(|| std::io::Error::other("the region has no memfd"))?;
+    send_fds(&sock, &hello, &[memfd, daemon_bell.as_fd(), client_bell.as_fd()]).map_err(ring_io)?;
+    let client = Arc::new(Client { to_client: Mutex::new((to_client, VecDeque::new())), client_bell });
+    lock(&shared.clients).insert(id, client.clone());
+    let shared = shared.clone();
+    std::thread::Builder::new().name(format!("msgd-client-{id}")).spawn(move || {
+        serve_client(&shared, id, &client, from_client, &daemon_bell, sock, &sender);
+        lock(&shared.clients).remove(&id);
+    })
+}
+
+/// Forwards what client `id` writes until it goes away, misbehaves or the daemon stops.
+fn serve_client(
+    shared: &Shared,
+    id: u16,
+    client: &Client,
+    mut from_client: Receiver,
+    bell: &EventFd,
+    mut sock: UnixStream,
+    sender: &Sender,
+) {
+    let _ = sock.set_nonblocking(true);
+    let mut last_check = Instant::now();
+    // Relaxed: a flag polled once per round.
+    while !shared.stop.load(Ordering::Relaxed) {
+        let mut hostile = false;
+        let mut moved = 0;
+        loop {
+            let got = from_client.recv(|entry| {
+                let Some((mac, record)) = entry.split_first_chunk::<6>() else {
+                    hostile = true;
+                    return;
+                };
+                match wire::Record::parse(record) {
+                    Ok((route, _)) if route.src == id => {
+                        let dest = MacAddr(*mac);
+                        bump(&shared.counters.from_clients);
+                        if dest == shared.mac {
+                            match shared.client(route.dst) {
+                                Some(c) => c.deliver(shared.mac, record),
+                                None => bump(&shared.counters.no_such_client),
+                            }
+                        } else {
+                            sender.send(dest, MSG_CHANNEL, record);
+                        }
+                    }
+                    _ => hostile = true,
+                }
+            });
+            match got {
+                Ok(true) if !hostile => moved += 1,
+                Ok(false) => break,
+                _ => {
+                    hostile = true;
+                    break;
+                }
+            }
+        }
+        if hostile {
+            bump(&shared.counters.disconnected_hostile);
+            return;
+        }
+        let waiting = client.flush();
+        if moved > 0 {
+            continue;
+        }
+        // Has the client gone? (Checked when idle, at most every few milliseconds.)
+        if last_check.elapsed() > Duration::from_millis(5) {
+            last_check = Instant::now();
+            let mut b = [0u8; 1];
+            match sock.read(&mut b) {
+                Ok(0) => return,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                _ => return,
+            }
+        }
+        from_client.prepare_wait();
+        if !from_client.has_pending() {
+            let nap = if waiting { Duration::from_micros(200) } else { Duration::from_millis(5) };
+            let _ = bell.wait(Some(nap));
+        }
+        from_client.finish_wait();
+    }
+}
+
+/// A process's messaging endpoint through the node's daemon.
+pub struct MsgClient {
+    engine: Engine,
+    to_daemon: PipeSender,
+    from_daemon: Receiver,
+    daemon_bell: EventFd,
+    my_bell: EventFd,
+    sock: UnixStream,
+    /// An entry the ring had no room for yet.
+    held: Option<Vec<u8>>,
+    finished: HashMap<RequestId, Outcome>,
+    gone: bool,
+}
+
+impl MsgClient {
+    /// Attaches to the daemon at `socket` with engine settings `cfg`.
+    pub fn connect(socket: &Path, cfg: Config) -> Result<MsgClient, MsgError> {
+        let attach = |why: String| MsgError::Attach(format!("{}: {why}", socket.display()));
+        let sock = UnixStream::connect(socket).map_err(|e| attach(e.to_string()))?;
+        sock.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| attach(e.to_string()))?;
+        let mut hello = [0u8; HELLO_LEN];
+        let (n, fds) = recv_fds(&sock, &mut hello).map_err(|e| attach(e.to_string()))?;
+        if n != HELLO_LEN || &hello[..8] != HELLO || fds.len() != 3 {
+            return Err(attach("the daemon refused this process or does not speak lanbus msgd".into()));
+        }
+        let mut fds = fds.into_iter();
+        let (Some(mem), Some(daemon_bell), Some(my_bell)) = (fds.next(), fds.next(), fds.next()) else {
+            return Err(attach("missing descriptors".into()));
+        };
+        let region = Arc::new(Region::from_fd(mem).map_err(|e| attach(e.to_string()))?);
+        let from_daemon =
+            Receiver::attach(region.clone(), pipe_offset(0)).map_err(|e| attach(e.to_string()))?;
+        let to_daemon = PipeSender::attach(region, pipe_offset(1), CopyMode::Ordinary)
+            .map_err(|e| attach(e.to_string()))?;
+        let mac = MacAddr(hello[8..14].try_into().expect("6 bytes"));
+        let id = u16::from_le_bytes([hello[14], hello[15]]);
+        sock.set_nonblocking(true).map_err(|e| attach(e.to_string()))?;
+        Ok(MsgClient {
+            engine: Engine::new(Addr { mac, id }, cfg),
+            to_daemon,
+            from_daemon,
+            daemon_bell: EventFd::from_fd(daemon_bell),
+            my_bell: EventFd::from_fd(my_bell),
+            sock,
+            held: None,
+            finished: HashMap::new(),
+            gone: false,
+        })
+    }
+
+    /// This endpoint's address.
+    pub fn addr(&self) -> Addr {
+        self.engine.addr()
+    }
+
+    /// The engine's counters.
+    pub fn counters(&self) -> lanbus_msg::Counters {
+        self.engine.counters()
+    }
+
+    /// Moves records both ways and collects finished requests; returns whether anything moved.
+    pub fn progress(&mut self) -> Result<bool, MsgError> {
+        if self.gone {
+            return Err(MsgError::DaemonGone);
+        }
+        let mut moved = false;
+        let _ = self.to_daemon.reclaim();
+        let mut sent = false;
+        loop {
+            let entry = match self.held.take() {
+                Some(e) => e,
+                None => match self.engine.poll_transmit() {
+                    Some(o) => {
+                        let mut e = Vec::with_capacity(6 + o.bytes.len());
+                        e.extend_from_slice(&o.dest.0);
+                        e.extend_from_slice(&o.bytes);
+                        e
+                    }
+                    None => break,
+                },
+            };
+            match self.to_daemon.send(&entry) {
+                Ok(true) => {
+                    sent = true;
+                    moved = true;
+                }
+                _ => {
+                    self.held = Some(entry);
+                    break;
+                }
+            }
+        }
+        if sent && self.to_daemon.wake_needed() {
+            let _ = self.daemon_bell.notify();
+        }
+        let engine = &mut self.engine;
+        loop {
+            let got = self.from_daemon.recv(|entry| {
+                if let Some((mac, record)) = entry.split_first_chunk::<6>() {
+                    if record.is_empty() {
+                        engine.peer_down(MacAddr(*mac));
+                    } else {
+                        engine.handle_message(MacAddr(*mac), record);
+                    }
+                }
+            });
+            match got {
+                Ok(true) => moved = true,
+                _ => break,
+            }
+        }
+        while let Some(c) = self.engine.poll_completion() {
+            self.finished.insert(c.id, c.outcome);
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Whether the daemon closed the connection.
+    fn daemon_gone(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        self.gone |= match self.sock.read(&mut b) {
+            Ok(0) => true,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+            Ok(_) => false,
+        };
+        self.gone
+    }
+
+    /// Starts sending `data` to `dest` in `context` with `tag`.
+    pub fn isend(
+        &mut self,
+        dest: Addr,
+        context: u32,
+        tag: u64,
+        data: Vec<u8>,
+    ) -> Result<RequestId, MsgError> {
+        let id = self.engine.send(dest, context, tag, data);
+        self.progress()?;
+        Ok(id)
+    }
+
+    /// Posts a receive of at most `capacity` bytes.
+    pub fn irecv(&mut self, m: Match, capacity: usize) -> Result<RequestId, MsgError> {
+        let id = self.engine.post_recv(m, capacity);
+        self.progress()?;
+        Ok(id)
+    }
+
+    /// The first waiting message `m` takes, if any.
+    pub fn probe(&mut self, m: Match) -> Result<Option<Status>, MsgError> {
+        self.progress()?;
+        Ok(self.engine.probe(m))
+    }
+
+    /// Cancels a posted receive nothing matched yet.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        let done = self.engine.cancel(id);
+        let _ = self.progress();
+        done
+    }
+
+    /// Waits until request `id` finishes, at most `timeout`, making progress meanwhile.
+    pub fn wait(&mut self, id: RequestId, timeout: Duration) -> Result<Outcome, MsgError> {
+        let start = Instant::now();
+        loop {
+            let moved = self.progress()?;
+            if let Some(o) = self.finished.remove(&id) {
+                return match o {
+                    Outcome::Failed(why) => Err(MsgError::Failed { id, why }),
+                    Outcome::Cancelled => Err(MsgError::Cancelled(id)),
+                    o => Ok(o),
+                };
+            }
+            if moved {
+                continue;
+            }
+            let left = timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Err(MsgError::Timeout(id, timeout));
+            }
+            if self.daemon_gone() {
+                return Err(MsgError::DaemonGone);
+            }
+            self.from_daemon.prepare_wait();
+            if !self.from_daemon.has_pending() {
+                let nap =
+                    if self.held.is_some() { Duration::from_micros(200) } else { Duration::from_millis(5) };
+                let _ = self.my_bell.wait(Some(left.min(nap)));
+            }
+            self.from_daemon.finish_wait();
+        }
+    }
+
+    /// Sends and waits until the data is handed on.
+    pub fn send(
+        &mut self,
+        dest: Addr,
+        context: u32,
+        tag: u64,
+        data: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(), MsgError> {
+        let id = self.isend(dest, context, tag, data)?;
+        self.wait(id, timeout).map(|_| ())
+    }
+
+    /// Receives the next message `m` takes (at most `capacity` bytes): its status, its bytes and
+    /// whether it was truncated.
+    pub fn recv(
+        &mut self,
+        m: Match,
+        capacity: usize,
+        timeout: Duration,
+    ) -> Result<(Status, Vec<u8>, bool), MsgError> {
+        let id = self.irecv(m, capacity)?;
+        match self.wait(id, timeout)? {
+            Outcome::Received { status, data, truncated, .. } => Ok((status, data, truncated)),
+            other => Err(MsgError::Attach(format!("a receive ended as {other:?}"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lanbus_msg::Source;
+    use lanbus_runtime::ThreadMode;
+
+    const T: Duration = Duration::from_secs(10);
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("lanbus-msgd-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn free_port() -> u16 {
+        std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    fn runtime(name: &str) -> RuntimeConfig {
+        let mut c = crate::config::runtime_config(name, ThreadMode::default());
+        c.transport.heartbeat.enabled = false;
+        c
+    }
+
+    /// Two daemons over udp on loopback, their sockets in `dir`.
+    fn two_daemons(dir: &Path) -> (MsgDaemon, MsgDaemon) {
+        let (p, q) = (free_port(), free_port());
+        let pa = lanbus_port::open(&format!("udp:127.0.0.1:{p},peer=127.0.0.1:{q}")).unwrap();
+        let pb = lanbus_port::open(&format!("udp:127.0.0.1:{q},peer=127.0.0.1:{p}")).unwrap();
+        let a = MsgDaemon::start(pa, &dir.join("a.sock"), runtime("msgd-a")).unwrap();
+        let b = MsgDaemon::start(pb, &dir.join("b.sock"), runtime("msgd-b")).unwrap();
+        (a, b)
+    }
+
+    fn bytes(n: usize, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(13) ^ seed).collect()
+    }
+
+    #[test]
+    fn clients_of_two_daemons_and_of_one_exchange_messages() {
+        let dir = scratch("two");
+        let (da, db) = two_daemons(&dir);
+        let mut a1 = MsgClient::connect(&dir.join("a.sock"), Config::default()).unwrap();
+        let mut a2 = MsgClient::connect(&dir.join("a.sock"), Config::default()).unwrap();
+        let mut b1 = MsgClient::connect(&dir.join("b.sock"), Config::default()).unwrap();
+        assert_eq!((a1.addr().mac, b1.addr().mac), (da.mac(), db.mac()));
+        assert_ne!(a1.addr().id, a2.addr().id);
+        let to_b = b1.addr();
+        let echo = std::thread::spawn(move || {
+            for _ in 0..4 {
+                let (st, data, truncated) = b1.recv(Match::any_tag(Source::Any, 0), 1 << 20, T).unwrap();
+                assert!(!truncated);
+                b1.send(st.source, 0, st.tag + 1, data, T).unwrap();
+            }
+            b1
+        });
+        for (i, len) in [0usize, 100, 20_000, 300_000].into_iter().enumerate() {
+            let data = bytes(len, i as u8);
+            a1.send(to_b, 0, 10 * i as u64, data.clone(), T).unwrap();
+            let (st, back, _) =
+                a1.recv(Match::exact(Source::Only(to_b), 0, 10 * i as u64 + 1), 1 << 20, T).unwrap();
+            assert_eq!((st.source, st.len as usize), (to_b, len));
+            assert!(back == data, "{len} bytes came back intact");
+        }
+        let b1 = echo.join().unwrap();
+        assert_eq!(b1.counters().received, 4);
+        // Two processes of one node: straight through the daemon, no wire.
+        let sent_before = da.runtime_stats().transport.frames_sent;
+        a1.send(a2.addr(), 3, 7, bytes(50, 9), T).unwrap();
+        let (st, data, _) = a2.recv(Match::any_tag(Source::Any, 3), 64, T).unwrap();
+        assert_eq!((st.source, st.tag, data), (a1.addr(), 7, bytes(50, 9)));
+        assert!(
+            da.runtime_stats().transport.frames_sent - sent_before <= 2,
+            "only ACKs or heartbeats, if anything"
+        );
+        // Relaxed: statistics.
+        assert!(da.counters().from_clients.load(Ordering::Relaxed) >= 5);
+        drop((a1, a2, b1, da, db));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_client_that_goes_away_is_forgotten_and_its_id_not_reused() {
+        let dir = scratch("gone");
+        let (da, _db) = two_daemons(&dir);
+        let c1 = MsgClient::connect(&dir.join("a.sock"), Config::default()).unwrap();
+        let id1 = c1.addr().id;
+        assert_eq!(da.clients(), 1);
+        drop(c1);
+        let t = Instant::now();
+        while da.clients() > 0 {
+            assert!(t.elapsed() < T, "the daemon still holds a client that went away");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let c2 = MsgClient::connect(&dir.join("a.sock"), Config::default()).unwrap();
+        assert_ne!(c2.addr().id, id1, "a new process never gets the id of one that went away");
+        drop(c2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_client_writing_garbage_is_disconnected_and_no_one_else_is_affected() {
+        let dir = scratch("hostile");
+        let (da, _db) = two_daemons(&dir);
+        let sock = dir.join("a.sock");
+        let mut bad = MsgClient::connect(&sock, Config::default()).unwrap();
+        let mut c2 = MsgClient::connect(&sock, Config::default()).unwrap();
+        let mut c3 = MsgClient::connect(&sock, Config::default()).unwrap();
+        // A record claiming another client's id, then bytes that are no record at all.
+        let mut forged = da.mac().0.to_vec();
+        wire::Record::Eager { context: 0, tag: 0, data: b"x" }
+            .emit(wire::Route { src: c2.addr().id, dst: c3.addr().id }, &mut forged);
+        assert!(bad.to_daemon.send(&forged).unwrap());
+        assert!(bad.to_daemon.send(&[1, 2, 3]).unwrap());
+        let _ = bad.daemon_bell.notify();
+        let r = bad.irecv(Match::any_tag(Source::Any, 0), 8).unwrap();
+        assert!(matches!(bad.wait(r, T), Err(MsgError::DaemonGone)));
+        // Relaxed: a statistic.
+        assert_eq!(da.counters().disconnected_hostile.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            c3.probe(Match::any_tag(Source::Any, 0)).unwrap(),
+            None,
+            "the forged record never arrived"
+        );
+        c2.send(c3.addr(), 0, 1, bytes(10, 1), T).unwrap();
+        let (st, data, _) = c3.recv(Match::any_tag(Source::Any, 0), 64, T).unwrap();
+        assert_eq!((st.source, data), (c2.addr(), bytes(10, 1)));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn clients_get_errors_not_hangs_when_the_daemon_goes() {
+        let dir = scratch("daemon-gone");
+        let (da, _db) = two_daemons(&dir);
+        let mut c = MsgClient::connect(&dir.join("a.sock"), Config::default()).unwrap();
+        let r = c.irecv(Match::any_tag(Source::Any, 0), 8).unwrap();
+        drop(da);
+        let t = Instant::now();
+        assert!(matches!(c.wait(r, T), Err(MsgError::DaemonGone)));
+        assert!(t.elapsed() < Duration::from_secs(2));
+        assert!(matches!(c.isend(c.addr(), 0, 0, vec![]), Err(MsgError::DaemonGone)));
+        assert!(MsgClient::connect(&dir.join("a.sock"), Config::default()).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
