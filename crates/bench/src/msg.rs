@@ -4,7 +4,8 @@
 //!
 //! Two network namespaces joined by a veth pair (root). Each lanbus row runs two messaging
 //! endpoints over a port of that kind (udp, afpacket, afxdp), one in each namespace, each owning
-//! its port (direct mode): one sends a message of each size and waits for it to come back,
+//! its port (`mode=direct`) or attached over shared memory to a messaging daemon that owns it
+//! (`mode=daemon`, the `lanbus msgd` design): one sends a message of each size and waits for it to come back,
 //! in three trials after a warm-up; the figure is half the mean round trip of the best trial,
 //! which is what NetPIPE reports (osu_latency reports the mean of one trial). `--protocols
 //! auto,eager,rendezvous` adds a row per protocol (the engine's choice, every message eager,
@@ -22,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use lanbus_msg::{Config, Match, Outcome, Source};
+use lanbus_msg::{Addr, Config, Match, Outcome, RequestId, Source, Status};
 use lanbus_node::msg::MsgNode;
+use lanbus_node::msgd::{MsgClient, MsgDaemon};
 use lanbus_node::process::end_with_parent;
 use lanbus_port::netns::VethPair;
 use lanbus_runtime::ThreadMode;
@@ -66,6 +68,10 @@ pub struct MsgArgs {
     /// Messages per window of the bandwidth measurement.
     #[arg(long, default_value_t = 64)]
     window: usize,
+    /// Where the engines run (comma-separated): each process owning its port (direct), or
+    /// behind a `lanbus msgd` daemon on each side that owns it (daemon). One row each.
+    #[arg(long, value_delimiter = ',', default_value = "direct,daemon")]
+    modes: Vec<Mode>,
 }
 
 /// The tag that ends the echo side.
@@ -137,17 +143,159 @@ struct Measured {
     bw_mb_per_s: Vec<Option<f64>>,
 }
 
-/// Through the messaging engine over `kind` with `protocol`: per size, half the mean round trip
-/// of the best of three trials (µs), and with `window` osu_bw's pattern: `window` messages sent
-/// back to back, answered by one short message once all arrived, the best of three trials
-/// (MB/s). Sizes the protocol cannot carry are `None`.
+/// Where the messaging engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Each process owns its port.
+    Direct,
+    /// A `lanbus msgd` daemon owns each side's port; the processes attach to it over shared
+    /// memory.
+    Daemon,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Direct => "direct",
+            Mode::Daemon => "daemon",
+        }
+    }
+}
+
+/// How long any one request may take.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A messaging endpoint as the bench drives it, in either mode (context 0 throughout).
+trait Ep: Send {
+    fn addr(&self) -> Addr;
+    fn isend(&mut self, dest: Addr, tag: u64, data: Vec<u8>) -> anyhow::Result<RequestId>;
+    fn irecv(&mut self, m: Match, capacity: usize) -> anyhow::Result<RequestId>;
+    fn wait(&mut self, id: RequestId) -> anyhow::Result<Outcome>;
+    fn cancel(&mut self, id: RequestId) -> bool;
+
+    fn send(&mut self, dest: Addr, tag: u64, data: Vec<u8>) -> anyhow::Result<()> {
+        let id = self.isend(dest, tag, data)?;
+        self.wait(id).map(|_| ())
+    }
+
+    fn recv(&mut self, m: Match, capacity: usize) -> anyhow::Result<(Status, Vec<u8>)> {
+        let id = self.irecv(m, capacity)?;
+        match self.wait(id)? {
+            Outcome::Received { status, data, .. } => Ok((status, data)),
+            other => bail!("a receive ended as {other:?}"),
+        }
+    }
+}
+
+impl Ep for MsgNode {
+    fn addr(&self) -> Addr {
+        MsgNode::addr(self)
+    }
+    fn isend(&mut self, dest: Addr, tag: u64, data: Vec<u8>) -> anyhow::Result<RequestId> {
+        Ok(MsgNode::isend(self, dest, 0, tag, data))
+    }
+    fn irecv(&mut self, m: Match, capacity: usize) -> anyhow::Result<RequestId> {
+        Ok(MsgNode::irecv(self, m, capacity))
+    }
+    fn wait(&mut self, id: RequestId) -> anyhow::Result<Outcome> {
+        Ok(MsgNode::wait(self, id, TIMEOUT)?)
+    }
+    fn cancel(&mut self, id: RequestId) -> bool {
+        MsgNode::cancel(self, id)
+    }
+}
+
+impl Ep for MsgClient {
+    fn addr(&self) -> Addr {
+        MsgClient::addr(self)
+    }
+    fn isend(&mut self, dest: Addr, tag: u64, data: Vec<u8>) -> anyhow::Result<RequestId> {
+        Ok(MsgClient::isend(self, dest, 0, tag, data)?)
+    }
+    fn irecv(&mut self, m: Match, capacity: usize) -> anyhow::Result<RequestId> {
+        Ok(MsgClient::irecv(self, m, capacity)?)
+    }
+    fn wait(&mut self, id: RequestId) -> anyhow::Result<Outcome> {
+        Ok(MsgClient::wait(self, id, TIMEOUT)?)
+    }
+    fn cancel(&mut self, id: RequestId) -> bool {
+        MsgClient::cancel(self, id)
+    }
+}
+
+/// Half the mean round trip of `count` ping-pongs of `data`, µs.
+fn round_trips(a: &mut dyn Ep, to_b: Addr, data: &[u8], count: usize) -> anyhow::Result<f64> {
+    let size = data.len();
+    let start = Instant::now();
+    for _ in 0..count {
+        a.send(to_b, size as u64, data.to_vec())?;
+        let (_, back) = a.recv(Match::exact(Source::Only(to_b), 0, size as u64), size)?;
+        if back.len() != size {
+            bail!("{size} bytes sent, {} came back", back.len());
+        }
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e6 / count as f64 / 2.0)
+}
+
+/// MB/s of `count` windows of `window` messages of `data` sent back to back, each answered once.
+fn stream(a: &mut dyn Ep, to_b: Addr, data: &[u8], window: usize, count: usize) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    for _ in 0..count {
+        let mut ids = Vec::with_capacity(window);
+        for i in 0..window {
+            let tag = if i + 1 == window { STREAM_LAST } else { STREAM };
+            ids.push(a.isend(to_b, tag, data.to_vec())?);
+        }
+        for id in ids {
+            a.wait(id)?;
+        }
+        a.recv(Match::exact(Source::Only(to_b), 0, ACK), 0)?;
+    }
+    Ok((data.len() * window * count) as f64 / start.elapsed().as_secs_f64() / 1e6)
+}
+
+/// The echo side: keeps `posted` receives posted (as osu_bw's receiver does) and takes them in
+/// order: it echoes a ping, drops a streamed message, answers a window's last one.
+fn echo(mut b: Box<dyn Ep>, posted: usize, largest: usize) -> anyhow::Result<()> {
+    let any = Match::any_tag(Source::Any, 0);
+    let mut waiting = std::collections::VecDeque::new();
+    for _ in 0..posted {
+        waiting.push_back(b.irecv(any, largest)?);
+    }
+    loop {
+        let id = waiting.pop_front().expect("always some posted");
+        let Outcome::Received { status, data, .. } = b.wait(id)? else {
+            bail!("a receive ended without a message");
+        };
+        match status.tag {
+            STOP => {
+                for id in waiting {
+                    b.cancel(id);
+                }
+                return Ok(());
+            }
+            STREAM => {}
+            STREAM_LAST => b.send(status.source, ACK, Vec::new())?,
+            tag => b.send(status.source, tag, data)?,
+        }
+        waiting.push_back(b.irecv(any, largest)?);
+    }
+}
+
+/// Through the messaging engine over `kind` with `protocol`, in `mode`: per size, half the mean
+/// round trip of the best of three trials (µs), and with `window` osu_bw's pattern: `window`
+/// messages sent back to back, answered by one short message once all arrived, the best of
+/// three trials (MB/s). Sizes the protocol cannot carry are `None`.
+#[allow(clippy::too_many_arguments)]
 fn lanbus_row(
     kind: &str,
     veth: &VethPair,
+    mode: Mode,
     protocol: Protocol,
     sizes: &[usize],
     window: Option<usize>,
     quick: bool,
+    dir: &Path,
 ) -> anyhow::Result<Measured> {
     let (pa, pb) = super::port_pair(kind, Some(veth))?;
     let rc = |name: &str| {
@@ -156,35 +304,26 @@ fn lanbus_row(
         c.transport.heartbeat.enabled = false;
         c
     };
-    let a = MsgNode::start(pa, 1, rc("msg-a"), protocol.config())?;
-    let b = MsgNode::start(pb, 1, rc("msg-b"), protocol.config())?;
-    let (to_b, largest) = (b.addr(), sizes.iter().copied().max().unwrap_or(0));
-    let timeout = Duration::from_secs(10);
-    let posted = window.unwrap_or(1).max(1);
-    // The echo side keeps `posted` receives posted (as osu_bw's receiver does) and takes them in
-    // order: it echoes a ping, drops a streamed message, answers a window's last one.
-    let echo = std::thread::spawn(move || -> anyhow::Result<()> {
-        let any = Match::any_tag(Source::Any, 0);
-        let mut waiting: std::collections::VecDeque<_> = (0..posted).map(|_| b.irecv(any, largest)).collect();
-        loop {
-            let id = waiting.pop_front().expect("always some posted");
-            let Outcome::Received { status, data, .. } = b.wait(id, timeout)? else {
-                bail!("a receive ended without a message");
-            };
-            match status.tag {
-                STOP => {
-                    for id in waiting {
-                        b.cancel(id);
-                    }
-                    return Ok(());
-                }
-                STREAM => {}
-                STREAM_LAST => b.send(status.source, 0, ACK, Vec::new(), timeout)?,
-                tag => b.send(status.source, 0, tag, data, timeout)?,
-            }
-            waiting.push_back(b.irecv(any, largest));
+    // The daemons (daemon mode) live as long as the row.
+    let mut daemons = Vec::new();
+    let (mut a, b): (Box<dyn Ep>, Box<dyn Ep>) = match mode {
+        Mode::Direct => (
+            Box::new(MsgNode::start(pa, 1, rc("msg-a"), protocol.config())?),
+            Box::new(MsgNode::start(pb, 1, rc("msg-b"), protocol.config())?),
+        ),
+        Mode::Daemon => {
+            let (sa, sb) = (dir.join("msgd-a.sock"), dir.join("msgd-b.sock"));
+            daemons.push(MsgDaemon::start(pa, &sa, rc("msgd-a"))?);
+            daemons.push(MsgDaemon::start(pb, &sb, rc("msgd-b"))?);
+            (
+                Box::new(MsgClient::connect(&sa, protocol.config())?),
+                Box::new(MsgClient::connect(&sb, protocol.config())?),
+            )
         }
-    });
+    };
+    let (to_b, largest) = (b.addr(), sizes.iter().copied().max().unwrap_or(0));
+    let posted = window.unwrap_or(1).max(1);
+    let echo = std::thread::spawn(move || echo(b, posted, largest));
     let mut measured = Measured { latency_us: Vec::new(), bw_mb_per_s: Vec::new() };
     let mut run = || -> anyhow::Result<()> {
         for &size in sizes {
@@ -195,22 +334,10 @@ fn lanbus_row(
             }
             let data = vec![0x5a; size];
             let n = iterations(size, quick);
-            let round_trips = |count: usize| -> anyhow::Result<f64> {
-                let start = Instant::now();
-                for _ in 0..count {
-                    a.send(to_b, 0, size as u64, data.clone(), timeout)?;
-                    let (_, back, _) =
-                        a.recv(Match::exact(Source::Only(to_b), 0, size as u64), size, timeout)?;
-                    if back.len() != size {
-                        bail!("{size} bytes sent, {} came back", back.len());
-                    }
-                }
-                Ok(start.elapsed().as_secs_f64() * 1e6 / count as f64 / 2.0)
-            };
-            round_trips(n / 10)?;
+            round_trips(&mut *a, to_b, &data, n / 10)?;
             let mut best = f64::INFINITY;
             for _ in 0..3 {
-                best = best.min(round_trips(n)?);
+                best = best.min(round_trips(&mut *a, to_b, &data, n)?);
             }
             measured.latency_us.push(Some(best));
             let Some(window) = window else {
@@ -218,26 +345,10 @@ fn lanbus_row(
                 continue;
             };
             let w = windows(size, window, quick);
-            let stream = |count: usize| -> anyhow::Result<f64> {
-                let start = Instant::now();
-                for _ in 0..count {
-                    let ids: Vec<_> = (0..window)
-                        .map(|i| {
-                            let tag = if i + 1 == window { STREAM_LAST } else { STREAM };
-                            a.isend(to_b, 0, tag, data.clone())
-                        })
-                        .collect();
-                    for id in ids {
-                        a.wait(id, timeout)?;
-                    }
-                    a.recv(Match::exact(Source::Only(to_b), 0, ACK), 0, timeout)?;
-                }
-                Ok((size * window * count) as f64 / start.elapsed().as_secs_f64() / 1e6)
-            };
-            stream(1)?;
+            stream(&mut *a, to_b, &data, window, 1)?;
             let mut best: f64 = 0.0;
             for _ in 0..3 {
-                best = best.max(stream(w)?);
+                best = best.max(stream(&mut *a, to_b, &data, window, w)?);
             }
             measured.bw_mb_per_s.push(Some(best));
         }
@@ -245,14 +356,19 @@ fn lanbus_row(
     };
     let result = run();
     // Stop the echo side whatever happened (it times out by itself otherwise).
-    let _ = a.send(to_b, 0, STOP, Vec::new(), timeout);
+    let _ = a.send(to_b, STOP, Vec::new());
     match echo.join() {
         Ok(r) => r.context("the echo side")?,
         Err(_) => bail!("the echo side panicked"),
     }
     result?;
+    drop(a);
+    drop(daemons);
     Ok(measured)
 }
+
+/// The longest one NPtcp run may take.
+const NPTCP_LIMIT: Duration = Duration::from_secs(180);
 
 /// NetPIPE over TCP for every size it measured from 1 byte to `upto` (NPtcp without
 /// perturbations: powers of two and the sizes between): ping-pong, its one-way time (µs); with
@@ -274,17 +390,39 @@ fn nptcp(veth: &VethPair, upto: usize, stream: bool, dir: &Path) -> anyhow::Resu
     let file_s = file.display().to_string();
     let mut result = None;
     // The receiver may take a moment to listen: the transmitter fails at once if it does not.
+    // NetPIPE's streaming mode can stall: a run that takes too long is ended and counts as none.
     for _ in 0..50 {
-        let out = end_with_parent(veth.a.netns.command("NPtcp").args(["-h", &host]).args(&opts))
+        let mut tx = end_with_parent(veth.a.netns.command("NPtcp").args(["-h", &host]).args(&opts))
             .args(["-o", &file_s])
             .stdin(Stdio::null())
-            .output()
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
             .context("running NPtcp")?;
-        if out.status.success() && file.exists() {
-            result = Some(());
-            break;
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = tx.try_wait()? {
+                break Some(status);
+            }
+            if start.elapsed() > NPTCP_LIMIT {
+                let _ = tx.kill();
+                let _ = tx.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        match status {
+            Some(s) if s.success() && file.exists() => {
+                result = Some(());
+                break;
+            }
+            Some(_) => std::thread::sleep(Duration::from_millis(100)),
+            None => {
+                let _ = receiver.kill();
+                let _ = receiver.wait();
+                bail!("NPtcp did not finish within {NPTCP_LIMIT:?}");
+            }
         }
-        std::thread::sleep(Duration::from_millis(100));
     }
     let _ = receiver.kill();
     let _ = receiver.wait();
@@ -315,8 +453,8 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     if let Some(k) = args.ports.iter().find(|k| !["udp", "afpacket", "afxdp"].contains(&k.as_str())) {
         bail!("--ports: unknown kind {k:?} (udp, afpacket, afxdp)");
     }
-    if args.protocols.is_empty() {
-        bail!("--protocols: at least one of auto, eager, rendezvous");
+    if args.protocols.is_empty() || args.modes.is_empty() {
+        bail!("--protocols and --modes take at least one value each");
     }
     let window = args.bandwidth.then_some(args.window.max(1));
     let veth =
@@ -332,16 +470,23 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     let largest = *args.sizes.iter().max().expect("checked");
     let n = args.sizes.len();
     // Per (port, protocol): per size, the runs' latencies and bandwidths.
-    let rows: Vec<(&str, Protocol)> =
-        args.ports.iter().flat_map(|k| args.protocols.iter().map(move |&p| (k.as_str(), p))).collect();
+    let mut rows: Vec<(&str, Mode, Protocol)> = Vec::new();
+    for kind in &args.ports {
+        for &mode in &args.modes {
+            for &protocol in &args.protocols {
+                rows.push((kind.as_str(), mode, protocol));
+            }
+        }
+    }
     let mut lat: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; rows.len()];
     let mut bw: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; rows.len()];
     let (mut np_lat, mut np_bw): (Vec<Vec<f64>>, Vec<Vec<f64>>) = (vec![Vec::new(); n], vec![Vec::new(); n]);
     for r in 0..runs {
-        for (k, &(kind, protocol)) in rows.iter().enumerate() {
-            eprintln!("bench msg: run {}/{runs}: {kind} {}", r + 1, protocol.name());
-            let m = lanbus_row(kind, &veth, protocol, &args.sizes, window, args.quick)
-                .with_context(|| format!("{kind} {} row", protocol.name()))?;
+        for (k, &(kind, mode, protocol)) in rows.iter().enumerate() {
+            let what = format!("{kind} {} {}", mode.name(), protocol.name());
+            eprintln!("bench msg: run {}/{runs}: {what}", r + 1);
+            let m = lanbus_row(kind, &veth, mode, protocol, &args.sizes, window, args.quick, &dir)
+                .with_context(|| format!("{what} row"))?;
             for i in 0..n {
                 lat[k][i].extend(m.latency_us[i]);
                 bw[k][i].extend(m.bw_mb_per_s[i]);
@@ -354,9 +499,15 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
                     out[i].extend(np.iter().find(|(b, _)| *b == size).map(|&(_, v)| v));
                 }
             };
-            pick(&nptcp(&veth, largest, false, &dir)?, &mut np_lat);
+            match nptcp(&veth, largest, false, &dir) {
+                Ok(np) => pick(&np, &mut np_lat),
+                Err(e) => eprintln!("bench msg: NPtcp ping-pong, run {}: {e:#}", r + 1),
+            }
             if window.is_some() {
-                pick(&nptcp(&veth, largest, true, &dir)?, &mut np_bw);
+                match nptcp(&veth, largest, true, &dir) {
+                    Ok(np) => pick(&np, &mut np_bw),
+                    Err(e) => eprintln!("bench msg: NPtcp streaming, run {}: {e:#}", r + 1),
+                }
             }
         }
     }
@@ -374,8 +525,8 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
         if let Some(mbs) = peer_bw {
             report.push(row("peer:NPtcp", "bw_mb_per_s", mbs, size));
         }
-        for (k, &(kind, protocol)) in rows.iter().enumerate() {
-            let with = |r: Row| r.with("protocol", protocol.name());
+        for (k, &(kind, mode, protocol)) in rows.iter().enumerate() {
+            let with = |r: Row| r.with("protocol", protocol.name()).with("mode", mode.name());
             if let Some(us) = median(&lat[k][i]) {
                 report.push(with(row(kind, "latency_us", us, size)));
                 if let Some(p) = peer_lat {

@@ -39,6 +39,9 @@ fn bench_msg_measures_both_ports_and_the_peer() {
         find(name, protocol, metric, size)
             .unwrap_or_else(|| panic!("no {name} {protocol} {metric} at {size}: {v}"))
     };
+    let daemon =
+        rows.iter().any(|r| r["mode"] == "daemon" && r["metric"] == "latency_us" && r["size_bytes"] == 65536);
+    assert!(daemon, "daemon-mode rows: {v}");
     for kind in ["udp", "afpacket"] {
         for size in [64, 65536] {
             let us = value(kind, "auto", "latency_us", size);

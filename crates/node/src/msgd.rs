@@ -45,6 +45,10 @@ const PIPE: PipeConfig = PipeConfig { slots: 64, buffers: 64, buf_size: 65_600 }
 const HELLO: &[u8; 8] = b"LBMSGD\x01\0";
 /// The hello: [`HELLO`], the node's MAC, the client's id.
 const HELLO_LEN: usize = 16;
+/// How long a client waiting for a request, and the daemon's thread serving a client, keep
+/// polling their ring (yielding the core each time) after the last record before they sleep on
+/// their doorbell: a wake-up costs more than the round trip of a small message.
+const POLL: Duration = Duration::from_micros(50);
 
 fn pipe_offset(k: usize) -> usize {
     k * PIPE.bytes_needed().next_multiple_of(4096)
@@ -333,6 +337,7 @@ fn serve_client(
 ) {
     let _ = sock.set_nonblocking(true);
     let mut last_check = Instant::now();
+    let mut active = Instant::now();
     // Relaxed: a flag polled once per round.
     while !shared.stop.load(Ordering::Relaxed) {
         let mut hostile = false;
@@ -374,6 +379,11 @@ fn serve_client(
         }
         let waiting = client.flush();
         if moved > 0 {
+            active = Instant::now();
+            continue;
+        }
+        if active.elapsed() < POLL {
+            std::thread::yield_now();
             continue;
         }
         // Has the client gone? (Checked when idle, at most every few milliseconds.)
@@ -560,6 +570,7 @@ impl MsgClient {
     /// Waits until request `id` finishes, at most `timeout`, making progress meanwhile.
     pub fn wait(&mut self, id: RequestId, timeout: Duration) -> Result<Outcome, MsgError> {
         let start = Instant::now();
+        let mut active = Instant::now();
         loop {
             let moved = self.progress()?;
             if let Some(o) = self.finished.remove(&id) {
@@ -570,6 +581,11 @@ impl MsgClient {
                 };
             }
             if moved {
+                active = Instant::now();
+                continue;
+            }
+            if active.elapsed() < POLL {
+                std::thread::yield_now();
                 continue;
             }
             let left = timeout.saturating_sub(start.elapsed());
