@@ -244,11 +244,11 @@ impl Drop for MsgDaemon {
     }
 }
 
-/// Whether the process at the other end may attach: root, the daemon's user, or its group.
-fn allowed(sock: &UnixStream) -> bool {
+/// Whether the process at the other end may attach: root, the daemon's user (`me`), or its
+/// group.
+fn allowed(sock: &UnixStream, me: (u32, u32)) -> bool {
     let Ok(cred) = peer_cred(sock) else { return false };
-    let (uid, gid) = own_ids();
-    cred.uid == 0 || cred.uid == uid || cred.gid == gid
+    cred.uid == 0 || cred.uid == me.0 || cred.gid == me.1
 }
 
 /// This process's effective user and group, read through a socket pair's credentials.
@@ -262,6 +262,7 @@ fn own_ids() -> (u32, u32) {
 fn accept_loop(shared: &Arc<Shared>, listener: &UnixListener, sender: &Sender) {
     let mut threads: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id: u16 = 0;
+    let me = own_ids();
     // Relaxed: a flag polled between accepts.
     while !shared.stop.load(Ordering::Relaxed) {
         let sock = match listener.accept() {
@@ -272,7 +273,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &UnixListener, sender: &Sender) {
                 continue;
             }
         };
-        if !allowed(&sock) {
+        if !allowed(&sock, me) {
             bump(&shared.counters.refused);
             continue;
         }
