@@ -201,6 +201,20 @@ impl Fabric {
 
 impl Drop for Fabric {
     fn drop(&mut self) {
+        // A failed run shows every daemon's log.
+        if std::thread::panicking() {
+            let mut logs: Vec<_> = std::fs::read_dir(&self.dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                .collect();
+            logs.sort();
+            for log in logs {
+                eprintln!("---- {}\n{}", log.display(), std::fs::read_to_string(&log).unwrap_or_default());
+            }
+        }
         // The namespaces go with their `Netns`; the scratch files here.
         let _ = std::fs::remove_dir_all(&self.dir);
         let _ = &self.switch;
@@ -337,6 +351,9 @@ fn five_hosts_and_four_boxes_on_one_switch() {
     let mut c2 = Client::connect_unix(&f.sock(1), "nvme0").unwrap();
     boxes[1].kill();
     errors_within(&mut c2, Duration::from_secs(30), "host 2 while its box is down");
+    // The host gives the drive up once the box is silent for its liveness time (its requests
+    // fail before that): only then can a new export be told from the old one.
+    wait_for("host 2's unexport of the dead box", Duration::from_secs(30), || !f.sock(1).exists());
     boxes[1] = f.start_box(1, 2, "d2-restarted.log");
     wait_for("host 2's export after the restart", Duration::from_secs(60), || exported(&f.sock(1)));
     passes(fio_verify(&f.sock(1), 8, 2), "host 2 after its box came back");
