@@ -367,13 +367,20 @@ fn lanbus_row(
     Ok(measured)
 }
 
-/// The longest one NPtcp run may take.
+/// The longest one NPtcp run may take (a quarter of it with `--quick`).
 const NPTCP_LIMIT: Duration = Duration::from_secs(180);
 
 /// NetPIPE over TCP for every size it measured from 1 byte to `upto` (NPtcp without
 /// perturbations: powers of two and the sizes between): ping-pong, its one-way time (µs); with
 /// `stream`, one-way streaming (`-s`), its throughput (MB/s).
-fn nptcp(veth: &VethPair, upto: usize, stream: bool, dir: &Path) -> anyhow::Result<Vec<(usize, f64)>> {
+fn nptcp(
+    veth: &VethPair,
+    upto: usize,
+    stream: bool,
+    quick: bool,
+    dir: &Path,
+) -> anyhow::Result<Vec<(usize, f64)>> {
+    let limit = if quick { NPTCP_LIMIT / 4 } else { NPTCP_LIMIT };
     let upper = upto.max(1).to_string();
     let mut opts = vec!["-l", "1", "-u", &upper, "-p", "0"];
     if stream {
@@ -404,7 +411,7 @@ fn nptcp(veth: &VethPair, upto: usize, stream: bool, dir: &Path) -> anyhow::Resu
             if let Some(status) = tx.try_wait()? {
                 break Some(status);
             }
-            if start.elapsed() > NPTCP_LIMIT {
+            if start.elapsed() > limit {
                 let _ = tx.kill();
                 let _ = tx.wait();
                 break None;
@@ -420,7 +427,7 @@ fn nptcp(veth: &VethPair, upto: usize, stream: bool, dir: &Path) -> anyhow::Resu
             None => {
                 let _ = receiver.kill();
                 let _ = receiver.wait();
-                bail!("NPtcp did not finish within {NPTCP_LIMIT:?}");
+                bail!("NPtcp did not finish within {limit:?}");
             }
         }
     }
@@ -499,12 +506,12 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
                     out[i].extend(np.iter().find(|(b, _)| *b == size).map(|&(_, v)| v));
                 }
             };
-            match nptcp(&veth, largest, false, &dir) {
+            match nptcp(&veth, largest, false, args.quick, &dir) {
                 Ok(np) => pick(&np, &mut np_lat),
                 Err(e) => eprintln!("bench msg: NPtcp ping-pong, run {}: {e:#}", r + 1),
             }
             if window.is_some() {
-                match nptcp(&veth, largest, true, &dir) {
+                match nptcp(&veth, largest, true, args.quick, &dir) {
                     Ok(np) => pick(&np, &mut np_bw),
                     Err(e) => eprintln!("bench msg: NPtcp streaming, run {}: {e:#}", r + 1),
                 }
