@@ -235,6 +235,7 @@ impl MsgNode {
         let id = self.irecv(m, capacity);
         match self.wait(id, timeout)? {
             Outcome::Received { status, data, truncated, .. } => Ok((status, data, truncated)),
+            // `wait` turns Failed and Cancelled into errors; the engine never ends a receive Sent.
             other => unreachable!("a receive ends received, failed or cancelled, not {other:?}"),
         }
     }

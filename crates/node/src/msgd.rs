@@ -630,7 +630,8 @@ impl MsgClient {
         let id = self.irecv(m, capacity)?;
         match self.wait(id, timeout)? {
             Outcome::Received { status, data, truncated, .. } => Ok((status, data, truncated)),
-            other => Err(MsgError::Attach(format!("a receive ended as {other:?}"))),
+            // `wait` turns Failed and Cancelled into errors; the engine never ends a receive Sent.
+            other => unreachable!("a receive ends received, failed or cancelled, not {other:?}"),
         }
     }
 }
