@@ -241,6 +241,8 @@ fn fio_verify(sock: &Path, mib: u64, seed: u64) -> Child {
         .arg(format!("--uri=nbd+unix:///nvme0?socket={}", sock.display()))
         .arg(format!("--size={mib}M"))
         .args(["--verify=crc32c", "--do_verify=1", "--verify_fatal=1"])
+        // No verify state file left in the working directory.
+        .arg("--verify_state_save=0")
         .arg(format!("--randseed={seed}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
