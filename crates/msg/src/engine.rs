@@ -49,14 +49,16 @@ pub enum Source {
     Only(Addr),
 }
 
-/// What a receive (or a probe) matches: a message from `source` in `context` whose tag equals
-/// `tag` in every bit that `ignore` leaves clear (`ignore = !0`: any tag).
+/// What a receive (or a probe) matches: a message from `source` in `context` (any context when
+/// `None`: a layer that carries other data in the context field, such as libfabric's remote CQ
+/// data, matches on the tag alone) whose tag equals `tag` in every bit that `ignore` leaves clear
+/// (`ignore = !0`: any tag).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Match {
     /// Sender.
     pub source: Source,
-    /// Context (an MPI communicator).
-    pub context: u32,
+    /// Context (an MPI communicator); `None`: any.
+    pub context: Option<u32>,
     /// Tag.
     pub tag: u64,
     /// Tag bits that do not matter.
@@ -66,12 +68,12 @@ pub struct Match {
 impl Match {
     /// A message from `source` in `context` with exactly `tag`.
     pub fn exact(source: Source, context: u32, tag: u64) -> Match {
-        Match { source, context, tag, ignore: 0 }
+        Match { source, context: Some(context), tag, ignore: 0 }
     }
 
     /// Any tag from `source` in `context`.
     pub fn any_tag(source: Source, context: u32) -> Match {
-        Match { source, context, tag: 0, ignore: !0 }
+        Match { source, context: Some(context), tag: 0, ignore: !0 }
     }
 
     fn takes(&self, from: Addr, context: u32, tag: u64) -> bool {
@@ -79,7 +81,7 @@ impl Match {
             Source::Any => true,
             Source::Only(a) => a == from,
         };
-        source_ok && context == self.context && (tag ^ self.tag) & !self.ignore == 0
+        source_ok && self.context.is_none_or(|c| c == context) && (tag ^ self.tag) & !self.ignore == 0
     }
 }
 
@@ -105,6 +107,8 @@ pub struct Status {
 pub enum Failure {
     /// The peer went down (its transport said so) before the request finished.
     PeerDown(MacAddr),
+    /// The peer engine went away for good (its node said so) before the request finished.
+    EndpointGone(Addr),
 }
 
 /// How a request ended.
@@ -232,8 +236,8 @@ pub struct Engine {
     next_wire_id: u32,
     posted: VecDeque<Posted>,
     unexpected: VecDeque<Unexpected>,
-    /// Claimed messages; `Err(node)` when their rendezvous data can no longer come.
-    claimed: HashMap<u64, Result<Unexpected, MacAddr>>,
+    /// Claimed messages; `Err(why)` when their rendezvous data can no longer come.
+    claimed: HashMap<u64, Result<Unexpected, Failure>>,
     announced: HashMap<u32, Announced>,
     streams: VecDeque<Stream>,
     incoming: HashMap<u32, Incoming>,
@@ -381,7 +385,7 @@ impl Engine {
         let id = self.request();
         match claimed {
             Ok(u) => self.deliver(id, capacity, u),
-            Err(mac) => self.complete(id, Outcome::Failed(Failure::PeerDown(mac))),
+            Err(why) => self.complete(id, Outcome::Failed(why)),
         }
         Some(id)
     }
@@ -440,11 +444,15 @@ impl Engine {
             self.counters.bad_records += 1;
             return;
         };
+        let from = Addr { mac: from, id: route.src };
+        if record == Record::Gone && (route.dst == 0 || route.dst == self.me.id) {
+            self.endpoint_gone(from);
+            return;
+        }
         if route.dst != self.me.id {
             self.counters.misrouted += 1;
             return;
         }
-        let from = Addr { mac: from, id: route.src };
         match record {
             Record::Eager { context, tag, data } => {
                 self.arrive(from, context, tag, Arrival::Eager(data.to_vec()))
@@ -495,6 +503,7 @@ impl Engine {
                     self.received(i.id, i.status, i.buf, truncated, i.matched);
                 }
             }
+            Record::Gone => unreachable!("handled above"),
         }
     }
 
@@ -528,47 +537,58 @@ impl Engine {
     /// Node `mac` went down (its transport said so): every request that needs it fails, and
     /// rendezvous announcements from it are forgotten (their data will not come).
     pub fn peer_down(&mut self, mac: MacAddr) {
-        let failed = Outcome::Failed(Failure::PeerDown(mac));
+        self.fail_where(|a| a.mac == mac, Failure::PeerDown(mac));
+        self.control.retain(|o| o.dest != mac);
+    }
+
+    /// Engine `addr` went away for good (its node said so): as [`Engine::peer_down`] for that
+    /// one engine.
+    pub fn endpoint_gone(&mut self, addr: Addr) {
+        self.fail_where(|a| a == addr, Failure::EndpointGone(addr));
+    }
+
+    /// Fails every request that needs an engine `gone` picks, and forgets announcements from
+    /// them.
+    fn fail_where(&mut self, gone: impl Fn(Addr) -> bool, why: Failure) {
         let mut ids = Vec::new();
         self.announced.retain(|_, a| {
-            let keep = a.dest.mac != mac;
+            let keep = !gone(a.dest);
             if !keep {
                 ids.push(a.id);
             }
             keep
         });
         self.streams.retain(|s| {
-            let keep = s.dest.mac != mac;
+            let keep = !gone(s.dest);
             if !keep {
                 ids.push(s.id);
             }
             keep
         });
         self.incoming.retain(|_, i| {
-            let keep = i.status.source.mac != mac;
+            let keep = !gone(i.status.source);
             if !keep {
                 ids.push(i.id);
             }
             keep
         });
         self.posted.retain(|p| {
-            let keep = !matches!(p.m.source, Source::Only(a) if a.mac == mac);
+            let keep = !matches!(p.m.source, Source::Only(a) if gone(a));
             if !keep {
                 ids.push(p.id);
             }
             keep
         });
-        let lost = |u: &Unexpected| u.from.mac == mac && matches!(u.arrival, Arrival::Rts { .. });
+        let lost = |u: &Unexpected| gone(u.from) && matches!(u.arrival, Arrival::Rts { .. });
         self.unexpected.retain(|u| !lost(u));
         for c in self.claimed.values_mut() {
             if c.as_ref().is_ok_and(lost) {
-                *c = Err(mac);
+                *c = Err(why);
             }
         }
-        self.control.retain(|o| o.dest != mac);
         ids.sort();
         for id in ids {
-            self.complete(id, failed.clone());
+            self.complete(id, Outcome::Failed(why));
         }
     }
 }
@@ -676,6 +696,31 @@ mod tests {
     }
 
     #[test]
+    fn a_gone_record_fails_only_what_needs_that_engine() {
+        let (a1, a2, b) = (addr(1, 1), addr(1, 2), addr(2, 1));
+        let mut net = Net::new(&[a1, a2, b], Config { eager_limit: 100, data_chunk: 100 });
+        // b announces a rendezvous message to a1 and waits for a1 and for a2.
+        let to_a1 = net.engines[2].send(a1, 0, 1, bytes(1000, 1));
+        let from_a1 = net.engines[2].post_recv(Match::any_tag(Source::Only(a1), 0), 10);
+        let from_a2 = net.engines[2].post_recv(Match::any_tag(Source::Only(a2), 0), 10);
+        let from_any = net.engines[2].post_recv(Match::any_tag(Source::Any, 0), 10);
+        net.pump();
+        // a1's node says a1 is gone, to every engine of b's node (destination 0).
+        let mut gone = Vec::new();
+        Record::Gone.emit(Route { src: a1.id, dst: 0 }, &mut gone);
+        net.engines[2].handle_message(a1.mac, &gone);
+        net.pump();
+        let failed = Some(&Outcome::Failed(Failure::EndpointGone(a1)));
+        assert_eq!(net.outcome(2, to_a1), failed);
+        assert_eq!(net.outcome(2, from_a1), failed);
+        assert_eq!(net.outcome(2, from_a2), None, "a2 is still there");
+        assert_eq!(net.outcome(2, from_any), None);
+        net.engines[1].send(b, 0, 9, bytes(5, 2));
+        net.pump();
+        assert_eq!(net.data(2, from_a2).1, bytes(5, 2));
+    }
+
+    #[test]
     fn wildcards_take_the_oldest_match_and_the_mask_ignores_bits() {
         let (a1, a2, b) = (addr(1, 1), addr(1, 2), addr(2, 1));
         let mut net = Net::new(&[a1, a2, b], Config::default());
@@ -685,7 +730,7 @@ mod tests {
         net.engines[0].send(b, 4, 0x200 | 7, bytes(4, 3));
         net.pump();
         // Low byte 7, any high bits, context 3: the oldest (from a2) first.
-        let m = Match { source: Source::Any, context: 3, tag: 7, ignore: !0xff };
+        let m = Match { source: Source::Any, context: Some(3), tag: 7, ignore: !0xff };
         let r1 = net.engines[2].post_recv(m, 64);
         let r2 = net.engines[2].post_recv(m, 64);
         let r3 = net.engines[2].post_recv(m, 64);

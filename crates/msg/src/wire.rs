@@ -6,12 +6,15 @@
 //! RTS    (2)     8 context u32 | 12 tag u64 | 20 length u64 | 28 send id u32          (32 bytes)
 //! CTS    (3)     8 send id u32 | 12 receive id u32 | 16 granted u64                     (24 bytes)
 //! DATA   (4)     8 receive id u32 | 12 offset u64 | 20.. bytes of the message
+//! GONE   (5)     (the header only: engine `source id` is gone for good; 8 bytes)
 //! ```
 //!
 //! An eager message travels whole in its EAGER record. A larger one is announced by an RTS; the
 //! receiver answers with a CTS once a receive matches it, granting as many bytes as that receive
 //! holds (fewer than the length: the message is truncated), and the sender then sends DATA
-//! records placed by offset. [`Record::parse`] accepts any bytes and says what is wrong.
+//! records placed by offset. A node whose engine went away (a process attached to a daemon that
+//! exited) sends GONE for it, to destination 0 (every engine of the receiving node), so that
+//! requests waiting on it fail instead of hanging. [`Record::parse`] accepts any bytes and says what is wrong.
 
 /// Bytes before an EAGER record's message and a DATA record's bytes.
 pub const EAGER_HEADER: usize = 20;
@@ -26,6 +29,8 @@ const EAGER: u8 = 1;
 const RTS: u8 = 2;
 const CTS: u8 = 3;
 const DATA: u8 = 4;
+const GONE: u8 = 5;
+const GONE_LEN: usize = 8;
 
 /// The endpoints of a record: ids of the sending and the receiving engine on their nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +82,9 @@ pub enum Record<'a> {
         /// The bytes.
         data: &'a [u8],
     },
+    /// The sending engine is gone for good: nothing more comes from it, nothing sent to it is
+    /// received.
+    Gone,
 }
 
 /// Why bytes are not a record.
@@ -133,12 +141,13 @@ impl<'a> Record<'a> {
             RTS => RTS_LEN,
             CTS => CTS_LEN,
             DATA => DATA_HEADER,
+            GONE => GONE_LEN,
             k => return Err(ParseError::Kind(k)),
         };
         if b.len() < need {
             return Err(ParseError::Short { len: b.len(), need });
         }
-        if matches!(b[0], RTS | CTS) && b.len() > need {
+        if matches!(b[0], RTS | CTS | GONE) && b.len() > need {
             return Err(ParseError::Trailing(b.len() - need));
         }
         let record = match b[0] {
@@ -150,6 +159,7 @@ impl<'a> Record<'a> {
                 send_id: u32_at(b, 28),
             },
             CTS => Record::Cts { send_id: u32_at(b, 8), recv_id: u32_at(b, 12), granted: u64_at(b, 16) },
+            GONE => Record::Gone,
             _ => Record::Data { recv_id: u32_at(b, 8), offset: u64_at(b, 12), data: &b[DATA_HEADER..] },
         };
         Ok((route, record))
@@ -162,6 +172,7 @@ impl<'a> Record<'a> {
             Record::Rts { .. } => RTS,
             Record::Cts { .. } => CTS,
             Record::Data { .. } => DATA,
+            Record::Gone => GONE,
         };
         out.extend_from_slice(&[kind, VERSION]);
         out.extend_from_slice(&route.src.to_le_bytes());
@@ -189,6 +200,7 @@ impl<'a> Record<'a> {
                 out.extend_from_slice(&offset.to_le_bytes());
                 out.extend_from_slice(data);
             }
+            Record::Gone => {}
         }
     }
 }
@@ -230,6 +242,7 @@ mod tests {
             Record::Rts { context: 7, tag: 42, len: 1 << 33, send_id: 5 },
             Record::Cts { send_id: 5, recv_id: 6, granted: 100 },
             Record::Data { recv_id: 6, offset: 4096, data: &[1, 2, 3] },
+            Record::Gone,
         ];
         for r in records {
             let mut b = Vec::new();
@@ -248,6 +261,7 @@ mod tests {
         let mut cts = vec![0u8; CTS_LEN + 1];
         cts[0] = CTS;
         assert_eq!(Record::parse(&cts), Err(ParseError::Trailing(1)));
+        assert_eq!(Record::parse(&[5, 0, 0, 0, 0, 0, 0, 0, 0]), Err(ParseError::Trailing(1)));
     }
 
     proptest! {
@@ -257,11 +271,11 @@ mod tests {
         }
 
         #[test]
-        fn kinds_with_random_fields_round_trip(kind in 1u8..=4, rest in proptest::collection::vec(any::<u8>(), 40)) {
+        fn kinds_with_random_fields_round_trip(kind in 1u8..=5, rest in proptest::collection::vec(any::<u8>(), 40)) {
             let mut b = vec![kind, VERSION];
             b.extend_from_slice(&rest[..4]);
             b.extend_from_slice(&[0, 0]);
-            let len = match kind { 2 => RTS_LEN, 3 => CTS_LEN, _ => 20 + rest[39] as usize % 20 };
+            let len = match kind { 2 => RTS_LEN, 3 => CTS_LEN, 5 => GONE_LEN, _ => 20 + rest[39] as usize % 20 };
             b.extend_from_slice(&rest[4..(len - 8 + 4).min(40)]);
             b.resize(len, 7);
             fuzz_record(&b);

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use lanbus_msg::{Addr, Config, Engine, Match, Outcome, RequestId, Status, MSG_CHANNEL};
+use lanbus_msg::{Addr, Claim, Config, Engine, Match, Outcome, RequestId, Status, MSG_CHANNEL};
 use lanbus_port::Port;
 use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
 use lanbus_transport::{Event, Message};
@@ -182,6 +182,21 @@ impl MsgNode {
     /// Cancels a posted receive nothing matched yet.
     pub fn cancel(&self, id: RequestId) -> bool {
         self.with_engine(|e| e.cancel(id))
+    }
+
+    /// Takes the first waiting message `m` takes out of matching (MPI_Mprobe).
+    pub fn claim(&self, m: Match) -> Option<(Claim, Status)> {
+        self.with_engine(|e| e.claim(m))
+    }
+
+    /// Receives a claimed message into at most `capacity` bytes (MPI_Mrecv).
+    pub fn recv_claimed(&self, claim: Claim, capacity: usize) -> Option<RequestId> {
+        self.with_engine(|e| e.recv_claimed(claim, capacity))
+    }
+
+    /// Every finished request not yet waited for or taken, in no particular order.
+    pub fn take_finished(&self) -> Vec<(RequestId, Outcome)> {
+        lock(&self.shared.finished).drain().collect()
     }
 
     /// The outcome of request `id` if it finished (taken: a second call says `None`).

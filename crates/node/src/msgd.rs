@@ -20,7 +20,7 @@
 //! (its socket closes) is forgotten. A daemon that goes away closes every client's socket: their
 //! calls fail with [`MsgError::DaemonGone`](crate::msg::MsgError::DaemonGone) instead of waiting.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::Read;
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use lanbus_msg::{wire, Addr, Config, Engine, Match, Outcome, RequestId, Status, MSG_CHANNEL};
+use lanbus_msg::{wire, Addr, Claim, Config, Engine, Match, Outcome, RequestId, Status, MSG_CHANNEL};
 use lanbus_port::Port;
 use lanbus_ring::pipe::{PipeConfig, Receiver, Sender as PipeSender};
 use lanbus_ring::{peer_cred, recv_fds, send_fds, CopyMode, EventFd, Region};
@@ -90,6 +90,8 @@ struct Client {
     to_client: Mutex<(PipeSender, VecDeque<Vec<u8>>)>,
     /// The client's doorbell, rung when its ring may have entries.
     client_bell: EventFd,
+    /// Other nodes it exchanged records with: told when it goes.
+    peers: Mutex<HashSet<MacAddr>>,
 }
 
 impl Client {
@@ -157,9 +159,18 @@ impl Handler for DaemonHandler {
         if message.channel != MSG_CHANNEL {
             return;
         }
+        if wire::destination(message.data) == Some(0) {
+            // For every engine here (an engine of that node is gone).
+            let clients: Vec<_> = lock(&self.shared.clients).values().cloned().collect();
+            for c in clients {
+                c.deliver(message.peer, message.data);
+            }
+            return;
+        }
         match wire::destination(message.data).and_then(|id| self.shared.client(id)) {
             Some(c) => {
                 c.deliver(message.peer, message.data);
+                lock(&c.peers).insert(message.peer);
                 bump(&self.shared.counters.to_clients);
             }
             None => bump(&self.shared.counters.no_such_client),
@@ -317,13 +328,32 @@ fn attach(
     hello[14..16].copy_from_slice(&id.to_le_bytes());
     let memfd = region.fd().ok_or_else(|| std::io::Error::other("the region has no memfd"))?;
     send_fds(&sock, &hello, &[memfd, daemon_bell.as_fd(), client_bell.as_fd()]).map_err(ring_io)?;
-    let client = Arc::new(Client { to_client: Mutex::new((to_client, VecDeque::new())), client_bell });
+    let client = Arc::new(Client {
+        to_client: Mutex::new((to_client, VecDeque::new())),
+        client_bell,
+        peers: Mutex::new(HashSet::new()),
+    });
     lock(&shared.clients).insert(id, client.clone());
     let shared = shared.clone();
     std::thread::Builder::new().name(format!("msgd-client-{id}")).spawn(move || {
         serve_client(&shared, id, &client, from_client, &daemon_bell, sock, &sender);
         lock(&shared.clients).remove(&id);
+        say_gone(&shared, id, &lock(&client.peers), &sender);
     })
+}
+
+/// Tells the engines that may wait on client `id` that it is gone: every local client, and
+/// every node it exchanged records with (all their engines: destination 0).
+fn say_gone(shared: &Shared, id: u16, talked_to: &HashSet<MacAddr>, sender: &Sender) {
+    let mut gone = Vec::new();
+    wire::Record::Gone.emit(wire::Route { src: id, dst: 0 }, &mut gone);
+    let clients: Vec<_> = lock(&shared.clients).values().cloned().collect();
+    for c in clients {
+        c.deliver(shared.mac, &gone);
+    }
+    for &mac in talked_to {
+        sender.send(mac, MSG_CHANNEL, &gone);
+    }
 }
 
 /// Forwards what client `id` writes until it goes away, misbehaves or the daemon stops.
@@ -359,6 +389,7 @@ fn serve_client(
                                 None => bump(&shared.counters.no_such_client),
                             }
                         } else {
+                            lock(&client.peers).insert(dest);
                             sender.send(dest, MSG_CHANNEL, record);
                         }
                     }
@@ -568,6 +599,24 @@ impl MsgClient {
         done
     }
 
+    /// Takes the first waiting message `m` takes out of matching (MPI_Mprobe).
+    pub fn claim(&mut self, m: Match) -> Result<Option<(Claim, Status)>, MsgError> {
+        self.progress()?;
+        Ok(self.engine.claim(m))
+    }
+
+    /// Receives a claimed message into at most `capacity` bytes (MPI_Mrecv).
+    pub fn recv_claimed(&mut self, claim: Claim, capacity: usize) -> Result<Option<RequestId>, MsgError> {
+        let id = self.engine.recv_claimed(claim, capacity);
+        self.progress()?;
+        Ok(id)
+    }
+
+    /// Every finished request not yet waited for or taken, in no particular order.
+    pub fn take_finished(&mut self) -> Vec<(RequestId, Outcome)> {
+        self.finished.drain().collect()
+    }
+
     /// Waits until request `id` finishes, at most `timeout`, making progress meanwhile.
     pub fn wait(&mut self, id: RequestId, timeout: Duration) -> Result<Outcome, MsgError> {
         let start = Instant::now();
@@ -733,6 +782,33 @@ mod tests {
         let c2 = MsgClient::connect(&dir.join("a.sock"), Config::default()).unwrap();
         assert_ne!(c2.addr().id, id1, "a new process never gets the id of one that went away");
         drop(c2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn requests_waiting_on_a_process_that_went_away_fail_on_every_node() {
+        let dir = scratch("peer-gone");
+        let (_da, _db) = two_daemons(&dir);
+        let doomed = MsgClient::connect(&dir.join("a.sock"), Config::default()).unwrap();
+        let mut local = MsgClient::connect(&dir.join("a.sock"), Config::default()).unwrap();
+        let mut remote = MsgClient::connect(&dir.join("b.sock"), Config::default()).unwrap();
+        let gone = doomed.addr();
+        // The remote process announces a rendezvous message to it and waits for one from it;
+        // so does the local one.
+        let send = remote.isend(gone, 0, 1, bytes(100_000, 1)).unwrap();
+        let recv = remote.irecv(Match::any_tag(Source::Only(gone), 0), 8).unwrap();
+        let local_recv = local.irecv(Match::any_tag(Source::Only(gone), 0), 8).unwrap();
+        let any = remote.irecv(Match::any_tag(Source::Any, 9), 8).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        drop(doomed);
+        let failed = |r: Result<Outcome, MsgError>| matches!(r, Err(MsgError::Failed { why: lanbus_msg::Failure::EndpointGone(a), .. }) if a == gone);
+        assert!(failed(remote.wait(send, T)), "the send to it fails");
+        assert!(failed(remote.wait(recv, T)), "the receive from it fails");
+        assert!(failed(local.wait(local_recv, T)), "on its own node too");
+        assert!(
+            matches!(remote.wait(any, Duration::from_millis(50)), Err(MsgError::Timeout(..))),
+            "a receive from any source stays posted"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
