@@ -1,0 +1,703 @@
+//! The lanbus libfabric provider: tagged messages for MPI libraries that speak libfabric (Open
+//! MPI's ofi MTL), over lanbus messaging.
+//!
+//! Layer: on top of `lanbus_node::msg` (direct mode: the process owns a port) and
+//! `lanbus_node::msgd` (daemon mode: the process attaches to `lanbus msgd`). libfabric's objects,
+//! its tables of function pointers and its entry point `fi_prov_ini` are in `c/provider.c`,
+//! written against libfabric's own headers; it calls the functions below, which hold one
+//! endpoint's messaging state. Nothing here knows libfabric's constants: the C side says which
+//! flags a completion carries and turns [`ErrKind`] into libfabric's error numbers.
+//!
+//! Configuration, read when an endpoint opens (the environment of an MPI job's processes):
+//!
+//! - `LANBUS_FI_DAEMON=SOCKET[,SOCKET...]`: attach to `lanbus msgd` (daemon mode; the default,
+//!   at `/tmp/lanbus-msgd.sock`).
+//! - `LANBUS_FI_PORT=SPEC[,SPEC...]`: own a port instead (direct mode; the port's privileges).
+//! - With several sockets or specs, a process takes the one at its rank modulo their number
+//!   (`OMPI_COMM_WORLD_RANK`, `PMIX_RANK` or `PMI_RANK`): a job on one machine spreads over
+//!   several daemons as if over several machines.
+//! - `LANBUS_FI_EAGER_LIMIT=BYTES`: messages up to this size go eagerly (default 16 KiB).
+//!
+//! Progress is manual: reading the completion queue moves the records (daemon mode); in direct
+//! mode the port's runtime moves them and reading only collects what finished. Data reaches the
+//! application's receive buffer when its completion is read.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::{c_char, c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+use lanbus_msg::{Addr, Claim, Config, Failure, Match, Outcome, RequestId, Source, Status};
+use lanbus_node::msg::{MsgError, MsgNode};
+use lanbus_node::msgd::MsgClient;
+use lanbus_wire::MacAddr;
+
+/// Bytes of an endpoint's address (its node's MAC and its engine id, little-endian).
+pub const ADDR_LEN: usize = 8;
+
+/// The default daemon socket (that of `lanbus msgd`).
+pub const DEFAULT_DAEMON: &str = "/tmp/lanbus-msgd.sock";
+
+/// Why an operation ended in error; the C side maps these to libfabric's error numbers.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrKind {
+    /// No error.
+    None = 0,
+    /// The message was longer than the receive buffer (FI_ETRUNC).
+    Truncated = 1,
+    /// The receive was cancelled (FI_ECANCELED).
+    Cancelled = 2,
+    /// A peek found no message (FI_ENOMSG).
+    NoMessage = 3,
+    /// The peer went down, restarted or went away (FI_EHOSTUNREACH).
+    PeerGone = 4,
+    /// The daemon went away (FI_EIO).
+    DaemonGone = 5,
+}
+
+/// One completion as the C side turns it into libfabric's entries.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct LbCompletion {
+    /// The application's context of the operation.
+    pub context: *mut c_void,
+    /// The entry's flags (given by the C side when the operation started).
+    pub flags: u64,
+    /// Bytes received (or, for a peek, the message's length).
+    pub len: usize,
+    /// The receive buffer.
+    pub buf: *mut c_void,
+    /// The message's tag.
+    pub tag: u64,
+    /// The sender's remote CQ data (4 bytes, carried in the message's context field).
+    pub data: u64,
+    /// Bytes that did not fit (truncation).
+    pub olen: usize,
+    /// [`ErrKind`] as a number.
+    pub err: u32,
+}
+
+/// How an operation's completion is reported.
+#[derive(Debug, Clone, Copy)]
+struct Report {
+    context: usize,
+    flags: u64,
+    /// Whether a successful completion is written (errors always are, but for injects).
+    wanted: bool,
+}
+
+/// An operation under way.
+#[derive(Debug)]
+struct Op {
+    report: Report,
+    /// Receive buffer and its size (0 for sends).
+    buf: usize,
+    cap: usize,
+    /// The message is received and dropped (FI_DISCARD): no bytes land, no truncation.
+    discard: bool,
+    /// A receive (cancellable).
+    recv: bool,
+}
+
+enum Link {
+    Direct(MsgNode),
+    Daemon(Box<MsgClient>),
+}
+
+struct Inner {
+    link: Link,
+    addr: Addr,
+    ops: HashMap<RequestId, Op>,
+    /// Messages claimed by a peek, by the context that claimed them.
+    claims: HashMap<usize, Claim>,
+    ready: VecDeque<LbCompletion>,
+    /// Set once the daemon went away: everything fails from then on.
+    broken: bool,
+}
+
+/// One libfabric endpoint's messaging state.
+pub struct Endpoint {
+    inner: Mutex<Inner>,
+}
+
+/// What `LANBUS_FI_*` asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mode {
+    /// Attach to the daemon at this socket.
+    Daemon(String),
+    /// Own this port.
+    Direct(String),
+}
+
+/// The process's rank in its job, from the variables MPI launchers set (0 if none).
+fn rank() -> usize {
+    ["OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The entry of a comma-separated list this rank takes.
+fn pick(list: &str, rank: usize) -> Option<String> {
+    let items: Vec<&str> = list.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    (!items.is_empty()).then(|| items[rank % items.len()].to_string())
+}
+
+/// Reads the configuration from variable values (`port`, `daemon`) and the rank.
+pub fn mode_from(port: Option<&str>, daemon: Option<&str>, rank: usize) -> Result<Mode, String> {
+    match (port, daemon) {
+        (Some(_), Some(_)) => Err("set LANBUS_FI_PORT (direct mode) or LANBUS_FI_DAEMON, not both".into()),
+        (Some(p), None) => pick(p, rank).map(Mode::Direct).ok_or_else(|| "LANBUS_FI_PORT is empty".into()),
+        (None, Some(d)) => pick(d, rank).map(Mode::Daemon).ok_or_else(|| "LANBUS_FI_DAEMON is empty".into()),
+        (None, None) => Ok(Mode::Daemon(DEFAULT_DAEMON.into())),
+    }
+}
+
+fn engine_config() -> Result<Config, String> {
+    let mut cfg = Config::default();
+    if let Ok(v) = std::env::var("LANBUS_FI_EAGER_LIMIT") {
+        cfg.eager_limit =
+            v.parse().map_err(|_| format!("LANBUS_FI_EAGER_LIMIT={v:?}: expected a number of bytes"))?;
+    }
+    Ok(cfg)
+}
+
+fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn addr_from(b: &[u8; ADDR_LEN]) -> Addr {
+    Addr { mac: MacAddr(b[..6].try_into().expect("6 bytes")), id: u16::from_le_bytes([b[6], b[7]]) }
+}
+
+/// An address as libfabric carries it.
+pub fn addr_bytes(a: Addr) -> [u8; ADDR_LEN] {
+    let mut b = [0u8; ADDR_LEN];
+    b[..6].copy_from_slice(&a.mac.0);
+    b[6..].copy_from_slice(&a.id.to_le_bytes());
+    b
+}
+
+impl Endpoint {
+    /// Opens an endpoint as the environment says.
+    pub fn open() -> Result<Endpoint, String> {
+        let port = std::env::var("LANBUS_FI_PORT").ok();
+        let daemon = std::env::var("LANBUS_FI_DAEMON").ok();
+        Endpoint::open_mode(mode_from(port.as_deref(), daemon.as_deref(), rank())?, engine_config()?)
+    }
+
+    /// Opens an endpoint in `mode`.
+    pub fn open_mode(mode: Mode, cfg: Config) -> Result<Endpoint, String> {
+        let link = match &mode {
+            Mode::Daemon(socket) => {
+                let client = MsgClient::connect(Path::new(socket), cfg).map_err(|e| {
+                    format!("{e}: is `lanbus msgd` running there? (LANBUS_FI_DAEMON names its socket)")
+                })?;
+                Link::Daemon(Box::new(client))
+            }
+            Mode::Direct(spec) => {
+                let port = lanbus_port::open(spec).map_err(|e| format!("opening port {spec}: {e}"))?;
+                let rc = lanbus_node::config::runtime_config("fi", lanbus_runtime::ThreadMode::default());
+                Link::Direct(MsgNode::start(port, 1, rc, cfg).map_err(|e| e.to_string())?)
+            }
+        };
+        let addr = match &link {
+            Link::Direct(n) => n.addr(),
+            Link::Daemon(c) => c.addr(),
+        };
+        let inner = Inner {
+            link,
+            addr,
+            ops: HashMap::new(),
+            claims: HashMap::new(),
+            ready: VecDeque::new(),
+            broken: false,
+        };
+        Ok(Endpoint { inner: Mutex::new(inner) })
+    }
+
+    /// This endpoint's address.
+    pub fn addr(&self) -> Addr {
+        lock(&self.inner).addr
+    }
+}
+
+impl Inner {
+    /// Moves records (daemon mode) and turns finished requests into completions.
+    fn progress(&mut self) {
+        let finished = match &mut self.link {
+            Link::Direct(n) => n.take_finished(),
+            Link::Daemon(c) => {
+                if !self.broken {
+                    if let Err(MsgError::DaemonGone) = c.progress() {
+                        self.broken = true;
+                    }
+                }
+                c.take_finished()
+            }
+        };
+        for (id, outcome) in finished {
+            if let Some(op) = self.ops.remove(&id) {
+                self.finish(op, outcome);
+            }
+        }
+        if self.broken {
+            for (_, op) in std::mem::take(&mut self.ops) {
+                self.fail(op.report, ErrKind::DaemonGone);
+            }
+        }
+    }
+
+    fn finish(&mut self, op: Op, outcome: Outcome) {
+        match outcome {
+            Outcome::Sent => self.succeed(op.report, 0, std::ptr::null_mut(), 0, 0),
+            Outcome::Received { status, data, truncated, .. } => {
+                let cq_data = u64::from(status.context);
+                if op.discard {
+                    return self.succeed(op.report, 0, std::ptr::null_mut(), status.tag, cq_data);
+                }
+                let n = data.len().min(op.cap);
+                if n > 0 {
+                    // SAFETY: libfabric's contract: the receive buffer of `cap` bytes stays the
+                    // application's to lend until the operation's completion is read, which is now.
+                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), op.buf as *mut u8, n) };
+                }
+                let buf = op.buf as *mut c_void;
+                if truncated {
+                    let olen = (status.len as usize).saturating_sub(n);
+                    let mut e = entry(op.report, n, buf, status.tag, olen, ErrKind::Truncated);
+                    e.data = cq_data;
+                    self.ready.push_back(e);
+                } else {
+                    self.succeed(op.report, n, buf, status.tag, cq_data);
+                }
+            }
+            Outcome::Cancelled => self.fail(op.report, ErrKind::Cancelled),
+            Outcome::Failed(Failure::PeerDown(_) | Failure::EndpointGone(_)) => {
+                self.fail(op.report, ErrKind::PeerGone)
+            }
+        }
+    }
+
+    fn succeed(&mut self, r: Report, len: usize, buf: *mut c_void, tag: u64, data: u64) {
+        if r.wanted {
+            let mut e = entry(r, len, buf, tag, 0, ErrKind::None);
+            e.data = data;
+            self.ready.push_back(e);
+        }
+    }
+
+    fn fail(&mut self, r: Report, why: ErrKind) {
+        // An operation without a context (an inject) has no one to tell.
+        if r.context != 0 {
+            self.ready.push_back(entry(r, 0, std::ptr::null_mut(), 0, 0, why));
+        }
+    }
+
+    /// Tracks request `id`; without one (the daemon went away) the operation fails.
+    fn start(&mut self, id: Option<RequestId>, op: Op) {
+        match id {
+            Some(id) => {
+                self.ops.insert(id, op);
+            }
+            None => {
+                self.broken = true;
+                self.fail(op.report, ErrKind::DaemonGone);
+            }
+        }
+        self.progress();
+    }
+}
+
+fn entry(r: Report, len: usize, buf: *mut c_void, tag: u64, olen: usize, err: ErrKind) -> LbCompletion {
+    LbCompletion {
+        context: r.context as *mut c_void,
+        flags: r.flags,
+        len,
+        buf,
+        tag,
+        data: 0,
+        olen,
+        err: err as u32,
+    }
+}
+
+/// What a receive does besides receiving (libfabric's FI_PEEK, FI_CLAIM, FI_DISCARD).
+pub const RECV_PEEK: u32 = 1;
+/// See [`RECV_PEEK`].
+pub const RECV_CLAIM: u32 = 2;
+/// See [`RECV_PEEK`].
+pub const RECV_DISCARD: u32 = 4;
+
+impl Endpoint {
+    /// Starts a send of `data` to `dest` with remote CQ data `cq_data`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn send(
+        &self,
+        dest: Addr,
+        data: Vec<u8>,
+        tag: u64,
+        cq_data: u32,
+        context: usize,
+        flags: u64,
+        wanted: bool,
+    ) {
+        let mut g = lock(&self.inner);
+        let report = Report { context, flags, wanted };
+        let op = Op { report, buf: 0, cap: 0, discard: false, recv: false };
+        if g.broken {
+            return g.fail(report, ErrKind::DaemonGone);
+        }
+        let id = match &mut g.link {
+            Link::Direct(n) => Some(n.isend(dest, cq_data, tag, data)),
+            Link::Daemon(c) => c.isend(dest, cq_data, tag, data).ok(),
+        };
+        g.start(id, op);
+    }
+
+    /// Starts a receive (or a peek, or the receive of a claimed message) into `cap` bytes at
+    /// `buf`. `how` is a set of `RECV_*`. Returns false for a claimed receive whose context
+    /// claimed nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub fn recv(
+        &self,
+        source: Option<Addr>,
+        buf: usize,
+        cap: usize,
+        tag: u64,
+        ignore: u64,
+        context: usize,
+        flags: u64,
+        wanted: bool,
+        how: u32,
+    ) -> bool {
+        let mut g = lock(&self.inner);
+        let report = Report { context, flags, wanted };
+        if g.broken {
+            g.fail(report, ErrKind::DaemonGone);
+            return true;
+        }
+        // The context field carries remote CQ data: matching is on source and tag alone.
+        let m = Match { source: source.map_or(Source::Any, Source::Only), context: None, tag, ignore };
+        let discard = how & RECV_DISCARD != 0;
+        let op = Op { report, buf, cap, discard, recv: true };
+        if how & RECV_PEEK != 0 {
+            g.progress();
+            let found: Option<Status> = if how & (RECV_CLAIM | RECV_DISCARD) != 0 {
+                let claimed = match &mut g.link {
+                    Link::Direct(n) => n.claim(m),
+                    Link::Daemon(c) => c.claim(m).ok().flatten(),
+                };
+                claimed.map(|(claim, status)| {
+                    if discard {
+                        let id = recv_claimed(&mut g.link, claim, 0);
+                        let quiet = Report { context: 0, flags, wanted: false };
+                        g.start(id, Op { report: quiet, buf: 0, cap: 0, discard: true, recv: true });
+                    } else {
+                        g.claims.insert(context, claim);
+                    }
+                    status
+                })
+            } else {
+                match &mut g.link {
+                    Link::Direct(n) => n.probe(m),
+                    Link::Daemon(c) => c.probe(m).ok().flatten(),
+                }
+            };
+            match found {
+                Some(st) => {
+                    let mut e =
+                        entry(report, st.len as usize, std::ptr::null_mut(), st.tag, 0, ErrKind::None);
+                    e.data = u64::from(st.context);
+                    g.ready.push_back(e);
+                }
+                None => g.fail(report, ErrKind::NoMessage),
+            }
+            return true;
+        }
+        if how & RECV_CLAIM != 0 {
+            let Some(claim) = g.claims.remove(&context) else { return false };
+            let id = recv_claimed(&mut g.link, claim, if discard { 0 } else { cap });
+            g.start(id, op);
+            return true;
+        }
+        let id = match &mut g.link {
+            Link::Direct(n) => Some(n.irecv(m, cap)),
+            Link::Daemon(c) => c.irecv(m, cap).ok(),
+        };
+        g.start(id, op);
+        true
+    }
+
+    /// Cancels the receive started with `context`; true if it will complete as cancelled.
+    pub fn cancel(&self, context: usize) -> bool {
+        let mut g = lock(&self.inner);
+        let found = g.ops.iter().find(|(_, op)| op.recv && op.report.context == context).map(|(id, _)| *id);
+        let Some(id) = found else { return false };
+        let done = match &mut g.link {
+            Link::Direct(n) => n.cancel(id),
+            Link::Daemon(c) => c.cancel(id),
+        };
+        g.progress();
+        done
+    }
+
+    /// Moves up to `out.len()` successful completions into `out`. Returns how many, or `None`
+    /// when the next completion is an error (read it with [`Endpoint::read_error`]).
+    pub fn read(&self, out: &mut [LbCompletion]) -> Option<usize> {
+        let mut g = lock(&self.inner);
+        g.progress();
+        let mut n = 0;
+        while n < out.len() {
+            match g.ready.front() {
+                Some(c) if c.err == ErrKind::None as u32 => {
+                    out[n] = g.ready.pop_front().expect("there");
+                    n += 1;
+                }
+                Some(_) if n == 0 => return None,
+                _ => break,
+            }
+        }
+        Some(n)
+    }
+
+    /// Takes the error completion at the head of the queue, if that is one.
+    pub fn read_error(&self) -> Option<LbCompletion> {
+        let mut g = lock(&self.inner);
+        match g.ready.front() {
+            Some(c) if c.err != ErrKind::None as u32 => g.ready.pop_front(),
+            _ => None,
+        }
+    }
+}
+
+fn recv_claimed(link: &mut Link, claim: Claim, cap: usize) -> Option<RequestId> {
+    match link {
+        Link::Direct(n) => n.recv_claimed(claim, cap),
+        Link::Daemon(c) => c.recv_claimed(claim, cap).ok().flatten(),
+    }
+}
+
+// ---- The functions `c/provider.c` calls. Each catches panics: none may unwind into C. ----
+
+fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or(fallback)
+}
+
+/// # Safety
+/// `ep` is null or an endpoint from [`lanbus_fi_ep_open`] not yet closed.
+unsafe fn ep_ref<'a>(ep: *const Endpoint) -> Option<&'a Endpoint> {
+    // SAFETY: the caller's contract.
+    unsafe { ep.as_ref() }
+}
+
+/// Opens an endpoint; on failure returns null and writes why (NUL-terminated) into `err`.
+///
+/// # Safety
+/// `err` points to `err_len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn lanbus_fi_ep_open(err: *mut c_char, err_len: usize) -> *mut Endpoint {
+    let r = guard(Err("the provider panicked opening the endpoint".to_string()), Endpoint::open);
+    match r {
+        Ok(ep) => Box::into_raw(Box::new(ep)),
+        Err(why) => {
+            if !err.is_null() && err_len > 0 {
+                let n = why.len().min(err_len - 1);
+                // SAFETY: the caller's contract; n + 1 <= err_len.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(why.as_ptr(), err as *mut u8, n);
+                    *err.add(n) = 0;
+                }
+            }
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Closes an endpoint (what it sent is given a moment to leave).
+///
+/// # Safety
+/// `ep` came from [`lanbus_fi_ep_open`] and is not used again.
+#[no_mangle]
+pub unsafe extern "C" fn lanbus_fi_ep_close(ep: *mut Endpoint) {
+    if !ep.is_null() {
+        // SAFETY: the caller's contract.
+        guard((), || drop(unsafe { Box::from_raw(ep) }));
+    }
+}
+
+/// Writes the endpoint's [`ADDR_LEN`]-byte address to `out`.
+///
+/// # Safety
+/// `ep` is an open endpoint; `out` points to [`ADDR_LEN`] writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn lanbus_fi_ep_name(ep: *const Endpoint, out: *mut u8) {
+    // SAFETY: the caller's contract.
+    let Some(ep) = (unsafe { ep_ref(ep) }) else { return };
+    let b = addr_bytes(ep.addr());
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), out, ADDR_LEN) };
+}
+
+/// Starts a send of `len` bytes at `buf` with remote CQ data `cq_data` to the endpoint whose
+/// address is at `dest`; the bytes are copied before this returns. Returns 0, or -1 for a bad argument.
+///
+/// # Safety
+/// `ep` is an open endpoint; `dest` points to [`ADDR_LEN`] bytes; `buf` to `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn lanbus_fi_send(
+    ep: *const Endpoint,
+    dest: *const u8,
+    buf: *const c_void,
+    len: usize,
+    tag: u64,
+    cq_data: u64,
+    context: *mut c_void,
+    flags: u64,
+    wanted: bool,
+) -> c_int {
+    // SAFETY: the caller's contract.
+    let Some(ep) = (unsafe { ep_ref(ep) }) else { return -1 };
+    if dest.is_null() || (buf.is_null() && len > 0) {
+        return -1;
+    }
+    // SAFETY: the caller's contract.
+    let dest = addr_from(unsafe { &*(dest as *const [u8; ADDR_LEN]) });
+    let data = if len == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec()
+    };
+    guard(-1, || {
+        // Remote CQ data is 4 bytes (the domain's cq_data_size).
+        ep.send(dest, data, tag, cq_data as u32, context as usize, flags, wanted);
+        0
+    })
+}
+
+/// Starts a receive; `src` is null for any source. Returns 0, or -1 for a bad argument or a
+/// claimed receive whose context claimed nothing.
+///
+/// # Safety
+/// `ep` is an open endpoint; `src` null or [`ADDR_LEN`] bytes; `buf` `len` writable bytes that
+/// stay valid until the receive's completion is read.
+#[no_mangle]
+pub unsafe extern "C" fn lanbus_fi_recv(
+    ep: *const Endpoint,
+    src: *const u8,
+    buf: *mut c_void,
+    len: usize,
+    tag: u64,
+    ignore: u64,
+    context: *mut c_void,
+    flags: u64,
+    wanted: bool,
+    how: u32,
+) -> c_int {
+    // SAFETY: the caller's contract.
+    let Some(ep) = (unsafe { ep_ref(ep) }) else { return -1 };
+    if buf.is_null() && len > 0 {
+        return -1;
+    }
+    // SAFETY: the caller's contract.
+    let source = (!src.is_null()).then(|| addr_from(unsafe { &*(src as *const [u8; ADDR_LEN]) }));
+    let ok = guard(false, || {
+        ep.recv(source, buf as usize, len, tag, ignore, context as usize, flags, wanted, how)
+    });
+    if ok {
+        0
+    } else {
+        -1
+    }
+}
+
+/// Cancels the receive started with `context`: 0 if it completes as cancelled, -1 if there is
+/// none to cancel.
+///
+/// # Safety
+/// `ep` is an open endpoint.
+#[no_mangle]
+pub unsafe extern "C" fn lanbus_fi_cancel(ep: *const Endpoint, context: *mut c_void) -> c_int {
+    // SAFETY: the caller's contract.
+    let Some(ep) = (unsafe { ep_ref(ep) }) else { return -1 };
+    if guard(false, || ep.cancel(context as usize)) {
+        0
+    } else {
+        -1
+    }
+}
+
+/// Makes progress and moves up to `max` successful completions to `out`: their number, or -1
+/// when the next completion is an error.
+///
+/// # Safety
+/// `ep` is an open endpoint; `out` points to `max` writable entries.
+#[no_mangle]
+pub unsafe extern "C" fn lanbus_fi_read(ep: *const Endpoint, out: *mut LbCompletion, max: usize) -> isize {
+    // SAFETY: the caller's contract.
+    let Some(ep) = (unsafe { ep_ref(ep) }) else { return 0 };
+    if out.is_null() || max == 0 {
+        return 0;
+    }
+    // SAFETY: the caller's contract.
+    let out = unsafe { std::slice::from_raw_parts_mut(out, max) };
+    match guard(Some(0), || ep.read(out)) {
+        Some(n) => n as isize,
+        None => -1,
+    }
+}
+
+/// Moves the error completion at the head of the queue to `out`: 1, or 0 if there is none.
+///
+/// # Safety
+/// `ep` is an open endpoint; `out` points to a writable entry.
+#[no_mangle]
+pub unsafe extern "C" fn lanbus_fi_read_error(ep: *const Endpoint, out: *mut LbCompletion) -> c_int {
+    // SAFETY: the caller's contract.
+    let Some(ep) = (unsafe { ep_ref(ep) }) else { return 0 };
+    match guard(None, || ep.read_error()) {
+        Some(c) if !out.is_null() => {
+            // SAFETY: the caller's contract.
+            unsafe { out.write(c) };
+            1
+        }
+        _ => 0,
+    }
+}
+
+#[cfg(libfabric)]
+extern "C" {
+    fn lanbus_fi_provider() -> *mut c_void;
+}
+
+/// libfabric's entry point for a provider it loads from `FI_PROVIDER_PATH` (exported from
+/// Rust so that the library exports it; the provider itself is in `c/provider.c`).
+#[cfg(libfabric)]
+#[no_mangle]
+pub extern "C" fn fi_prov_ini() -> *mut c_void {
+    // SAFETY: a C function without arguments returning a pointer to a static.
+    unsafe { lanbus_fi_provider() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rank_picks_a_socket_or_port() {
+        assert_eq!(mode_from(None, None, 3), Ok(Mode::Daemon(DEFAULT_DAEMON.into())));
+        assert_eq!(mode_from(None, Some("/a,/b"), 3), Ok(Mode::Daemon("/b".into())));
+        assert_eq!(mode_from(Some("afpacket:eth1"), None, 3), Ok(Mode::Direct("afpacket:eth1".into())));
+        assert!(mode_from(Some("x"), Some("y"), 0).unwrap_err().contains("not both"));
+        assert!(mode_from(None, Some(" , "), 0).unwrap_err().contains("empty"));
+    }
+
+    #[test]
+    fn addresses_round_trip() {
+        let a = Addr { mac: MacAddr([2, 0, 0, 0, 0, 9]), id: 513 };
+        assert_eq!(addr_from(&addr_bytes(a)), a);
+    }
+}
