@@ -1,0 +1,304 @@
+//! Real MPI programs through the lanbus libfabric provider (`liblanbus-fi.so`, loaded by
+//! Debian's libfabric through `FI_PROVIDER_PATH`) and Open MPI's ofi MTL, unmodified:
+//!
+//! - a C program (`tests/mpi/checks.c`: nonblocking sends and receives, MPI_ANY_SOURCE and
+//!   MPI_ANY_TAG, truncation, synchronous sends, probes, a cancelled receive) on 2 and 4 ranks;
+//! - an mpi4py program (`tests/mpi/checks.py`: pickles, buffers, Bcast, Reduce, Allreduce,
+//!   Barrier) on 2 and 4 ranks, run with Debian's `/usr/bin/python3`;
+//! - NetPIPE's `NPopenmpi` up to 8 MiB;
+//! - at the libfabric level (`tests/mpi/peer_gone.c`, no launcher), a peer killed in the middle
+//!   of a run: the survivor's receive from it and send to it complete with FI_EHOSTUNREACH
+//!   through `fi_cq_readerr`, and the daemons go on serving a new job.
+//!
+//! Without root, ranks spread over two `lanbus msgd` daemons joined by the shm port, as two
+//! machines would be. As root, the daemons sit in two network namespaces joined by a veth pair,
+//! over afpacket and over afxdp, and the veth's byte counters show the job crossed it.
+//!
+//! Needs Open MPI, libfabric's headers, NetPIPE, mpi4py (`scripts/setup` installs them as root)
+//! and the built provider (`scripts/test` builds it); without them it says what is missing and
+//! skips, but not as root, where `scripts/test` provides them all.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use lanbus_port::netns::{check_root, VethPair};
+
+const PROGRAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mpi");
+
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn is_root() -> bool {
+    check_root().is_ok()
+}
+
+/// What the tests need that is not the project's: missing pieces, named.
+fn missing_tools() -> Vec<&'static str> {
+    let have = |cmd: &str| {
+        Command::new("sh")
+            .args(["-c", &format!("command -v {cmd}")])
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let mut missing = Vec::new();
+    for (tool, package) in
+        [("mpirun", "openmpi-bin"), ("mpicc", "libopenmpi-dev"), ("NPopenmpi", "netpipe-openmpi")]
+    {
+        if !have(tool) {
+            missing.push(package);
+        }
+    }
+    if !Path::new("/usr/include/rdma/fabric.h").exists() {
+        missing.push("libfabric-dev");
+    }
+    let mpi4py =
+        Command::new("/usr/bin/python3").args(["-c", "import mpi4py"]).stderr(Stdio::null()).status();
+    if !mpi4py.is_ok_and(|s| s.success()) {
+        missing.push("python3-mpi4py");
+    }
+    if !built_provider().exists() {
+        missing.push("liblanbus_fi.so (cargo build -p lanbus-fi)");
+    }
+    missing
+}
+
+/// Skips (returns false) when the tools are missing; as root, where `scripts/setup` installs
+/// them, that is a failure.
+fn tools_ready(test: &str) -> bool {
+    let missing = missing_tools();
+    if missing.is_empty() {
+        return true;
+    }
+    assert!(!is_root(), "{test}: missing {missing:?}: scripts/test installs and builds them as root");
+    eprintln!("{test}: skipped: missing {missing:?} (scripts/test installs and builds them as root)");
+    false
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("lanbus-mpi-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The provider as cargo built it (`cargo build -p lanbus-fi`, which `scripts/test` runs: a
+/// test cannot build a library itself while cargo holds the build folder).
+fn built_provider() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_lanbus")).parent().unwrap().join("liblanbus_fi.so")
+}
+
+/// A folder holding the provider under the name libfabric looks for (`lib<name>-fi.so`).
+fn provider_dir(dir: &Path) -> PathBuf {
+    let lib = built_provider();
+    let d = dir.join("provider");
+    std::fs::create_dir_all(&d).unwrap();
+    std::os::unix::fs::symlink(&lib, d.join("liblanbus-fi.so")).unwrap();
+    d
+}
+
+fn run(cmd: &mut Command, what: &str) -> Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Builds the test programs into `dir`.
+fn build_programs(dir: &Path) {
+    run(
+        Command::new("mpicc")
+            .args(["-O2", "-Wall", "-o"])
+            .arg(dir.join("checks"))
+            .arg(format!("{PROGRAMS}/checks.c")),
+        "mpicc checks.c",
+    );
+    run(
+        Command::new("gcc")
+            .args(["-O2", "-Wall", "-o"])
+            .arg(dir.join("peer_gone"))
+            .arg(format!("{PROGRAMS}/peer_gone.c"))
+            .arg("-lfabric"),
+        "gcc peer_gone.c",
+    );
+}
+
+/// Starts `lanbus msgd` (in `ns` if given) and waits for its socket.
+fn msgd(ns: Option<&lanbus_port::netns::Netns>, port: &str, socket: &Path, log: &Path) -> Daemon {
+    let log = std::fs::File::create(log).unwrap();
+    let mut cmd = match ns {
+        Some(ns) => ns.command(env!("CARGO_BIN_EXE_lanbus")),
+        None => Command::new(env!("CARGO_BIN_EXE_lanbus")),
+    };
+    cmd.args(["msgd", "--port", port, "--socket"]).arg(socket).stdout(Stdio::null()).stderr(log);
+    let d = Daemon(cmd.spawn().unwrap());
+    let t = Instant::now();
+    while !socket.exists() {
+        assert!(t.elapsed() < Duration::from_secs(10), "msgd never made {}", socket.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d
+}
+
+/// The environment every process of a job gets: the provider and the daemons, a rank taking the
+/// daemon at its rank modulo their number.
+fn job_env(cmd: &mut Command, provider: &Path, sockets: &[PathBuf]) {
+    let list: Vec<String> = sockets.iter().map(|s| s.display().to_string()).collect();
+    cmd.env("FI_PROVIDER_PATH", provider)
+        .env("FI_PROVIDER", "lanbus")
+        .env("LANBUS_FI_DAEMON", list.join(","))
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+}
+
+/// `mpirun` over the lanbus provider with `ranks` ranks.
+fn mpirun(provider: &Path, sockets: &[PathBuf], ranks: usize, program: &[&str], what: &str) -> String {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--oversubscribe", "--bind-to", "none", "-np", &ranks.to_string()])
+        .args(["--mca", "pml", "cm", "--mca", "mtl", "ofi", "--mca", "mtl_ofi_provider_include", "lanbus"])
+        .args(["-x", "FI_PROVIDER_PATH", "-x", "FI_PROVIDER", "-x", "LANBUS_FI_DAEMON"])
+        .args(program);
+    job_env(&mut cmd, provider, sockets);
+    let out = run(&mut cmd, what);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The jobs every wire runs: the C checks and the mpi4py checks on 2 and 4 ranks.
+fn checks(dir: &Path, provider: &Path, sockets: &[PathBuf]) {
+    let checks = dir.join("checks");
+    for ranks in [2, 4] {
+        let out = mpirun(provider, sockets, ranks, &[checks.to_str().unwrap()], "checks.c");
+        assert!(out.contains(&format!("checks passed on {ranks} ranks")), "{out}");
+        let py = format!("{PROGRAMS}/checks.py");
+        let out = mpirun(provider, sockets, ranks, &["/usr/bin/python3", &py], "checks.py");
+        assert!(out.contains(&format!("python checks passed on {ranks} ranks")), "{out}");
+    }
+}
+
+/// NetPIPE through Open MPI up to 8 MiB; returns its largest size.
+fn netpipe(dir: &Path, provider: &Path, sockets: &[PathBuf]) -> u64 {
+    let out_file = dir.join("np.out");
+    mpirun(
+        provider,
+        sockets,
+        2,
+        &["NPopenmpi", "-p", "0", "-u", "8388608", "-o", out_file.to_str().unwrap()],
+        "NPopenmpi",
+    );
+    let table = std::fs::read_to_string(&out_file).unwrap();
+    let largest =
+        table.lines().filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok()).max().unwrap_or(0);
+    assert!(largest >= 8 << 20, "NetPIPE reached {largest} bytes:\n{table}");
+    largest
+}
+
+/// A peer killed in the middle: the survivor's operations toward it fail through
+/// `fi_cq_readerr` within the bound.
+fn peer_killed(dir: &Path, provider: &Path, server_socket: &Path, client_socket: &Path) {
+    let addr = dir.join("server.addr");
+    let program = dir.join("peer_gone");
+    let mut server = Command::new(&program);
+    server.arg("serve").arg(&addr);
+    job_env(&mut server, provider, &[server_socket.to_path_buf()]);
+    let mut server = server.spawn().unwrap();
+    let t = Instant::now();
+    while !addr.exists() {
+        assert!(t.elapsed() < Duration::from_secs(10), "the server never wrote its address");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut client = Command::new(&program);
+    client.arg("client").arg(&addr).stdout(Stdio::piped());
+    job_env(&mut client, provider, &[client_socket.to_path_buf()]);
+    let mut client = client.spawn().unwrap();
+    let mut stdout = std::io::BufReader::new(client.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+    assert_eq!(line.trim(), "posted");
+    // Let the rendezvous announcement reach the server before it dies.
+    std::thread::sleep(Duration::from_millis(200));
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let killed = Instant::now();
+    let status = client.wait().unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    assert!(status.success(), "the survivor's operations did not fail as they should:\n{rest}");
+    assert!(rest.matches("No route to host").count() == 2, "{rest}");
+    assert!(killed.elapsed() < Duration::from_secs(20), "errors within the bound");
+    eprintln!("peer killed: {}", rest.trim().replace('\n', "; "));
+}
+
+#[test]
+fn mpi_programs_over_two_daemons_joined_by_the_shm_port() {
+    if !tools_ready("mpi_programs_over_two_daemons_joined_by_the_shm_port") {
+        return;
+    }
+    let dir = scratch("shm");
+    let provider = provider_dir(&dir);
+    build_programs(&dir);
+    let link = format!("shm:{}", dir.join("link.sock").display());
+    let sockets = [dir.join("a.sock"), dir.join("b.sock")];
+    let _a = msgd(None, &link, &sockets[0], &dir.join("a.log"));
+    let _b = msgd(None, &link, &sockets[1], &dir.join("b.log"));
+    checks(&dir, &provider, &sockets);
+    let largest = netpipe(&dir, &provider, &sockets);
+    eprintln!("NetPIPE through the provider reached {largest} bytes");
+    peer_killed(&dir, &provider, &sockets[0], &sockets[1]);
+    // The daemons go on serving new jobs.
+    let out =
+        mpirun(&provider, &sockets, 2, &[dir.join("checks").to_str().unwrap()], "checks.c after the kill");
+    assert!(out.contains("checks passed on 2 ranks"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A veth's bytes received and sent, read inside its namespace.
+fn veth_bytes(end: &lanbus_port::netns::VethEnd) -> u64 {
+    let out =
+        end.netns.exec("cat", &[&format!("/sys/class/net/{}/statistics/rx_bytes", end.ifname)]).unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(0)
+}
+
+#[test]
+fn mpi_programs_across_namespaces_over_afpacket_and_afxdp() {
+    if let Err(skip) = check_root() {
+        eprintln!("mpi_programs_across_namespaces_over_afpacket_and_afxdp: skipped: {skip}");
+        return;
+    }
+    if !tools_ready("mpi_programs_across_namespaces_over_afpacket_and_afxdp") {
+        return;
+    }
+    for kind in ["afpacket", "afxdp"] {
+        let dir = scratch(kind);
+        let provider = provider_dir(&dir);
+        build_programs(&dir);
+        let pair = VethPair::create().unwrap_or_else(|s| panic!("{s}"));
+        let sockets = [dir.join("a.sock"), dir.join("b.sock")];
+        let _a =
+            msgd(Some(&pair.a.netns), &format!("{kind}:{}", pair.a.ifname), &sockets[0], &dir.join("a.log"));
+        let _b =
+            msgd(Some(&pair.b.netns), &format!("{kind}:{}", pair.b.ifname), &sockets[1], &dir.join("b.log"));
+        let before = (veth_bytes(&pair.a), veth_bytes(&pair.b));
+        checks(&dir, &provider, &sockets);
+        netpipe(&dir, &provider, &sockets);
+        let after = (veth_bytes(&pair.a), veth_bytes(&pair.b));
+        let crossed = (after.0 - before.0, after.1 - before.1);
+        eprintln!("{kind}: the jobs moved {} and {} bytes across the veth", crossed.0, crossed.1);
+        // NetPIPE alone sends each size both ways several times: far more than 8 MiB each way.
+        assert!(crossed.0 > 8 << 20 && crossed.1 > 8 << 20, "{kind}: {crossed:?} bytes crossed the veth");
+        peer_killed(&dir, &provider, &sockets[0], &sockets[1]);
+        drop((_a, _b));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
