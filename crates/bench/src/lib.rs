@@ -6,6 +6,7 @@
 pub mod fabric;
 mod interrupt;
 pub mod msg;
+mod msg_mpi;
 pub mod nbd;
 pub mod nvme;
 pub mod pcie;
@@ -82,6 +83,19 @@ fn free_udp_port() -> anyhow::Result<u16> {
 /// Bytes of IPv4 and UDP headers in front of a `udp` port's datagram.
 pub const UDP_IPV4_HEADERS: usize = 28;
 
+/// The port specs of `kind` for the two ends of `v` (a's, then b's), opened inside their
+/// namespaces.
+pub fn port_specs(kind: &str, v: &lanbus_port::netns::VethPair) -> anyhow::Result<(String, String)> {
+    // Datagrams as large as the link takes, as the other ports' frames are.
+    let udp_mtu = v.mtu()? - UDP_IPV4_HEADERS;
+    let spec = |end: &lanbus_port::netns::VethEnd, peer: &lanbus_port::netns::VethEnd| match kind {
+        "udp" => format!("udp:{}:7400,peer={}:7400,mtu={udp_mtu}", end.ipv4, peer.ipv4),
+        "afxdp" => format!("afxdp:{}", end.ifname),
+        _ => format!("{kind}:{},rx=v2", end.ifname),
+    };
+    Ok((spec(&v.a, &v.b), spec(&v.b, &v.a)))
+}
+
 /// The two ends of a `kind` port (udp, afpacket, afxdp) for a fabric row: over a veth pair between
 /// two namespaces when there is one (root), else udp over loopback.
 pub fn port_pair(
@@ -96,14 +110,7 @@ pub fn port_pair(
             Ok((a, b))
         }
         (_, Some(v)) => {
-            // Datagrams as large as the link takes, as the other ports' frames are.
-            let udp_mtu = v.mtu()? - UDP_IPV4_HEADERS;
-            let spec = |end: &lanbus_port::netns::VethEnd, peer: &lanbus_port::netns::VethEnd| match kind {
-                "udp" => format!("udp:{}:7400,peer={}:7400,mtu={udp_mtu}", end.ipv4, peer.ipv4),
-                "afxdp" => format!("afxdp:{}", end.ifname),
-                _ => format!("{kind}:{},rx=v2", end.ifname),
-            };
-            let (sa, sb) = (spec(&v.a, &v.b), spec(&v.b, &v.a));
+            let (sa, sb) = port_specs(kind, v)?;
             let a = v.a.netns.run(move || lanbus_port::open(&sa).map_err(|e| e.to_string()))?;
             let b = v.b.netns.run(move || lanbus_port::open(&sb).map_err(|e| e.to_string()))?;
             Ok((a.map_err(anyhow::Error::msg)?, b.map_err(anyhow::Error::msg)?))

@@ -15,7 +15,8 @@
 //! (RTS, CTS, then the data). The peer runs NPtcp's receiver in one namespace and its transmitter
 //! in the other over the same sizes. Runs go in turns (each lanbus kind, then the peer) and a
 //! figure is the median of its runs; `latency_vs_nptcp` divides lanbus's by NetPIPE's (below 1:
-//! lanbus is faster).
+//! lanbus is faster). `--mpi` adds rows measured through Open MPI itself (see `msg_mpi`): the
+//! lanbus libfabric provider against Open MPI's tcp BTL on the same veth, in the same turns.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -30,6 +31,7 @@ use lanbus_node::process::end_with_parent;
 use lanbus_port::netns::VethPair;
 use lanbus_runtime::ThreadMode;
 
+use super::msg_mpi::Transport;
 use super::report::{median, Report, Row};
 
 /// Options of `lanbus bench msg`.
@@ -72,6 +74,16 @@ pub struct MsgArgs {
     /// behind a `lanbus msgd` daemon on each side that owns it (daemon). One row each.
     #[arg(long, value_delimiter = ',', default_value = "direct,daemon")]
     modes: Vec<Mode>,
+    /// Also measure through Open MPI: a ping-pong program built with mpicc under mpirun, its two
+    /// ranks in the two namespaces, over the lanbus libfabric provider (each port kind and mode)
+    /// and, as the peer, over Open MPI's tcp BTL across the same veth (`latency_vs_ompi_tcp`,
+    /// `bw_vs_ompi_tcp`). Needs Debian's openmpi-bin and libopenmpi-dev.
+    #[arg(long)]
+    mpi: bool,
+    /// The folder holding liblanbus-fi.so for --mpi (default: the one cargo built next to this
+    /// binary, else /usr/local/lib/lanbus/libfabric, where scripts/install-fi-provider puts it).
+    #[arg(long)]
+    fi_provider: Option<PathBuf>,
 }
 
 /// The tag that ends the echo side.
@@ -452,6 +464,10 @@ fn nptcp(
     Ok(rows)
 }
 
+fn row_of(name: &str, metric: &str, v: f64, size: usize, mtu: usize) -> Row {
+    Row::new(name, metric, v).with("size_bytes", size as u64).with("mtu", mtu as u64)
+}
+
 /// Runs the benchmark.
 pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     if args.sizes.is_empty() || args.sizes.contains(&0) {
@@ -488,6 +504,24 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     let mut lat: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; rows.len()];
     let mut bw: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; rows.len()];
     let (mut np_lat, mut np_bw): (Vec<Vec<f64>>, Vec<Vec<f64>>) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+    // Open MPI rows: (kind, mode), then the tcp BTL (`None`).
+    let mpi =
+        if args.mpi { Some(super::msg_mpi::Mpi::prepare(&dir, args.fi_provider.as_deref())?) } else { None };
+    let mut mpi_rows: Vec<Option<(&str, Mode)>> = Vec::new();
+    if mpi.is_some() {
+        for kind in &args.ports {
+            for &mode in &args.modes {
+                mpi_rows.push(Some((kind.as_str(), mode)));
+            }
+        }
+        if peer {
+            mpi_rows.push(None);
+        }
+    }
+    let mut mpi_lat: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; mpi_rows.len()];
+    let mut mpi_bw: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; mpi_rows.len()];
+    let mut mpi_bytes: Vec<Vec<f64>> = vec![Vec::new(); mpi_rows.len()];
+    let mpi_limit = if args.quick { Duration::from_secs(60) } else { Duration::from_secs(240) };
     for r in 0..runs {
         for (k, &(kind, mode, protocol)) in rows.iter().enumerate() {
             let what = format!("{kind} {} {}", mode.name(), protocol.name());
@@ -514,6 +548,33 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
                 match nptcp(&veth, largest, true, args.quick, &dir) {
                     Ok(np) => pick(&np, &mut np_bw),
                     Err(e) => eprintln!("bench msg: NPtcp streaming, run {}: {e:#}", r + 1),
+                }
+            }
+        }
+        if let Some(mpi) = &mpi {
+            for (k, row) in mpi_rows.iter().enumerate() {
+                let (what, transport) = match *row {
+                    Some((kind, Mode::Direct)) => {
+                        (format!("Open MPI over lanbus {kind} direct"), Transport::Direct(kind))
+                    }
+                    Some((kind, Mode::Daemon)) => {
+                        (format!("Open MPI over lanbus {kind} daemon"), Transport::Daemon(kind))
+                    }
+                    None => ("Open MPI tcp BTL".to_string(), Transport::Tcp),
+                };
+                eprintln!("bench msg: run {}/{runs}: {what}", r + 1);
+                match mpi.job(&veth, transport, &args.sizes, window.unwrap_or(0), mpi_limit) {
+                    Ok(job) => {
+                        for (i, &(_, us, mbs)) in job.figures.iter().enumerate() {
+                            mpi_lat[k][i].push(us);
+                            if mbs > 0.0 {
+                                mpi_bw[k][i].push(mbs);
+                            }
+                        }
+                        mpi_bytes[k].push(job.veth_bytes as f64);
+                    }
+                    // A stalled or failed job counts as none (said here), as NetPIPE's do.
+                    Err(e) => eprintln!("bench msg: {what}, run {}: {e:#}", r + 1),
                 }
             }
         }
@@ -546,6 +607,35 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
                     ratios.push(with(row(kind, "bw_vs_nptcp", mbs / p, size)));
                 }
             }
+        }
+    }
+    for (k, row) in mpi_rows.iter().enumerate() {
+        let name = match row {
+            Some((kind, _)) => format!("mpi:lanbus-{kind}"),
+            None => "peer:ompi-tcp".to_string(),
+        };
+        let with = |r: Row| match row {
+            Some((_, mode)) => r.with("mode", mode.name()).with("launcher", "mpirun"),
+            None => r.with("launcher", "mpirun"),
+        };
+        let peer_k = mpi_rows.iter().position(Option::is_none);
+        for (i, &size) in args.sizes.iter().enumerate() {
+            if let Some(us) = median(&mpi_lat[k][i]) {
+                report.push(with(row_of(&name, "latency_us", us, size, args.mtu)));
+                if let Some(p) = peer_k.filter(|&p| p != k).and_then(|p| median(&mpi_lat[p][i])) {
+                    ratios.push(with(row_of(&name, "latency_vs_ompi_tcp", us / p, size, args.mtu)));
+                }
+            }
+            if let Some(mbs) = median(&mpi_bw[k][i]) {
+                report.push(with(row_of(&name, "bw_mb_per_s", mbs, size, args.mtu)));
+                if let Some(p) = peer_k.filter(|&p| p != k).and_then(|p| median(&mpi_bw[p][i])) {
+                    ratios.push(with(row_of(&name, "bw_vs_ompi_tcp", mbs / p, size, args.mtu)));
+                }
+            }
+        }
+        // Proof that the job crossed the veth: its bytes (both ways) during the job.
+        if let Some(b) = median(&mpi_bytes[k]) {
+            report.push(with(Row::new(&name, "veth_bytes", b).with("mtu", args.mtu as u64)));
         }
     }
     report.rows.extend(ratios);

@@ -69,3 +69,46 @@ fn bench_msg_measures_both_ports_and_the_peer() {
         }
     }
 }
+
+/// `--mpi`: the ping-pong built with mpicc under mpirun, through the lanbus provider in both
+/// modes and, as the peer, through Open MPI's tcp BTL; each job's bytes counted on the veth.
+#[test]
+fn bench_msg_measures_open_mpi_over_lanbus_and_its_tcp_btl() {
+    if let Err(skip) = lanbus_port::netns::check_root() {
+        eprintln!("skipped: {skip}");
+        return;
+    }
+    let provider = std::path::Path::new(env!("CARGO_BIN_EXE_lanbus")).with_file_name("liblanbus_fi.so");
+    let mpi = Command::new("mpicc").arg("--version").output().is_ok_and(|o| o.status.success());
+    assert!(
+        mpi && provider.exists(),
+        "scripts/test installs Open MPI and builds the provider ({}) before the tests",
+        provider.display()
+    );
+    let json = std::env::temp_dir().join(format!("lanbus-bench-msg-mpi-{}.json", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
+        .args(["bench", "msg", "--quick", "--ports", "afpacket", "--sizes", "64,65536", "--mpi"])
+        .args(["--bandwidth", "--window", "8", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let rows = v["rows"].as_array().unwrap();
+    let find = |name: &str, mode: &str, metric: &str| {
+        rows.iter()
+            .find(|r| r["name"] == name && r["metric"] == metric && (mode.is_empty() || r["mode"] == mode))
+    };
+    for mode in ["direct", "daemon"] {
+        let lat = find("mpi:lanbus-afpacket", mode, "latency_us")
+            .and_then(|r| r["value"].as_f64())
+            .unwrap_or_else(|| panic!("no {mode} row through Open MPI: {v}"));
+        assert!(lat > 0.0 && lat < 100_000.0, "{mode}: {lat} µs");
+        let bytes = find("mpi:lanbus-afpacket", mode, "veth_bytes").and_then(|r| r["value"].as_f64());
+        assert!(bytes.is_some_and(|b| b > 65536.0), "{mode}: the job crossed the veth: {bytes:?}");
+    }
+    let peer = find("peer:ompi-tcp", "", "latency_us").and_then(|r| r["value"].as_f64());
+    assert!(peer.is_some_and(|us| us > 0.0), "the tcp BTL peer ran: {v}");
+    assert!(find("mpi:lanbus-afpacket", "direct", "latency_vs_ompi_tcp").is_some());
+}
