@@ -32,6 +32,7 @@ use lanbus_port::netns::VethPair;
 use lanbus_runtime::ThreadMode;
 
 use super::msg_mpi::Transport;
+use super::plot::{write_png, Plot, Series};
 use super::report::{median, Report, Row};
 
 /// Options of `lanbus bench msg`.
@@ -80,6 +81,10 @@ pub struct MsgArgs {
     /// `bw_vs_ompi_tcp`). Needs Debian's openmpi-bin and libopenmpi-dev.
     #[arg(long)]
     mpi: bool,
+    /// Write the plots as PREFIX-latency.png and PREFIX-bandwidth.png (latency and bandwidth by
+    /// size, a line per row).
+    #[arg(long, default_value = "bench-msg")]
+    png: String,
     /// The folder holding liblanbus-fi.so for --mpi (default: the one cargo built next to this
     /// binary, else /usr/local/lib/lanbus/libfabric, where scripts/install-fi-provider puts it).
     #[arg(long)]
@@ -638,7 +643,51 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
             report.push(with(Row::new(&name, "veth_bytes", b).with("mtu", args.mtu as u64)));
         }
     }
+    write_plots(&report.rows, &args.png)?;
     report.rows.extend(ratios);
     report.finish(args.json.as_deref())?;
+    Ok(())
+}
+
+/// Latency and bandwidth by size, a line per row (its name, mode and protocol).
+fn write_plots(rows: &[Row], prefix: &str) -> anyhow::Result<()> {
+    for (metric, file, y_label) in
+        [("latency_us", "latency", "one-way latency (µs)"), ("bw_mb_per_s", "bandwidth", "MB/s")]
+    {
+        let mut series: Vec<Series> = Vec::new();
+        for r in rows.iter().filter(|r| r.metric == metric) {
+            let Some(size) = r.params.get("size_bytes").and_then(|v| v.as_f64()) else { continue };
+            let param = |k: &str| r.params.get(k).and_then(|v| v.as_str()).map(|s| format!(" {s}"));
+            let name = format!(
+                "{}{}{}",
+                r.name,
+                param("mode").unwrap_or_default(),
+                param("protocol").unwrap_or_default()
+            );
+            match series.iter_mut().find(|s| s.name == name) {
+                Some(s) => s.points.push((size, r.value)),
+                None => series.push(Series { name, points: vec![(size, r.value)] }),
+            }
+        }
+        series.retain(|s| s.points.iter().all(|&(_, v)| v > 0.0));
+        if series.is_empty() {
+            continue;
+        }
+        for s in &mut series {
+            s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        let plot = Plot {
+            title: format!("lanbus messaging, {file} by message size"),
+            x_label: "message size (bytes)".into(),
+            y_label: y_label.into(),
+            x_log: true,
+            y_log: true,
+            legend_right: metric == "bw_mb_per_s",
+            series,
+        };
+        let path = PathBuf::from(format!("{prefix}-{file}.png"));
+        write_png(&plot, &path)?;
+        eprintln!("bench msg: plot {}", path.display());
+    }
     Ok(())
 }

@@ -13,9 +13,12 @@ fn bench_msg_measures_both_ports_and_the_peer() {
     let peer = Command::new("NPtcp").arg("-h").output().is_ok();
     let json = std::env::temp_dir().join(format!("lanbus-bench-msg-{}.json", std::process::id()));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_lanbus"));
+    let png = std::env::temp_dir().join(format!("lanbus-bench-msg-{}", std::process::id()));
     cmd.args(["bench", "msg", "--quick", "--sizes", "64,65536", "--protocols", "auto,eager", "--bandwidth"])
         .args(["--window", "8", "--json"])
-        .arg(&json);
+        .arg(&json)
+        .arg("--png")
+        .arg(&png);
     if !peer {
         eprintln!("NPtcp is not installed (Debian package netpipe-tcp): measuring without the peer");
         cmd.arg("--no-peer");
@@ -24,6 +27,11 @@ fn bench_msg_measures_both_ports_and_the_peer() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let _ = std::fs::remove_file(&json);
+    for plot in ["latency", "bandwidth"] {
+        let file = png.with_file_name(format!("lanbus-bench-msg-{}-{plot}.png", std::process::id()));
+        assert!(std::fs::metadata(&file).is_ok_and(|m| m.len() > 1000), "{} was drawn", file.display());
+        let _ = std::fs::remove_file(&file);
+    }
     let rows = v["rows"].as_array().unwrap();
     let find = |name: &str, protocol: &str, metric: &str, size: u64| {
         rows.iter()
@@ -90,11 +98,18 @@ fn bench_msg_measures_open_mpi_over_lanbus_and_its_tcp_btl() {
         .args(["bench", "msg", "--quick", "--ports", "afpacket", "--sizes", "64,65536", "--mpi"])
         .args(["--bandwidth", "--window", "8", "--json"])
         .arg(&json)
+        .arg("--png")
+        .arg(std::env::temp_dir().join(format!("lanbus-bench-msg-mpi-{}", std::process::id())))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let _ = std::fs::remove_file(&json);
+    for plot in ["latency", "bandwidth"] {
+        let _ = std::fs::remove_file(
+            std::env::temp_dir().join(format!("lanbus-bench-msg-mpi-{}-{plot}.png", std::process::id())),
+        );
+    }
     let rows = v["rows"].as_array().unwrap();
     let find = |name: &str, mode: &str, metric: &str| {
         rows.iter()
