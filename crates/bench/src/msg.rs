@@ -31,7 +31,7 @@ use lanbus_node::process::end_with_parent;
 use lanbus_port::netns::VethPair;
 use lanbus_runtime::ThreadMode;
 
-use super::msg_mpi::Transport;
+use super::msg_mpi::{Program, Transport};
 use super::plot::{write_png, Plot, Series};
 use super::report::{median, Report, Row};
 
@@ -75,10 +75,11 @@ pub struct MsgArgs {
     /// behind a `lanbus msgd` daemon on each side that owns it (daemon). One row each.
     #[arg(long, value_delimiter = ',', default_value = "direct,daemon")]
     modes: Vec<Mode>,
-    /// Also measure through Open MPI: a ping-pong program built with mpicc under mpirun, its two
-    /// ranks in the two namespaces, over the lanbus libfabric provider (each port kind and mode)
-    /// and, as the peer, over Open MPI's tcp BTL across the same veth (`latency_vs_ompi_tcp`,
-    /// `bw_vs_ompi_tcp`). Needs Debian's openmpi-bin and libopenmpi-dev.
+    /// Also measure through Open MPI: a ping-pong program built with mpicc and NetPIPE's
+    /// NPopenmpi under mpirun, their two ranks in the two namespaces, over the lanbus libfabric
+    /// provider (each port kind and mode) and, as the peer, over Open MPI's tcp BTL across the
+    /// same veth (`latency_vs_ompi_tcp`, `bw_vs_ompi_tcp`). Needs Debian's openmpi-bin,
+    /// libopenmpi-dev and netpipe-openmpi.
     #[arg(long)]
     mpi: bool,
     /// Write the plots as PREFIX-latency.png and PREFIX-bandwidth.png (latency and bandwidth by
@@ -509,18 +510,20 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     let mut lat: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; rows.len()];
     let mut bw: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; rows.len()];
     let (mut np_lat, mut np_bw): (Vec<Vec<f64>>, Vec<Vec<f64>>) = (vec![Vec::new(); n], vec![Vec::new(); n]);
-    // Open MPI rows: (kind, mode), then the tcp BTL (`None`).
+    // Open MPI rows: per program, (kind, mode), then the tcp BTL (`None`).
     let mpi =
         if args.mpi { Some(super::msg_mpi::Mpi::prepare(&dir, args.fi_provider.as_deref())?) } else { None };
-    let mut mpi_rows: Vec<Option<(&str, Mode)>> = Vec::new();
+    let mut mpi_rows: Vec<(Option<(&str, Mode)>, Program)> = Vec::new();
     if mpi.is_some() {
-        for kind in &args.ports {
-            for &mode in &args.modes {
-                mpi_rows.push(Some((kind.as_str(), mode)));
+        for program in [Program::PingPong, Program::NetPipe] {
+            for kind in &args.ports {
+                for &mode in &args.modes {
+                    mpi_rows.push((Some((kind.as_str(), mode)), program));
+                }
             }
-        }
-        if peer {
-            mpi_rows.push(None);
+            if peer {
+                mpi_rows.push((None, program));
+            }
         }
     }
     let mut mpi_lat: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; mpi_rows.len()];
@@ -557,8 +560,8 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
             }
         }
         if let Some(mpi) = &mpi {
-            for (k, row) in mpi_rows.iter().enumerate() {
-                let (what, transport) = match *row {
+            for (k, &(row, program)) in mpi_rows.iter().enumerate() {
+                let (what, transport) = match row {
                     Some((kind, Mode::Direct)) => {
                         (format!("Open MPI over lanbus {kind} direct"), Transport::Direct(kind))
                     }
@@ -567,10 +570,13 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
                     }
                     None => ("Open MPI tcp BTL".to_string(), Transport::Tcp),
                 };
+                let what = format!("{what}, {}", program.name());
                 eprintln!("bench msg: run {}/{runs}: {what}", r + 1);
-                match mpi.job(&veth, transport, &args.sizes, window.unwrap_or(0), mpi_limit) {
+                match mpi.job(&veth, transport, program, &args.sizes, window.unwrap_or(0), mpi_limit) {
                     Ok(job) => {
-                        for (i, &(_, us, mbs)) in job.figures.iter().enumerate() {
+                        for (i, &(us, mbs)) in
+                            job.figures.iter().enumerate().filter_map(|(i, f)| Some((i, f.as_ref()?)))
+                        {
                             mpi_lat[k][i].push(us);
                             if mbs > 0.0 {
                                 mpi_bw[k][i].push(mbs);
@@ -614,16 +620,19 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
             }
         }
     }
-    for (k, row) in mpi_rows.iter().enumerate() {
+    for (k, &(row, program)) in mpi_rows.iter().enumerate() {
         let name = match row {
             Some((kind, _)) => format!("mpi:lanbus-{kind}"),
             None => "peer:ompi-tcp".to_string(),
         };
-        let with = |r: Row| match row {
-            Some((_, mode)) => r.with("mode", mode.name()).with("launcher", "mpirun"),
-            None => r.with("launcher", "mpirun"),
+        let with = |r: Row| {
+            let r = r.with("launcher", "mpirun").with("program", program.name());
+            match row {
+                Some((_, mode)) => r.with("mode", mode.name()),
+                None => r,
+            }
         };
-        let peer_k = mpi_rows.iter().position(Option::is_none);
+        let peer_k = mpi_rows.iter().position(|&(r, p)| r.is_none() && p == program);
         for (i, &size) in args.sizes.iter().enumerate() {
             if let Some(us) = median(&mpi_lat[k][i]) {
                 report.push(with(row_of(&name, "latency_us", us, size, args.mtu)));
@@ -659,10 +668,11 @@ fn write_plots(rows: &[Row], prefix: &str) -> anyhow::Result<()> {
             let Some(size) = r.params.get("size_bytes").and_then(|v| v.as_f64()) else { continue };
             let param = |k: &str| r.params.get(k).and_then(|v| v.as_str()).map(|s| format!(" {s}"));
             let name = format!(
-                "{}{}{}",
+                "{}{}{}{}",
                 r.name,
                 param("mode").unwrap_or_default(),
-                param("protocol").unwrap_or_default()
+                param("protocol").unwrap_or_default(),
+                param("program").unwrap_or_default()
             );
             match series.iter_mut().find(|s| s.name == name) {
                 Some(s) => s.points.push((size, r.value)),

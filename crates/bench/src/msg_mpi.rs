@@ -3,6 +3,7 @@
 //! the same veth: through the lanbus libfabric provider (Open MPI's ofi MTL) in direct mode (each
 //! rank owns a port) and in daemon mode (each rank attached to a messaging daemon in its
 //! namespace), and, as the peer, through Open MPI's tcp BTL (`--mca pml ob1 --mca btl tcp,self`).
+//! NetPIPE's `NPopenmpi` runs the same ways, for a second, independent program's view.
 //!
 //! How the ranks get into two namespaces: `mpirun` runs inside namespace a and starts the second
 //! rank's daemon (orted) through a launch agent that enters namespace b with its own host name
@@ -36,10 +37,28 @@ pub(crate) enum Transport<'a> {
     Tcp,
 }
 
-/// One job's figures: per size, latency (µs) and bandwidth (MB/s, 0 when not measured); and the
-/// bytes that crossed the veth during it.
+/// The program a job runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Program {
+    /// `mpi/pingpong.c`, built with mpicc: latency and osu_bw-style bandwidth.
+    PingPong,
+    /// NetPIPE's `NPopenmpi` (Debian package netpipe-openmpi): its ping-pong latency.
+    NetPipe,
+}
+
+impl Program {
+    pub fn name(self) -> &'static str {
+        match self {
+            Program::PingPong => "pingpong",
+            Program::NetPipe => "NPopenmpi",
+        }
+    }
+}
+
+/// One job's figures: per size asked for, latency (µs) and bandwidth (MB/s, 0 when not
+/// measured), `None` where the program gave none; and the bytes that crossed the veth during it.
 pub(crate) struct Job {
-    pub figures: Vec<(usize, f64, f64)>,
+    pub figures: Vec<Option<(f64, f64)>>,
     pub veth_bytes: u64,
 }
 
@@ -116,6 +135,7 @@ impl Mpi {
         &self,
         veth: &VethPair,
         transport: Transport<'_>,
+        program: Program,
         sizes: &[usize],
         window: usize,
         limit: Duration,
@@ -174,9 +194,21 @@ impl Mpi {
         for (k, v) in &env {
             args.extend(["-x".to_string(), format!("{k}={v}")]);
         }
-        args.push(self.program.display().to_string());
-        args.push(window.to_string());
-        args.extend(sizes.iter().map(|s| s.to_string()));
+        let np_file = self.dir.join("np.out");
+        let _ = std::fs::remove_file(&np_file);
+        match program {
+            Program::PingPong => {
+                args.push(self.program.display().to_string());
+                args.push(window.to_string());
+                args.extend(sizes.iter().map(|s| s.to_string()));
+            }
+            Program::NetPipe => {
+                // Powers of two (no perturbations) from 1 byte to the largest size.
+                let upto = sizes.iter().copied().max().unwrap_or(1).to_string();
+                args.extend(["NPopenmpi", "-p", "0", "-l", "1", "-u", &upto, "-o"].map(String::from));
+                args.push(np_file.display().to_string());
+            }
+        }
         let script =
             format!("hostname {ha}; exec {}", args.iter().map(|a| quote(a)).collect::<Vec<_>>().join(" "));
         let out_file = self.dir.join("mpi.out");
@@ -210,15 +242,29 @@ impl Mpi {
             let err = std::fs::read_to_string(&err_file).unwrap_or_default();
             bail!("mpirun failed ({status}): {}", err.lines().take(8).collect::<Vec<_>>().join(" | "));
         }
-        let figures: Vec<(usize, f64, f64)> = text
+        // pingpong prints "bytes µs MB/s"; NPopenmpi writes "bytes Mbps seconds" (one way).
+        let table = match program {
+            Program::PingPong => text,
+            Program::NetPipe => std::fs::read_to_string(&np_file).context("NPopenmpi wrote no table")?,
+        };
+        let measured: Vec<(usize, f64, f64)> = table
             .lines()
             .filter_map(|l| {
                 let mut f = l.split_whitespace();
-                Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?, f.next()?.parse().ok()?))
+                let (bytes, a, b): (usize, f64, f64) =
+                    (f.next()?.parse().ok()?, f.next()?.parse().ok()?, f.next()?.parse().ok()?);
+                Some(match program {
+                    Program::PingPong => (bytes, a, b),
+                    Program::NetPipe => (bytes, b * 1e6, 0.0),
+                })
             })
             .collect();
-        if figures.len() != sizes.len() {
-            bail!("the program printed {} of {} sizes: {text}", figures.len(), sizes.len());
+        let figures: Vec<Option<(f64, f64)>> = sizes
+            .iter()
+            .map(|&s| measured.iter().find(|m| m.0 == s).map(|&(_, us, mbs)| (us, mbs)))
+            .collect();
+        if figures.iter().all(Option::is_none) {
+            bail!("{} gave no figures: {table}", program.name());
         }
         Ok(Job { figures, veth_bytes })
     }

@@ -78,8 +78,9 @@ fn bench_msg_measures_both_ports_and_the_peer() {
     }
 }
 
-/// `--mpi`: the ping-pong built with mpicc under mpirun, through the lanbus provider in both
-/// modes and, as the peer, through Open MPI's tcp BTL; each job's bytes counted on the veth.
+/// `--mpi`: the ping-pong built with mpicc and NetPIPE's NPopenmpi under mpirun, through the
+/// lanbus provider in both modes and, as the peer, through Open MPI's tcp BTL; each job's bytes
+/// counted on the veth.
 #[test]
 fn bench_msg_measures_open_mpi_over_lanbus_and_its_tcp_btl() {
     if let Err(skip) = lanbus_port::netns::check_root() {
@@ -123,6 +124,10 @@ fn bench_msg_measures_open_mpi_over_lanbus_and_its_tcp_btl() {
         let bytes = find("mpi:lanbus-afpacket", mode, "veth_bytes").and_then(|r| r["value"].as_f64());
         assert!(bytes.is_some_and(|b| b > 65536.0), "{mode}: the job crossed the veth: {bytes:?}");
     }
+    let netpipe = rows.iter().any(|r| {
+        r["name"] == "mpi:lanbus-afpacket" && r["program"] == "NPopenmpi" && r["metric"] == "latency_us"
+    });
+    assert!(netpipe, "NPopenmpi through the provider: {v}");
     let peer = find("peer:ompi-tcp", "", "latency_us").and_then(|r| r["value"].as_f64());
     assert!(peer.is_some_and(|us| us > 0.0), "the tcp BTL peer ran: {v}");
     assert!(find("mpi:lanbus-afpacket", "direct", "latency_vs_ompi_tcp").is_some());
