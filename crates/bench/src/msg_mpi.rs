@@ -230,7 +230,7 @@ impl Mpi {
             if start.elapsed() > limit {
                 let _ = child.kill();
                 let _ = child.wait();
-                kill_stragglers(&self.program);
+                kill_stragglers(&self.dir);
                 bail!("the job did not finish within {limit:?}");
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -271,9 +271,10 @@ impl Mpi {
 }
 
 /// Ranks left behind by a job that was ended (its daemon in the other namespace may outlive
-/// mpirun).
-fn kill_stragglers(program: &Path) {
-    let _ = Command::new("pkill").arg("-KILL").arg("-f").arg(program).status();
+/// mpirun): every process whose command line names this bench's folder (the ping-pong lives
+/// there, NPopenmpi writes its table there).
+fn kill_stragglers(dir: &Path) {
+    let _ = Command::new("pkill").arg("-KILL").arg("-f").arg(dir).status();
 }
 
 /// Bytes received and sent by a veth end.
