@@ -59,6 +59,7 @@ use crate::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, 
 use crate::inline::{send_mem_writes, InlinePath, TlpOut};
 use crate::reads::Reads;
 use crate::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, PCIE_CHANNEL, PCIE_CHANNELS};
+use lanbus_pcie::blocking::Waker;
 use lanbus_pcie::device::DmaError;
 use lanbus_pcie::request::RequestShape;
 use lanbus_pcie::{Bdf, CplStatus, Header, Tag, Tlp, TlpKind};
@@ -894,6 +895,19 @@ impl DeviceBridge {
                 })
             })
             .collect();
+        for f in &fns {
+            if let Some(m) = &f.blocking {
+                // Weak: the waker lives inside the function it wakes.
+                let weak = Arc::downgrade(f);
+                lock(m).hosted.set_waker(Waker::new(move || {
+                    if let Some(f) = weak.upgrade() {
+                        let mut st = lock(&f.state);
+                        st.kicked = true;
+                        f.notify(st);
+                    }
+                }));
+            }
+        }
         let any_inline = fns.iter().any(|f| f.inline.is_some());
         let shared = Arc::new(Shared {
             session: Mutex::new(Session {

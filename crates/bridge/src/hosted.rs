@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use lanbus_pcie::blocking::{BlockingDevice, BlockingFunction, DmaPath};
+use lanbus_pcie::blocking::{BlockingDevice, BlockingFunction, DmaPath, Waker};
 use lanbus_pcie::config::{ConfigSpace, ConfigSpec};
 use lanbus_pcie::device::{DeviceModel, DmaError, DmaId, Function, HostRequest, MmioError};
 use lanbus_pcie::request::{completions_for_read, RequestShape};
@@ -61,6 +61,10 @@ pub(crate) trait Hosted: Send {
     fn run_posted(&mut self, path: &mut dyn Path) -> usize {
         let _ = path;
         0
+    }
+    /// Gives a blocking model the waker of its worker (see [`Waker`]); others ignore it.
+    fn set_waker(&mut self, waker: Waker) {
+        let _ = waker;
     }
 }
 
@@ -212,6 +216,9 @@ impl<B: BlockingDevice + Send> Hosted for BlockingHosted<B> {
     }
     fn serves_inline(&self, address: u64, len: usize, write: bool) -> bool {
         self.function.serves_inline(address, len, write)
+    }
+    fn set_waker(&mut self, waker: Waker) {
+        self.function.set_waker(waker);
     }
     fn run_posted(&mut self, path: &mut dyn Path) -> usize {
         if !self.function.has_work() {

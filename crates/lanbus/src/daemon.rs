@@ -35,6 +35,9 @@ use serde_json::{json, Value};
 use lanbus_node::config::{self, DeviceFile, ExportSpec, HostFile};
 use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
 use lanbus_node::metrics::{self, Sample};
+use lanbus_node::nic::NicSpec;
+use lanbus_vnet::pcie::TapExport;
+use lanbus_vnet::tap::Tap;
 
 /// Default control socket of `lanbus device`.
 pub const DEVICE_CONTROL: &str = "/tmp/lanbus-device.sock";
@@ -44,7 +47,8 @@ pub const HOST_CONTROL: &str = "/tmp/lanbus-host.sock";
 /// `lanbus device` options (each may come from `--config FILE` instead; the command line wins).
 #[derive(Debug, Args)]
 pub struct DeviceArgs {
-    /// A TOML file with the same keys: port, group, nvme, lba_size, control, name, state, metrics.
+    /// A TOML file with the same keys: port, group, nvme, nic, lba_size, control, name, state,
+    /// metrics.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -56,6 +60,11 @@ pub struct DeviceArgs {
     /// The NVMe drive's blocks: file=PATH[,size=SIZE] or ram=SIZE.
     #[arg(long)]
     nvme: Option<String>,
+    /// A remote NIC: tap=NAME[,mac=MAC][,mtu=BYTES]. A virtio-net function whose wire is the TAP
+    /// interface NAME on this machine (created if missing, brought up; bridge it to a real
+    /// interface or route through it). Default MAC: derived from NAME; default MTU 1500.
+    #[arg(long)]
+    nic: Option<String>,
     /// Logical block size of the namespace: 512 or 4096.
     #[arg(long)]
     lba_size: Option<u32>,
@@ -86,7 +95,8 @@ pub struct DeviceArgs {
 /// `lanbus host` options (each may come from `--config FILE` instead; the command line wins).
 #[derive(Debug, Args)]
 pub struct HostArgs {
-    /// A TOML file with the same keys: port, group, export, control, name, metrics.
+    /// A TOML file with the same keys: port, group, export (one spec or a list), control, name,
+    /// metrics.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -95,9 +105,11 @@ pub struct HostArgs {
     /// Our group: we use the devices that announce it.
     #[arg(long)]
     group: Option<u16>,
-    /// Where to export the NVMe namespace: nbd:PATH (Unix socket) or nbd:tcp:ADDR.
+    /// What to export (repeat for both): the NVMe namespace as nbd:PATH (Unix socket) or
+    /// nbd:tcp:ADDR, and the remote NIC as tap:NAME (a TAP interface created now, with its
+    /// carrier on while the NIC is there; give it an address with `ip addr add`).
     #[arg(long)]
-    export: Option<String>,
+    export: Vec<String>,
     /// Thread model of the transport.
     #[arg(long, value_enum, default_value = "rtc")]
     mode: crate::pcie::Mode,
@@ -230,8 +242,12 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     let port_spec = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
     let configured_group = args.group.or(file.group).unwrap_or(0);
     let nvme = args.nvme.or(file.nvme);
-    if nvme.is_none() && !args.dma_engine {
-        bail!("no device to host: give --nvme file=PATH[,size=SIZE]|ram=SIZE and/or --dma-engine");
+    let nic: Option<NicSpec> = args.nic.or(file.nic).as_deref().map(str::parse).transpose()?;
+    if nvme.is_none() && nic.is_none() && !args.dma_engine {
+        bail!(
+            "no device to host: give --nvme file=PATH[,size=SIZE]|ram=SIZE, --nic tap=NAME and/or \
+             --dma-engine"
+        );
     }
     let lba = args.lba_size.or(file.lba_size).unwrap_or(512);
     if lba != 512 && lba != 4096 {
@@ -266,6 +282,12 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
         functions.push(f);
         nvme_info = Some((blocks, stats));
     }
+    let mut nic_info = None;
+    if let Some(spec) = &nic {
+        let (f, info) = lanbus_node::nic::nic_function(spec)?;
+        functions.push(f);
+        nic_info = Some(info);
+    }
     if args.dma_engine {
         functions.push(HostedFunction::model(DmaEngine::new())?);
     }
@@ -279,8 +301,12 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
         _ => String::new(),
     };
     let dma = if args.dma_engine { " + the DMA engine" } else { "" };
+    let nic_what = nic_info.as_ref().map_or(String::new(), |n| {
+        let m = lanbus_wire::MacAddr(n.spec.mac);
+        format!(" + virtio-net {m} on TAP {} (MTU {})", n.spec.tap, n.spec.mtu)
+    });
     eprintln!(
-        "lanbus device: {name} ({}) group {group} on {port_spec}: {what}{dma}; control {}",
+        "lanbus device: {name} ({}) group {group} on {port_spec}: {what}{nic_what}{dma}; control {}",
         bridge.local_mac(),
         control.display()
     );
@@ -316,6 +342,19 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
                 ),
             ]);
         }
+        if let Some(n) = &nic_info {
+            let v = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            let st = &n.stats;
+            out.extend([
+                c("nic_tx_frames_total", "Frames the host sent out through the NIC.", v(&st.tx_frames)),
+                c("nic_tx_bytes_total", "Bytes the host sent out through the NIC.", v(&st.tx_bytes)),
+                c("nic_rx_frames_total", "Frames the NIC received for the host.", v(&st.rx_frames)),
+                c("nic_rx_bytes_total", "Bytes the NIC received for the host.", v(&st.rx_bytes)),
+                c("nic_rx_dropped_total", "Frames dropped: the host took none.", v(&st.rx_dropped)),
+                c("nic_rx_too_big_total", "Frames larger than the host's buffers.", v(&st.rx_too_big)),
+                c("nic_broken_total", "Times the host's driver broke a queue.", v(&st.broken)),
+            ]);
+        }
         out
     };
     let answer = |line: &str| -> String {
@@ -343,6 +382,16 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
                 let mut devices = Vec::new();
                 if let (Some(n), Some((blocks, _))) = (&nvme, &nvme_info) {
                     devices.push(json!({"function": "00.0", "kind": "NVMe", "backing": n, "blocks": blocks, "lba_size": lba}));
+                }
+                if let Some(n) = &nic_info {
+                    devices.push(json!({
+                        "function": format!("00.{}", devices.len()),
+                        "kind": "virtio-net",
+                        "tap": n.spec.tap,
+                        "mac": lanbus_wire::MacAddr(n.spec.mac).to_string(),
+                        "mtu": n.spec.mtu,
+                        "last_error": n.last_error.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+                    }));
                 }
                 if args.dma_engine {
                     devices.push(json!({"function": format!("00.{}", devices.len()), "kind": "DMA engine"}));
@@ -428,6 +477,7 @@ fn export(host: &Arc<HostBridge>, f: &RemoteFunction, spec: &ExportSpec) -> anyh
             server.serve(l)?;
             uri
         }
+        ExportSpec::Tap(_) => bail!("tap: exports a NIC, not a drive"),
     };
     Ok(Exported { function: f.clone(), driver, server, uri })
 }
@@ -449,28 +499,93 @@ fn unexport(e: Exported, spec: &ExportSpec, why: &str) {
     }
 }
 
+/// The exported NIC of a host daemon.
+struct NicExported {
+    function: RemoteFunction,
+    export: TapExport,
+}
+
+fn export_nic(host: &Arc<HostBridge>, f: &RemoteFunction, tap: &Arc<Tap>) -> anyhow::Result<NicExported> {
+    let driver = lanbus_vnet::pcie::attach(host, f, lanbus_vnet::driver::DriverConfig::default())?;
+    let export = TapExport::start(Arc::new(driver), tap.clone())
+        .with_context(|| format!("setting up TAP {}", tap.name()))?;
+    Ok(NicExported { function: f.clone(), export })
+}
+
+fn nic_json(n: &NicExported, tap: &str) -> Value {
+    let d = n.export.driver();
+    let s = d.stats();
+    let v = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    json!({
+        "function": n.function.bdf.to_string(),
+        "tap": tap,
+        "mac": lanbus_wire::MacAddr(d.mac()).to_string(),
+        "mtu": d.mtu(),
+        "features": format!("{:#x}", d.features()),
+        "tx_frames": v(&s.tx_frames),
+        "tx_bytes": v(&s.tx_bytes),
+        "rx_frames": v(&s.rx_frames),
+        "rx_bytes": v(&s.rx_bytes),
+        "notifies": v(&s.notifies),
+        "error": n.export.error(),
+    })
+}
+
 /// Runs `lanbus host`.
 pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let file: HostFile = config::read_toml(args.config.as_deref())?;
     let port_spec = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
     let group = args.group.or(file.group).unwrap_or(0);
-    let spec: ExportSpec =
-        args.export.or(file.export).context("give --export nbd:PATH or nbd:tcp:ADDR")?.parse()?;
+    let texts = if args.export.is_empty() {
+        file.export.map(|e| e.into_vec()).unwrap_or_default()
+    } else {
+        args.export
+    };
+    if texts.is_empty() {
+        bail!("give --export nbd:PATH, nbd:tcp:ADDR or tap:NAME");
+    }
+    let specs: Vec<ExportSpec> = texts.iter().map(|t| t.parse()).collect::<Result<_, _>>()?;
+    let nbd_specs: Vec<&ExportSpec> = specs.iter().filter(|s| s.is_nbd()).collect();
+    let tap_names: Vec<&str> = specs
+        .iter()
+        .filter_map(|s| if let ExportSpec::Tap(n) = s { Some(n.as_str()) } else { None })
+        .collect();
+    if nbd_specs.len() > 1 || tap_names.len() > 1 {
+        bail!("one drive export (nbd:...) and one NIC export (tap:...) at most");
+    }
+    let spec = nbd_specs.first().map(|s| (*s).clone());
     let control = args.control.or(file.control).unwrap_or_else(|| HOST_CONTROL.into());
     let name = args.name.or(file.name).unwrap_or_else(|| "lanbus-host".into());
     let stop = stop_flag()?;
     let metrics_listener = bind_metrics(args.metrics, file.metrics.as_deref())?;
+    // The TAP exists from the start, its carrier off until a NIC appears.
+    let tap = match tap_names.first() {
+        Some(n) => {
+            let t = Tap::open(n).with_context(|| format!("creating TAP {n}"))?;
+            t.set_carrier(false)?;
+            t.configure(None, None, true)?;
+            Some(Arc::new(t))
+        }
+        None => None,
+    };
     let port = lanbus_port::open(&port_spec)?;
     let listener = bind_control(&control)?;
     let host = Arc::new(HostBridge::start(port, config::host_config(group, &name, args.mode.into()))?);
     let events = host.subscribe();
+    let waiting = match (&spec, &tap) {
+        (Some(_), Some(_)) => "an NVMe device and a NIC",
+        (Some(_), None) => "an NVMe device",
+        _ => "a NIC",
+    };
     eprintln!(
-        "lanbus host: {name} ({}) group {group} on {port_spec}; waiting for an NVMe device; control {}",
+        "lanbus host: {name} ({}) group {group} on {port_spec}; waiting for {waiting}; control {}",
         host.local_mac(),
         control.display()
     );
     let current: Mutex<Option<Exported>> = Mutex::new(None);
     let lock = || current.lock().unwrap_or_else(|e| e.into_inner());
+    let nic: Mutex<Option<NicExported>> = Mutex::new(None);
+    let lock_nic = || nic.lock().unwrap_or_else(|e| e.into_inner());
     let collect = || {
         let mut out = Vec::new();
         metrics::runtime_samples(&host.runtime_stats(), &mut out);
@@ -498,6 +613,21 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             "1 while the drive is exported.",
             f64::from(u8::from(lock().is_some())),
         ));
+        if let Some(n) = lock_nic().as_ref() {
+            let s = n.export.driver().stats();
+            let v = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            out.extend([
+                c("nic_tx_frames_total", "Frames sent through the remote NIC.", v(&s.tx_frames)),
+                c("nic_tx_bytes_total", "Bytes sent through the remote NIC.", v(&s.tx_bytes)),
+                c("nic_rx_frames_total", "Frames received through the remote NIC.", v(&s.rx_frames)),
+                c("nic_rx_bytes_total", "Bytes received through the remote NIC.", v(&s.rx_bytes)),
+            ]);
+        }
+        out.push(Sample::gauge(
+            "nic_up",
+            "1 while the remote NIC is exported.",
+            f64::from(u8::from(lock_nic().is_some())),
+        ));
         out
     };
     let answer = |line: &str| -> String {
@@ -514,6 +644,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
                 peers.push(p);
             }
         }
+        let nic_status = lock_nic().as_ref().map(|n| nic_json(n, tap.as_ref().map_or("", |t| t.name())));
         let cur = lock();
         let hb = host.stats();
         json!({
@@ -531,6 +662,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
                 "stray_completions": e.driver.stats().stray_completions.load(Ordering::Relaxed),
             })),
             "nbd": cur.as_ref().map(|e| format!("{:?}", e.server.stats())),
+            "nic": nic_status,
             "completion_timeouts": hb.timeouts,
             "bridge": format!("{hb:?}"),
             "transport": transport_json(&host.runtime_stats()),
@@ -549,25 +681,52 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             // Relaxed: polled; the handler only sets it.
             while !stop.load(Ordering::Relaxed) {
                 for f in pending.drain(..) {
-                    if !drive::is_nvme(&f) || lock().is_some() {
-                        continue;
-                    }
-                    eprint!("lanbus host: found\n{}", lanbus_node::lspci::describe(&f));
-                    match export(&host, &f, &spec) {
-                        Ok(e) => {
-                            eprintln!("lanbus host: exporting {} as {}", f.bdf, e.uri);
-                            *lock() = Some(e);
+                    if let (Some(spec), true) = (&spec, drive::is_nvme(&f)) {
+                        if lock().is_some() {
+                            continue;
                         }
-                        Err(err) => eprintln!("lanbus host: cannot export {}: {err:#}", f.bdf),
+                        eprint!("lanbus host: found\n{}", lanbus_node::lspci::describe(&f));
+                        match export(&host, &f, spec) {
+                            Ok(e) => {
+                                eprintln!("lanbus host: exporting {} as {}", f.bdf, e.uri);
+                                *lock() = Some(e);
+                            }
+                            Err(err) => eprintln!("lanbus host: cannot export {}: {err:#}", f.bdf),
+                        }
+                    }
+                    if let (Some(t), true) = (&tap, lanbus_vnet::pcie::is_nic(&f)) {
+                        if lock_nic().is_some() {
+                            continue;
+                        }
+                        eprint!("lanbus host: found\n{}", lanbus_node::lspci::describe(&f));
+                        match export_nic(&host, &f, t) {
+                            Ok(n) => {
+                                let d = n.export.driver();
+                                eprintln!(
+                                    "lanbus host: NIC {} is {} ({}, MTU {}), features {:#x}",
+                                    f.bdf,
+                                    t.name(),
+                                    lanbus_wire::MacAddr(d.mac()),
+                                    d.mtu(),
+                                    d.features()
+                                );
+                                *lock_nic() = Some(n);
+                            }
+                            Err(err) => eprintln!("lanbus host: cannot use NIC {}: {err:#}", f.bdf),
+                        }
                     }
                 }
                 match events.recv_timeout(Duration::from_millis(100)) {
                     Ok(HostEvent::DeviceAdded(f)) => pending.push(f),
                     Ok(HostEvent::DeviceRemoved { bdf, mac, reason }) => {
-                        let gone = |e: &Exported| e.function.bdf == bdf && e.function.mac == mac;
-                        let e = { lock().take_if(|e| gone(e)) };
-                        if let Some(e) = e {
-                            unexport(e, &spec, &format!("device {bdf} removed: {reason}"));
+                        let e = { lock().take_if(|e| e.function.bdf == bdf && e.function.mac == mac) };
+                        if let (Some(e), Some(spec)) = (e, &spec) {
+                            unexport(e, spec, &format!("device {bdf} removed: {reason}"));
+                        }
+                        let n = { lock_nic().take_if(|n| n.function.bdf == bdf && n.function.mac == mac) };
+                        if let Some(n) = n {
+                            n.export.stop(false);
+                            eprintln!("lanbus host: NIC {bdf} removed ({reason}); carrier off");
                         }
                     }
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
@@ -581,8 +740,11 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     })?;
     eprintln!("lanbus host: stopping: finishing requests in flight, flushing");
     let e = lock().take();
-    if let Some(e) = e {
-        unexport(e, &spec, "shutting down");
+    if let (Some(e), Some(spec)) = (e, &spec) {
+        unexport(e, spec, "shutting down");
+    }
+    if let Some(n) = lock_nic().take() {
+        n.export.stop(true);
     }
     let _ = std::fs::remove_file(&control);
     match Arc::try_unwrap(host) {
@@ -688,7 +850,9 @@ mod tests {
         assert_eq!((d.group, d.lba_size, d.nvme.as_deref()), (Some(7), Some(4096), Some("ram=64M")));
         assert!(toml::from_str::<DeviceFile>("colour = 1\n").is_err());
         let h: HostFile = toml::from_str("port = \"x\"\nexport = \"nbd:/tmp/s\"\n").unwrap();
-        assert_eq!(h.export.as_deref(), Some("nbd:/tmp/s"));
+        assert_eq!(h.export.unwrap().into_vec(), ["nbd:/tmp/s"]);
+        let h: HostFile = toml::from_str("port = \"x\"\nexport = [\"nbd:/tmp/s\", \"tap:lb0\"]\n").unwrap();
+        assert_eq!(h.export.unwrap().into_vec(), ["nbd:/tmp/s", "tap:lb0"]);
     }
 
     #[test]

@@ -77,6 +77,8 @@ pub struct DeviceFile {
     pub group: Option<u16>,
     /// The NVMe drive's blocks ([`crate::drive::NvmeBacking`]).
     pub nvme: Option<String>,
+    /// The remote NIC ([`crate::nic::NicSpec`]).
+    pub nic: Option<String>,
     /// The namespace's logical block size: 512 or 4096.
     pub lba_size: Option<u32>,
     /// The control socket.
@@ -144,14 +146,34 @@ pub struct HostFile {
     pub port: Option<String>,
     /// The group whose devices the host uses.
     pub group: Option<u16>,
-    /// Where the namespace is exported ([`ExportSpec`]).
-    pub export: Option<String>,
+    /// What is exported ([`ExportSpec`]): one spec or a list.
+    pub export: Option<Exports>,
     /// The control socket.
     pub control: Option<PathBuf>,
     /// The name announced in heartbeats.
     pub name: Option<String>,
     /// Where the counters are served in the Prometheus text format.
     pub metrics: Option<String>,
+}
+
+/// One export spec or several, in a host's file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Exports {
+    /// `export = "nbd:/tmp/s"`.
+    One(String),
+    /// `export = ["nbd:/tmp/s", "tap:lanbus0"]`.
+    Many(Vec<String>),
+}
+
+impl Exports {
+    /// The specs.
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Exports::One(s) => vec![s],
+            Exports::Many(v) => v,
+        }
+    }
 }
 
 /// Reads a daemon's configuration file (none: every key unset).
@@ -162,19 +184,34 @@ pub fn read_toml<T: for<'de> Deserialize<'de> + Default>(path: Option<&Path>) ->
     toml::from_str(&text).map_err(|e| Error::Config { path: path.to_path_buf(), why: e.to_string() })
 }
 
-/// Where the host exports the namespace.
+/// What the host exports: the NVMe namespace over NBD, or the remote NIC as a TAP.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExportSpec {
-    /// A Unix socket path.
+    /// The namespace on a Unix socket path.
     Unix(PathBuf),
-    /// A TCP address.
+    /// The namespace on a TCP address.
     Tcp(std::net::SocketAddr),
+    /// The NIC as the TAP interface of this name.
+    Tap(String),
+}
+
+impl ExportSpec {
+    /// Whether this exports a drive (NBD), not a NIC.
+    pub fn is_nbd(&self) -> bool {
+        !matches!(self, ExportSpec::Tap(_))
+    }
 }
 
 impl std::str::FromStr for ExportSpec {
     type Err = Error;
     fn from_str(s: &str) -> Result<ExportSpec> {
-        let expected = || Error::BadSpec(format!("{s:?}: expected nbd:PATH or nbd:tcp:ADDR"));
+        let expected = || Error::BadSpec(format!("{s:?}: expected nbd:PATH, nbd:tcp:ADDR or tap:NAME"));
+        if let Some(name) = s.strip_prefix("tap:") {
+            if name.is_empty() || name.len() > 15 || name.contains(['/', ' ', ',']) {
+                return Err(Error::BadSpec(format!("{name:?}: an interface name is 1 to 15 characters")));
+            }
+            return Ok(ExportSpec::Tap(name.to_string()));
+        }
         match s.strip_prefix("nbd:") {
             Some(rest) => match rest.strip_prefix("tcp:") {
                 Some(addr) => {

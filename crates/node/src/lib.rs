@@ -13,6 +13,7 @@
 //! - [`msg`]: a messaging endpoint (the MPI engine) over a runtime on a port it owns.
 //! - [`msgd`]: the messaging daemon that owns the port, and the processes that attach to it
 //!   over shared memory.
+//! - [`nic`]: the remote NIC (a virtio-net function whose wire is a TAP in the I/O box).
 //! - [`process`]: a daemon's signals and helper processes that end with it.
 //!
 //! A remote drive over the simulated wire, written and read back through the NVMe driver
@@ -46,6 +47,7 @@ pub mod lspci;
 pub mod metrics;
 pub mod msg;
 pub mod msgd;
+pub mod nic;
 pub mod process;
 
 /// What went wrong assembling or running a node.

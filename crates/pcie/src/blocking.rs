@@ -31,6 +31,35 @@ pub trait HostAccess {
     fn signal_msix(&mut self, vector: u16);
 }
 
+/// Wakes the thread that runs a [`BlockingFunction`]: a model whose work can come from outside
+/// the bus (frames arriving on a network interface) calls it after queueing that work, so the
+/// bridge runs [`BlockingDevice::process`] without waiting for the next request from the host.
+#[derive(Clone)]
+pub struct Waker(std::sync::Arc<dyn Fn() + Send + Sync>);
+
+impl Waker {
+    /// A waker that calls `f`.
+    pub fn new(f: impl Fn() + Send + Sync + 'static) -> Waker {
+        Waker(std::sync::Arc::new(f))
+    }
+
+    /// A waker that does nothing (for callers that run the function themselves).
+    pub fn none() -> Waker {
+        Waker::new(|| {})
+    }
+
+    /// Asks for the function's work to be run soon.
+    pub fn wake(&self) {
+        (self.0)()
+    }
+}
+
+impl core::fmt::Debug for Waker {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("Waker")
+    }
+}
+
 /// The raw path toward the host a bridge gives a [`BlockingFunction`]: reads and posted writes.
 pub trait DmaPath {
     /// Reads `buf.len()` bytes at `address`, waiting for them.
@@ -81,6 +110,12 @@ pub trait BlockingDevice {
     fn process_posted(&mut self, host: &mut dyn HostAccess) -> usize {
         let _ = host;
         0
+    }
+
+    /// Receives the waker of the thread that runs the model (see [`Waker`]); the bridge calls
+    /// it once, before any other call. The default drops it: work comes only from the host.
+    fn set_waker(&mut self, waker: Waker) {
+        let _ = waker;
     }
 }
 
@@ -253,6 +288,11 @@ impl<B: BlockingDevice> BlockingFunction<B> {
     /// messages left pending by a mask that may have been lifted.
     pub fn has_work(&self) -> bool {
         self.msix_recheck || self.device.has_work()
+    }
+
+    /// Hands the model the waker of the thread that runs it ([`BlockingDevice::set_waker`]).
+    pub fn set_waker(&mut self, waker: Waker) {
+        self.device.set_waker(waker);
     }
 
     /// Sends pending MSI-X messages whose mask was lifted, then runs the model's work with

@@ -99,6 +99,8 @@ pub mod cap_id {
     pub const PCI_EXPRESS: u8 = 0x10;
     /// MSI-X capability.
     pub const MSIX: u8 = 0x11;
+    /// Vendor-specific capability (virtio's structures are these).
+    pub const VENDOR: u8 = 0x09;
 }
 
 /// Offset of the PCI Express capability in spaces this module builds.
@@ -185,6 +187,10 @@ pub struct ConfigSpec {
     pub max_payload_supported: u16,
     /// MSI-X, if the function has it.
     pub msix: Option<MsixSpec>,
+    /// Vendor-specific capabilities (ID 09h, PCI Local Bus 6.7): each entry is the structure's
+    /// bytes after its ID and next pointer (so byte 0 is the length field, which is set here).
+    /// They follow the MSI-X capability, in order, dword aligned; read-only.
+    pub vendor_caps: Vec<Vec<u8>>,
 }
 
 impl ConfigSpec {
@@ -201,6 +207,7 @@ impl ConfigSpec {
             bars: [None; 6],
             max_payload_supported: 512,
             msix: None,
+            vendor_caps: Vec::new(),
         }
     }
 
@@ -215,6 +222,13 @@ impl ConfigSpec {
     /// Sets the MSI-X capability.
     pub fn with_msix(mut self, msix: MsixSpec) -> ConfigSpec {
         self.msix = Some(msix);
+        self
+    }
+
+    /// Adds a vendor-specific capability whose bytes after the ID and next pointer are `body`
+    /// (`body[0]`, the length, is filled in).
+    pub fn with_vendor_cap(mut self, body: Vec<u8>) -> ConfigSpec {
+        self.vendor_caps.push(body);
         self
     }
 }
@@ -349,6 +363,24 @@ impl ConfigSpace {
             s.mask16(x + 2, MSIX_ENABLE | MSIX_FUNCTION_MASK, 0);
             s.put32(x + 4, m.table_offset | u32::from(m.table_bar));
             s.put32(x + 8, m.pba_offset | u32::from(m.pba_bar));
+        }
+
+        // Vendor-specific capabilities, chained after the last capability above.
+        let mut last = if spec.msix.is_some() { MSIX_CAP_OFFSET } else { c };
+        let mut at = if spec.msix.is_some() { MSIX_CAP_OFFSET + 12 } else { c + PCIE_CAP_LEN };
+        for body in &spec.vendor_caps {
+            at = at.next_multiple_of(4);
+            let len = body.len() + 2;
+            if body.is_empty() || len > 255 || usize::from(at) + len > 256 {
+                return bad(format!("vendor capability of {len} bytes does not fit at {at:#x}"));
+            }
+            s.bytes[usize::from(last) + 1] = at as u8;
+            let o = usize::from(at);
+            s.bytes[o] = cap_id::VENDOR;
+            s.bytes[o + 2..o + len].copy_from_slice(body);
+            s.bytes[o + 2] = len as u8;
+            last = at;
+            at += len as u16;
         }
         Ok(s)
     }
