@@ -8,6 +8,7 @@ mod interrupt;
 pub mod msg;
 mod msg_mpi;
 pub mod nbd;
+pub mod nic;
 pub mod nvme;
 pub mod pcie;
 pub mod plot;
@@ -51,6 +52,10 @@ pub enum BenchCommand {
     /// above) over udp, afpacket and afxdp on a veth pair between two namespaces, against
     /// NetPIPE's TCP ping-pong (NPtcp) on the same veth. Needs root.
     Msg(msg::MsgArgs),
+    /// iperf3 (TCP 1 and 4 streams, UDP 64 B and 1400 B) from a host through a remote virtio-net
+    /// NIC in an I/O box over udp, afpacket and afxdp, against the same iperf3 over a direct veth,
+    /// with each port's raw floor. Needs root.
+    Nic(nic::NicBenchArgs),
     /// One side of `bench transport` (started by it inside a namespace).
     #[command(hide = true)]
     TransportPeer(transport::PeerArgs),
@@ -72,6 +77,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Transport(args) => transport::run(args),
         BenchCommand::Fabric(args) => fabric::run(args),
         BenchCommand::Msg(args) => msg::run(args),
+        BenchCommand::Nic(args) => nic::run(args),
         BenchCommand::TransportPeer(args) => transport::run_peer(args),
     }
 }

@@ -690,7 +690,7 @@ fn ratios_vs_nbd_tcp(report: &mut Report) {
 /// of the link's MTU to `b` as fast as it takes them for `seconds`, `b` counts what arrives. The
 /// same ports as the row's, opened the same way, with no transport, bridge or drive: the floor
 /// the row's figures stand on. Returns Gbit/s received.
-fn raw_one_way(kind: &str, veth: Option<&VethPair>, seconds: f64) -> anyhow::Result<f64> {
+pub(crate) fn raw_one_way(kind: &str, veth: Option<&VethPair>, seconds: f64) -> anyhow::Result<f64> {
     use std::sync::atomic::{AtomicBool, Ordering};
     let (mut a, mut b) = super::port_pair(kind, veth)?;
     let len = lanbus_wire::ethernet::HEADER_LEN + a.mtu().min(b.mtu());

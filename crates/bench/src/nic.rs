@@ -1,0 +1,316 @@
+//! `lanbus bench nic`: the Software ExpEther paper's Fig. 5, iperf3 through a NIC that sits in
+//! another machine.
+//!
+//! Three network namespaces: the host (`lanbus host --export tap:lanbus0`), the I/O box
+//! (`lanbus device --nic tap=nic0`, its TAP bridged to a veth toward the server) and the server
+//! (`iperf3 -s` on Linux's own TCP/IP). The fabric between host and I/O box is a veth pair that
+//! each port kind crosses (udp, afpacket, afxdp; `--ports`) at `--mtu` (default 9000). From the
+//! host through the remote NIC: iperf3 TCP with 1 and 4 streams (`gbit_per_s`) and UDP `-b 0` with
+//! 64-byte and 1400-byte datagrams (`pps_received`, and `loss_percent` in the row). The peer,
+//! `peer:veth`, is the same iperf3 over a direct veth between the host and server namespaces, in
+//! the same run (with the kernel's segmentation offloads, as the host's TAP has them too); every
+//! lanbus row carries `ratio_vs_veth`. After the rows, each port's floor: `raw:PORT`, the bare
+//! port's one-way rate in frames of the fabric's MTU (`gbit_per_s_one_way`). Runs go in turns
+//! (`--runs`, default 5: every row once, then again), the daemons restarted for each; a figure is
+//! the median. Table, JSON (`--json`), and PREFIX-tcp.png (`--png`): Gbit/s against streams.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use lanbus_port::netns::{Netns, VethPair};
+
+use super::interrupt::KillOnDrop;
+use super::report::{median, Report, Row};
+use crate::plot::{write_png, Plot, Series};
+
+/// `lanbus bench nic` options.
+#[derive(Debug, Args)]
+pub struct NicBenchArgs {
+    /// Write the common JSON report here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write the TCP plot as PREFIX-tcp.png.
+    #[arg(long, default_value = "bench-nic")]
+    png: String,
+    /// Port kinds of the fabric, comma separated.
+    #[arg(long, default_value = "udp,afpacket,afxdp")]
+    ports: String,
+    /// MTU of the fabric's veth pair.
+    #[arg(long, default_value_t = 9000)]
+    mtu: usize,
+    /// Runs of every row, in turns; a figure is their median.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Seconds of each iperf3 test.
+    #[arg(long, default_value_t = 5)]
+    seconds: u32,
+}
+
+/// The server's address behind the remote NIC, and the host's.
+const NIC_SERVER: &str = "10.88.0.2";
+const NIC_HOST: &str = "10.88.0.1";
+/// The server's address on the direct veth, and the host's.
+const DIRECT_SERVER: &str = "10.89.0.2";
+const DIRECT_HOST: &str = "10.89.0.1";
+
+/// One iperf3 test: name, streams, UDP datagram size (None: TCP).
+const TESTS: [(&str, u32, Option<u32>); 4] =
+    [("tcp1", 1, None), ("tcp4", 4, None), ("udp64", 1, Some(64)), ("udp1400", 1, Some(1400))];
+
+fn ok(out: std::io::Result<std::process::Output>, what: &str) -> anyhow::Result<String> {
+    let out = out.with_context(|| what.to_string())?;
+    if !out.status.success() {
+        bail!("{what}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The namespaces: veth.a is the host, veth.b the I/O box.
+struct Net {
+    veth: VethPair,
+    server: Netns,
+    _iperf: KillOnDrop,
+    dir: PathBuf,
+}
+
+impl Net {
+    fn build(mtu: usize) -> anyhow::Result<Net> {
+        let veth = VethPair::create().map_err(|s| anyhow::anyhow!("bench nic needs root: {s}"))?;
+        veth.set_mtu(mtu)?;
+        let server = Netns::create(&format!("lanbus-nic-srv-{}", std::process::id()))?;
+        let (host, io) = (&veth.a.netns, &veth.b.netns);
+        ok(io.ip(&["link", "add", "br0", "type", "bridge"]), "the box's bridge")?;
+        let link = |a: &Netns, an: &str, b: &Netns, bn: &str| {
+            ok(
+                Command::new("ip")
+                    .args(["link", "add", an, "netns", a.name(), "type", "veth", "peer", "name", bn])
+                    .args(["netns", b.name()])
+                    .output(),
+                "a veth",
+            )
+        };
+        link(io, "wire", &server, "eth0")?;
+        link(host, "direct", &server, "direct")?;
+        ok(io.ip(&["link", "set", "wire", "master", "br0", "up"]), "wire")?;
+        ok(io.ip(&["link", "set", "br0", "up"]), "bridge")?;
+        ok(server.ip(&["addr", "add", &format!("{NIC_SERVER}/24"), "dev", "eth0"]), "server address")?;
+        ok(server.ip(&["link", "set", "eth0", "up"]), "server up")?;
+        ok(server.ip(&["addr", "add", &format!("{DIRECT_SERVER}/24"), "dev", "direct"]), "direct address")?;
+        ok(server.ip(&["link", "set", "direct", "up"]), "direct up")?;
+        ok(host.ip(&["addr", "add", &format!("{DIRECT_HOST}/24"), "dev", "direct"]), "host direct address")?;
+        ok(host.ip(&["link", "set", "direct", "up"]), "host direct up")?;
+        let iperf = server
+            .command("iperf3")
+            .args(["-s"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting iperf3 -s (Debian package iperf3; scripts/setup installs it)")?;
+        let dir = std::env::temp_dir().join(format!("lanbus-bench-nic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(Net { veth, server, _iperf: KillOnDrop(iperf), dir })
+    }
+
+    /// Starts the I/O box and the host over `kind` and waits for the host's NIC.
+    fn start(&self, kind: &str) -> anyhow::Result<(KillOnDrop, KillOnDrop)> {
+        let exe = std::env::current_exe().context("finding this program")?;
+        let (host_spec, io_spec) = crate::port_specs(kind, &self.veth)?;
+        let log = |n: &str| std::fs::File::create(self.dir.join(n));
+        let io = self
+            .veth
+            .b
+            .netns
+            .command(&exe.to_string_lossy())
+            .args(["device", "--port", &io_spec, "--nic", "tap=nic0", "--control"])
+            .arg(self.dir.join("io.ctl"))
+            .stdout(Stdio::null())
+            .stderr(log("io.log")?)
+            .spawn()?;
+        let io = KillOnDrop(io);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.veth.b.netns.ip(&["link", "show", "nic0"]).is_err() {
+            if Instant::now() > deadline {
+                bail!("the I/O box made no TAP (see {})", self.dir.join("io.log").display());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        ok(self.veth.b.netns.ip(&["link", "set", "nic0", "master", "br0", "up"]), "TAP into the bridge")?;
+        let host = self
+            .veth
+            .a
+            .netns
+            .command(&exe.to_string_lossy())
+            .args(["host", "--port", &host_spec, "--export", "tap:lanbus0", "--control"])
+            .arg(self.dir.join("host.ctl"))
+            .stdout(Stdio::null())
+            .stderr(log("host.log")?)
+            .spawn()?;
+        let host = KillOnDrop(host);
+        loop {
+            let o = self.veth.a.netns.ip(&["link", "show", "lanbus0"]);
+            if o.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("LOWER_UP")) {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the host's NIC did not come up (see {})", self.dir.join("host.log").display());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        ok(
+            self.veth.a.netns.ip(&["addr", "add", &format!("{NIC_HOST}/24"), "dev", "lanbus0"]),
+            "NIC address",
+        )?;
+        // The bridge learns the NIC's MAC, ARP settles.
+        let _ = self.veth.a.netns.exec("ping", &["-c", "1", "-W", "2", NIC_SERVER]);
+        Ok((io, host))
+    }
+
+    /// One iperf3 test toward `server`: (Gbit/s received, pps received, loss %).
+    fn iperf3(
+        &self,
+        server: &str,
+        seconds: u32,
+        streams: u32,
+        udp: Option<u32>,
+    ) -> anyhow::Result<(f64, f64, f64)> {
+        let mut args: Vec<String> = [
+            "-c",
+            server,
+            "-t",
+            &seconds.to_string(),
+            "-P",
+            &streams.to_string(),
+            "--json",
+            "--connect-timeout",
+            "5000",
+        ]
+        .map(String::from)
+        .to_vec();
+        if let Some(len) = udp {
+            args.extend(["-u", "-b", "0", "-l", &len.to_string()].map(String::from));
+        }
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = ok(self.veth.a.netns.exec("iperf3", &refs), "iperf3")?;
+        let v: serde_json::Value = serde_json::from_str(&out).context("iperf3's JSON")?;
+        let end = &v["end"];
+        if udp.is_some() {
+            let s = &end["sum"];
+            let packets = s["packets"].as_f64().unwrap_or(0.0);
+            let lost = s["lost_packets"].as_f64().unwrap_or(0.0);
+            let secs = s["seconds"].as_f64().filter(|s| *s > 0.0).unwrap_or(f64::from(seconds));
+            let bps = s["bits_per_second"].as_f64().unwrap_or(0.0);
+            Ok((
+                bps * (1.0 - lost / packets.max(1.0)) / 1e9,
+                (packets - lost) / secs,
+                s["lost_percent"].as_f64().unwrap_or(0.0),
+            ))
+        } else {
+            let bps = end["sum_received"]["bits_per_second"].as_f64().context("iperf3's received rate")?;
+            Ok((bps / 1e9, 0.0, 0.0))
+        }
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = &self.server;
+    }
+}
+
+/// (row, test) -> the runs' (Gbit/s, pps received, loss %).
+type Samples = std::collections::BTreeMap<(String, &'static str), Vec<(f64, f64, f64)>>;
+
+/// Runs `lanbus bench nic`.
+pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
+    let ports: Vec<String> =
+        args.ports.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    for p in &ports {
+        if !["udp", "afpacket", "afxdp"].contains(&p.as_str()) {
+            bail!("--ports: {p:?} is not udp, afpacket or afxdp");
+        }
+    }
+    if args.runs == 0 || args.seconds == 0 {
+        bail!("--runs and --seconds must be at least 1");
+    }
+    let net = Net::build(args.mtu)?;
+    let rows: Vec<String> = std::iter::once("peer:veth".to_string()).chain(ports.iter().cloned()).collect();
+    let mut samples: Samples = Default::default();
+    let mut raw: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    for run in 0..args.runs {
+        for row in &rows {
+            eprintln!("bench nic: run {}/{} {row}", run + 1, args.runs);
+            let (daemons, server) =
+                if row == "peer:veth" { (None, DIRECT_SERVER) } else { (Some(net.start(row)?), NIC_SERVER) };
+            for (test, streams, udp) in TESTS {
+                match net.iperf3(server, args.seconds, streams, udp) {
+                    Ok(s) => samples.entry((row.clone(), test)).or_default().push(s),
+                    Err(e) => eprintln!("bench nic: {row} {test}: {e:#}"),
+                }
+            }
+            drop(daemons);
+        }
+        for p in &ports {
+            match super::nvme::raw_one_way(p, Some(&net.veth), 2.0) {
+                Ok(g) => raw.entry(p.clone()).or_default().push(g),
+                Err(e) => eprintln!("bench nic: raw:{p}: {e:#}"),
+            }
+        }
+    }
+    let mut report = Report::new("nic");
+    let med = |v: &[(f64, f64, f64)], k: usize| {
+        median(&v.iter().map(|s| [s.0, s.1, s.2][k]).collect::<Vec<_>>()).unwrap_or(0.0)
+    };
+    let mut series = Vec::new();
+    for row in &rows {
+        let mut points = Vec::new();
+        for (test, streams, udp) in TESTS {
+            let Some(v) = samples.get(&(row.clone(), test)) else { continue };
+            let peer = samples.get(&("peer:veth".to_string(), test));
+            let r = if udp.is_some() {
+                let pps = med(v, 1);
+                let mut r = Row::new(row, "pps_received", pps).with("loss_percent", med(v, 2));
+                if let Some(p) = peer.filter(|_| row != "peer:veth") {
+                    r = r.with("ratio_vs_veth", pps / med(p, 1).max(1e-9));
+                }
+                r.with("datagram_bytes", udp.unwrap_or(0))
+            } else {
+                let g = med(v, 0);
+                points.push((f64::from(streams), g));
+                let mut r = Row::new(row, "gbit_per_s", g);
+                if let Some(p) = peer.filter(|_| row != "peer:veth") {
+                    r = r.with("ratio_vs_veth", g / med(p, 0).max(1e-9));
+                }
+                r.with("streams", streams)
+            };
+            report.push(r.with("test", test).with("mtu", args.mtu).with("runs", v.len()));
+        }
+        series.push(Series { name: row.clone(), points });
+    }
+    for (p, v) in &raw {
+        report.push(
+            Row::new(format!("raw:{p}"), "gbit_per_s_one_way", median(v).unwrap_or(0.0))
+                .with("mtu", args.mtu)
+                .with("runs", v.len()),
+        );
+    }
+    let plot = Plot {
+        title: format!("iperf3 TCP through the remote NIC (fabric MTU {})", args.mtu),
+        x_label: "streams".into(),
+        y_label: "Gbit/s".into(),
+        x_log: false,
+        y_log: false,
+        legend_right: true,
+        series,
+    };
+    let png = PathBuf::from(format!("{}-tcp.png", args.png));
+    if let Err(e) = write_png(&plot, &png) {
+        eprintln!("bench nic: plot: {e:#}");
+    }
+    report.finish(args.json.as_deref())?;
+    Ok(())
+}
