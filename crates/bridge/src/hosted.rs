@@ -181,6 +181,19 @@ impl DmaPath for Blocking<'_> {
         buf.copy_from_slice(&data);
         Ok(())
     }
+    fn read_many(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<(), DmaError> {
+        // All started, then each waited for: their completions share the round trip.
+        let ops: Vec<OpId> = reads.iter().map(|(a, b)| self.0.start_read(*a, b.len())).collect();
+        let mut first_error = None;
+        for (op, (_, buf)) in ops.into_iter().zip(reads.iter_mut()) {
+            match self.0.wait_read(op) {
+                Ok(data) if data.len() == buf.len() => buf.copy_from_slice(&data),
+                Ok(_) => first_error = first_error.or(Some(DmaError::Completion(CplStatus::CompleterAbort))),
+                Err(e) => first_error = first_error.or(Some(e)),
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
     fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError> {
         self.0.write(address, data)
     }

@@ -25,6 +25,14 @@ use crate::Result;
 pub trait HostAccess {
     /// Reads `buf.len()` bytes of host memory at `address`; returns when they are in `buf`.
     fn read(&mut self, address: u64, buf: &mut [u8]) -> core::result::Result<(), DmaError>;
+    /// Reads several ranges, all in flight together where the path allows (one round trip
+    /// instead of one each); returns when all are in. The default reads them one by one.
+    fn read_many(&mut self, reads: &mut [(u64, &mut [u8])]) -> core::result::Result<(), DmaError> {
+        for (address, buf) in reads.iter_mut() {
+            self.read(*address, buf)?;
+        }
+        Ok(())
+    }
     /// Writes `data` to host memory at `address` (posted: an error means it could not be sent).
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
     /// Raises MSI-X `vector`. Writes made before it reach the host first.
@@ -64,6 +72,13 @@ impl core::fmt::Debug for Waker {
 pub trait DmaPath {
     /// Reads `buf.len()` bytes at `address`, waiting for them.
     fn read(&mut self, address: u64, buf: &mut [u8]) -> core::result::Result<(), DmaError>;
+    /// Reads several ranges, in flight together where it can (see [`HostAccess::read_many`]).
+    fn read_many(&mut self, reads: &mut [(u64, &mut [u8])]) -> core::result::Result<(), DmaError> {
+        for (address, buf) in reads.iter_mut() {
+            self.read(*address, buf)?;
+        }
+        Ok(())
+    }
     /// Writes `data` at `address` (posted).
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
 }
@@ -167,6 +182,14 @@ impl HostAccess for Access<'_> {
             return Err(DmaError::BusMasterDisabled);
         }
         self.path.read(address, buf)
+    }
+
+    fn read_many(&mut self, reads: &mut [(u64, &mut [u8])]) -> core::result::Result<(), DmaError> {
+        if !self.config.bus_master() {
+            self.counters.dma_refused += 1;
+            return Err(DmaError::BusMasterDisabled);
+        }
+        self.path.read_many(reads)
     }
 
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError> {

@@ -491,8 +491,9 @@ impl NetDevice {
         if chains.is_empty() {
             return Ok(0);
         }
+        // Every frame of the batch read at once: one round trip, not one per frame.
         let mut used = Vec::with_capacity(chains.len());
-        let mut frame = Vec::with_capacity(MAX_BUFFER);
+        let mut frames: Vec<Vec<u8>> = Vec::with_capacity(chains.len());
         for c in &chains {
             used.push((c.head, 0));
             let len = c.len();
@@ -500,17 +501,30 @@ impl NetDevice {
                 add(&self.stats.tx_malformed, 1);
                 continue;
             }
-            frame.clear();
-            frame.resize(len as usize, 0);
-            let mut at = 0;
-            for s in &c.segments {
-                host.read(s.addr, &mut frame[at..at + s.len as usize])?;
-                at += s.len as usize;
+            frames.push(vec![0u8; len as usize]);
+        }
+        {
+            let mut reads: Vec<(u64, &mut [u8])> = Vec::new();
+            let mut bufs = frames.iter_mut();
+            for c in &chains {
+                let len = c.len();
+                if len < (NET_HDR_LEN + 14) as u64 || len > MAX_BUFFER as u64 {
+                    continue;
+                }
+                let Some(mut rest) = bufs.next().map(|b| b.as_mut_slice()) else { break };
+                for s in &c.segments {
+                    let (this, more) = rest.split_at_mut(s.len as usize);
+                    reads.push((s.addr, this));
+                    rest = more;
+                }
             }
-            match self.wire.send(&frame) {
+            host.read_many(&mut reads)?;
+        }
+        for frame in &frames {
+            match self.wire.send(frame) {
                 Ok(()) => {
                     add(&self.stats.tx_frames, 1);
-                    add(&self.stats.tx_bytes, len - NET_HDR_LEN as u64);
+                    add(&self.stats.tx_bytes, (frame.len() - NET_HDR_LEN) as u64);
                 }
                 Err(_) => add(&self.stats.tx_errors, 1),
             }
