@@ -3,7 +3,7 @@
 //!
 //! Three network namespaces: the host (`lanbus host --export tap:lanbus0`), the I/O box
 //! (`lanbus device --nic tap=nic0`, its TAP bridged to a veth toward the server) and the server
-//! (`iperf3 -s` on Linux's own TCP/IP). The fabric between host and I/O box is a veth pair that
+//! (a fresh `iperf3 -s -1` per test, on Linux's own TCP/IP). The fabric between host and I/O box is a veth pair that
 //! each port kind crosses (udp, afpacket, afxdp; `--ports`) at `--mtu` (default 9000). From the
 //! host through the remote NIC: iperf3 TCP with 1 and 4 streams (`gbit_per_s`) and UDP `-b 0` with
 //! 64-byte and 1400-byte datagrams (`pps_received`, and `loss_percent` in the row). The peer,
@@ -72,7 +72,6 @@ fn ok(out: std::io::Result<std::process::Output>, what: &str) -> anyhow::Result<
 struct Net {
     veth: VethPair,
     server: Netns,
-    _iperf: KillOnDrop,
     dir: PathBuf,
 }
 
@@ -102,17 +101,9 @@ impl Net {
         ok(server.ip(&["link", "set", "direct", "up"]), "direct up")?;
         ok(host.ip(&["addr", "add", &format!("{DIRECT_HOST}/24"), "dev", "direct"]), "host direct address")?;
         ok(host.ip(&["link", "set", "direct", "up"]), "host direct up")?;
-        let iperf = server
-            .command("iperf3")
-            .args(["-s"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting iperf3 -s (Debian package iperf3; scripts/setup installs it)")?;
         let dir = std::env::temp_dir().join(format!("lanbus-bench-nic-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
-        std::thread::sleep(Duration::from_millis(300));
-        Ok(Net { veth, server, _iperf: KillOnDrop(iperf), dir })
+        Ok(Net { veth, server, dir })
     }
 
     /// Starts the I/O box and the host over `kind` and waits for the host's NIC.
@@ -194,8 +185,22 @@ impl Net {
             args.extend(["-u", "-b", "0", "-l", &len.to_string()].map(String::from));
         }
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        // A fresh server per test: after a UDP flood an old one may still be busy.
+        let srv = self
+            .server
+            .command("iperf3")
+            .args(["-s", "-1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting iperf3 -s (Debian package iperf3; scripts/setup installs it)")?;
+        let _srv = KillOnDrop(srv);
+        std::thread::sleep(Duration::from_millis(200));
         let out = ok(self.veth.a.netns.exec("iperf3", &refs), "iperf3")?;
         let v: serde_json::Value = serde_json::from_str(&out).context("iperf3's JSON")?;
+        if let Some(e) = v["error"].as_str() {
+            bail!("iperf3: {e}");
+        }
         let end = &v["end"];
         if udp.is_some() {
             let s = &end["sum"];
