@@ -203,8 +203,8 @@ impl BlockingDevice for NvmeFunction {
     }
 }
 
-/// What a failed bridge request is to the driver.
-fn bridge_error(e: BridgeError, addr: u64) -> BusError {
+/// What a failed bridge request is to a driver (the NVMe driver's, and the NIC driver's).
+pub fn bridge_error(e: BridgeError, addr: u64) -> BusError {
     match e {
         BridgeError::Timeout(_) => BusError::Timeout,
         BridgeError::Completion(CplStatus::UnsupportedRequest) => BusError::Unsupported { addr },

@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use lanbus_bridge::{BridgeError, EventFd, HostBridge, HostedFunction, RemoteFunction};
 use lanbus_nvme::driver::InterruptWait;
-use lanbus_nvme::pcie::RegionView;
+use lanbus_nvme::pcie::{bridge_error, RegionView};
 use lanbus_nvme::{BusError, HostRegion};
 use lanbus_pcie::config::cap_id;
-use lanbus_pcie::{Bdf, CplStatus};
+use lanbus_pcie::Bdf;
 
 use crate::device::{NetConfig, NetDevice, NetStats, Offloads};
 use crate::driver::{region_pages, DriverConfig, DriverError, Mmio, NetDriver, Structures};
@@ -47,16 +47,6 @@ pub fn tap_function(
 /// Whether `f` is a virtio-net function.
 pub fn is_nic(f: &RemoteFunction) -> bool {
     f.vendor_id == crate::VENDOR_ID && f.device_id == crate::DEVICE_ID
-}
-
-fn bridge_error(e: BridgeError, addr: u64) -> BusError {
-    match e {
-        BridgeError::Timeout(_) => BusError::Timeout,
-        BridgeError::Completion(CplStatus::UnsupportedRequest) => BusError::Unsupported { addr },
-        BridgeError::Completion(_) => BusError::Rejected("the device answered Completer Abort"),
-        BridgeError::BadRequest(_) => BusError::Rejected("request the bridge cannot build"),
-        other => BusError::Down(other.to_string()),
-    }
 }
 
 struct RemoteMmio {
