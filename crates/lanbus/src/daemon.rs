@@ -167,7 +167,7 @@ fn stop_flag() -> anyhow::Result<Arc<AtomicBool>> {
 }
 
 /// Binds a control socket, replacing a stale one (refusing one a live daemon answers on).
-fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {
+pub(crate) fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {
     if path.exists() {
         if UnixStream::connect(path).is_ok() {
             bail!("{} is in use by another daemon: give this one --control PATH", path.display());
@@ -180,7 +180,7 @@ fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {
 }
 
 /// Serves the control socket until `stop`: `answer(line)` gives the reply.
-fn serve_control(l: &UnixListener, stop: &AtomicBool, answer: &dyn Fn(&str) -> String) {
+pub(crate) fn serve_control(l: &UnixListener, stop: &AtomicBool, answer: &dyn Fn(&str) -> String) {
     // Relaxed: a flag polled every 50 ms; nothing else is published through it.
     while !stop.load(Ordering::Relaxed) {
         match l.accept() {
@@ -809,10 +809,17 @@ fn scalar(v: &Value) -> String {
 pub fn status(args: StatusArgs) -> anyhow::Result<()> {
     let paths: Vec<PathBuf> = match args.control {
         Some(p) => vec![p],
-        None => [HOST_CONTROL, DEVICE_CONTROL].iter().map(PathBuf::from).filter(|p| p.exists()).collect(),
+        None => [HOST_CONTROL, DEVICE_CONTROL, crate::stack::STACK_CONTROL]
+            .iter()
+            .map(PathBuf::from)
+            .filter(|p| p.exists())
+            .collect(),
     };
     if paths.is_empty() {
-        bail!("no daemon control socket at {HOST_CONTROL} or {DEVICE_CONTROL}; give --control PATH");
+        bail!(
+            "no daemon control socket at {HOST_CONTROL}, {DEVICE_CONTROL} or {}; give --control PATH",
+            crate::stack::STACK_CONTROL
+        );
     }
     for p in paths {
         let v = ask(&p, "status json")?;

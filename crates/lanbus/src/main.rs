@@ -8,6 +8,7 @@ mod nbd;
 mod pcie;
 mod port;
 mod sim_cmd;
+mod stack;
 mod tlp;
 
 use clap::{Parser, Subcommand};
@@ -79,6 +80,12 @@ enum Command {
     /// The messaging daemon: owns the port; the node's processes attach to it over a Unix
     /// socket and shared memory to send and receive MPI-style messages, until SIGINT/SIGTERM.
     Msgd(msgd::MsgdArgs),
+    /// The TCP/IP stack server: a user-level TCP/IP stack on a port; programs attach to it over
+    /// a Unix socket and shared memory, until SIGINT/SIGTERM.
+    Stackd(stack::StackdArgs),
+    /// Programs that use a running `lanbus stackd`: send and receive over TCP like `nc`.
+    #[command(subcommand)]
+    Stack(stack::StackCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -97,6 +104,8 @@ fn main() -> std::process::ExitCode {
         Command::Host(a) => daemon::host(a),
         Command::Status(a) => daemon::status(a),
         Command::Msgd(a) => msgd::run(a),
+        Command::Stackd(a) => stack::stackd(a),
+        Command::Stack(c) => stack::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

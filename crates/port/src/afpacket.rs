@@ -110,6 +110,9 @@ pub struct AfPacketConfig {
     pub tov_ms: u32,
     /// Which TPACKET version the rings use.
     pub rx: RxVersion,
+    /// Whether every EtherType is received (IPv4, ARP, ...), for a TCP/IP stack on the port;
+    /// by default only lanbus frames (EtherType 0x88B5) are.
+    pub all_ethertypes: bool,
 }
 
 /// The ring layout: TPACKET_V2 (one frame per slot, each handed over at once; the default) or
@@ -127,10 +130,10 @@ pub enum RxVersion {
 impl AfPacketConfig {
     /// Defaults for `ifname`: TPACKET_V2 (and a 1 ms block timeout should `rx` be set to V3).
     pub fn new(ifname: &str) -> Self {
-        AfPacketConfig { ifname: ifname.to_string(), tov_ms: 1, rx: RxVersion::V2 }
+        AfPacketConfig { ifname: ifname.to_string(), tov_ms: 1, rx: RxVersion::V2, all_ethertypes: false }
     }
 
-    /// Parses `IFACE[,rx=v2|v3][,tov_ms=MS]` (the spec without `afpacket:`).
+    /// Parses `IFACE[,rx=v2|v3][,tov_ms=MS][,ethertypes=all]` (the spec without `afpacket:`).
     pub fn parse(args: &str) -> core::result::Result<AfPacketConfig, String> {
         let mut parts = args.split(',');
         let ifname = parts.next().unwrap_or("").trim();
@@ -155,7 +158,23 @@ impl AfPacketConfig {
                         }
                     };
                 }
-                _ => return Err(format!("unknown option {part:?}; options are rx=v2|v3 and tov_ms=MS")),
+                Some(("ethertypes", v)) => {
+                    config.all_ethertypes = match v.trim() {
+                        "all" => true,
+                        "lanbus" => false,
+                        other => {
+                            return Err(format!(
+                                "ethertypes={other:?}: write ethertypes=lanbus (0x88B5 only, the default) or \
+                                 ethertypes=all"
+                            ))
+                        }
+                    };
+                }
+                _ => {
+                    return Err(format!(
+                        "unknown option {part:?}; options are rx=v2|v3, tov_ms=MS and ethertypes=lanbus|all"
+                    ))
+                }
             }
         }
         Ok(config)
@@ -361,6 +380,8 @@ enum Step {
         /// When the kernel received it (`tp_sec`, `tp_nsec`), ns since the Unix epoch; 0 if
         /// unset.
         stamp_ns: u64,
+        /// The kernel left its transport checksum partial (`TP_STATUS_CSUMNOTREADY`).
+        partial_csum: bool,
     },
 }
 
@@ -409,6 +430,8 @@ fn next_packet(block: &[u8], cursor: &mut RxCursor) -> Step {
             wire_len,
             outgoing: pkttype == libc::PACKET_OUTGOING,
             stamp_ns: stamp_at(block, at + PKT_SEC, at + PKT_NSEC),
+            partial_csum: read_u32(block, at + PKT_STATUS)
+                .is_some_and(|s| s & libc::TP_STATUS_CSUMNOTREADY != 0),
         },
         _ => Step::Bad,
     }
@@ -433,6 +456,7 @@ fn v2_packet(slot: &[u8]) -> Step {
             wire_len,
             outgoing: pkttype == libc::PACKET_OUTGOING,
             stamp_ns: stamp_at(slot, V2_SEC, V2_NSEC),
+            partial_csum: read_u32(slot, V2_STATUS).is_some_and(|s| s & libc::TP_STATUS_CSUMNOTREADY != 0),
         },
         _ => Step::Bad,
     }
@@ -478,6 +502,10 @@ pub struct AfPacketPort {
     ifname: String,
     mac: MacAddr,
     mtu: usize,
+    /// Frames of every EtherType are delivered (no BPF filter, bound to ETH_P_ALL).
+    all_ethertypes: bool,
+    /// Where a frame whose checksum the port completes is copied.
+    scratch: Vec<u8>,
     map: *mut u8,
     map_len: usize,
     rx_version: RxVersion,
@@ -565,17 +593,22 @@ impl AfPacketPort {
         // Optional speed-ups: the port works without them (older kernels).
         let qdisc_bypass = set_option(&fd, libc::SOL_PACKET, libc::PACKET_QDISC_BYPASS, &one).is_ok();
         let ignore_outgoing = set_option(&fd, libc::SOL_PACKET, libc::PACKET_IGNORE_OUTGOING, &one).is_ok();
-        let mut filter = lanbus_filter();
-        let program = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_mut_ptr() };
-        set_option(&fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &program)
-            .map_err(|e| PortError::io("SO_ATTACH_FILTER (EtherType 0x88B5 filter)", e))?;
+        if !config.all_ethertypes {
+            let mut filter = lanbus_filter();
+            let program = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_mut_ptr() };
+            set_option(&fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &program)
+                .map_err(|e| PortError::io("SO_ATTACH_FILTER (EtherType 0x88B5 filter)", e))?;
+        }
 
         let frame_max = HEADER_LEN + info.mtu;
+        // With every EtherType the port also receives what the kernel coalesced (GRO) or what a
+        // local sender handed over unsegmented (TSO across a veth): IP packets of up to 64 KiB.
+        let rx_frame_max = if config.all_ethertypes { frame_max.max(HEADER_LEN + 65535) } else { frame_max };
         // Receive units hold at least one whole maximal frame with its headers: a V3 block its
         // descriptor too, a V2 slot the aligned header plus the kernel's 16 bytes of headroom.
         let (rx_unit_bytes, rx_units, rx_req) = match config.rx {
             RxVersion::V3 => {
-                let block = (BLOCK_DESC_LEN + TPACKET3_HDRLEN + 2 * 16 + frame_max)
+                let block = (BLOCK_DESC_LEN + TPACKET3_HDRLEN + 2 * 16 + rx_frame_max)
                     .next_power_of_two()
                     .max(RX_BLOCK_MIN_BYTES);
                 let nominal_frame = 2048usize.min(block);
@@ -592,7 +625,7 @@ impl AfPacketPort {
             }
             RxVersion::V2 => {
                 let frame =
-                    (TPACKET2_HDRLEN.next_multiple_of(16) + 16 + frame_max).next_power_of_two().max(2048);
+                    (TPACKET2_HDRLEN.next_multiple_of(16) + 16 + rx_frame_max).next_power_of_two().max(2048);
                 let block = frame.max(1 << 16);
                 let frames =
                     ((RX_V2_BYTES / frame).clamp(64, 1024) / (block / frame)).max(1) * (block / frame);
@@ -668,6 +701,8 @@ impl AfPacketPort {
             tx_unkicked: false,
             ignore_outgoing,
             qdisc_bypass,
+            all_ethertypes: config.all_ethertypes,
+            scratch: Vec::new(),
             counters: PortCounters::default(),
             kernel_drops: Cell::new(0),
             single: None,
@@ -675,7 +710,11 @@ impl AfPacketPort {
         // SAFETY: sockaddr_ll is plain old data; all-zero is valid.
         let mut sll: libc::sockaddr_ll = unsafe { core::mem::zeroed() };
         sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = EtherType::LANBUS_RAW.to_be();
+        sll.sll_protocol = if config.all_ethertypes {
+            (libc::ETH_P_ALL as u16).to_be()
+        } else {
+            EtherType::LANBUS_RAW.to_be()
+        };
         sll.sll_ifindex = info.index;
         // SAFETY: sll is a valid sockaddr_ll for the call.
         let rc = unsafe {
@@ -914,16 +953,30 @@ impl Port for AfPacketPort {
                 Step::Bad => self.counters.rx_dropped += 1,
                 // Our own (or this host's) transmission looped back to packet taps: not for us.
                 Step::Packet { outgoing: true, .. } => {}
-                Step::Packet { frame, wire_len, outgoing: false, stamp_ns } => {
+                Step::Packet { frame, wire_len, outgoing: false, stamp_ns, partial_csum } => {
                     let frame = &block[frame];
                     prefetch_lines(frame);
-                    if frame.len() < wire_len || check_frame(frame, self.mtu).is_err() {
+                    let admitted = if self.all_ethertypes {
+                        (HEADER_LEN..=HEADER_LEN + 65535.max(self.mtu)).contains(&frame.len())
+                    } else {
+                        check_frame(frame, self.mtu).is_ok()
+                    };
+                    if frame.len() < wire_len || !admitted {
                         self.counters.rx_dropped += 1;
                         continue;
                     }
                     self.counters.rx_frames += 1;
                     self.counters.rx_bytes += frame.len() as u64;
                     delivered += 1;
+                    if partial_csum && self.all_ethertypes {
+                        // A host's own stack would trust the kernel's word; a stack above this port
+                        // checks every checksum, so finish it as the NIC would have.
+                        self.scratch.clear();
+                        self.scratch.extend_from_slice(frame);
+                        crate::csum::complete_partial_checksum(&mut self.scratch);
+                        on_frame(&self.scratch, (stamp_ns != 0).then_some(stamp_ns));
+                        continue;
+                    }
                     on_frame(frame, (stamp_ns != 0).then_some(stamp_ns));
                 }
             }
@@ -1099,12 +1152,12 @@ mod tests {
         let b = block(&[(&one, libc::PACKET_HOST), (&two, libc::PACKET_OUTGOING)], 4096);
         let steps = walk(&b);
         assert_eq!(steps.len(), 3);
-        let Step::Packet { frame, wire_len: 60, outgoing: false, stamp_ns } = steps[0].clone() else {
+        let Step::Packet { frame, wire_len: 60, outgoing: false, stamp_ns, .. } = steps[0].clone() else {
             panic!("{steps:?}")
         };
         assert_eq!(&b[frame], &one[..]);
         let first = stamp_ns;
-        let Step::Packet { frame, wire_len: 100, outgoing: true, stamp_ns } = steps[1].clone() else {
+        let Step::Packet { frame, wire_len: 100, outgoing: true, stamp_ns, .. } = steps[1].clone() else {
             panic!("{steps:?}")
         };
         assert_eq!(&b[frame], &two[..]);
@@ -1154,7 +1207,13 @@ mod tests {
         slot[V2_NSEC..V2_NSEC + 4].copy_from_slice(&5u32.to_ne_bytes());
         assert_eq!(
             v2_packet(&slot),
-            Step::Packet { frame: mac..mac + 90, wire_len: 90, outgoing: false, stamp_ns: 2_000_000_005 }
+            Step::Packet {
+                frame: mac..mac + 90,
+                wire_len: 90,
+                outgoing: false,
+                stamp_ns: 2_000_000_005,
+                partial_csum: false
+            }
         );
         slot[TPACKET2_HDR_ALIGNED + SLL_PKTTYPE] = libc::PACKET_OUTGOING;
         assert!(matches!(v2_packet(&slot), Step::Packet { outgoing: true, .. }));

@@ -27,6 +27,7 @@ pub mod afpacket;
 pub mod afxdp;
 mod cache;
 pub mod check;
+pub mod csum;
 #[cfg(feature = "dpdk")]
 pub mod dpdk;
 pub mod fault;

@@ -24,13 +24,14 @@ PORT SPECS (--port SPEC)
       to bcast= (IPv4 only). Datagrams from unknown senders are counted and dropped unless
       `learn` is set. Default MTU 1472 (IPv4) / 1452 (IPv6). Example, two daemons on a laptop:
         udp:127.0.0.1:7000,peer=127.0.0.1:7001   and   udp:127.0.0.1:7001,peer=127.0.0.1:7000
-  afpacket:IFACE[,rx=v2|v3][,tov_ms=MS]
+  afpacket:IFACE[,rx=v2|v3][,tov_ms=MS][,ethertypes=all]
       Raw Ethernet (EtherType 0x88B5) on interface IFACE through AF_PACKET with PACKET_MMAP
       rings (receive ring, mapped transmit ring, qdisc bypass, BPF filter). Needs root or
       CAP_NET_RAW and an Ethernet interface that is up. rx=v2 (default): TPACKET_V2, every
       frame handed over at once. rx=v3: TPACKET_V3 receive blocks, handed over when full or
       after tov_ms (default 1 ms): batches for streaming, but a lone frame (a request, an ACK)
-      waits that long, since the kernel cannot hand over a block early.
+      waits that long, since the kernel cannot hand over a block early. ethertypes=all: every
+      frame, not only lanbus's (what the TCP/IP stack server `lanbus stackd` uses).
   afxdp:IFACE[:QUEUE][,xdp=auto|native|generic][,tx=auto|ring]
       AF_XDP socket on IFACE's queue QUEUE (default 0) with an XDP program that takes only
       EtherType 0x88B5. Needs root and Linux 5.x+. xdp=auto (default): the program runs in the

@@ -1,0 +1,292 @@
+//! `lanbus stackd`, the TCP/IP stack server, and `lanbus stack`, programs that use it (send and
+//! receive like `nc`, through the client library).
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use lanbus_node::process::Blocked;
+use lanbus_stack::client::StackClient;
+use lanbus_stack::server::{Server, ServerConfig, ServerStatus};
+use lanbus_stack::CopyUnit;
+use serde_json::{json, Value};
+
+/// Where `lanbus stackd` serves programs by default.
+pub const STACK_SOCKET: &str = "/tmp/lanbus-stackd.sock";
+/// Where `lanbus stackd` answers `lanbus status` by default.
+pub const STACK_CONTROL: &str = "/tmp/lanbus-stackd.ctl";
+
+/// Options of `lanbus stackd`.
+#[derive(Debug, clap::Args)]
+pub struct StackdArgs {
+    /// The port: afpacket:IFACE (the server adds ethertypes=all). The interface must have no
+    /// kernel IP address: the kernel would answer the stack's TCP segments with resets.
+    #[arg(long)]
+    port: String,
+    /// The stack's address and prefix length, e.g. 10.0.0.1/24.
+    #[arg(long)]
+    ip: String,
+    /// The default route.
+    #[arg(long)]
+    gateway: Option<Ipv4Addr>,
+    /// The Unix socket programs attach at (root, this daemon's user and its group may).
+    #[arg(long, default_value = STACK_SOCKET)]
+    socket: PathBuf,
+    /// The control socket `lanbus status --control PATH` asks.
+    #[arg(long, default_value = STACK_CONTROL)]
+    control: PathBuf,
+    /// Bytes of each TCP connection's receive and of its send buffer.
+    #[arg(long, default_value_t = 1 << 20)]
+    tcp_buffer: usize,
+}
+
+/// Parses `A.B.C.D/LEN`.
+fn parse_cidr(s: &str) -> anyhow::Result<(Ipv4Addr, u8)> {
+    let (ip, len) =
+        s.split_once('/').with_context(|| format!("{s:?}: write ADDRESS/PREFIX, e.g. 10.0.0.1/24"))?;
+    let ip: Ipv4Addr = ip.parse().with_context(|| format!("{ip:?} is not an IPv4 address"))?;
+    let len: u8 = len
+        .parse()
+        .ok()
+        .filter(|l| (1..=32).contains(l))
+        .with_context(|| format!("/{len}: a prefix is 1 to 32"))?;
+    if ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast() {
+        bail!("{ip} cannot be a host's address");
+    }
+    Ok((ip, len))
+}
+
+/// The port spec stackd opens: afpacket with every EtherType.
+fn stack_port_spec(spec: &str) -> anyhow::Result<String> {
+    let kind = spec.split(':').next().unwrap_or("");
+    match kind {
+        "afpacket" if spec.contains("ethertypes=") => Ok(spec.to_string()),
+        "afpacket" => Ok(format!("{spec},ethertypes=all")),
+        "afxdp" => bail!(
+            "{spec}: the afxdp port's XDP program passes only lanbus frames to the socket; use afpacket:IFACE"
+        ),
+        "udp" | "shm" | "sim" => bail!("{spec}: a TCP/IP stack needs raw Ethernet; use afpacket:IFACE"),
+        _ => bail!("{spec}: use afpacket:IFACE"),
+    }
+}
+
+pub(crate) fn status_json(s: &ServerStatus) -> Value {
+    let c = &s.counters;
+    json!({
+        "clients": s.clients,
+        "listening": s.listening,
+        "connections": s.connections.iter().map(|c| json!({
+            "local": c.local.map(|a| a.to_string()),
+            "remote": c.remote.map(|a| a.to_string()),
+            "state": c.state,
+            "pid": c.pid,
+        })).collect::<Vec<_>>(),
+        "counters": {
+            "clients_attached": c.clients_attached,
+            "clients_broken": c.clients_broken,
+            "clients_refused": c.clients_refused,
+            "connections_opened": c.connections_opened,
+            "connections_freed": c.connections_freed,
+            "rx_frames": c.rx_frames,
+            "tx_frames": c.tx_frames,
+            "bytes_from_clients": c.tx_bytes,
+            "bytes_to_clients": c.rx_bytes,
+        },
+    })
+}
+
+/// Runs the stack server until SIGINT or SIGTERM.
+pub fn stackd(args: StackdArgs) -> anyhow::Result<()> {
+    let signals = Blocked::termination().context("blocking SIGINT and SIGTERM")?;
+    let (ip, prefix) = parse_cidr(&args.ip)?;
+    let spec = stack_port_spec(&args.port)?;
+    let port = lanbus_port::open(&spec)?;
+    let mac = port.mac();
+    let mtu = port.mtu();
+    let mut config = ServerConfig::new(ip, prefix, &args.socket);
+    config.gateway = args.gateway;
+    config.tcp_buffer_bytes = args.tcp_buffer.clamp(4096, 64 << 20);
+    let server = Arc::new(
+        Server::start(port, config)
+            .with_context(|| format!("starting the server at {}", args.socket.display()))?,
+    );
+    let control = crate::daemon::bind_control(&args.control)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (s2, stop2) = (server.clone(), stop.clone());
+    let control_thread = std::thread::spawn(move || {
+        crate::daemon::serve_control(&control, &stop2, &|line| match line {
+            "status" | "status json" => status_json(&s2.status()).to_string(),
+            other => json!({ "error": format!("unknown command {other:?}; ask `status`") }).to_string(),
+        });
+    });
+    eprintln!(
+        "lanbus stackd: {ip}/{prefix} on {spec} (MAC {mac}, MTU {mtu}); programs attach at {}, status at {}",
+        args.socket.display(),
+        args.control.display()
+    );
+    let sig = signals.wait();
+    eprintln!("lanbus stackd: signal {sig}: stopping ({} clients attached)", server.status().clients);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = control_thread.join();
+    let _ = std::fs::remove_file(&args.control);
+    drop(server);
+    eprintln!("lanbus stackd: stopped");
+    Ok(())
+}
+
+/// Programs that use a running `lanbus stackd`.
+#[derive(Debug, clap::Subcommand)]
+pub enum StackCommand {
+    /// Connects to HOST:PORT through the stack and sends standard input (or --bytes of a
+    /// pattern), then closes and prints what it sent.
+    Send(SendArgs),
+    /// Listens on PORT through the stack, accepts one connection and writes what arrives to
+    /// standard output (or counts it with --discard), then prints what it received.
+    Recv(RecvArgs),
+}
+
+/// Options every `lanbus stack` program takes.
+#[derive(Debug, clap::Args)]
+pub struct ClientArgs {
+    /// The stack server's socket.
+    #[arg(long, default_value = STACK_SOCKET)]
+    socket: PathBuf,
+    /// The copy unit: CLUSTER_BYTESxCLUSTERS[,socket] (e.g. 2048x16; `2048x1,socket` is the
+    /// rump-kernel study's baseline: one 2 KiB cluster per request over the Unix socket).
+    #[arg(long, default_value_t = CopyUnit::DEFAULT)]
+    unit: CopyUnit,
+    /// Bytes per read or write call of the program.
+    #[arg(long, default_value_t = 128 * 1024)]
+    buffer: usize,
+}
+
+/// Options of `lanbus stack send`.
+#[derive(Debug, clap::Args)]
+pub struct SendArgs {
+    /// Where to connect: IP:PORT.
+    to: SocketAddrV4,
+    #[command(flatten)]
+    client: ClientArgs,
+    /// Send this many bytes of a fixed pattern instead of standard input.
+    #[arg(long)]
+    bytes: Option<u64>,
+}
+
+/// Options of `lanbus stack recv`.
+#[derive(Debug, clap::Args)]
+pub struct RecvArgs {
+    /// The TCP port to listen on.
+    port: u16,
+    #[command(flatten)]
+    client: ClientArgs,
+    /// Count the bytes instead of writing them out.
+    #[arg(long)]
+    discard: bool,
+    /// Give up if no connection arrives within this many seconds.
+    #[arg(long, default_value_t = 60)]
+    accept_timeout: u64,
+}
+
+fn rate(bytes: u64, t: Duration) -> String {
+    format!(
+        "{bytes} bytes in {:.3} s ({:.1} Mbit/s)",
+        t.as_secs_f64(),
+        bytes as f64 * 8.0 / t.as_secs_f64().max(1e-9) / 1e6
+    )
+}
+
+/// Runs a `lanbus stack` program.
+pub fn run(cmd: StackCommand) -> anyhow::Result<()> {
+    match cmd {
+        StackCommand::Send(a) => {
+            let client = StackClient::attach(&a.client.socket, a.client.unit)?;
+            let mut stream = client.connect(a.to).with_context(|| format!("connecting to {}", a.to))?;
+            let mut buf = vec![0u8; a.client.buffer.max(1)];
+            let start = Instant::now();
+            let mut sent = 0u64;
+            match a.bytes {
+                Some(total) => {
+                    for (i, b) in buf.iter_mut().enumerate() {
+                        *b = (i % 251) as u8;
+                    }
+                    while sent < total {
+                        let n = ((total - sent) as usize).min(buf.len());
+                        stream.write_all(&buf[..n])?;
+                        sent += n as u64;
+                    }
+                }
+                None => {
+                    let mut stdin = std::io::stdin().lock();
+                    loop {
+                        let n = match stdin.read(&mut buf) {
+                            Ok(0) => break,
+                            Ok(n) => n,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                            Err(e) => return Err(e.into()),
+                        };
+                        stream.write_all(&buf[..n])?;
+                        sent += n as u64;
+                    }
+                }
+            }
+            stream.shutdown_write()?;
+            // Wait for the peer's close: the bytes are then delivered, not merely queued.
+            let mut sink = [0u8; 4096];
+            stream.set_read_timeout(Some(Duration::from_secs(120)));
+            while stream.read(&mut sink)? > 0 {}
+            eprintln!("lanbus stack send: {}", rate(sent, start.elapsed()));
+            Ok(())
+        }
+        StackCommand::Recv(a) => {
+            let client = StackClient::attach(&a.client.socket, a.client.unit)?;
+            let listener =
+                client.listen(a.port, 1).with_context(|| format!("listening on port {}", a.port))?;
+            let (mut stream, peer) =
+                listener.accept_timeout(Some(Duration::from_secs(a.accept_timeout))).with_context(|| {
+                    format!("waiting {} s for a connection on port {}", a.accept_timeout, a.port)
+                })?;
+            drop(listener);
+            let mut buf = vec![0u8; a.client.buffer.max(1)];
+            let start = Instant::now();
+            let mut got = 0u64;
+            let mut out = std::io::stdout().lock();
+            loop {
+                let n = stream.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                if !a.discard {
+                    out.write_all(&buf[..n])?;
+                }
+                got += n as u64;
+            }
+            out.flush()?;
+            eprintln!("lanbus stack recv: from {peer}: {}", rate(got, start.elapsed()));
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cidrs_and_port_specs() {
+        assert_eq!(parse_cidr("10.0.0.1/24").unwrap(), (Ipv4Addr::new(10, 0, 0, 1), 24));
+        assert!(parse_cidr("10.0.0.1").is_err());
+        assert!(parse_cidr("10.0.0.1/33").is_err());
+        assert!(parse_cidr("0.0.0.0/8").is_err());
+        assert_eq!(stack_port_spec("afpacket:veth0").unwrap(), "afpacket:veth0,ethertypes=all");
+        assert_eq!(
+            stack_port_spec("afpacket:veth0,ethertypes=all").unwrap(),
+            "afpacket:veth0,ethertypes=all"
+        );
+        assert!(stack_port_spec("udp:127.0.0.1:7000").is_err());
+        assert!(stack_port_spec("afxdp:veth0").is_err());
+    }
+}

@@ -1,0 +1,694 @@
+//! The client library: TCP and UDP through a stack server.
+//!
+//! Layer: stack (the program's side). [`StackClient::attach`] connects to the server's Unix
+//! socket, says which copy unit it wants, and maps the rings the server hands it. Streams
+//! implement `std::io::Read` and `Write`; each write copies the program's bytes once, into the
+//! ring, one copy unit per request; each read copies once out of the client's queue.
+//!
+//! Invariants: the client never has more than [`crate::server::SEND_CREDIT`] unacknowledged bytes
+//! in flight per connection, and tells the server what it read, so neither side grows without
+//! bound. A server that goes away turns every blocked call into an error (ECONNRESET for streams,
+//! EPIPE for writes), never a hang: waits are sliced and look at the socket between slices.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read, Write};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use lanbus_ring::pipe::{Receiver, Sender};
+use lanbus_ring::{recv_fds, CopyMode, EventFd, Region};
+
+use crate::proto::{Msg, HEADER_LEN};
+use crate::server::{RECV_CREDIT, SEND_CREDIT};
+use crate::{hello, pipe_offset, Channel, CopyUnit};
+
+/// How long one wait slice lasts before the client checks that the server is still there.
+const SLICE: Duration = Duration::from_millis(20);
+/// How long a client polls its ring before it sleeps on its doorbell.
+const SPIN: Duration = Duration::from_micros(50);
+
+/// One per client: the size difference between the variants does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Link {
+    Shm { to: Sender, from: Receiver, _region: Arc<Region> },
+    Socket { read: Vec<u8> },
+}
+
+#[derive(Default)]
+struct ConnState {
+    rx: VecDeque<Vec<u8>>,
+    /// Bytes of `rx.front()` already read.
+    head: usize,
+    eof: bool,
+    closed: Option<i32>,
+    in_flight: u64,
+    consumed: u64,
+}
+
+#[derive(Default)]
+struct Book {
+    replies: HashMap<u32, Result<(u32, SocketAddrV4), i32>>,
+    conns: HashMap<u32, ConnState>,
+    accepted: HashMap<u32, VecDeque<(u32, SocketAddrV4)>>,
+    datagrams: HashMap<u32, VecDeque<(SocketAddrV4, Vec<u8>)>>,
+}
+
+impl Book {
+    fn dispatch(&mut self, bytes: &[u8]) -> Result<(), String> {
+        match Msg::parse(bytes).map_err(|e| e.to_string())? {
+            Msg::Opened { req, handle, local } => {
+                self.replies.insert(req, Ok((handle, local)));
+            }
+            Msg::Failed { req, errno } => {
+                self.replies.insert(req, Err(errno));
+            }
+            Msg::Accepted { listener, conn, peer } => {
+                self.conns.insert(conn, ConnState::default());
+                self.accepted.entry(listener).or_default().push_back((conn, peer));
+            }
+            Msg::Data { conn, data } => {
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.rx.push_back(data.to_vec());
+                }
+            }
+            Msg::Sent { conn, bytes } => {
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.in_flight = c.in_flight.saturating_sub(bytes);
+                }
+            }
+            Msg::Eof { conn } => {
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.eof = true;
+                }
+            }
+            Msg::Closed { conn, errno } => {
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.closed = Some(errno);
+                    c.in_flight = 0;
+                }
+            }
+            Msg::UdpData { sock, from, data } => {
+                let q = self.datagrams.entry(sock).or_default();
+                if q.len() < 4096 {
+                    q.push_back((from, data.to_vec()));
+                }
+            }
+            _ => return Err("the server sent a client's message".into()),
+        }
+        Ok(())
+    }
+}
+
+struct State {
+    link: Link,
+    book: Book,
+    next_req: u32,
+    /// Set when the server went away or broke the protocol.
+    gone: Option<String>,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    sock: UnixStream,
+    server_bell: Option<EventFd>,
+    my_bell: Option<EventFd>,
+    unit: usize,
+    ip: Ipv4Addr,
+    prefix: u8,
+}
+
+/// A program's attachment to a stack server; cheap to clone (all clones share it).
+#[derive(Clone)]
+pub struct StackClient {
+    inner: Arc<Inner>,
+}
+
+fn gone_error() -> io::Error {
+    io::Error::from_raw_os_error(libc::ECONNRESET)
+}
+
+impl StackClient {
+    /// Attaches to the server at `socket` with copy unit `unit`.
+    pub fn attach(socket: &Path, unit: CopyUnit) -> io::Result<StackClient> {
+        unit.check().map_err(|why| io::Error::new(io::ErrorKind::InvalidInput, why))?;
+        let fail = |why: String| io::Error::other(format!("{}: {why}", socket.display()));
+        let sock = UnixStream::connect(socket).map_err(|e| fail(format!("no stack server here ({e})")))?;
+        sock.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut h = [0u8; hello::LEN];
+        h[..8].copy_from_slice(hello::MAGIC);
+        h[8] = match unit.channel {
+            Channel::SharedMemory => 0,
+            Channel::UnixSocket => 1,
+        };
+        h[12..16].copy_from_slice(&unit.cluster_bytes.to_le_bytes());
+        h[16..20].copy_from_slice(&unit.clusters.to_le_bytes());
+        (&sock).write_all(&h)?;
+        let mut answer = [0u8; hello::ANSWER_LEN];
+        let (n, fds) = recv_fds(&sock, &mut answer).map_err(|e| fail(e.to_string()))?;
+        if n < 12 || &answer[..8] != hello::MAGIC {
+            return Err(fail("the server does not speak the lanbus stack protocol".into()));
+        }
+        let errno = i32::from_le_bytes(answer[8..12].try_into().expect("4 bytes"));
+        if errno != 0 {
+            return Err(io::Error::from_raw_os_error(errno));
+        }
+        if n < hello::ANSWER_LEN {
+            (&sock).read_exact(&mut answer[n..])?;
+        }
+        let ip = Ipv4Addr::new(answer[12], answer[13], answer[14], answer[15]);
+        let prefix = answer[16];
+        let (link, server_bell, my_bell) = match unit.channel {
+            Channel::SharedMemory => {
+                let mut fds = fds.into_iter();
+                let (Some(mem), Some(server_bell), Some(my_bell)) = (fds.next(), fds.next(), fds.next())
+                else {
+                    return Err(fail("the server sent no rings".into()));
+                };
+                let ring = |e: lanbus_ring::Error| fail(e.to_string());
+                let region = Arc::new(Region::from_fd(mem).map_err(ring)?);
+                let from = Receiver::attach(region.clone(), pipe_offset(unit.bytes(), 0)).map_err(ring)?;
+                let to = Sender::attach(region.clone(), pipe_offset(unit.bytes(), 1), CopyMode::Ordinary)
+                    .map_err(ring)?;
+                (
+                    Link::Shm { to, from, _region: region },
+                    Some(EventFd::from_fd(server_bell)),
+                    Some(EventFd::from_fd(my_bell)),
+                )
+            }
+            Channel::UnixSocket => (Link::Socket { read: Vec::new() }, None, None),
+        };
+        sock.set_read_timeout(None)?;
+        sock.set_nonblocking(true)?;
+        let state = State { link, book: Book::default(), next_req: 0, gone: None };
+        Ok(StackClient {
+            inner: Arc::new(Inner {
+                state: Mutex::new(state),
+                sock,
+                server_bell,
+                my_bell,
+                unit: unit.bytes(),
+                ip,
+                prefix,
+            }),
+        })
+    }
+
+    /// The stack's address and prefix length.
+    pub fn local_ip(&self) -> (Ipv4Addr, u8) {
+        (self.inner.ip, self.inner.prefix)
+    }
+
+    /// Opens a TCP connection to `to` (waits for the handshake; fails with the errno Linux gives).
+    pub fn connect(&self, to: SocketAddrV4) -> io::Result<TcpStream> {
+        let (conn, local) = self.inner.request(|req| Msg::Connect { req, to }, true)?;
+        Ok(TcpStream { client: self.clone(), conn, local, peer: to, read_timeout: None })
+    }
+
+    /// Listens on TCP `port` (0: a free port) with `backlog` connections waiting at most.
+    pub fn listen(&self, port: u16, backlog: u16) -> io::Result<TcpListener> {
+        let (handle, local) = self.inner.request(|req| Msg::Listen { req, port, backlog }, false)?;
+        Ok(TcpListener { client: self.clone(), handle, local })
+    }
+
+    /// A UDP socket on `port` (0: a free port).
+    pub fn bind_udp(&self, port: u16) -> io::Result<UdpSocket> {
+        let (handle, local) = self.inner.request(|req| Msg::UdpBind { req, port }, false)?;
+        Ok(UdpSocket { client: self.clone(), handle, local })
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads what the server sent; returns whether anything arrived.
+    fn pump(&self, st: &mut State) -> bool {
+        if st.gone.is_some() {
+            return false;
+        }
+        let mut any = false;
+        let State { link, book, gone, .. } = st;
+        match link {
+            Link::Shm { from, .. } => {
+                let mut probe = [0u8; 1];
+                match (&self.sock).read(&mut probe) {
+                    Ok(_) => *gone = Some("the stack server went away".into()),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => *gone = Some(e.to_string()),
+                }
+                loop {
+                    let mut result = Ok(());
+                    match from.recv(|bytes| result = book.dispatch(bytes)) {
+                        Ok(true) => any = true,
+                        Ok(false) => break,
+                        Err(e) => result = Err(e.to_string()),
+                    }
+                    if let Err(e) = result {
+                        *gone = Some(format!("the stack server broke the protocol: {e}"));
+                        break;
+                    }
+                }
+            }
+            Link::Socket { read } => {
+                let mut buf = [0u8; 65536];
+                loop {
+                    match (&self.sock).read(&mut buf) {
+                        Ok(0) => {
+                            *gone = Some("the stack server went away".into());
+                            break;
+                        }
+                        Ok(n) => read.extend_from_slice(&buf[..n]),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => {
+                            *gone = Some(e.to_string());
+                            break;
+                        }
+                    }
+                }
+                let mut at = 0;
+                while read.len() - at >= 4 {
+                    let len = u32::from_le_bytes(read[at..at + 4].try_into().expect("4 bytes")) as usize;
+                    if read.len() - at - 4 < len {
+                        break;
+                    }
+                    if let Err(e) = book.dispatch(&read[at + 4..at + 4 + len]) {
+                        *gone = Some(format!("the stack server broke the protocol: {e}"));
+                        break;
+                    }
+                    at += 4 + len;
+                    any = true;
+                }
+                read.drain(..at);
+            }
+        }
+        if let Some(why) = gone {
+            tracing::debug!("stack client: {why}");
+            for c in book.conns.values_mut() {
+                c.closed.get_or_insert(libc::ECONNRESET);
+            }
+        }
+        any
+    }
+
+    /// Sends one message; `Ok(false)` when the ring is full (wait and retry).
+    fn send(&self, st: &mut State, msg: &Msg<'_>) -> io::Result<bool> {
+        if st.gone.is_some() {
+            return Err(io::Error::from_raw_os_error(libc::EPIPE));
+        }
+        match &mut st.link {
+            Link::Shm { to, .. } => match to.send_with(|buf| msg.emit(buf)) {
+                Ok(Some(_)) => {
+                    if to.wake_needed() {
+                        if let Some(bell) = &self.server_bell {
+                            let _ = bell.notify();
+                        }
+                    }
+                    Ok(true)
+                }
+                Ok(None) => Ok(false),
+                Err(e) => Err(io::Error::other(e.to_string())),
+            },
+            Link::Socket { .. } => {
+                let mut buf = vec![0u8; 4 + msg.len()];
+                buf[..4].copy_from_slice(&(msg.len() as u32).to_le_bytes());
+                msg.emit(&mut buf[4..]);
+                let mut at = 0;
+                while at < buf.len() {
+                    match (&self.sock).write(&buf[at..]) {
+                        Ok(0) => return Err(io::Error::from_raw_os_error(libc::EPIPE)),
+                        Ok(n) => at += n,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            // The server reads slowly: wait for room.
+                            let mut pfd =
+                                libc::pollfd { fd: self.sock.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+                            // SAFETY: pfd is a valid pollfd for the call.
+                            unsafe { libc::poll(&mut pfd, 1, 20) };
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(_) => return Err(io::Error::from_raw_os_error(libc::EPIPE)),
+                    }
+                }
+                Ok(true)
+            }
+        }
+    }
+
+    /// Sends a message that must go (control): waits while the ring is full.
+    /// The server owes nothing to this lock, so the wait keeps it: other threads of the program
+    /// using this client wait too, which a full ring makes them do anyway.
+    fn send_control(&self, st: &mut State, msg: &Msg<'_>) -> io::Result<()> {
+        let start = Instant::now();
+        loop {
+            if self.send(st, msg)? {
+                return Ok(());
+            }
+            self.pump(st);
+            if let Some(bell) = &self.server_bell {
+                let _ = bell.notify();
+            }
+            std::thread::sleep(if start.elapsed() < SPIN {
+                Duration::ZERO
+            } else {
+                Duration::from_micros(50)
+            });
+        }
+    }
+
+    /// Waits (at most `slice`) for the server to send something, with the lock released.
+    fn wait<'a>(&'a self, mut st: MutexGuard<'a, State>, slice: Duration) -> MutexGuard<'a, State> {
+        let spin_until = Instant::now() + SPIN;
+        while Instant::now() < spin_until {
+            if self.pump(&mut st) {
+                return st;
+            }
+            drop(st);
+            std::thread::yield_now();
+            st = self.lock();
+        }
+        let prepared = match &st.link {
+            Link::Shm { from, .. } => {
+                from.prepare_wait();
+                !from.has_pending()
+            }
+            Link::Socket { .. } => true,
+        };
+        if prepared && st.gone.is_none() {
+            let fd = match &self.my_bell {
+                Some(bell) => bell.as_fd().as_raw_fd(),
+                None => self.sock.as_raw_fd(),
+            };
+            let sock = self.sock.as_raw_fd();
+            drop(st);
+            let mut fds = [
+                libc::pollfd { fd, events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: sock, events: libc::POLLIN, revents: 0 },
+            ];
+            // SAFETY: fds is a valid array of two pollfds for the call.
+            unsafe { libc::poll(fds.as_mut_ptr(), 2, slice.as_millis().max(1) as i32) };
+            st = self.lock();
+        }
+        if let Link::Shm { from, .. } = &st.link {
+            from.finish_wait();
+        }
+        if let Some(bell) = &self.my_bell {
+            let _ = bell.wait(Some(Duration::ZERO));
+        }
+        self.pump(&mut st);
+        st
+    }
+
+    /// Sends a request and waits for its answer.
+    fn request(
+        &self,
+        msg: impl FnOnce(u32) -> Msg<'static>,
+        is_conn: bool,
+    ) -> io::Result<(u32, SocketAddrV4)> {
+        let mut st = self.lock();
+        st.next_req = st.next_req.wrapping_add(1);
+        let req = st.next_req;
+        self.send_control(&mut st, &msg(req))?;
+        loop {
+            self.pump(&mut st);
+            if let Some(answer) = st.book.replies.remove(&req) {
+                let (handle, local) = answer.map_err(io::Error::from_raw_os_error)?;
+                if is_conn {
+                    st.book.conns.insert(handle, ConnState::default());
+                }
+                return Ok((handle, local));
+            }
+            if st.gone.is_some() {
+                return Err(gone_error());
+            }
+            st = self.wait(st, SLICE);
+        }
+    }
+
+    fn close(&self, handle: u32, abort: bool) {
+        let mut st = self.lock();
+        st.book.conns.remove(&handle);
+        st.book.accepted.remove(&handle);
+        st.book.datagrams.remove(&handle);
+        let msg = if abort { Msg::Abort { conn: handle } } else { Msg::Close { handle } };
+        let _ = self.send_control(&mut st, &msg);
+    }
+}
+
+/// A TCP connection through the stack server.
+pub struct TcpStream {
+    client: StackClient,
+    conn: u32,
+    local: SocketAddrV4,
+    peer: SocketAddrV4,
+    read_timeout: Option<Duration>,
+}
+
+impl TcpStream {
+    /// The local address.
+    pub fn local_addr(&self) -> SocketAddrV4 {
+        self.local
+    }
+
+    /// The remote address.
+    pub fn peer_addr(&self) -> SocketAddrV4 {
+        self.peer
+    }
+
+    /// Bounds how long `read` waits (`None`: no bound); a read that times out gives `WouldBlock`.
+    pub fn set_read_timeout(&mut self, timeout: Option<Duration>) {
+        self.read_timeout = timeout;
+    }
+
+    /// Sends FIN after the bytes already written; reads go on.
+    pub fn shutdown_write(&self) -> io::Result<()> {
+        let inner = &self.client.inner;
+        let mut st = inner.lock();
+        inner.send_control(&mut st, &Msg::Shutdown { conn: self.conn })
+    }
+
+    /// Waits until every byte written has gone into the stack (not necessarily acknowledged).
+    pub fn drain(&self) -> io::Result<()> {
+        let inner = &self.client.inner;
+        let mut st = inner.lock();
+        loop {
+            inner.pump(&mut st);
+            let Some(c) = st.book.conns.get(&self.conn) else { return Ok(()) };
+            if c.in_flight == 0 {
+                return Ok(());
+            }
+            if let Some(errno) = c.closed.filter(|e| *e != 0) {
+                return Err(io::Error::from_raw_os_error(errno));
+            }
+            st = inner.wait(st, SLICE);
+        }
+    }
+
+    /// Resets the connection (RST) and frees it.
+    pub fn abort(self) {
+        self.client.inner.close(self.conn, true);
+        std::mem::forget(self);
+    }
+}
+
+impl Read for TcpStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let inner = &self.client.inner;
+        let deadline = self.read_timeout.map(|t| Instant::now() + t);
+        let mut st = inner.lock();
+        loop {
+            inner.pump(&mut st);
+            let c =
+                st.book.conns.get_mut(&self.conn).ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))?;
+            if !c.rx.is_empty() {
+                let mut n = 0;
+                while n < buf.len() {
+                    let Some(front) = c.rx.front() else { break };
+                    let take = (front.len() - c.head).min(buf.len() - n);
+                    buf[n..n + take].copy_from_slice(&front[c.head..c.head + take]);
+                    n += take;
+                    c.head += take;
+                    if c.head == front.len() {
+                        c.rx.pop_front();
+                        c.head = 0;
+                    }
+                }
+                c.consumed += n as u64;
+                if c.consumed >= RECV_CREDIT / 4 {
+                    let bytes = std::mem::take(&mut c.consumed);
+                    inner.send_control(&mut st, &Msg::Consumed { conn: self.conn, bytes })?;
+                }
+                return Ok(n);
+            }
+            if c.eof {
+                return Ok(0);
+            }
+            if let Some(errno) = c.closed {
+                return if errno == 0 { Ok(0) } else { Err(io::Error::from_raw_os_error(errno)) };
+            }
+            if buf.is_empty() {
+                return Ok(0);
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            st = inner.wait(st, SLICE);
+        }
+    }
+}
+
+impl Write for TcpStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let inner = &self.client.inner;
+        let mut st = inner.lock();
+        let mut written = 0;
+        loop {
+            inner.pump(&mut st);
+            let c = st.book.conns.get(&self.conn).ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))?;
+            if let Some(errno) = c.closed {
+                let errno = if errno == 0 { libc::EPIPE } else { errno };
+                return if written > 0 { Ok(written) } else { Err(io::Error::from_raw_os_error(errno)) };
+            }
+            let credit = SEND_CREDIT - c.in_flight.min(SEND_CREDIT);
+            if written == buf.len() {
+                return Ok(written);
+            }
+            if credit > 0 {
+                let n = (buf.len() - written).min(credit as usize).min(inner.unit);
+                if inner.send(&mut st, &Msg::Send { conn: self.conn, data: &buf[written..written + n] })? {
+                    written += n;
+                    if let Some(c) = st.book.conns.get_mut(&self.conn) {
+                        c.in_flight += n as u64;
+                    }
+                    continue;
+                }
+            }
+            if written > 0 {
+                return Ok(written);
+            }
+            st = inner.wait(st, SLICE);
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for TcpStream {
+    fn drop(&mut self) {
+        self.client.inner.close(self.conn, false);
+    }
+}
+
+/// A TCP listener through the stack server.
+pub struct TcpListener {
+    client: StackClient,
+    handle: u32,
+    local: SocketAddrV4,
+}
+
+impl TcpListener {
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddrV4 {
+        self.local
+    }
+
+    /// Waits for the next connection (at most `timeout` when given: then `TimedOut`).
+    pub fn accept_timeout(&self, timeout: Option<Duration>) -> io::Result<(TcpStream, SocketAddrV4)> {
+        let inner = &self.client.inner;
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = inner.lock();
+        loop {
+            inner.pump(&mut st);
+            if let Some((conn, peer)) = st.book.accepted.get_mut(&self.handle).and_then(|q| q.pop_front()) {
+                let stream = TcpStream {
+                    client: self.client.clone(),
+                    conn,
+                    local: self.local,
+                    peer,
+                    read_timeout: None,
+                };
+                return Ok((stream, peer));
+            }
+            if st.gone.is_some() {
+                return Err(gone_error());
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            st = inner.wait(st, SLICE);
+        }
+    }
+
+    /// Waits for the next connection.
+    pub fn accept(&self) -> io::Result<(TcpStream, SocketAddrV4)> {
+        self.accept_timeout(None)
+    }
+}
+
+impl Drop for TcpListener {
+    fn drop(&mut self) {
+        self.client.inner.close(self.handle, false);
+    }
+}
+
+/// A UDP socket through the stack server.
+pub struct UdpSocket {
+    client: StackClient,
+    handle: u32,
+    local: SocketAddrV4,
+}
+
+impl UdpSocket {
+    /// The address it is bound to.
+    pub fn local_addr(&self) -> SocketAddrV4 {
+        self.local
+    }
+
+    /// Sends a datagram (at most the copy unit, and within the link's MTU).
+    pub fn send_to(&self, data: &[u8], to: SocketAddrV4) -> io::Result<usize> {
+        let inner = &self.client.inner;
+        if data.len() > inner.unit {
+            return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
+        }
+        let mut st = inner.lock();
+        inner.send_control(&mut st, &Msg::UdpSend { sock: self.handle, to, data })?;
+        Ok(data.len())
+    }
+
+    /// Receives a datagram, waiting at most `timeout` (`None`: no bound; then `WouldBlock`).
+    pub fn recv_from(&self, buf: &mut [u8], timeout: Option<Duration>) -> io::Result<(usize, SocketAddrV4)> {
+        let inner = &self.client.inner;
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = inner.lock();
+        loop {
+            inner.pump(&mut st);
+            if let Some((from, data)) = st.book.datagrams.get_mut(&self.handle).and_then(|q| q.pop_front()) {
+                let n = data.len().min(buf.len());
+                buf[..n].copy_from_slice(&data[..n]);
+                return Ok((n, from));
+            }
+            if st.gone.is_some() {
+                return Err(gone_error());
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            st = inner.wait(st, SLICE);
+        }
+    }
+}
+
+impl Drop for UdpSocket {
+    fn drop(&mut self) {
+        self.client.inner.close(self.handle, false);
+    }
+}
+
+/// Bytes of one message header, for callers sizing buffers.
+pub const MESSAGE_HEADER_BYTES: usize = HEADER_LEN;

@@ -1,0 +1,402 @@
+//! The client protocol: messages between a program and the stack server.
+//!
+//! Layer: stack (client side and server side share it). Every message is a fixed 24-byte header
+//! then, for the messages that carry bytes, the bytes:
+//!
+//! ```text
+//!  0      1..4   4..8   8..16   16..20   20..22  22..24
+//!  op     zero   a      b       ip4      port    zero
+//! ```
+//!
+//! all little-endian but the address (network order, as on the wire). `a` names a request, a
+//! connection or a socket; `b` carries a count, an errno or a request id. Over shared memory one
+//! message fills one pipe buffer; over a Unix socket (the baseline mode) each message is preceded
+//! by its length as a u32.
+//!
+//! Invariants: [`Msg::parse`] never panics and accepts only what [`Msg::emit`] produces (ops it
+//! knows, zero padding, payloads only where the op has one, within [`MAX_PAYLOAD`]); everything
+//! else is [`ProtoError`], which the server answers by disconnecting the client.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+/// Bytes of the fixed header.
+pub const HEADER_LEN: usize = 24;
+/// The largest payload of one message: a copy unit of up to 1 MiB.
+pub const MAX_PAYLOAD: usize = 1 << 20;
+
+/// A message that does not parse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtoError {
+    /// Shorter than the header.
+    #[error("message of {0} bytes is shorter than the 24-byte header")]
+    Short(usize),
+    /// An op code this version does not know.
+    #[error("unknown op {0}")]
+    UnknownOp(u8),
+    /// Padding that is not zero, or bytes after a message that carries none.
+    #[error("op {0}: malformed (padding or a payload it does not carry)")]
+    Malformed(u8),
+    /// A payload longer than [`MAX_PAYLOAD`].
+    #[error("payload of {0} bytes is longer than the limit")]
+    TooLong(usize),
+}
+
+/// One message (a view: payloads borrow the buffer it was parsed from).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Msg<'a> {
+    /// Client: open a TCP connection to `to`; answered by `Opened` or `Failed` with `req`.
+    Connect {
+        /// The request id the answer carries.
+        req: u32,
+        /// The remote address.
+        to: SocketAddrV4,
+    },
+    /// Client: listen on TCP `port` (0: any free port) with `backlog` pending connections.
+    Listen {
+        /// The request id the answer carries.
+        req: u32,
+        /// The local port.
+        port: u16,
+        /// Connections that may wait to be accepted.
+        backlog: u16,
+    },
+    /// Client: a UDP socket bound to `port` (0: any free port).
+    UdpBind {
+        /// The request id the answer carries.
+        req: u32,
+        /// The local port.
+        port: u16,
+    },
+    /// Client: bytes to send on a connection (within the send credit).
+    Send {
+        /// The connection.
+        conn: u32,
+        /// The bytes.
+        data: &'a [u8],
+    },
+    /// Client: the program read `bytes` more of a connection's data (receive credit returned).
+    Consumed {
+        /// The connection.
+        conn: u32,
+        /// How many bytes.
+        bytes: u64,
+    },
+    /// Client: no more data will be sent (FIN after what is queued).
+    Shutdown {
+        /// The connection.
+        conn: u32,
+    },
+    /// Client: the program is done with a connection, listener or UDP socket.
+    Close {
+        /// The handle.
+        handle: u32,
+    },
+    /// Client: reset a connection now (RST).
+    Abort {
+        /// The connection.
+        conn: u32,
+    },
+    /// Client: a datagram.
+    UdpSend {
+        /// The socket.
+        sock: u32,
+        /// Where to.
+        to: SocketAddrV4,
+        /// The bytes.
+        data: &'a [u8],
+    },
+    /// Server: a request succeeded; `handle` names the new connection or socket.
+    Opened {
+        /// The request.
+        req: u32,
+        /// The new handle.
+        handle: u32,
+        /// The local address it got.
+        local: SocketAddrV4,
+    },
+    /// Server: a request failed with `errno` (as Linux would give it).
+    Failed {
+        /// The request.
+        req: u32,
+        /// The errno.
+        errno: i32,
+    },
+    /// Server: a listener has a new connection.
+    Accepted {
+        /// The listener.
+        listener: u32,
+        /// The new connection's handle.
+        conn: u32,
+        /// The remote address.
+        peer: SocketAddrV4,
+    },
+    /// Server: bytes received on a connection (within the receive credit).
+    Data {
+        /// The connection.
+        conn: u32,
+        /// The bytes.
+        data: &'a [u8],
+    },
+    /// Server: `bytes` more of the connection's data went into the stack (send credit returned).
+    Sent {
+        /// The connection.
+        conn: u32,
+        /// How many bytes.
+        bytes: u64,
+    },
+    /// Server: the peer closed its side (FIN): no more data will come.
+    Eof {
+        /// The connection.
+        conn: u32,
+    },
+    /// Server: the connection is gone: 0 after an orderly close, else the errno a read or write
+    /// now gives (ECONNRESET, ETIMEDOUT, ECONNREFUSED, ...).
+    Closed {
+        /// The connection.
+        conn: u32,
+        /// The errno, or 0.
+        errno: i32,
+    },
+    /// Server: a datagram for a UDP socket.
+    UdpData {
+        /// The socket.
+        sock: u32,
+        /// Who sent it.
+        from: SocketAddrV4,
+        /// The bytes.
+        data: &'a [u8],
+    },
+}
+
+mod op {
+    pub const CONNECT: u8 = 1;
+    pub const LISTEN: u8 = 2;
+    pub const UDP_BIND: u8 = 3;
+    pub const SEND: u8 = 4;
+    pub const CONSUMED: u8 = 5;
+    pub const SHUTDOWN: u8 = 6;
+    pub const CLOSE: u8 = 7;
+    pub const ABORT: u8 = 8;
+    pub const UDP_SEND: u8 = 9;
+    pub const OPENED: u8 = 64;
+    pub const FAILED: u8 = 65;
+    pub const ACCEPTED: u8 = 66;
+    pub const DATA: u8 = 67;
+    pub const SENT: u8 = 68;
+    pub const EOF: u8 = 69;
+    pub const CLOSED: u8 = 70;
+    pub const UDP_DATA: u8 = 71;
+}
+
+const NOWHERE: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0);
+
+impl<'a> Msg<'a> {
+    /// The fields in header order: op, a, b, address, payload.
+    fn parts(&self) -> (u8, u32, u64, SocketAddrV4, &'a [u8]) {
+        use Msg::*;
+        match *self {
+            Connect { req, to } => (op::CONNECT, req, 0, to, &[]),
+            Listen { req, port, backlog } => (op::LISTEN, req, u64::from(backlog), sock(port), &[]),
+            UdpBind { req, port } => (op::UDP_BIND, req, 0, sock(port), &[]),
+            Send { conn, data } => (op::SEND, conn, 0, NOWHERE, data),
+            Consumed { conn, bytes } => (op::CONSUMED, conn, bytes, NOWHERE, &[]),
+            Shutdown { conn } => (op::SHUTDOWN, conn, 0, NOWHERE, &[]),
+            Close { handle } => (op::CLOSE, handle, 0, NOWHERE, &[]),
+            Abort { conn } => (op::ABORT, conn, 0, NOWHERE, &[]),
+            UdpSend { sock, to, data } => (op::UDP_SEND, sock, 0, to, data),
+            Opened { req, handle, local } => (op::OPENED, req, u64::from(handle), local, &[]),
+            Failed { req, errno } => (op::FAILED, req, errno as u32 as u64, NOWHERE, &[]),
+            Accepted { listener, conn, peer } => (op::ACCEPTED, listener, u64::from(conn), peer, &[]),
+            Data { conn, data } => (op::DATA, conn, 0, NOWHERE, data),
+            Sent { conn, bytes } => (op::SENT, conn, bytes, NOWHERE, &[]),
+            Eof { conn } => (op::EOF, conn, 0, NOWHERE, &[]),
+            Closed { conn, errno } => (op::CLOSED, conn, errno as u32 as u64, NOWHERE, &[]),
+            UdpData { sock, from, data } => (op::UDP_DATA, sock, 0, from, data),
+        }
+    }
+
+    /// Bytes [`Msg::emit`] writes.
+    pub fn len(&self) -> usize {
+        HEADER_LEN + self.parts().4.len()
+    }
+
+    /// Whether the message is only a header (never: kept for the `len` convention).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Writes the message at the start of `buf`; returns its length, or `None` if `buf` is too
+    /// short.
+    pub fn emit(&self, buf: &mut [u8]) -> Option<usize> {
+        let (code, a, b, addr, data) = self.parts();
+        let len = HEADER_LEN + data.len();
+        let out = buf.get_mut(..len)?;
+        out[..HEADER_LEN].fill(0);
+        out[0] = code;
+        out[4..8].copy_from_slice(&a.to_le_bytes());
+        out[8..16].copy_from_slice(&b.to_le_bytes());
+        out[16..20].copy_from_slice(&addr.ip().octets());
+        out[20..22].copy_from_slice(&addr.port().to_be_bytes());
+        out[HEADER_LEN..].copy_from_slice(data);
+        Some(len)
+    }
+
+    /// Parses one whole message (exactly `buf`).
+    pub fn parse(buf: &'a [u8]) -> Result<Msg<'a>, ProtoError> {
+        if buf.len() < HEADER_LEN {
+            return Err(ProtoError::Short(buf.len()));
+        }
+        let code = buf[0];
+        if buf[1..4] != [0; 3] || buf[22..24] != [0, 0] {
+            return Err(ProtoError::Malformed(code));
+        }
+        let a = u32::from_le_bytes(buf[4..8].try_into().expect("4 bytes"));
+        let b = u64::from_le_bytes(buf[8..16].try_into().expect("8 bytes"));
+        let ip = Ipv4Addr::new(buf[16], buf[17], buf[18], buf[19]);
+        let port = u16::from_be_bytes([buf[20], buf[21]]);
+        let addr = SocketAddrV4::new(ip, port);
+        let data = &buf[HEADER_LEN..];
+        if data.len() > MAX_PAYLOAD {
+            return Err(ProtoError::TooLong(data.len()));
+        }
+        let b32 = u32::try_from(b).map_err(|_| ProtoError::Malformed(code));
+        let msg = match code {
+            op::CONNECT => Msg::Connect { req: a, to: addr },
+            op::LISTEN => Msg::Listen {
+                req: a,
+                port,
+                backlog: u16::try_from(b).map_err(|_| ProtoError::Malformed(code))?,
+            },
+            op::UDP_BIND => Msg::UdpBind { req: a, port },
+            op::SEND => Msg::Send { conn: a, data },
+            op::CONSUMED => Msg::Consumed { conn: a, bytes: b },
+            op::SHUTDOWN => Msg::Shutdown { conn: a },
+            op::CLOSE => Msg::Close { handle: a },
+            op::ABORT => Msg::Abort { conn: a },
+            op::UDP_SEND => Msg::UdpSend { sock: a, to: addr, data },
+            op::OPENED => Msg::Opened { req: a, handle: b32?, local: addr },
+            op::FAILED => Msg::Failed { req: a, errno: b32? as i32 },
+            op::ACCEPTED => Msg::Accepted { listener: a, conn: b32?, peer: addr },
+            op::DATA => Msg::Data { conn: a, data },
+            op::SENT => Msg::Sent { conn: a, bytes: b },
+            op::EOF => Msg::Eof { conn: a },
+            op::CLOSED => Msg::Closed { conn: a, errno: b32? as i32 },
+            op::UDP_DATA => Msg::UdpData { sock: a, from: addr, data },
+            other => return Err(ProtoError::UnknownOp(other)),
+        };
+        // Only the exact encoding is accepted: fields a message does not use must be zero.
+        let (_, a2, b2, addr2, data2) = msg.parts();
+        if a2 != a || b2 != b || addr2 != addr || data2.len() != data.len() {
+            return Err(ProtoError::Malformed(code));
+        }
+        Ok(msg)
+    }
+}
+
+fn sock(port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)
+}
+
+/// Fuzz entry: any bytes parse to a message or an error; what parses re-emits to the same bytes.
+#[cfg(any(fuzzing, test))]
+pub fn fuzz_parse(data: &[u8]) {
+    if let Ok(msg) = Msg::parse(data) {
+        let mut out = vec![0; msg.len()];
+        assert_eq!(msg.emit(&mut out), Some(data.len()));
+        assert_eq!(out, data);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn addr() -> impl Strategy<Value = SocketAddrV4> {
+        (any::<[u8; 4]>(), any::<u16>()).prop_map(|(ip, port)| SocketAddrV4::new(ip.into(), port))
+    }
+
+    fn round_trip(msg: Msg<'_>) {
+        let mut buf = vec![0; msg.len()];
+        assert_eq!(msg.emit(&mut buf), Some(buf.len()));
+        assert_eq!(Msg::parse(&buf), Ok(msg));
+        assert_eq!(msg.emit(&mut buf[..msg.len() - 1]), None);
+    }
+
+    #[test]
+    fn fixture_connect() {
+        let msg = Msg::Connect { req: 7, to: "10.0.0.2:5201".parse().unwrap() };
+        let mut buf = [0u8; HEADER_LEN];
+        msg.emit(&mut buf).unwrap();
+        assert_eq!(buf, [1, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 10, 0, 0, 2, 0x14, 0x51, 0, 0]);
+        assert_eq!(Msg::parse(&buf), Ok(msg));
+    }
+
+    #[test]
+    fn rejects_what_emit_never_writes() {
+        assert_eq!(Msg::parse(&[0; 10]), Err(ProtoError::Short(10)));
+        let mut buf = [0u8; HEADER_LEN];
+        buf[0] = 200;
+        assert_eq!(Msg::parse(&buf), Err(ProtoError::UnknownOp(200)));
+        buf[0] = op::SHUTDOWN;
+        buf[2] = 1;
+        assert_eq!(Msg::parse(&buf), Err(ProtoError::Malformed(op::SHUTDOWN)));
+        buf[2] = 0;
+        buf[9] = 1; // b is unused by SHUTDOWN
+        assert_eq!(Msg::parse(&buf), Err(ProtoError::Malformed(op::SHUTDOWN)));
+        let mut long = vec![0u8; HEADER_LEN + 3];
+        long[0] = op::CLOSE; // CLOSE carries no payload
+        assert_eq!(Msg::parse(&long), Err(ProtoError::Malformed(op::CLOSE)));
+        let mut opened = [0u8; HEADER_LEN];
+        opened[0] = op::OPENED;
+        opened[12] = 1; // a handle above u32
+        assert_eq!(Msg::parse(&opened), Err(ProtoError::Malformed(op::OPENED)));
+    }
+
+    proptest! {
+        #[test]
+        fn every_message_round_trips(
+            a in any::<u32>(), b in any::<u64>(), e in any::<i32>(), port in any::<u16>(),
+            backlog in any::<u16>(), to in addr(), data in proptest::collection::vec(any::<u8>(), 0..300),
+        ) {
+            let d = &data[..];
+            for msg in [
+                Msg::Connect { req: a, to },
+                Msg::Listen { req: a, port, backlog },
+                Msg::UdpBind { req: a, port },
+                Msg::Send { conn: a, data: d },
+                Msg::Consumed { conn: a, bytes: b },
+                Msg::Shutdown { conn: a },
+                Msg::Close { handle: a },
+                Msg::Abort { conn: a },
+                Msg::UdpSend { sock: a, to, data: d },
+                Msg::Opened { req: a, handle: b as u32, local: to },
+                Msg::Failed { req: a, errno: e },
+                Msg::Accepted { listener: a, conn: b as u32, peer: to },
+                Msg::Data { conn: a, data: d },
+                Msg::Sent { conn: a, bytes: b },
+                Msg::Eof { conn: a },
+                Msg::Closed { conn: a, errno: e },
+                Msg::UdpData { sock: a, from: to, data: d },
+            ] {
+                round_trip(msg);
+            }
+        }
+
+        #[test]
+        fn any_bytes_parse_or_fail_cleanly(data in proptest::collection::vec(any::<u8>(), 0..80)) {
+            fuzz_parse(&data);
+        }
+
+        #[test]
+        fn headers_with_a_known_op_parse_or_fail_cleanly(
+            code in prop::sample::select(vec![1u8, 2, 3, 4, 5, 6, 7, 8, 9, 64, 65, 66, 67, 68, 69, 70, 71]),
+            rest in proptest::collection::vec(prop::sample::select(vec![0u8, 0, 0, 1, 255]), 23..40),
+        ) {
+            let mut data = vec![code];
+            data.extend(rest);
+            fuzz_parse(&data);
+        }
+    }
+}

@@ -1,0 +1,1191 @@
+//! The stack server: smoltcp on a port, serving clients on a Unix socket.
+//!
+//! Layer: stack. One thread does everything, in a loop: take new clients, read their requests,
+//! let smoltcp process received frames and timers, move bytes between connections and clients,
+//! transmit. When nothing moved for a short spin it sleeps in `epoll_wait` on the port, the
+//! clients' doorbells and sockets, and the next TCP timer, so an idle server uses no CPU to speak
+//! of.
+//!
+//! Invariants: a client only reaches handles it opened (every handle names its owner); a client
+//! that breaks the protocol (a message that does not parse, a ring that does not add up, more
+//! bytes than its credit) is disconnected and its connections closed, and nothing else changes.
+//! Control messages to a client are never dropped: when its ring is full they wait in an outbox;
+//! data waits in the connection (TCP's window closes) instead.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use lanbus_port::Port;
+use lanbus_ring::pipe::{Receiver, Sender};
+use lanbus_ring::{peer_cred, send_fds, CopyMode, EventFd, Region};
+use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
+use smoltcp::socket::{tcp, udp};
+use smoltcp::time::Instant;
+use smoltcp::wire::{EthernetAddress, HardwareAddress, IpAddress, IpCidr, IpEndpoint};
+
+use crate::device::PortDevice;
+use crate::proto::{Msg, HEADER_LEN};
+use crate::{hello, pipe_config, pipe_offset, Channel, CopyUnit};
+
+/// Bytes a client may have given the server for a connection and not yet seen accepted (`Sent`).
+pub const SEND_CREDIT: u64 = 4 << 20;
+/// Bytes the server may deliver on a connection before the client says it read them.
+pub const RECV_CREDIT: u64 = 4 << 20;
+/// First port handed out for connects and for listens on port 0.
+const EPHEMERAL: u16 = 49152;
+/// How long the loop keeps polling after the last work before it sleeps.
+const SPIN: Duration = Duration::from_micros(100);
+
+/// Settings of a server.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The stack's address and prefix length.
+    pub ip: Ipv4Addr,
+    /// The prefix length of `ip`'s network.
+    pub prefix: u8,
+    /// The default route, if any.
+    pub gateway: Option<Ipv4Addr>,
+    /// The Unix socket clients attach to.
+    pub socket: PathBuf,
+    /// Bytes of each TCP connection's receive and send buffer (the window scales to fit).
+    pub tcp_buffer_bytes: usize,
+    /// Idle time after which a connection probes its peer (TCP keep-alive).
+    pub keep_alive: Duration,
+    /// How long a connection waits for its peer before it gives up (ETIMEDOUT).
+    pub timeout: Duration,
+}
+
+impl ServerConfig {
+    /// Defaults for an address: 1 MiB buffers, keep-alive after 60 s, give up after 30 s.
+    pub fn new(ip: Ipv4Addr, prefix: u8, socket: &Path) -> ServerConfig {
+        ServerConfig {
+            ip,
+            prefix,
+            gateway: None,
+            socket: socket.to_path_buf(),
+            tcp_buffer_bytes: 1 << 20,
+            keep_alive: Duration::from_secs(60),
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Counters of a server.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ServerCounters {
+    /// Clients attached since start.
+    pub clients_attached: u64,
+    /// Clients disconnected for breaking the protocol.
+    pub clients_broken: u64,
+    /// Clients refused (wrong user or a bad hello).
+    pub clients_refused: u64,
+    /// Connections opened (both ways).
+    pub connections_opened: u64,
+    /// Connections whose state is gone.
+    pub connections_freed: u64,
+    /// Frames received from the port.
+    pub rx_frames: u64,
+    /// Frames sent.
+    pub tx_frames: u64,
+    /// Bytes clients sent.
+    pub tx_bytes: u64,
+    /// Bytes delivered to clients.
+    pub rx_bytes: u64,
+}
+
+/// One connection as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectionInfo {
+    /// Local address.
+    pub local: Option<SocketAddrV4>,
+    /// Remote address.
+    pub remote: Option<SocketAddrV4>,
+    /// TCP state, as smoltcp names it.
+    pub state: String,
+    /// The client's process id (0 once the client has gone).
+    pub pid: i32,
+}
+
+/// A snapshot of the server.
+#[derive(Debug, Clone, Default)]
+pub struct ServerStatus {
+    /// Counters.
+    pub counters: ServerCounters,
+    /// Clients attached now.
+    pub clients: usize,
+    /// Live TCP connections (listeners excluded).
+    pub connections: Vec<ConnectionInfo>,
+    /// Listening ports.
+    pub listening: Vec<u16>,
+}
+
+/// A running server; stops when dropped.
+pub struct Server {
+    stop: Arc<AtomicBool>,
+    status: Arc<Mutex<ServerStatus>>,
+    thread: Option<JoinHandle<()>>,
+    socket: PathBuf,
+}
+
+impl Server {
+    /// Starts a server on `port`. Fails if the socket path cannot be bound.
+    pub fn start(port: Box<dyn Port>, config: ServerConfig) -> std::io::Result<Server> {
+        if config.socket.exists() {
+            // A stale socket of an earlier run (a live server would answer a connect).
+            if UnixStream::connect(&config.socket).is_ok() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!("{}: another stack server is serving this socket", config.socket.display()),
+                ));
+            }
+            std::fs::remove_file(&config.socket)?;
+        }
+        let listener = UnixListener::bind(&config.socket)?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let status = Arc::new(Mutex::new(ServerStatus::default()));
+        let mut core = Core::new(port, config.clone(), listener)?;
+        let (stop2, status2) = (stop.clone(), status.clone());
+        let thread = std::thread::Builder::new().name("stackd".into()).spawn(move || {
+            core.run(&stop2, &status2);
+        })?;
+        Ok(Server { stop, status, thread: Some(thread), socket: config.socket })
+    }
+
+    /// A snapshot of counters and connections (refreshed every 100 ms).
+    pub fn status(&self) -> ServerStatus {
+        self.status.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Whether the server thread is still running.
+    pub fn is_running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // Relaxed: a flag the loop polls at least every 100 ms.
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// How the server talks to one client (one per client: the size difference does not matter).
+#[allow(clippy::large_enum_variant)]
+enum Link {
+    Shm {
+        to: Sender,
+        from: Option<Receiver>,
+        client_bell: EventFd,
+        server_bell: EventFd,
+        _region: Arc<Region>,
+    },
+    Socket {
+        read: Vec<u8>,
+        write: VecDeque<u8>,
+    },
+}
+
+struct Client {
+    sock: UnixStream,
+    link: Link,
+    pid: i32,
+    /// Data bytes per message.
+    unit: usize,
+    /// Control messages that did not fit in the ring yet.
+    outbox: VecDeque<Vec<u8>>,
+    handles: HashSet<u32>,
+    /// The ring was written since the doorbell was last considered.
+    wrote: bool,
+}
+
+impl Client {
+    /// Whether nothing waits in front of new messages.
+    fn clear(&self) -> bool {
+        self.outbox.is_empty()
+            && match &self.link {
+                Link::Shm { .. } => true,
+                Link::Socket { write, .. } => write.len() < 4 * self.unit + 4 * HEADER_LEN,
+            }
+    }
+
+    /// Sends a message now if it fits; `false` when the ring or socket buffer is full.
+    fn try_send(&mut self, msg: &Msg<'_>) -> bool {
+        match &mut self.link {
+            Link::Shm { to, .. } => match to.send_with(|buf| msg.emit(buf)) {
+                Ok(Some(_)) => {
+                    self.wrote = true;
+                    true
+                }
+                _ => false,
+            },
+            Link::Socket { write, .. } => {
+                let len = msg.len();
+                let start = write.len();
+                write.extend((len as u32).to_le_bytes());
+                write.resize(start + 4 + len, 0);
+                let (a, b) = write.as_mut_slices();
+                if b.is_empty() {
+                    msg.emit(&mut a[start + 4..]);
+                } else {
+                    let mut tmp = vec![0; len];
+                    msg.emit(&mut tmp);
+                    for (i, byte) in tmp.into_iter().enumerate() {
+                        write[start + 4 + i] = byte;
+                    }
+                }
+                true
+            }
+        }
+    }
+
+    /// Sends a control message, queueing it if the ring is full.
+    fn control(&mut self, msg: Msg<'_>) {
+        if !self.outbox.is_empty() || !self.try_send(&msg) {
+            let mut buf = vec![0; msg.len()];
+            msg.emit(&mut buf);
+            self.outbox.push_back(buf);
+        }
+    }
+
+    /// Moves queued control messages and socket bytes out; `Err` when the client is gone.
+    fn flush(&mut self) -> Result<(), ()> {
+        while let Some(buf) = self.outbox.pop_front() {
+            let msg = Msg::parse(&buf).expect("emitted by this server");
+            if !self.try_send(&msg) {
+                self.outbox.push_front(buf);
+                break;
+            }
+        }
+        if let Link::Socket { write, .. } = &mut self.link {
+            while !write.is_empty() {
+                let (a, _) = write.as_slices();
+                match (&self.sock).write(a) {
+                    Ok(0) => return Err(()),
+                    Ok(n) => {
+                        write.drain(..n);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => return Err(()),
+                }
+            }
+        }
+        if let Link::Shm { to, client_bell, .. } = &self.link {
+            if self.wrote && to.wake_needed() {
+                let _ = client_bell.notify();
+            }
+        }
+        self.wrote = false;
+        Ok(())
+    }
+}
+
+enum Handle {
+    Conn(Conn),
+    Listener(Listener),
+    Udp(UdpSock),
+}
+
+struct Conn {
+    client: u32,
+    sock: SocketHandle,
+    /// Bytes from the client not yet in smoltcp's send buffer.
+    pending: VecDeque<u8>,
+    /// Bytes moved into smoltcp and not yet reported with `Sent`.
+    unreported: u64,
+    /// Bytes the server may still deliver.
+    credit: u64,
+    /// The connect request to answer when the handshake ends.
+    connecting: Option<u32>,
+    shutdown: bool,
+    fin_seen: bool,
+    eof_sent: bool,
+    /// The client closed its handle: free the connection when TCP is done.
+    orphan: bool,
+    last_activity: Instant,
+    /// The ephemeral port this connection took (connections a listener accepted share its port).
+    own_port: Option<u16>,
+}
+
+struct Listener {
+    client: u32,
+    port: u16,
+    /// smoltcp sockets listening on the port (one per backlog slot).
+    waiting: Vec<SocketHandle>,
+}
+
+struct UdpSock {
+    client: u32,
+    sock: SocketHandle,
+}
+
+struct Core {
+    iface: Interface,
+    dev: PortDevice,
+    sockets: SocketSet<'static>,
+    config: ServerConfig,
+    listener: UnixListener,
+    me: (u32, u32),
+    clients: HashMap<u32, Client>,
+    next_client: u32,
+    handles: HashMap<u32, Handle>,
+    next_handle: u32,
+    ports_in_use: HashSet<u16>,
+    next_port: u16,
+    epoll: OwnedFd,
+    epoll_fds: HashSet<RawFd>,
+    counters: ServerCounters,
+    start: std::time::Instant,
+    /// Data moved this iteration.
+    busy: bool,
+}
+
+fn now(start: std::time::Instant) -> Instant {
+    Instant::from_micros(start.elapsed().as_micros() as i64)
+}
+
+fn endpoint_v4(e: Option<IpEndpoint>) -> Option<SocketAddrV4> {
+    e.map(|e| match e.addr {
+        IpAddress::Ipv4(a) => SocketAddrV4::new(a, e.port),
+    })
+}
+
+impl Core {
+    fn new(port: Box<dyn Port>, config: ServerConfig, listener: UnixListener) -> std::io::Result<Core> {
+        let mac = port.mac();
+        let mut dev = PortDevice::new(port);
+        let start = std::time::Instant::now();
+        let mut iface_config = Config::new(HardwareAddress::Ethernet(EthernetAddress(mac.0)));
+        iface_config.random_seed = mac
+            .0
+            .iter()
+            .fold(0x9e37_79b9_7f4a_7c15u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+            ^ std::process::id() as u64;
+        let mut iface = Interface::new(iface_config, &mut dev, now(start));
+        iface.update_ip_addrs(|addrs| {
+            let _ = addrs.push(IpCidr::new(IpAddress::Ipv4(config.ip), config.prefix));
+        });
+        if let Some(gw) = config.gateway {
+            iface
+                .routes_mut()
+                .add_default_ipv4_route(gw)
+                .map_err(|_| std::io::Error::other("the route table is full"))?;
+        }
+        // SAFETY: epoll_create1 has no memory preconditions; the result is checked.
+        let epfd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if epfd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let epoll = unsafe { OwnedFd::from_raw_fd(epfd) };
+        let mut core = Core {
+            iface,
+            dev,
+            sockets: SocketSet::new(Vec::new()),
+            config,
+            listener,
+            me: own_ids(),
+            clients: HashMap::new(),
+            next_client: 0,
+            handles: HashMap::new(),
+            next_handle: 0,
+            ports_in_use: HashSet::new(),
+            next_port: EPHEMERAL,
+            epoll,
+            epoll_fds: HashSet::new(),
+            counters: ServerCounters::default(),
+            start,
+            busy: false,
+        };
+        core.watch(core.listener.as_raw_fd());
+        if let Some(fd) = core.dev.port().readiness_fd() {
+            core.watch(fd);
+        }
+        Ok(core)
+    }
+
+    fn watch(&mut self, fd: RawFd) {
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: fd as u64 };
+        // SAFETY: ev is a valid epoll_event; fd is open (owned by the caller's object).
+        if unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } == 0 {
+            self.epoll_fds.insert(fd);
+        }
+    }
+
+    fn unwatch(&mut self, fd: RawFd) {
+        if self.epoll_fds.remove(&fd) {
+            // SAFETY: removing a descriptor registered above; a null event is allowed for DEL.
+            unsafe {
+                libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, core::ptr::null_mut())
+            };
+        }
+    }
+
+    fn run(&mut self, stop: &AtomicBool, status: &Mutex<ServerStatus>) {
+        let mut idle_since = std::time::Instant::now();
+        let mut last_status = std::time::Instant::now() - Duration::from_secs(1);
+        // Relaxed: a flag polled every iteration.
+        while !stop.load(Ordering::Relaxed) {
+            self.busy = false;
+            self.accept_clients();
+            self.serve_clients();
+            let t = now(self.start);
+            if self.dev.fill() {
+                self.busy = true;
+            }
+            self.iface.poll(t, &mut self.dev, &mut self.sockets);
+            self.service_handles(t);
+            self.iface.poll(t, &mut self.dev, &mut self.sockets);
+            if self.dev.flush() {
+                self.busy = true;
+            }
+            self.flush_clients();
+            if last_status.elapsed() >= Duration::from_millis(100) {
+                *status.lock().unwrap_or_else(|p| p.into_inner()) = self.status();
+                last_status = std::time::Instant::now();
+            }
+            if self.busy {
+                idle_since = std::time::Instant::now();
+            } else if idle_since.elapsed() >= SPIN {
+                self.sleep();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Sleeps until a frame, a client or a TCP timer needs the loop (at most 100 ms).
+    fn sleep(&mut self) {
+        let t = now(self.start);
+        let delay =
+            self.iface.poll_delay(t, &self.sockets).map_or(100_000, |d| d.total_micros()).min(100_000);
+        if delay == 0 {
+            return;
+        }
+        for c in self.clients.values() {
+            if let Link::Shm { from: Some(from), .. } = &c.link {
+                from.prepare_wait();
+            }
+        }
+        let pending = self.clients.values().any(|c| match &c.link {
+            Link::Shm { from: Some(from), .. } => from.has_pending(),
+            _ => false,
+        });
+        if !pending {
+            if self.dev.port().readiness_fd().is_some() {
+                let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
+                let ms = delay.div_ceil(1000).clamp(1, 100) as i32;
+                // SAFETY: events is a live array of 16 entries.
+                unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), 16, ms) };
+            } else {
+                let _ = self.dev.port_mut().wait(Some(Duration::from_micros(delay.min(1000))));
+            }
+        }
+        for c in self.clients.values() {
+            if let Link::Shm { from: Some(from), server_bell, .. } = &c.link {
+                from.finish_wait();
+                let _ = server_bell.wait(Some(Duration::ZERO));
+            }
+        }
+    }
+
+    fn accept_clients(&mut self) {
+        while let Ok((sock, _)) = self.listener.accept() {
+            match self.attach(sock) {
+                Ok(()) => self.counters.clients_attached += 1,
+                Err(why) => {
+                    self.counters.clients_refused += 1;
+                    tracing::info!("stack client refused: {why}");
+                }
+            }
+            self.busy = true;
+        }
+    }
+
+    fn attach(&mut self, sock: UnixStream) -> Result<(), String> {
+        let cred = peer_cred(&sock).map_err(|e| e.to_string())?;
+        let refuse = |sock: &UnixStream, errno: i32| {
+            let mut answer = [0u8; hello::ANSWER_LEN];
+            answer[..8].copy_from_slice(hello::MAGIC);
+            answer[8..12].copy_from_slice(&errno.to_le_bytes());
+            let _ = (&*sock).write_all(&answer);
+        };
+        if !(cred.uid == 0 || cred.uid == self.me.0 || cred.gid == self.me.1) {
+            refuse(&sock, libc::EACCES);
+            return Err(format!(
+                "process {} (uid {}) is not in the server's user or group",
+                cred.pid, cred.uid
+            ));
+        }
+        sock.set_read_timeout(Some(Duration::from_millis(500))).map_err(|e| e.to_string())?;
+        let mut h = [0u8; hello::LEN];
+        (&sock).read_exact(&mut h).map_err(|e| format!("no hello: {e}"))?;
+        if &h[..8] != hello::MAGIC {
+            return Err("not a lanbus stack client".into());
+        }
+        let channel = match h[8] {
+            0 => Channel::SharedMemory,
+            1 => Channel::UnixSocket,
+            _ => {
+                refuse(&sock, libc::EINVAL);
+                return Err("unknown channel".into());
+            }
+        };
+        let unit = CopyUnit {
+            cluster_bytes: u32::from_le_bytes(h[12..16].try_into().expect("4 bytes")),
+            clusters: u32::from_le_bytes(h[16..20].try_into().expect("4 bytes")),
+            channel,
+        };
+        if let Err(why) = unit.check() {
+            refuse(&sock, libc::EINVAL);
+            return Err(why);
+        }
+        let mut answer = [0u8; hello::ANSWER_LEN];
+        answer[..8].copy_from_slice(hello::MAGIC);
+        answer[12..16].copy_from_slice(&self.config.ip.octets());
+        answer[16] = self.config.prefix;
+        let io = |e: lanbus_ring::Error| e.to_string();
+        let link = match channel {
+            Channel::SharedMemory => {
+                let cfg = pipe_config(unit.bytes());
+                let region =
+                    Arc::new(Region::memfd("lanbus-stack", pipe_offset(unit.bytes(), 2)).map_err(io)?);
+                cfg.format(&region, pipe_offset(unit.bytes(), 0)).map_err(io)?;
+                cfg.format(&region, pipe_offset(unit.bytes(), 1)).map_err(io)?;
+                let to = Sender::attach(region.clone(), pipe_offset(unit.bytes(), 0), CopyMode::Ordinary)
+                    .map_err(io)?;
+                let from = Receiver::attach(region.clone(), pipe_offset(unit.bytes(), 1)).map_err(io)?;
+                let (server_bell, client_bell) = (EventFd::new().map_err(io)?, EventFd::new().map_err(io)?);
+                let memfd = region.fd().ok_or("the region has no memfd")?;
+                send_fds(&sock, &answer, &[memfd, server_bell.as_fd(), client_bell.as_fd()]).map_err(io)?;
+                Link::Shm { to, from: Some(from), client_bell, server_bell, _region: region }
+            }
+            Channel::UnixSocket => {
+                (&sock).write_all(&answer).map_err(|e| e.to_string())?;
+                Link::Socket { read: Vec::new(), write: VecDeque::new() }
+            }
+        };
+        sock.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let id = loop {
+            self.next_client = self.next_client.wrapping_add(1).max(1);
+            if !self.clients.contains_key(&self.next_client) {
+                break self.next_client;
+            }
+        };
+        self.watch(sock.as_raw_fd());
+        if let Link::Shm { server_bell, .. } = &link {
+            self.watch(server_bell.as_fd().as_raw_fd());
+        }
+        let client = Client {
+            sock,
+            link,
+            pid: cred.pid,
+            unit: unit.bytes(),
+            outbox: VecDeque::new(),
+            handles: HashSet::new(),
+            wrote: false,
+        };
+        self.clients.insert(id, client);
+        tracing::info!("stack client {id} (pid {}) attached, copy unit {unit}", cred.pid);
+        Ok(())
+    }
+
+    /// Reads every client's requests; disconnects clients that went away or broke the protocol.
+    fn serve_clients(&mut self) {
+        let ids: Vec<u32> = self.clients.keys().copied().collect();
+        for id in ids {
+            if let Err(why) = self.serve_client(id) {
+                self.drop_client(id, &why);
+            }
+        }
+    }
+
+    fn serve_client(&mut self, id: u32) -> Result<(), String> {
+        let Some(client) = self.clients.get_mut(&id) else { return Ok(()) };
+        // EOF on the socket: the client is gone (in both channels).
+        let mut buf = [0u8; 65536];
+        match &mut client.link {
+            Link::Shm { from, .. } => {
+                let mut probe = [0u8; 1];
+                match (&client.sock).read(&mut probe) {
+                    Ok(0) => return Err("closed its socket".into()),
+                    Ok(_) => return Err("wrote on its socket after the hello".into()),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+                let mut from = from.take().expect("put back below");
+                let mut result = Ok(());
+                for _ in 0..256 {
+                    let mut msg_result = Ok(());
+                    match from.recv(|bytes| msg_result = self.handle_bytes(id, bytes)) {
+                        Ok(true) => {
+                            self.busy = true;
+                            if let Err(e) = msg_result {
+                                result = Err(e);
+                                break;
+                            }
+                        }
+                        Ok(false) => break,
+                        Err(e) => {
+                            result = Err(format!("its ring: {e}"));
+                            break;
+                        }
+                    }
+                }
+                if let Some(Client { link: Link::Shm { from: slot, .. }, .. }) = self.clients.get_mut(&id) {
+                    *slot = Some(from);
+                }
+                result
+            }
+            Link::Socket { .. } => {
+                loop {
+                    let Some(client) = self.clients.get_mut(&id) else { return Ok(()) };
+                    let Link::Socket { read, .. } = &mut client.link else { unreachable!() };
+                    // At most a few messages' worth buffered: the rest stays in the socket.
+                    if read.len() > 2 * (HEADER_LEN + client.unit) + 8 {
+                        break;
+                    }
+                    match (&client.sock).read(&mut buf) {
+                        Ok(0) => return Err("closed its socket".into()),
+                        Ok(n) => {
+                            read.extend_from_slice(&buf[..n]);
+                            self.busy = true;
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
+                let Some(client) = self.clients.get_mut(&id) else { return Ok(()) };
+                let Link::Socket { read, .. } = &mut client.link else { unreachable!() };
+                let mut bytes = std::mem::take(read);
+                let mut at = 0;
+                let mut result = Ok(());
+                while bytes.len() - at >= 4 {
+                    let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+                    if len > HEADER_LEN + crate::proto::MAX_PAYLOAD {
+                        result = Err(format!("a message of {len} bytes"));
+                        break;
+                    }
+                    if bytes.len() - at - 4 < len {
+                        break;
+                    }
+                    if let Err(e) = self.handle_bytes(id, &bytes[at + 4..at + 4 + len]) {
+                        result = Err(e);
+                        break;
+                    }
+                    at += 4 + len;
+                }
+                bytes.drain(..at);
+                if let Some(Client { link: Link::Socket { read, .. }, .. }) = self.clients.get_mut(&id) {
+                    *read = bytes;
+                }
+                result
+            }
+        }
+    }
+
+    fn handle_bytes(&mut self, id: u32, bytes: &[u8]) -> Result<(), String> {
+        let msg = Msg::parse(bytes).map_err(|e| e.to_string())?;
+        self.handle(id, msg)
+    }
+
+    /// The handle `h` if client `id` owns it.
+    fn owned(&mut self, id: u32, h: u32) -> Option<&mut Handle> {
+        let handle = self.handles.get_mut(&h)?;
+        let owner = match handle {
+            Handle::Conn(c) => c.client,
+            Handle::Listener(l) => l.client,
+            Handle::Udp(u) => u.client,
+        };
+        (owner == id).then_some(handle)
+    }
+
+    fn new_handle(&mut self) -> u32 {
+        loop {
+            self.next_handle = self.next_handle.wrapping_add(1).max(1);
+            if !self.handles.contains_key(&self.next_handle) {
+                return self.next_handle;
+            }
+        }
+    }
+
+    fn free_port(&mut self) -> Option<u16> {
+        for _ in 0..=(u16::MAX - EPHEMERAL) {
+            let p = self.next_port;
+            self.next_port = if p == u16::MAX { EPHEMERAL } else { p + 1 };
+            if !self.ports_in_use.contains(&p) {
+                return Some(p);
+            }
+        }
+        None
+    }
+
+    fn tcp_socket(&self) -> tcp::Socket<'static> {
+        let n = self.config.tcp_buffer_bytes;
+        let mut s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; n]), tcp::SocketBuffer::new(vec![0; n]));
+        s.set_congestion_control(tcp::CongestionControl::Cubic);
+        s.set_nagle_enabled(false);
+        s.set_ack_delay(None);
+        s.set_keep_alive(Some(self.config.keep_alive.into()));
+        s.set_timeout(Some(self.config.timeout.into()));
+        s
+    }
+
+    fn reply(&mut self, id: u32, msg: Msg<'_>) {
+        if let Some(c) = self.clients.get_mut(&id) {
+            c.control(msg);
+        }
+    }
+
+    fn handle(&mut self, id: u32, msg: Msg<'_>) -> Result<(), String> {
+        let t = now(self.start);
+        match msg {
+            Msg::Connect { req, to } => {
+                let Some(local_port) = self.free_port() else {
+                    self.reply(id, Msg::Failed { req, errno: libc::EADDRNOTAVAIL });
+                    return Ok(());
+                };
+                let mut s = self.tcp_socket();
+                let remote = IpEndpoint::new(IpAddress::Ipv4(*to.ip()), to.port());
+                if let Err(e) = s.connect(self.iface.context(), remote, local_port) {
+                    tracing::debug!("connect to {to}: {e}");
+                    let errno = if to.port() == 0 || to.ip().is_unspecified() {
+                        libc::EINVAL
+                    } else {
+                        libc::ENETUNREACH
+                    };
+                    self.reply(id, Msg::Failed { req, errno });
+                    return Ok(());
+                }
+                let sock = self.sockets.add(s);
+                self.ports_in_use.insert(local_port);
+                let h = self.new_handle();
+                let conn = Conn { own_port: Some(local_port), ..Conn::new(id, sock, Some(req), t) };
+                self.handles.insert(h, Handle::Conn(conn));
+                self.clients.get_mut(&id).expect("serving it").handles.insert(h);
+            }
+            Msg::Listen { req, port, backlog } => {
+                let port = if port == 0 { self.free_port().unwrap_or(0) } else { port };
+                if port == 0 || self.ports_in_use.contains(&port) {
+                    self.reply(id, Msg::Failed { req, errno: libc::EADDRINUSE });
+                    return Ok(());
+                }
+                let mut waiting = Vec::new();
+                for _ in 0..backlog.clamp(1, 128) {
+                    let mut s = self.tcp_socket();
+                    if s.listen(port).is_err() {
+                        break;
+                    }
+                    waiting.push(self.sockets.add(s));
+                }
+                self.ports_in_use.insert(port);
+                let h = self.new_handle();
+                self.handles.insert(h, Handle::Listener(Listener { client: id, port, waiting }));
+                self.clients.get_mut(&id).expect("serving it").handles.insert(h);
+                self.reply(
+                    id,
+                    Msg::Opened { req, handle: h, local: SocketAddrV4::new(self.config.ip, port) },
+                );
+            }
+            Msg::UdpBind { req, port } => {
+                let port = if port == 0 { self.free_port().unwrap_or(0) } else { port };
+                if port == 0 || self.ports_in_use.contains(&port) {
+                    self.reply(id, Msg::Failed { req, errno: libc::EADDRINUSE });
+                    return Ok(());
+                }
+                let meta = || vec![udp::PacketMetadata::EMPTY; 256];
+                let mut s = udp::Socket::new(
+                    udp::PacketBuffer::new(meta(), vec![0; 1 << 20]),
+                    udp::PacketBuffer::new(meta(), vec![0; 1 << 20]),
+                );
+                if s.bind(port).is_err() {
+                    self.reply(id, Msg::Failed { req, errno: libc::EINVAL });
+                    return Ok(());
+                }
+                let sock = self.sockets.add(s);
+                self.ports_in_use.insert(port);
+                let h = self.new_handle();
+                self.handles.insert(h, Handle::Udp(UdpSock { client: id, sock }));
+                self.clients.get_mut(&id).expect("serving it").handles.insert(h);
+                self.reply(
+                    id,
+                    Msg::Opened { req, handle: h, local: SocketAddrV4::new(self.config.ip, port) },
+                );
+            }
+            Msg::Send { conn, data } => {
+                let Some(Handle::Conn(c)) = self.owned(id, conn) else {
+                    // A connection that closed under the client: its bytes have nowhere to go.
+                    return Ok(());
+                };
+                if c.shutdown {
+                    return Err("sent after shutting the connection down".into());
+                }
+                if c.pending.len() as u64 + data.len() as u64 > SEND_CREDIT {
+                    return Err("sent beyond its credit".into());
+                }
+                c.pending.extend(data);
+                self.counters.tx_bytes += data.len() as u64;
+            }
+            Msg::Consumed { conn, bytes } => {
+                if let Some(Handle::Conn(c)) = self.owned(id, conn) {
+                    c.credit = (c.credit + bytes).min(RECV_CREDIT);
+                }
+            }
+            Msg::Shutdown { conn } => {
+                if let Some(Handle::Conn(c)) = self.owned(id, conn) {
+                    c.shutdown = true;
+                }
+            }
+            Msg::Close { handle } => self.close_handle(id, handle, false),
+            Msg::Abort { conn } => self.close_handle(id, conn, true),
+            Msg::UdpSend { sock, to, data } => {
+                if let Some(Handle::Udp(u)) = self.owned(id, sock) {
+                    let handle = u.sock;
+                    let s = self.sockets.get_mut::<udp::Socket>(handle);
+                    let to = IpEndpoint::new(IpAddress::Ipv4(*to.ip()), to.port());
+                    // A full send buffer drops the datagram, as UDP may.
+                    let _ = s.send_slice(data, to);
+                    self.counters.tx_bytes += data.len() as u64;
+                }
+            }
+            Msg::Opened { .. }
+            | Msg::Failed { .. }
+            | Msg::Accepted { .. }
+            | Msg::Data { .. }
+            | Msg::Sent { .. }
+            | Msg::Eof { .. }
+            | Msg::Closed { .. }
+            | Msg::UdpData { .. } => return Err("sent a message only the server sends".into()),
+        }
+        Ok(())
+    }
+
+    /// The client is done with `h`: a connection closes (FIN after queued bytes, or RST when
+    /// `abort`) and is freed when TCP is done with it; listeners and UDP sockets go at once.
+    fn close_handle(&mut self, id: u32, h: u32, abort: bool) {
+        if self.owned(id, h).is_none() {
+            return;
+        }
+        if let Some(c) = self.clients.get_mut(&id) {
+            c.handles.remove(&h);
+        }
+        match self.handles.get_mut(&h) {
+            Some(Handle::Conn(c)) => {
+                c.orphan = true;
+                c.shutdown = true;
+                if abort {
+                    c.pending.clear();
+                    self.sockets.get_mut::<tcp::Socket>(c.sock).abort();
+                }
+            }
+            Some(Handle::Listener(_)) => {
+                if let Some(Handle::Listener(l)) = self.handles.remove(&h) {
+                    for s in l.waiting {
+                        self.sockets.get_mut::<tcp::Socket>(s).abort();
+                        self.sockets.remove(s);
+                    }
+                    self.ports_in_use.remove(&l.port);
+                }
+            }
+            Some(Handle::Udp(_)) => {
+                if let Some(Handle::Udp(u)) = self.handles.remove(&h) {
+                    let s = self.sockets.remove(u.sock);
+                    if let smoltcp::socket::Socket::Udp(s) = s {
+                        self.ports_in_use.remove(&s.endpoint().port);
+                    }
+                }
+            }
+            None => {}
+        }
+    }
+
+    fn drop_client(&mut self, id: u32, why: &str) {
+        let Some(client) = self.clients.remove(&id) else { return };
+        if !why.starts_with("closed its socket") {
+            self.counters.clients_broken += 1;
+            tracing::warn!("stack client {id} (pid {}) disconnected: {why}", client.pid);
+        } else {
+            tracing::info!("stack client {id} (pid {}) went away", client.pid);
+        }
+        self.unwatch(client.sock.as_raw_fd());
+        if let Link::Shm { server_bell, .. } = &client.link {
+            self.unwatch(server_bell.as_fd().as_raw_fd());
+        }
+        // Put back so close_handle sees the owner, then close everything it had.
+        let handles: Vec<u32> = client.handles.iter().copied().collect();
+        self.clients.insert(id, client);
+        for h in handles {
+            // Unread data at exit makes Linux reset the connection; otherwise it closes.
+            let abort = matches!(self.handles.get(&h), Some(Handle::Conn(c))
+                if self.sockets.get::<tcp::Socket>(c.sock).recv_queue() > 0);
+            self.close_handle(id, h, abort);
+        }
+        self.clients.remove(&id);
+    }
+
+    /// Moves bytes between connections and clients and reports state changes.
+    fn service_handles(&mut self, t: Instant) {
+        let hs: Vec<u32> = self.handles.keys().copied().collect();
+        let mut free = Vec::new();
+        let mut accepted = Vec::new();
+        for h in hs {
+            match self.handles.get_mut(&h) {
+                Some(Handle::Conn(c)) => {
+                    let s = self.sockets.get_mut::<tcp::Socket>(c.sock);
+                    let client = self.clients.get_mut(&c.client);
+                    if service_conn(h, c, s, client, t, &mut self.counters, self.config.timeout) {
+                        self.busy = true;
+                    }
+                    if s.state() == tcp::State::Closed && c.orphan {
+                        free.push(h);
+                    }
+                }
+                Some(Handle::Listener(l)) => {
+                    for slot in l.waiting.iter_mut() {
+                        let s = self.sockets.get_mut::<tcp::Socket>(*slot);
+                        match s.state() {
+                            tcp::State::Listen | tcp::State::SynReceived => {}
+                            tcp::State::Closed => {
+                                // Reset during the handshake: listen again.
+                                let _ = s.listen(l.port);
+                            }
+                            _ => accepted.push((h, l.client, l.port, *slot)),
+                        }
+                    }
+                }
+                Some(Handle::Udp(u)) => {
+                    let s = self.sockets.get_mut::<udp::Socket>(u.sock);
+                    let Some(client) = self.clients.get_mut(&u.client) else { continue };
+                    while client.clear() && s.can_recv() {
+                        let Ok((data, meta)) = s.recv() else { break };
+                        let from = endpoint_v4(Some(meta.endpoint))
+                            .unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+                        let data = &data[..data.len().min(client.unit)];
+                        self.counters.rx_bytes += data.len() as u64;
+                        client.control(Msg::UdpData { sock: h, from, data });
+                        self.busy = true;
+                    }
+                }
+                None => {}
+            }
+        }
+        for (listener, client, port, slot) in accepted {
+            let mut fresh = self.tcp_socket();
+            let _ = fresh.listen(port);
+            let fresh = self.sockets.add(fresh);
+            if let Some(Handle::Listener(l)) = self.handles.get_mut(&listener) {
+                if let Some(w) = l.waiting.iter_mut().find(|w| **w == slot) {
+                    *w = fresh;
+                }
+            }
+            let peer = endpoint_v4(self.sockets.get::<tcp::Socket>(slot).remote_endpoint())
+                .unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+            let h = self.new_handle();
+            self.handles.insert(h, Handle::Conn(Conn::new(client, slot, None, t)));
+            self.counters.connections_opened += 1;
+            if let Some(c) = self.clients.get_mut(&client) {
+                c.handles.insert(h);
+                c.control(Msg::Accepted { listener, conn: h, peer });
+            }
+            self.busy = true;
+        }
+        for h in free {
+            if let Some(Handle::Conn(c)) = self.handles.remove(&h) {
+                self.sockets.remove(c.sock);
+                if let Some(port) = c.own_port {
+                    self.ports_in_use.remove(&port);
+                }
+                self.counters.connections_freed += 1;
+            }
+        }
+    }
+
+    fn flush_clients(&mut self) {
+        let mut gone = Vec::new();
+        for (&id, c) in self.clients.iter_mut() {
+            if c.flush().is_err() {
+                gone.push(id);
+            }
+        }
+        for id in gone {
+            self.drop_client(id, "closed its socket while the server wrote");
+        }
+    }
+
+    fn status(&mut self) -> ServerStatus {
+        let link = self.dev.counters();
+        self.counters.rx_frames = link.rx_frames;
+        self.counters.tx_frames = link.tx_frames;
+        let mut connections = Vec::new();
+        let mut listening = Vec::new();
+        for h in self.handles.values() {
+            match h {
+                Handle::Conn(c) => {
+                    let s = self.sockets.get::<tcp::Socket>(c.sock);
+                    connections.push(ConnectionInfo {
+                        local: endpoint_v4(s.local_endpoint()),
+                        remote: endpoint_v4(s.remote_endpoint()),
+                        state: s.state().to_string(),
+                        pid: self.clients.get(&c.client).map_or(0, |cl| cl.pid),
+                    });
+                }
+                Handle::Listener(l) => listening.push(l.port),
+                Handle::Udp(_) => {}
+            }
+        }
+        listening.sort_unstable();
+        ServerStatus { counters: self.counters, clients: self.clients.len(), connections, listening }
+    }
+}
+
+impl Conn {
+    fn new(client: u32, sock: SocketHandle, connecting: Option<u32>, t: Instant) -> Conn {
+        Conn {
+            client,
+            sock,
+            pending: VecDeque::new(),
+            unreported: 0,
+            credit: RECV_CREDIT,
+            connecting,
+            shutdown: false,
+            fin_seen: false,
+            eof_sent: false,
+            orphan: false,
+            last_activity: t,
+            own_port: None,
+        }
+    }
+}
+
+/// One connection's work for one iteration; returns whether anything moved.
+fn service_conn(
+    h: u32,
+    c: &mut Conn,
+    s: &mut tcp::Socket<'static>,
+    client: Option<&mut Client>,
+    t: Instant,
+    counters: &mut ServerCounters,
+    timeout: Duration,
+) -> bool {
+    let mut moved = false;
+    // The client's bytes into smoltcp's send buffer.
+    while !c.pending.is_empty() && s.can_send() {
+        let (a, _) = c.pending.as_slices();
+        let n = s.send_slice(a).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        c.pending.drain(..n);
+        c.unreported += n as u64;
+        moved = true;
+    }
+    if c.shutdown
+        && c.pending.is_empty()
+        && matches!(s.state(), tcp::State::Established | tcp::State::CloseWait)
+    {
+        s.close();
+    }
+    let state = s.state();
+    if matches!(
+        state,
+        tcp::State::CloseWait | tcp::State::LastAck | tcp::State::Closing | tcp::State::TimeWait
+    ) {
+        c.fin_seen = true;
+    }
+    if s.recv_queue() > 0 || s.send_queue() > 0 || moved {
+        c.last_activity = t;
+    }
+    let Some(client) = client.filter(|_| !c.orphan) else {
+        // Nobody reads any more: drain what arrives so the peer is not stalled.
+        while s.can_recv() {
+            if s.recv(|b| (b.len(), ())).is_err() {
+                break;
+            }
+        }
+        return moved;
+    };
+    if let Some(req) = c.connecting {
+        match state {
+            tcp::State::SynSent | tcp::State::SynReceived => return moved,
+            tcp::State::Closed => {
+                let errno =
+                    if t - c.last_activity >= timeout.into() { libc::ETIMEDOUT } else { libc::ECONNREFUSED };
+                client.control(Msg::Failed { req, errno });
+                c.connecting = None;
+                c.orphan = true;
+                client.handles.remove(&h);
+                return true;
+            }
+            _ => {
+                let local =
+                    endpoint_v4(s.local_endpoint()).unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+                client.control(Msg::Opened { req, handle: h, local });
+                counters.connections_opened += 1;
+                c.connecting = None;
+                moved = true;
+            }
+        }
+    }
+    if c.unreported > 0 {
+        client.control(Msg::Sent { conn: h, bytes: c.unreported });
+        c.unreported = 0;
+    }
+    // Received bytes to the client, within its credit and its ring's room.
+    while c.credit > 0 && s.can_recv() && client.clear() {
+        let limit = (c.credit as usize).min(client.unit);
+        let sent = s.recv(|buf| {
+            let n = buf.len().min(limit);
+            let ok = client.try_send(&Msg::Data { conn: h, data: &buf[..n] });
+            (if ok { n } else { 0 }, if ok { n } else { 0 })
+        });
+        match sent {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                c.credit -= n as u64;
+                counters.rx_bytes += n as u64;
+                moved = true;
+            }
+        }
+    }
+    if c.fin_seen && !c.eof_sent && s.recv_queue() == 0 {
+        client.control(Msg::Eof { conn: h });
+        c.eof_sent = true;
+        moved = true;
+    }
+    if state == tcp::State::Closed && !c.orphan && client.handles.contains(&h) && s.recv_queue() == 0 {
+        let errno = if c.fin_seen || c.shutdown {
+            0
+        } else if t - c.last_activity >= timeout.into() {
+            libc::ETIMEDOUT
+        } else {
+            libc::ECONNRESET
+        };
+        client.control(Msg::Closed { conn: h, errno });
+        c.orphan = true;
+        client.handles.remove(&h);
+        moved = true;
+    }
+    moved
+}
+
+/// This process's effective user and group, read through a socket pair's credentials.
+fn own_ids() -> (u32, u32) {
+    match UnixStream::pair().ok().and_then(|(a, _b)| peer_cred(&a).ok()) {
+        Some(c) => (c.uid, c.gid),
+        None => (u32::MAX, u32::MAX),
+    }
+}
