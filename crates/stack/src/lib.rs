@@ -26,6 +26,8 @@ pub mod device;
 pub mod proto;
 pub mod server;
 
+#[cfg(test)]
+mod tests;
 
 /// How a client's bytes cross to the server: the copy unit and the channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -316,6 +316,9 @@ struct Conn {
     /// The client closed its handle: free the connection when TCP is done.
     orphan: bool,
     last_activity: Instant,
+    seen_send_queue: usize,
+    seen_recv_queue: usize,
+    seen_state: tcp::State,
     /// The ephemeral port this connection took (connections a listener accepted share its port).
     own_port: Option<u16>,
 }
@@ -1067,12 +1070,38 @@ impl Conn {
             orphan: false,
             last_activity: t,
             own_port: None,
+            seen_send_queue: 0,
+            seen_recv_queue: 0,
+            seen_state: tcp::State::Closed,
         }
     }
 }
 
 /// One connection's work for one iteration; returns whether anything moved.
 fn service_conn(
+    h: u32,
+    c: &mut Conn,
+    s: &mut tcp::Socket<'static>,
+    client: Option<&mut Client>,
+    t: Instant,
+    counters: &mut ServerCounters,
+    timeout: Duration,
+) -> bool {
+    // Signs of the peer since the last iteration: bytes it acknowledged (the send queue shrank)
+    // or sent (the receive queue grew), or a state change. Retransmitting into silence is not one.
+    // (A connection that just closed emptied its queues itself: that is no sign either.)
+    let peer_seen =
+        s.send_queue() < c.seen_send_queue || s.recv_queue() > c.seen_recv_queue || s.state() != c.seen_state;
+    if peer_seen && s.state() != tcp::State::Closed {
+        c.last_activity = t;
+    }
+    let moved = move_bytes(h, c, s, client, t, counters, timeout);
+    (c.seen_send_queue, c.seen_recv_queue, c.seen_state) = (s.send_queue(), s.recv_queue(), s.state());
+    moved
+}
+
+/// [`service_conn`]'s work: bytes both ways, answers and state changes to the client.
+fn move_bytes(
     h: u32,
     c: &mut Conn,
     s: &mut tcp::Socket<'static>,
@@ -1106,9 +1135,7 @@ fn service_conn(
     ) {
         c.fin_seen = true;
     }
-    if s.recv_queue() > 0 || s.send_queue() > 0 || moved {
-        c.last_activity = t;
-    }
+
     let Some(client) = client.filter(|_| !c.orphan) else {
         // Nobody reads any more: drain what arrives so the peer is not stalled.
         while s.can_recv() {

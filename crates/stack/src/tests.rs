@@ -1,0 +1,334 @@
+//! Two stack servers joined by a simulated wire (no root needed): TCP both ways over a lossy
+//! link, refusals and resets, UDP, many connections, and clients that die or misbehave.
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lanbus_port::sim::{SimWire, SimWireConfig};
+use lanbus_wire::{MacAddr, MonotonicClock};
+
+use crate::client::StackClient;
+use crate::proto::Msg;
+use crate::server::{Server, ServerConfig};
+use crate::{hello, Channel, CopyUnit};
+
+const A: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
+const B: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
+
+struct Pair {
+    a: Server,
+    b: Server,
+    sock_a: PathBuf,
+    sock_b: PathBuf,
+    _dir: PathBuf,
+}
+
+fn pair(name: &str, loss: f64) -> Pair {
+    let dir = std::env::temp_dir().join(format!("lanbus-stack-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let wire = SimWireConfig { loss, seed: 7, delay: Duration::from_micros(20), ..SimWireConfig::default() };
+    let macs = [MacAddr([2, 0, 0, 0, 0, 1]), MacAddr([2, 0, 0, 0, 0, 2])];
+    let (pa, pb) = SimWire::pair_realtime(wire, Arc::new(MonotonicClock::new()), macs).unwrap();
+    let (sock_a, sock_b) = (dir.join("a.sock"), dir.join("b.sock"));
+    let mut ca = ServerConfig::new(A, 24, &sock_a);
+    let mut cb = ServerConfig::new(B, 24, &sock_b);
+    ca.timeout = Duration::from_secs(3);
+    cb.timeout = Duration::from_secs(3);
+    let a = Server::start(Box::new(pa), ca).unwrap();
+    let b = Server::start(Box::new(pb), cb).unwrap();
+    Pair { a, b, sock_a, sock_b, _dir: dir }
+}
+
+/// Runs `f` on a thread and fails the test if it takes longer than `secs`: no test hangs.
+fn bounded(secs: u64, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(()) => t.join().unwrap(),
+        Err(_) if t.is_finished() => std::panic::resume_unwind(t.join().unwrap_err()),
+        Err(_) => panic!("did not finish within {secs} s"),
+    }
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 11) as u8).collect()
+}
+
+fn read_all(s: &mut impl Read) -> Vec<u8> {
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    out
+}
+
+fn exchange(unit: CopyUnit, loss: f64, name: &str) {
+    let p = pair(name, loss);
+    let (ca, cb) =
+        (StackClient::attach(&p.sock_a, unit).unwrap(), StackClient::attach(&p.sock_b, unit).unwrap());
+    assert_eq!(ca.local_ip(), (A, 24));
+    let listener = cb.listen(7000, 4).unwrap();
+    let up = pattern(3 << 20, 1);
+    let down = pattern(1 << 20, 2);
+    let (up2, down2) = (up.clone(), down.clone());
+    let server = std::thread::spawn(move || {
+        let (mut s, peer) = listener.accept().unwrap();
+        assert_eq!(*peer.ip(), A);
+        assert_eq!(read_all(&mut s), up2, "the bytes A sent");
+        s.write_all(&down2).unwrap();
+    });
+    let mut s = ca.connect(SocketAddrV4::new(B, 7000)).unwrap();
+    assert_eq!(*s.local_addr().ip(), A);
+    s.write_all(&up).unwrap();
+    s.shutdown_write().unwrap();
+    assert_eq!(read_all(&mut s), down, "the bytes B sent back");
+    server.join().unwrap();
+    drop(s);
+    drop(p.b);
+    drop(p.a);
+}
+
+#[test]
+fn tcp_both_ways_over_shared_memory_on_a_lossy_wire() {
+    bounded(120, || exchange(CopyUnit::DEFAULT, 0.005, "shm"));
+}
+
+#[test]
+fn tcp_both_ways_with_the_baseline_copy_path() {
+    bounded(120, || exchange(CopyUnit::BASELINE, 0.0, "baseline"));
+}
+
+#[test]
+fn tcp_with_large_clusters_and_a_large_unit() {
+    let unit = CopyUnit { cluster_bytes: 4096, clusters: 64, channel: Channel::SharedMemory };
+    bounded(120, move || exchange(unit, 0.0, "large"));
+}
+
+#[test]
+fn refused_reset_and_ports_in_use_give_linux_errors() {
+    bounded(60, || {
+        let p = pair("errors", 0.0);
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let e = ca.connect(SocketAddrV4::new(B, 7001)).err().expect("nobody listens there");
+        assert_eq!(e.raw_os_error(), Some(libc::ECONNREFUSED), "{e}");
+        // Two programs cannot listen on one port.
+        let l = cb.listen(7002, 1).unwrap();
+        let cb2 = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        assert_eq!(cb2.listen(7002, 1).err().and_then(|e| e.raw_os_error()), Some(libc::EADDRINUSE));
+        // The peer's RST: a read gives ECONNRESET, a write EPIPE or ECONNRESET.
+        let mut s = ca.connect(SocketAddrV4::new(B, 7002)).unwrap();
+        let (peer_side, _) = l.accept().unwrap();
+        peer_side.abort();
+        let mut buf = [0u8; 16];
+        let e = s.read(&mut buf).expect_err("reset");
+        assert_eq!(e.raw_os_error(), Some(libc::ECONNRESET), "{e}");
+        assert!(s.write(b"x").is_err());
+    });
+}
+
+#[test]
+fn a_vanished_peer_times_out() {
+    bounded(60, || {
+        let p = pair("vanish", 0.0);
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let l = cb.listen(7003, 1).unwrap();
+        let mut s = ca.connect(SocketAddrV4::new(B, 7003)).unwrap();
+        let (_peer_side, _) = l.accept().unwrap();
+        // B's whole stack goes away without a word; A's unacknowledged bytes time out.
+        drop(cb);
+        drop(p.b);
+        s.write_all(b"is anybody there").unwrap();
+        let mut buf = [0u8; 16];
+        let e = s.read(&mut buf).expect_err("timed out");
+        assert_eq!(e.raw_os_error(), Some(libc::ETIMEDOUT), "{e}");
+    });
+}
+
+#[test]
+fn udp_datagrams_both_ways() {
+    bounded(60, || {
+        let p = pair("udp", 0.0);
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let ua = ca.bind_udp(0).unwrap();
+        let ub = cb.bind_udp(9000).unwrap();
+        let mut buf = [0u8; 2048];
+        for i in 0..20u8 {
+            let msg = vec![i; 100 + usize::from(i) * 50];
+            ua.send_to(&msg, SocketAddrV4::new(B, 9000)).unwrap();
+            let (n, from) = ub.recv_from(&mut buf, Some(Duration::from_secs(5))).unwrap();
+            assert_eq!(&buf[..n], &msg[..]);
+            assert_eq!(from, ua.local_addr().to_string().parse().unwrap());
+            ub.send_to(&buf[..n], from).unwrap();
+            let (n, _) = ua.recv_from(&mut buf, Some(Duration::from_secs(5))).unwrap();
+            assert_eq!(&buf[..n], &msg[..]);
+        }
+    });
+}
+
+#[test]
+fn many_connections_open_move_bytes_and_close_without_leaks() {
+    bounded(120, || {
+        let p = pair("many", 0.0);
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let l = cb.listen(7004, 64).unwrap();
+        const N: usize = 200;
+        let mut conns = Vec::new();
+        let mut accepted = Vec::new();
+        for _ in 0..N {
+            conns.push(ca.connect(SocketAddrV4::new(B, 7004)).unwrap());
+            accepted.push(l.accept().unwrap().0);
+        }
+        for (i, (c, a)) in conns.iter_mut().zip(accepted.iter_mut()).enumerate() {
+            let msg = format!("connection {i}");
+            c.write_all(msg.as_bytes()).unwrap();
+            c.shutdown_write().unwrap();
+            assert_eq!(read_all(a), msg.as_bytes());
+        }
+        drop(accepted);
+        drop(conns);
+        drop(l);
+        // Every connection's state is freed on both sides once TCP is done with it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let (sa, sb) = (p.a.status(), p.b.status());
+            if sa.connections.is_empty() && sb.connections.is_empty() {
+                assert_eq!(sa.counters.connections_opened, N as u64);
+                assert_eq!(sa.counters.connections_freed, N as u64);
+                assert_eq!(sb.counters.connections_freed, N as u64);
+                assert!(sb.listening.is_empty());
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "left: {:?} / {:?}",
+                sa.connections,
+                sb.connections
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+}
+
+/// Waits (up to 5 s) for the server's status, refreshed every 100 ms, to satisfy `ok`.
+fn settled(server: &Server, ok: impl Fn(&crate::server::ServerStatus) -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let st = server.status();
+        if ok(&st) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "status never settled: {st:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A client that speaks the protocol by hand over the Unix socket channel.
+fn raw_client(path: &PathBuf) -> UnixStream {
+    let mut s = UnixStream::connect(path).unwrap();
+    let mut h = [0u8; hello::LEN];
+    h[..8].copy_from_slice(hello::MAGIC);
+    h[8] = 1;
+    h[12..16].copy_from_slice(&2048u32.to_le_bytes());
+    h[16..20].copy_from_slice(&1u32.to_le_bytes());
+    s.write_all(&h).unwrap();
+    let mut answer = [0u8; hello::ANSWER_LEN];
+    s.read_exact(&mut answer).unwrap();
+    assert_eq!(&answer[..8], hello::MAGIC);
+    s
+}
+
+fn send_raw(s: &mut UnixStream, msg: Msg<'_>) {
+    let mut buf = vec![0u8; 4 + msg.len()];
+    buf[..4].copy_from_slice(&(msg.len() as u32).to_le_bytes());
+    msg.emit(&mut buf[4..]).unwrap();
+    s.write_all(&buf).unwrap();
+}
+
+#[test]
+fn a_client_that_dies_mid_transfer_is_cleaned_up_and_others_go_on() {
+    bounded(60, || {
+        let p = pair("dies", 0.0);
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let l = cb.listen(7005, 4).unwrap();
+        let mut raw = raw_client(&p.sock_a);
+        send_raw(&mut raw, Msg::Connect { req: 1, to: SocketAddrV4::new(B, 7005) });
+        let (mut peer_side, _) = l.accept().unwrap();
+        // The dying client had sent part of its data.
+        // (Its connection handle is the server's; the client learns it from Opened.)
+        std::thread::sleep(Duration::from_millis(200));
+        drop(raw);
+        // The server closes what the client left: its peer sees the end, not a hang.
+        let mut buf = [0u8; 64];
+        peer_side.set_read_timeout(Some(Duration::from_secs(10)));
+        match peer_side.read(&mut buf) {
+            Ok(0) => {}
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ECONNRESET), "{e}"),
+            Ok(n) => panic!("{n} unexpected bytes"),
+        }
+        // Another client of the same server is unaffected.
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let mut s = ca.connect(SocketAddrV4::new(B, 7005)).unwrap();
+        let (mut t, _) = l.accept().unwrap();
+        s.write_all(b"still here").unwrap();
+        s.shutdown_write().unwrap();
+        assert_eq!(read_all(&mut t), b"still here");
+        settled(&p.a, |st| st.clients == 1 && st.counters.clients_broken == 0);
+    });
+}
+
+#[test]
+fn a_client_that_breaks_the_protocol_is_disconnected_and_nothing_else() {
+    bounded(60, || {
+        let p = pair("garbage", 0.0);
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let l = cb.listen(7006, 1).unwrap();
+        let mut s = ca.connect(SocketAddrV4::new(B, 7006)).unwrap();
+        let (mut t, _) = l.accept().unwrap();
+        for garbage in [&[5u8, 0, 0, 0, 0xff, 0xff][..], &[24, 0, 0, 0, 200, 1, 2, 3]] {
+            let mut raw = raw_client(&p.sock_a);
+            raw.write_all(garbage).unwrap();
+            let pad = vec![0u8; 24];
+            let _ = raw.write_all(&pad);
+            raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut buf = [0u8; 8];
+            assert_eq!(raw.read(&mut buf).unwrap_or(0), 0, "the server hangs up on it");
+        }
+        // A message only a server sends, from a client, is a protocol error too.
+        let mut raw = raw_client(&p.sock_a);
+        send_raw(&mut raw, Msg::Eof { conn: 1 });
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(raw.read(&mut [0u8; 8]).unwrap_or(0), 0);
+        // Sending on a handle it does not own reaches nothing.
+        let mut raw = raw_client(&p.sock_a);
+        send_raw(&mut raw, Msg::Send { conn: 1, data: b"not yours" });
+        send_raw(&mut raw, Msg::Abort { conn: 1 });
+        drop(raw);
+        s.write_all(b"fine").unwrap();
+        s.shutdown_write().unwrap();
+        assert_eq!(read_all(&mut t), b"fine");
+        settled(&p.a, |st| st.counters.clients_broken == 3 && st.clients == 1);
+    });
+}
+
+#[test]
+fn copy_units_parse_and_check() {
+    assert_eq!("2048x16".parse::<CopyUnit>().unwrap().bytes(), 32768);
+    assert_eq!("2048x1,socket".parse::<CopyUnit>().unwrap(), CopyUnit::BASELINE);
+    assert_eq!(CopyUnit::DEFAULT.to_string().parse::<CopyUnit>().unwrap(), CopyUnit::DEFAULT);
+    assert!("2048".parse::<CopyUnit>().is_err());
+    assert!("100x1".parse::<CopyUnit>().is_err());
+    assert!("65536x32".parse::<CopyUnit>().is_err());
+    assert!("2048x0".parse::<CopyUnit>().is_err());
+    assert!("2048x4,carrier-pigeon".parse::<CopyUnit>().is_err());
+}
