@@ -42,6 +42,10 @@ pub struct StackdArgs {
     /// Bytes of each TCP connection's receive and of its send buffer.
     #[arg(long, default_value_t = 1 << 20)]
     tcp_buffer: usize,
+    /// Seconds a connection waits for a silent peer (handshake or unacknowledged data) before it
+    /// fails with ETIMEDOUT.
+    #[arg(long, default_value_t = 30)]
+    tcp_timeout: u64,
 }
 
 /// Parses `A.B.C.D/LEN`.
@@ -110,6 +114,7 @@ pub fn stackd(args: StackdArgs) -> anyhow::Result<()> {
     let mut config = ServerConfig::new(ip, prefix, &args.socket);
     config.gateway = args.gateway;
     config.tcp_buffer_bytes = args.tcp_buffer.clamp(4096, 64 << 20);
+    config.timeout = Duration::from_secs(args.tcp_timeout.max(1));
     let server = Arc::new(
         Server::start(port, config)
             .with_context(|| format!("starting the server at {}", args.socket.display()))?,
@@ -141,8 +146,9 @@ pub fn stackd(args: StackdArgs) -> anyhow::Result<()> {
 /// Programs that use a running `lanbus stackd`.
 #[derive(Debug, clap::Subcommand)]
 pub enum StackCommand {
-    /// Connects to HOST:PORT through the stack and sends standard input (or --bytes of a
-    /// pattern), then closes and prints what it sent.
+    /// Connects to IP:PORT through the stack, sends standard input (or --bytes of a pattern),
+    /// shuts its side down, and writes what the peer sends to standard output until the peer
+    /// closes (like `nc -N`).
     Send(SendArgs),
     /// Listens on PORT through the stack, accepts one connection and writes what arrives to
     /// standard output (or counts it with --discard), then prints what it received.
@@ -234,11 +240,19 @@ pub fn run(cmd: StackCommand) -> anyhow::Result<()> {
                 }
             }
             stream.shutdown_write()?;
-            // Wait for the peer's close: the bytes are then delivered, not merely queued.
-            let mut sink = [0u8; 4096];
-            stream.set_read_timeout(Some(Duration::from_secs(120)));
-            while stream.read(&mut sink)? > 0 {}
-            eprintln!("lanbus stack send: {}", rate(sent, start.elapsed()));
+            // Until the peer's close: the bytes are then delivered, not merely queued.
+            let mut out = std::io::stdout().lock();
+            let mut got = 0u64;
+            loop {
+                let n = stream.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                out.write_all(&buf[..n])?;
+                got += n as u64;
+            }
+            out.flush()?;
+            eprintln!("lanbus stack send: sent {}; received {got} bytes", rate(sent, start.elapsed()));
             Ok(())
         }
         StackCommand::Recv(a) => {

@@ -57,14 +57,15 @@ pub struct ServerConfig {
     pub socket: PathBuf,
     /// Bytes of each TCP connection's receive and send buffer (the window scales to fit).
     pub tcp_buffer_bytes: usize,
-    /// Idle time after which a connection probes its peer (TCP keep-alive).
+    /// Idle time after which a connection probes its peer (TCP keep-alive; at most a third of
+    /// `timeout`).
     pub keep_alive: Duration,
     /// How long a connection waits for its peer before it gives up (ETIMEDOUT).
     pub timeout: Duration,
 }
 
 impl ServerConfig {
-    /// Defaults for an address: 1 MiB buffers, keep-alive after 60 s, give up after 30 s.
+    /// Defaults for an address: 1 MiB buffers, keep-alive after 10 s, give up after 30 s.
     pub fn new(ip: Ipv4Addr, prefix: u8, socket: &Path) -> ServerConfig {
         ServerConfig {
             ip,
@@ -72,7 +73,7 @@ impl ServerConfig {
             gateway: None,
             socket: socket.to_path_buf(),
             tcp_buffer_bytes: 1 << 20,
-            keep_alive: Duration::from_secs(60),
+            keep_alive: Duration::from_secs(10),
             timeout: Duration::from_secs(30),
         }
     }
@@ -87,7 +88,7 @@ pub struct ServerCounters {
     pub clients_broken: u64,
     /// Clients refused (wrong user or a bad hello).
     pub clients_refused: u64,
-    /// Connections opened (both ways).
+    /// Connections opened (both ways; a connect counts when it starts, whatever its outcome).
     pub connections_opened: u64,
     /// Connections whose state is gone.
     pub connections_freed: u64,
@@ -743,7 +744,9 @@ impl Core {
         s.set_congestion_control(tcp::CongestionControl::Cubic);
         s.set_nagle_enabled(false);
         s.set_ack_delay(None);
-        s.set_keep_alive(Some(self.config.keep_alive.into()));
+        // smoltcp aborts a keep-alive connection whose peer is silent for the timeout, so probe
+        // often enough that a live peer always answers in time.
+        s.set_keep_alive(Some(self.config.keep_alive.min(self.config.timeout / 3).into()));
         s.set_timeout(Some(self.config.timeout.into()));
         s
     }
@@ -776,6 +779,7 @@ impl Core {
                 }
                 let sock = self.sockets.add(s);
                 self.ports_in_use.insert(local_port);
+                self.counters.connections_opened += 1;
                 let h = self.new_handle();
                 let conn = Conn { own_port: Some(local_port), ..Conn::new(id, sock, Some(req), t) };
                 self.handles.insert(h, Handle::Conn(conn));
@@ -1161,7 +1165,6 @@ fn move_bytes(
                 let local =
                     endpoint_v4(s.local_endpoint()).unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
                 client.control(Msg::Opened { req, handle: h, local });
-                counters.connections_opened += 1;
                 c.connecting = None;
                 moved = true;
             }
