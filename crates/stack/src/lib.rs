@@ -23,6 +23,8 @@
 
 pub mod client;
 pub mod device;
+#[cfg(any(fuzzing, test))]
+pub mod fuzz;
 pub mod proto;
 pub mod server;
 
