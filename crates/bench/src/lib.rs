@@ -15,6 +15,7 @@ pub mod plot;
 pub mod progress;
 pub mod report;
 mod ring;
+pub mod stack;
 pub mod transport;
 pub mod transport_core;
 mod vring;
@@ -56,6 +57,11 @@ pub enum BenchCommand {
     /// NIC in an I/O box over udp, afpacket and afxdp, against the same iperf3 over a direct veth,
     /// with each port's raw floor. Needs root.
     Nic(nic::NicBenchArgs),
+    /// The TCP/IP stack server against Linux's TCP on a veth at MTU 1500: throughput by the
+    /// application's buffer size (1 KiB to 4 MiB), sending and receiving, for the rump-kernel
+    /// study's baseline copy path and each copy unit, with the veth's offloads on and off; and
+    /// the idle server's CPU. Needs root.
+    Stack(stack::StackBenchArgs),
     /// One side of `bench transport` (started by it inside a namespace).
     #[command(hide = true)]
     TransportPeer(transport::PeerArgs),
@@ -78,6 +84,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Fabric(args) => fabric::run(args),
         BenchCommand::Msg(args) => msg::run(args),
         BenchCommand::Nic(args) => nic::run(args),
+        BenchCommand::Stack(args) => stack::run(args),
         BenchCommand::TransportPeer(args) => transport::run_peer(args),
     }
 }

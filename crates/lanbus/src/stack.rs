@@ -39,8 +39,10 @@ pub struct StackdArgs {
     /// The control socket `lanbus status --control PATH` asks.
     #[arg(long, default_value = STACK_CONTROL)]
     control: PathBuf,
-    /// Bytes of each TCP connection's receive and of its send buffer.
-    #[arg(long, default_value_t = 1 << 20)]
+    /// Bytes of each TCP connection's receive and of its send buffer. The receive window is at
+    /// most this; the port's receive ring holds 512 frames, so larger windows of single
+    /// segments can overflow it.
+    #[arg(long, default_value_t = 512 << 10)]
     tcp_buffer: usize,
     /// Seconds a connection waits for a silent peer (handshake or unacknowledged data) before it
     /// fails with ETIMEDOUT.
@@ -97,6 +99,9 @@ pub(crate) fn status_json(s: &ServerStatus) -> Value {
             "connections_freed": c.connections_freed,
             "rx_frames": c.rx_frames,
             "tx_frames": c.tx_frames,
+            "tx_offloaded": c.tx_offloaded,
+            "rx_dropped": c.rx_dropped,
+            "tx_dropped": c.tx_dropped,
             "bytes_from_clients": c.tx_bytes,
             "bytes_to_clients": c.rx_bytes,
         },

@@ -530,6 +530,10 @@ pub struct AfPacketPort {
     kernel_drops: Cell<u64>,
     /// The ring-less socket for the first frame of a burst, and the buffer it is written in.
     single: Option<(OwnedFd, Vec<u8>)>,
+    /// A socket with PACKET_VNET_HDR for segments larger than the MTU (made on first use; `Err`
+    /// once making it failed).
+    gso: Option<core::result::Result<OwnedFd, ()>>,
+    ifindex: libc::c_int,
 }
 
 // SAFETY: the mapping is owned by this value alone (no other handle to it exists in the process)
@@ -627,8 +631,10 @@ impl AfPacketPort {
                 let frame =
                     (TPACKET2_HDRLEN.next_multiple_of(16) + 16 + rx_frame_max).next_power_of_two().max(2048);
                 let block = frame.max(1 << 16);
-                let frames =
-                    ((RX_V2_BYTES / frame).clamp(64, 1024) / (block / frame)).max(1) * (block / frame);
+                // A TCP/IP stack's slots hold coalesced 64 KiB segments but mostly carry single
+                // segments: enough of them that a window of those does not overflow the ring.
+                let budget = if config.all_ethertypes { 16 * RX_V2_BYTES } else { RX_V2_BYTES };
+                let frames = ((budget / frame).clamp(64, 1024) / (block / frame)).max(1) * (block / frame);
                 // The kernel reads only the first four fields for TPACKET_V2.
                 let req = libc::tpacket_req3 {
                     tp_block_size: block as u32,
@@ -703,6 +709,8 @@ impl AfPacketPort {
             qdisc_bypass,
             all_ethertypes: config.all_ethertypes,
             scratch: Vec::new(),
+            gso: None,
+            ifindex: info.index,
             counters: PortCounters::default(),
             kernel_drops: Cell::new(0),
             single: None,
@@ -860,6 +868,18 @@ impl AfPacketPort {
         } else {
             self.rx_unit + 1
         }
+    }
+
+    /// The PACKET_VNET_HDR socket, made on first use.
+    fn gso_socket(&mut self) -> Option<&OwnedFd> {
+        if self.gso.is_none() {
+            let made = single_frame_socket(self.ifindex, self.qdisc_bypass).filter(|fd| {
+                let one: libc::c_int = 1;
+                set_option(fd, libc::SOL_PACKET, libc::PACKET_VNET_HDR, &one).is_ok()
+            });
+            self.gso = Some(made.ok_or(()));
+        }
+        self.gso.as_ref().and_then(|r| r.as_ref().ok())
     }
 
     fn kick(&mut self) -> Result<()> {
@@ -1075,6 +1095,56 @@ impl Port for AfPacketPort {
 
     fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
         Some(self.as_raw_fd())
+    }
+
+    fn tx_gso(&mut self, frame: &[u8], gso: crate::Gso) -> Result<bool> {
+        if frame.len() > HEADER_LEN + 65535 || frame.len() <= usize::from(gso.header_bytes) {
+            self.counters.tx_dropped += 1;
+            return Ok(true);
+        }
+        // Frames already in the ring leave first.
+        if self.tx_unkicked {
+            self.kick()?;
+        }
+        let Some(fd) = self.gso_socket().map(|fd| fd.as_raw_fd()) else { return Ok(false) };
+        // struct virtio_net_hdr in the host's byte order: flags, gso_type, hdr_len, gso_size,
+        // csum_start, csum_offset.
+        const NEEDS_CSUM: u8 = 1;
+        const GSO_TCPV4: u8 = 1;
+        const GSO_TCPV6: u8 = 4;
+        let mut hdr = [0u8; 10];
+        hdr[0] = NEEDS_CSUM;
+        hdr[1] = if gso.ipv6 { GSO_TCPV6 } else { GSO_TCPV4 };
+        hdr[2..4].copy_from_slice(&gso.header_bytes.to_ne_bytes());
+        hdr[4..6].copy_from_slice(&gso.segment_bytes.to_ne_bytes());
+        hdr[6..8].copy_from_slice(&gso.csum_start.to_ne_bytes());
+        hdr[8..10].copy_from_slice(&gso.csum_offset.to_ne_bytes());
+        let iov = [
+            libc::iovec { iov_base: hdr.as_ptr() as *mut libc::c_void, iov_len: hdr.len() },
+            libc::iovec { iov_base: frame.as_ptr() as *mut libc::c_void, iov_len: frame.len() },
+        ];
+        // SAFETY: msghdr is plain data; zero is a valid initial value.
+        let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
+        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = 2;
+        // SAFETY: msg points at two live iovecs over buffers the kernel only reads.
+        let rc = unsafe { libc::sendmsg(fd, &msg, 0) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            self.counters.tx_dropped += 1;
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) => Ok(true),
+                // The device takes no offloaded segments: segment in user space from now on.
+                Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => {
+                    self.gso = Some(Err(()));
+                    Ok(false)
+                }
+                _ => Err(PortError::io("send of a segmentation-offloaded frame", e)),
+            };
+        }
+        self.counters.tx_frames += 1;
+        self.counters.tx_bytes += frame.len() as u64;
+        Ok(true)
     }
 
     fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {

@@ -157,6 +157,15 @@ pub trait Port: Send {
         None
     }
 
+    /// Sends one TCP segment larger than the MTU for the kernel (or the device) to cut into
+    /// `gso.segment_bytes` pieces and checksum, as a NIC with segmentation offload does (the
+    /// frame's TCP checksum field holds the pseudo-header sum). `Ok(false)` when the port cannot:
+    /// the caller then sends the segments itself. The default cannot.
+    fn tx_gso(&mut self, frame: &[u8], gso: Gso) -> Result<bool> {
+        let _ = (frame, gso);
+        Ok(false)
+    }
+
     /// This port's own MAC address (source of the frames it sends).
     fn mac(&self) -> MacAddr;
 
@@ -179,6 +188,21 @@ pub trait Port: Send {
     }
 }
 
+/// How to segment a frame handed to [`Port::tx_gso`] (the fields of a `virtio_net_hdr`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gso {
+    /// TCP payload bytes per segment (the MSS).
+    pub segment_bytes: u16,
+    /// Offset of the TCP header in the frame.
+    pub csum_start: u16,
+    /// Offset of the checksum field from `csum_start` (16 for TCP).
+    pub csum_offset: u16,
+    /// Bytes of headers (Ethernet, IP, TCP) in front of the payload.
+    pub header_bytes: u16,
+    /// IPv6 rather than IPv4.
+    pub ipv6: bool,
+}
+
 impl<P: Port + ?Sized> Port for Box<P> {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
         (**self).rx_burst(max, on_frame)
@@ -198,6 +222,9 @@ impl<P: Port + ?Sized> Port for Box<P> {
     }
     fn mtu(&self) -> usize {
         (**self).mtu()
+    }
+    fn tx_gso(&mut self, frame: &[u8], gso: Gso) -> Result<bool> {
+        (**self).tx_gso(frame, gso)
     }
     fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
         (**self).readiness_fd()

@@ -29,6 +29,8 @@ pub struct LinkCounters {
     pub tx_frames: u64,
     /// Port errors (a failed burst).
     pub port_errors: u64,
+    /// Runs of segments sent as one segmentation-offloaded frame.
+    pub offloaded: u64,
 }
 
 /// The device: a port plus receive and transmit queues.
@@ -38,6 +40,9 @@ pub struct PortDevice {
     tx: TxSide,
     mtu: usize,
     rx_frames: u64,
+    /// Frames smoltcp may still take in this poll: bounded so that its egress pass (ACKs, window
+    /// updates) runs between batches and the sender stays ACK-clocked.
+    rx_budget: usize,
 }
 
 /// What transmitting borrows: the port, the queue and its spare buffers (apart from the receive
@@ -48,14 +53,174 @@ struct TxSide {
     spare: Vec<Vec<u8>>,
     frames: u64,
     port_errors: u64,
+    /// Whether runs of segments go to the port as offloaded frames (until it says it cannot).
+    gso: bool,
+    /// Where a run is merged.
+    merged: Vec<u8>,
+    /// Offloaded frames sent.
+    offloaded: u64,
+}
+
+/// What segmentation offload needs to know of a queued IPv4 TCP frame.
+struct Segment {
+    /// Ethernet, IP and TCP header bytes.
+    header: usize,
+    seq: u32,
+    flags: u8,
+    payload: usize,
+}
+
+const TCP_ACK: u8 = 0x10;
+const TCP_PSH: u8 = 0x08;
+
+/// Parses `frame` as an IPv4 TCP segment with data that segmentation offload may carry: no IP
+/// options or fragments, only ACK (and PSH) set.
+fn segment(frame: &[u8]) -> Option<Segment> {
+    if frame.len() < 54 || frame[12..14] != [0x08, 0x00] || frame[14] != 0x45 || frame[23] != 6 {
+        return None;
+    }
+    // Fragment offset and MF must be zero.
+    if u16::from_be_bytes([frame[20], frame[21]]) & 0x3fff != 0 {
+        return None;
+    }
+    let total = usize::from(u16::from_be_bytes([frame[16], frame[17]]));
+    let tcp_len = usize::from(frame[46] >> 4) * 4;
+    let header = 34 + tcp_len;
+    let flags = frame[47];
+    if total + 14 != frame.len() || tcp_len < 20 || header >= frame.len() || flags & !(TCP_ACK | TCP_PSH) != 0
+    {
+        return None;
+    }
+    let seq = u32::from_be_bytes(frame[38..42].try_into().ok()?);
+    Some(Segment { header, seq, flags, payload: frame.len() - header })
+}
+
+/// Whether `next` continues `prev` in one flow with the same headers but for the sequence number
+/// (and the IP id and checksums, which segmentation rewrites).
+fn continues(prev: &[u8], p: &Segment, next: &[u8], n: &Segment) -> bool {
+    p.header == n.header
+        && p.flags == TCP_ACK
+        && n.seq == p.seq.wrapping_add(p.payload as u32)
+        && prev[..18] == next[..18]
+        && prev[20..24] == next[20..24]
+        && prev[26..38] == next[26..38]
+        && prev[42..50] == next[42..50]
+        && prev[52..p.header] == next[52..n.header]
 }
 
 impl TxSide {
-    /// Sends every queued frame the port takes; returns whether frames still wait.
+    /// Sends every queued frame the port takes; returns whether frames still wait. Runs of
+    /// back-to-back segments of one TCP flow go to the port as one segmentation-offloaded frame
+    /// where it can take one.
     fn flush(&mut self) -> bool {
         while !self.queue.is_empty() {
+            if self.gso {
+                let run = self.offload_run();
+                if run >= 2 {
+                    match self.send_offloaded(run) {
+                        Ok(true) => continue,
+                        Ok(false) => self.gso = false,
+                        Err(e) => {
+                            self.port_errors += 1;
+                            tracing::debug!("port transmit: {e}");
+                            return true;
+                        }
+                    }
+                }
+            }
+            if !self.flush_plain() {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// How many frames at the head of the queue form one offloadable run (within 64 KiB).
+    fn offload_run(&self) -> usize {
+        self.offload_run_at(0)
+    }
+
+    /// How many frames from `start` form one offloadable run.
+    fn offload_run_at(&self, start: usize) -> usize {
+        let Some(first) = self.queue.get(start) else { return 0 };
+        let Some(mut prev) = segment(first) else { return 0 };
+        let mss = prev.payload;
+        let mut total = first.len();
+        let mut run = 1;
+        let mut prev_frame = first;
+        for next in self.queue.iter().skip(start + 1) {
+            let Some(n) = segment(next) else { break };
+            if prev.payload != mss || n.payload > mss || !continues(prev_frame, &prev, next, &n) {
+                break;
+            }
+            if total + n.payload > 65535 + 14 {
+                break;
+            }
+            total += n.payload;
+            run += 1;
+            prev = n;
+            prev_frame = next;
+        }
+        run
+    }
+
+    /// Sends the first `run` queued frames as one offloaded segment; `Ok(false)` when the port
+    /// cannot (nothing sent).
+    fn send_offloaded(&mut self, run: usize) -> lanbus_port::Result<bool> {
+        let first = &self.queue[0];
+        let seg = segment(first).expect("checked by offload_run");
+        let mut merged = std::mem::take(&mut self.merged);
+        merged.clear();
+        merged.extend_from_slice(first);
+        let mut flags = seg.flags;
+        for f in self.queue.iter().take(run).skip(1) {
+            merged.extend_from_slice(&f[seg.header..]);
+            flags |= f[47];
+        }
+        let total = (merged.len() - 14) as u16;
+        merged[16..18].copy_from_slice(&total.to_be_bytes());
+        merged[47] = flags;
+        merged[24..26].copy_from_slice(&[0, 0]);
+        let ip_sum = !ones_complement(&merged[14..34]);
+        merged[24..26].copy_from_slice(&ip_sum.to_be_bytes());
+        // The TCP checksum field holds the pseudo-header sum; the kernel or device finishes it.
+        let tcp_len = (merged.len() - 34) as u32;
+        let mut pseudo = u32::from(ones_complement(&merged[26..34])) + 6 + tcp_len;
+        while pseudo > 0xffff {
+            pseudo = (pseudo & 0xffff) + (pseudo >> 16);
+        }
+        merged[50..52].copy_from_slice(&(pseudo as u16).to_be_bytes());
+        let gso = lanbus_port::Gso {
+            segment_bytes: seg.payload as u16,
+            csum_start: 34,
+            csum_offset: 16,
+            header_bytes: seg.header as u16,
+            ipv6: false,
+        };
+        let sent = self.port.tx_gso(&merged, gso);
+        self.merged = merged;
+        if sent? {
+            for _ in 0..run {
+                if let Some(f) = self.queue.pop_front() {
+                    self.spare.push(f);
+                }
+            }
+            self.offloaded += 1;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Sends queued frames through the port's ordinary path, stopping before the next
+    /// offloadable run; returns false when the port took nothing.
+    fn flush_plain(&mut self) -> bool {
+        {
+            let mut plain = self.queue.len();
+            if self.gso {
+                plain = (0..self.queue.len()).find(|&i| self.offload_run_at(i) >= 2).unwrap_or(plain).max(1);
+            }
             let (queue, spare) = (&mut self.queue, &mut self.spare);
-            let sent = self.port.tx_burst(queue.len(), &mut |buf| {
+            let sent = self.port.tx_burst(plain, &mut |buf| {
                 let frame = queue.pop_front()?;
                 let len = frame.len().min(buf.len());
                 buf[..len].copy_from_slice(&frame[..len]);
@@ -63,17 +228,28 @@ impl TxSide {
                 Some(len)
             });
             match sent {
-                Ok(0) => return true,
-                Ok(_) => {}
+                Ok(0) => false,
+                Ok(_) => true,
                 Err(e) => {
                     self.port_errors += 1;
                     tracing::debug!("port transmit: {e}");
-                    return !self.queue.is_empty();
+                    false
                 }
             }
         }
-        false
     }
+}
+
+/// The folded one's-complement sum of big-endian 16-bit words.
+fn ones_complement(data: &[u8]) -> u16 {
+    let mut sum: u32 = 0;
+    for w in data.chunks(2) {
+        sum += u32::from(u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]));
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    sum as u16
 }
 
 impl PortDevice {
@@ -83,9 +259,19 @@ impl PortDevice {
         PortDevice {
             rx: VecDeque::new(),
             rx_spare: Vec::new(),
-            tx: TxSide { port, queue: VecDeque::new(), spare: Vec::new(), frames: 0, port_errors: 0 },
+            tx: TxSide {
+                port,
+                queue: VecDeque::new(),
+                spare: Vec::new(),
+                frames: 0,
+                port_errors: 0,
+                gso: true,
+                merged: Vec::new(),
+                offloaded: 0,
+            },
             mtu,
             rx_frames: 0,
+            rx_budget: RX_BURST,
         }
     }
 
@@ -105,6 +291,7 @@ impl PortDevice {
             rx_frames: self.rx_frames,
             tx_frames: self.tx.frames,
             port_errors: self.tx.port_errors,
+            offloaded: self.tx.offloaded,
         }
     }
 
@@ -132,6 +319,11 @@ impl PortDevice {
     /// Sends every queued frame the port takes; returns whether frames still wait.
     pub fn flush(&mut self) -> bool {
         self.tx.flush()
+    }
+
+    /// Lets the next poll take up to a burst of received frames.
+    pub fn refill_budget(&mut self) {
+        self.rx_budget = RX_BURST;
     }
 }
 
@@ -174,9 +366,10 @@ impl phy::Device for PortDevice {
     type TxToken<'a> = TxToken<'a>;
 
     fn receive(&mut self, _now: Instant) -> Option<(RxToken<'_>, TxToken<'_>)> {
-        if !self.fill() {
+        if self.rx_budget == 0 || !self.fill() {
             return None;
         }
+        self.rx_budget -= 1;
         let frame = self.rx.pop_front()?;
         Some((RxToken { frame, spare: &mut self.rx_spare }, TxToken { tx: &mut self.tx }))
     }

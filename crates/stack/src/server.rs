@@ -65,14 +65,14 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
-    /// Defaults for an address: 1 MiB buffers, keep-alive after 10 s, give up after 30 s.
+    /// Defaults for an address: 512 KiB buffers (a window the port's receive ring holds whole), keep-alive after 10 s, give up after 30 s.
     pub fn new(ip: Ipv4Addr, prefix: u8, socket: &Path) -> ServerConfig {
         ServerConfig {
             ip,
             prefix,
             gateway: None,
             socket: socket.to_path_buf(),
-            tcp_buffer_bytes: 1 << 20,
+            tcp_buffer_bytes: 512 << 10,
             keep_alive: Duration::from_secs(10),
             timeout: Duration::from_secs(30),
         }
@@ -96,6 +96,12 @@ pub struct ServerCounters {
     pub rx_frames: u64,
     /// Frames sent.
     pub tx_frames: u64,
+    /// Runs of segments sent as one segmentation-offloaded frame.
+    pub tx_offloaded: u64,
+    /// Frames the port dropped on receive (the kernel's ring was full, or not a frame).
+    pub rx_dropped: u64,
+    /// Frames the port could not send.
+    pub tx_dropped: u64,
     /// Bytes clients sent.
     pub tx_bytes: u64,
     /// Bytes delivered to clients.
@@ -210,16 +216,21 @@ struct Client {
     handles: HashSet<u32>,
     /// The ring was written since the doorbell was last considered.
     wrote: bool,
+    /// Something waited for room toward this client since the loop last slept: the client frees
+    /// room without a doorbell, so the loop naps briefly instead of sleeping.
+    blocked: bool,
 }
 
 impl Client {
     /// Whether nothing waits in front of new messages.
-    fn clear(&self) -> bool {
-        self.outbox.is_empty()
+    fn clear(&mut self) -> bool {
+        let clear = self.outbox.is_empty()
             && match &self.link {
                 Link::Shm { .. } => true,
                 Link::Socket { write, .. } => write.len() < 4 * self.unit + 4 * HEADER_LEN,
-            }
+            };
+        self.blocked |= !clear;
+        clear
     }
 
     /// Sends a message now if it fits; `false` when the ring or socket buffer is full.
@@ -230,7 +241,10 @@ impl Client {
                     self.wrote = true;
                     true
                 }
-                _ => false,
+                _ => {
+                    self.blocked = true;
+                    false
+                }
             },
             Link::Socket { write, .. } => {
                 let len = msg.len();
@@ -262,7 +276,8 @@ impl Client {
     }
 
     /// Moves queued control messages and socket bytes out; `Err` when the client is gone.
-    fn flush(&mut self) -> Result<(), ()> {
+    /// `Ok(true)` when something moved.
+    fn flush(&mut self) -> Result<bool, ()> {
         while let Some(buf) = self.outbox.pop_front() {
             let msg = Msg::parse(&buf).expect("emitted by this server");
             if !self.try_send(&msg) {
@@ -277,6 +292,7 @@ impl Client {
                     Ok(0) => return Err(()),
                     Ok(n) => {
                         write.drain(..n);
+                        self.wrote = true;
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -289,8 +305,7 @@ impl Client {
                 let _ = client_bell.notify();
             }
         }
-        self.wrote = false;
-        Ok(())
+        Ok(std::mem::take(&mut self.wrote))
     }
 }
 
@@ -450,8 +465,16 @@ impl Core {
             if self.dev.fill() {
                 self.busy = true;
             }
-            self.iface.poll(t, &mut self.dev, &mut self.sockets);
+            // Received frames a burst at a time, each burst's ACKs sent before the next.
+            for _ in 0..8 {
+                self.dev.refill_budget();
+                self.iface.poll(t, &mut self.dev, &mut self.sockets);
+                if !self.dev.fill() {
+                    break;
+                }
+            }
             self.service_handles(t);
+            self.dev.refill_budget();
             self.iface.poll(t, &mut self.dev, &mut self.sockets);
             if self.dev.flush() {
                 self.busy = true;
@@ -474,8 +497,13 @@ impl Core {
     /// Sleeps until a frame, a client or a TCP timer needs the loop (at most 100 ms).
     fn sleep(&mut self) {
         let t = now(self.start);
-        let delay =
+        let mut delay =
             self.iface.poll_delay(t, &self.sockets).map_or(100_000, |d| d.total_micros()).min(100_000);
+        for c in self.clients.values_mut() {
+            if std::mem::take(&mut c.blocked) {
+                delay = delay.min(500);
+            }
+        }
         if delay == 0 {
             return;
         }
@@ -601,6 +629,7 @@ impl Core {
             outbox: VecDeque::new(),
             handles: HashSet::new(),
             wrote: false,
+            blocked: false,
         };
         self.clients.insert(id, client);
         tracing::info!("stack client {id} (pid {}) attached, copy unit {unit}", cred.pid);
@@ -1024,8 +1053,10 @@ impl Core {
     fn flush_clients(&mut self) {
         let mut gone = Vec::new();
         for (&id, c) in self.clients.iter_mut() {
-            if c.flush().is_err() {
-                gone.push(id);
+            match c.flush() {
+                Ok(true) => self.busy = true,
+                Ok(false) => {}
+                Err(()) => gone.push(id),
             }
         }
         for id in gone {
@@ -1037,6 +1068,10 @@ impl Core {
         let link = self.dev.counters();
         self.counters.rx_frames = link.rx_frames;
         self.counters.tx_frames = link.tx_frames;
+        self.counters.tx_offloaded = link.offloaded;
+        let port = self.dev.port().counters();
+        self.counters.rx_dropped = port.rx_dropped;
+        self.counters.tx_dropped = port.tx_dropped;
         let mut connections = Vec::new();
         let mut listening = Vec::new();
         for h in self.handles.values() {

@@ -1,0 +1,475 @@
+//! `lanbus bench stack`: the rump-kernel networking study's Figs. 2, 5, 6 and 7, throughput by the
+//! application's buffer size, sending and receiving, through the TCP/IP stack server and through
+//! Linux.
+//!
+//! Two network namespaces joined by a veth pair at MTU 1500. In the first, `lanbus stackd` runs
+//! on the veth (its own address, 10.91.0.1) and the application is this process, attached to the
+//! server through the client library with one copy unit per row (`--units`: the study's baseline,
+//! one 2 KiB cluster per request over the Unix socket, then CLUSTER_BYTESxCLUSTERS over shared
+//! memory). The peer row, `linux`, is the same application on Linux's own TCP over the same veth
+//! (the kernel has a second address there, 10.91.0.3). In the other namespace Linux's TCP is the
+//! far end for every row: a sink for `send` (the application writes with its buffer size) and a
+//! source for `recv` (the application reads with it). Each test runs `--seconds`; the figure is
+//! bytes the receiving side got over the time from connect to its end of stream, in Gbit/s.
+//! `--offloads default,off` runs everything with the veth's default offloads (TSO, GSO, GRO: 64 KiB
+//! segments cross) and with segmentation offloads off (every segment a frame). Runs go in turns
+//! (`--runs`, default 5); a figure is the median; each stack row carries `ratio_vs_linux`. Also
+//! `idle:stackd`, the CPU an idle server uses. Table, JSON (`--json`), PNG per direction and
+//! offload setting (`--png` prefix).
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use lanbus_port::netns::VethPair;
+use lanbus_stack::client::StackClient;
+use lanbus_stack::CopyUnit;
+
+use super::interrupt::KillOnDrop;
+use super::report::{median, Report, Row};
+use crate::plot::{write_png, Plot, Series};
+
+/// `lanbus bench stack` options.
+#[derive(Debug, Args)]
+pub struct StackBenchArgs {
+    /// Write the common JSON report here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write plots as PREFIX-DIRECTION-OFFLOADS.png.
+    #[arg(long, default_value = "bench-stack")]
+    png: String,
+    /// Copy units of the stack rows (CLUSTER_BYTESxCLUSTERS[,socket]), comma separated.
+    #[arg(long, default_value = "2048x1,socket;2048x1;2048x16;4096x16;2048x32", value_delimiter = ';')]
+    units: Vec<CopyUnit>,
+    /// Application buffer sizes in bytes (K and M suffixes), comma separated.
+    #[arg(long, default_value = "1K,4K,64K,1M,4M")]
+    buffers: String,
+    /// Veth offload settings to run: default, off (segmentation offloads off), or both.
+    #[arg(long, default_value = "default,off")]
+    offloads: String,
+    /// Runs of every row, in turns; a figure is their median.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Seconds of each test.
+    #[arg(long, default_value_t = 1.0)]
+    seconds: f64,
+}
+
+const STACK_IP: Ipv4Addr = Ipv4Addr::new(10, 91, 0, 1);
+const PEER_IP: Ipv4Addr = Ipv4Addr::new(10, 91, 0, 2);
+const LINUX_IP: Ipv4Addr = Ipv4Addr::new(10, 91, 0, 3);
+
+fn parse_size(s: &str) -> anyhow::Result<usize> {
+    let s = s.trim();
+    let (n, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1024),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        _ => (s, 1),
+    };
+    let n: usize = n.parse().with_context(|| format!("{s:?}: a size like 64K"))?;
+    if n == 0 || n * mult > 64 << 20 {
+        bail!("{s:?}: buffers are 1 byte to 64 MiB");
+    }
+    Ok(n * mult)
+}
+
+fn label(bytes: usize) -> String {
+    if bytes >= 1 << 20 && bytes.is_multiple_of(1 << 20) {
+        format!("{}M", bytes >> 20)
+    } else if bytes >= 1024 && bytes.is_multiple_of(1024) {
+        format!("{}K", bytes >> 10)
+    } else {
+        bytes.to_string()
+    }
+}
+
+/// Moves the calling thread into a namespace.
+fn enter(ns: &str) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(format!("/var/run/netns/{ns}"))?;
+    // SAFETY: setns with a valid namespace fd changes only this thread's network namespace.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Send,
+    Recv,
+}
+
+impl Direction {
+    fn name(self) -> &'static str {
+        match self {
+            Direction::Send => "send",
+            Direction::Recv => "recv",
+        }
+    }
+}
+
+/// The far end in the peer namespace: a sink (the application sends) or a source (it receives).
+/// Returns (bytes, seconds) as the receiving side saw them when this side receives.
+fn far_end(
+    ns: String,
+    port: u16,
+    dir: Direction,
+    seconds: f64,
+) -> anyhow::Result<std::thread::JoinHandle<(u64, f64)>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let setup = (|| -> anyhow::Result<TcpListener> {
+            enter(&ns)?;
+            Ok(TcpListener::bind((PEER_IP, port))?)
+        })();
+        let l = match setup {
+            Ok(l) => {
+                let _ = tx.send(Ok(()));
+                l
+            }
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                return (0, 0.0);
+            }
+        };
+        let Ok((mut s, _)) = l.accept() else { return (0, 0.0) };
+        let start = Instant::now();
+        let mut buf = vec![0u8; 256 * 1024];
+        match dir {
+            Direction::Send => {
+                let mut got = 0u64;
+                while let Ok(n) = s.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    got += n as u64;
+                }
+                (got, start.elapsed().as_secs_f64())
+            }
+            Direction::Recv => {
+                let until = start + Duration::from_secs_f64(seconds);
+                while Instant::now() < until {
+                    if s.write_all(&buf).is_err() {
+                        break;
+                    }
+                }
+                (0, 0.0)
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(10)).context("the far end did not start")??;
+    Ok(t)
+}
+
+/// The application's half: a connected stream, written or read with `buffer`-sized calls.
+fn drive(mut s: impl Read + Write, dir: Direction, buffer: usize, seconds: f64) -> (u64, f64) {
+    let mut buf = vec![0x5au8; buffer];
+    let start = Instant::now();
+    match dir {
+        Direction::Send => {
+            let until = start + Duration::from_secs_f64(seconds);
+            while Instant::now() < until {
+                if s.write_all(&buf).is_err() {
+                    break;
+                }
+            }
+            (0, 0.0)
+        }
+        Direction::Recv => {
+            let mut got = 0u64;
+            while let Ok(n) = s.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                got += n as u64;
+            }
+            (got, start.elapsed().as_secs_f64())
+        }
+    }
+}
+
+struct Bench {
+    veth: VethPair,
+    dir: PathBuf,
+    socket: PathBuf,
+    next_port: u16,
+}
+
+impl Bench {
+    fn set_offloads(&self, on: bool) -> anyhow::Result<()> {
+        let v = if on { "on" } else { "off" };
+        for end in [&self.veth.a, &self.veth.b] {
+            let out = end
+                .netns
+                .command("ethtool")
+                .args(["-K", &end.ifname, "tso", v, "gso", v, "gro", v])
+                .output()
+                .context("ethtool (Debian package ethtool; scripts/setup installs it)")?;
+            if !out.status.success() {
+                bail!("ethtool -K {}: {}", end.ifname, String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        Ok(())
+    }
+
+    fn start_stackd(&self) -> anyhow::Result<KillOnDrop> {
+        let exe = std::env::current_exe().context("finding this program")?;
+        let _ = std::fs::remove_file(&self.socket);
+        let child = self
+            .veth
+            .a
+            .netns
+            .command(&exe.to_string_lossy())
+            .args(["stackd", "--port", &format!("afpacket:{}", self.veth.a.ifname)])
+            .args(["--ip", &format!("{STACK_IP}/24"), "--socket"])
+            .arg(&self.socket)
+            .arg("--control")
+            .arg(self.dir.join("stackd.ctl"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.dir.join("stackd.log"))?)
+            .spawn()?;
+        let child = KillOnDrop(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.socket.exists() {
+            if Instant::now() > deadline {
+                bail!("lanbus stackd did not start (see {})", self.dir.join("stackd.log").display());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(child)
+    }
+
+    /// One test: Gbit/s.
+    fn once(
+        &mut self,
+        row: &Option<CopyUnit>,
+        dir: Direction,
+        buffer: usize,
+        seconds: f64,
+    ) -> anyhow::Result<f64> {
+        self.next_port = if self.next_port >= 60000 { 20000 } else { self.next_port + 1 };
+        let port = self.next_port;
+        let far = far_end(self.veth.b.netns.name().to_string(), port, dir, seconds)?;
+        let to = SocketAddrV4::new(PEER_IP, port);
+        let mine = match row {
+            Some(unit) => {
+                let client = StackClient::attach(&self.socket, *unit)?;
+                let s =
+                    client.connect(to).with_context(|| format!("connecting to {to} through the stack"))?;
+                drive(s, dir, buffer, seconds)
+            }
+            None => {
+                let ns = self.veth.a.netns.name().to_string();
+                std::thread::spawn(move || -> anyhow::Result<(u64, f64)> {
+                    enter(&ns)?;
+                    let sock = socket2_bind_connect(LINUX_IP, to)?;
+                    Ok(drive(sock, dir, buffer, seconds))
+                })
+                .join()
+                .map_err(|_| anyhow::anyhow!("the Linux application panicked"))??
+            }
+        };
+        let theirs = far.join().map_err(|_| anyhow::anyhow!("the far end panicked"))?;
+        let (bytes, secs) = if dir == Direction::Send { theirs } else { mine };
+        if secs <= 0.0 {
+            bail!("nothing arrived");
+        }
+        Ok(bytes as f64 * 8.0 / secs / 1e9)
+    }
+}
+
+/// A kernel TCP connection from `local` to `to`.
+fn socket2_bind_connect(local: Ipv4Addr, to: SocketAddrV4) -> anyhow::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: socket() has no memory preconditions; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let stream = unsafe { TcpStream::from_raw_fd(fd) };
+    let sa = |a: SocketAddrV4| libc::sockaddr_in {
+        sin_family: libc::AF_INET as u16,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as u32;
+    let bind = sa(SocketAddrV4::new(local, 0));
+    // SAFETY: bind/connect with a valid sockaddr_in of the given length.
+    if unsafe { libc::bind(fd, (&bind as *const libc::sockaddr_in).cast(), len) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    let peer = sa(to);
+    // SAFETY: as above.
+    if unsafe { libc::connect(fd, (&peer as *const libc::sockaddr_in).cast(), len) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(stream)
+}
+
+/// CPU use of process `pid` over `window`, in percent of one core.
+fn cpu_percent(pid: u32, window: Duration) -> anyhow::Result<f64> {
+    let ticks = || -> anyhow::Result<u64> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+        Ok(fields.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0)
+            + fields.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0))
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let before = ticks()?;
+    std::thread::sleep(window);
+    Ok((ticks()? - before) as f64 / hz / window.as_secs_f64() * 100.0)
+}
+
+fn row_name(row: &Option<CopyUnit>) -> String {
+    match row {
+        None => "linux".into(),
+        Some(u) if *u == CopyUnit::BASELINE => "stack:baseline".into(),
+        Some(u) => format!("stack:{u}"),
+    }
+}
+
+/// Runs `lanbus bench stack`.
+pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
+    let buffers: Vec<usize> = args.buffers.split(',').map(parse_size).collect::<anyhow::Result<_>>()?;
+    let offloads: Vec<bool> = args
+        .offloads
+        .split(',')
+        .map(|s| match s.trim() {
+            "default" => Ok(true),
+            "off" => Ok(false),
+            other => bail!("--offloads: {other:?} is not default or off"),
+        })
+        .collect::<anyhow::Result<_>>()?;
+    if args.runs == 0 || args.seconds <= 0.0 || buffers.is_empty() || offloads.is_empty() {
+        bail!("--runs, --seconds, --buffers and --offloads must not be empty or zero");
+    }
+    let veth = VethPair::create().map_err(|s| anyhow::anyhow!("bench stack needs root: {s}"))?;
+    veth.set_mtu(1500)?;
+    let add = |end: &lanbus_port::netns::VethEnd, ip: Ipv4Addr| {
+        end.netns.ip(&["addr", "add", &format!("{ip}/24"), "dev", &end.ifname]).map(|_| ())
+    };
+    add(&veth.b, PEER_IP)?;
+    add(&veth.a, LINUX_IP)?;
+    let dir = std::env::temp_dir().join(format!("lanbus-bench-stack-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let socket = dir.join("stackd.sock");
+    let mut bench = Bench { veth, dir: dir.clone(), socket, next_port: 20000 };
+    let rows: Vec<Option<CopyUnit>> =
+        std::iter::once(None).chain(args.units.iter().copied().map(Some)).collect();
+    let mut samples: std::collections::BTreeMap<(bool, &str, String, usize), Vec<f64>> = Default::default();
+    let mut idle = Vec::new();
+    let total = offloads.len() * args.runs * rows.len() * 2 * buffers.len();
+    let mut done = 0;
+    for &on in &offloads {
+        bench.set_offloads(on)?;
+        let stackd = bench.start_stackd()?;
+        // The kernel's neighbours and the stack's ARP settle before the first figure.
+        std::thread::sleep(Duration::from_millis(300));
+        if idle.is_empty() {
+            idle.push(cpu_percent(stackd.0.id(), Duration::from_secs(2)).unwrap_or(f64::NAN));
+        }
+        for run in 0..args.runs {
+            for row in &rows {
+                for dir in [Direction::Send, Direction::Recv] {
+                    for &b in &buffers {
+                        done += 1;
+                        eprint!(
+                            "\rbench stack: {done}/{total} offloads {} run {} {} {} {:>4}   ",
+                            if on { "default" } else { "off" },
+                            run + 1,
+                            row_name(row),
+                            dir.name(),
+                            label(b)
+                        );
+                        match bench.once(row, dir, b, args.seconds) {
+                            Ok(g) => samples.entry((on, dir.name(), row_name(row), b)).or_default().push(g),
+                            Err(e) => eprintln!(
+                                "\nbench stack: {} {} {}: {e:#}",
+                                row_name(row),
+                                dir.name(),
+                                label(b)
+                            ),
+                        }
+                    }
+                }
+            }
+        }
+        drop(stackd);
+    }
+    eprintln!();
+    let mut report = Report::new("stack");
+    for &on in &offloads {
+        let off_name = if on { "default" } else { "off" };
+        for dir in [Direction::Send, Direction::Recv] {
+            let mut series = Vec::new();
+            for row in &rows {
+                let name = row_name(row);
+                let mut points = Vec::new();
+                for &b in &buffers {
+                    let Some(v) = samples.get(&(on, dir.name(), name.clone(), b)) else { continue };
+                    let g = median(v).unwrap_or(0.0);
+                    points.push((b as f64, g));
+                    let mut r = Row::new(&name, "gbit_per_s", g)
+                        .with("direction", dir.name())
+                        .with("buffer_bytes", b)
+                        .with("offloads", off_name)
+                        .with("mtu", 1500)
+                        .with("runs", v.len());
+                    if row.is_some() {
+                        if let Some(p) = samples.get(&(on, dir.name(), "linux".to_string(), b)) {
+                            r = r.with("ratio_vs_linux", g / median(p).unwrap_or(0.0).max(1e-9));
+                        }
+                    }
+                    report.push(r);
+                }
+                series.push(Series { name, points });
+            }
+            let plot = Plot {
+                title: format!(
+                    "{} through the stack server and Linux (MTU 1500, offloads {off_name})",
+                    dir.name()
+                ),
+                x_label: "application buffer (bytes)".into(),
+                y_label: "Gbit/s".into(),
+                x_log: true,
+                y_log: false,
+                legend_right: false,
+                series,
+            };
+            let png = PathBuf::from(format!("{}-{}-{off_name}.png", args.png, dir.name()));
+            if let Err(e) = write_png(&plot, &png) {
+                eprintln!("bench stack: plot: {e:#}");
+            }
+        }
+    }
+    report.push(
+        Row::new("idle:stackd", "cpu_percent", idle.first().copied().unwrap_or(f64::NAN)).with("seconds", 2),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    report.finish(args.json.as_deref())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("64K").unwrap(), 65536);
+        assert_eq!(parse_size("4M").unwrap(), 4 << 20);
+        assert_eq!(parse_size("1000").unwrap(), 1000);
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("1G").is_err());
+        assert_eq!(label(65536), "64K");
+        assert_eq!(label(1 << 20), "1M");
+    }
+}
