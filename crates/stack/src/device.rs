@@ -101,10 +101,14 @@ fn continues(prev: &[u8], p: &Segment, next: &[u8], n: &Segment) -> bool {
     p.header == n.header
         && p.flags == TCP_ACK
         && n.seq == p.seq.wrapping_add(p.payload as u32)
-        && prev[..18] == next[..18]
+        // Ethernet header and IP version/TOS; then flags, fragment, TTL, protocol; addresses
+        // and ports; ACK number and data offset; window; urgent pointer and options. Not: the
+        // lengths, the IP id, the sequence number, the TCP flags (PSH may differ) or checksums.
+        && prev[..16] == next[..16]
         && prev[20..24] == next[20..24]
         && prev[26..38] == next[26..38]
-        && prev[42..50] == next[42..50]
+        && prev[42..47] == next[42..47]
+        && prev[48..50] == next[48..50]
         && prev[52..p.header] == next[52..n.header]
 }
 
@@ -389,5 +393,144 @@ impl phy::Device for PortDevice {
         caps.max_transmission_unit = self.mtu + lanbus_wire::ethernet::HEADER_LEN;
         caps.max_burst_size = Some(TX_FLUSH);
         caps
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lanbus_port::{Gso, PortCounters};
+    use lanbus_wire::MacAddr;
+    use std::sync::{Arc, Mutex};
+
+    /// What a port was asked to send: plain frames and offloaded ones.
+    #[derive(Default)]
+    struct Sent {
+        plain: Vec<Vec<u8>>,
+        offloaded: Vec<(Vec<u8>, Gso)>,
+    }
+
+    struct Recorder(Arc<Mutex<Sent>>, bool);
+
+    impl Port for Recorder {
+        fn rx_burst(&mut self, _max: usize, _on: &mut dyn FnMut(&[u8])) -> lanbus_port::Result<usize> {
+            Ok(0)
+        }
+        fn tx_burst(
+            &mut self,
+            max: usize,
+            fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+        ) -> lanbus_port::Result<usize> {
+            let mut n = 0;
+            let mut buf = vec![0u8; 70_000];
+            while n < max {
+                let Some(len) = fill(&mut buf) else { break };
+                self.0.lock().unwrap().plain.push(buf[..len].to_vec());
+                n += 1;
+            }
+            Ok(n)
+        }
+        fn tx_gso(&mut self, frame: &[u8], gso: Gso) -> lanbus_port::Result<bool> {
+            if self.1 {
+                self.0.lock().unwrap().offloaded.push((frame.to_vec(), gso));
+            }
+            Ok(self.1)
+        }
+        fn wait(&mut self, _t: Option<std::time::Duration>) -> lanbus_port::Result<()> {
+            Ok(())
+        }
+        fn mtu(&self) -> usize {
+            1500
+        }
+        fn mac(&self) -> MacAddr {
+            MacAddr([2, 0, 0, 0, 0, 1])
+        }
+        fn counters(&self) -> PortCounters {
+            PortCounters::default()
+        }
+    }
+
+    /// An IPv4 TCP segment of flow `sport` -> 80 at `seq` with `len` payload bytes.
+    fn seg(sport: u16, seq: u32, len: usize, flags: u8) -> Vec<u8> {
+        let mut f = vec![0u8; 54 + len];
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[14] = 0x45;
+        f[16..18].copy_from_slice(&((40 + len) as u16).to_be_bytes());
+        f[20] = 0x40; // DF
+        f[22] = 64;
+        f[23] = 6;
+        f[26..34].copy_from_slice(&[10, 0, 0, 1, 10, 0, 0, 2]);
+        f[34..36].copy_from_slice(&sport.to_be_bytes());
+        f[36..38].copy_from_slice(&80u16.to_be_bytes());
+        f[38..42].copy_from_slice(&seq.to_be_bytes());
+        f[46] = 0x50;
+        f[47] = flags;
+        for (i, b) in f[54..].iter_mut().enumerate() {
+            *b = (seq as usize + i) as u8;
+        }
+        f
+    }
+
+    fn device(gso: bool) -> (PortDevice, Arc<Mutex<Sent>>) {
+        let sent = Arc::new(Mutex::new(Sent::default()));
+        (PortDevice::new(Box::new(Recorder(sent.clone(), gso))), sent)
+    }
+
+    #[test]
+    fn a_run_of_one_flow_leaves_as_one_offloaded_frame() {
+        let (mut dev, sent) = device(true);
+        let frames = [
+            seg(1000, 0, 10, TCP_ACK), // a lone short segment: plain
+            seg(2000, 100, 100, TCP_ACK),
+            seg(2000, 200, 100, TCP_ACK),
+            seg(2000, 300, 100, TCP_ACK),
+            seg(2000, 400, 60, TCP_ACK | TCP_PSH),
+            seg(3000, 0, 100, TCP_ACK), // another flow
+        ];
+        dev.tx.queue.extend(frames.iter().cloned());
+        assert!(!dev.flush());
+        let sent = sent.lock().unwrap();
+        assert_eq!(sent.plain, vec![frames[0].clone(), frames[5].clone()]);
+        assert_eq!(sent.offloaded.len(), 1);
+        let (f, gso) = &sent.offloaded[0];
+        assert_eq!(gso.segment_bytes, 100);
+        assert_eq!((gso.csum_start, gso.csum_offset, gso.header_bytes), (34, 16, 54));
+        assert_eq!(f.len(), 54 + 360);
+        assert_eq!(u16::from_be_bytes([f[16], f[17]]) as usize, 40 + 360);
+        assert_eq!(ones_complement(&f[14..34]), 0xffff, "a valid IP header checksum");
+        assert_eq!(u32::from_be_bytes(f[38..42].try_into().unwrap()), 100);
+        assert_eq!(f[47], TCP_ACK | TCP_PSH);
+        let payload: Vec<u8> = frames[1..5].iter().flat_map(|s| s[54..].to_vec()).collect();
+        assert_eq!(&f[54..], &payload[..]);
+        assert_eq!(dev.counters().offloaded, 1);
+    }
+
+    #[test]
+    fn without_offload_the_segments_leave_one_by_one() {
+        let (mut dev, sent) = device(false);
+        let frames: Vec<Vec<u8>> = (0..4).map(|i| seg(2000, i * 100, 100, TCP_ACK)).collect();
+        dev.tx.queue.extend(frames.iter().cloned());
+        assert!(!dev.flush());
+        assert_eq!(sent.lock().unwrap().plain, frames);
+        // And it does not ask again.
+        assert!(!dev.tx.gso);
+    }
+
+    #[test]
+    fn gaps_flags_and_short_middles_break_runs() {
+        assert!(segment(&seg(1, 0, 0, TCP_ACK)).is_none(), "no payload");
+        assert!(segment(&seg(1, 0, 10, TCP_ACK | 0x01)).is_none(), "FIN");
+        let (mut dev, sent) = device(true);
+        dev.tx.queue.extend([
+            seg(2000, 0, 100, TCP_ACK),
+            seg(2000, 150, 100, TCP_ACK), // a gap
+            seg(2000, 250, 50, TCP_ACK),  // short: ends the run it is in
+            seg(2000, 300, 100, TCP_ACK),
+        ]);
+        assert!(!dev.flush());
+        let sent = sent.lock().unwrap();
+        assert_eq!(sent.offloaded.len(), 1);
+        assert_eq!(sent.offloaded[0].0.len(), 54 + 150);
+        assert_eq!(sent.plain.len(), 2);
     }
 }
