@@ -73,20 +73,21 @@ const STACK_IP: Ipv4Addr = Ipv4Addr::new(10, 78, 0, 1);
 const LINUX_IP: Ipv4Addr = Ipv4Addr::new(10, 78, 0, 2);
 
 struct Net {
-    stack: Netns,
+    _stack: Netns,
     linux: Netns,
     linux_if: String,
     dir: PathBuf,
     socket: PathBuf,
     control: PathBuf,
-    _stackd: Daemon,
+    stackd: Daemon,
 }
 
-fn build() -> Net {
+/// `test` tells two tests of one process apart.
+fn build(test: char) -> Net {
     let tag = std::process::id() % 100_000;
-    let stack = Netns::create(&format!("lbs{tag}-stack")).expect("namespace");
-    let linux = Netns::create(&format!("lbs{tag}-linux")).expect("namespace");
-    let (sif, lif) = (format!("lbs{tag}s"), format!("lbs{tag}l"));
+    let stack = Netns::create(&format!("lbs{tag}{test}-stack")).expect("namespace");
+    let linux = Netns::create(&format!("lbs{tag}{test}-linux")).expect("namespace");
+    let (sif, lif) = (format!("lbs{tag}{test}s"), format!("lbs{tag}{test}l"));
     ok(
         Command::new("ip")
             .args([
@@ -110,7 +111,7 @@ fn build() -> Net {
     ok(linux.ip(&["addr", "add", &format!("{LINUX_IP}/24"), "dev", &lif]), "linux address");
     ok(linux.ip(&["link", "set", &lif, "up"]), "linux side up");
     ok(linux.ip(&["link", "set", "lo", "up"]), "linux lo up");
-    let dir = std::env::temp_dir().join(format!("lanbus-stack-daemons-{tag}"));
+    let dir = std::env::temp_dir().join(format!("lanbus-stack-daemons-{tag}{test}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let (socket, control) = (dir.join("stack.sock"), dir.join("stack.ctl"));
@@ -132,7 +133,7 @@ fn build() -> Net {
         assert!(Instant::now() < deadline, "lanbus stackd did not come up");
         std::thread::sleep(Duration::from_millis(20));
     }
-    Net { stack, linux, linux_if: lif, dir, socket, control, _stackd: stackd }
+    Net { _stack: stack, linux, linux_if: lif, dir, socket, control, stackd }
 }
 
 impl Net {
@@ -200,7 +201,7 @@ fn stack_server_against_linux_tcp() {
             return;
         }
     }
-    let net = build();
+    let net = build('a');
 
     // ARP and ICMP echo.
     ok(net.linux.exec("ping", &["-c", "3", "-i", "0.2", "-W", "2", &STACK_IP.to_string()]), "ping the stack");
@@ -361,8 +362,14 @@ fn stack_server_against_linux_tcp() {
     drop(client);
 
     // A client killed mid-transfer.
-    let mut sink =
-        net.linux.command("sh").arg("-c").arg("exec timeout 60 nc -l -p 6007 > /dev/null").spawn().unwrap();
+    let mut sink = net
+        .linux
+        .command("sh")
+        .arg("-c")
+        .arg("exec timeout 60 nc -l -p 6007 > /dev/null")
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let mut sender = Command::new(lanbus_path())
         .args(["stack", "send", &format!("{LINUX_IP}:6007"), "--bytes", "100000000000", "--socket"])
@@ -395,5 +402,198 @@ fn stack_server_against_linux_tcp() {
     c.shutdown_write().unwrap();
     assert_eq!(server.join().unwrap(), b"the next client works");
     let _ = std::fs::remove_dir_all(&net.dir);
-    drop(net.stack);
+    drop(net.stackd);
+}
+
+/// The preload library as cargo built it (`scripts/test` builds it before the tests: a test
+/// cannot build a library while cargo holds the build folder).
+fn preload_library() -> PathBuf {
+    Path::new(lanbus_path()).parent().unwrap().join("liblanbus_sock.so")
+}
+
+/// A command run with the preload library, attached to the test's stack server.
+fn preloaded(net: &Net, program: &str) -> Command {
+    let mut c = Command::new(program);
+    c.env("LD_PRELOAD", preload_library()).env("LANBUS_STACK_SOCKET", &net.socket);
+    c
+}
+
+fn iperf3_bits(out: &str, what: &str) -> f64 {
+    let v: serde_json::Value =
+        serde_json::from_str(out).unwrap_or_else(|e| panic!("{what}: iperf3's JSON: {e}"));
+    assert!(v["error"].is_null(), "{what}: {}", v["error"]);
+    v["end"]["sum_received"]["bits_per_second"].as_f64().unwrap_or_else(|| panic!("{what}: no received rate"))
+}
+
+#[test]
+fn unmodified_programs_through_the_preload_library() {
+    if let Err(skip) = check_root() {
+        eprintln!("skipped: {}", skip.0);
+        return;
+    }
+    for tool in ["nc", "iperf3", "curl", "python3", "sha256sum"] {
+        if !have(tool) {
+            eprintln!("skipped: {tool} is not installed (scripts/setup installs it)");
+            return;
+        }
+    }
+    assert!(
+        preload_library().exists(),
+        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
+        preload_library().display()
+    );
+    let net = build('b');
+
+    // iperf3's client through the library, 10 s each way, against iperf3 -s on Linux.
+    for (dir, args) in [("to Linux", &[][..]), ("from Linux", &["-R"][..])] {
+        let server = Daemon(
+            net.linux
+                .command("iperf3")
+                .args(["-s", "-1", "-B", &LINUX_IP.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("iperf3 -s"),
+        );
+        std::thread::sleep(Duration::from_millis(400));
+        let out = ok(
+            preloaded(&net, "iperf3")
+                .args(["-c", &LINUX_IP.to_string(), "-t", "10", "--json", "--connect-timeout", "5000"])
+                .args(args)
+                .output(),
+            "iperf3 -c through the library",
+        );
+        let bits = iperf3_bits(&out, dir);
+        eprintln!("iperf3 through the stack server, {dir}: {:.2} Gbit/s", bits / 1e9);
+        assert!(bits > 1e6, "{dir}: {bits} bit/s");
+        drop(server);
+    }
+
+    // iperf3's server through the library, Linux's client.
+    let server = Daemon(
+        preloaded(&net, "iperf3")
+            .args(["-s", "-4", "-1", "-B", &STACK_IP.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("iperf3 -s through the library"),
+    );
+    std::thread::sleep(Duration::from_millis(800));
+    let out = ok(
+        net.linux
+            .exec("iperf3", &["-c", &STACK_IP.to_string(), "-t", "2", "--json", "--connect-timeout", "5000"]),
+        "iperf3 -c from Linux to the library's server",
+    );
+    assert!(iperf3_bits(&out, "to the library's iperf3 -s") > 1e6);
+    drop(server);
+
+    // curl through the library from python's http.server on Linux, and python's http.server
+    // through the library to curl on Linux.
+    let site = net.dir.join("site");
+    std::fs::create_dir_all(&site).unwrap();
+    let page: Vec<u8> = (0..2_000_000u32).map(|i| (i * 13 % 251) as u8).collect();
+    std::fs::write(site.join("page.bin"), &page).unwrap();
+    let linux_http = Daemon(
+        net.linux
+            .command("python3")
+            .args(["-m", "http.server", "8000", "--bind", &LINUX_IP.to_string()])
+            .current_dir(&site)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let stack_http = Daemon(
+        preloaded(&net, "python3")
+            .args(["-m", "http.server", "8001", "--bind", &STACK_IP.to_string()])
+            .current_dir(&site)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    let fetched = net.dir.join("fetched.bin");
+    ok(
+        preloaded(&net, "curl")
+            .args(["-sS", "--retry", "3", "--retry-connrefused", "-o"])
+            .arg(&fetched)
+            .arg(format!("http://{LINUX_IP}:8000/page.bin"))
+            .output(),
+        "curl through the library",
+    );
+    assert!(std::fs::read(&fetched).unwrap() == page, "curl's copy of the page");
+    let served = net.dir.join("served.bin");
+    ok(
+        net.linux
+            .command("curl")
+            .args(["-sS", "--retry", "3", "--retry-connrefused", "-o"])
+            .arg(&served)
+            .arg(format!("http://{STACK_IP}:8001/page.bin"))
+            .output(),
+        "curl on Linux from python's http.server through the library",
+    );
+    assert!(std::fs::read(&served).unwrap() == page, "the page the library's python served");
+    drop(stack_http);
+    drop(linux_http);
+
+    // nc through the library: 50 MiB whose sha256 matches.
+    let file = net.dir.join("50M.bin");
+    ok(
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("head -c 52428800 /dev/urandom > {}", file.display()))
+            .output(),
+        "random file",
+    );
+    let got = net.dir.join("nc.bin");
+    let mut sink = net
+        .linux
+        .command("sh")
+        .arg("-c")
+        .arg(format!("exec timeout 60 nc -l -p 6101 > {}", got.display()))
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    ok(
+        preloaded(&net, "nc")
+            .args(["-N", &LINUX_IP.to_string(), "6101"])
+            .stdin(std::fs::File::open(&file).unwrap())
+            .output(),
+        "nc through the library",
+    );
+    assert!(sink.wait().unwrap().success());
+    assert_eq!(sha256(&got), sha256(&file));
+
+    // The stack server dies under a program in mid-transfer: the program gets an error, not a hang.
+    // (nc itself, not under `timeout`, so that killing the child ends it.)
+    let mut sink = net
+        .linux
+        .command("sh")
+        .arg("-c")
+        .arg("exec nc -l -p 6102 > /dev/null")
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut writer = preloaded(&net, "sh")
+        .arg("-c")
+        .arg(format!("head -c 100000000000 /dev/zero | nc -N {LINUX_IP} 6102"))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    drop(net.stackd);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        // nc ends however it reports a failed write; what matters is that it ends.
+        if writer.try_wait().unwrap().is_some() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a program was left hanging when the stack server died");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = sink.kill();
+    let _ = sink.wait();
+    let _ = std::fs::remove_dir_all(&net.dir);
 }

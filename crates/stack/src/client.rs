@@ -51,6 +51,8 @@ struct ConnState {
 
 #[derive(Default)]
 struct Book {
+    /// Handles something arrived for since the last look (for [`StackClient::set_notify`]).
+    touched: Vec<u32>,
     replies: HashMap<u32, Result<(u32, SocketAddrV4), i32>>,
     conns: HashMap<u32, ConnState>,
     accepted: HashMap<u32, VecDeque<(u32, SocketAddrV4)>>,
@@ -67,10 +69,12 @@ impl Book {
                 self.replies.insert(req, Err(errno));
             }
             Msg::Accepted { listener, conn, peer } => {
+                self.touched.push(listener);
                 self.conns.insert(conn, ConnState::default());
                 self.accepted.entry(listener).or_default().push_back((conn, peer));
             }
             Msg::Data { conn, data } => {
+                self.touched.push(conn);
                 if let Some(c) = self.conns.get_mut(&conn) {
                     c.rx.push_back(data.to_vec());
                 }
@@ -81,17 +85,20 @@ impl Book {
                 }
             }
             Msg::Eof { conn } => {
+                self.touched.push(conn);
                 if let Some(c) = self.conns.get_mut(&conn) {
                     c.eof = true;
                 }
             }
             Msg::Closed { conn, errno } => {
+                self.touched.push(conn);
                 if let Some(c) = self.conns.get_mut(&conn) {
                     c.closed = Some(errno);
                     c.in_flight = 0;
                 }
             }
             Msg::UdpData { sock, from, data } => {
+                self.touched.push(sock);
                 let q = self.datagrams.entry(sock).or_default();
                 if q.len() < 4096 {
                     q.push_back((from, data.to_vec()));
@@ -111,7 +118,11 @@ struct State {
     gone: Option<String>,
 }
 
+/// Called with a handle when something arrived for it (data, a connection, its end).
+type Notify = Box<dyn Fn(u32) + Send + Sync>;
+
 struct Inner {
+    notify: std::sync::OnceLock<Notify>,
     state: Mutex<State>,
     sock: UnixStream,
     server_bell: Option<EventFd>,
@@ -186,6 +197,7 @@ impl StackClient {
         let state = State { link, book: Book::default(), next_req: 0, gone: None };
         Ok(StackClient {
             inner: Arc::new(Inner {
+                notify: std::sync::OnceLock::new(),
                 state: Mutex::new(state),
                 sock,
                 server_bell,
@@ -195,6 +207,27 @@ impl StackClient {
                 prefix,
             }),
         })
+    }
+
+    /// Sets the function called (on whichever thread reads the server's messages) with a
+    /// stream's, listener's or UDP socket's handle when something arrives for it; once.
+    pub fn set_notify(&self, notify: impl Fn(u32) + Send + Sync + 'static) {
+        let _ = self.inner.notify.set(Box::new(notify));
+    }
+
+    /// Starts a thread that reads the server's messages as they come, so that the notify
+    /// function runs without the program calling in (a program polling its own descriptors).
+    pub fn spawn_reader(&self) -> io::Result<()> {
+        let inner = self.inner.clone();
+        std::thread::Builder::new().name("lanbus-stack-reader".into()).spawn(move || loop {
+            let mut st = inner.lock();
+            if st.gone.is_some() {
+                return;
+            }
+            inner.pump(&mut st);
+            drop(inner.wait(st, Duration::from_millis(50)));
+        })?;
+        Ok(())
     }
 
     /// The stack's address and prefix length.
@@ -289,9 +322,18 @@ impl Inner {
         }
         if let Some(why) = gone {
             tracing::debug!("stack client: {why}");
-            for c in book.conns.values_mut() {
+            for (h, c) in book.conns.iter_mut() {
                 c.closed.get_or_insert(libc::ECONNRESET);
+                book.touched.push(*h);
             }
+            book.touched.extend(book.accepted.keys().copied());
+        }
+        if let Some(notify) = self.notify.get() {
+            for h in book.touched.drain(..) {
+                notify(h);
+            }
+        } else {
+            book.touched.clear();
         }
         any
     }
@@ -457,6 +499,24 @@ impl TcpStream {
     /// The remote address.
     pub fn peer_addr(&self) -> SocketAddrV4 {
         self.peer
+    }
+
+    /// The server's handle of this connection (what [`StackClient::set_notify`] names).
+    pub fn handle(&self) -> u32 {
+        self.conn
+    }
+
+    /// Bytes waiting to be read, and whether a read would return at once (data, the end, or an
+    /// error).
+    pub fn readiness(&self) -> (usize, bool) {
+        let st = self.client.inner.lock();
+        match st.book.conns.get(&self.conn) {
+            Some(c) => {
+                let bytes = c.rx.iter().map(Vec::len).sum::<usize>() - c.head;
+                (bytes, bytes > 0 || c.eof || c.closed.is_some())
+            }
+            None => (0, true),
+        }
     }
 
     /// Bounds how long `read` waits (`None`: no bound); a read that times out gives `WouldBlock`.
@@ -625,6 +685,17 @@ impl TcpListener {
         }
     }
 
+    /// The server's handle of this listener.
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+
+    /// Whether `accept` would return at once.
+    pub fn ready(&self) -> bool {
+        let st = self.client.inner.lock();
+        st.gone.is_some() || st.book.accepted.get(&self.handle).is_some_and(|q| !q.is_empty())
+    }
+
     /// Waits for the next connection.
     pub fn accept(&self) -> io::Result<(TcpStream, SocketAddrV4)> {
         self.accept_timeout(None)
@@ -648,6 +719,17 @@ impl UdpSocket {
     /// The address it is bound to.
     pub fn local_addr(&self) -> SocketAddrV4 {
         self.local
+    }
+
+    /// The server's handle of this socket.
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+
+    /// Whether a datagram is waiting.
+    pub fn ready(&self) -> bool {
+        let st = self.client.inner.lock();
+        st.book.datagrams.get(&self.handle).is_some_and(|q| !q.is_empty())
     }
 
     /// Sends a datagram (at most the copy unit, and within the link's MTU).

@@ -1,0 +1,1073 @@
+//! `liblanbus_sock.so`: unmodified programs' IPv4 sockets through the lanbus TCP/IP stack server.
+//!
+//! Layer: stack (the program's side, below its libc calls). Loaded with
+//! `LD_PRELOAD=liblanbus_sock.so`, it takes the socket calls of a program: an `AF_INET` stream or
+//! datagram socket goes to `lanbus stackd` (at `$LANBUS_STACK_SOCKET`, default
+//! `/tmp/lanbus-stackd.sock`) unless it is bound or connected to a loopback address, which stays
+//! with the kernel; every other socket and descriptor goes to libc untouched.
+//!
+//! How descriptors stay honest: each lanbus socket is backed by a real descriptor, an eventfd,
+//! so its number is the kernel's to give and `poll`, `select` and `epoll` work across mixed
+//! descriptors without being intercepted: the eventfd is readable exactly when the socket has
+//! data, a connection to accept, a datagram, its end or an error (the client library's reader
+//! thread signals arrivals; each read re-checks), and always writable. A socket is decided at its
+//! first `bind` or `connect`: to a loopback address the placeholder is replaced (`dup2`) by a
+//! kernel socket with the options set so far.
+//!
+//! Semantics kept: blocking and non-blocking (`O_NONBLOCK`, `SOCK_NONBLOCK`, `FIONBIO`,
+//! `MSG_DONTWAIT`) reads give `EAGAIN`; a non-blocking `connect` completes before it returns (0);
+//! errors are Linux's (`ECONNREFUSED`, `ECONNRESET`, `EPIPE`, `ETIMEDOUT`, `EADDRINUSE`).
+//! `dup`, `dup2`, `dup3` and `F_DUPFD` share the socket. After `fork` the child must not use the
+//! parent's lanbus sockets (their shared-memory rings belong to the parent): its calls on them
+//! fail with `EBADF`; new sockets in the child attach anew. Options are accepted and, where the
+//! stack has no such knob, ignored (`getsockopt` answers what Linux would for a default socket).
+//! IPv6 sockets stay with the kernel: the stack server speaks IPv4.
+//!
+//! The exported functions take variadic arguments in two cases (`fcntl`, `ioctl`): they are
+//! declared with one fixed third argument, which is where the x86-64 System V convention puts the
+//! first variadic integer argument.
+#![allow(clippy::missing_safety_doc)]
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::Duration;
+
+use lanbus_stack::client::{StackClient, TcpListener, TcpStream, UdpSocket};
+use lanbus_stack::CopyUnit;
+use libc::{c_int, c_void, size_t, sockaddr, socklen_t, ssize_t};
+
+/// Descriptors below this are tracked in the bitmap; above it, nothing is ours.
+const MAX_FD: usize = 1 << 16;
+
+/// Whether descriptor n is a lanbus socket: the fast path of every call.
+static MARK: [AtomicBool; MAX_FD] = [const { AtomicBool::new(false) }; MAX_FD];
+
+fn is_ours(fd: c_int) -> bool {
+    // Relaxed: set before the descriptor number is returned to the program, which is the only
+    // way another thread can learn it.
+    usize::try_from(fd).ok().and_then(|i| MARK.get(i)).is_some_and(|m| m.load(Ordering::Relaxed))
+}
+
+fn mark(fd: c_int, on: bool) {
+    if let Some(m) = usize::try_from(fd).ok().and_then(|i| MARK.get(i)) {
+        m.store(on, Ordering::Relaxed);
+    }
+}
+
+/// libc's own functions, found behind this library.
+macro_rules! real {
+    ($name:ident: fn($($arg:ty),*) -> $ret:ty) => {{
+        static F: OnceLock<usize> = OnceLock::new();
+        let addr = *F.get_or_init(|| lookup(concat!(stringify!($name), "\0")));
+        #[allow(unused_unsafe)]
+        // SAFETY: dlsym returned libc's function of this name, whose C signature this is.
+        let f = unsafe { std::mem::transmute::<usize, unsafe extern "C" fn($($arg),*) -> $ret>(addr) };
+        f
+    }};
+}
+
+/// The address of the next definition of `name` (NUL-terminated) after this library's.
+fn lookup(name: &str) -> usize {
+    // SAFETY: a NUL-terminated name; RTLD_NEXT finds the next definition after ours.
+    let addr = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr().cast()) } as usize;
+    assert!(addr != 0, "libc has no {name}");
+    addr
+}
+
+fn set_errno(e: c_int) {
+    // SAFETY: __errno_location returns this thread's errno.
+    unsafe { *libc::__errno_location() = e };
+}
+
+fn fail<T: From<i8>>(e: c_int) -> T {
+    set_errno(e);
+    T::from(-1)
+}
+
+fn io_fail<T: From<i8>>(e: &std::io::Error) -> T {
+    fail(match e.raw_os_error() {
+        Some(n) => n,
+        None if e.kind() == std::io::ErrorKind::WouldBlock => libc::EAGAIN,
+        None if e.kind() == std::io::ErrorKind::TimedOut => libc::ETIMEDOUT,
+        None => libc::EIO,
+    })
+}
+
+enum State {
+    /// Made, not yet bound or connected.
+    Fresh {
+        stream: bool,
+        bound: Option<SocketAddrV4>,
+        opts: Vec<(c_int, c_int, Vec<u8>)>,
+    },
+    Listening(TcpListener),
+    Connected(TcpStream),
+    Udp {
+        sock: UdpSocket,
+        peer: Option<SocketAddrV4>,
+    },
+}
+
+struct Sock {
+    state: Mutex<State>,
+    nonblock: AtomicBool,
+    /// A descriptor of the placeholder eventfd of our own (the program may close its numbers).
+    signal: RawFd,
+    /// Something arrived since the readiness was last computed.
+    pending: AtomicBool,
+    /// Serialises recomputing the readiness.
+    sync: Mutex<()>,
+    pid: u32,
+}
+
+impl Drop for Sock {
+    fn drop(&mut self) {
+        // SAFETY: our own descriptor, closed once.
+        unsafe { real!(close: fn(c_int) -> c_int)(self.signal) };
+    }
+}
+
+struct Global {
+    client: Mutex<Option<StackClient>>,
+    socks: Mutex<HashMap<c_int, Arc<Sock>>>,
+    by_handle: Mutex<HashMap<u32, Weak<Sock>>>,
+}
+
+fn global() -> &'static Global {
+    static G: OnceLock<Global> = OnceLock::new();
+    G.get_or_init(|| Global {
+        client: Mutex::new(None),
+        socks: Mutex::new(HashMap::new()),
+        by_handle: Mutex::new(HashMap::new()),
+    })
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The process's attachment to the stack server, made on first use (and anew after `fork`).
+fn client() -> Result<StackClient, c_int> {
+    let g = global();
+    let mut c = lock(&g.client);
+    if let Some(client) = c.as_ref().filter(|_| attached_pid() == std::process::id()) {
+        return Ok(client.clone());
+    }
+    let path = std::env::var_os("LANBUS_STACK_SOCKET").unwrap_or_else(|| "/tmp/lanbus-stackd.sock".into());
+    let unit =
+        std::env::var("LANBUS_STACK_UNIT").ok().and_then(|u| u.parse().ok()).unwrap_or(CopyUnit::DEFAULT);
+    let client = StackClient::attach(std::path::Path::new(&path), unit).map_err(|e| {
+        eprintln!("liblanbus_sock: cannot attach to the stack server at {}: {e}", path.to_string_lossy());
+        libc::ENETDOWN
+    })?;
+    client.set_notify(|h| {
+        let sock = lock(&global().by_handle).get(&h).and_then(Weak::upgrade);
+        if let Some(sock) = sock {
+            sock.pending.store(true, Ordering::Release);
+            signal(sock.signal, true);
+        }
+    });
+    client.spawn_reader().map_err(|_| libc::ENOMEM)?;
+    set_attached_pid(std::process::id());
+    *c = Some(client.clone());
+    Ok(client)
+}
+
+static ATTACHED_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+fn attached_pid() -> u32 {
+    ATTACHED_PID.load(Ordering::Relaxed)
+}
+
+fn set_attached_pid(pid: u32) {
+    ATTACHED_PID.store(pid, Ordering::Relaxed);
+}
+
+/// Makes the placeholder readable (`on`) or not.
+fn signal(fd: RawFd, on: bool) {
+    let mut v: u64 = 1;
+    if on {
+        // SAFETY: writes 8 bytes from a live u64 to our eventfd.
+        unsafe {
+            real!(write: fn(c_int, *const c_void, size_t) -> ssize_t)(fd, (&v as *const u64).cast(), 8)
+        };
+    } else {
+        // SAFETY: reads 8 bytes into a live u64 from our (non-blocking) eventfd.
+        unsafe { real!(read: fn(c_int, *mut c_void, size_t) -> ssize_t)(fd, (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+impl Sock {
+    /// Recomputes whether the placeholder should poll readable.
+    fn sync(&self) {
+        let _g = lock(&self.sync);
+        self.pending.store(false, Ordering::Release);
+        let ready = match &*lock(&self.state) {
+            State::Fresh { .. } => false,
+            State::Listening(l) => l.ready(),
+            State::Connected(s) => s.readiness().1,
+            State::Udp { sock, .. } => sock.ready(),
+        };
+        if ready {
+            signal(self.signal, true);
+        } else {
+            signal(self.signal, false);
+            // An arrival between the check and the drain: make it readable again.
+            if self.pending.load(Ordering::Acquire) {
+                signal(self.signal, true);
+            }
+        }
+    }
+
+    fn register(self: &Arc<Self>, handle: u32) {
+        lock(&global().by_handle).insert(handle, Arc::downgrade(self));
+    }
+}
+
+fn sock_of(fd: c_int) -> Option<Arc<Sock>> {
+    if !is_ours(fd) {
+        return None;
+    }
+    let s = lock(&global().socks).get(&fd).cloned()?;
+    Some(s)
+}
+
+/// A new placeholder descriptor and its socket.
+fn new_sock(stream: bool, flags: c_int) -> c_int {
+    let mut efd_flags = libc::EFD_NONBLOCK;
+    if flags & libc::SOCK_CLOEXEC != 0 {
+        efd_flags |= libc::EFD_CLOEXEC;
+    }
+    // SAFETY: eventfd has no memory preconditions.
+    let fd = unsafe { libc::eventfd(0, efd_flags) };
+    if fd < 0 {
+        return -1;
+    }
+    // SAFETY: duplicating our fresh descriptor.
+    let signal = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if signal < 0 || fd as usize >= MAX_FD {
+        // SAFETY: closing what we just made.
+        unsafe { real!(close: fn(c_int) -> c_int)(fd) };
+        return fail(libc::EMFILE);
+    }
+    let sock = Arc::new(Sock {
+        state: Mutex::new(State::Fresh { stream, bound: None, opts: Vec::new() }),
+        nonblock: AtomicBool::new(flags & libc::SOCK_NONBLOCK != 0),
+        signal,
+        pending: AtomicBool::new(false),
+        sync: Mutex::new(()),
+        pid: std::process::id(),
+    });
+    lock(&global().socks).insert(fd, sock);
+    mark(fd, true);
+    fd
+}
+
+unsafe fn addr_in(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddrV4> {
+    if addr.is_null() || (len as usize) < std::mem::size_of::<libc::sockaddr_in>() {
+        return None;
+    }
+    // SAFETY: the caller's buffer holds at least a sockaddr_in (checked above).
+    let a = unsafe { &*(addr as *const libc::sockaddr_in) };
+    (a.sin_family as c_int == libc::AF_INET)
+        .then(|| SocketAddrV4::new(Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)), u16::from_be(a.sin_port)))
+}
+
+unsafe fn put_addr(a: SocketAddrV4, addr: *mut sockaddr, len: *mut socklen_t) {
+    if addr.is_null() || len.is_null() {
+        return;
+    }
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as u16,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(*a.ip()).to_be() },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: the caller gave `*len` bytes at `addr`; we copy at most that many.
+    unsafe {
+        let n = (*len as usize).min(std::mem::size_of::<libc::sockaddr_in>());
+        std::ptr::copy_nonoverlapping((&sin as *const libc::sockaddr_in).cast::<u8>(), addr.cast::<u8>(), n);
+        *len = std::mem::size_of::<libc::sockaddr_in>() as socklen_t;
+    }
+}
+
+/// Replaces the placeholder `fd` by a kernel socket (for loopback), replaying the options.
+fn to_kernel(fd: c_int, sock: &Sock, stream: bool, opts: &[(c_int, c_int, Vec<u8>)]) -> Result<(), c_int> {
+    let ty = if stream { libc::SOCK_STREAM } else { libc::SOCK_DGRAM };
+    // SAFETY: plain socket(2).
+    let k =
+        unsafe { real!(socket: fn(c_int, c_int, c_int) -> c_int)(libc::AF_INET, ty | libc::SOCK_CLOEXEC, 0) };
+    if k < 0 {
+        // SAFETY: reading errno.
+        return Err(unsafe { *libc::__errno_location() });
+    }
+    for (level, name, value) in opts {
+        // SAFETY: the option bytes the program gave, with their length.
+        unsafe {
+            real!(setsockopt: fn(c_int, c_int, c_int, *const c_void, socklen_t) -> c_int)(
+                k,
+                *level,
+                *name,
+                value.as_ptr().cast(),
+                value.len() as socklen_t,
+            )
+        };
+    }
+    if sock.nonblock.load(Ordering::Relaxed) {
+        // SAFETY: fcntl on our new socket.
+        unsafe {
+            real!(fcntl: fn(c_int, c_int, libc::c_ulong) -> c_int)(k, libc::F_SETFL, libc::O_NONBLOCK as _)
+        };
+    }
+    // SAFETY: the placeholder number now names the kernel socket; CLOEXEC as the placeholder had.
+    let cloexec = unsafe { real!(fcntl: fn(c_int, c_int, libc::c_ulong) -> c_int)(fd, libc::F_GETFD, 0) };
+    let flags = if cloexec > 0 && cloexec & libc::FD_CLOEXEC != 0 { libc::O_CLOEXEC } else { 0 };
+    // SAFETY: dup3 of our descriptor onto the program's number, then closing ours.
+    unsafe {
+        if real!(dup3: fn(c_int, c_int, c_int) -> c_int)(k, fd, flags) < 0 {
+            let e = *libc::__errno_location();
+            real!(close: fn(c_int) -> c_int)(k);
+            return Err(e);
+        }
+        real!(close: fn(c_int) -> c_int)(k);
+    }
+    mark(fd, false);
+    lock(&global().socks).remove(&fd);
+    Ok(())
+}
+
+fn usable(sock: &Sock) -> Result<(), c_int> {
+    if sock.pid != std::process::id() {
+        return Err(libc::EBADF);
+    }
+    Ok(())
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int {
+    let kind = ty & !(libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC);
+    let ok_proto = |p: c_int| protocol == 0 || protocol == p;
+    if domain == libc::AF_INET
+        && ((kind == libc::SOCK_STREAM && ok_proto(libc::IPPROTO_TCP))
+            || (kind == libc::SOCK_DGRAM && ok_proto(libc::IPPROTO_UDP)))
+    {
+        return new_sock(kind == libc::SOCK_STREAM, ty);
+    }
+    // SAFETY: passing the program's arguments through.
+    unsafe { real!(socket: fn(c_int, c_int, c_int) -> c_int)(domain, ty, protocol) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    let Some(sock) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe { real!(bind: fn(c_int, *const sockaddr, socklen_t) -> c_int)(fd, addr, len) };
+    };
+    if let Err(e) = usable(&sock) {
+        return fail(e);
+    }
+    // SAFETY: the program's address and length.
+    let Some(a) = (unsafe { addr_in(addr, len) }) else { return fail(libc::EINVAL) };
+    let mut st = lock(&sock.state);
+    let State::Fresh { stream, bound, opts } = &mut *st else { return fail(libc::EINVAL) };
+    if a.ip().is_loopback() {
+        let (stream, opts) = (*stream, std::mem::take(opts));
+        drop(st);
+        if let Err(e) = to_kernel(fd, &sock, stream, &opts) {
+            return fail(e);
+        }
+        // SAFETY: now a kernel socket.
+        return unsafe { real!(bind: fn(c_int, *const sockaddr, socklen_t) -> c_int)(fd, addr, len) };
+    }
+    if !*stream {
+        let client = match client() {
+            Ok(c) => c,
+            Err(e) => return fail(e),
+        };
+        match client.bind_udp(a.port()) {
+            Ok(u) => {
+                let h = u.handle();
+                *st = State::Udp { sock: u, peer: None };
+                drop(st);
+                sock.register(h);
+                return 0;
+            }
+            Err(e) => return io_fail(&e),
+        }
+    }
+    *bound = Some(a);
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    let Some(sock) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe { real!(listen: fn(c_int, c_int) -> c_int)(fd, backlog) };
+    };
+    if let Err(e) = usable(&sock) {
+        return fail(e);
+    }
+    let mut st = lock(&sock.state);
+    let State::Fresh { stream: true, bound, .. } = &*st else { return fail(libc::EOPNOTSUPP) };
+    let port = bound.map_or(0, |b| b.port());
+    let client = match client() {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    match client.listen(port, backlog.clamp(1, 128) as u16) {
+        Ok(l) => {
+            let h = l.handle();
+            *st = State::Listening(l);
+            drop(st);
+            sock.register(h);
+            sock.sync();
+            0
+        }
+        Err(e) => io_fail(&e),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
+    let Some(sock) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(accept4: fn(c_int, *mut sockaddr, *mut socklen_t, c_int) -> c_int)(fd, addr, len, flags)
+        };
+    };
+    if let Err(e) = usable(&sock) {
+        return fail(e);
+    }
+    let nonblock = sock.nonblock.load(Ordering::Relaxed);
+    let result = {
+        let st = lock(&sock.state);
+        let State::Listening(l) = &*st else { return fail(libc::EINVAL) };
+        if nonblock && !l.ready() {
+            drop(st);
+            sock.sync();
+            return fail(libc::EAGAIN);
+        }
+        // A blocking accept waits without holding the socket's state: another thread may close it.
+        if !nonblock {
+            drop(st);
+            loop {
+                let st = lock(&sock.state);
+                let State::Listening(l) = &*st else { return fail(libc::EBADF) };
+                if l.ready() {
+                    break;
+                }
+                drop(st);
+                wait_readable(sock.signal);
+            }
+        }
+        let st = lock(&sock.state);
+        let State::Listening(l) = &*st else { return fail(libc::EBADF) };
+        l.accept_timeout(Some(Duration::ZERO))
+    };
+    sock.sync();
+    match result {
+        Ok((stream, peer)) => {
+            let nfd = new_sock(true, flags);
+            if nfd < 0 {
+                return -1;
+            }
+            let new = sock_of(nfd).expect("just made");
+            let h = stream.handle();
+            *lock(&new.state) = State::Connected(stream);
+            new.register(h);
+            new.sync();
+            // SAFETY: the program's address buffer.
+            unsafe { put_addr(peer, addr, len) };
+            nfd
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => fail(libc::EAGAIN),
+        Err(e) => io_fail(&e),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: same contract.
+    unsafe { accept4(fd, addr, len, 0) }
+}
+
+/// Blocks until the placeholder polls readable.
+fn wait_readable(fd: RawFd) {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one live pollfd.
+    unsafe { libc::poll(&mut p, 1, 100) };
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    let Some(sock) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe { real!(connect: fn(c_int, *const sockaddr, socklen_t) -> c_int)(fd, addr, len) };
+    };
+    if let Err(e) = usable(&sock) {
+        return fail(e);
+    }
+    // SAFETY: the program's address.
+    let Some(to) = (unsafe { addr_in(addr, len) }) else { return fail(libc::EAFNOSUPPORT) };
+    let mut st = lock(&sock.state);
+    match &mut *st {
+        State::Fresh { stream, opts, .. } => {
+            if to.ip().is_loopback() {
+                let (stream, opts) = (*stream, std::mem::take(opts));
+                drop(st);
+                if let Err(e) = to_kernel(fd, &sock, stream, &opts) {
+                    return fail(e);
+                }
+                // SAFETY: now a kernel socket.
+                return unsafe {
+                    real!(connect: fn(c_int, *const sockaddr, socklen_t) -> c_int)(fd, addr, len)
+                };
+            }
+            let client = match client() {
+                Ok(c) => c,
+                Err(e) => return fail(e),
+            };
+            if !*stream {
+                return match client.bind_udp(0) {
+                    Ok(u) => {
+                        let h = u.handle();
+                        *st = State::Udp { sock: u, peer: Some(to) };
+                        drop(st);
+                        sock.register(h);
+                        0
+                    }
+                    Err(e) => io_fail(&e),
+                };
+            }
+            match client.connect(to) {
+                Ok(s) => {
+                    let h = s.handle();
+                    *st = State::Connected(s);
+                    drop(st);
+                    sock.register(h);
+                    sock.sync();
+                    0
+                }
+                Err(e) => io_fail(&e),
+            }
+        }
+        State::Udp { peer, .. } => {
+            *peer = Some(to);
+            0
+        }
+        State::Connected(_) => fail(libc::EISCONN),
+        _ => fail(libc::EINVAL),
+    }
+}
+
+/// Reads into `buf` from a lanbus socket; `from` gets a datagram's sender.
+fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut SocketAddrV4>) -> ssize_t {
+    if let Err(e) = usable(sock) {
+        return fail(e);
+    }
+    let nonblock = sock.nonblock.load(Ordering::Relaxed) || flags & libc::MSG_DONTWAIT != 0;
+    let result = loop {
+        let mut st = lock(&sock.state);
+        let r = match &mut *st {
+            State::Connected(s) => {
+                let (_, ready) = s.readiness();
+                if !ready && !nonblock {
+                    drop(st);
+                    wait_readable(sock.signal);
+                    continue;
+                }
+                s.set_read_timeout(Some(Duration::ZERO));
+                std::io::Read::read(s, buf).map(|n| (n, None))
+            }
+            State::Udp { sock: u, .. } => {
+                if !u.ready() && !nonblock {
+                    drop(st);
+                    wait_readable(sock.signal);
+                    continue;
+                }
+                u.recv_from(buf, Some(Duration::ZERO)).map(|(n, a)| (n, Some(a)))
+            }
+            _ => Err(std::io::Error::from_raw_os_error(libc::ENOTCONN)),
+        };
+        break r;
+    };
+    sock.sync();
+    match result {
+        Ok((n, a)) => {
+            if let (Some(out), Some(a)) = (from, a) {
+                *out = a;
+            }
+            n as ssize_t
+        }
+        Err(e) => io_fail(&e),
+    }
+}
+
+fn sock_write(sock: &Sock, buf: &[u8], to: Option<SocketAddrV4>) -> ssize_t {
+    if let Err(e) = usable(sock) {
+        return fail(e);
+    }
+    let mut st = lock(&sock.state);
+    match &mut *st {
+        State::Connected(s) => match std::io::Write::write(s, buf) {
+            Ok(n) => n as ssize_t,
+            Err(e) => io_fail(&e),
+        },
+        State::Udp { sock: u, peer } => match to.or(*peer) {
+            Some(to) => match u.send_to(buf, to) {
+                Ok(n) => n as ssize_t,
+                Err(e) => io_fail(&e),
+            },
+            None => fail(libc::EDESTADDRREQ),
+        },
+        _ => fail(libc::ENOTCONN),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, count: size_t) -> ssize_t {
+    match sock_of(fd) {
+        // SAFETY: the program's buffer of `count` bytes.
+        Some(s) => sock_read(&s, unsafe { std::slice::from_raw_parts_mut(buf.cast(), count) }, 0, None),
+        // SAFETY: passing through.
+        None => unsafe { real!(read: fn(c_int, *mut c_void, size_t) -> ssize_t)(fd, buf, count) },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, count: size_t, _buflen: size_t) -> ssize_t {
+    // SAFETY: same contract (the fortified caller checked the length).
+    unsafe { read(fd, buf, count) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, count: size_t, flags: c_int) -> ssize_t {
+    match sock_of(fd) {
+        // SAFETY: the program's buffer.
+        Some(s) => sock_read(&s, unsafe { std::slice::from_raw_parts_mut(buf.cast(), count) }, flags, None),
+        // SAFETY: passing through.
+        None => unsafe {
+            real!(recv: fn(c_int, *mut c_void, size_t, c_int) -> ssize_t)(fd, buf, count, flags)
+        },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    count: size_t,
+    _l: size_t,
+    flags: c_int,
+) -> ssize_t {
+    // SAFETY: same contract.
+    unsafe { recv(fd, buf, count, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    count: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(recvfrom: fn(c_int, *mut c_void, size_t, c_int, *mut sockaddr, *mut socklen_t) -> ssize_t)(
+                fd, buf, count, flags, addr, len,
+            )
+        };
+    };
+    let mut from = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0);
+    // SAFETY: the program's buffer.
+    let n =
+        sock_read(&s, unsafe { std::slice::from_raw_parts_mut(buf.cast(), count) }, flags, Some(&mut from));
+    if n >= 0 && from.port() != 0 {
+        // SAFETY: the program's address buffer.
+        unsafe { put_addr(from, addr, len) };
+    }
+    n
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recvfrom_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    count: size_t,
+    _l: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    // SAFETY: same contract.
+    unsafe { recvfrom(fd, buf, count, flags, addr, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, count: size_t) -> ssize_t {
+    match sock_of(fd) {
+        // SAFETY: the program's buffer.
+        Some(s) => sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, None),
+        // SAFETY: passing through.
+        None => unsafe { real!(write: fn(c_int, *const c_void, size_t) -> ssize_t)(fd, buf, count) },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, count: size_t, flags: c_int) -> ssize_t {
+    match sock_of(fd) {
+        // SAFETY: the program's buffer.
+        Some(s) => sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, None),
+        // SAFETY: passing through.
+        None => unsafe {
+            real!(send: fn(c_int, *const c_void, size_t, c_int) -> ssize_t)(fd, buf, count, flags)
+        },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    count: size_t,
+    flags: c_int,
+    addr: *const sockaddr,
+    len: socklen_t,
+) -> ssize_t {
+    match sock_of(fd) {
+        Some(s) => {
+            // SAFETY: the program's address (may be null for a connected socket).
+            let to = unsafe { addr_in(addr, len) };
+            // SAFETY: the program's buffer.
+            sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, to)
+        }
+        // SAFETY: passing through.
+        None => unsafe {
+            real!(sendto: fn(c_int, *const c_void, size_t, c_int, *const sockaddr, socklen_t) -> ssize_t)(
+                fd, buf, count, flags, addr, len,
+            )
+        },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe { real!(readv: fn(c_int, *const libc::iovec, c_int) -> ssize_t)(fd, iov, n) };
+    };
+    // One read into the first non-empty buffer: a short read, which readv may give.
+    // SAFETY: the program's iovec array of `n` entries.
+    let iovs = unsafe { std::slice::from_raw_parts(iov, n.max(0) as usize) };
+    match iovs.iter().find(|v| v.iov_len > 0) {
+        // SAFETY: the program's buffer.
+        Some(v) => {
+            sock_read(&s, unsafe { std::slice::from_raw_parts_mut(v.iov_base.cast(), v.iov_len) }, 0, None)
+        }
+        None => 0,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe { real!(writev: fn(c_int, *const libc::iovec, c_int) -> ssize_t)(fd, iov, n) };
+    };
+    // SAFETY: the program's iovec array.
+    let iovs = unsafe { std::slice::from_raw_parts(iov, n.max(0) as usize) };
+    let mut all = Vec::new();
+    for v in iovs {
+        // SAFETY: the program's buffers.
+        all.extend_from_slice(unsafe { std::slice::from_raw_parts(v.iov_base.cast::<u8>(), v.iov_len) });
+    }
+    sock_write(&s, &all, None)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut libc::msghdr, flags: c_int) -> ssize_t {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe { real!(recvmsg: fn(c_int, *mut libc::msghdr, c_int) -> ssize_t)(fd, msg, flags) };
+    };
+    // SAFETY: the program's msghdr.
+    let m = unsafe { &mut *msg };
+    // SAFETY: its iovec array.
+    let iovs = unsafe { std::slice::from_raw_parts(m.msg_iov, m.msg_iovlen) };
+    let Some(v) = iovs.iter().find(|v| v.iov_len > 0) else { return 0 };
+    let mut from = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0);
+    // SAFETY: the program's buffer.
+    let n = sock_read(
+        &s,
+        unsafe { std::slice::from_raw_parts_mut(v.iov_base.cast(), v.iov_len) },
+        flags,
+        Some(&mut from),
+    );
+    m.msg_controllen = 0;
+    m.msg_flags = 0;
+    if n >= 0 && from.port() != 0 && !m.msg_name.is_null() {
+        // SAFETY: the program's name buffer of msg_namelen bytes.
+        unsafe { put_addr(from, m.msg_name.cast(), &mut m.msg_namelen) };
+    }
+    n
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const libc::msghdr, flags: c_int) -> ssize_t {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe { real!(sendmsg: fn(c_int, *const libc::msghdr, c_int) -> ssize_t)(fd, msg, flags) };
+    };
+    // SAFETY: the program's msghdr and its arrays.
+    let m = unsafe { &*msg };
+    // SAFETY: as above.
+    let to = unsafe { addr_in(m.msg_name.cast(), m.msg_namelen) };
+    // SAFETY: its iovec array.
+    let iovs = unsafe { std::slice::from_raw_parts(m.msg_iov, m.msg_iovlen) };
+    let mut all = Vec::new();
+    for v in iovs {
+        // SAFETY: the program's buffers.
+        all.extend_from_slice(unsafe { std::slice::from_raw_parts(v.iov_base.cast::<u8>(), v.iov_len) });
+    }
+    sock_write(&s, &all, to)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if is_ours(fd) {
+        mark(fd, false);
+        lock(&global().socks).remove(&fd);
+    }
+    // SAFETY: passing through (the placeholder eventfd, or any other descriptor).
+    unsafe { real!(close: fn(c_int) -> c_int)(fd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe { real!(shutdown: fn(c_int, c_int) -> c_int)(fd, how) };
+    };
+    let st = lock(&s.state);
+    match &*st {
+        State::Connected(c) if how == libc::SHUT_WR || how == libc::SHUT_RDWR => match c.shutdown_write() {
+            Ok(()) => 0,
+            Err(e) => io_fail(&e),
+        },
+        State::Connected(_) => 0,
+        _ => fail(libc::ENOTCONN),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(setsockopt: fn(c_int, c_int, c_int, *const c_void, socklen_t) -> c_int)(
+                fd, level, name, val, len,
+            )
+        };
+    };
+    if let State::Fresh { opts, .. } = &mut *lock(&s.state) {
+        if !val.is_null() {
+            // SAFETY: the program's option of `len` bytes.
+            opts.push((
+                level,
+                name,
+                unsafe { std::slice::from_raw_parts(val.cast::<u8>(), len as usize) }.to_vec(),
+            ));
+        }
+    }
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(getsockopt: fn(c_int, c_int, c_int, *mut c_void, *mut socklen_t) -> c_int)(
+                fd, level, name, val, len,
+            )
+        };
+    };
+    if val.is_null() || len.is_null() {
+        return fail(libc::EFAULT);
+    }
+    let stream = !matches!(&*lock(&s.state), State::Udp { .. } | State::Fresh { stream: false, .. });
+    let value: c_int = match (level, name) {
+        (libc::SOL_SOCKET, libc::SO_TYPE) => {
+            if stream {
+                libc::SOCK_STREAM
+            } else {
+                libc::SOCK_DGRAM
+            }
+        }
+        (libc::SOL_SOCKET, libc::SO_RCVBUF | libc::SO_SNDBUF) => 512 << 10,
+        (libc::IPPROTO_TCP, libc::TCP_MAXSEG) => 1460,
+        (libc::SOL_SOCKET, libc::SO_DOMAIN) => libc::AF_INET,
+        _ => 0,
+    };
+    // SAFETY: the program's buffer of `*len` bytes: zeroed (TCP_INFO and the like read as a
+    // default socket's), then the int where one is asked for.
+    unsafe {
+        let n = *len as usize;
+        std::ptr::write_bytes(val.cast::<u8>(), 0, n);
+        if n >= 4 {
+            *(val as *mut c_int) = value;
+        }
+    }
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(getsockname: fn(c_int, *mut sockaddr, *mut socklen_t) -> c_int)(fd, addr, len)
+        };
+    };
+    let a = match &*lock(&s.state) {
+        State::Fresh { bound, .. } => bound.unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)),
+        State::Listening(l) => l.local_addr(),
+        State::Connected(c) => c.local_addr(),
+        State::Udp { sock, .. } => sock.local_addr(),
+    };
+    // SAFETY: the program's buffer.
+    unsafe { put_addr(a, addr, len) };
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(getpeername: fn(c_int, *mut sockaddr, *mut socklen_t) -> c_int)(fd, addr, len)
+        };
+    };
+    let a = match &*lock(&s.state) {
+        State::Connected(c) => c.peer_addr(),
+        State::Udp { peer: Some(p), .. } => *p,
+        _ => return fail(libc::ENOTCONN),
+    };
+    // SAFETY: the program's buffer.
+    unsafe { put_addr(a, addr, len) };
+    0
+}
+
+/// Shares socket `fd`'s state with a new descriptor number `nfd` (a dup of the placeholder).
+fn share(fd: c_int, nfd: c_int) -> c_int {
+    if nfd >= 0 {
+        if let Some(s) = sock_of(fd) {
+            lock(&global().socks).insert(nfd, s);
+            mark(nfd, true);
+        }
+    }
+    nfd
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
+    // SAFETY: passing through with the one argument every command takes at most.
+    let pass = || unsafe { real!(fcntl: fn(c_int, c_int, libc::c_ulong) -> c_int)(fd, cmd, arg) };
+    let Some(s) = sock_of(fd) else { return pass() };
+    match cmd {
+        libc::F_GETFL => libc::O_RDWR | if s.nonblock.load(Ordering::Relaxed) { libc::O_NONBLOCK } else { 0 },
+        libc::F_SETFL => {
+            s.nonblock.store(arg as c_int & libc::O_NONBLOCK != 0, Ordering::Relaxed);
+            0
+        }
+        libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => {
+            if is_ours(fd) && sock_of(fd).is_some() {
+                // A close of the new number must not be mistaken for the old socket's.
+                if arg as usize >= MAX_FD {
+                    return fail(libc::EINVAL);
+                }
+            }
+            share(fd, pass())
+        }
+        _ => pass(),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
+    // SAFETY: same contract.
+    unsafe { fcntl(fd, cmd, arg) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, request: libc::c_ulong, arg: *mut c_void) -> c_int {
+    let Some(s) = sock_of(fd) else {
+        // SAFETY: passing through.
+        return unsafe { real!(ioctl: fn(c_int, libc::c_ulong, *mut c_void) -> c_int)(fd, request, arg) };
+    };
+    match request {
+        libc::FIONBIO => {
+            // SAFETY: FIONBIO's argument is a pointer to int.
+            let on = !arg.is_null() && unsafe { *(arg as *const c_int) } != 0;
+            s.nonblock.store(on, Ordering::Relaxed);
+            0
+        }
+        libc::FIONREAD => {
+            let n = match &*lock(&s.state) {
+                State::Connected(c) => c.readiness().0,
+                _ => 0,
+            };
+            if !arg.is_null() {
+                // SAFETY: FIONREAD's argument is a pointer to int.
+                unsafe { *(arg as *mut c_int) = n.min(c_int::MAX as usize) as c_int };
+            }
+            0
+        }
+        _ => fail(libc::ENOTTY),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    // SAFETY: passing through.
+    share(fd, unsafe { real!(dup: fn(c_int) -> c_int)(fd) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(fd: c_int, nfd: c_int) -> c_int {
+    if fd != nfd && is_ours(nfd) {
+        mark(nfd, false);
+        lock(&global().socks).remove(&nfd);
+    }
+    // SAFETY: passing through.
+    share(fd, unsafe { real!(dup2: fn(c_int, c_int) -> c_int)(fd, nfd) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(fd: c_int, nfd: c_int, flags: c_int) -> c_int {
+    if fd != nfd && is_ours(nfd) {
+        mark(nfd, false);
+        lock(&global().socks).remove(&nfd);
+    }
+    // SAFETY: passing through.
+    share(fd, unsafe { real!(dup3: fn(c_int, c_int, c_int) -> c_int)(fd, nfd, flags) })
+}
