@@ -12,14 +12,17 @@
 //! source for `recv` (the application reads with it). Each test runs `--seconds`; the figure is
 //! bytes the receiving side got over the time from connect to its end of stream, in Gbit/s.
 //! `--offloads default,off` runs everything with the veth's default offloads (TSO, GSO, GRO: 64 KiB
-//! segments cross) and with segmentation offloads off (every segment a frame). Runs go in turns
+//! segments cross) and with segmentation offloads off (every segment a frame). Also iperf3 (TCP,
+//! `--seconds` rounded up) through the preload library (`iperf3:stack`, needs
+//! `liblanbus_sock.so` next to this program) against the same iperf3 on Linux (`iperf3:linux`),
+//! both ways (`recv` is `-R`). Runs go in turns
 //! (`--runs`, default 5); a figure is the median; each stack row carries `ratio_vs_linux`. Also
 //! `idle:stackd`, the CPU an idle server uses. Table, JSON (`--json`), PNG per direction and
 //! offload setting (`--png` prefix).
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -313,6 +316,54 @@ fn socket2_bind_connect(local: Ipv4Addr, to: SocketAddrV4) -> anyhow::Result<Tcp
     Ok(stream)
 }
 
+/// The preload library next to this program (`cargo build --release -p lanbus-sock`).
+fn preload_library() -> Option<PathBuf> {
+    let lib = std::env::current_exe().ok()?.parent()?.join("liblanbus_sock.so");
+    lib.exists().then_some(lib)
+}
+
+impl Bench {
+    /// iperf3 for `seconds` from the first namespace to `iperf3 -s` in the other: through the
+    /// preload library (`lib`) or on Linux's TCP from its address there. Gbit/s received.
+    fn iperf3(&self, lib: Option<&Path>, reverse: bool, seconds: f64) -> anyhow::Result<f64> {
+        let srv = self
+            .veth
+            .b
+            .netns
+            .command("iperf3")
+            .args(["-s", "-1", "-B", &PEER_IP.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("iperf3 (Debian package iperf3; scripts/setup installs it)")?;
+        let _srv = KillOnDrop(srv);
+        std::thread::sleep(Duration::from_millis(300));
+        let secs = format!("{}", seconds.ceil().max(1.0) as u64);
+        let mut cmd = match lib {
+            Some(lib) => {
+                let mut c = std::process::Command::new("iperf3");
+                c.env("LD_PRELOAD", lib).env("LANBUS_STACK_SOCKET", &self.socket);
+                c
+            }
+            None => {
+                let mut c = self.veth.a.netns.command("iperf3");
+                c.args(["-B", &LINUX_IP.to_string()]);
+                c
+            }
+        };
+        cmd.args(["-c", &PEER_IP.to_string(), "-t", &secs, "--json", "--connect-timeout", "5000"]);
+        if reverse {
+            cmd.arg("-R");
+        }
+        let out = cmd.output()?;
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("iperf3's JSON")?;
+        if let Some(e) = v["error"].as_str() {
+            bail!("iperf3: {e}");
+        }
+        Ok(v["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3's received rate")? / 1e9)
+    }
+}
+
 /// CPU use of process `pid` over `window`, in percent of one core.
 fn cpu_percent(pid: u32, window: Duration) -> anyhow::Result<f64> {
     let ticks = || -> anyhow::Result<u64> {
@@ -368,6 +419,10 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
     let mut idle = Vec::new();
     let total = offloads.len() * args.runs * rows.len() * 2 * buffers.len();
     let mut done = 0;
+    let lib = preload_library();
+    if lib.is_none() {
+        eprintln!("bench stack: no liblanbus_sock.so next to this program (cargo build --release -p lanbus-sock): no iperf3:stack rows");
+    }
     for &on in &offloads {
         bench.set_offloads(on)?;
         let stackd = bench.start_stackd()?;
@@ -377,6 +432,17 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
             idle.push(cpu_percent(stackd.0.id(), Duration::from_secs(2)).unwrap_or(f64::NAN));
         }
         for run in 0..args.runs {
+            for (name, lib) in [("iperf3:linux", None), ("iperf3:stack", lib.as_deref())] {
+                if name == "iperf3:stack" && lib.is_none() {
+                    continue;
+                }
+                for dir in [Direction::Send, Direction::Recv] {
+                    match bench.iperf3(lib, dir == Direction::Recv, args.seconds) {
+                        Ok(g) => samples.entry((on, dir.name(), name.to_string(), 0)).or_default().push(g),
+                        Err(e) => eprintln!("\nbench stack: {name} {}: {e:#}", dir.name()),
+                    }
+                }
+            }
             for row in &rows {
                 for dir in [Direction::Send, Direction::Recv] {
                     for &b in &buffers {
@@ -431,6 +497,20 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
                     report.push(r);
                 }
                 series.push(Series { name, points });
+            }
+            let peer = samples.get(&(on, dir.name(), "iperf3:linux".to_string(), 0)).and_then(|v| median(v));
+            for name in ["iperf3:linux", "iperf3:stack"] {
+                let Some(v) = samples.get(&(on, dir.name(), name.to_string(), 0)) else { continue };
+                let g = median(v).unwrap_or(0.0);
+                let mut r = Row::new(name, "gbit_per_s", g)
+                    .with("direction", dir.name())
+                    .with("offloads", off_name)
+                    .with("mtu", 1500)
+                    .with("runs", v.len());
+                if let Some(p) = peer.filter(|_| name == "iperf3:stack") {
+                    r = r.with("ratio_vs_linux", g / p.max(1e-9));
+                }
+                report.push(r);
             }
             let plot = Plot {
                 title: format!(

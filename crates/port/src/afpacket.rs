@@ -1131,15 +1131,21 @@ impl Port for AfPacketPort {
         let rc = unsafe { libc::sendmsg(fd, &msg, 0) };
         if rc < 0 {
             let e = std::io::Error::last_os_error();
-            self.counters.tx_dropped += 1;
             return match e.raw_os_error() {
-                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) => Ok(true),
+                // The device's queue is full: the caller keeps the frame and tries again, as
+                // with a full ring.
+                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) => {
+                    Err(PortError::io("send of a segmentation-offloaded frame (queue full)", e))
+                }
                 // The device takes no offloaded segments: segment in user space from now on.
                 Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => {
                     self.gso = Some(Err(()));
                     Ok(false)
                 }
-                _ => Err(PortError::io("send of a segmentation-offloaded frame", e)),
+                _ => {
+                    self.counters.tx_dropped += 1;
+                    Err(PortError::io("send of a segmentation-offloaded frame", e))
+                }
             };
         }
         self.counters.tx_frames += 1;

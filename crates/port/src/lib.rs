@@ -160,7 +160,8 @@ pub trait Port: Send {
     /// Sends one TCP segment larger than the MTU for the kernel (or the device) to cut into
     /// `gso.segment_bytes` pieces and checksum, as a NIC with segmentation offload does (the
     /// frame's TCP checksum field holds the pseudo-header sum). `Ok(false)` when the port cannot:
-    /// the caller then sends the segments itself. The default cannot.
+    /// the caller then sends the segments itself. An error leaves the frame with the caller (a
+    /// full queue among them: try again later). The default cannot.
     fn tx_gso(&mut self, frame: &[u8], gso: Gso) -> Result<bool> {
         let _ = (frame, gso);
         Ok(false)
