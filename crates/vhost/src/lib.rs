@@ -179,7 +179,11 @@ fn accept_loop(
         }
         tracing::info!("{name}: frontend connected");
         match daemon.wait() {
-            Ok(()) => tracing::info!("{name}: frontend disconnected"),
+            // A VMM that exits or is killed just hangs up, mid-message or not.
+            Ok(())
+            | Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            )) => tracing::info!("{name}: frontend disconnected"),
             Err(e) => {
                 stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!("{name}: connection ended: {e}");
