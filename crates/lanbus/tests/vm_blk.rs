@@ -6,6 +6,7 @@
 //! - the guest writes a seeded 64 MiB pattern to /dev/vda and prints its checksum, equal to the
 //!   same tool's on a local file; it powers off; a second guest reads the 64 MiB back: same
 //!   checksum, every MiB as written;
+//! - the NBD export beside it (the same driver) reads the guest's last 4 MiB as written;
 //! - a guest killed in the middle of writing leaves the backend serving: the next guest writes,
 //!   drops its cache and reads back 8 MiB correctly.
 //!
@@ -191,7 +192,6 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     let out = Command::new(&tool).args(["write", "1", "64"]).arg(&local).output().unwrap();
     assert!(out.status.success());
     let (want, _) = report(&String::from_utf8_lossy(&out.stdout));
-    std::fs::remove_file(&local).unwrap();
 
     let workload = dir.join("workload.sh");
     std::fs::write(&workload, WORKLOAD).unwrap();
@@ -208,6 +208,7 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
 
     let veth = VethPair::create().expect("namespaces");
     let socket = dir.join("vda.sock");
+    let nbd_socket = dir.join("nvme0.sock");
     let (dev_ctl, host_ctl) = (dir.join("dev.ctl"), dir.join("host.ctl"));
     let spawn = |ns: &lanbus_port::netns::Netns, args: Vec<String>, log: &str| {
         let log = std::fs::File::create(dir.join(log)).unwrap();
@@ -239,6 +240,8 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
             s("5"),
             s("--export"),
             format!("vhost-user-blk:{},queues=2", socket.display()),
+            s("--export"),
+            format!("nbd:{}", nbd_socket.display()),
             s("--control"),
             host_ctl.display().to_string(),
         ],
@@ -255,6 +258,13 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     let second = guest.boot("read,1,64", "read");
     assert!(second.contains("lanbus-guest: exit 0"), "{second}");
     assert_eq!(report(&second), (want, 0), "the second guest read back what the first wrote");
+    // The NBD export beside it serves the same driver: the guest's data is there too.
+    let mut nbd = lanbus_nbd::Client::connect_unix(&nbd_socket, "nvme0").expect("the NBD export");
+    let (mut theirs, ours) = (vec![0u8; 4 << 20], std::fs::read(&local).unwrap());
+    nbd.read(60 << 20, &mut theirs).unwrap();
+    assert!(theirs[..] == ours[60 << 20..], "NBD reads what the guest wrote");
+    nbd.disconnect().unwrap();
+    std::fs::remove_file(&local).unwrap();
 
     // A VMM killed while its guest writes: the backend takes the next VMM.
     let log = dir.join("killed.log");
