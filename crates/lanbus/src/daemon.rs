@@ -567,6 +567,8 @@ fn vhost_json(v: &BlkServer) -> Value {
         "requests": c(&s.requests),
         "read_bytes": c(&s.read_bytes),
         "written_bytes": c(&s.written_bytes),
+        "discards": c(&s.discards),
+        "write_zeroes": c(&s.write_zeroes),
         "io_errors": c(&s.io_errors),
         "unsupported": c(&s.unsupported),
         "malformed": c(&s.malformed),

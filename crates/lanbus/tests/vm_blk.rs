@@ -8,7 +8,9 @@
 //!   checksum, every MiB as written;
 //! - the NBD export beside it (the same driver) reads the guest's last 4 MiB as written;
 //! - a guest killed in the middle of writing leaves the backend serving: the next guest writes,
-//!   drops its cache and reads back 8 MiB correctly.
+//!   drops its cache and reads back 8 MiB correctly, discards one MiB (blkdiscard) and zeroes
+//!   another (BLKZEROOUT), which reaches the backend as DISCARD and WRITE_ZEROES and reads back
+//!   as zero.
 //!
 //! Skips, saying why, without root, QEMU, busybox-static or rustc (to build the pattern tool).
 //! QEMU runs with TCG unless LANBUS_GUEST_ACCEL says otherwise (`kvm` where it works).
@@ -83,7 +85,8 @@ fn skip_reason() -> Option<String> {
 }
 
 const WORKLOAD: &str = r#"#!/bin/sh
-# lanbus.cmd=MODE,SEED,MIB: write, read, or rw (write, drop the page cache, read back)
+# lanbus.cmd=MODE,SEED,MIB: write, read, or rw (write, drop the page cache, read back; then
+# discard the last MiB, zero the one before it and read the rest back)
 mode=$1 seed=$2 mib=$3
 i=0
 while [ ! -b /dev/vda ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
@@ -91,7 +94,15 @@ while [ ! -b /dev/vda ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
 echo "vda serial=$(cat /sys/block/vda/serial) sectors=$(cat /sys/block/vda/size) queues=$(ls /sys/block/vda/mq | wc -l) ro=$(cat /sys/block/vda/ro)"
 case $mode in
   write|read) /bin/pattern "$mode" "$seed" "$mib" /dev/vda ;;
-  rw) /bin/pattern write "$seed" "$mib" /dev/vda && echo 3 >/proc/sys/vm/drop_caches && /bin/pattern read "$seed" "$mib" /dev/vda ;;
+  rw)
+    /bin/pattern write "$seed" "$mib" /dev/vda || exit 1
+    echo 3 >/proc/sys/vm/drop_caches
+    /bin/pattern read "$seed" "$mib" /dev/vda || exit 1
+    blkdiscard -o $(((mib - 1) << 20)) -l 1048576 /dev/vda || exit 4
+    /bin/pattern zero $((mib - 2)) 1 /dev/vda || exit 5
+    echo 3 >/proc/sys/vm/drop_caches
+    /bin/pattern read "$seed" $((mib - 2)) /dev/vda
+    ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac
 "#;
@@ -278,6 +289,7 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     let third = guest.boot("rw,3,8", "after-kill");
     assert!(third.contains("lanbus-guest: exit 0"), "{third}");
     assert_eq!(report(&third).1, 0, "{third}");
+    assert!(third.contains("zeroed=1 nonzero=0"), "{third}");
 
     let st = host_status(&host_ctl);
     let v = &st["vhost_user_blk"];
@@ -285,6 +297,8 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     assert_eq!(v["io_errors"].as_u64().unwrap(), 0, "{st}");
     assert_eq!(v["protocol_errors"].as_u64().unwrap(), 0, "a VMM hanging up is not an error: {st}");
     assert!(v["read_bytes"].as_u64().unwrap() >= 72 << 20, "{st}");
+    assert!(v["discards"].as_u64().unwrap() >= 1, "blkdiscard reached the backend as DISCARD: {st}");
+    assert!(v["write_zeroes"].as_u64().unwrap() >= 1, "BLKZEROOUT reached it as WRITE_ZEROES: {st}");
     let mut host_log = String::new();
     std::fs::File::open(dir.join("host.log")).unwrap().read_to_string(&mut host_log).unwrap();
     assert!(host_log.contains("vhost-user-blk:"), "{host_log}");

@@ -144,6 +144,10 @@ pub struct BlkStats {
     pub read_bytes: AtomicU64,
     /// Bytes written to the device from the guest.
     pub written_bytes: AtomicU64,
+    /// DISCARD requests.
+    pub discards: AtomicU64,
+    /// WRITE_ZEROES requests.
+    pub write_zeroes: AtomicU64,
     /// Requests answered `IOERR` (bad requests and device errors).
     pub io_errors: AtomicU64,
     /// Requests answered `UNSUPP`.
@@ -358,6 +362,7 @@ fn execute<M: GuestMemory>(
             Outcome::Ok(n as u64)
         }
         VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
+            bump(if kind == VIRTIO_BLK_T_DISCARD { &stats.discards } else { &stats.write_zeroes }, 1);
             if info.read_only {
                 return Outcome::IoErr("discard or write-zeroes on a read-only device".into());
             }

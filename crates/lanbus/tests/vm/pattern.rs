@@ -3,6 +3,8 @@
 //!
 //!   pattern write SEED MIB DEVICE    writes MIB MiB of the pattern from offset 0, fsyncs
 //!   pattern read SEED MIB DEVICE     reads them back and compares with the pattern
+//!   pattern zero AT LEN DEVICE       zeroes LEN MiB from AT MiB (BLKZEROOUT, the kernel's
+//!                                    write-zeroes) and checks they read back as zero
 //!
 //! Both print `checksum=<16 hex digits>` of the bytes written or read (a 64-bit multiply-xor
 //! hash over little-endian words), `mismatches=N` (MiB chunks that differ, for read) and
@@ -31,10 +33,38 @@ fn hash(mut h: u64, buf: &[u8]) -> u64 {
     h
 }
 
+extern "C" {
+    fn ioctl(fd: i32, request: u64, ...) -> i32;
+}
+
+/// `_IO(0x12, 127)`: zero a byte range of a block device (`uint64_t range[2]`: start, length).
+const BLKZEROOUT: u64 = 0x127f;
+
+fn zero(at_mib: u64, len_mib: u64, path: &str) -> u64 {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).expect("open for zeroing");
+    let range = [at_mib * CHUNK as u64, len_mib * CHUNK as u64];
+    // SAFETY: BLKZEROOUT reads two u64s from the pointer, which points at `range`.
+    let r = unsafe { ioctl(f.as_raw_fd(), BLKZEROOUT, range.as_ptr()) };
+    if r != 0 {
+        eprintln!("BLKZEROOUT: {}", std::io::Error::last_os_error());
+        std::process::exit(1);
+    }
+    let mut got = vec![0u8; CHUNK];
+    let mut f = std::fs::File::open(path).expect("open for reading");
+    std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(range[0])).expect("seek");
+    let mut nonzero = 0;
+    for _ in 0..len_mib {
+        f.read_exact(&mut got).expect("read");
+        nonzero += u64::from(got.iter().any(|&b| b != 0));
+    }
+    nonzero
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() != 5 {
-        eprintln!("usage: pattern write|read SEED MIB DEVICE");
+        eprintln!("usage: pattern write|read SEED MIB DEVICE, or pattern zero AT LEN DEVICE");
         std::process::exit(2);
     }
     let seed: u64 = args[2].parse().expect("SEED is a number");
@@ -53,6 +83,11 @@ fn main() {
                 h = hash(h, &want);
             }
             f.sync_all().expect("fsync");
+        }
+        "zero" => {
+            let nonzero = zero(seed, mib, path);
+            println!("zeroed={mib} nonzero={nonzero}");
+            std::process::exit(if nonzero == 0 { 0 } else { 1 });
         }
         "read" => {
             let mut f = std::fs::File::open(path).expect("open for reading");
