@@ -12,6 +12,8 @@
 //!   another (BLKZEROOUT), which reaches the backend as DISCARD and WRITE_ZEROES and reads back
 //!   as zero.
 //!
+//! - the I/O box stopping unexports the drive: the socket goes away.
+//!
 //! Skips, saying why, without root, QEMU, busybox-static or rustc (to build the pattern tool).
 //! QEMU runs with TCG unless LANBUS_GUEST_ACCEL says otherwise (`kvm` where it works).
 
@@ -302,7 +304,9 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     let mut host_log = String::new();
     std::fs::File::open(dir.join("host.log")).unwrap().read_to_string(&mut host_log).unwrap();
     assert!(host_log.contains("vhost-user-blk:"), "{host_log}");
-    drop(_host);
+    // The I/O box goes: the host unexports, the socket goes with it, then the host stops cleanly.
     drop(_device);
+    wait_for("the unexport", Duration::from_secs(30), || !socket.exists());
+    drop(_host);
     let _ = std::fs::remove_dir_all(&dir);
 }
