@@ -12,6 +12,8 @@
 //!   another (BLKZEROOUT), which reaches the backend as DISCARD and WRITE_ZEROES and reads back
 //!   as zero.
 //!
+//! - the host daemon restarting under a running guest (QEMU's `reconnect=1`): what the guest
+//!   wrote before reads back through the new daemon;
 //! - the I/O box stopping unexports the drive: the socket goes away.
 //!
 //! Skips, saying why, without root, QEMU, busybox-static or rustc (to build the pattern tool).
@@ -104,6 +106,14 @@ case $mode in
     /bin/pattern zero $((mib - 2)) 1 /dev/vda || exit 5
     echo 3 >/proc/sys/vm/drop_caches
     /bin/pattern read "$seed" $((mib - 2)) /dev/vda
+    ;;
+  pause)
+    # write, wait while the test restarts the backend, read back through the new one
+    /bin/pattern write "$seed" "$mib" /dev/vda || exit 1
+    echo "lanbus-guest: paused"
+    sleep 12
+    echo 3 >/proc/sys/vm/drop_caches
+    /bin/pattern read "$seed" "$mib" /dev/vda
     ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac
@@ -243,8 +253,7 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
         ],
         "device.log",
     );
-    let _host = spawn(
-        &veth.b.netns,
+    let host_args = || {
         vec![
             s("host"),
             s("--port"),
@@ -257,9 +266,9 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
             format!("nbd:{}", nbd_socket.display()),
             s("--control"),
             host_ctl.display().to_string(),
-        ],
-        "host.log",
-    );
+        ]
+    };
+    let mut host = spawn(&veth.b.netns, host_args(), "host.log");
     wait_for("the vhost-user-blk socket", Duration::from_secs(30), || socket.exists());
     let guest = Guest { dir: dir.clone(), socket: socket.clone() };
 
@@ -304,9 +313,35 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     let mut host_log = String::new();
     std::fs::File::open(dir.join("host.log")).unwrap().read_to_string(&mut host_log).unwrap();
     assert!(host_log.contains("vhost-user-blk:"), "{host_log}");
+
+    // The backend restarts under a running guest: QEMU's reconnect=1 takes the new one, and the
+    // guest's reads after the restart are served by it.
+    let log = dir.join("restart.log");
+    let mut q = guest.qemu("pause,4,8", &log);
+    wait_for("the guest's pause", Duration::from_secs(90), || {
+        std::fs::read_to_string(&log).unwrap_or_default().contains("lanbus-guest: paused")
+    });
+    drop(host);
+    assert!(!socket.exists(), "the stopped host removed its socket");
+    host = spawn(&veth.b.netns, host_args(), "host-restarted.log");
+    let t = Instant::now();
+    while q.0.try_wait().unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(90),
+            "the guest did not finish after the restart: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let fourth = std::fs::read_to_string(&log).unwrap();
+    eprintln!("guest restart:\n{fourth}");
+    assert!(fourth.contains("lanbus-guest: exit 0"), "{fourth}");
+    assert_eq!(report(&fourth).1, 0, "{fourth}");
+    assert!(host_status(&host_ctl)["vhost_user_blk"]["read_bytes"].as_u64().unwrap() >= 8 << 20);
+
     // The I/O box goes: the host unexports, the socket goes with it, then the host stops cleanly.
     drop(_device);
     wait_for("the unexport", Duration::from_secs(30), || !socket.exists());
-    drop(_host);
+    drop(host);
     let _ = std::fs::remove_dir_all(&dir);
 }
