@@ -563,6 +563,7 @@ fn vhost_json(v: &BlkServer) -> Value {
     json!({
         "socket": v.path().display().to_string(),
         "connections": c(&s.connections),
+        "acked_features": format!("{:#x}", c(&s.acked_features)),
         "protocol_errors": c(&s.protocol_errors),
         "requests": c(&s.requests),
         "read_bytes": c(&s.read_bytes),

@@ -305,6 +305,13 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     let st = host_status(&host_ctl);
     let v = &st["vhost_user_blk"];
     assert!(v["connections"].as_u64().unwrap() >= 4, "{st}");
+    // QEMU and the guest's driver took the event index, several queues, flush, discard and
+    // write-zeroes.
+    let acked =
+        u64::from_str_radix(v["acked_features"].as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
+    for bit in [29, 32, 12, 9, 13, 14] {
+        assert_ne!(acked & (1 << bit), 0, "feature bit {bit} not acknowledged: {st}");
+    }
     assert_eq!(v["io_errors"].as_u64().unwrap(), 0, "{st}");
     assert_eq!(v["protocol_errors"].as_u64().unwrap(), 0, "a VMM hanging up is not an error: {st}");
     assert!(v["read_bytes"].as_u64().unwrap() >= 72 << 20, "{st}");

@@ -94,6 +94,11 @@ impl VhostUserBackend for BlkBackend {
         self.info.features() | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
     }
 
+    fn acked_features(&self, features: u64) {
+        // Relaxed: shown, not synchronised on.
+        self.stats.acked_features.store(features, Ordering::Relaxed);
+    }
+
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
         VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::MQ

@@ -156,6 +156,8 @@ pub struct BlkStats {
     pub malformed: AtomicU64,
     /// Connections accepted.
     pub connections: AtomicU64,
+    /// The virtio features the last frontend acknowledged.
+    pub acked_features: AtomicU64,
     /// Connections that ended with a protocol error (a frontend sending something wrong).
     pub protocol_errors: AtomicU64,
 }
