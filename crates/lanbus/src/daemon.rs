@@ -36,6 +36,7 @@ use lanbus_node::config::{self, DeviceFile, ExportSpec, HostFile};
 use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
 use lanbus_node::metrics::{self, Sample};
 use lanbus_node::nic::NicSpec;
+use lanbus_vhost::{serve_blk, BlkOptions, BlkServer};
 use lanbus_vnet::pcie::TapExport;
 use lanbus_vnet::tap::Tap;
 
@@ -105,9 +106,11 @@ pub struct HostArgs {
     /// Our group: we use the devices that announce it.
     #[arg(long)]
     group: Option<u16>,
-    /// What to export (repeat for both): the NVMe namespace as nbd:PATH (Unix socket) or
-    /// nbd:tcp:ADDR, and the remote NIC as tap:NAME (a TAP interface created now, with its
-    /// carrier on while the NIC is there; give it an address with `ip addr add`).
+    /// What to export (repeatable): the NVMe namespace as nbd:PATH (Unix socket) or
+    /// nbd:tcp:ADDR, and as vhost-user-blk:PATH[,ro][,queues=N] (a vhost-user-blk backend on a
+    /// Unix socket for QEMU's vhost-user-blk-pci; N request queues, default 1; ro: read-only);
+    /// the remote NIC as tap:NAME (a TAP interface created now, with its carrier on while the NIC
+    /// is there; give it an address with `ip addr add`).
     #[arg(long)]
     export: Vec<String>,
     /// Thread model of the transport.
@@ -447,56 +450,130 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The exported drive of a host daemon.
+/// The exported drive of a host daemon: one NVMe driver, over NBD, vhost-user-blk or both.
 struct Exported {
     function: RemoteFunction,
     driver: Arc<NvmeDriver>,
-    server: Server,
-    uri: String,
+    server: Option<Server>,
+    vhost: Option<BlkServer>,
+    uris: Vec<String>,
 }
 
-fn export(host: &Arc<HostBridge>, f: &RemoteFunction, spec: &ExportSpec) -> anyhow::Result<Exported> {
+fn export(host: &Arc<HostBridge>, f: &RemoteFunction, specs: &[ExportSpec]) -> anyhow::Result<Exported> {
     let driver = drive::start_driver(host, f)?;
-    let server = Server::builder()
-        .export(
-            Export::new("nvme0", Arc::new(NvmeBlock::new(driver.clone())))
-                .description(format!("lanbus NVMe {} on {} \"{}\"", f.bdf, f.mac, f.name)),
-        )
-        .build()?;
-    let uri = match spec {
-        ExportSpec::Unix(path) => {
-            if path.exists() {
-                std::fs::remove_file(path).with_context(|| format!("removing stale {}", path.display()))?;
+    let block = Arc::new(NvmeBlock::new(driver.clone()));
+    let mut e = Exported { function: f.clone(), driver, server: None, vhost: None, uris: Vec::new() };
+    let result = (|| -> anyhow::Result<()> {
+        for spec in specs {
+            match spec {
+                ExportSpec::Unix(_) | ExportSpec::Tcp(_) => {
+                    let server = Server::builder()
+                        .export(
+                            Export::new("nvme0", block.clone())
+                                .description(format!("lanbus NVMe {} on {} \"{}\"", f.bdf, f.mac, f.name)),
+                        )
+                        .build()?;
+                    let uri = match spec {
+                        ExportSpec::Unix(path) => {
+                            if path.exists() {
+                                std::fs::remove_file(path)
+                                    .with_context(|| format!("removing stale {}", path.display()))?;
+                            }
+                            let l = UnixListener::bind(path)
+                                .with_context(|| format!("binding {}", path.display()))?;
+                            server.serve(l)?;
+                            format!("nbd+unix:///nvme0?socket={}", path.display())
+                        }
+                        _ => {
+                            let ExportSpec::Tcp(addr) = spec else { unreachable!("matched above") };
+                            let l = std::net::TcpListener::bind(addr)
+                                .with_context(|| format!("binding {addr}"))?;
+                            let uri = format!("nbd://{}/nvme0", l.local_addr()?);
+                            server.serve(l)?;
+                            uri
+                        }
+                    };
+                    e.server = Some(server);
+                    e.uris.push(uri);
+                }
+                ExportSpec::VhostUserBlk { path, read_only, queues } => {
+                    let options = BlkOptions {
+                        read_only: *read_only,
+                        queues: *queues,
+                        serial: format!("lanbus-{}", f.bdf)
+                            .chars()
+                            .filter(|c| c.is_ascii_graphic())
+                            .collect(),
+                    };
+                    e.vhost = Some(serve_blk(path, block.clone(), options)?);
+                    e.uris.push(format!("vhost-user-blk:{}", path.display()));
+                }
+                ExportSpec::Tap(_) => bail!("tap: exports a NIC, not a drive"),
             }
-            server.serve(UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?)?;
-            format!("nbd+unix:///nvme0?socket={}", path.display())
         }
-        ExportSpec::Tcp(addr) => {
-            let l = std::net::TcpListener::bind(addr).with_context(|| format!("binding {addr}"))?;
-            let uri = format!("nbd://{}/nvme0", l.local_addr()?);
-            server.serve(l)?;
-            uri
+        Ok(())
+    })();
+    match result {
+        Ok(()) => Ok(e),
+        Err(err) => {
+            unexport(e, specs, "could not export it all");
+            Err(err)
         }
-        ExportSpec::Tap(_) => bail!("tap: exports a NIC, not a drive"),
-    };
-    Ok(Exported { function: f.clone(), driver, server, uri })
+    }
 }
 
 /// Stops exporting: new clients find no socket, requests in flight finish or fail, then flush
 /// (if the device is still there) and NVMe shutdown.
-fn unexport(e: Exported, spec: &ExportSpec, why: &str) {
-    // The server wakes its accept thread by connecting to the socket: remove the file after.
-    let result = e.server.shutdown();
-    if let ExportSpec::Unix(path) = spec {
-        let _ = std::fs::remove_file(path);
+fn unexport(e: Exported, specs: &[ExportSpec], why: &str) {
+    let uris = e.uris.join(", ");
+    let had_vhost = e.vhost.is_some();
+    if let Some(v) = e.vhost {
+        // Disconnects the VMM after the requests in progress; its guest sees the disk stall
+        // until the VMM reconnects to a new export.
+        v.stop();
+    }
+    // The NBD server wakes its accept thread by connecting to the socket: remove the file after.
+    let result = e.server.map(|s| s.shutdown());
+    for spec in specs {
+        if let ExportSpec::Unix(path) = spec {
+            let _ = std::fs::remove_file(path);
+        }
     }
     match result {
-        Ok(stats) => eprintln!("lanbus host: unexported {} ({why}); flushed; {stats:?}", e.uri),
-        Err(err) => eprintln!("lanbus host: unexported {} ({why}): {err}", e.uri),
+        Some(Err(err)) => eprintln!("lanbus host: unexported {uris} ({why}): {err}"),
+        Some(Ok(stats)) => eprintln!("lanbus host: unexported {uris} ({why}); {stats:?}"),
+        None => eprintln!("lanbus host: unexported {uris} ({why})"),
+    }
+    // The NBD server flushed at its shutdown; a vhost-user-blk guest's writes are flushed here
+    // (if the device is still there) before the shutdown notification.
+    if had_vhost {
+        match e.driver.flush() {
+            Ok(()) => eprintln!("lanbus host: flushed {}", e.function.bdf),
+            Err(err) => eprintln!("lanbus host: NVMe flush of {}: {err}", e.function.bdf),
+        }
     }
     if let Err(err) = e.driver.shutdown() {
         eprintln!("lanbus host: NVMe shutdown of {}: {err}", e.function.bdf);
     }
+}
+
+fn vhost_json(v: &BlkServer) -> Value {
+    let s = v.stats();
+    let c = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    json!({
+        "socket": v.path().display().to_string(),
+        "connections": c(&s.connections),
+        "acked_features": format!("{:#x}", c(&s.acked_features)),
+        "protocol_errors": c(&s.protocol_errors),
+        "requests": c(&s.requests),
+        "read_bytes": c(&s.read_bytes),
+        "written_bytes": c(&s.written_bytes),
+        "discards": c(&s.discards),
+        "write_zeroes": c(&s.write_zeroes),
+        "io_errors": c(&s.io_errors),
+        "unsupported": c(&s.unsupported),
+        "malformed": c(&s.malformed),
+    })
 }
 
 /// The exported NIC of a host daemon.
@@ -542,18 +619,20 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
         args.export
     };
     if texts.is_empty() {
-        bail!("give --export nbd:PATH, nbd:tcp:ADDR or tap:NAME");
+        bail!("give --export nbd:PATH, nbd:tcp:ADDR, vhost-user-blk:PATH or tap:NAME");
     }
     let specs: Vec<ExportSpec> = texts.iter().map(|t| t.parse()).collect::<Result<_, _>>()?;
-    let nbd_specs: Vec<&ExportSpec> = specs.iter().filter(|s| s.is_nbd()).collect();
+    let nbd_count = specs.iter().filter(|s| s.is_nbd()).count();
+    let vhost_count = specs.iter().filter(|s| matches!(s, ExportSpec::VhostUserBlk { .. })).count();
     let tap_names: Vec<&str> = specs
         .iter()
         .filter_map(|s| if let ExportSpec::Tap(n) = s { Some(n.as_str()) } else { None })
         .collect();
-    if nbd_specs.len() > 1 || tap_names.len() > 1 {
-        bail!("one drive export (nbd:...) and one NIC export (tap:...) at most");
+    if nbd_count > 1 || vhost_count > 1 || tap_names.len() > 1 {
+        bail!("one export of each kind at most: nbd:..., vhost-user-blk:... and tap:...");
     }
-    let spec = nbd_specs.first().map(|s| (*s).clone());
+    let drive_specs: Vec<ExportSpec> = specs.iter().filter(|s| s.is_drive()).cloned().collect();
+    let spec = (!drive_specs.is_empty()).then_some(drive_specs);
     let control = args.control.or(file.control).unwrap_or_else(|| HOST_CONTROL.into());
     let name = args.name.or(file.name).unwrap_or_else(|| "lanbus-host".into());
     let stop = stop_flag()?;
@@ -654,14 +733,15 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             "group": group,
             "peers": peers,
             "devices": devices.iter().map(lanbus_node::lspci::describe).collect::<Vec<_>>(),
-            "export": cur.as_ref().map(|e| e.uri.clone()),
+            "export": cur.as_ref().map(|e| e.uris.join(" ")),
             "queues": cur.as_ref().map(|e| json!({
                 "io_queue_pairs": e.driver.io_queue_count(),
                 "commands": e.driver.stats().commands.load(Ordering::Relaxed),
                 "interrupts": e.driver.stats().interrupts.load(Ordering::Relaxed),
                 "stray_completions": e.driver.stats().stray_completions.load(Ordering::Relaxed),
             })),
-            "nbd": cur.as_ref().map(|e| format!("{:?}", e.server.stats())),
+            "nbd": cur.as_ref().and_then(|e| e.server.as_ref()).map(|s| format!("{:?}", s.stats())),
+            "vhost_user_blk": cur.as_ref().and_then(|e| e.vhost.as_ref()).map(vhost_json),
             "nic": nic_status,
             "completion_timeouts": hb.timeouts,
             "bridge": format!("{hb:?}"),
@@ -688,7 +768,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
                         eprint!("lanbus host: found\n{}", lanbus_node::lspci::describe(&f));
                         match export(&host, &f, spec) {
                             Ok(e) => {
-                                eprintln!("lanbus host: exporting {} as {}", f.bdf, e.uri);
+                                eprintln!("lanbus host: exporting {} as {}", f.bdf, e.uris.join(" and "));
                                 *lock() = Some(e);
                             }
                             Err(err) => eprintln!("lanbus host: cannot export {}: {err:#}", f.bdf),

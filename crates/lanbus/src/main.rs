@@ -73,7 +73,7 @@ enum Command {
     /// Sends a command (`group N`, `status`) to a running `lanbus device --control PATH`.
     DeviceCtl(pcie::DeviceCtlArgs),
     /// The host daemon: enumerates its group's NVMe drive through the fabric, runs the NVMe
-    /// driver and exports the namespace over NBD.
+    /// driver and exports the namespace over NBD or to VMs as a vhost-user-blk backend.
     Host(daemon::HostArgs),
     /// Asks a running `lanbus host` or `lanbus device` for peers, devices, queues and counters.
     Status(daemon::StatusArgs),

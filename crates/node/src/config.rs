@@ -184,28 +184,75 @@ pub fn read_toml<T: for<'de> Deserialize<'de> + Default>(path: Option<&Path>) ->
     toml::from_str(&text).map_err(|e| Error::Config { path: path.to_path_buf(), why: e.to_string() })
 }
 
-/// What the host exports: the NVMe namespace over NBD, or the remote NIC as a TAP.
+/// What the host exports: the NVMe namespace over NBD or as a vhost-user-blk backend, or the
+/// remote NIC as a TAP.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExportSpec {
-    /// The namespace on a Unix socket path.
+    /// The namespace over NBD on a Unix socket path.
     Unix(PathBuf),
-    /// The namespace on a TCP address.
+    /// The namespace over NBD on a TCP address.
     Tcp(std::net::SocketAddr),
+    /// The namespace as a vhost-user-blk backend on a Unix socket path (for QEMU and other VMMs).
+    VhostUserBlk {
+        /// The socket path.
+        path: PathBuf,
+        /// Offered read-only.
+        read_only: bool,
+        /// Request queues offered (1 to 64).
+        queues: u16,
+    },
     /// The NIC as the TAP interface of this name.
     Tap(String),
 }
 
 impl ExportSpec {
-    /// Whether this exports a drive (NBD), not a NIC.
+    /// Whether this exports the drive over NBD.
     pub fn is_nbd(&self) -> bool {
+        matches!(self, ExportSpec::Unix(_) | ExportSpec::Tcp(_))
+    }
+
+    /// Whether this exports the drive (over NBD or vhost-user-blk), not a NIC.
+    pub fn is_drive(&self) -> bool {
         !matches!(self, ExportSpec::Tap(_))
+    }
+
+    fn parse_vhost_user_blk(spec: &str, rest: &str) -> Result<ExportSpec> {
+        let mut parts = rest.split(',');
+        let path = parts.next().unwrap_or("");
+        if path.is_empty() {
+            return Err(Error::BadSpec(format!("{spec:?}: expected vhost-user-blk:PATH[,ro][,queues=N]")));
+        }
+        let (mut read_only, mut queues) = (false, 1u16);
+        for p in parts {
+            match p.split_once('=') {
+                None if p == "ro" => read_only = true,
+                Some(("queues", n)) => {
+                    queues = n.parse().ok().filter(|q| (1..=64).contains(q)).ok_or_else(|| {
+                        Error::BadSpec(format!("queues={n} in {spec:?}: a number of queues from 1 to 64"))
+                    })?
+                }
+                _ => {
+                    return Err(Error::BadSpec(format!(
+                        "unknown option {p:?} in {spec:?}: expected ro or queues=N"
+                    )))
+                }
+            }
+        }
+        Ok(ExportSpec::VhostUserBlk { path: path.into(), read_only, queues })
     }
 }
 
 impl std::str::FromStr for ExportSpec {
     type Err = Error;
     fn from_str(s: &str) -> Result<ExportSpec> {
-        let expected = || Error::BadSpec(format!("{s:?}: expected nbd:PATH, nbd:tcp:ADDR or tap:NAME"));
+        let expected = || {
+            Error::BadSpec(format!(
+                "{s:?}: expected nbd:PATH, nbd:tcp:ADDR, vhost-user-blk:PATH[,ro][,queues=N] or tap:NAME"
+            ))
+        };
+        if let Some(rest) = s.strip_prefix("vhost-user-blk:") {
+            return ExportSpec::parse_vhost_user_blk(s, rest);
+        }
         if let Some(name) = s.strip_prefix("tap:") {
             if name.is_empty() || name.len() > 15 || name.contains(['/', ' ', ',']) {
                 return Err(Error::BadSpec(format!("{name:?}: an interface name is 1 to 15 characters")));
@@ -250,6 +297,33 @@ mod tests {
         std::fs::write(&p, "configured_group = 9\ncurrent_group = 70000\n").unwrap();
         assert!(matches!(DeviceState::resume(&p, 9), Err(Error::Config { .. })));
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn vhost_user_blk_export_specs() {
+        let parse = |s: &str| s.parse::<ExportSpec>();
+        assert_eq!(
+            parse("vhost-user-blk:/run/vda.sock").unwrap(),
+            ExportSpec::VhostUserBlk { path: "/run/vda.sock".into(), read_only: false, queues: 1 }
+        );
+        assert_eq!(
+            parse("vhost-user-blk:/tmp/v.sock,ro,queues=4").unwrap(),
+            ExportSpec::VhostUserBlk { path: "/tmp/v.sock".into(), read_only: true, queues: 4 }
+        );
+        assert!(parse("vhost-user-blk:/tmp/v.sock").unwrap().is_drive());
+        assert!(!parse("vhost-user-blk:/tmp/v.sock").unwrap().is_nbd());
+        for bad in [
+            "vhost-user-blk:",
+            "vhost-user-blk:,ro",
+            "vhost-user-blk:/s,queues=0",
+            "vhost-user-blk:/s,queues=65",
+        ] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+        let e = parse("vhost-user-blk:/s,rw").unwrap_err().to_string();
+        assert!(e.contains("expected ro or queues=N"), "{e}");
+        let e = parse("vhost:/s").unwrap_err().to_string();
+        assert!(e.contains("vhost-user-blk:PATH"), "{e}");
     }
 
     proptest::proptest! {
