@@ -125,14 +125,23 @@ impl TxSide {
                         Ok(true) => continue,
                         Ok(false) => self.gso = false,
                         Err(e) => {
+                            // A full queue (or any refusal) of the offloaded frame: the run goes
+                            // the ordinary way, which waits for room itself.
                             self.port_errors += 1;
                             tracing::debug!("port transmit: {e}");
-                            return true;
+                            if !self.flush_plain_n(run) {
+                                return true;
+                            }
+                            continue;
                         }
                     }
                 }
             }
-            if !self.flush_plain() {
+            let mut plain = self.queue.len();
+            if self.gso {
+                plain = (0..self.queue.len()).find(|&i| self.offload_run_at(i) >= 2).unwrap_or(plain).max(1);
+            }
+            if !self.flush_plain_n(plain) {
                 return true;
             }
         }
@@ -215,14 +224,10 @@ impl TxSide {
         Ok(false)
     }
 
-    /// Sends queued frames through the port's ordinary path, stopping before the next
-    /// offloadable run; returns false when the port took nothing.
-    fn flush_plain(&mut self) -> bool {
+    /// Sends up to `plain` queued frames through the port's ordinary path; returns false when
+    /// the port took nothing.
+    fn flush_plain_n(&mut self, plain: usize) -> bool {
         {
-            let mut plain = self.queue.len();
-            if self.gso {
-                plain = (0..self.queue.len()).find(|&i| self.offload_run_at(i) >= 2).unwrap_or(plain).max(1);
-            }
             let (queue, spare) = (&mut self.queue, &mut self.spare);
             let sent = self.port.tx_burst(plain, &mut |buf| {
                 let frame = queue.pop_front()?;
