@@ -90,17 +90,6 @@ fn label(bytes: usize) -> String {
     }
 }
 
-/// Moves the calling thread into a namespace.
-fn enter(ns: &str) -> anyhow::Result<()> {
-    use std::os::fd::AsRawFd;
-    let f = std::fs::File::open(format!("/var/run/netns/{ns}"))?;
-    // SAFETY: setns with a valid namespace fd changes only this thread's network namespace.
-    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(std::io::Error::last_os_error().into());
-    }
-    Ok(())
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Direction {
     Send,
@@ -127,7 +116,7 @@ fn far_end(
     let (tx, rx) = std::sync::mpsc::channel();
     let t = std::thread::spawn(move || {
         let setup = (|| -> anyhow::Result<TcpListener> {
-            enter(&ns)?;
+            lanbus_port::netns::enter(&ns)?;
             Ok(TcpListener::bind((PEER_IP, port))?)
         })();
         let l = match setup {
@@ -140,30 +129,13 @@ fn far_end(
                 return (0, 0.0);
             }
         };
-        let Ok((mut s, _)) = l.accept() else { return (0, 0.0) };
-        let start = Instant::now();
-        let mut buf = vec![0u8; 256 * 1024];
-        match dir {
-            Direction::Send => {
-                let mut got = 0u64;
-                while let Ok(n) = s.read(&mut buf) {
-                    if n == 0 {
-                        break;
-                    }
-                    got += n as u64;
-                }
-                (got, start.elapsed().as_secs_f64())
-            }
-            Direction::Recv => {
-                let until = start + Duration::from_secs_f64(seconds);
-                while Instant::now() < until {
-                    if s.write_all(&buf).is_err() {
-                        break;
-                    }
-                }
-                (0, 0.0)
-            }
-        }
+        let Ok((s, _)) = l.accept() else { return (0, 0.0) };
+        // The far end does the other half: it reads when the application sends.
+        let theirs = match dir {
+            Direction::Send => Direction::Recv,
+            Direction::Recv => Direction::Send,
+        };
+        drive(s, theirs, 256 * 1024, seconds)
     });
     rx.recv_timeout(Duration::from_secs(10)).context("the far end did not start")??;
     Ok(t)
@@ -269,7 +241,7 @@ impl Bench {
             None => {
                 let ns = self.veth.a.netns.name().to_string();
                 std::thread::spawn(move || -> anyhow::Result<(u64, f64)> {
-                    enter(&ns)?;
+                    lanbus_port::netns::enter(&ns)?;
                     let sock = socket2_bind_connect(LINUX_IP, to)?;
                     Ok(drive(sock, dir, buffer, seconds))
                 })

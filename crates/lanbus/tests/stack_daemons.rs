@@ -17,52 +17,15 @@
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lanbus_port::netns::{check_root, Netns};
 use lanbus_stack::client::StackClient;
 use lanbus_stack::CopyUnit;
 
-fn lanbus_path() -> &'static str {
-    env!("CARGO_BIN_EXE_lanbus")
-}
-
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn ok(out: std::io::Result<Output>, what: &str) -> String {
-    let out = out.unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn have(program: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {program}")])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
+mod common;
+use common::{have, lanbus_path, ok, Daemon};
 
 fn sha256(path: &Path) -> String {
     let out = ok(Command::new("sha256sum").arg(path).output(), "sha256sum");
@@ -171,7 +134,7 @@ impl Net {
         let name = self.linux.name().to_string();
         let (tx, rx) = std::sync::mpsc::channel();
         let t = std::thread::spawn(move || {
-            enter(&name);
+            lanbus_port::netns::enter(&name).expect("entering the namespace");
             let l = TcpListener::bind((LINUX_IP, port)).expect("binding in the Linux namespace");
             tx.send(()).unwrap();
             serve(l)
@@ -179,14 +142,6 @@ impl Net {
         rx.recv_timeout(Duration::from_secs(10)).expect("the Linux listener");
         t
     }
-}
-
-/// Moves the calling thread into namespace `name`.
-fn enter(name: &str) {
-    use std::os::fd::AsRawFd;
-    let file = std::fs::File::open(format!("/var/run/netns/{name}")).expect("the namespace");
-    // SAFETY: setns with a valid namespace fd changes only this thread's network namespace.
-    assert_eq!(unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns");
 }
 
 #[test]
@@ -298,6 +253,7 @@ fn stack_server_against_linux_tcp() {
         // All accepted first: every connection is open at the same time.
         let accepted: Vec<_> = (0..N).map(|_| l.accept().unwrap().0).collect();
         for mut s in accepted {
+            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
             let mut msg = Vec::new();
             s.read_to_end(&mut msg).unwrap();
             s.write_all(&msg).unwrap();
@@ -314,6 +270,7 @@ fn stack_server_against_linux_tcp() {
         c.shutdown_write().unwrap();
     }
     for (i, c) in conns.iter_mut().enumerate() {
+        c.set_read_timeout(Some(Duration::from_secs(60)));
         let mut back = String::new();
         c.read_to_string(&mut back).unwrap();
         assert_eq!(back, format!("connection {i}"));
@@ -393,6 +350,7 @@ fn stack_server_against_linux_tcp() {
     let client = net.client();
     let server = net.linux_server(6008, |l| {
         let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         let mut msg = Vec::new();
         s.read_to_end(&mut msg).unwrap();
         msg
@@ -413,7 +371,9 @@ fn preload_library() -> PathBuf {
 
 /// A command run with the preload library, attached to the test's stack server.
 fn preloaded(net: &Net, program: &str) -> Command {
-    let mut c = Command::new(program);
+    // Bounded like everything in these tests: a stuck program fails the test, never hangs it.
+    let mut c = Command::new("timeout");
+    c.args(["120", program]);
     c.env("LD_PRELOAD", preload_library()).env("LANBUS_STACK_SOCKET", &net.socket);
     c
 }

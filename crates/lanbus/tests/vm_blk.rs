@@ -21,40 +21,13 @@
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lanbus_port::netns::{check_root, VethPair};
 
-fn lanbus_path() -> &'static str {
-    env!("CARGO_BIN_EXE_lanbus")
-}
-
-/// A child process killed (SIGTERM, then SIGKILL after 5 s) when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn have(program: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {program}")])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
+mod common;
+use common::{have, lanbus_path, Daemon as Proc};
 
 fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     let t = Instant::now();

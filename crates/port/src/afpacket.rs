@@ -1127,8 +1127,9 @@ impl Port for AfPacketPort {
         let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
         msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
         msg.msg_iovlen = 2;
-        // SAFETY: msg points at two live iovecs over buffers the kernel only reads.
-        let rc = unsafe { libc::sendmsg(fd, &msg, 0) };
+        // SAFETY: msg points at two live iovecs over buffers the kernel only reads. Never blocks:
+        // a full socket buffer is a full queue, which the caller handles.
+        let rc = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT) };
         if rc < 0 {
             let e = std::io::Error::last_os_error();
             return match e.raw_os_error() {

@@ -83,6 +83,19 @@ pub fn delete_all() -> usize {
     names.iter().filter(|name| ip(&["netns", "del", name]).is_ok()).count()
 }
 
+/// Moves the calling thread into the namespace `ip netns` knows as `name` (for a thread that
+/// cannot hold the [`Netns`] itself). Sockets it opens afterwards belong there.
+pub fn enter(name: &str) -> std::io::Result<()> {
+    let file = File::open(format!("/var/run/netns/{name}"))?;
+    // SAFETY: setns with a valid namespace fd and CLONE_NEWNET changes only this thread's
+    // network namespace; the fd stays open for the duration of the call.
+    let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 impl Netns {
     /// Creates a namespace with loopback up.
     pub fn create(name: &str) -> std::io::Result<Netns> {
@@ -131,14 +144,7 @@ impl Netns {
     /// Moves the calling thread into the namespace. Sockets it opens afterwards belong there.
     /// Threads it spawns afterwards start there too.
     pub fn enter_current_thread(&self) -> std::io::Result<()> {
-        let file = File::open(format!("/var/run/netns/{}", self.name))?;
-        // SAFETY: setns with a valid namespace fd and CLONE_NEWNET changes only this thread's
-        // network namespace; the fd stays open for the duration of the call.
-        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        enter(&self.name)
     }
 
     /// Runs `f` on a new thread inside the namespace and returns its result (a panic in `f` is

@@ -390,6 +390,10 @@ impl Inner {
             if self.send(st, msg)? {
                 return Ok(());
             }
+            // A server that takes nothing for this long is as good as gone: an error, not a hang.
+            if start.elapsed() > Duration::from_secs(10) {
+                return Err(io::Error::from_raw_os_error(libc::ETIMEDOUT));
+            }
             self.pump(st);
             if let Some(bell) = &self.server_bell {
                 let _ = bell.notify();
