@@ -10,7 +10,7 @@
 //! bound. A server that goes away turns every blocked call into an error (ECONNRESET for streams,
 //! EPIPE for writes), never a hang: waits are sliced and look at the socket between slices.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::{AsFd, AsRawFd};
@@ -54,6 +54,9 @@ struct Book {
     /// Handles something arrived for since the last look (for [`StackClient::set_notify`]).
     touched: Vec<u32>,
     replies: HashMap<u32, Result<(u32, SocketAddrV4), i32>>,
+    /// Connect requests waiting for their answer: the connection's state exists from the moment
+    /// the answer arrives, since its data or its end may come in the same read.
+    connecting: HashSet<u32>,
     conns: HashMap<u32, ConnState>,
     accepted: HashMap<u32, VecDeque<(u32, SocketAddrV4)>>,
     datagrams: HashMap<u32, VecDeque<(SocketAddrV4, Vec<u8>)>>,
@@ -63,9 +66,13 @@ impl Book {
     fn dispatch(&mut self, bytes: &[u8]) -> Result<(), String> {
         match Msg::parse(bytes).map_err(|e| e.to_string())? {
             Msg::Opened { req, handle, local } => {
+                if self.connecting.remove(&req) {
+                    self.conns.insert(handle, ConnState::default());
+                }
                 self.replies.insert(req, Ok((handle, local)));
             }
             Msg::Failed { req, errno } => {
+                self.connecting.remove(&req);
                 self.replies.insert(req, Err(errno));
             }
             Msg::Accepted { listener, conn, peer } => {
@@ -458,17 +465,20 @@ impl Inner {
         let mut st = self.lock();
         st.next_req = st.next_req.wrapping_add(1);
         let req = st.next_req;
-        self.send_control(&mut st, &msg(req))?;
+        if is_conn {
+            st.book.connecting.insert(req);
+        }
+        if let Err(e) = self.send_control(&mut st, &msg(req)) {
+            st.book.connecting.remove(&req);
+            return Err(e);
+        }
         loop {
             self.pump(&mut st);
             if let Some(answer) = st.book.replies.remove(&req) {
-                let (handle, local) = answer.map_err(io::Error::from_raw_os_error)?;
-                if is_conn {
-                    st.book.conns.insert(handle, ConnState::default());
-                }
-                return Ok((handle, local));
+                return answer.map_err(io::Error::from_raw_os_error);
             }
             if st.gone.is_some() {
+                st.book.connecting.remove(&req);
                 return Err(gone_error());
             }
             st = self.wait(st, SLICE);
@@ -778,3 +788,36 @@ impl Drop for UdpSocket {
 
 /// Bytes of one message header, for callers sizing buffers.
 pub const MESSAGE_HEADER_BYTES: usize = HEADER_LEN;
+
+#[cfg(test)]
+mod book_tests {
+    use super::*;
+
+    fn feed(book: &mut Book, msg: Msg) {
+        let mut buf = vec![0u8; msg.len()];
+        msg.emit(&mut buf).unwrap();
+        book.dispatch(&buf).unwrap();
+    }
+
+    /// A connection's first bytes and its reset may arrive in the same read as the answer to
+    /// its connect, before the caller has picked the answer up: none of it may be lost.
+    #[test]
+    fn what_follows_a_connects_answer_in_one_read_is_kept() {
+        let mut book = Book::default();
+        book.connecting.insert(7);
+        let local = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 40000);
+        feed(&mut book, Msg::Opened { req: 7, handle: 3, local });
+        feed(&mut book, Msg::Data { conn: 3, data: b"hello" });
+        feed(&mut book, Msg::Closed { conn: 3, errno: libc::ECONNRESET });
+        assert_eq!(book.replies.remove(&7), Some(Ok((3, local))));
+        let c = &book.conns[&3];
+        assert_eq!(c.rx.front().map(|d| &d[..]), Some(&b"hello"[..]));
+        assert_eq!(c.closed, Some(libc::ECONNRESET));
+        assert!(book.connecting.is_empty());
+        // A listener's answer makes no connection.
+        book.connecting.insert(8);
+        feed(&mut book, Msg::Failed { req: 8, errno: libc::ECONNREFUSED });
+        feed(&mut book, Msg::Opened { req: 9, handle: 4, local });
+        assert!(!book.conns.contains_key(&4) && book.connecting.is_empty());
+    }
+}
