@@ -59,7 +59,7 @@ impl Region {
         let len = round_to_page(len);
         let cname = std::ffi::CString::new(name).map_err(|_| Error::Misuse("memfd name contains NUL"))?;
         // SAFETY: `cname` is a valid C string; the returned fd is checked.
-        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if raw < 0 {
             return Err(Error::io("memfd_create", io::Error::last_os_error()));
         }
@@ -68,6 +68,13 @@ impl Region {
         // SAFETY: plain syscall on an fd we own.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
             return Err(Error::io("ftruncate memfd", io::Error::last_os_error()));
+        }
+        // A peer that shrank the file would make every access beyond its new end a SIGBUS here:
+        // the size is sealed before the fd is shared.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: plain fcntl on an fd we own.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(Error::io("seal memfd", io::Error::last_os_error()));
         }
         Self::map_shared(fd, len)
     }

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use lanbus_ring::pipe::{Receiver, Sender};
 use lanbus_ring::{recv_fds, CopyMode, EventFd, Region};
+use std::os::fd::OwnedFd;
 
 use crate::proto::{Msg, HEADER_LEN};
 use crate::server::{RECV_CREDIT, SEND_CREDIT};
@@ -47,6 +48,8 @@ struct ConnState {
     closed: Option<i32>,
     in_flight: u64,
     consumed: u64,
+    /// A zero-copy connection: the last `Placed` (commits counted, the send buffer's tail).
+    placed: Option<(u32, u32)>,
 }
 
 #[derive(Default)]
@@ -57,6 +60,11 @@ struct Book {
     /// Connect requests waiting for their answer: the connection's state exists from the moment
     /// the answer arrives, since its data or its end may come in the same read.
     connecting: HashSet<u32>,
+    /// Zero-copy connect requests waiting for their send buffer, and the buffers that came.
+    zero_copy_waiting: HashSet<u32>,
+    zero_copy_buffers: HashMap<u32, OwnedFd>,
+    /// Zero-copy connections' requests, by connection, until the buffer is claimed.
+    zero_copy_req: HashMap<u32, u32>,
     conns: HashMap<u32, ConnState>,
     accepted: HashMap<u32, VecDeque<(u32, SocketAddrV4)>>,
     datagrams: HashMap<u32, VecDeque<(SocketAddrV4, Vec<u8>)>>,
@@ -69,10 +77,15 @@ impl Book {
                 if self.connecting.remove(&req) {
                     self.conns.insert(handle, ConnState::default());
                 }
+                if self.zero_copy_waiting.contains(&req) {
+                    self.zero_copy_req.insert(handle, req);
+                }
                 self.replies.insert(req, Ok((handle, local)));
             }
             Msg::Failed { req, errno } => {
                 self.connecting.remove(&req);
+                self.zero_copy_waiting.remove(&req);
+                self.zero_copy_buffers.remove(&req);
                 self.replies.insert(req, Err(errno));
             }
             Msg::Accepted { listener, conn, peer } => {
@@ -89,6 +102,12 @@ impl Book {
             Msg::Sent { conn, bytes } => {
                 if let Some(c) = self.conns.get_mut(&conn) {
                     c.in_flight = c.in_flight.saturating_sub(bytes);
+                }
+            }
+            Msg::Placed { conn, commits, tail } => {
+                self.touched.push(conn);
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.placed = Some((commits, tail));
                 }
             }
             Msg::Eof { conn } => {
@@ -248,6 +267,43 @@ impl StackClient {
         Ok(TcpStream { client: self.clone(), conn, local, peer: to, read_timeout: None })
     }
 
+    /// Opens a TCP connection to `to` whose send buffer is shared memory this program writes
+    /// into: [`ZeroCopyStream::reserve`] gives the room, [`ZeroCopyStream::commit`] sends what
+    /// was written there, and the stack keeps it in place until it is acknowledged, with no copy
+    /// between the program and the stack. Shared-memory clients only (`EOPNOTSUPP` otherwise).
+    pub fn connect_zero_copy(&self, to: SocketAddrV4) -> io::Result<ZeroCopyStream> {
+        let (conn, local) = self.inner.request(|req| Msg::ConnectZeroCopy { req, to }, true)?;
+        let stream = TcpStream { client: self.clone(), conn, local, peer: to, read_timeout: None };
+        let inner = &self.inner;
+        let mut st = inner.lock();
+        let req = st.book.zero_copy_req.remove(&conn);
+        if let Some(r) = req {
+            st.book.zero_copy_waiting.remove(&r);
+        }
+        // The buffer was sent before the answer: it is on the socket already.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let fd = loop {
+            inner.pump(&mut st);
+            if let Some(fd) = req.and_then(|r| st.book.zero_copy_buffers.remove(&r)) {
+                break fd;
+            }
+            if st.gone.is_some() || Instant::now() >= deadline {
+                return Err(io::Error::other("the stack server sent no zero-copy send buffer"));
+            }
+            st = inner.wait(st, SLICE);
+        };
+        drop(st);
+        let region = Region::from_fd(fd).map_err(|e| io::Error::other(e.to_string()))?;
+        Ok(ZeroCopyStream { stream, region, tail: 0, commits: 0, unplaced: VecDeque::new(), reserved: 0 })
+    }
+
+    /// Sends any message as this client (tests of the server's checks).
+    #[cfg(test)]
+    pub(crate) fn send_raw(&self, msg: &Msg<'_>) -> io::Result<()> {
+        let mut st = self.inner.lock();
+        self.inner.send_control(&mut st, msg)
+    }
+
     /// Listens on TCP `port` (0: a free port) with `backlog` connections waiting at most.
     pub fn listen(&self, port: u16, backlog: u16) -> io::Result<TcpListener> {
         let (handle, local) = self.inner.request(|req| Msg::Listen { req, port, backlog }, false)?;
@@ -275,11 +331,25 @@ impl Inner {
         let State { link, book, gone, .. } = st;
         match link {
             Link::Shm { from, .. } => {
-                let mut probe = [0u8; 1];
-                match (&self.sock).read(&mut probe) {
-                    Ok(_) => *gone = Some("the stack server went away".into()),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => *gone = Some(e.to_string()),
+                // The socket carries only zero-copy send buffers (a request id, a size, a memfd);
+                // its end is the server's.
+                loop {
+                    let mut note = [0u8; 8];
+                    match recv_fds(&self.sock, &mut note) {
+                        Ok((0, _)) => *gone = Some("the stack server went away".into()),
+                        Ok((8, fds)) if fds.len() == 1 => {
+                            let req = u32::from_le_bytes(note[..4].try_into().expect("4 bytes"));
+                            if book.zero_copy_waiting.contains(&req) {
+                                book.zero_copy_buffers.extend(fds.into_iter().map(|fd| (req, fd)));
+                            }
+                            continue;
+                        }
+                        Ok(_) => *gone = Some("the stack server broke the protocol on its socket".into()),
+                        Err(lanbus_ring::Error::Io { source, .. })
+                            if source.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(e) => *gone = Some(e.to_string()),
+                    }
+                    break;
                 }
                 loop {
                     let mut result = Ok(());
@@ -465,11 +535,16 @@ impl Inner {
         let mut st = self.lock();
         st.next_req = st.next_req.wrapping_add(1);
         let req = st.next_req;
+        let msg = msg(req);
         if is_conn {
             st.book.connecting.insert(req);
         }
-        if let Err(e) = self.send_control(&mut st, &msg(req)) {
+        if matches!(msg, Msg::ConnectZeroCopy { .. }) {
+            st.book.zero_copy_waiting.insert(req);
+        }
+        if let Err(e) = self.send_control(&mut st, &msg) {
             st.book.connecting.remove(&req);
+            st.book.zero_copy_waiting.remove(&req);
             return Err(e);
         }
         loop {
@@ -479,6 +554,7 @@ impl Inner {
             }
             if st.gone.is_some() {
                 st.book.connecting.remove(&req);
+                st.book.zero_copy_waiting.remove(&req);
                 return Err(gone_error());
             }
             st = self.wait(st, SLICE);
@@ -656,6 +732,146 @@ impl Write for TcpStream {
 impl Drop for TcpStream {
     fn drop(&mut self) {
         self.client.inner.close(self.conn, false);
+    }
+}
+
+/// A TCP connection whose send buffer is shared memory between this program and the stack
+/// server ([`StackClient::connect_zero_copy`]): the program writes its bytes where the stack
+/// will send them from, so nothing is copied between the two. Reads work as on a [`TcpStream`].
+pub struct ZeroCopyStream {
+    stream: TcpStream,
+    region: Region,
+    /// Where the next byte goes in the send buffer.
+    tail: usize,
+    /// Commits made (counted from 1, wrapping), and those the server has not placed yet with
+    /// their sizes.
+    commits: u32,
+    unplaced: VecDeque<(u32, usize)>,
+    /// Bytes the last `reserve` offered.
+    reserved: usize,
+}
+
+impl ZeroCopyStream {
+    /// The send buffer's size.
+    pub fn capacity(&self) -> usize {
+        self.region.len()
+    }
+
+    /// The connection (addresses, readiness, handle).
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// Waits for room in the send buffer and returns it: write from its start, then
+    /// [`commit`](Self::commit) what was written. The stack keeps committed bytes in place until
+    /// the peer acknowledges them; only then is their room offered again.
+    pub fn reserve(&mut self) -> io::Result<&mut [u8]> {
+        let inner = &self.stream.client.inner;
+        let cap = self.region.len();
+        let mut st = inner.lock();
+        let room = loop {
+            inner.pump(&mut st);
+            let c = st
+                .book
+                .conns
+                .get_mut(&self.stream.conn)
+                .ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))?;
+            if let Some(errno) = c.closed {
+                return Err(io::Error::from_raw_os_error(if errno == 0 { libc::EPIPE } else { errno }));
+            }
+            if let Some((placed, tail)) = c.placed.take() {
+                while self.unplaced.front().is_some_and(|&(n, _)| placed.wrapping_sub(n) as i32 >= 0) {
+                    self.unplaced.pop_front();
+                }
+                // Commits the server has not placed yet may still have to be moved from where
+                // this side wrote them: until they are placed, this side goes on from its own
+                // tail (never behind the stack's, and it does not wrap meanwhile).
+                if self.unplaced.is_empty() {
+                    self.tail = tail as usize % cap;
+                }
+            }
+            let in_flight = c.in_flight as usize;
+            if in_flight == 0 && self.unplaced.is_empty() {
+                // Everything is placed and acknowledged: the stack's buffer is empty, and smoltcp
+                // starts an empty buffer again at its beginning.
+                self.tail = 0;
+            }
+            // After a wrap the beginning is written only once every commit is placed: until then
+            // the stack's buffer may have restarted there (see the server's `ZeroCopy`).
+            let unsure = self.tail == 0 && !self.unplaced.is_empty();
+            let room = cap.saturating_sub(in_flight).min(cap - self.tail);
+            if room > 0 && !unsure {
+                break room;
+            }
+            if st.gone.is_some() {
+                return Err(gone_error());
+            }
+            st = inner.wait(st, SLICE);
+        };
+        drop(st);
+        self.reserved = room;
+        // SAFETY: [tail, tail + room) lies inside the mapping, and the stack reads it only after
+        // it is committed; `&mut self` keeps the slice from outliving the next reserve or commit.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.region.as_ptr().add(self.tail), room) })
+    }
+
+    /// Sends the first `n` bytes of the room the last [`reserve`](Self::reserve) gave.
+    pub fn commit(&mut self, n: usize) -> io::Result<()> {
+        if n > self.reserved {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("committing {n} bytes of {} reserved", self.reserved),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let inner = &self.stream.client.inner;
+        let mut st = inner.lock();
+        let conn = self.stream.conn;
+        inner.send_control(&mut st, &Msg::Commit { conn, offset: self.tail as u32, bytes: n as u32 })?;
+        if let Some(c) = st.book.conns.get_mut(&conn) {
+            c.in_flight += n as u64;
+        }
+        self.commits = self.commits.wrapping_add(1);
+        self.unplaced.push_back((self.commits, n));
+        self.tail = (self.tail + n) % self.region.len();
+        self.reserved = 0;
+        Ok(())
+    }
+
+    /// Sends FIN after the bytes committed; reads go on.
+    pub fn shutdown_write(&self) -> io::Result<()> {
+        self.stream.shutdown_write()
+    }
+
+    /// Waits until the peer acknowledged every byte committed.
+    pub fn drain(&self) -> io::Result<()> {
+        self.stream.drain()
+    }
+}
+
+/// Writing copies into the shared send buffer (the one copy a POSIX `send` needs).
+impl Write for ZeroCopyStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let room = self.reserve()?;
+        let n = room.len().min(buf.len());
+        room[..n].copy_from_slice(&buf[..n]);
+        self.commit(n)?;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Read for ZeroCopyStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.read(buf)
     }
 }
 

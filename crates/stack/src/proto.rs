@@ -106,6 +106,24 @@ pub enum Msg<'a> {
         /// The bytes.
         data: &'a [u8],
     },
+    /// Client: like `Connect`, but the connection's send buffer is shared memory the client
+    /// writes into (zero copy; shared-memory channel only). Before the answer, the server passes
+    /// the buffer's memfd over the Unix socket with the request id.
+    ConnectZeroCopy {
+        /// The request id the answer carries.
+        req: u32,
+        /// The remote address.
+        to: SocketAddrV4,
+    },
+    /// Client: `bytes` bytes at `offset` of a zero-copy connection's send buffer are ready to send.
+    Commit {
+        /// The connection.
+        conn: u32,
+        /// Where in the send buffer they are.
+        offset: u32,
+        /// How many.
+        bytes: u32,
+    },
     /// Server: a request succeeded; `handle` names the new connection or socket.
     Opened {
         /// The request.
@@ -158,6 +176,16 @@ pub enum Msg<'a> {
         /// The errno, or 0.
         errno: i32,
     },
+    /// Server: a zero-copy connection's commits up to number `commits` (counted from 1, wrapping)
+    /// are in the stack, and the next byte goes at `tail` of the send buffer.
+    Placed {
+        /// The connection.
+        conn: u32,
+        /// The last commit counted.
+        commits: u32,
+        /// The send buffer's next free position.
+        tail: u32,
+    },
     /// Server: a datagram for a UDP socket.
     UdpData {
         /// The socket.
@@ -179,6 +207,8 @@ mod op {
     pub const CLOSE: u8 = 7;
     pub const ABORT: u8 = 8;
     pub const UDP_SEND: u8 = 9;
+    pub const CONNECT_ZERO_COPY: u8 = 10;
+    pub const COMMIT: u8 = 11;
     pub const OPENED: u8 = 64;
     pub const FAILED: u8 = 65;
     pub const ACCEPTED: u8 = 66;
@@ -187,6 +217,7 @@ mod op {
     pub const EOF: u8 = 69;
     pub const CLOSED: u8 = 70;
     pub const UDP_DATA: u8 = 71;
+    pub const PLACED: u8 = 72;
 }
 
 const NOWHERE: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0);
@@ -205,6 +236,9 @@ impl<'a> Msg<'a> {
             Close { handle } => (op::CLOSE, handle, 0, NOWHERE, &[]),
             Abort { conn } => (op::ABORT, conn, 0, NOWHERE, &[]),
             UdpSend { sock, to, data } => (op::UDP_SEND, sock, 0, to, data),
+            ConnectZeroCopy { req, to } => (op::CONNECT_ZERO_COPY, req, 0, to, &[]),
+            Commit { conn, offset, bytes } => (op::COMMIT, conn, pair(offset, bytes), NOWHERE, &[]),
+            Placed { conn, commits, tail } => (op::PLACED, conn, pair(commits, tail), NOWHERE, &[]),
             Opened { req, handle, local } => (op::OPENED, req, u64::from(handle), local, &[]),
             Failed { req, errno } => (op::FAILED, req, errno as u32 as u64, NOWHERE, &[]),
             Accepted { listener, conn, peer } => (op::ACCEPTED, listener, u64::from(conn), peer, &[]),
@@ -275,6 +309,9 @@ impl<'a> Msg<'a> {
             op::CLOSE => Msg::Close { handle: a },
             op::ABORT => Msg::Abort { conn: a },
             op::UDP_SEND => Msg::UdpSend { sock: a, to: addr, data },
+            op::CONNECT_ZERO_COPY => Msg::ConnectZeroCopy { req: a, to: addr },
+            op::COMMIT => Msg::Commit { conn: a, offset: b as u32, bytes: (b >> 32) as u32 },
+            op::PLACED => Msg::Placed { conn: a, commits: b as u32, tail: (b >> 32) as u32 },
             op::OPENED => Msg::Opened { req: a, handle: b32?, local: addr },
             op::FAILED => Msg::Failed { req: a, errno: b32? as i32 },
             op::ACCEPTED => Msg::Accepted { listener: a, conn: b32?, peer: addr },
@@ -292,6 +329,11 @@ impl<'a> Msg<'a> {
         }
         Ok(msg)
     }
+}
+
+/// Two 32-bit fields in the 64-bit one: `low` in the low half.
+fn pair(low: u32, high: u32) -> u64 {
+    u64::from(low) | u64::from(high) << 32
 }
 
 fn sock(port: u16) -> SocketAddrV4 {
@@ -379,6 +421,9 @@ mod tests {
                 Msg::Eof { conn: a },
                 Msg::Closed { conn: a, errno: e },
                 Msg::UdpData { sock: a, from: to, data: d },
+                Msg::ConnectZeroCopy { req: a, to },
+                Msg::Commit { conn: a, offset: b as u32, bytes: (b >> 32) as u32 },
+                Msg::Placed { conn: a, commits: (b >> 7) as u32, tail: (b >> 40) as u32 },
             ] {
                 round_trip(msg);
             }

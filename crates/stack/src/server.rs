@@ -106,6 +106,11 @@ pub struct ServerCounters {
     pub tx_bytes: u64,
     /// Bytes delivered to clients.
     pub rx_bytes: u64,
+    /// Bytes zero-copy clients committed that the stack sent from where the client wrote them.
+    pub zero_copy_bytes: u64,
+    /// Bytes zero-copy clients committed that had to be moved first (the stack's send buffer had
+    /// emptied and restarted at its beginning before the client learned of it).
+    pub zero_copy_moved_bytes: u64,
 }
 
 /// One connection as `status` shows it.
@@ -337,6 +342,32 @@ struct Conn {
     seen_state: tcp::State,
     /// The ephemeral port this connection took (connections a listener accepted share its port).
     own_port: Option<u16>,
+    /// A zero-copy connection's shared send buffer.
+    zc: Option<ZeroCopy>,
+}
+
+/// A zero-copy connection's send buffer: smoltcp's own send buffer, in a memfd the client maps.
+/// The client writes its bytes where the buffer's next free position will be and commits them;
+/// the stack takes them in place and keeps them until they are acknowledged.
+///
+/// smoltcp restarts an empty buffer at its beginning; a commit the client made before it learned
+/// that the buffer had emptied is then moved (within the buffer) to where the stack expects it,
+/// and `Placed` tells the client where the buffer's tail really is. A client wraps to the
+/// beginning only once every commit of its is placed, so what it writes never lands on bytes
+/// still waiting for an acknowledgement.
+struct ZeroCopy {
+    /// The mapping smoltcp's send buffer borrows: it outlives the socket (the socket is removed
+    /// from the set before its `Conn` is dropped, and `Core` drops its sockets first).
+    region: Arc<Region>,
+    /// Bytes put into smoltcp's send buffer so far.
+    queued: u64,
+    /// Of those, bytes reported to the client as acknowledged.
+    acked: u64,
+    /// Commits taken so far (wrapping), and how many of them `Placed` has reported.
+    commits: u32,
+    placed: u32,
+    /// The send buffer's next free position.
+    tail: usize,
 }
 
 struct Listener {
@@ -769,7 +800,13 @@ impl Core {
 
     fn tcp_socket(&self) -> tcp::Socket<'static> {
         let n = self.config.tcp_buffer_bytes;
-        let mut s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; n]), tcp::SocketBuffer::new(vec![0; n]));
+        self.tcp_socket_with(tcp::SocketBuffer::new(vec![0; n]))
+    }
+
+    /// A TCP socket with the server's settings and `tx` as its send buffer.
+    fn tcp_socket_with(&self, tx: tcp::SocketBuffer<'static>) -> tcp::Socket<'static> {
+        let n = self.config.tcp_buffer_bytes;
+        let mut s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; n]), tx);
         s.set_congestion_control(tcp::CongestionControl::Cubic);
         s.set_nagle_enabled(false);
         s.set_ack_delay(None);
@@ -778,6 +815,123 @@ impl Core {
         s.set_keep_alive(Some(self.config.keep_alive.min(self.config.timeout / 3).into()));
         s.set_timeout(Some(self.config.timeout.into()));
         s
+    }
+
+    /// Opens a connection for client `id`'s request `req`; `zc` is its shared send buffer.
+    fn connect(&mut self, id: u32, req: u32, to: SocketAddrV4, zc: Option<ZeroCopy>, t: Instant) {
+        let Some(local_port) = self.free_port() else {
+            self.reply(id, Msg::Failed { req, errno: libc::EADDRNOTAVAIL });
+            return;
+        };
+        let mut s = match &zc {
+            None => self.tcp_socket(),
+            Some(zc) => {
+                // SAFETY: the slice is the whole mapping `zc.region`, which the connection keeps
+                // until its socket is removed from the set (see `ZeroCopy::region`). The client
+                // may write it at any time: what it writes is its own stream's bytes, which the
+                // stack only copies into frames, so a misbehaving client garbles only its stream.
+                let buf = unsafe { std::slice::from_raw_parts_mut(zc.region.as_ptr(), zc.region.len()) };
+                self.tcp_socket_with(tcp::SocketBuffer::new(buf))
+            }
+        };
+        let remote = IpEndpoint::new(IpAddress::Ipv4(*to.ip()), to.port());
+        if let Err(e) = s.connect(self.iface.context(), remote, local_port) {
+            tracing::debug!("connect to {to}: {e}");
+            let errno =
+                if to.port() == 0 || to.ip().is_unspecified() { libc::EINVAL } else { libc::ENETUNREACH };
+            self.reply(id, Msg::Failed { req, errno });
+            return;
+        }
+        let sock = self.sockets.add(s);
+        self.ports_in_use.insert(local_port);
+        self.counters.connections_opened += 1;
+        let h = self.new_handle();
+        let conn = Conn { own_port: Some(local_port), zc, ..Conn::new(id, sock, Some(req), t) };
+        self.handles.insert(h, Handle::Conn(conn));
+        self.clients.get_mut(&id).expect("serving it").handles.insert(h);
+    }
+
+    /// A zero-copy send buffer for client `id`, its memfd passed over the client's socket as a
+    /// message of the request id and the buffer's size. Shared-memory clients only.
+    fn zero_copy_buffer(&mut self, id: u32, req: u32) -> Result<ZeroCopy, i32> {
+        let client = self.clients.get(&id).ok_or(libc::EINVAL)?;
+        if !matches!(client.link, Link::Shm { .. }) {
+            return Err(libc::EOPNOTSUPP);
+        }
+        let region = Region::memfd("lanbus-stack-zero-copy", self.config.tcp_buffer_bytes)
+            .map_err(|_| libc::ENOMEM)?;
+        let len = u32::try_from(region.len()).map_err(|_| libc::EINVAL)?;
+        let mut note = [0u8; 8];
+        note[..4].copy_from_slice(&req.to_le_bytes());
+        note[4..].copy_from_slice(&len.to_le_bytes());
+        let fd = region.fd().ok_or(libc::ENOMEM)?;
+        send_fds(&client.sock, &note, &[fd]).map_err(|_| libc::ENOBUFS)?;
+        Ok(ZeroCopy { region: Arc::new(region), queued: 0, acked: 0, commits: 0, placed: 0, tail: 0 })
+    }
+
+    /// Takes `bytes` bytes a zero-copy client wrote at `offset` of its send buffer into the stack.
+    fn commit(&mut self, id: u32, conn: u32, offset: usize, bytes: usize) -> Result<(), String> {
+        if self.owned(id, conn).is_none() {
+            // A connection that closed under the client: its bytes have nowhere to go.
+            return Ok(());
+        }
+        let Some(Handle::Conn(c)) = self.handles.get_mut(&conn) else { return Ok(()) };
+        if c.shutdown {
+            return Err("committed after shutting the connection down".into());
+        }
+        let sock = c.sock;
+        let Some(zc) = c.zc.as_mut() else {
+            return Err("committed on a connection without zero copy".into());
+        };
+        let cap = zc.region.len();
+        if bytes == 0 || offset >= cap || bytes > cap - offset {
+            return Err(format!("committed {bytes} bytes at {offset} of a {cap}-byte send buffer"));
+        }
+        let s = self.sockets.get_mut::<tcp::Socket>(sock);
+        let queued = s.send_queue();
+        // The bytes waiting for an acknowledgement sit just before the tail (smoltcp's buffer is a
+        // ring): a commit whose bytes overlap them was written over unacknowledged data.
+        let start = (zc.tail + cap - queued % cap) % cap;
+        let overlaps = |a: usize, b: usize| offset < b && a < offset + bytes;
+        let over_waiting = queued > 0
+            && if start + queued <= cap {
+                overlaps(start, start + queued)
+            } else {
+                overlaps(start, cap) || overlaps(0, start + queued - cap)
+            };
+        if over_waiting {
+            return Err("committed bytes over data still waiting for an acknowledgement".into());
+        }
+        let base = zc.region.as_ptr();
+        let result = s.send(|buf| {
+            let at = buf.as_ptr() as usize - base as usize;
+            if bytes > buf.len() {
+                return (0, Err(format!("committed {bytes} bytes where {} are free", buf.len())));
+            }
+            if at != offset {
+                // SAFETY: both ranges lie inside the mapping (checked above, and smoltcp's slice
+                // is part of it); `copy` allows them to overlap.
+                unsafe { std::ptr::copy(base.add(offset), buf.as_mut_ptr(), bytes) };
+            }
+            (bytes, Ok(at))
+        });
+        match result {
+            Ok(Ok(at)) => {
+                zc.tail = (at + bytes) % cap;
+                zc.queued += bytes as u64;
+                zc.commits = zc.commits.wrapping_add(1);
+                self.counters.tx_bytes += bytes as u64;
+                if at == offset {
+                    self.counters.zero_copy_bytes += bytes as u64;
+                } else {
+                    self.counters.zero_copy_moved_bytes += bytes as u64;
+                }
+                Ok(())
+            }
+            Ok(Err(why)) => Err(why),
+            // Not connected any more: the bytes are dropped, as a closed connection's are.
+            Err(_) => Ok(()),
+        }
     }
 
     fn reply(&mut self, id: u32, msg: Msg<'_>) {
@@ -789,31 +943,18 @@ impl Core {
     fn handle(&mut self, id: u32, msg: Msg<'_>) -> Result<(), String> {
         let t = now(self.start);
         match msg {
-            Msg::Connect { req, to } => {
-                let Some(local_port) = self.free_port() else {
-                    self.reply(id, Msg::Failed { req, errno: libc::EADDRNOTAVAIL });
-                    return Ok(());
+            Msg::Connect { req, to } => self.connect(id, req, to, None, t),
+            Msg::ConnectZeroCopy { req, to } => {
+                let zc = match self.zero_copy_buffer(id, req) {
+                    Ok(zc) => zc,
+                    Err(errno) => {
+                        self.reply(id, Msg::Failed { req, errno });
+                        return Ok(());
+                    }
                 };
-                let mut s = self.tcp_socket();
-                let remote = IpEndpoint::new(IpAddress::Ipv4(*to.ip()), to.port());
-                if let Err(e) = s.connect(self.iface.context(), remote, local_port) {
-                    tracing::debug!("connect to {to}: {e}");
-                    let errno = if to.port() == 0 || to.ip().is_unspecified() {
-                        libc::EINVAL
-                    } else {
-                        libc::ENETUNREACH
-                    };
-                    self.reply(id, Msg::Failed { req, errno });
-                    return Ok(());
-                }
-                let sock = self.sockets.add(s);
-                self.ports_in_use.insert(local_port);
-                self.counters.connections_opened += 1;
-                let h = self.new_handle();
-                let conn = Conn { own_port: Some(local_port), ..Conn::new(id, sock, Some(req), t) };
-                self.handles.insert(h, Handle::Conn(conn));
-                self.clients.get_mut(&id).expect("serving it").handles.insert(h);
+                self.connect(id, req, to, Some(zc), t);
             }
+            Msg::Commit { conn, offset, bytes } => self.commit(id, conn, offset as usize, bytes as usize)?,
             Msg::Listen { req, port, backlog } => {
                 let port = if port == 0 { self.free_port().unwrap_or(0) } else { port };
                 if port == 0 || self.ports_in_use.contains(&port) {
@@ -870,6 +1011,9 @@ impl Core {
                 if c.shutdown {
                     return Err("sent after shutting the connection down".into());
                 }
+                if c.zc.is_some() {
+                    return Err("sent bytes on a zero-copy connection (it commits them)".into());
+                }
                 if c.pending.len() as u64 + data.len() as u64 > SEND_CREDIT {
                     return Err("sent beyond its credit".into());
                 }
@@ -899,6 +1043,7 @@ impl Core {
                 }
             }
             Msg::Opened { .. }
+            | Msg::Placed { .. }
             | Msg::Failed { .. }
             | Msg::Accepted { .. }
             | Msg::Data { .. }
@@ -1112,6 +1257,7 @@ impl Conn {
             seen_send_queue: 0,
             seen_recv_queue: 0,
             seen_state: tcp::State::Closed,
+            zc: None,
         }
     }
 }
@@ -1208,6 +1354,18 @@ fn move_bytes(
     if c.unreported > 0 {
         client.control(Msg::Sent { conn: h, bytes: c.unreported });
         c.unreported = 0;
+    }
+    if let Some(zc) = c.zc.as_mut() {
+        // Acknowledged bytes left smoltcp's send buffer: their room is the client's again.
+        let acked = zc.queued.saturating_sub(s.send_queue() as u64);
+        if acked > zc.acked {
+            client.control(Msg::Sent { conn: h, bytes: acked - zc.acked });
+            zc.acked = acked;
+        }
+        if zc.placed != zc.commits {
+            client.control(Msg::Placed { conn: h, commits: zc.commits, tail: zc.tail as u32 });
+            zc.placed = zc.commits;
+        }
     }
     // Received bytes to the client, within its credit and its ring's room.
     while c.credit > 0 && s.can_recv() && client.clear() {

@@ -62,6 +62,14 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
     (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 11) as u8).collect()
 }
 
+/// Compares without printing megabytes: the lengths and the first byte that differs.
+fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    if got != want {
+        let first = got.iter().zip(want).position(|(a, b)| a != b);
+        panic!("{what}: {} bytes where {} were sent, first difference at {first:?}", got.len(), want.len());
+    }
+}
+
 fn read_all(s: &mut impl Read) -> Vec<u8> {
     let mut out = Vec::new();
     s.read_to_end(&mut out).unwrap();
@@ -323,4 +331,123 @@ fn copy_units_parse_and_check() {
     assert!("65536x32".parse::<CopyUnit>().is_err());
     assert!("2048x0".parse::<CopyUnit>().is_err());
     assert!("2048x4,carrier-pigeon".parse::<CopyUnit>().is_err());
+}
+
+/// Writes `data` into a zero-copy stream in place, in chunks of the seeded sizes; every fifth
+/// chunk waits between its reserve and its commit until the stack's buffer has emptied, so that
+/// the commit lands where smoltcp no longer expects it and has to be moved.
+fn zero_copy_send(s: &mut crate::client::ZeroCopyStream, data: &[u8], seed: u64, stale: bool) {
+    let mut rng = seed;
+    let mut at = 0;
+    let mut chunk = 0;
+    while at < data.len() {
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let want = 1 + (rng >> 33) as usize % 90_000;
+        let room = s.reserve().unwrap();
+        let n = want.min(room.len()).min(data.len() - at);
+        room[..n].copy_from_slice(&data[at..at + n]);
+        chunk += 1;
+        if stale && chunk % 5 == 0 {
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        s.commit(n).unwrap();
+        at += n;
+    }
+}
+
+#[test]
+fn zero_copy_sends_from_the_shared_buffer_on_a_lossy_wire() {
+    bounded(120, || {
+        let p = pair("zero-copy", 0.005);
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let l = cb.listen(7010, 1).unwrap();
+        let up = pattern(6 << 20, 3);
+        let up2 = up.clone();
+        let server = std::thread::spawn(move || {
+            let (mut t, _) = l.accept().unwrap();
+            assert_same(&read_all(&mut t), &up2, "the bytes committed in place");
+            t.write_all(b"thanks").unwrap();
+        });
+        let mut s = ca.connect_zero_copy(SocketAddrV4::new(B, 7010)).unwrap();
+        assert!(s.capacity() >= 64 << 10);
+        zero_copy_send(&mut s, &up, 11, false);
+        // The POSIX way: one copy into the shared buffer.
+        s.drain().unwrap();
+        s.shutdown_write().unwrap();
+        assert_eq!(read_all(&mut s), b"thanks");
+        server.join().unwrap();
+        settled(&p.a, |st| st.counters.zero_copy_bytes + st.counters.zero_copy_moved_bytes == 6 << 20);
+        assert!(p.a.status().counters.zero_copy_bytes >= (6 << 20) / 2, "{:?}", p.a.status().counters);
+    });
+}
+
+#[test]
+fn a_zero_copy_commit_the_stack_did_not_expect_is_moved_intact() {
+    bounded(120, || {
+        let p = pair("zero-copy-moved", 0.0);
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let l = cb.listen(7011, 1).unwrap();
+        let up = pattern(3 << 20, 4);
+        let last = b"and the last bytes through Write";
+        let mut want = up.clone();
+        want.extend_from_slice(last);
+        let want_len = want.len();
+        let server = std::thread::spawn(move || {
+            let (mut t, _) = l.accept().unwrap();
+            assert_same(&read_all(&mut t), &want, "the bytes committed, moved or not");
+        });
+        let mut s = ca.connect_zero_copy(SocketAddrV4::new(B, 7011)).unwrap();
+        zero_copy_send(&mut s, &up, 12, true);
+        // The POSIX way: one copy into the shared buffer.
+        s.write_all(last).unwrap();
+        s.shutdown_write().unwrap();
+        server.join().unwrap();
+        drop(s);
+        settled(&p.a, |st| st.counters.tx_bytes == want_len as u64);
+        let st = p.a.status();
+        assert!(st.counters.zero_copy_moved_bytes > 0, "{:?}", st.counters);
+        assert_eq!(st.counters.clients_broken, 0);
+    });
+}
+
+#[test]
+fn bad_zero_copy_requests_are_refused_or_disconnected() {
+    bounded(60, || {
+        let p = pair("zero-copy-bad", 0.0);
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let l = cb.listen(7012, 4).unwrap();
+        // The Unix-socket channel has no shared memory to hand over.
+        let sc = StackClient::attach(&p.sock_a, CopyUnit::BASELINE).unwrap();
+        let e = sc.connect_zero_copy(SocketAddrV4::new(B, 7012)).err().expect("socket channel");
+        assert_eq!(e.raw_os_error(), Some(libc::EOPNOTSUPP), "{e}");
+        // Commits outside the buffer, or on a connection that copies, break the protocol.
+        for bad in 0..3 {
+            let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+            let s = ca.connect_zero_copy(SocketAddrV4::new(B, 7012)).unwrap();
+            let plain = ca.connect(SocketAddrV4::new(B, 7012)).unwrap();
+            let cap = s.capacity() as u32;
+            let msg = match bad {
+                0 => Msg::Commit { conn: s.stream().handle(), offset: cap - 10, bytes: 11 },
+                1 => Msg::Commit { conn: s.stream().handle(), offset: 0, bytes: 0 },
+                _ => Msg::Commit { conn: plain.handle(), offset: 0, bytes: 10 },
+            };
+            ca.send_raw(&msg).unwrap();
+            settled(&p.a, |st| st.counters.clients_broken == bad + 1);
+        }
+        // The server and its other clients go on.
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let mut s = ca.connect_zero_copy(SocketAddrV4::new(B, 7012)).unwrap();
+        s.write_all(b"still fine").unwrap();
+        s.shutdown_write().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let (mut t, _) = l.accept().unwrap();
+            if read_all(&mut t) == b"still fine" {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the good connection never arrived");
+        }
+    });
 }
