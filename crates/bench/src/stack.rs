@@ -9,7 +9,10 @@
 //! memory). The peer row, `linux`, is the same application on Linux's own TCP over the same veth
 //! (the kernel has a second address there, 10.91.0.3). In the other namespace Linux's TCP is the
 //! far end for every row: a sink for `send` (the application writes with its buffer size) and a
-//! source for `recv` (the application reads with it). Each test runs `--seconds`; the figure is
+//! source for `recv` (the application reads with it). The `stack:zero-copy` row sends through a
+//! zero-copy connection: the application's bytes are made in the connection's shared send buffer
+//! (reserve, then commit a buffer's worth), which the stack transmits from in place; like the
+//! other rows' buffers, they are not rewritten between calls. Each test runs `--seconds`; the figure is
 //! bytes the receiving side got over the time from connect to its end of stream, in Gbit/s.
 //! `--offloads default,off` runs everything with the veth's default offloads (TSO, GSO, GRO: 64 KiB
 //! segments cross) and with segmentation offloads off (every segment a frame). Also iperf3 (TCP,
@@ -54,6 +57,9 @@ pub struct StackBenchArgs {
     /// Veth offload settings to run: default, off (segmentation offloads off), or both.
     #[arg(long, default_value = "default,off")]
     offloads: String,
+    /// Also a `stack:zero-copy` row (sending only).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    zero_copy: bool,
     /// Runs of every row, in turns; a figure is their median.
     #[arg(long, default_value_t = 5)]
     runs: usize,
@@ -141,6 +147,33 @@ fn far_end(
     Ok(t)
 }
 
+/// What one row's application sends and receives through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Through {
+    /// Linux's own TCP.
+    Linux,
+    /// The stack server with a copy unit.
+    Copy(CopyUnit),
+    /// The stack server's zero-copy connection.
+    ZeroCopy,
+}
+
+/// The application's half on a zero-copy connection: `buffer` bytes committed per call.
+fn drive_zero_copy(mut s: lanbus_stack::client::ZeroCopyStream, buffer: usize, seconds: f64) {
+    let until = Instant::now() + Duration::from_secs_f64(seconds);
+    while Instant::now() < until {
+        let mut left = buffer;
+        while left > 0 {
+            let Ok(room) = s.reserve() else { return };
+            let n = room.len().min(left);
+            if s.commit(n).is_err() {
+                return;
+            }
+            left -= n;
+        }
+    }
+}
+
 /// The application's half: a connected stream, written or read with `buffer`-sized calls.
 fn drive(mut s: impl Read + Write, dir: Direction, buffer: usize, seconds: f64) -> (u64, f64) {
     let mut buf = vec![0x5au8; buffer];
@@ -220,25 +253,27 @@ impl Bench {
     }
 
     /// One test: Gbit/s.
-    fn once(
-        &mut self,
-        row: &Option<CopyUnit>,
-        dir: Direction,
-        buffer: usize,
-        seconds: f64,
-    ) -> anyhow::Result<f64> {
+    fn once(&mut self, row: &Through, dir: Direction, buffer: usize, seconds: f64) -> anyhow::Result<f64> {
         self.next_port = if self.next_port >= 60000 { 20000 } else { self.next_port + 1 };
         let port = self.next_port;
         let far = far_end(self.veth.b.netns.name().to_string(), port, dir, seconds)?;
         let to = SocketAddrV4::new(PEER_IP, port);
         let mine = match row {
-            Some(unit) => {
+            Through::Copy(unit) => {
                 let client = StackClient::attach(&self.socket, *unit)?;
                 let s =
                     client.connect(to).with_context(|| format!("connecting to {to} through the stack"))?;
                 drive(s, dir, buffer, seconds)
             }
-            None => {
+            Through::ZeroCopy => {
+                let client = StackClient::attach(&self.socket, CopyUnit::DEFAULT)?;
+                let s = client
+                    .connect_zero_copy(to)
+                    .with_context(|| format!("connecting to {to} through the stack, zero copy"))?;
+                drive_zero_copy(s, buffer, seconds);
+                (0, 0.0)
+            }
+            Through::Linux => {
                 let ns = self.veth.a.netns.name().to_string();
                 std::thread::spawn(move || -> anyhow::Result<(u64, f64)> {
                     lanbus_port::netns::enter(&ns)?;
@@ -351,11 +386,12 @@ fn cpu_percent(pid: u32, window: Duration) -> anyhow::Result<f64> {
     Ok((ticks()? - before) as f64 / hz / window.as_secs_f64() * 100.0)
 }
 
-fn row_name(row: &Option<CopyUnit>) -> String {
+fn row_name(row: &Through) -> String {
     match row {
-        None => "linux".into(),
-        Some(u) if *u == CopyUnit::BASELINE => "stack:baseline".into(),
-        Some(u) => format!("stack:{u}"),
+        Through::Linux => "linux".into(),
+        Through::Copy(u) if *u == CopyUnit::BASELINE => "stack:baseline".into(),
+        Through::Copy(u) => format!("stack:{u}"),
+        Through::ZeroCopy => "stack:zero-copy".into(),
     }
 }
 
@@ -385,11 +421,14 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir)?;
     let socket = dir.join("stackd.sock");
     let mut bench = Bench { veth, dir: dir.clone(), socket, next_port: 20000 };
-    let rows: Vec<Option<CopyUnit>> =
-        std::iter::once(None).chain(args.units.iter().copied().map(Some)).collect();
+    let rows: Vec<Through> = std::iter::once(Through::Linux)
+        .chain(args.units.iter().copied().map(Through::Copy))
+        .chain(args.zero_copy.then_some(Through::ZeroCopy))
+        .collect();
     let mut samples: std::collections::BTreeMap<(bool, &str, String, usize), Vec<f64>> = Default::default();
     let mut idle = Vec::new();
-    let total = offloads.len() * args.runs * rows.len() * 2 * buffers.len();
+    let sends_only = usize::from(args.zero_copy);
+    let total = offloads.len() * args.runs * (rows.len() * 2 - sends_only) * buffers.len();
     let mut done = 0;
     let lib = preload_library();
     if lib.is_none() {
@@ -417,6 +456,9 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
             }
             for row in &rows {
                 for dir in [Direction::Send, Direction::Recv] {
+                    if *row == Through::ZeroCopy && dir == Direction::Recv {
+                        continue;
+                    }
                     for &b in &buffers {
                         done += 1;
                         eprint!(
@@ -461,7 +503,7 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
                         .with("offloads", off_name)
                         .with("mtu", 1500)
                         .with("runs", v.len());
-                    if row.is_some() {
+                    if *row != Through::Linux {
                         if let Some(p) = samples.get(&(on, dir.name(), "linux".to_string(), b)) {
                             r = r.with("ratio_vs_linux", g / median(p).unwrap_or(0.0).max(1e-9));
                         }

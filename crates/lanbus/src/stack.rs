@@ -104,6 +104,8 @@ pub(crate) fn status_json(s: &ServerStatus) -> Value {
             "tx_dropped": c.tx_dropped,
             "bytes_from_clients": c.tx_bytes,
             "bytes_to_clients": c.rx_bytes,
+            "zero_copy_bytes": c.zero_copy_bytes,
+            "zero_copy_moved_bytes": c.zero_copy_moved_bytes,
         },
     })
 }
@@ -182,9 +184,79 @@ pub struct SendArgs {
     to: SocketAddrV4,
     #[command(flatten)]
     client: ClientArgs,
-    /// Send this many bytes of a fixed pattern instead of standard input.
+    /// Send this many bytes of a fixed pattern (byte k of the stream is k mod 251) instead of
+    /// standard input.
     #[arg(long)]
     bytes: Option<u64>,
+    /// Send through a zero-copy connection: the bytes are read (or made) straight into the
+    /// connection's send buffer, shared with the stack server, which sends them from there.
+    #[arg(long)]
+    zero_copy: bool,
+}
+
+/// Where `lanbus stack send` puts its bytes: `fill` writes at most the slice's length and says
+/// how many it wrote (0: the end).
+trait Sink {
+    fn put(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> std::io::Result<usize>) -> std::io::Result<usize>;
+}
+
+/// The copying path: through the program's own buffer.
+struct Copying<'a> {
+    stream: &'a mut lanbus_stack::client::TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Sink for Copying<'_> {
+    fn put(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> std::io::Result<usize>) -> std::io::Result<usize> {
+        let n = fill(&mut self.buf)?;
+        self.stream.write_all(&self.buf[..n])?;
+        Ok(n)
+    }
+}
+
+/// The zero-copy path: straight into the shared send buffer.
+impl Sink for lanbus_stack::client::ZeroCopyStream {
+    fn put(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> std::io::Result<usize>) -> std::io::Result<usize> {
+        let room = self.reserve()?;
+        let n = fill(room)?;
+        self.commit(n)?;
+        Ok(n)
+    }
+}
+
+/// Sends standard input, or `bytes` of the pattern, through `sink`; returns the bytes sent.
+fn send_all(sink: &mut dyn Sink, bytes: Option<u64>, max: usize) -> std::io::Result<u64> {
+    let mut sent = 0u64;
+    match bytes {
+        Some(total) => {
+            let pattern: Vec<u8> = (0..max + 251).map(|i| (i % 251) as u8).collect();
+            while sent < total {
+                let at = (sent % 251) as usize;
+                sent += sink.put(&mut |buf| {
+                    let n = ((total - sent) as usize).min(buf.len()).min(max);
+                    buf[..n].copy_from_slice(&pattern[at..at + n]);
+                    Ok(n)
+                })? as u64;
+            }
+        }
+        None => {
+            let mut stdin = std::io::stdin().lock();
+            loop {
+                let n = sink.put(&mut |buf| loop {
+                    let len = buf.len().min(max);
+                    match stdin.read(&mut buf[..len]) {
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        other => return other,
+                    }
+                })?;
+                if n == 0 {
+                    break;
+                }
+                sent += n as u64;
+            }
+        }
+    }
+    Ok(sent)
 }
 
 /// Options of `lanbus stack recv`.
@@ -215,41 +287,27 @@ pub fn run(cmd: StackCommand) -> anyhow::Result<()> {
     match cmd {
         StackCommand::Send(a) => {
             let client = StackClient::attach(&a.client.socket, a.client.unit)?;
-            let mut stream = client.connect(a.to).with_context(|| format!("connecting to {}", a.to))?;
-            let mut buf = vec![0u8; a.client.buffer.max(1)];
+            let max = a.client.buffer.max(1);
             let start = Instant::now();
-            let mut sent = 0u64;
-            match a.bytes {
-                Some(total) => {
-                    for (i, b) in buf.iter_mut().enumerate() {
-                        *b = (i % 251) as u8;
-                    }
-                    while sent < total {
-                        let n = ((total - sent) as usize).min(buf.len());
-                        stream.write_all(&buf[..n])?;
-                        sent += n as u64;
-                    }
-                }
-                None => {
-                    let mut stdin = std::io::stdin().lock();
-                    loop {
-                        let n = match stdin.read(&mut buf) {
-                            Ok(0) => break,
-                            Ok(n) => n,
-                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                            Err(e) => return Err(e.into()),
-                        };
-                        stream.write_all(&buf[..n])?;
-                        sent += n as u64;
-                    }
-                }
-            }
-            stream.shutdown_write()?;
+            let connecting = || format!("connecting to {}", a.to);
+            let (sent, mut reader): (u64, Box<dyn Read>) = if a.zero_copy {
+                let mut stream = client.connect_zero_copy(a.to).with_context(connecting)?;
+                let sent = send_all(&mut stream, a.bytes, max).context("sending")?;
+                stream.shutdown_write()?;
+                (sent, Box::new(stream))
+            } else {
+                let mut stream = client.connect(a.to).with_context(connecting)?;
+                let mut sink = Copying { stream: &mut stream, buf: vec![0u8; max] };
+                let sent = send_all(&mut sink, a.bytes, max).context("sending")?;
+                stream.shutdown_write()?;
+                (sent, Box::new(stream))
+            };
             // Until the peer's close: the bytes are then delivered, not merely queued.
+            let mut buf = vec![0u8; max];
             let mut out = std::io::stdout().lock();
             let mut got = 0u64;
             loop {
-                let n = stream.read(&mut buf)?;
+                let n = reader.read(&mut buf)?;
                 if n == 0 {
                     break;
                 }

@@ -190,6 +190,28 @@ fn stack_server_against_linux_tcp() {
     );
     assert!(sink.wait().unwrap().success());
     assert_eq!(sha256(&got), want, "200 MiB from the stack to Linux");
+    // The same through a zero-copy connection: read straight into the shared send buffer.
+    std::fs::remove_file(&got).unwrap();
+    let mut sink = net
+        .linux
+        .command("sh")
+        .arg("-c")
+        .arg(format!("exec timeout 120 nc -l -p 6009 > {}", got.display()))
+        .spawn()
+        .expect("nc -l");
+    std::thread::sleep(Duration::from_millis(300));
+    ok(
+        Command::new(lanbus_path())
+            .args(["stack", "send", &format!("{LINUX_IP}:6009"), "--zero-copy", "--socket"])
+            .arg(&net.socket)
+            .stdin(std::fs::File::open(&file).unwrap())
+            .output(),
+        "lanbus stack send --zero-copy",
+    );
+    assert!(sink.wait().unwrap().success());
+    assert_eq!(sha256(&got), want, "200 MiB from the stack to Linux, zero copy");
+    let zero_copy = &net.status()["counters"];
+    assert!(zero_copy["zero_copy_bytes"].as_u64().unwrap_or(0) >= 100 << 20, "{zero_copy}");
     let back = net.dir.join("to-stack.bin");
     let mut recv = Command::new(lanbus_path())
         .args(["stack", "recv", "6002", "--socket"])
