@@ -20,7 +20,9 @@
 //! `liblanbus_sock.so` next to this program) against the same iperf3 on Linux (`iperf3:linux`),
 //! both ways (`recv` is `-R`). Runs go in turns
 //! (`--runs`, default 5); a figure is the median; each stack row carries `ratio_vs_linux`. Also
-//! `idle:stackd`, the CPU an idle server uses. Table, JSON (`--json`), PNG per direction and
+//! `idle:stackd`, the CPU an idle server uses, and `raw:afpacket`, the floor under sending: the
+//! bare packet socket's one-way rate with MTU frames across the same veth (whole frames, and as
+//! TCP payload against Linux's best sending figure). Table, JSON (`--json`), PNG per direction and
 //! offload setting (`--png` prefix).
 
 use std::io::{Read, Write};
@@ -443,6 +445,12 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
             idle.push(cpu_percent(stackd.0.id(), Duration::from_secs(2)).unwrap_or(f64::NAN));
         }
         for run in 0..args.runs {
+            // The floor under per-packet sending: the bare packet socket's one-way rate with
+            // MTU frames from the stack's side of the veth to a packet socket on the other.
+            match super::nvme::raw_one_way("afpacket", Some(&bench.veth), args.seconds) {
+                Ok(g) => samples.entry((on, "send", "raw:afpacket".to_string(), 0)).or_default().push(g),
+                Err(e) => eprintln!("\nbench stack: raw:afpacket: {e:#}"),
+            }
             for (name, lib) in [("iperf3:linux", None), ("iperf3:stack", lib.as_deref())] {
                 if name == "iperf3:stack" && lib.is_none() {
                     continue;
@@ -511,6 +519,24 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
                     report.push(r);
                 }
                 series.push(Series { name, points });
+            }
+            if let Some(v) = samples.get(&(on, dir.name(), "raw:afpacket".to_string(), 0)) {
+                // Whole 1514-byte frames; a TCP segment of them carries 1448 bytes of data.
+                let g = median(v).unwrap_or(0.0);
+                let payload = g * 1448.0 / 1514.0;
+                let mut r = Row::new("raw:afpacket", "gbit_per_s_one_way", g)
+                    .with("direction", dir.name())
+                    .with("offloads", off_name)
+                    .with("mtu", 1500)
+                    .with("tcp_payload_gbit_per_s", payload)
+                    .with("runs", v.len());
+                let best = buffers.iter().filter_map(|&b| {
+                    samples.get(&(on, dir.name(), "linux".to_string(), b)).and_then(|p| median(p))
+                });
+                if let Some(linux) = best.fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x)))) {
+                    r = r.with("payload_ratio_vs_linux", payload / linux.max(1e-9));
+                }
+                report.push(r);
             }
             let peer = samples.get(&(on, dir.name(), "iperf3:linux".to_string(), 0)).and_then(|v| median(v));
             for name in ["iperf3:linux", "iperf3:stack"] {

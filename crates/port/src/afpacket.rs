@@ -870,10 +870,13 @@ impl AfPacketPort {
         }
     }
 
-    /// The PACKET_VNET_HDR socket, made on first use.
+    /// The PACKET_VNET_HDR socket, made on first use. It never bypasses the qdisc layer: the
+    /// direct path drops a frame the device cannot take whole (a device with segmentation
+    /// offload off: every such send failed with ENOBUFS), while the queued path cuts it in
+    /// software first, as Linux does for its own TCP.
     fn gso_socket(&mut self) -> Option<&OwnedFd> {
         if self.gso.is_none() {
-            let made = single_frame_socket(self.ifindex, self.qdisc_bypass).filter(|fd| {
+            let made = single_frame_socket(self.ifindex, false).filter(|fd| {
                 let one: libc::c_int = 1;
                 set_option(fd, libc::SOL_PACKET, libc::PACKET_VNET_HDR, &one).is_ok()
             });
