@@ -2,7 +2,7 @@
 //! receive like `nc`, through the client library).
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -33,6 +33,13 @@ pub struct StackdArgs {
     /// The default route.
     #[arg(long)]
     gateway: Option<Ipv4Addr>,
+    /// An IPv6 address and prefix length too, e.g. fd00::1/64 (without it the stack speaks IPv4
+    /// only).
+    #[arg(long)]
+    ip6: Option<String>,
+    /// The IPv6 default route.
+    #[arg(long, requires = "ip6")]
+    gateway6: Option<Ipv6Addr>,
     /// The Unix socket programs attach at (root, this daemon's user and its group may).
     #[arg(long, default_value = STACK_SOCKET)]
     socket: PathBuf,
@@ -61,6 +68,22 @@ fn parse_cidr(s: &str) -> anyhow::Result<(Ipv4Addr, u8)> {
         .filter(|l| (1..=32).contains(l))
         .with_context(|| format!("/{len}: a prefix is 1 to 32"))?;
     if ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast() {
+        bail!("{ip} cannot be a host's address");
+    }
+    Ok((ip, len))
+}
+
+/// Parses `IPV6/LEN`.
+fn parse_cidr6(s: &str) -> anyhow::Result<(Ipv6Addr, u8)> {
+    let (ip, len) =
+        s.split_once('/').with_context(|| format!("{s:?}: write ADDRESS/PREFIX, e.g. fd00::1/64"))?;
+    let ip: Ipv6Addr = ip.parse().with_context(|| format!("{ip:?} is not an IPv6 address"))?;
+    let len: u8 = len
+        .parse()
+        .ok()
+        .filter(|l| (1..=128).contains(l))
+        .with_context(|| format!("/{len}: a prefix is 1 to 128"))?;
+    if ip.is_unspecified() || ip.is_multicast() || ip.is_loopback() || ip.to_ipv4_mapped().is_some() {
         bail!("{ip} cannot be a host's address");
     }
     Ok((ip, len))
@@ -120,6 +143,8 @@ pub fn stackd(args: StackdArgs) -> anyhow::Result<()> {
     let mtu = port.mtu();
     let mut config = ServerConfig::new(ip, prefix, &args.socket);
     config.gateway = args.gateway;
+    config.ip6 = args.ip6.as_deref().map(parse_cidr6).transpose()?;
+    config.gateway6 = args.gateway6;
     config.tcp_buffer_bytes = args.tcp_buffer.clamp(4096, 64 << 20);
     config.timeout = Duration::from_secs(args.tcp_timeout.max(1));
     let server = Arc::new(
@@ -135,8 +160,9 @@ pub fn stackd(args: StackdArgs) -> anyhow::Result<()> {
             other => json!({ "error": format!("unknown command {other:?}; ask `status`") }).to_string(),
         });
     });
+    let v6 = args.ip6.as_deref().map(|a| format!(" and {a}")).unwrap_or_default();
     eprintln!(
-        "lanbus stackd: {ip}/{prefix} on {spec} (MAC {mac}, MTU {mtu}); programs attach at {}, status at {}",
+        "lanbus stackd: {ip}/{prefix}{v6} on {spec} (MAC {mac}, MTU {mtu}); programs attach at {}, status at {}",
         args.socket.display(),
         args.control.display()
     );
@@ -180,8 +206,8 @@ pub struct ClientArgs {
 /// Options of `lanbus stack send`.
 #[derive(Debug, clap::Args)]
 pub struct SendArgs {
-    /// Where to connect: IP:PORT.
-    to: SocketAddrV4,
+    /// Where to connect: IP:PORT (an IPv6 address in brackets: [fd00::2]:80).
+    to: SocketAddr,
     #[command(flatten)]
     client: ClientArgs,
     /// Send this many bytes of a fixed pattern (byte k of the stream is k mod 251) instead of
@@ -356,6 +382,10 @@ mod tests {
     fn cidrs_and_port_specs() {
         assert_eq!(parse_cidr("10.0.0.1/24").unwrap(), (Ipv4Addr::new(10, 0, 0, 1), 24));
         assert!(parse_cidr("10.0.0.1").is_err());
+        assert_eq!(parse_cidr6("fd00::1/64").unwrap(), ("fd00::1".parse().unwrap(), 64));
+        assert!(parse_cidr6("fd00::1/129").is_err());
+        assert!(parse_cidr6("::1/128").is_err());
+        assert!(parse_cidr6("10.0.0.1/24").is_err());
         assert!(parse_cidr("10.0.0.1/33").is_err());
         assert!(parse_cidr("0.0.0.0/8").is_err());
         assert_eq!(stack_port_spec("afpacket:veth0").unwrap(), "afpacket:veth0,ethertypes=all");

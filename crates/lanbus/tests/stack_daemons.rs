@@ -15,7 +15,7 @@
 //! Without root it skips and says why.
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4, TcpListener};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -34,6 +34,8 @@ fn sha256(path: &Path) -> String {
 
 const STACK_IP: Ipv4Addr = Ipv4Addr::new(10, 78, 0, 1);
 const LINUX_IP: Ipv4Addr = Ipv4Addr::new(10, 78, 0, 2);
+const STACK_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x78, 0, 0, 0, 0, 0, 1);
+const LINUX_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x78, 0, 0, 0, 0, 0, 2);
 
 struct Net {
     _stack: Netns,
@@ -72,6 +74,10 @@ fn build(test: char) -> Net {
     );
     ok(stack.ip(&["link", "set", &sif, "up"]), "stack side up");
     ok(linux.ip(&["addr", "add", &format!("{LINUX_IP}/24"), "dev", &lif]), "linux address");
+    ok(
+        linux.ip(&["-6", "addr", "add", &format!("{LINUX_IP6}/64"), "dev", &lif, "nodad"]),
+        "linux IPv6 address",
+    );
     ok(linux.ip(&["link", "set", &lif, "up"]), "linux side up");
     ok(linux.ip(&["link", "set", "lo", "up"]), "linux lo up");
     let dir = std::env::temp_dir().join(format!("lanbus-stack-daemons-{tag}{test}"));
@@ -81,6 +87,7 @@ fn build(test: char) -> Net {
     let stackd = stack
         .command(lanbus_path())
         .args(["stackd", "--port", &format!("afpacket:{sif}"), "--ip", &format!("{STACK_IP}/24")])
+        .args(["--ip6", &format!("{STACK_IP6}/64")])
         .arg("--socket")
         .arg(&socket)
         .arg("--control")
@@ -518,6 +525,52 @@ fn unmodified_programs_through_the_preload_library() {
     assert!(std::fs::read(&served).unwrap() == page, "the page the library's python served");
     drop(stack_http);
     drop(linux_http);
+
+    // IPv6: iperf3's client through the library to Linux's iperf3 over IPv6, and python's
+    // http.server through the library on `::` (both families, as Linux's dual-stack sockets)
+    // fetched by curl on Linux over IPv6 and IPv4.
+    let server = Daemon(
+        net.linux
+            .command("iperf3")
+            .args(["-s", "-1", "-B", &LINUX_IP6.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("iperf3 -s"),
+    );
+    std::thread::sleep(Duration::from_millis(400));
+    let out = ok(
+        preloaded(&net, "iperf3")
+            .args(["-c", &LINUX_IP6.to_string(), "-t", "2", "--json", "--connect-timeout", "5000"])
+            .output(),
+        "iperf3 -c over IPv6 through the library",
+    );
+    assert!(iperf3_bits(&out, "over IPv6") > 1e6);
+    drop(server);
+    let stack_http = Daemon(
+        preloaded(&net, "python3")
+            .args(["-m", "http.server", "8002", "--bind", "::"])
+            .current_dir(&site)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    for url in [format!("http://[{STACK_IP6}]:8002/page.bin"), format!("http://{STACK_IP}:8002/page.bin")] {
+        let _ = std::fs::remove_file(&served);
+        ok(
+            net.linux
+                .command("curl")
+                .args(["-sS", "--retry", "3", "--retry-connrefused", "-o"])
+                .arg(&served)
+                .arg(&url)
+                .output(),
+            "curl on Linux from python's http.server on :: through the library",
+        );
+        assert!(std::fs::read(&served).unwrap() == page, "{url}");
+    }
+    drop(stack_http);
 
     // nc through the library: 50 MiB whose sha256 matches.
     let file = net.dir.join("50M.bin");

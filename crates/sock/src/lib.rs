@@ -1,8 +1,8 @@
-//! `liblanbus_sock.so`: unmodified programs' IPv4 sockets through the lanbus TCP/IP stack server.
+//! `liblanbus_sock.so`: unmodified programs' IP sockets through the lanbus TCP/IP stack server.
 //!
 //! Layer: stack (the program's side, below its libc calls). Loaded with
-//! `LD_PRELOAD=liblanbus_sock.so`, it takes the socket calls of a program: an `AF_INET` stream or
-//! datagram socket goes to `lanbus stackd` (at `$LANBUS_STACK_SOCKET`, default
+//! `LD_PRELOAD=liblanbus_sock.so`, it takes the socket calls of a program: an `AF_INET` or
+//! `AF_INET6` stream or datagram socket goes to `lanbus stackd` (at `$LANBUS_STACK_SOCKET`, default
 //! `/tmp/lanbus-stackd.sock`) unless it is bound or connected to a loopback address, which stays
 //! with the kernel; every other socket and descriptor goes to libc untouched.
 //!
@@ -21,7 +21,10 @@
 //! parent's lanbus sockets (their shared-memory rings belong to the parent): its calls on them
 //! fail with `EBADF`; new sockets in the child attach anew. Options are accepted and, where the
 //! stack has no such knob, ignored (`getsockopt` answers what Linux would for a default socket).
-//! IPv6 sockets stay with the kernel: the stack server speaks IPv4.
+//! An `AF_INET6` socket is dual-stack as Linux's are by default: it reaches IPv4 peers through
+//! IPv4-mapped addresses (`::ffff:a.b.c.d`), and a listener on `::` takes both families
+//! (`IPV6_V6ONLY` is accepted and not enforced). IPv6 needs an IPv6 address on the server
+//! (`lanbus stackd --ip6`); without one, connecting to an IPv6 peer fails with `ENETUNREACH`.
 //!
 //! The exported functions take variadic arguments in two cases (`fcntl`, `ioctl`): they are
 //! declared with one fixed third argument, which is where the x86-64 System V convention puts the
@@ -29,7 +32,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
@@ -100,19 +103,21 @@ enum State {
     /// Made, not yet bound or connected.
     Fresh {
         stream: bool,
-        bound: Option<SocketAddrV4>,
+        bound: Option<SocketAddr>,
         opts: Vec<(c_int, c_int, Vec<u8>)>,
     },
     Listening(TcpListener),
     Connected(TcpStream),
     Udp {
         sock: UdpSocket,
-        peer: Option<SocketAddrV4>,
+        peer: Option<SocketAddr>,
     },
 }
 
 struct Sock {
     state: Mutex<State>,
+    /// `AF_INET` or `AF_INET6`: how addresses are shown to the program.
+    domain: c_int,
     nonblock: AtomicBool,
     /// A descriptor of the placeholder eventfd of our own (the program may close its numbers).
     signal: RawFd,
@@ -236,7 +241,7 @@ fn sock_of(fd: c_int) -> Option<Arc<Sock>> {
 }
 
 /// A new placeholder descriptor and its socket.
-fn new_sock(stream: bool, flags: c_int) -> c_int {
+fn new_sock(domain: c_int, stream: bool, flags: c_int) -> c_int {
     let mut efd_flags = libc::EFD_NONBLOCK;
     if flags & libc::SOCK_CLOEXEC != 0 {
         efd_flags |= libc::EFD_CLOEXEC;
@@ -255,6 +260,7 @@ fn new_sock(stream: bool, flags: c_int) -> c_int {
     }
     let sock = Arc::new(Sock {
         state: Mutex::new(State::Fresh { stream, bound: None, opts: Vec::new() }),
+        domain,
         nonblock: AtomicBool::new(flags & libc::SOCK_NONBLOCK != 0),
         signal,
         pending: AtomicBool::new(false),
@@ -266,31 +272,95 @@ fn new_sock(stream: bool, flags: c_int) -> c_int {
     fd
 }
 
-unsafe fn addr_in(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddrV4> {
-    if addr.is_null() || (len as usize) < std::mem::size_of::<libc::sockaddr_in>() {
+/// The address a program gave: `sockaddr_in`, or `sockaddr_in6` (an IPv4-mapped one as the IPv4
+/// address it stands for).
+unsafe fn addr_in(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddr> {
+    if addr.is_null() || (len as usize) < std::mem::size_of::<libc::sa_family_t>() {
         return None;
     }
-    // SAFETY: the caller's buffer holds at least a sockaddr_in (checked above).
-    let a = unsafe { &*(addr as *const libc::sockaddr_in) };
-    (a.sin_family as c_int == libc::AF_INET)
-        .then(|| SocketAddrV4::new(Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)), u16::from_be(a.sin_port)))
+    // SAFETY: the caller's buffer holds at least the family (checked above).
+    let family = c_int::from(unsafe { (*addr).sa_family });
+    match family {
+        libc::AF_INET if len as usize >= std::mem::size_of::<libc::sockaddr_in>() => {
+            // SAFETY: the buffer holds a sockaddr_in (checked).
+            let a = unsafe { &*(addr as *const libc::sockaddr_in) };
+            let ip = Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
+            Some(SocketAddr::V4(SocketAddrV4::new(ip, u16::from_be(a.sin_port))))
+        }
+        libc::AF_INET6 if len as usize >= std::mem::size_of::<libc::sockaddr_in6>() => {
+            // SAFETY: the buffer holds a sockaddr_in6 (checked).
+            let a = unsafe { &*(addr as *const libc::sockaddr_in6) };
+            let ip = Ipv6Addr::from(a.sin6_addr.s6_addr);
+            let port = u16::from_be(a.sin6_port);
+            Some(match ip.to_ipv4_mapped() {
+                Some(v4) => SocketAddr::V4(SocketAddrV4::new(v4, port)),
+                None => SocketAddr::V6(SocketAddrV6::new(ip, port, a.sin6_flowinfo, a.sin6_scope_id)),
+            })
+        }
+        _ => None,
+    }
 }
 
-unsafe fn put_addr(a: SocketAddrV4, addr: *mut sockaddr, len: *mut socklen_t) {
+/// Writes `a` for a socket of `domain`: an `AF_INET6` socket sees IPv4 peers as IPv4-mapped.
+unsafe fn put_addr(domain: c_int, a: SocketAddr, addr: *mut sockaddr, len: *mut socklen_t) {
     if addr.is_null() || len.is_null() {
         return;
     }
-    let sin = libc::sockaddr_in {
-        sin_family: libc::AF_INET as u16,
-        sin_port: a.port().to_be(),
-        sin_addr: libc::in_addr { s_addr: u32::from(*a.ip()).to_be() },
-        sin_zero: [0; 8],
+    let copy = |bytes: &[u8]| {
+        // SAFETY: the caller gave `*len` bytes at `addr`; we copy at most that many, and say how
+        // long the whole address is, as the kernel does.
+        unsafe {
+            let n = (*len as usize).min(bytes.len());
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr.cast::<u8>(), n);
+            *len = bytes.len() as socklen_t;
+        }
     };
-    // SAFETY: the caller gave `*len` bytes at `addr`; we copy at most that many.
-    unsafe {
-        let n = (*len as usize).min(std::mem::size_of::<libc::sockaddr_in>());
-        std::ptr::copy_nonoverlapping((&sin as *const libc::sockaddr_in).cast::<u8>(), addr.cast::<u8>(), n);
-        *len = std::mem::size_of::<libc::sockaddr_in>() as socklen_t;
+    if domain == libc::AF_INET6 {
+        let (ip, flowinfo, scope) = match a {
+            SocketAddr::V4(v4) => (v4.ip().to_ipv6_mapped(), 0, 0),
+            SocketAddr::V6(v6) => (*v6.ip(), v6.flowinfo(), v6.scope_id()),
+        };
+        let sin6 = libc::sockaddr_in6 {
+            sin6_family: libc::AF_INET6 as u16,
+            sin6_port: a.port().to_be(),
+            sin6_flowinfo: flowinfo,
+            sin6_addr: libc::in6_addr { s6_addr: ip.octets() },
+            sin6_scope_id: scope,
+        };
+        // SAFETY: viewing a plain C struct as its bytes.
+        copy(unsafe {
+            std::slice::from_raw_parts(
+                (&sin6 as *const libc::sockaddr_in6).cast::<u8>(),
+                std::mem::size_of::<libc::sockaddr_in6>(),
+            )
+        });
+    } else {
+        let ip = match a.ip() {
+            IpAddr::V4(v4) => v4,
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED),
+        };
+        let sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: a.port().to_be(),
+            sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
+            sin_zero: [0; 8],
+        };
+        // SAFETY: viewing a plain C struct as its bytes.
+        copy(unsafe {
+            std::slice::from_raw_parts(
+                (&sin as *const libc::sockaddr_in).cast::<u8>(),
+                std::mem::size_of::<libc::sockaddr_in>(),
+            )
+        });
+    }
+}
+
+/// "No address" in a socket's family (shown as `0.0.0.0:0` or `[::]:0`).
+fn nowhere(domain: c_int) -> SocketAddr {
+    if domain == libc::AF_INET6 {
+        SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::UNSPECIFIED, 0, 0, 0))
+    } else {
+        SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))
     }
 }
 
@@ -299,7 +369,7 @@ fn to_kernel(fd: c_int, sock: &Sock, stream: bool, opts: &[(c_int, c_int, Vec<u8
     let ty = if stream { libc::SOCK_STREAM } else { libc::SOCK_DGRAM };
     // SAFETY: plain socket(2).
     let k =
-        unsafe { real!(socket: fn(c_int, c_int, c_int) -> c_int)(libc::AF_INET, ty | libc::SOCK_CLOEXEC, 0) };
+        unsafe { real!(socket: fn(c_int, c_int, c_int) -> c_int)(sock.domain, ty | libc::SOCK_CLOEXEC, 0) };
     if k < 0 {
         // SAFETY: reading errno.
         return Err(unsafe { *libc::__errno_location() });
@@ -350,11 +420,11 @@ fn usable(sock: &Sock) -> Result<(), c_int> {
 pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int {
     let kind = ty & !(libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC);
     let ok_proto = |p: c_int| protocol == 0 || protocol == p;
-    if domain == libc::AF_INET
+    if (domain == libc::AF_INET || domain == libc::AF_INET6)
         && ((kind == libc::SOCK_STREAM && ok_proto(libc::IPPROTO_TCP))
             || (kind == libc::SOCK_DGRAM && ok_proto(libc::IPPROTO_UDP)))
     {
-        return new_sock(kind == libc::SOCK_STREAM, ty);
+        return new_sock(domain, kind == libc::SOCK_STREAM, ty);
     }
     // SAFETY: passing the program's arguments through.
     unsafe { real!(socket: fn(c_int, c_int, c_int) -> c_int)(domain, ty, protocol) }
@@ -471,7 +541,7 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
     sock.sync();
     match result {
         Ok((stream, peer)) => {
-            let nfd = new_sock(true, flags);
+            let nfd = new_sock(sock.domain, true, flags);
             if nfd < 0 {
                 return -1;
             }
@@ -481,7 +551,7 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
             new.register(h);
             new.sync();
             // SAFETY: the program's address buffer.
-            unsafe { put_addr(peer, addr, len) };
+            unsafe { put_addr(sock.domain, peer, addr, len) };
             nfd
         }
         Err(e) if e.kind() == std::io::ErrorKind::TimedOut => fail(libc::EAGAIN),
@@ -565,7 +635,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
 }
 
 /// Reads into `buf` from a lanbus socket; `from` gets a datagram's sender.
-fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut SocketAddrV4>) -> ssize_t {
+fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut SocketAddr>) -> ssize_t {
     if let Err(e) = usable(sock) {
         return fail(e);
     }
@@ -607,7 +677,7 @@ fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut Socket
     }
 }
 
-fn sock_write(sock: &Sock, buf: &[u8], to: Option<SocketAddrV4>) -> ssize_t {
+fn sock_write(sock: &Sock, buf: &[u8], to: Option<SocketAddr>) -> ssize_t {
     if let Err(e) = usable(sock) {
         return fail(e);
     }
@@ -685,13 +755,13 @@ pub unsafe extern "C" fn recvfrom(
             )
         };
     };
-    let mut from = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0);
+    let mut from = nowhere(libc::AF_INET);
     // SAFETY: the program's buffer.
     let n =
         sock_read(&s, unsafe { std::slice::from_raw_parts_mut(buf.cast(), count) }, flags, Some(&mut from));
     if n >= 0 && from.port() != 0 {
         // SAFETY: the program's address buffer.
-        unsafe { put_addr(from, addr, len) };
+        unsafe { put_addr(s.domain, from, addr, len) };
     }
     n
 }
@@ -802,7 +872,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut libc::msghdr, flags: c_int
     // SAFETY: its iovec array.
     let iovs = unsafe { std::slice::from_raw_parts(m.msg_iov, m.msg_iovlen) };
     let Some(v) = iovs.iter().find(|v| v.iov_len > 0) else { return 0 };
-    let mut from = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0);
+    let mut from = nowhere(libc::AF_INET);
     // SAFETY: the program's buffer.
     let n = sock_read(
         &s,
@@ -814,7 +884,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut libc::msghdr, flags: c_int
     m.msg_flags = 0;
     if n >= 0 && from.port() != 0 && !m.msg_name.is_null() {
         // SAFETY: the program's name buffer of msg_namelen bytes.
-        unsafe { put_addr(from, m.msg_name.cast(), &mut m.msg_namelen) };
+        unsafe { put_addr(s.domain, from, m.msg_name.cast(), &mut m.msg_namelen) };
     }
     n
 }
@@ -925,7 +995,7 @@ pub unsafe extern "C" fn getsockopt(
         }
         (libc::SOL_SOCKET, libc::SO_RCVBUF | libc::SO_SNDBUF) => 512 << 10,
         (libc::IPPROTO_TCP, libc::TCP_MAXSEG) => 1460,
-        (libc::SOL_SOCKET, libc::SO_DOMAIN) => libc::AF_INET,
+        (libc::SOL_SOCKET, libc::SO_DOMAIN) => s.domain,
         _ => 0,
     };
     // SAFETY: the program's buffer of `*len` bytes: zeroed (TCP_INFO and the like read as a
@@ -949,13 +1019,13 @@ pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut s
         };
     };
     let a = match &*lock(&s.state) {
-        State::Fresh { bound, .. } => bound.unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)),
+        State::Fresh { bound, .. } => bound.unwrap_or(nowhere(s.domain)),
         State::Listening(l) => l.local_addr(),
         State::Connected(c) => c.local_addr(),
         State::Udp { sock, .. } => sock.local_addr(),
     };
     // SAFETY: the program's buffer.
-    unsafe { put_addr(a, addr, len) };
+    unsafe { put_addr(s.domain, a, addr, len) };
     0
 }
 
@@ -973,7 +1043,7 @@ pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut s
         _ => return fail(libc::ENOTCONN),
     };
     // SAFETY: the program's buffer.
-    unsafe { put_addr(a, addr, len) };
+    unsafe { put_addr(s.domain, a, addr, len) };
     0
 }
 

@@ -12,7 +12,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -56,7 +56,7 @@ struct ConnState {
 struct Book {
     /// Handles something arrived for since the last look (for [`StackClient::set_notify`]).
     touched: Vec<u32>,
-    replies: HashMap<u32, Result<(u32, SocketAddrV4), i32>>,
+    replies: HashMap<u32, Result<(u32, SocketAddr), i32>>,
     /// Connect requests waiting for their answer: the connection's state exists from the moment
     /// the answer arrives, since its data or its end may come in the same read.
     connecting: HashSet<u32>,
@@ -66,8 +66,8 @@ struct Book {
     /// Zero-copy connections' requests, by connection, until the buffer is claimed.
     zero_copy_req: HashMap<u32, u32>,
     conns: HashMap<u32, ConnState>,
-    accepted: HashMap<u32, VecDeque<(u32, SocketAddrV4)>>,
-    datagrams: HashMap<u32, VecDeque<(SocketAddrV4, Vec<u8>)>>,
+    accepted: HashMap<u32, VecDeque<(u32, SocketAddr)>>,
+    datagrams: HashMap<u32, VecDeque<(SocketAddr, Vec<u8>)>>,
 }
 
 impl Book {
@@ -262,7 +262,8 @@ impl StackClient {
     }
 
     /// Opens a TCP connection to `to` (waits for the handshake; fails with the errno Linux gives).
-    pub fn connect(&self, to: SocketAddrV4) -> io::Result<TcpStream> {
+    pub fn connect(&self, to: impl Into<SocketAddr>) -> io::Result<TcpStream> {
+        let to = to.into();
         let (conn, local) = self.inner.request(|req| Msg::Connect { req, to }, true)?;
         Ok(TcpStream { client: self.clone(), conn, local, peer: to, read_timeout: None })
     }
@@ -271,7 +272,8 @@ impl StackClient {
     /// into: [`ZeroCopyStream::reserve`] gives the room, [`ZeroCopyStream::commit`] sends what
     /// was written there, and the stack keeps it in place until it is acknowledged, with no copy
     /// between the program and the stack. Shared-memory clients only (`EOPNOTSUPP` otherwise).
-    pub fn connect_zero_copy(&self, to: SocketAddrV4) -> io::Result<ZeroCopyStream> {
+    pub fn connect_zero_copy(&self, to: impl Into<SocketAddr>) -> io::Result<ZeroCopyStream> {
+        let to = to.into();
         let (conn, local) = self.inner.request(|req| Msg::ConnectZeroCopy { req, to }, true)?;
         let stream = TcpStream { client: self.clone(), conn, local, peer: to, read_timeout: None };
         let inner = &self.inner;
@@ -527,11 +529,7 @@ impl Inner {
     }
 
     /// Sends a request and waits for its answer.
-    fn request(
-        &self,
-        msg: impl FnOnce(u32) -> Msg<'static>,
-        is_conn: bool,
-    ) -> io::Result<(u32, SocketAddrV4)> {
+    fn request(&self, msg: impl FnOnce(u32) -> Msg<'static>, is_conn: bool) -> io::Result<(u32, SocketAddr)> {
         let mut st = self.lock();
         st.next_req = st.next_req.wrapping_add(1);
         let req = st.next_req;
@@ -575,19 +573,19 @@ impl Inner {
 pub struct TcpStream {
     client: StackClient,
     conn: u32,
-    local: SocketAddrV4,
-    peer: SocketAddrV4,
+    local: SocketAddr,
+    peer: SocketAddr,
     read_timeout: Option<Duration>,
 }
 
 impl TcpStream {
     /// The local address.
-    pub fn local_addr(&self) -> SocketAddrV4 {
+    pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
 
     /// The remote address.
-    pub fn peer_addr(&self) -> SocketAddrV4 {
+    pub fn peer_addr(&self) -> SocketAddr {
         self.peer
     }
 
@@ -879,17 +877,17 @@ impl Read for ZeroCopyStream {
 pub struct TcpListener {
     client: StackClient,
     handle: u32,
-    local: SocketAddrV4,
+    local: SocketAddr,
 }
 
 impl TcpListener {
     /// The address it listens on.
-    pub fn local_addr(&self) -> SocketAddrV4 {
+    pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
 
     /// Waits for the next connection (at most `timeout` when given: then `TimedOut`).
-    pub fn accept_timeout(&self, timeout: Option<Duration>) -> io::Result<(TcpStream, SocketAddrV4)> {
+    pub fn accept_timeout(&self, timeout: Option<Duration>) -> io::Result<(TcpStream, SocketAddr)> {
         let inner = &self.client.inner;
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut st = inner.lock();
@@ -927,7 +925,7 @@ impl TcpListener {
     }
 
     /// Waits for the next connection.
-    pub fn accept(&self) -> io::Result<(TcpStream, SocketAddrV4)> {
+    pub fn accept(&self) -> io::Result<(TcpStream, SocketAddr)> {
         self.accept_timeout(None)
     }
 }
@@ -942,12 +940,12 @@ impl Drop for TcpListener {
 pub struct UdpSocket {
     client: StackClient,
     handle: u32,
-    local: SocketAddrV4,
+    local: SocketAddr,
 }
 
 impl UdpSocket {
     /// The address it is bound to.
-    pub fn local_addr(&self) -> SocketAddrV4 {
+    pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
 
@@ -963,7 +961,8 @@ impl UdpSocket {
     }
 
     /// Sends a datagram (at most the copy unit, and within the link's MTU).
-    pub fn send_to(&self, data: &[u8], to: SocketAddrV4) -> io::Result<usize> {
+    pub fn send_to(&self, data: &[u8], to: impl Into<SocketAddr>) -> io::Result<usize> {
+        let to = to.into();
         let inner = &self.client.inner;
         if data.len() > inner.unit {
             return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
@@ -974,7 +973,7 @@ impl UdpSocket {
     }
 
     /// Receives a datagram, waiting at most `timeout` (`None`: no bound; then `WouldBlock`).
-    pub fn recv_from(&self, buf: &mut [u8], timeout: Option<Duration>) -> io::Result<(usize, SocketAddrV4)> {
+    pub fn recv_from(&self, buf: &mut [u8], timeout: Option<Duration>) -> io::Result<(usize, SocketAddr)> {
         let inner = &self.client.inner;
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut st = inner.lock();
@@ -1021,7 +1020,7 @@ mod book_tests {
     fn what_follows_a_connects_answer_in_one_read_is_kept() {
         let mut book = Book::default();
         book.connecting.insert(7);
-        let local = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 40000);
+        let local = SocketAddr::V4(std::net::SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 40000));
         feed(&mut book, Msg::Opened { req: 7, handle: 3, local });
         feed(&mut book, Msg::Data { conn: 3, data: b"hello" });
         feed(&mut book, Msg::Closed { conn: 3, errno: libc::ECONNRESET });

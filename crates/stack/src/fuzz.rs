@@ -68,6 +68,7 @@ pub fn fuzz_frames(data: &[u8]) {
     let mut iface = Interface::new(Config::new(HardwareAddress::Ethernet(mac)), &mut frames, Instant::ZERO);
     iface.update_ip_addrs(|a| {
         let _ = a.push(IpCidr::new(IpAddress::v4(10, 0, 0, 1), 24));
+        let _ = a.push(IpCidr::new(IpAddress::v6(0xfd00, 0, 0, 0, 0, 0, 0, 1), 64));
     });
     let mut sockets = SocketSet::new(Vec::new());
     let mut t =

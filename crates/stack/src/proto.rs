@@ -4,11 +4,13 @@
 //! then, for the messages that carry bytes, the bytes:
 //!
 //! ```text
-//!  0      1..4   4..8   8..16   16..20   20..22  22..24
-//!  op     zero   a      b       ip4      port    zero
+//!  0      1       2..4   4..8   8..16   16..20   20..22  22..24
+//!  op     family  zero   a      b       ip4      port    zero
 //! ```
 //!
-//! all little-endian but the address (network order, as on the wire). `a` names a request, a
+//! all little-endian but the address (network order, as on the wire). `family` is 0 for an IPv4
+//! address (or none) and 6 for an IPv6 one, whose 16 bytes then follow the header (before any
+//! payload) while `ip4` stays zero. `a` names a request, a
 //! connection or a socket; `b` carries a count, an errno or a request id. Over shared memory one
 //! message fills one pipe buffer; over a Unix socket (the baseline mode) each message is preceded
 //! by its length as a u32.
@@ -17,7 +19,7 @@
 //! knows, zero padding, payloads only where the op has one, within [`MAX_PAYLOAD`]); everything
 //! else is [`ProtoError`], which the server answers by disconnecting the client.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 24;
@@ -50,7 +52,7 @@ pub enum Msg<'a> {
         /// The request id the answer carries.
         req: u32,
         /// The remote address.
-        to: SocketAddrV4,
+        to: SocketAddr,
     },
     /// Client: listen on TCP `port` (0: any free port) with `backlog` pending connections.
     Listen {
@@ -102,7 +104,7 @@ pub enum Msg<'a> {
         /// The socket.
         sock: u32,
         /// Where to.
-        to: SocketAddrV4,
+        to: SocketAddr,
         /// The bytes.
         data: &'a [u8],
     },
@@ -113,7 +115,7 @@ pub enum Msg<'a> {
         /// The request id the answer carries.
         req: u32,
         /// The remote address.
-        to: SocketAddrV4,
+        to: SocketAddr,
     },
     /// Client: `bytes` bytes at `offset` of a zero-copy connection's send buffer are ready to send.
     Commit {
@@ -131,7 +133,7 @@ pub enum Msg<'a> {
         /// The new handle.
         handle: u32,
         /// The local address it got.
-        local: SocketAddrV4,
+        local: SocketAddr,
     },
     /// Server: a request failed with `errno` (as Linux would give it).
     Failed {
@@ -147,7 +149,7 @@ pub enum Msg<'a> {
         /// The new connection's handle.
         conn: u32,
         /// The remote address.
-        peer: SocketAddrV4,
+        peer: SocketAddr,
     },
     /// Server: bytes received on a connection (within the receive credit).
     Data {
@@ -191,7 +193,7 @@ pub enum Msg<'a> {
         /// The socket.
         sock: u32,
         /// Who sent it.
-        from: SocketAddrV4,
+        from: SocketAddr,
         /// The bytes.
         data: &'a [u8],
     },
@@ -220,11 +222,13 @@ mod op {
     pub const PLACED: u8 = 72;
 }
 
-const NOWHERE: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0);
+const NOWHERE: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+/// The family byte of an IPv6 address.
+const FAMILY_V6: u8 = 6;
 
 impl<'a> Msg<'a> {
     /// The fields in header order: op, a, b, address, payload.
-    fn parts(&self) -> (u8, u32, u64, SocketAddrV4, &'a [u8]) {
+    fn parts(&self) -> (u8, u32, u64, SocketAddr, &'a [u8]) {
         use Msg::*;
         match *self {
             Connect { req, to } => (op::CONNECT, req, 0, to, &[]),
@@ -252,7 +256,8 @@ impl<'a> Msg<'a> {
 
     /// Bytes [`Msg::emit`] writes.
     pub fn len(&self) -> usize {
-        HEADER_LEN + self.parts().4.len()
+        let (_, _, _, addr, data) = self.parts();
+        HEADER_LEN + if addr.is_ipv6() { 16 } else { 0 } + data.len()
     }
 
     /// Whether the message is only a header (never: kept for the `len` convention).
@@ -264,15 +269,23 @@ impl<'a> Msg<'a> {
     /// short.
     pub fn emit(&self, buf: &mut [u8]) -> Option<usize> {
         let (code, a, b, addr, data) = self.parts();
-        let len = HEADER_LEN + data.len();
+        let len = self.len();
         let out = buf.get_mut(..len)?;
         out[..HEADER_LEN].fill(0);
         out[0] = code;
         out[4..8].copy_from_slice(&a.to_le_bytes());
         out[8..16].copy_from_slice(&b.to_le_bytes());
-        out[16..20].copy_from_slice(&addr.ip().octets());
         out[20..22].copy_from_slice(&addr.port().to_be_bytes());
-        out[HEADER_LEN..].copy_from_slice(data);
+        let mut at = HEADER_LEN;
+        match addr {
+            SocketAddr::V4(v4) => out[16..20].copy_from_slice(&v4.ip().octets()),
+            SocketAddr::V6(v6) => {
+                out[1] = FAMILY_V6;
+                out[at..at + 16].copy_from_slice(&v6.ip().octets());
+                at += 16;
+            }
+        }
+        out[at..].copy_from_slice(data);
         Some(len)
     }
 
@@ -282,15 +295,24 @@ impl<'a> Msg<'a> {
             return Err(ProtoError::Short(buf.len()));
         }
         let code = buf[0];
-        if buf[1..4] != [0; 3] || buf[22..24] != [0, 0] {
+        if buf[2..4] != [0; 2] || buf[22..24] != [0, 0] {
             return Err(ProtoError::Malformed(code));
         }
         let a = u32::from_le_bytes(buf[4..8].try_into().expect("4 bytes"));
         let b = u64::from_le_bytes(buf[8..16].try_into().expect("8 bytes"));
-        let ip = Ipv4Addr::new(buf[16], buf[17], buf[18], buf[19]);
         let port = u16::from_be_bytes([buf[20], buf[21]]);
-        let addr = SocketAddrV4::new(ip, port);
-        let data = &buf[HEADER_LEN..];
+        let (addr, data) = match buf[1] {
+            0 => {
+                let ip = Ipv4Addr::new(buf[16], buf[17], buf[18], buf[19]);
+                (SocketAddr::V4(SocketAddrV4::new(ip, port)), &buf[HEADER_LEN..])
+            }
+            FAMILY_V6 if buf[16..20] == [0; 4] && buf.len() >= HEADER_LEN + 16 => {
+                let octets: [u8; 16] = buf[HEADER_LEN..HEADER_LEN + 16].try_into().expect("16 bytes");
+                let ip = Ipv6Addr::from(octets);
+                (SocketAddr::V6(SocketAddrV6::new(ip, port, 0, 0)), &buf[HEADER_LEN + 16..])
+            }
+            _ => return Err(ProtoError::Malformed(code)),
+        };
         if data.len() > MAX_PAYLOAD {
             return Err(ProtoError::TooLong(data.len()));
         }
@@ -336,8 +358,8 @@ fn pair(low: u32, high: u32) -> u64 {
     u64::from(low) | u64::from(high) << 32
 }
 
-fn sock(port: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)
+fn sock(port: u16) -> SocketAddr {
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port))
 }
 
 /// Fuzz entry: any bytes parse to a message or an error; what parses re-emits to the same bytes.
@@ -355,8 +377,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn addr() -> impl Strategy<Value = SocketAddrV4> {
-        (any::<[u8; 4]>(), any::<u16>()).prop_map(|(ip, port)| SocketAddrV4::new(ip.into(), port))
+    fn addr() -> impl Strategy<Value = SocketAddr> {
+        prop_oneof![
+            (any::<[u8; 4]>(), any::<u16>()).prop_map(|(ip, port)| SocketAddr::new(ip.into(), port)),
+            (any::<[u8; 16]>(), any::<u16>()).prop_map(|(ip, port)| SocketAddr::new(ip.into(), port)),
+        ]
     }
 
     fn round_trip(msg: Msg<'_>) {
@@ -373,6 +398,30 @@ mod tests {
         msg.emit(&mut buf).unwrap();
         assert_eq!(buf, [1, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 10, 0, 0, 2, 0x14, 0x51, 0, 0]);
         assert_eq!(Msg::parse(&buf), Ok(msg));
+    }
+
+    #[test]
+    fn fixture_connect_v6() {
+        let msg = Msg::Connect { req: 7, to: "[fd00::2]:5201".parse().unwrap() };
+        let mut buf = [0u8; HEADER_LEN + 16];
+        assert_eq!(msg.len(), buf.len());
+        msg.emit(&mut buf).unwrap();
+        let mut want = [0u8; HEADER_LEN + 16];
+        want[..HEADER_LEN]
+            .copy_from_slice(&[1, 6, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x14, 0x51, 0, 0]);
+        want[HEADER_LEN] = 0xfd;
+        want[HEADER_LEN + 15] = 2;
+        assert_eq!(buf, want);
+        assert_eq!(Msg::parse(&buf), Ok(msg));
+        // The family of a message without an address, an unknown family, a short address.
+        let mut eof = [0u8; HEADER_LEN + 16];
+        eof[0] = op::EOF;
+        eof[1] = FAMILY_V6;
+        assert_eq!(Msg::parse(&eof), Err(ProtoError::Malformed(op::EOF)));
+        buf[1] = 4;
+        assert_eq!(Msg::parse(&buf), Err(ProtoError::Malformed(op::CONNECT)));
+        buf[1] = FAMILY_V6;
+        assert_eq!(Msg::parse(&buf[..HEADER_LEN + 8]), Err(ProtoError::Malformed(op::CONNECT)));
     }
 
     #[test]

@@ -14,7 +14,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -53,6 +53,10 @@ pub struct ServerConfig {
     pub prefix: u8,
     /// The default route, if any.
     pub gateway: Option<Ipv4Addr>,
+    /// An IPv6 address and its prefix length, if the stack speaks IPv6.
+    pub ip6: Option<(Ipv6Addr, u8)>,
+    /// The IPv6 default route, if any.
+    pub gateway6: Option<Ipv6Addr>,
     /// The Unix socket clients attach to.
     pub socket: PathBuf,
     /// Bytes of each TCP connection's receive and send buffer (the window scales to fit).
@@ -71,6 +75,8 @@ impl ServerConfig {
             ip,
             prefix,
             gateway: None,
+            ip6: None,
+            gateway6: None,
             socket: socket.to_path_buf(),
             tcp_buffer_bytes: 512 << 10,
             keep_alive: Duration::from_secs(10),
@@ -117,9 +123,9 @@ pub struct ServerCounters {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnectionInfo {
     /// Local address.
-    pub local: Option<SocketAddrV4>,
+    pub local: Option<SocketAddr>,
     /// Remote address.
-    pub remote: Option<SocketAddrV4>,
+    pub remote: Option<SocketAddr>,
     /// TCP state, as smoltcp names it.
     pub state: String,
     /// The client's process id (0 once the client has gone).
@@ -407,11 +413,22 @@ fn now(start: std::time::Instant) -> Instant {
     Instant::from_micros(start.elapsed().as_micros() as i64)
 }
 
-fn endpoint_v4(e: Option<IpEndpoint>) -> Option<SocketAddrV4> {
+fn endpoint(e: Option<IpEndpoint>) -> Option<SocketAddr> {
     e.map(|e| match e.addr {
-        IpAddress::Ipv4(a) => SocketAddrV4::new(a, e.port),
+        IpAddress::Ipv4(a) => SocketAddr::V4(SocketAddrV4::new(a, e.port)),
+        IpAddress::Ipv6(a) => SocketAddr::V6(SocketAddrV6::new(a, e.port, 0, 0)),
     })
 }
+
+fn ip_address(ip: IpAddr) -> IpAddress {
+    match ip {
+        IpAddr::V4(a) => IpAddress::Ipv4(a),
+        IpAddr::V6(a) => IpAddress::Ipv6(a),
+    }
+}
+
+/// "No address": the IPv4 wildcard and port 0.
+const NOWHERE: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
 
 impl Core {
     fn new(port: Box<dyn Port>, config: ServerConfig, listener: UnixListener) -> std::io::Result<Core> {
@@ -427,7 +444,16 @@ impl Core {
         let mut iface = Interface::new(iface_config, &mut dev, now(start));
         iface.update_ip_addrs(|addrs| {
             let _ = addrs.push(IpCidr::new(IpAddress::Ipv4(config.ip), config.prefix));
+            if let Some((ip6, prefix6)) = config.ip6 {
+                let _ = addrs.push(IpCidr::new(IpAddress::Ipv6(ip6), prefix6));
+            }
         });
+        if let Some(gw) = config.gateway6 {
+            iface
+                .routes_mut()
+                .add_default_ipv6_route(gw)
+                .map_err(|_| std::io::Error::other("the route table is full"))?;
+        }
         if let Some(gw) = config.gateway {
             iface
                 .routes_mut()
@@ -818,7 +844,7 @@ impl Core {
     }
 
     /// Opens a connection for client `id`'s request `req`; `zc` is its shared send buffer.
-    fn connect(&mut self, id: u32, req: u32, to: SocketAddrV4, zc: Option<ZeroCopy>, t: Instant) {
+    fn connect(&mut self, id: u32, req: u32, to: SocketAddr, zc: Option<ZeroCopy>, t: Instant) {
         let Some(local_port) = self.free_port() else {
             self.reply(id, Msg::Failed { req, errno: libc::EADDRNOTAVAIL });
             return;
@@ -834,7 +860,7 @@ impl Core {
                 self.tcp_socket_with(tcp::SocketBuffer::new(buf))
             }
         };
-        let remote = IpEndpoint::new(IpAddress::Ipv4(*to.ip()), to.port());
+        let remote = IpEndpoint::new(ip_address(to.ip()), to.port());
         if let Err(e) = s.connect(self.iface.context(), remote, local_port) {
             tracing::debug!("connect to {to}: {e}");
             let errno =
@@ -975,7 +1001,7 @@ impl Core {
                 self.clients.get_mut(&id).expect("serving it").handles.insert(h);
                 self.reply(
                     id,
-                    Msg::Opened { req, handle: h, local: SocketAddrV4::new(self.config.ip, port) },
+                    Msg::Opened { req, handle: h, local: SocketAddr::new(self.config.ip.into(), port) },
                 );
             }
             Msg::UdpBind { req, port } => {
@@ -1000,7 +1026,7 @@ impl Core {
                 self.clients.get_mut(&id).expect("serving it").handles.insert(h);
                 self.reply(
                     id,
-                    Msg::Opened { req, handle: h, local: SocketAddrV4::new(self.config.ip, port) },
+                    Msg::Opened { req, handle: h, local: SocketAddr::new(self.config.ip.into(), port) },
                 );
             }
             Msg::Send { conn, data } => {
@@ -1036,7 +1062,7 @@ impl Core {
                 if let Some(Handle::Udp(u)) = self.owned(id, sock) {
                     let handle = u.sock;
                     let s = self.sockets.get_mut::<udp::Socket>(handle);
-                    let to = IpEndpoint::new(IpAddress::Ipv4(*to.ip()), to.port());
+                    let to = IpEndpoint::new(ip_address(to.ip()), to.port());
                     // A full send buffer drops the datagram, as UDP may.
                     let _ = s.send_slice(data, to);
                     self.counters.tx_bytes += data.len() as u64;
@@ -1153,8 +1179,7 @@ impl Core {
                     let Some(client) = self.clients.get_mut(&u.client) else { continue };
                     while client.clear() && s.can_recv() {
                         let Ok((data, meta)) = s.recv() else { break };
-                        let from = endpoint_v4(Some(meta.endpoint))
-                            .unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+                        let from = endpoint(Some(meta.endpoint)).unwrap_or(NOWHERE);
                         let data = &data[..data.len().min(client.unit)];
                         self.counters.rx_bytes += data.len() as u64;
                         client.control(Msg::UdpData { sock: h, from, data });
@@ -1173,8 +1198,7 @@ impl Core {
                     *w = fresh;
                 }
             }
-            let peer = endpoint_v4(self.sockets.get::<tcp::Socket>(slot).remote_endpoint())
-                .unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+            let peer = endpoint(self.sockets.get::<tcp::Socket>(slot).remote_endpoint()).unwrap_or(NOWHERE);
             let h = self.new_handle();
             self.handles.insert(h, Handle::Conn(Conn::new(client, slot, None, t)));
             self.counters.connections_opened += 1;
@@ -1224,8 +1248,8 @@ impl Core {
                 Handle::Conn(c) => {
                     let s = self.sockets.get::<tcp::Socket>(c.sock);
                     connections.push(ConnectionInfo {
-                        local: endpoint_v4(s.local_endpoint()),
-                        remote: endpoint_v4(s.remote_endpoint()),
+                        local: endpoint(s.local_endpoint()),
+                        remote: endpoint(s.remote_endpoint()),
                         state: s.state().to_string(),
                         pid: self.clients.get(&c.client).map_or(0, |cl| cl.pid),
                     });
@@ -1343,8 +1367,7 @@ fn move_bytes(
                 return true;
             }
             _ => {
-                let local =
-                    endpoint_v4(s.local_endpoint()).unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+                let local = endpoint(s.local_endpoint()).unwrap_or(NOWHERE);
                 client.control(Msg::Opened { req, handle: h, local });
                 c.connecting = None;
                 moved = true;

@@ -2,7 +2,7 @@
 //! link, refusals and resets, UDP, many connections, and clients that die or misbehave.
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -18,6 +18,8 @@ use crate::{hello, Channel, CopyUnit};
 
 const A: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
 const B: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
+const A6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 1);
+const B6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 2);
 
 struct Pair {
     a: Server,
@@ -39,6 +41,8 @@ fn pair(name: &str, loss: f64) -> Pair {
     let mut cb = ServerConfig::new(B, 24, &sock_b);
     ca.timeout = Duration::from_secs(3);
     cb.timeout = Duration::from_secs(3);
+    ca.ip6 = Some((A6, 64));
+    cb.ip6 = Some((B6, 64));
     let a = Server::start(Box::new(pa), ca).unwrap();
     let b = Server::start(Box::new(pb), cb).unwrap();
     Pair { a, b, sock_a, sock_b, _dir: dir }
@@ -87,12 +91,12 @@ fn exchange(unit: CopyUnit, loss: f64, name: &str) {
     let (up2, down2) = (up.clone(), down.clone());
     let server = std::thread::spawn(move || {
         let (mut s, peer) = listener.accept().unwrap();
-        assert_eq!(*peer.ip(), A);
+        assert_eq!(peer.ip(), IpAddr::V4(A));
         assert_eq!(read_all(&mut s), up2, "the bytes A sent");
         s.write_all(&down2).unwrap();
     });
     let mut s = ca.connect(SocketAddrV4::new(B, 7000)).unwrap();
-    assert_eq!(*s.local_addr().ip(), A);
+    assert_eq!(s.local_addr().ip(), IpAddr::V4(A));
     s.write_all(&up).unwrap();
     s.shutdown_write().unwrap();
     assert_eq!(read_all(&mut s), down, "the bytes B sent back");
@@ -261,7 +265,7 @@ fn a_client_that_dies_mid_transfer_is_cleaned_up_and_others_go_on() {
         let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
         let l = cb.listen(7005, 4).unwrap();
         let mut raw = raw_client(&p.sock_a);
-        send_raw(&mut raw, Msg::Connect { req: 1, to: SocketAddrV4::new(B, 7005) });
+        send_raw(&mut raw, Msg::Connect { req: 1, to: SocketAddrV4::new(B, 7005).into() });
         let (mut peer_side, _) = l.accept().unwrap();
         // The dying client had sent part of its data.
         // (Its connection handle is the server's; the client learns it from Opened.)
@@ -449,5 +453,43 @@ fn bad_zero_copy_requests_are_refused_or_disconnected() {
             }
             assert!(std::time::Instant::now() < deadline, "the good connection never arrived");
         }
+    });
+}
+
+#[test]
+fn tcp_and_udp_over_ipv6_beside_ipv4() {
+    bounded(60, || {
+        let p = pair("ipv6", 0.0);
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        // One listener takes both families.
+        let l = cb.listen(7020, 4).unwrap();
+        let up = pattern(1 << 20, 5);
+        let up2 = up.clone();
+        let server = std::thread::spawn(move || {
+            for want in [IpAddr::V6(A6), IpAddr::V4(A)] {
+                let (mut t, peer) = l.accept().unwrap();
+                assert_eq!(peer.ip(), want);
+                assert_same(&read_all(&mut t), &up2, "over each family");
+                t.write_all(b"back").unwrap();
+            }
+        });
+        for to in
+            [SocketAddr::V6(SocketAddrV6::new(B6, 7020, 0, 0)), SocketAddr::V4(SocketAddrV4::new(B, 7020))]
+        {
+            let mut s = ca.connect(to).unwrap();
+            assert_eq!(s.local_addr().is_ipv6(), to.is_ipv6());
+            s.write_all(&up).unwrap();
+            s.shutdown_write().unwrap();
+            assert_eq!(read_all(&mut s), b"back");
+        }
+        server.join().unwrap();
+        // Datagrams.
+        let ua = ca.bind_udp(9006).unwrap();
+        let ub = cb.bind_udp(9007).unwrap();
+        ua.send_to(b"six", SocketAddrV6::new(B6, 9007, 0, 0)).unwrap();
+        let mut buf = [0u8; 16];
+        let (n, from) = ub.recv_from(&mut buf, Some(Duration::from_secs(5))).unwrap();
+        assert_eq!((&buf[..n], from), (&b"six"[..], SocketAddr::V6(SocketAddrV6::new(A6, 9006, 0, 0))));
     });
 }
