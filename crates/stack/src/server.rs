@@ -1043,8 +1043,17 @@ impl Core {
                 if c.pending.len() as u64 + data.len() as u64 > SEND_CREDIT {
                     return Err("sent beyond its credit".into());
                 }
-                c.pending.extend(data);
                 self.counters.tx_bytes += data.len() as u64;
+                // Straight from the client's ring into smoltcp's send buffer when nothing waits
+                // before these bytes; only what does not fit is kept aside.
+                let Some(Handle::Conn(c)) = self.handles.get_mut(&conn) else { return Ok(()) };
+                let taken = if c.pending.is_empty() {
+                    self.sockets.get_mut::<tcp::Socket>(c.sock).send_slice(data).unwrap_or(0)
+                } else {
+                    0
+                };
+                c.unreported += taken as u64;
+                c.pending.extend(&data[taken..]);
             }
             Msg::Consumed { conn, bytes } => {
                 if let Some(Handle::Conn(c)) = self.owned(id, conn) {
