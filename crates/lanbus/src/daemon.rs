@@ -36,7 +36,8 @@ use lanbus_node::config::{self, DeviceFile, ExportSpec, HostFile};
 use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
 use lanbus_node::metrics::{self, Sample};
 use lanbus_node::nic::NicSpec;
-use lanbus_vhost::{serve_blk, BlkOptions, BlkServer};
+use lanbus_vhost::{serve_blk, serve_net, BlkOptions, BlkServer, NetLink, NetServer};
+use lanbus_vnet::driver::NetDriver;
 use lanbus_vnet::pcie::TapExport;
 use lanbus_vnet::tap::Tap;
 
@@ -110,7 +111,8 @@ pub struct HostArgs {
     /// nbd:tcp:ADDR, and as vhost-user-blk:PATH[,ro][,queues=N] (a vhost-user-blk backend on a
     /// Unix socket for QEMU's vhost-user-blk-pci; N request queues, default 1; ro: read-only);
     /// the remote NIC as tap:NAME (a TAP interface created now, with its carrier on while the NIC
-    /// is there; give it an address with `ip addr add`).
+    /// is there; give it an address with `ip addr add`) or as vhost-user-net:PATH (a
+    /// vhost-user-net backend on a Unix socket for QEMU's virtio-net-pci, there while the NIC is).
     #[arg(long)]
     export: Vec<String>,
     /// Thread model of the transport.
@@ -508,7 +510,9 @@ fn export(host: &Arc<HostBridge>, f: &RemoteFunction, specs: &[ExportSpec]) -> a
                     e.vhost = Some(serve_blk(path, block.clone(), options)?);
                     e.uris.push(format!("vhost-user-blk:{}", path.display()));
                 }
-                ExportSpec::Tap(_) => bail!("tap: exports a NIC, not a drive"),
+                ExportSpec::Tap(_) | ExportSpec::VhostUserNet(_) => {
+                    bail!("{spec:?} exports a NIC, not a drive")
+                }
             }
         }
         Ok(())
@@ -579,23 +583,136 @@ fn vhost_json(v: &BlkServer) -> Value {
 /// The exported NIC of a host daemon.
 struct NicExported {
     function: RemoteFunction,
-    export: TapExport,
+    export: NicExport,
 }
 
-fn export_nic(host: &Arc<HostBridge>, f: &RemoteFunction, tap: &Arc<Tap>) -> anyhow::Result<NicExported> {
-    let driver = lanbus_vnet::pcie::attach(host, f, lanbus_vnet::driver::DriverConfig::default())?;
-    let export = TapExport::start(Arc::new(driver), tap.clone())
-        .with_context(|| format!("setting up TAP {}", tap.name()))?;
+/// Who drives the remote NIC's frames on the host.
+enum NicExport {
+    /// The host's kernel, through a TAP.
+    Tap(TapExport),
+    /// A VM's guest, through a vhost-user-net backend.
+    Vhost { driver: Arc<NetDriver>, server: NetServer },
+}
+
+/// Where the remote NIC goes on the host.
+enum NicTarget {
+    Tap(Arc<Tap>),
+    Vhost(PathBuf),
+}
+
+impl NicTarget {
+    fn name(&self) -> String {
+        match self {
+            NicTarget::Tap(t) => t.name().to_string(),
+            NicTarget::Vhost(p) => format!("vhost-user-net:{}", p.display()),
+        }
+    }
+}
+
+impl NicExported {
+    fn driver(&self) -> &Arc<NetDriver> {
+        match &self.export {
+            NicExport::Tap(t) => t.driver(),
+            NicExport::Vhost { driver, .. } => driver,
+        }
+    }
+
+    /// Stops moving frames; `reset` resets the device too (not when it is gone).
+    fn stop(self, reset: bool) {
+        match self.export {
+            NicExport::Tap(t) => t.stop(reset),
+            NicExport::Vhost { driver, server } => {
+                server.stop();
+                if reset {
+                    let _ = driver.stop();
+                }
+            }
+        }
+    }
+}
+
+/// The remote NIC's driver as a vhost-user-net backend's link.
+struct DriverLink(Arc<NetDriver>);
+
+impl NetLink for DriverLink {
+    fn features(&self) -> u64 {
+        self.0.features()
+    }
+    fn mac(&self) -> [u8; 6] {
+        self.0.mac()
+    }
+    fn mtu(&self) -> u16 {
+        self.0.mtu()
+    }
+    fn send(&self, frame: &[u8]) -> std::io::Result<bool> {
+        self.0.tx_push(frame).map_err(std::io::Error::other)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.0.tx_flush().map_err(std::io::Error::other)
+    }
+    fn wait_room(&self, timeout: Duration) -> std::io::Result<bool> {
+        if self.0.tx_room().map_err(std::io::Error::other)? > 0 {
+            return Ok(true);
+        }
+        self.0.tx_wait(timeout);
+        Ok(self.0.tx_room().map_err(std::io::Error::other)? > 0)
+    }
+    fn receive(&self, f: &mut dyn FnMut(&[u8])) -> std::io::Result<usize> {
+        self.0.rx_poll(f).map_err(std::io::Error::other)
+    }
+    fn wait_received(&self, timeout: Duration) {
+        self.0.rx_wait(timeout);
+    }
+}
+
+fn export_nic(host: &Arc<HostBridge>, f: &RemoteFunction, target: &NicTarget) -> anyhow::Result<NicExported> {
+    let driver = Arc::new(lanbus_vnet::pcie::attach(host, f, lanbus_vnet::driver::DriverConfig::default())?);
+    let export = match target {
+        NicTarget::Tap(tap) => NicExport::Tap(
+            TapExport::start(driver, tap.clone())
+                .with_context(|| format!("setting up TAP {}", tap.name()))?,
+        ),
+        NicTarget::Vhost(path) => {
+            let server = match serve_net(path, Arc::new(DriverLink(driver.clone()))) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = driver.stop();
+                    return Err(e.into());
+                }
+            };
+            NicExport::Vhost { driver, server }
+        }
+    };
     Ok(NicExported { function: f.clone(), export })
 }
 
-fn nic_json(n: &NicExported, tap: &str) -> Value {
-    let d = n.export.driver();
+fn nic_json(n: &NicExported, target: &str) -> Value {
+    let d = n.driver();
     let s = d.stats();
     let v = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let (error, vhost) = match &n.export {
+        NicExport::Tap(t) => (t.error(), Value::Null),
+        NicExport::Vhost { server, .. } => {
+            let b = server.stats();
+            (
+                None,
+                json!({
+                    "connections": v(&b.connections),
+                    "acked_features": format!("{:#x}", v(&b.acked_features)),
+                    "protocol_errors": v(&b.protocol_errors),
+                    "tx_frames": v(&b.tx_frames),
+                    "tx_bytes": v(&b.tx_bytes),
+                    "tx_dropped": v(&b.tx_dropped),
+                    "rx_frames": v(&b.rx_frames),
+                    "rx_bytes": v(&b.rx_bytes),
+                    "rx_dropped": v(&b.rx_dropped),
+                }),
+            )
+        }
+    };
     json!({
         "function": n.function.bdf.to_string(),
-        "tap": tap,
+        "export": target,
         "mac": lanbus_wire::MacAddr(d.mac()).to_string(),
         "mtu": d.mtu(),
         "features": format!("{:#x}", d.features()),
@@ -604,7 +721,8 @@ fn nic_json(n: &NicExported, tap: &str) -> Value {
         "rx_frames": v(&s.rx_frames),
         "rx_bytes": v(&s.rx_bytes),
         "notifies": v(&s.notifies),
-        "error": n.export.error(),
+        "vhost_user_net": vhost,
+        "error": error,
     })
 }
 
@@ -619,17 +737,17 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
         args.export
     };
     if texts.is_empty() {
-        bail!("give --export nbd:PATH, nbd:tcp:ADDR, vhost-user-blk:PATH or tap:NAME");
+        bail!("give --export nbd:PATH, nbd:tcp:ADDR, vhost-user-blk:PATH, tap:NAME or vhost-user-net:PATH");
     }
     let specs: Vec<ExportSpec> = texts.iter().map(|t| t.parse()).collect::<Result<_, _>>()?;
     let nbd_count = specs.iter().filter(|s| s.is_nbd()).count();
     let vhost_count = specs.iter().filter(|s| matches!(s, ExportSpec::VhostUserBlk { .. })).count();
-    let tap_names: Vec<&str> = specs
-        .iter()
-        .filter_map(|s| if let ExportSpec::Tap(n) = s { Some(n.as_str()) } else { None })
-        .collect();
-    if nbd_count > 1 || vhost_count > 1 || tap_names.len() > 1 {
-        bail!("one export of each kind at most: nbd:..., vhost-user-blk:... and tap:...");
+    let nic_specs: Vec<&ExportSpec> = specs.iter().filter(|s| s.is_nic()).collect();
+    if nbd_count > 1 || vhost_count > 1 {
+        bail!("one export of each kind at most: nbd:... and vhost-user-blk:...");
+    }
+    if nic_specs.len() > 1 {
+        bail!("the NIC goes to one place: tap:NAME or vhost-user-net:PATH, once");
     }
     let drive_specs: Vec<ExportSpec> = specs.iter().filter(|s| s.is_drive()).cloned().collect();
     let spec = (!drive_specs.is_empty()).then_some(drive_specs);
@@ -637,21 +755,23 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let name = args.name.or(file.name).unwrap_or_else(|| "lanbus-host".into());
     let stop = stop_flag()?;
     let metrics_listener = bind_metrics(args.metrics, file.metrics.as_deref())?;
-    // The TAP exists from the start, its carrier off until a NIC appears.
-    let tap = match tap_names.first() {
-        Some(n) => {
+    // A TAP exists from the start, its carrier off until a NIC appears; a vhost-user-net socket
+    // only while the NIC is there.
+    let nic_target = match nic_specs.first() {
+        Some(ExportSpec::Tap(n)) => {
             let t = Tap::open(n).with_context(|| format!("creating TAP {n}"))?;
             t.set_carrier(false)?;
             t.configure(None, None, true)?;
-            Some(Arc::new(t))
+            Some(NicTarget::Tap(Arc::new(t)))
         }
-        None => None,
+        Some(ExportSpec::VhostUserNet(path)) => Some(NicTarget::Vhost(path.clone())),
+        _ => None,
     };
     let port = lanbus_port::open(&port_spec)?;
     let listener = bind_control(&control)?;
     let host = Arc::new(HostBridge::start(port, config::host_config(group, &name, args.mode.into()))?);
     let events = host.subscribe();
-    let waiting = match (&spec, &tap) {
+    let waiting = match (&spec, &nic_target) {
         (Some(_), Some(_)) => "an NVMe device and a NIC",
         (Some(_), None) => "an NVMe device",
         _ => "a NIC",
@@ -693,7 +813,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             f64::from(u8::from(lock().is_some())),
         ));
         if let Some(n) = lock_nic().as_ref() {
-            let s = n.export.driver().stats();
+            let s = n.driver().stats();
             let v = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
             out.extend([
                 c("nic_tx_frames_total", "Frames sent through the remote NIC.", v(&s.tx_frames)),
@@ -723,7 +843,9 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
                 peers.push(p);
             }
         }
-        let nic_status = lock_nic().as_ref().map(|n| nic_json(n, tap.as_ref().map_or("", |t| t.name())));
+        let nic_status = lock_nic()
+            .as_ref()
+            .map(|n| nic_json(n, &nic_target.as_ref().map(NicTarget::name).unwrap_or_default()));
         let cur = lock();
         let hb = host.stats();
         json!({
@@ -774,14 +896,14 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
                             Err(err) => eprintln!("lanbus host: cannot export {}: {err:#}", f.bdf),
                         }
                     }
-                    if let (Some(t), true) = (&tap, lanbus_vnet::pcie::is_nic(&f)) {
+                    if let (Some(t), true) = (&nic_target, lanbus_vnet::pcie::is_nic(&f)) {
                         if lock_nic().is_some() {
                             continue;
                         }
                         eprint!("lanbus host: found\n{}", lanbus_node::lspci::describe(&f));
                         match export_nic(&host, &f, t) {
                             Ok(n) => {
-                                let d = n.export.driver();
+                                let d = n.driver();
                                 eprintln!(
                                     "lanbus host: NIC {} is {} ({}, MTU {}), features {:#x}",
                                     f.bdf,
@@ -805,8 +927,8 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
                         }
                         let n = { lock_nic().take_if(|n| n.function.bdf == bdf && n.function.mac == mac) };
                         if let Some(n) = n {
-                            n.export.stop(false);
-                            eprintln!("lanbus host: NIC {bdf} removed ({reason}); carrier off");
+                            n.stop(false);
+                            eprintln!("lanbus host: NIC {bdf} removed ({reason}); unexported");
                         }
                     }
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
@@ -824,7 +946,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
         unexport(e, spec, "shutting down");
     }
     if let Some(n) = lock_nic().take() {
-        n.export.stop(true);
+        n.stop(true);
     }
     let _ = std::fs::remove_file(&control);
     match Arc::try_unwrap(host) {

@@ -20,14 +20,18 @@
 //! QEMU runs with TCG unless LANBUS_GUEST_ACCEL says otherwise (`kvm` where it works).
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use lanbus_port::netns::{check_root, VethPair};
+use lanbus_port::netns::VethPair;
 
 mod common;
+use common::guest::{self, Guest};
 use common::{have, lanbus_path, Daemon as Proc};
+
+/// How long a guest may take from boot to power-off.
+const LIMIT: Duration = Duration::from_secs(120);
 
 fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     let t = Instant::now();
@@ -35,30 +39,6 @@ fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
         assert!(t.elapsed() < limit, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-fn skip_reason() -> Option<String> {
-    if let Err(s) = check_root() {
-        return Some(s.to_string());
-    }
-    if !have("qemu-system-x86_64") {
-        return Some(
-            "skipped: needs qemu-system-x86_64 (Debian qemu-system-x86; scripts/setup installs it)".into(),
-        );
-    }
-    let static_busybox = Command::new("sh")
-        .args(["-c", "test -x /bin/busybox && ! ldd /bin/busybox >/dev/null 2>&1"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !static_busybox {
-        return Some(
-            "skipped: needs a static /bin/busybox (Debian busybox-static; scripts/setup installs it)".into(),
-        );
-    }
-    if !have("rustc") {
-        return Some("skipped: needs rustc to build the guest's pattern tool".into());
-    }
-    None
 }
 
 const WORKLOAD: &str = r#"#!/bin/sh
@@ -92,54 +72,6 @@ case $mode in
 esac
 "#;
 
-struct Guest {
-    dir: PathBuf,
-    socket: PathBuf,
-}
-
-impl Guest {
-    fn qemu(&self, cmd: &str, log: &Path) -> Proc {
-        let accel = std::env::var("LANBUS_GUEST_ACCEL").unwrap_or_else(|_| "tcg".into());
-        let out = std::fs::File::create(log).unwrap();
-        let mut c = Command::new("qemu-system-x86_64");
-        c.args(["-machine", "q35", "-m", "256M", "-smp", "2", "-nographic", "-no-reboot", "-nic", "none"]);
-        for a in accel.split(',') {
-            c.args(["-accel", a]);
-        }
-        c.args(["-object", "memory-backend-memfd,id=mem,size=256M,share=on", "-numa", "node,memdev=mem"])
-            .arg("-chardev")
-            .arg(format!("socket,id=c0,path={},reconnect=1", self.socket.display()))
-            .args(["-device", "vhost-user-blk-pci,chardev=c0,num-queues=2"])
-            .arg("-kernel")
-            .arg(self.dir.join("guest/vmlinuz"))
-            .arg("-initrd")
-            .arg(self.dir.join("guest/initramfs.cpio.gz"))
-            .args(["-append", &format!("console=ttyS0 panic=-1 quiet lanbus.cmd={cmd}")]);
-        Proc(c.stdin(Stdio::null()).stdout(out.try_clone().unwrap()).stderr(out).spawn().expect("qemu"))
-    }
-
-    /// Boots a guest running `cmd` to its power-off; its console output.
-    fn boot(&self, cmd: &str, name: &str) -> String {
-        let log = self.dir.join(format!("{name}.log"));
-        let mut q = self.qemu(cmd, &log);
-        let t = Instant::now();
-        loop {
-            if let Ok(Some(_)) = q.0.try_wait() {
-                break;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(120),
-                "guest {name} did not power off in 120 s: {}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let text = std::fs::read_to_string(&log).unwrap();
-        eprintln!("guest {name} ({:.1} s):\n{text}", t.elapsed().as_secs_f64());
-        text
-    }
-}
-
 /// The `checksum=` and `mismatches=` of the pattern tool's last report in `text`.
 fn report(text: &str) -> (String, u64) {
     let line = text
@@ -165,8 +97,12 @@ fn host_status(control: &Path) -> serde_json::Value {
 
 #[test]
 fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_serving() {
-    if let Some(why) = skip_reason() {
+    if let Some(why) = guest::skip_reason() {
         eprintln!("{why}");
+        return;
+    }
+    if !have("rustc") {
+        eprintln!("skipped: needs rustc to build the guest's pattern tool");
         return;
     }
     let dir = std::env::temp_dir().join(format!("lanbus-vm-{}", std::process::id()));
@@ -189,21 +125,16 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     assert!(out.status.success());
     let (want, _) = report(&String::from_utf8_lossy(&out.stdout));
 
-    let workload = dir.join("workload.sh");
-    std::fs::write(&workload, WORKLOAD).unwrap();
-    let out = Command::new(manifest.join("../../scripts/guest"))
-        .arg("build")
-        .arg(dir.join("guest"))
-        .arg("--workload")
-        .arg(&workload)
-        .arg("--add")
-        .arg(format!("{}:/bin/pattern", tool.display()))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "scripts/guest: {}", String::from_utf8_lossy(&out.stderr));
+    let socket = dir.join("vda.sock");
+    let devices = [
+        "-chardev".to_string(),
+        format!("socket,id=c0,path={},reconnect=1", socket.display()),
+        "-device".to_string(),
+        "vhost-user-blk-pci,chardev=c0,num-queues=2".to_string(),
+    ];
+    let guest = Guest::build(&dir, WORKLOAD, &[(tool.clone(), "/bin/pattern")], devices.to_vec());
 
     let veth = VethPair::create().expect("namespaces");
-    let socket = dir.join("vda.sock");
     let nbd_socket = dir.join("nvme0.sock");
     let (dev_ctl, host_ctl) = (dir.join("dev.ctl"), dir.join("host.ctl"));
     let spawn = |ns: &lanbus_port::netns::Netns, args: Vec<String>, log: &str| {
@@ -243,14 +174,13 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     };
     let mut host = spawn(&veth.b.netns, host_args(), "host.log");
     wait_for("the vhost-user-blk socket", Duration::from_secs(30), || socket.exists());
-    let guest = Guest { dir: dir.clone(), socket: socket.clone() };
 
     // Write 64 MiB, power off; read them back in a new guest.
-    let first = guest.boot("write,1,64", "write");
+    let first = guest.boot("write,1,64", "write", LIMIT);
     assert!(first.contains("queues=2") && first.contains("sectors=262144"), "{first}");
     assert!(first.contains("lanbus-guest: exit 0"), "{first}");
     assert_eq!(report(&first), (want.clone(), 0), "the guest wrote the pattern");
-    let second = guest.boot("read,1,64", "read");
+    let second = guest.boot("read,1,64", "read", LIMIT);
     assert!(second.contains("lanbus-guest: exit 0"), "{second}");
     assert_eq!(report(&second), (want, 0), "the second guest read back what the first wrote");
     // The NBD export beside it serves the same driver: the guest's data is there too.
@@ -270,7 +200,7 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     });
     q.0.kill().unwrap();
     q.0.wait().unwrap();
-    let third = guest.boot("rw,3,8", "after-kill");
+    let third = guest.boot("rw,3,8", "after-kill", LIMIT);
     assert!(third.contains("lanbus-guest: exit 0"), "{third}");
     assert_eq!(report(&third).1, 0, "{third}");
     assert!(third.contains("zeroed=1 nonzero=0"), "{third}");

@@ -203,6 +203,8 @@ pub enum ExportSpec {
     },
     /// The NIC as the TAP interface of this name.
     Tap(String),
+    /// The NIC as a vhost-user-net backend on a Unix socket path (for QEMU's virtio-net).
+    VhostUserNet(PathBuf),
 }
 
 impl ExportSpec {
@@ -213,7 +215,12 @@ impl ExportSpec {
 
     /// Whether this exports the drive (over NBD or vhost-user-blk), not a NIC.
     pub fn is_drive(&self) -> bool {
-        !matches!(self, ExportSpec::Tap(_))
+        !self.is_nic()
+    }
+
+    /// Whether this exports the NIC (as a TAP or a vhost-user-net backend).
+    pub fn is_nic(&self) -> bool {
+        matches!(self, ExportSpec::Tap(_) | ExportSpec::VhostUserNet(_))
     }
 
     fn parse_vhost_user_blk(spec: &str, rest: &str) -> Result<ExportSpec> {
@@ -247,11 +254,18 @@ impl std::str::FromStr for ExportSpec {
     fn from_str(s: &str) -> Result<ExportSpec> {
         let expected = || {
             Error::BadSpec(format!(
-                "{s:?}: expected nbd:PATH, nbd:tcp:ADDR, vhost-user-blk:PATH[,ro][,queues=N] or tap:NAME"
+                "{s:?}: expected nbd:PATH, nbd:tcp:ADDR, vhost-user-blk:PATH[,ro][,queues=N], tap:NAME \
+                 or vhost-user-net:PATH"
             ))
         };
         if let Some(rest) = s.strip_prefix("vhost-user-blk:") {
             return ExportSpec::parse_vhost_user_blk(s, rest);
+        }
+        if let Some(path) = s.strip_prefix("vhost-user-net:") {
+            if path.is_empty() || path.contains(',') {
+                return Err(Error::BadSpec(format!("{s:?}: expected vhost-user-net:PATH")));
+            }
+            return Ok(ExportSpec::VhostUserNet(path.into()));
         }
         if let Some(name) = s.strip_prefix("tap:") {
             if name.is_empty() || name.len() > 15 || name.contains(['/', ' ', ',']) {
@@ -323,7 +337,19 @@ mod tests {
         let e = parse("vhost-user-blk:/s,rw").unwrap_err().to_string();
         assert!(e.contains("expected ro or queues=N"), "{e}");
         let e = parse("vhost:/s").unwrap_err().to_string();
-        assert!(e.contains("vhost-user-blk:PATH"), "{e}");
+        assert!(e.contains("vhost-user-blk:PATH") && e.contains("vhost-user-net:PATH"), "{e}");
+    }
+
+    #[test]
+    fn nic_export_specs() {
+        let parse = |s: &str| s.parse::<ExportSpec>();
+        let net = parse("vhost-user-net:/run/net0.sock").unwrap();
+        assert_eq!(net, ExportSpec::VhostUserNet("/run/net0.sock".into()));
+        assert!(net.is_nic() && !net.is_drive() && !net.is_nbd());
+        assert!(parse("tap:lanbus0").unwrap().is_nic());
+        for bad in ["vhost-user-net:", "vhost-user-net:/s,queues=2"] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
     }
 
     proptest::proptest! {

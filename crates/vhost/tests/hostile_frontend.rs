@@ -17,6 +17,8 @@ use vhost::vhost_user::message::VhostUserConfigFlags;
 use vhost::vhost_user::{Frontend, VhostUserFrontend, VhostUserProtocolFeatures};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo};
 
+mod common;
+
 const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 const PROTOCOL_FEATURES: u64 = 1 << 30;
 
@@ -186,159 +188,49 @@ fn random_bytes_never_take_the_backend_down() {
 /// to put one, with nothing written); good requests around them still work.
 mod rings {
     use super::*;
+    use common::{Ring, SharedMem};
     use vhost::vhost_user::VhostUserProtocolFeatures as Pf;
-    use vhost::VringConfigData;
-    use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
-    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+    use vm_memory::{Bytes, GuestAddress};
 
     const MEM_BYTES: usize = 1 << 20;
-    const QUEUE: u16 = 16;
-    const DESC: u64 = 0x0;
-    const AVAIL: u64 = 0x1000;
-    const USED: u64 = 0x2000;
-    const VIRTQ_DESC_F_NEXT: u16 = 1;
-    const VIRTQ_DESC_F_WRITE: u16 = 2;
 
-    struct Guest {
-        mem: GuestMemoryMmap,
-        avail_idx: u16,
-        next_desc: u16,
-        seen: u16,
+    fn header(g: &Ring, at: u64, kind: u32, sector: u64) {
+        g.mem.write_obj(kind, GuestAddress(at)).unwrap();
+        g.mem.write_obj(0u32, GuestAddress(at + 4)).unwrap();
+        g.mem.write_obj(sector, GuestAddress(at + 8)).unwrap();
     }
 
-    impl Guest {
-        fn desc(&mut self, addr: u64, len: u32, flags: u16, next: u16) -> u16 {
-            let i = self.next_desc;
-            self.next_desc = (self.next_desc + 1) % QUEUE;
-            let mut d = [0u8; 16];
-            d[0..8].copy_from_slice(&addr.to_le_bytes());
-            d[8..12].copy_from_slice(&len.to_le_bytes());
-            d[12..14].copy_from_slice(&flags.to_le_bytes());
-            d[14..16].copy_from_slice(&next.to_le_bytes());
-            self.mem.write_slice(&d, GuestAddress(DESC + 16 * u64::from(i))).unwrap();
-            i
-        }
-
-        /// A chain of (address, length, device-writable) buffers; returns its head.
-        fn chain(&mut self, bufs: &[(u64, u32, bool)]) -> u16 {
-            let first = self.next_desc;
-            for (k, &(addr, len, write)) in bufs.iter().enumerate() {
-                let last = k + 1 == bufs.len();
-                let flags =
-                    if write { VIRTQ_DESC_F_WRITE } else { 0 } | if last { 0 } else { VIRTQ_DESC_F_NEXT };
-                let next = (self.next_desc + 1) % QUEUE;
-                self.desc(addr, len, flags, if last { 0 } else { next });
-            }
-            first
-        }
-
-        fn publish(&mut self, head: u16, kick: &EventFd) {
-            let slot = AVAIL + 4 + 2 * u64::from(self.avail_idx % QUEUE);
-            self.mem.write_obj(head, GuestAddress(slot)).unwrap();
-            self.avail_idx = self.avail_idx.wrapping_add(1);
-            self.mem.write_obj(self.avail_idx, GuestAddress(AVAIL + 2)).unwrap();
-            kick.write(1).unwrap();
-        }
-
-        fn used_idx(&self) -> u16 {
-            self.mem.read_obj(GuestAddress(USED + 2)).unwrap()
-        }
-
-        /// Waits for the next used entry: (head, length).
-        fn next_used(&mut self) -> (u32, u32) {
-            let n = self.seen;
-            self.seen = self.seen.wrapping_add(1);
-            let t = Instant::now();
-            while self.used_idx() <= n {
-                assert!(t.elapsed() < Duration::from_secs(5), "request {n} not completed");
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            let at = USED + 4 + 8 * u64::from(n % QUEUE);
-            (self.mem.read_obj(GuestAddress(at)).unwrap(), self.mem.read_obj(GuestAddress(at + 4)).unwrap())
-        }
-
-        fn header(&self, at: u64, kind: u32, sector: u64) {
-            self.mem.write_obj(kind, GuestAddress(at)).unwrap();
-            self.mem.write_obj(0u32, GuestAddress(at + 4)).unwrap();
-            self.mem.write_obj(sector, GuestAddress(at + 8)).unwrap();
-        }
-
-        fn status(&self, at: u64) -> u8 {
-            self.mem.read_obj(GuestAddress(at)).unwrap()
-        }
+    fn status(g: &Ring, at: u64) -> u8 {
+        g.mem.read_obj(GuestAddress(at)).unwrap()
     }
 
     #[test]
     fn hostile_rings_get_error_statuses_and_good_requests_still_work() {
         let (s, path) = server("rings");
-        let file_path = std::env::temp_dir().join(format!("lanbus-vhost-rings-{}", std::process::id()));
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&file_path)
-            .unwrap();
-        file.set_len(MEM_BYTES as u64).unwrap();
-        let fd = file.as_raw_fd();
-        let mem = GuestMemoryMmap::<()>::from_ranges_with_files([(
-            GuestAddress(0),
-            MEM_BYTES,
-            Some(FileOffset::new(file.try_clone().unwrap(), 0)),
-        )])
-        .unwrap();
-        let va = |gpa: u64| mem.get_host_address(GuestAddress(gpa)).unwrap() as u64;
-
+        let shared = SharedMem::new("rings", MEM_BYTES);
         let mut f = Frontend::connect(&path, 2).unwrap();
         f.set_owner().unwrap();
         f.get_features().unwrap();
         f.set_features(VIRTIO_F_VERSION_1 | PROTOCOL_FEATURES).unwrap();
         f.get_protocol_features().unwrap();
         f.set_protocol_features(Pf::MQ | Pf::CONFIG).unwrap();
-        f.set_mem_table(&[VhostUserMemoryRegionInfo {
-            guest_phys_addr: 0,
-            memory_size: MEM_BYTES as u64,
-            userspace_addr: va(0),
-            mmap_offset: 0,
-            mmap_handle: fd,
-        }])
-        .unwrap();
-        let (kick, call) = (EventFd::new(EFD_NONBLOCK).unwrap(), EventFd::new(EFD_NONBLOCK).unwrap());
-        f.set_vring_num(0, QUEUE).unwrap();
-        f.set_vring_addr(
-            0,
-            &VringConfigData {
-                queue_max_size: QUEUE,
-                queue_size: QUEUE,
-                flags: 0,
-                desc_table_addr: va(DESC),
-                used_ring_addr: va(USED),
-                avail_ring_addr: va(AVAIL),
-                log_addr: None,
-            },
-        )
-        .unwrap();
-        f.set_vring_base(0, 0).unwrap();
-        f.set_vring_call(0, &call).unwrap();
-        f.set_vring_kick(0, &kick).unwrap();
-        f.set_vring_enable(0, true).unwrap();
-
-        let mut g = Guest { mem: mem.clone(), avail_idx: 0, next_desc: 0, seen: 0 };
+        shared.share(&mut f);
+        let mut g = Ring::setup(&mut f, &shared, 0, 0, true);
         let (hdr, data, st) = (0x10000u64, 0x20000u64, 0x30000u64);
         let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 5) as u8).collect();
         g.mem.write_slice(&pattern, GuestAddress(data)).unwrap();
         let (t_in, t_out) = (0u32, 1u32);
         let (ok, ioerr) = (0u8, 1u8);
-        let run = |g: &mut Guest, kind: u32, sector: u64, bufs: &[(u64, u32, bool)]| {
-            g.header(hdr, kind, sector);
+        let run = |g: &mut Ring, kind: u32, sector: u64, bufs: &[(u64, u32, bool)]| {
+            header(g, hdr, kind, sector);
             g.mem.write_obj(0xffu8, GuestAddress(st)).unwrap();
             let mut all = vec![(hdr, 16, false)];
             all.extend_from_slice(bufs);
             let head = g.chain(&all);
-            g.publish(head, &kick);
+            g.publish(head);
             let used = g.next_used();
             assert_eq!(used.0, u32::from(head));
-            (used.1, g.status(st))
+            (used.1, status(g, st))
         };
         // A good write of 4 KiB at sector 8.
         assert_eq!(run(&mut g, t_out, 8, &[(data, 4096, false), (st, 1, true)]), (1, ok));
@@ -347,9 +239,9 @@ mod rings {
         assert_eq!(run(&mut g, t_in, (8 << 20) / 512, &[(data, 512, true), (st, 1, true)]), (1, ioerr));
         assert_eq!(run(&mut g, t_out, 0, &[(data, 100, false), (st, 1, true)]), (1, ioerr));
         // A chain that runs out of the table: no status byte reached, completed with nothing.
-        g.header(hdr, t_in, 0);
-        let head = g.desc(hdr, 16, VIRTQ_DESC_F_NEXT, 999);
-        g.publish(head, &kick);
+        header(&g, hdr, t_in, 0);
+        let head = g.desc(hdr, 16, common::VIRTQ_DESC_F_NEXT, 999);
+        g.publish(head);
         assert_eq!(g.next_used(), (u32::from(head), 0));
         // A good read brings back the good write.
         let back = 0x40000u64;
@@ -358,8 +250,8 @@ mod rings {
         g.mem.read_slice(&mut got, GuestAddress(back)).unwrap();
         assert_eq!(got, pattern);
         // An available index far ahead of the ring: the backend completes nothing more.
-        g.mem.write_obj(g.avail_idx.wrapping_add(1000), GuestAddress(AVAIL + 2)).unwrap();
-        kick.write(1).unwrap();
+        g.mem.write_obj(g.avail_idx.wrapping_add(1000), GuestAddress(g.avail() + 2)).unwrap();
+        g.kick.write(1).unwrap();
         std::thread::sleep(Duration::from_millis(200));
         assert_eq!(g.used_idx(), g.seen);
         drop(f);
@@ -368,6 +260,5 @@ mod rings {
         assert!(s.stats().io_errors.load(Ordering::Relaxed) >= 3);
         assert!(s.stats().malformed.load(Ordering::Relaxed) >= 1);
         s.stop();
-        std::fs::remove_file(&file_path).unwrap();
     }
 }

@@ -2,6 +2,8 @@
 //! and checks of commands and installed programs. (Each test binary uses part of it.)
 #![allow(dead_code)]
 
+pub mod guest;
+
 use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
