@@ -72,8 +72,9 @@ enum Command {
     Device(daemon::DeviceArgs),
     /// Sends a command (`group N`, `status`) to a running `lanbus device --control PATH`.
     DeviceCtl(pcie::DeviceCtlArgs),
-    /// The host daemon: enumerates its group's NVMe drive through the fabric, runs the NVMe
-    /// driver and exports the namespace over NBD or to VMs as a vhost-user-blk backend.
+    /// The host daemon: enumerates its group's NVMe drive and NIC through the fabric, runs their
+    /// drivers and exports the namespace over NBD or to VMs as a vhost-user-blk backend, and the
+    /// NIC as a TAP or to a VM as a vhost-user-net backend.
     Host(daemon::HostArgs),
     /// Asks a running `lanbus host` or `lanbus device` for peers, devices, queues and counters.
     Status(daemon::StatusArgs),
