@@ -18,6 +18,7 @@ mod ring;
 pub mod stack;
 pub mod transport;
 pub mod transport_core;
+pub mod vm;
 mod vring;
 
 use clap::Subcommand;
@@ -62,6 +63,11 @@ pub enum BenchCommand {
     /// study's baseline copy path and each copy unit, with the veth's offloads on and off; and
     /// the idle server's CPU. Needs root.
     Stack(stack::StackBenchArgs),
+    /// A Linux guest under QEMU on the remote drive (vhost-user-blk) and the remote NIC
+    /// (vhost-user-net): dd and wget inside the guest, against qemu-storage-daemon's
+    /// vhost-user-blk on a local file, QEMU's NBD client over TCP, and QEMU's virtio-net on a TAP;
+    /// with the fabric's own cost (fio over NBD) in the same run. Needs root.
+    Vm(vm::VmBenchArgs),
     /// One side of `bench transport` (started by it inside a namespace).
     #[command(hide = true)]
     TransportPeer(transport::PeerArgs),
@@ -85,6 +91,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Msg(args) => msg::run(args),
         BenchCommand::Nic(args) => nic::run(args),
         BenchCommand::Stack(args) => stack::run(args),
+        BenchCommand::Vm(args) => vm::run(args),
         BenchCommand::TransportPeer(args) => transport::run_peer(args),
     }
 }

@@ -862,6 +862,13 @@ impl DeviceBridge {
                 functions.len()
             )));
         }
+        let mut functions = functions;
+        if functions.len() > 1 {
+            // Enumeration probes functions 1 to 7 only of a multi-function device.
+            for f in &mut functions {
+                f.inner.set_multi_function();
+            }
+        }
         let tags = config.tags_per_function.clamp(1, Tag::COUNT);
         let counters = Arc::new(Counters::default());
         let mut workers = Vec::new();

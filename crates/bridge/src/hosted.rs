@@ -62,6 +62,8 @@ pub(crate) trait Hosted: Send {
         let _ = path;
         0
     }
+    /// Marks the function as one of several in its device (header type bit 7).
+    fn set_multi_function(&mut self);
     /// Gives a blocking model the waker of its worker (see [`Waker`]); others ignore it.
     fn set_waker(&mut self, waker: Waker) {
         let _ = waker;
@@ -118,6 +120,9 @@ struct ModelHosted<D> {
 impl<D: DeviceModel + Send> Hosted for ModelHosted<D> {
     fn config(&self) -> &ConfigSpace {
         self.function.config()
+    }
+    fn set_multi_function(&mut self) {
+        self.function.set_multi_function();
     }
     fn config_read(&mut self, register: u16, first_be: u8) -> [u8; 4] {
         self.function.config_read(register, first_be)
@@ -202,6 +207,9 @@ impl DmaPath for Blocking<'_> {
 impl<B: BlockingDevice + Send> Hosted for BlockingHosted<B> {
     fn config(&self) -> &ConfigSpace {
         self.function.config()
+    }
+    fn set_multi_function(&mut self) {
+        self.function.set_multi_function();
     }
     fn config_read(&mut self, register: u16, first_be: u8) -> [u8; 4] {
         self.function.config_read(register, first_be)

@@ -212,6 +212,24 @@ fn unknown_addresses(mode: ThreadMode) {
     assert_eq!(status & regs::STATUS_ERROR, 0);
 }
 
+/// A device bridge with two functions says so in function 0's header type, so the host probes
+/// past function 0 and enumerates both (a lone function does not set the bit).
+#[test]
+fn every_function_of_a_multi_function_device_is_enumerated() {
+    let mode = ThreadMode::RunToCompletion;
+    let two = vec![
+        HostedFunction::model(DmaEngine::new()).unwrap(),
+        HostedFunction::model(DmaEngine::new()).unwrap(),
+    ];
+    let (h, _d) = over_sim(mode, 0.0, 5, host_config(mode, 4), two);
+    let devs = h.wait_devices(2, WAIT);
+    assert_eq!(devs.len(), 2, "both functions enumerated: {devs:?}");
+    assert_eq!(devs.iter().map(|f| f.bdf.function()).collect::<Vec<_>>(), [0, 1]);
+    assert!(devs.iter().all(|f| f.header_type & 0x80 != 0));
+    let (h1, _d1) = over_sim(mode, 0.0, 6, host_config(mode, 4), dma_engine());
+    assert_eq!(one_device(&h1).header_type & 0x80, 0);
+}
+
 #[test]
 fn unknown_addresses_get_unsupported_request() {
     unknown_addresses(ThreadMode::RunToCompletion);

@@ -231,6 +231,12 @@ impl<B: BlockingDevice> BlockingFunction<B> {
         &self.config
     }
 
+    /// Marks the function as one of a multi-function device (see
+    /// [`ConfigSpace::set_multi_function`]).
+    pub fn set_multi_function(&mut self) {
+        self.config.set_multi_function();
+    }
+
     /// The model.
     pub fn device(&self) -> &B {
         &self.device

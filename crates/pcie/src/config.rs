@@ -407,6 +407,13 @@ impl ConfigSpace {
         self.w1c[o..o + 4].copy_from_slice(&w1c.to_le_bytes());
     }
 
+    /// Marks the function as one of a multi-function device (header type bit 7), which tells
+    /// enumeration to probe functions 1 to 7 too. Read-only to software.
+    pub fn set_multi_function(&mut self) {
+        let at = usize::from(reg::HEADER_TYPE);
+        self.bytes[at] |= 0x80;
+    }
+
     /// What the space was built from.
     pub fn spec(&self) -> &ConfigSpec {
         &self.spec

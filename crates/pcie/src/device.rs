@@ -216,6 +216,12 @@ impl<D: DeviceModel> Function<D> {
         &self.config
     }
 
+    /// Marks the function as one of a multi-function device (see
+    /// [`ConfigSpace::set_multi_function`]).
+    pub fn set_multi_function(&mut self) {
+        self.config.set_multi_function();
+    }
+
     /// The MSI-X table, if the function has one.
     pub fn msix(&self) -> Option<&MsixTable> {
         self.msix.as_ref()
