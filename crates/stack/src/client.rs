@@ -142,6 +142,8 @@ struct State {
     next_req: u32,
     /// Set when the server went away or broke the protocol.
     gone: Option<String>,
+    /// A thread sleeps on the server's doorbell; the others wait on `Inner::arrived`.
+    polling: bool,
 }
 
 /// Called with a handle when something arrived for it (data, a connection, its end).
@@ -150,6 +152,9 @@ type Notify = Box<dyn Fn(u32) + Send + Sync>;
 struct Inner {
     notify: std::sync::OnceLock<Notify>,
     state: Mutex<State>,
+    /// Signalled whenever messages were taken in, for threads waiting while another polls (the
+    /// doorbell wakes one sleeper only).
+    arrived: std::sync::Condvar,
     sock: UnixStream,
     server_bell: Option<EventFd>,
     my_bell: Option<EventFd>,
@@ -220,11 +225,12 @@ impl StackClient {
         };
         sock.set_read_timeout(None)?;
         sock.set_nonblocking(true)?;
-        let state = State { link, book: Book::default(), next_req: 0, gone: None };
+        let state = State { link, book: Book::default(), next_req: 0, gone: None, polling: false };
         Ok(StackClient {
             inner: Arc::new(Inner {
                 notify: std::sync::OnceLock::new(),
                 state: Mutex::new(state),
+                arrived: std::sync::Condvar::new(),
                 sock,
                 server_bell,
                 my_bell,
@@ -414,6 +420,9 @@ impl Inner {
         } else {
             book.touched.clear();
         }
+        if any || gone.is_some() {
+            self.arrived.notify_all();
+        }
         any
     }
 
@@ -496,6 +505,15 @@ impl Inner {
             std::thread::yield_now();
             st = self.lock();
         }
+        if st.polling {
+            // Another thread sleeps on the doorbell; whoever takes messages in wakes us.
+            st = match self.arrived.wait_timeout(st, slice) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+            self.pump(&mut st);
+            return st;
+        }
         let prepared = match &st.link {
             Link::Shm { from, .. } => {
                 from.prepare_wait();
@@ -509,6 +527,7 @@ impl Inner {
                 None => self.sock.as_raw_fd(),
             };
             let sock = self.sock.as_raw_fd();
+            st.polling = true;
             drop(st);
             let mut fds = [
                 libc::pollfd { fd, events: libc::POLLIN, revents: 0 },
@@ -517,6 +536,7 @@ impl Inner {
             // SAFETY: fds is a valid array of two pollfds for the call.
             unsafe { libc::poll(fds.as_mut_ptr(), 2, slice.as_millis().max(1) as i32) };
             st = self.lock();
+            st.polling = false;
         }
         if let Link::Shm { from, .. } = &st.link {
             from.finish_wait();
@@ -525,6 +545,8 @@ impl Inner {
             let _ = bell.wait(Some(Duration::ZERO));
         }
         self.pump(&mut st);
+        // The next waiter may poll now.
+        self.arrived.notify_all();
         st
     }
 
@@ -758,6 +780,11 @@ impl ZeroCopyStream {
     /// The connection (addresses, readiness, handle).
     pub fn stream(&self) -> &TcpStream {
         &self.stream
+    }
+
+    /// Bounds how long `read` waits (`None`: no bound); a read that times out gives `WouldBlock`.
+    pub fn set_read_timeout(&mut self, timeout: Option<Duration>) {
+        self.stream.set_read_timeout(timeout);
     }
 
     /// Waits for room in the send buffer and returns it: write from its start, then
