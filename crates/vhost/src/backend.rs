@@ -22,6 +22,8 @@ use crate::blk::{handle_request, BlkStats, DeviceInfo, Segment};
 
 /// Largest queue a frontend may configure.
 pub const MAX_QUEUE_SIZE: usize = 1024;
+/// Requests of one queue served at once.
+pub const IN_FLIGHT: usize = 8;
 
 pub(crate) type Memory = GuestMemoryAtomic<GuestMemoryMmap<()>>;
 
@@ -45,26 +47,44 @@ impl BlkBackend {
     }
 
     /// Completes every available request of `vring`; false if the ring is broken (then the
-    /// guest's driver has to reset the device).
+    /// guest's driver has to reset the device). Up to [`IN_FLIGHT`] requests run at once, each
+    /// on a thread of its own: a guest's large I/O arrives as several requests (at most
+    /// `SEG_MAX` pages each), which the remote drive then serves in parallel rather than one
+    /// round trip after another.
     fn process_queue(&self, vring: &VringRwLock<Memory>) -> bool {
         let mem = self.mem.memory();
-        let mut segments: Vec<Segment> = Vec::new();
         loop {
-            let chain = vring.get_mut().get_queue_mut().pop_descriptor_chain(mem.clone());
-            let Some(chain) = chain else { return true };
-            let head = chain.head_index();
-            segments.clear();
-            // The chain iterator stops at a loop or an out-of-table index; the lengths and
-            // addresses are checked against guest memory when used.
-            segments.extend(chain.map(|d| Segment {
-                addr: d.addr().0,
-                len: d.len(),
-                write: d.is_write_only(),
-            }));
-            let used = handle_request(&*mem, &segments, &*self.dev, &self.info, &self.stats);
-            if let Err(e) = vring.add_used(head, used) {
-                tracing::warn!("vhost-user-blk: cannot complete request {head}: {e}");
-                return false;
+            let mut batch: Vec<(u16, Vec<Segment>)> = Vec::new();
+            while batch.len() < IN_FLIGHT {
+                let chain = vring.get_mut().get_queue_mut().pop_descriptor_chain(mem.clone());
+                let Some(chain) = chain else { break };
+                let head = chain.head_index();
+                // The chain iterator stops at a loop or an out-of-table index; the lengths and
+                // addresses are checked against guest memory when used.
+                let segments = chain
+                    .map(|d| Segment { addr: d.addr().0, len: d.len(), write: d.is_write_only() })
+                    .collect();
+                batch.push((head, segments));
+            }
+            if batch.is_empty() {
+                return true;
+            }
+            let run =
+                |segments: &[Segment]| handle_request(&*mem, segments, &*self.dev, &self.info, &self.stats);
+            let used: Vec<u32> = match batch.as_slice() {
+                [(_, one)] => vec![run(one)],
+                many => std::thread::scope(|s| {
+                    let running: Vec<_> =
+                        many.iter().map(|(_, segments)| s.spawn(|| run(segments))).collect();
+                    // A request that panicked completes with nothing written.
+                    running.into_iter().map(|t| t.join().unwrap_or(0)).collect()
+                }),
+            };
+            for ((head, _), n) in batch.iter().zip(used) {
+                if let Err(e) = vring.add_used(*head, n) {
+                    tracing::warn!("vhost-user-blk: cannot complete request {head}: {e}");
+                    return false;
+                }
             }
             match vring.needs_notification() {
                 Ok(false) => {}
