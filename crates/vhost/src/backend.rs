@@ -14,7 +14,7 @@ use lanbus_nbd::BlockDevice;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_queue::QueueT;
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryLoadGuard, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 
@@ -26,6 +26,21 @@ pub const MAX_QUEUE_SIZE: usize = 1024;
 pub const IN_FLIGHT: usize = 8;
 
 pub(crate) type Memory = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+
+/// Takes the next available descriptor chain of `vring`: its head and its buffers. The chain
+/// iterator stops at a loop or an out-of-table index; the lengths and addresses are checked
+/// against guest memory when used.
+pub(crate) fn pop_chain(
+    vring: &VringRwLock<Memory>,
+    mem: &GuestMemoryLoadGuard<GuestMemoryMmap<()>>,
+) -> Option<(u16, Vec<Segment>)> {
+    let chain = vring.get_mut().get_queue_mut().pop_descriptor_chain(mem.clone())?;
+    let head = chain.head_index();
+    Some((
+        head,
+        chain.map(|d| Segment { addr: d.addr().0, len: d.len(), write: d.is_write_only() }).collect(),
+    ))
+}
 
 /// The virtio-blk device of one vhost-user connection.
 pub(crate) struct BlkBackend {

@@ -24,13 +24,12 @@ use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatu
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_net::*;
-use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemory};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::backend::Memory;
+use crate::backend::{pop_chain, Memory};
 use crate::blk::Segment;
 
 /// Length of the header before every frame (`struct virtio_net_hdr_mrg_rxbuf`).
@@ -283,25 +282,17 @@ impl NetBackend {
         let mem = self.mem.memory();
         let acked = self.acked.load(Ordering::Relaxed);
         let mut used = false;
-        let mut segments = Vec::new();
         loop {
             let Some(mut frame) = self.pending().pop_front() else { break };
             if !fit_for_guest(&mut frame, acked) {
                 bump(&self.stats.rx_dropped, 1);
                 continue;
             }
-            let Some(chain) = vring.get_mut().get_queue_mut().pop_descriptor_chain(mem.clone()) else {
+            let Some((head, segments)) = pop_chain(vring, &mem) else {
                 // No buffer: the guest kicks when it posts one.
                 self.pending().push_front(frame);
                 break;
             };
-            let head = chain.head_index();
-            segments.clear();
-            segments.extend(chain.map(|d| Segment {
-                addr: d.addr().0,
-                len: d.len(),
-                write: d.is_write_only(),
-            }));
             let written = match scatter(&*mem, &segments, &frame) {
                 Some(n) => {
                     bump(&self.stats.rx_frames, 1);
@@ -327,19 +318,9 @@ impl NetBackend {
     /// Sends what the guest queued.
     fn transmit(&self, vring: &VringRwLock<Memory>) {
         let mem = self.mem.memory();
-        let (mut buf, mut segments) = (Vec::with_capacity(MAX_BUFFER), Vec::new());
+        let mut buf = Vec::with_capacity(MAX_BUFFER);
         let mut used = false;
-        loop {
-            let Some(chain) = vring.get_mut().get_queue_mut().pop_descriptor_chain(mem.clone()) else {
-                break;
-            };
-            let head = chain.head_index();
-            segments.clear();
-            segments.extend(chain.map(|d| Segment {
-                addr: d.addr().0,
-                len: d.len(),
-                write: d.is_write_only(),
-            }));
+        while let Some((head, segments)) = pop_chain(vring, &mem) {
             if gather(&*mem, &segments, &mut buf) && buf.len() >= NET_HDR_LEN + 14 {
                 if self.send(&buf) {
                     bump(&self.stats.tx_frames, 1);
