@@ -27,6 +27,15 @@ pub const IN_FLIGHT: usize = 8;
 
 pub(crate) type Memory = GuestMemoryAtomic<GuestMemoryMmap<()>>;
 
+/// Signals the guest that `vring` has used buffers, unless it asked not to be told.
+pub(crate) fn signal_guest(vring: &VringRwLock<Memory>, kind: &str) {
+    if !matches!(vring.needs_notification(), Ok(false)) {
+        if let Err(e) = vring.signal_used_queue() {
+            tracing::debug!("{kind}: cannot signal the guest: {e}");
+        }
+    }
+}
+
 /// Takes the next available descriptor chain of `vring`: its head and its buffers. The chain
 /// iterator stops at a loop or an out-of-table index; the lengths and addresses are checked
 /// against guest memory when used.
@@ -101,14 +110,7 @@ impl BlkBackend {
                     return false;
                 }
             }
-            match vring.needs_notification() {
-                Ok(false) => {}
-                _ => {
-                    if let Err(e) = vring.signal_used_queue() {
-                        tracing::debug!("vhost-user-blk: cannot signal the guest: {e}");
-                    }
-                }
-            }
+            signal_guest(vring, "vhost-user-blk");
         }
     }
 }

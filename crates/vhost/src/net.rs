@@ -29,7 +29,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::backend::{pop_chain, Memory};
+use crate::backend::{pop_chain, signal_guest, Memory};
 use crate::blk::Segment;
 
 /// Length of the header before every frame (`struct virtio_net_hdr_mrg_rxbuf`).
@@ -311,7 +311,7 @@ impl NetBackend {
             used = true;
         }
         if used {
-            self.notify(vring);
+            signal_guest(vring, "vhost-user-net");
         }
     }
 
@@ -341,7 +341,7 @@ impl NetBackend {
             tracing::debug!("vhost-user-net: flushing the link: {e}");
         }
         if used {
-            self.notify(vring);
+            signal_guest(vring, "vhost-user-net");
         }
     }
 
@@ -363,14 +363,6 @@ impl NetBackend {
             }
         }
         false
-    }
-
-    fn notify(&self, vring: &VringRwLock<Memory>) {
-        if !matches!(vring.needs_notification(), Ok(false)) {
-            if let Err(e) = vring.signal_used_queue() {
-                tracing::debug!("vhost-user-net: cannot signal the guest: {e}");
-            }
-        }
     }
 }
 
