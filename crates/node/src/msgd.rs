@@ -711,9 +711,16 @@ mod tests {
 
     /// Two daemons over udp on loopback, their sockets in `dir`.
     fn two_daemons(dir: &Path) -> (MsgDaemon, MsgDaemon) {
-        let (p, q) = (free_port(), free_port());
-        let pa = lanbus_port::open(&format!("udp:127.0.0.1:{p},peer=127.0.0.1:{q}")).unwrap();
-        let pb = lanbus_port::open(&format!("udp:127.0.0.1:{q},peer=127.0.0.1:{p}")).unwrap();
+        // A free port may be taken by a test running beside this one before it is bound again:
+        // then try another pair.
+        let (pa, pb) = (0..20)
+            .find_map(|_| {
+                let (p, q) = (free_port(), free_port());
+                let pa = lanbus_port::open(&format!("udp:127.0.0.1:{p},peer=127.0.0.1:{q}")).ok()?;
+                let pb = lanbus_port::open(&format!("udp:127.0.0.1:{q},peer=127.0.0.1:{p}")).ok()?;
+                Some((pa, pb))
+            })
+            .expect("two free UDP ports on loopback");
         let a = MsgDaemon::start(pa, &dir.join("a.sock"), runtime("msgd-a")).unwrap();
         let b = MsgDaemon::start(pb, &dir.join("b.sock"), runtime("msgd-b")).unwrap();
         (a, b)
