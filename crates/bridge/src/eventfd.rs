@@ -25,6 +25,12 @@ impl EventFd {
         Ok(EventFd { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
     }
 
+    /// An eventfd someone else made (a VMM's, passed over a socket). It should be non-blocking:
+    /// [`signal`](Self::signal) would otherwise block while its counter is at its maximum.
+    pub fn from_owned(fd: OwnedFd) -> EventFd {
+        EventFd { fd }
+    }
+
     /// The descriptor (readable while the counter is not zero).
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()

@@ -29,7 +29,7 @@ use lanbus_wire::MacAddr;
 
 use crate::counters::bump;
 use crate::inline::send_mem_writes;
-use crate::region::{DmaRegion, RegionMap};
+use crate::region::{DmaRegion, Domains};
 use crate::{lock, session_channel, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
 use lanbus_pcie::config::{
     cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK,
@@ -407,7 +407,7 @@ struct Shared {
     sessions: Mutex<Sessions>,
     /// Time zero of the sessions' requesters.
     origin: Instant,
-    regions: RwLock<RegionMap>,
+    regions: RwLock<Domains>,
     interrupts: Mutex<Interrupts>,
     interrupted: Condvar,
     /// Bumped under `interrupts`' lock at every interrupt (see [`spin_then_wait`]).
@@ -720,9 +720,10 @@ impl Handler for HostHandler {
                 let shape = RequestShape::of_memory(h, tlp.length_dw);
                 let (first, len) = shape.byte_range();
                 let want = h.address.saturating_add(first);
-                let regions = sh.regions.read().unwrap_or_else(|e| e.into_inner());
+                let domains = sh.regions.read().unwrap_or_else(|e| e.into_inner());
+                let regions = domains.of(h.requester_id);
                 if regions.find(want, (len as u64).max(1)).is_none() {
-                    drop(regions);
+                    drop(domains);
                     bump(&c.unknown_address_reads);
                     self.ur(out, m.peer, m.channel, &tlp);
                     return;
@@ -742,7 +743,7 @@ impl Handler for HostHandler {
                         }
                     },
                 );
-                drop(regions);
+                drop(domains);
                 match served {
                     Ok(()) => bump(&c.dma_reads_served),
                     Err(_) => self.ur(out, m.peer, m.channel, &tlp),
@@ -761,8 +762,8 @@ impl Handler for HostHandler {
                     self.interrupt(m.peer, h.requester_id, bytes);
                     return;
                 }
-                let regions = sh.regions.read().unwrap_or_else(|e| e.into_inner());
-                match regions.find(at, len as u64) {
+                let domains = sh.regions.read().unwrap_or_else(|e| e.into_inner());
+                match domains.of(h.requester_id).find(at, len as u64) {
                     Some((r, off)) => {
                         r.write(off, bytes);
                         bump(&c.dma_writes_applied);
@@ -849,7 +850,7 @@ impl HostBridge {
             changed: Condvar::new(),
             sessions: Mutex::new(Sessions::default()),
             origin: Instant::now(),
-            regions: RwLock::new(RegionMap::default()),
+            regions: RwLock::new(Domains::default()),
             interrupts: Mutex::new(Interrupts::default()),
             interrupted: Condvar::new(),
             interrupt_seq: AtomicU64::new(0),
@@ -972,15 +973,55 @@ impl HostBridge {
         self.mmio_write(bdf, address, &value.to_le_bytes())
     }
 
-    /// Lends `region` to devices at bus address `bus_addr`.
+    /// Lends `region` to devices at bus address `bus_addr` (every function without a DMA domain
+    /// of its own reaches it).
     pub fn add_region(&self, bus_addr: u64, region: Arc<dyn DmaRegion>) -> BridgeResult<()> {
         let mut r = self.shared.regions.write().unwrap_or_else(|e| e.into_inner());
-        r.add(bus_addr, region).map_err(BridgeError::BadRequest)
+        r.shared.add(bus_addr, region).map_err(BridgeError::BadRequest)
     }
 
     /// Takes back the region at `bus_addr`; whether there was one.
     pub fn remove_region(&self, bus_addr: u64) -> bool {
-        self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).remove(bus_addr)
+        self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).shared.remove(bus_addr)
+    }
+
+    /// Gives function `bdf` a DMA domain of its own (`true`), at first empty: from then on its
+    /// memory requests reach only the regions added with [`add_domain_region`](Self::add_domain_region),
+    /// and none of the shared ones, as an IOMMU confines a function passed through to a VM. With
+    /// `false` the domain and its regions are dropped and the function reaches the shared regions
+    /// again.
+    pub fn set_dma_domain(&self, bdf: Bdf, own: bool) {
+        let mut r = self.shared.regions.write().unwrap_or_else(|e| e.into_inner());
+        if own {
+            r.private.entry(bdf).or_default();
+        } else {
+            r.private.remove(&bdf);
+        }
+    }
+
+    /// Lends `region` at bus address `bus_addr` to function `bdf` alone (its domain, see
+    /// [`set_dma_domain`](Self::set_dma_domain)); fails if the function has no domain or the
+    /// range overlaps one of its regions.
+    pub fn add_domain_region(&self, bdf: Bdf, bus_addr: u64, region: Arc<dyn DmaRegion>) -> BridgeResult<()> {
+        let mut r = self.shared.regions.write().unwrap_or_else(|e| e.into_inner());
+        let map = r
+            .private
+            .get_mut(&bdf)
+            .ok_or_else(|| BridgeError::BadRequest(format!("{bdf} has no DMA domain")))?;
+        map.add(bus_addr, region).map_err(BridgeError::BadRequest)
+    }
+
+    /// Takes back the region at `bus_addr` of `bdf`'s domain; whether there was one.
+    pub fn remove_domain_region(&self, bdf: Bdf, bus_addr: u64) -> bool {
+        let mut r = self.shared.regions.write().unwrap_or_else(|e| e.into_inner());
+        r.private.get_mut(&bdf).is_some_and(|m| m.remove(bus_addr))
+    }
+
+    /// Delivers MSI-X vector `vector` of `bdf` to `target` from now on (`None`: to no eventfd;
+    /// [`interrupt_eventfd`](Self::interrupt_eventfd) then makes a fresh one). The descriptor
+    /// must be non-blocking: the receive thread signals it.
+    pub fn route_interrupt(&self, bdf: Bdf, vector: u16, target: Option<Arc<EventFd>>) {
+        lock(&self.shared.interrupts).vectors.entry((bdf, vector)).or_default().eventfd = target;
     }
 
     /// The eventfd MSI-X vector `vector` of `bdf` is delivered to (made on first use).

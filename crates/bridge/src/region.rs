@@ -85,6 +85,21 @@ impl DmaRegion for DmaBuffer {
     }
 }
 
+/// The regions devices reach: the shared map, and the private maps of functions given their own
+/// DMA domain (as an IOMMU gives a passed-through function only its VM's memory).
+#[derive(Default)]
+pub(crate) struct Domains {
+    pub(crate) shared: RegionMap,
+    pub(crate) private: std::collections::HashMap<lanbus_pcie::Bdf, RegionMap>,
+}
+
+impl Domains {
+    /// The map a memory request from `requester` is served from.
+    pub(crate) fn of(&self, requester: lanbus_pcie::Bdf) -> &RegionMap {
+        self.private.get(&requester).unwrap_or(&self.shared)
+    }
+}
+
 /// Regions by bus address.
 #[derive(Default, Clone)]
 pub(crate) struct RegionMap {

@@ -212,6 +212,36 @@ fn unknown_addresses(mode: ThreadMode) {
     assert_eq!(status & regs::STATUS_ERROR, 0);
 }
 
+/// A function given a DMA domain of its own reaches only the regions lent to it there (its
+/// requester ID picks the domain), not the shared ones; without the domain it is back to them.
+#[test]
+fn a_dma_domain_confines_a_function_to_its_own_regions() {
+    let mode = ThreadMode::RunToCompletion;
+    let (h, _d) = over_sim(mode, 0.0, 7, host_config(mode, 3), dma_engine());
+    let f = one_device(&h);
+    h.add_region(SRC, DmaBuffer::from_vec(vec![0x11; 4096])).unwrap();
+    let dst = DmaBuffer::new(4096);
+    h.add_region(DST, dst.clone()).unwrap();
+    h.set_dma_domain(f.bdf, true);
+    let status = transfer(&h, &f, SRC, DST, 4096, 1);
+    assert_ne!(status & regs::STATUS_ERROR, 0, "the shared regions are out of reach");
+    assert_eq!(dst.read_vec(0, 4096), vec![0; 4096]);
+    let own_dst = DmaBuffer::new(4096);
+    h.add_domain_region(f.bdf, SRC, DmaBuffer::from_vec(vec![0x22; 4096])).unwrap();
+    h.add_domain_region(f.bdf, DST, own_dst.clone()).unwrap();
+    assert!(h.add_domain_region(f.bdf, DST + 4096 - 8, DmaBuffer::new(64)).is_err(), "overlap refused");
+    let status = transfer(&h, &f, SRC, DST, 4096, 2);
+    assert_eq!(status & regs::STATUS_ERROR, 0);
+    assert_eq!(own_dst.read_vec(0, 4096), vec![0x22; 4096]);
+    assert_eq!(dst.read_vec(0, 4096), vec![0; 4096], "the shared region untouched");
+    assert!(h.remove_domain_region(f.bdf, SRC));
+    h.set_dma_domain(f.bdf, false);
+    assert!(h.add_domain_region(f.bdf, SRC, DmaBuffer::new(64)).is_err(), "no domain any more");
+    let status = transfer(&h, &f, SRC, DST, 4096, 3);
+    assert_eq!(status & regs::STATUS_ERROR, 0);
+    assert_eq!(dst.read_vec(0, 4096), vec![0x11; 4096], "back to the shared regions");
+}
+
 /// A device bridge with two functions says so in function 0's header type, so the host probes
 /// past function 0 and enumerates both (a lone function does not set the bit).
 #[test]
