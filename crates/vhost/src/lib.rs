@@ -26,6 +26,9 @@
 //! (`vectors=0` for QEMU 7.2, whose vhost-user-net crashes setting up MSI-X notifiers without
 //! KVM.) Its queues' frames are [`net`]'s; a relay sits between the VMM and the protocol handler
 //! (see `relay.rs`: QEMU enables rings before it sets the features).
+//!
+//! [`vfio_user`] gives a raw PCIe function of the I/O box (the NVMe controller) to a VMM with a
+//! vfio-user client, whose guest runs its own driver on it across the fabric.
 
 #![deny(missing_docs)]
 #![deny(unsafe_code)]
@@ -35,6 +38,7 @@ pub mod blk;
 pub mod net;
 #[allow(unsafe_code)]
 mod relay;
+pub mod vfio_user;
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -51,16 +55,17 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 pub use blk::{BlkStats, DeviceInfo};
 pub use net::{NetBackendStats, NetLink};
+pub use vfio_user::{serve_vfio_user, VfioUserServer, VfioUserStats};
 
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The options are not usable (local misuse).
-    #[error("bad vhost-user-blk options: {0}")]
+    #[error("bad options: {0}")]
     Options(String),
     /// The socket could not be set up.
-    #[error("vhost-user-blk socket {path}: {source}")]
+    #[error("socket {path}: {source}")]
     Socket {
         /// The socket path.
         path: PathBuf,
