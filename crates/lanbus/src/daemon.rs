@@ -36,7 +36,9 @@ use lanbus_node::config::{self, DeviceFile, ExportSpec, HostFile};
 use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
 use lanbus_node::metrics::{self, Sample};
 use lanbus_node::nic::NicSpec;
-use lanbus_vhost::{serve_blk, serve_net, BlkOptions, BlkServer, NetLink, NetServer};
+use lanbus_vhost::{
+    serve_blk, serve_net, serve_vfio_user, BlkOptions, BlkServer, NetLink, NetServer, VfioUserServer,
+};
 use lanbus_vnet::driver::NetDriver;
 use lanbus_vnet::pcie::TapExport;
 use lanbus_vnet::tap::Tap;
@@ -112,7 +114,11 @@ pub struct HostArgs {
     /// Unix socket for QEMU's vhost-user-blk-pci; N request queues, default 1; ro: read-only);
     /// the remote NIC as tap:NAME (a TAP interface created now, with its carrier on while the NIC
     /// is there; give it an address with `ip addr add`) or as vhost-user-net:PATH (a
-    /// vhost-user-net backend on a Unix socket for QEMU's virtio-net-pci, there while the NIC is).
+    /// vhost-user-net backend on a Unix socket for QEMU's virtio-net-pci, there while the NIC is);
+    /// the NVMe function itself as vfio-user:PATH (a vfio-user server on a Unix socket: a VMM
+    /// with a vfio-user client, QEMU 10.1 or later, gives it to its guest, whose own nvme driver
+    /// runs it; instead of nbd and vhost-user-blk, which need the function for this host's
+    /// driver).
     #[arg(long)]
     export: Vec<String>,
     /// Thread model of the transport.
@@ -510,8 +516,8 @@ fn export(host: &Arc<HostBridge>, f: &RemoteFunction, specs: &[ExportSpec]) -> a
                     e.vhost = Some(serve_blk(path, block.clone(), options)?);
                     e.uris.push(format!("vhost-user-blk:{}", path.display()));
                 }
-                ExportSpec::Tap(_) | ExportSpec::VhostUserNet(_) => {
-                    bail!("{spec:?} exports a NIC, not a drive")
+                ExportSpec::Tap(_) | ExportSpec::VhostUserNet(_) | ExportSpec::VfioUser(_) => {
+                    bail!("{spec:?} does not export the drive's namespace")
                 }
             }
         }
@@ -559,6 +565,23 @@ fn unexport(e: Exported, specs: &[ExportSpec], why: &str) {
     if let Err(err) = e.driver.shutdown() {
         eprintln!("lanbus host: NVMe shutdown of {}: {err}", e.function.bdf);
     }
+}
+
+fn vfio_json(f: &RemoteFunction, server: &VfioUserServer) -> Value {
+    let s = server.stats();
+    let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    json!({
+        "export": format!("vfio-user:{}", server.path().display()),
+        "function": f.bdf.to_string(),
+        "connections": g(&s.connections),
+        "refused": g(&s.refused),
+        "messages": g(&s.messages),
+        "errors": g(&s.errors),
+        "protocol_errors": g(&s.protocol_errors),
+        "dma_maps": g(&s.dma_maps),
+        "dma_maps_unbacked": g(&s.dma_maps_unbacked),
+        "region_accesses": g(&s.region_accesses),
+    })
 }
 
 fn vhost_json(v: &BlkServer) -> Value {
@@ -737,7 +760,10 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
         args.export
     };
     if texts.is_empty() {
-        bail!("give --export nbd:PATH, nbd:tcp:ADDR, vhost-user-blk:PATH, tap:NAME or vhost-user-net:PATH");
+        bail!(
+            "give --export nbd:PATH, nbd:tcp:ADDR, vhost-user-blk:PATH, vfio-user:PATH, tap:NAME or \
+             vhost-user-net:PATH"
+        );
     }
     let specs: Vec<ExportSpec> = texts.iter().map(|t| t.parse()).collect::<Result<_, _>>()?;
     let nbd_count = specs.iter().filter(|s| s.is_nbd()).count();
@@ -750,6 +776,15 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
         bail!("the NIC goes to one place: tap:NAME or vhost-user-net:PATH, once");
     }
     let drive_specs: Vec<ExportSpec> = specs.iter().filter(|s| s.is_drive()).cloned().collect();
+    let raw_path: Option<PathBuf> = match specs.iter().filter(|s| s.is_raw()).collect::<Vec<_>>()[..] {
+        [] => None,
+        [ExportSpec::VfioUser(p)] if drive_specs.is_empty() => Some(p.clone()),
+        [_] => bail!(
+            "vfio-user gives the whole NVMe function to a VMM: it cannot be combined with nbd or \
+             vhost-user-blk, which run this host's driver on it"
+        ),
+        _ => bail!("one vfio-user export at most"),
+    };
     let spec = (!drive_specs.is_empty()).then_some(drive_specs);
     let control = args.control.or(file.control).unwrap_or_else(|| HOST_CONTROL.into());
     let name = args.name.or(file.name).unwrap_or_else(|| "lanbus-host".into());
@@ -771,9 +806,10 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let listener = bind_control(&control)?;
     let host = Arc::new(HostBridge::start(port, config::host_config(group, &name, args.mode.into()))?);
     let events = host.subscribe();
-    let waiting = match (&spec, &nic_target) {
-        (Some(_), Some(_)) => "an NVMe device and a NIC",
-        (Some(_), None) => "an NVMe device",
+    let wants_drive = spec.is_some() || raw_path.is_some();
+    let waiting = match (wants_drive, &nic_target) {
+        (true, Some(_)) => "an NVMe device and a NIC",
+        (true, None) => "an NVMe device",
         _ => "a NIC",
     };
     eprintln!(
@@ -785,6 +821,8 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let lock = || current.lock().unwrap_or_else(|e| e.into_inner());
     let nic: Mutex<Option<NicExported>> = Mutex::new(None);
     let lock_nic = || nic.lock().unwrap_or_else(|e| e.into_inner());
+    let raw: Mutex<Option<(RemoteFunction, VfioUserServer)>> = Mutex::new(None);
+    let lock_raw = || raw.lock().unwrap_or_else(|e| e.into_inner());
     let collect = || {
         let mut out = Vec::new();
         metrics::runtime_samples(&host.runtime_stats(), &mut out);
@@ -810,7 +848,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
         out.push(Sample::gauge(
             "exported",
             "1 while the drive is exported.",
-            f64::from(u8::from(lock().is_some())),
+            f64::from(u8::from(lock().is_some() || lock_raw().is_some())),
         ));
         if let Some(n) = lock_nic().as_ref() {
             let s = n.driver().stats();
@@ -846,6 +884,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
         let nic_status = lock_nic()
             .as_ref()
             .map(|n| nic_json(n, &nic_target.as_ref().map(NicTarget::name).unwrap_or_default()));
+        let raw_status = lock_raw().as_ref().map(|(f, server)| vfio_json(f, server));
         let cur = lock();
         let hb = host.stats();
         json!({
@@ -855,7 +894,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             "group": group,
             "peers": peers,
             "devices": devices.iter().map(lanbus_node::lspci::describe).collect::<Vec<_>>(),
-            "export": cur.as_ref().map(|e| e.uris.join(" ")),
+            "export": cur.as_ref().map(|e| e.uris.join(" ")).or_else(|| raw_status.as_ref().and_then(|r| r["export"].as_str().map(String::from))),
             "queues": cur.as_ref().map(|e| json!({
                 "io_queue_pairs": e.driver.io_queue_count(),
                 "commands": e.driver.stats().commands.load(Ordering::Relaxed),
@@ -864,6 +903,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             })),
             "nbd": cur.as_ref().and_then(|e| e.server.as_ref()).map(|s| format!("{:?}", s.stats())),
             "vhost_user_blk": cur.as_ref().and_then(|e| e.vhost.as_ref()).map(vhost_json),
+            "vfio_user": raw_status,
             "nic": nic_status,
             "completion_timeouts": hb.timeouts,
             "bridge": format!("{hb:?}"),
@@ -896,6 +936,25 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
                             Err(err) => eprintln!("lanbus host: cannot export {}: {err:#}", f.bdf),
                         }
                     }
+                    if let (Some(path), true) = (&raw_path, drive::is_nvme(&f)) {
+                        if lock_raw().is_some() {
+                            continue;
+                        }
+                        eprint!("lanbus host: found\n{}", lanbus_node::lspci::describe(&f));
+                        match serve_vfio_user(path, host.clone(), f.clone()) {
+                            Ok(server) => {
+                                eprintln!(
+                                    "lanbus host: giving {} to vfio-user clients at {}",
+                                    f.bdf,
+                                    path.display()
+                                );
+                                *lock_raw() = Some((f.clone(), server));
+                            }
+                            Err(err) => {
+                                eprintln!("lanbus host: cannot serve {} over vfio-user: {err:#}", f.bdf)
+                            }
+                        }
+                    }
                     if let (Some(t), true) = (&nic_target, lanbus_vnet::pcie::is_nic(&f)) {
                         if lock_nic().is_some() {
                             continue;
@@ -925,6 +984,11 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
                         if let (Some(e), Some(spec)) = (e, &spec) {
                             unexport(e, spec, &format!("device {bdf} removed: {reason}"));
                         }
+                        let r = { lock_raw().take_if(|(f, _)| f.bdf == bdf && f.mac == mac) };
+                        if let Some((_, server)) = r {
+                            server.stop();
+                            eprintln!("lanbus host: {bdf} removed ({reason}); vfio-user socket gone");
+                        }
                         let n = { lock_nic().take_if(|n| n.function.bdf == bdf && n.function.mac == mac) };
                         if let Some(n) = n {
                             n.stop(false);
@@ -944,6 +1008,9 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let e = lock().take();
     if let (Some(e), Some(spec)) = (e, &spec) {
         unexport(e, spec, "shutting down");
+    }
+    if let Some((_, server)) = lock_raw().take() {
+        server.stop();
     }
     if let Some(n) = lock_nic().take() {
         n.stop(true);

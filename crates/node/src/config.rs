@@ -184,8 +184,8 @@ pub fn read_toml<T: for<'de> Deserialize<'de> + Default>(path: Option<&Path>) ->
     toml::from_str(&text).map_err(|e| Error::Config { path: path.to_path_buf(), why: e.to_string() })
 }
 
-/// What the host exports: the NVMe namespace over NBD or as a vhost-user-blk backend, or the
-/// remote NIC as a TAP.
+/// What the host exports: the NVMe namespace over NBD or as a vhost-user-blk backend, the NVMe
+/// function itself to a vfio-user client, or the remote NIC as a TAP or a vhost-user-net backend.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExportSpec {
     /// The namespace over NBD on a Unix socket path.
@@ -205,6 +205,9 @@ pub enum ExportSpec {
     Tap(String),
     /// The NIC as a vhost-user-net backend on a Unix socket path (for QEMU's virtio-net).
     VhostUserNet(PathBuf),
+    /// The NVMe function itself to a vfio-user client on a Unix socket path (a VMM whose guest
+    /// runs its own nvme driver on it).
+    VfioUser(PathBuf),
 }
 
 impl ExportSpec {
@@ -213,9 +216,14 @@ impl ExportSpec {
         matches!(self, ExportSpec::Unix(_) | ExportSpec::Tcp(_))
     }
 
-    /// Whether this exports the drive (over NBD or vhost-user-blk), not a NIC.
+    /// Whether this exports the drive's namespace (over NBD or vhost-user-blk).
     pub fn is_drive(&self) -> bool {
-        !self.is_nic()
+        !self.is_nic() && !self.is_raw()
+    }
+
+    /// Whether this gives a whole function to a vfio-user client.
+    pub fn is_raw(&self) -> bool {
+        matches!(self, ExportSpec::VfioUser(_))
     }
 
     /// Whether this exports the NIC (as a TAP or a vhost-user-net backend).
@@ -254,8 +262,8 @@ impl std::str::FromStr for ExportSpec {
     fn from_str(s: &str) -> Result<ExportSpec> {
         let expected = || {
             Error::BadSpec(format!(
-                "{s:?}: expected nbd:PATH, nbd:tcp:ADDR, vhost-user-blk:PATH[,ro][,queues=N], tap:NAME \
-                 or vhost-user-net:PATH"
+                "{s:?}: expected nbd:PATH, nbd:tcp:ADDR, vhost-user-blk:PATH[,ro][,queues=N], tap:NAME, \
+                 vhost-user-net:PATH or vfio-user:PATH"
             ))
         };
         if let Some(rest) = s.strip_prefix("vhost-user-blk:") {
@@ -266,6 +274,12 @@ impl std::str::FromStr for ExportSpec {
                 return Err(Error::BadSpec(format!("{s:?}: expected vhost-user-net:PATH")));
             }
             return Ok(ExportSpec::VhostUserNet(path.into()));
+        }
+        if let Some(path) = s.strip_prefix("vfio-user:") {
+            if path.is_empty() || path.contains(',') {
+                return Err(Error::BadSpec(format!("{s:?}: expected vfio-user:PATH")));
+            }
+            return Ok(ExportSpec::VfioUser(path.into()));
         }
         if let Some(name) = s.strip_prefix("tap:") {
             if name.is_empty() || name.len() > 15 || name.contains(['/', ' ', ',']) {
@@ -343,6 +357,10 @@ mod tests {
     #[test]
     fn nic_export_specs() {
         let parse = |s: &str| s.parse::<ExportSpec>();
+        let raw = parse("vfio-user:/run/nvme.sock").unwrap();
+        assert_eq!(raw, ExportSpec::VfioUser("/run/nvme.sock".into()));
+        assert!(raw.is_raw() && !raw.is_drive() && !raw.is_nic());
+        assert!(parse("vfio-user:").is_err() && parse("vfio-user:/s,ro").is_err());
         let net = parse("vhost-user-net:/run/net0.sock").unwrap();
         assert_eq!(net, ExportSpec::VhostUserNet("/run/net0.sock".into()));
         assert!(net.is_nic() && !net.is_drive() && !net.is_nbd());
