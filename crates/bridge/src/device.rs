@@ -984,17 +984,18 @@ impl DeviceBridge {
 
     /// Moves the bridge to group `group`: the next heartbeat announces it (the old host sees its
     /// device leave, a host of the new group enumerates it); DMA in flight toward the old host
-    /// fails at once.
-    pub fn set_group(&self, group: u16) {
+    /// fails at once. Refused for a group the port cannot carry (a VLAN ID above 4094).
+    pub fn set_group(&self, group: u16) -> Result<(), String> {
         if let Some(r) = self.runtime.as_ref() {
-            r.set_group(group);
+            r.set_group(group)?;
         }
         let mut s = lock(&self.shared.session);
         if s.group == group {
-            return;
+            return Ok(());
         }
         s.group = group;
         self.shared.lose_host(&mut s);
+        Ok(())
     }
 
     /// The counters.

@@ -395,7 +395,7 @@ fn groups_move_devices(mode: ThreadMode) {
     assert_eq!(dst1.read_vec(0, 4096), vec![1; 4096]);
 
     // Move it to group 2: host 1 sees it leave, host 2 enumerates it.
-    d.set_group(2);
+    d.set_group(2).unwrap();
     assert!(h1.wait_gone(d.local_mac(), WAIT));
     assert!(
         matches!(e1.recv_timeout(WAIT), Ok(HostEvent::DeviceRemoved { mac, .. }) if mac == d.local_mac())
@@ -413,7 +413,7 @@ fn groups_move_devices(mode: ThreadMode) {
     assert_eq!(dst2.read_vec(0, 8192), vec![2; 8192]);
     assert_eq!(d.host(), Some(h2.local_mac()));
     // Host 1 gets it back.
-    d.set_group(1);
+    d.set_group(1).unwrap();
     assert!(h2.wait_gone(d.local_mac(), WAIT));
     let f1b = one_device(&h1);
     assert_eq!(transfer(&h1, &f1b, SRC, DST, 4096, 2) & regs::STATUS_ERROR, 0);

@@ -424,7 +424,9 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
             }
             ["group", n] => match n.parse::<u16>() {
                 Ok(g) => {
-                    bridge.set_group(g);
+                    if let Err(why) = bridge.set_group(g) {
+                        return format!("error: {why}");
+                    }
                     eprintln!("lanbus device: moved to group {g}");
                     let kept = config::DeviceState { configured_group, current_group: g };
                     match kept.store(&state_path) {

@@ -80,6 +80,9 @@ const V2_SNAPLEN: usize = 8;
 const V2_MAC: usize = 12;
 const V2_SEC: usize = 16;
 const V2_NSEC: usize = 20;
+/// `tpacket2_hdr.tp_vlan_tci`, `tp_vlan_tpid`.
+const V2_VLAN_TCI: usize = 24;
+const V2_VLAN_TPID: usize = 26;
 
 // Offsets in `struct tpacket3_hdr`.
 const PKT_NEXT_OFFSET: usize = 0;
@@ -89,6 +92,23 @@ const PKT_SNAPLEN: usize = 12;
 const PKT_LEN: usize = 16;
 const PKT_STATUS: usize = 20;
 const PKT_MAC: usize = 24;
+/// `tpacket3_hdr.hv1.tp_vlan_tci` (a u32), `tp_vlan_tpid`.
+const PKT_VLAN_TCI: usize = 32;
+const PKT_VLAN_TPID: usize = 36;
+/// `tp_status` bits: the frame had an 802.1Q tag, which the kernel took out of its bytes and
+/// put in `tp_vlan_tci` (and its TPID in `tp_vlan_tpid`).
+const TP_STATUS_VLAN_VALID: u32 = 1 << 4;
+const TP_STATUS_VLAN_TPID_VALID: u32 = 1 << 6;
+
+/// The tag the kernel took off a frame, from a ring header's status and fields: (TPID, TCI).
+fn vlan_tag(status: Option<u32>, tci: Option<u16>, tpid: Option<u16>) -> Option<(u16, u16)> {
+    let status = status?;
+    if status & TP_STATUS_VLAN_VALID == 0 {
+        return None;
+    }
+    let tpid = if status & TP_STATUS_VLAN_TPID_VALID != 0 { tpid? } else { crate::vlan::TPID };
+    Some((tpid, tci?))
+}
 /// Offset of `sll_pkttype` in `sockaddr_ll`.
 const SLL_PKTTYPE: usize = 10;
 
@@ -113,6 +133,12 @@ pub struct AfPacketConfig {
     /// Whether every EtherType is received (IPv4, ARP, ...), for a TCP/IP stack on the port;
     /// by default only lanbus frames (EtherType 0x88B5) are.
     pub all_ethertypes: bool,
+    /// Whether frames reach the port with their 802.1Q tags (for groups carried as VLANs, see
+    /// [`crate::vlan`]). The kernel takes a tag off a frame, and drops it, before it hands the frame
+    /// to a socket bound to one EtherType; so the socket then listens to every EtherType (the
+    /// filter still admits only lanbus frames, tagged or not) and puts the tag the kernel reports
+    /// (`tp_vlan_tci`) back into the frame.
+    pub keep_tags: bool,
 }
 
 /// The ring layout: TPACKET_V2 (one frame per slot, each handed over at once; the default) or
@@ -130,10 +156,17 @@ pub enum RxVersion {
 impl AfPacketConfig {
     /// Defaults for `ifname`: TPACKET_V2 (and a 1 ms block timeout should `rx` be set to V3).
     pub fn new(ifname: &str) -> Self {
-        AfPacketConfig { ifname: ifname.to_string(), tov_ms: 1, rx: RxVersion::V2, all_ethertypes: false }
+        AfPacketConfig {
+            ifname: ifname.to_string(),
+            tov_ms: 1,
+            rx: RxVersion::V2,
+            all_ethertypes: false,
+            keep_tags: false,
+        }
     }
 
-    /// Parses `IFACE[,rx=v2|v3][,tov_ms=MS][,ethertypes=all]` (the spec without `afpacket:`).
+    /// Parses `IFACE[,rx=v2|v3][,tov_ms=MS][,ethertypes=all][,tags=keep]` (the spec without
+    /// `afpacket:`).
     pub fn parse(args: &str) -> core::result::Result<AfPacketConfig, String> {
         let mut parts = args.split(',');
         let ifname = parts.next().unwrap_or("").trim();
@@ -170,9 +203,18 @@ impl AfPacketConfig {
                         }
                     };
                 }
+                Some(("tags", v)) => {
+                    config.keep_tags = match v.trim() {
+                        "keep" => true,
+                        other => {
+                            return Err(format!("tags={other:?}: write tags=keep (802.1Q tags stay on)"))
+                        }
+                    };
+                }
                 _ => {
                     return Err(format!(
-                        "unknown option {part:?}; options are rx=v2|v3, tov_ms=MS and ethertypes=lanbus|all"
+                        "unknown option {part:?}; options are rx=v2|v3, tov_ms=MS, ethertypes=lanbus|all and \
+                         tags=keep"
                     ))
                 }
             }
@@ -382,6 +424,8 @@ enum Step {
         stamp_ns: u64,
         /// The kernel left its transport checksum partial (`TP_STATUS_CSUMNOTREADY`).
         partial_csum: bool,
+        /// The 802.1Q tag the kernel took out of the frame's bytes: (TPID, TCI).
+        vlan: Option<(u16, u16)>,
     },
 }
 
@@ -432,6 +476,11 @@ fn next_packet(block: &[u8], cursor: &mut RxCursor) -> Step {
             stamp_ns: stamp_at(block, at + PKT_SEC, at + PKT_NSEC),
             partial_csum: read_u32(block, at + PKT_STATUS)
                 .is_some_and(|s| s & libc::TP_STATUS_CSUMNOTREADY != 0),
+            vlan: vlan_tag(
+                read_u32(block, at + PKT_STATUS),
+                read_u32(block, at + PKT_VLAN_TCI).map(|t| t as u16),
+                read_u16(block, at + PKT_VLAN_TPID),
+            ),
         },
         _ => Step::Bad,
     }
@@ -457,6 +506,11 @@ fn v2_packet(slot: &[u8]) -> Step {
             outgoing: pkttype == libc::PACKET_OUTGOING,
             stamp_ns: stamp_at(slot, V2_SEC, V2_NSEC),
             partial_csum: read_u32(slot, V2_STATUS).is_some_and(|s| s & libc::TP_STATUS_CSUMNOTREADY != 0),
+            vlan: vlan_tag(
+                read_u32(slot, V2_STATUS),
+                read_u16(slot, V2_VLAN_TCI),
+                read_u16(slot, V2_VLAN_TPID),
+            ),
         },
         _ => Step::Bad,
     }
@@ -718,7 +772,7 @@ impl AfPacketPort {
         // SAFETY: sockaddr_ll is plain old data; all-zero is valid.
         let mut sll: libc::sockaddr_ll = unsafe { core::mem::zeroed() };
         sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = if config.all_ethertypes {
+        sll.sll_protocol = if config.all_ethertypes || config.keep_tags {
             (libc::ETH_P_ALL as u16).to_be()
         } else {
             EtherType::LANBUS_RAW.to_be()
@@ -976,7 +1030,7 @@ impl Port for AfPacketPort {
                 Step::Bad => self.counters.rx_dropped += 1,
                 // Our own (or this host's) transmission looped back to packet taps: not for us.
                 Step::Packet { outgoing: true, .. } => {}
-                Step::Packet { frame, wire_len, outgoing: false, stamp_ns, partial_csum } => {
+                Step::Packet { frame, wire_len, outgoing: false, stamp_ns, partial_csum, vlan } => {
                     let frame = &block[frame];
                     prefetch_lines(frame);
                     let admitted = if self.all_ethertypes {
@@ -991,12 +1045,20 @@ impl Port for AfPacketPort {
                     self.counters.rx_frames += 1;
                     self.counters.rx_bytes += frame.len() as u64;
                     delivered += 1;
-                    if partial_csum && self.all_ethertypes {
-                        // A host's own stack would trust the kernel's word; a stack above this port
-                        // checks every checksum, so finish it as the NIC would have.
+                    let complete_csum = partial_csum && self.all_ethertypes;
+                    if complete_csum || vlan.is_some() {
                         self.scratch.clear();
                         self.scratch.extend_from_slice(frame);
-                        crate::csum::complete_partial_checksum(&mut self.scratch);
+                        if complete_csum {
+                            // A host's own stack would trust the kernel's word; a stack above this
+                            // port checks every checksum, so finish it as the NIC would have.
+                            crate::csum::complete_partial_checksum(&mut self.scratch);
+                        }
+                        if let Some((tpid, tci)) = vlan {
+                            // The tag back where it was on the wire, for the VLAN port above.
+                            let tag = [tpid.to_be_bytes(), tci.to_be_bytes()].concat();
+                            self.scratch.splice(12..12, tag);
+                        }
                         on_frame(&self.scratch, (stamp_ns != 0).then_some(stamp_ns));
                         continue;
                     }
@@ -1292,9 +1354,16 @@ mod tests {
                 wire_len: 90,
                 outgoing: false,
                 stamp_ns: 2_000_000_005,
-                partial_csum: false
+                partial_csum: false,
+                vlan: None,
             }
         );
+        // A tag the kernel took out of the frame is reported with it (TPID 0x8100 when the
+        // kernel does not say).
+        let mut tagged = slot.clone();
+        tagged[V2_STATUS..V2_STATUS + 4].copy_from_slice(&TP_STATUS_VLAN_VALID.to_ne_bytes());
+        tagged[V2_VLAN_TCI..V2_VLAN_TCI + 2].copy_from_slice(&0x2007u16.to_ne_bytes());
+        assert!(matches!(v2_packet(&tagged), Step::Packet { vlan: Some((0x8100, 0x2007)), .. }));
         slot[TPACKET2_HDR_ALIGNED + SLL_PKTTYPE] = libc::PACKET_OUTGOING;
         assert!(matches!(v2_packet(&slot), Step::Packet { outgoing: true, .. }));
         let mut bad = slot.clone();

@@ -156,6 +156,10 @@ impl<P: Port> Port for FaultyPort<P> {
         c.tx_dropped += self.counters.tx_dropped();
         c
     }
+
+    fn vlan(&self) -> Option<crate::vlan::VlanId> {
+        self.inner.vlan()
+    }
 }
 
 #[cfg(test)]

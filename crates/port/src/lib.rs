@@ -37,6 +37,7 @@ pub mod shm;
 pub mod sim;
 pub mod spec;
 pub mod udp;
+pub mod vlan;
 
 pub use hub::{Hub, HubConfig, HubPort, HubStats};
 pub use sim::{SimPort, SimWire, SimWireConfig, SimWireStats};
@@ -170,6 +171,12 @@ pub trait Port: Send {
     /// This port's own MAC address (source of the frames it sends).
     fn mac(&self) -> MacAddr;
 
+    /// Where the port carries the node's group as an 802.1Q VLAN ID ([`vlan::VlanPort`]), the
+    /// handle the runtime sets it with; `None` (the default) for untagged ports.
+    fn vlan(&self) -> Option<vlan::VlanId> {
+        None
+    }
+
     /// A snapshot of the counters.
     fn counters(&self) -> PortCounters;
 
@@ -224,6 +231,9 @@ impl<P: Port + ?Sized> Port for Box<P> {
     fn mtu(&self) -> usize {
         (**self).mtu()
     }
+    fn frame_capacity(&self) -> usize {
+        (**self).frame_capacity()
+    }
     fn tx_gso(&mut self, frame: &[u8], gso: Gso) -> Result<bool> {
         (**self).tx_gso(frame, gso)
     }
@@ -235,5 +245,8 @@ impl<P: Port + ?Sized> Port for Box<P> {
     }
     fn counters(&self) -> PortCounters {
         (**self).counters()
+    }
+    fn vlan(&self) -> Option<vlan::VlanId> {
+        (**self).vlan()
     }
 }

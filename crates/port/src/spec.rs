@@ -24,7 +24,7 @@ PORT SPECS (--port SPEC)
       to bcast= (IPv4 only). Datagrams from unknown senders are counted and dropped unless
       `learn` is set. Default MTU 1472 (IPv4) / 1452 (IPv6). Example, two daemons on a laptop:
         udp:127.0.0.1:7000,peer=127.0.0.1:7001   and   udp:127.0.0.1:7001,peer=127.0.0.1:7000
-  afpacket:IFACE[,rx=v2|v3][,tov_ms=MS][,ethertypes=all]
+  afpacket:IFACE[,rx=v2|v3][,tov_ms=MS][,ethertypes=all][,tags=keep]
       Raw Ethernet (EtherType 0x88B5) on interface IFACE through AF_PACKET with PACKET_MMAP
       rings (receive ring, mapped transmit ring, qdisc bypass, BPF filter). Needs root or
       CAP_NET_RAW and an Ethernet interface that is up. rx=v2 (default): TPACKET_V2, every
@@ -32,6 +32,7 @@ PORT SPECS (--port SPEC)
       after tov_ms (default 1 ms): batches for streaming, but a lone frame (a request, an ACK)
       waits that long, since the kernel cannot hand over a block early. ethertypes=all: every
       frame, not only lanbus's (what the TCP/IP stack server `lanbus stackd` uses).
+      tags=keep: frames keep their 802.1Q tags (what vlan=group, below, uses).
   afxdp:IFACE[:QUEUE][,xdp=auto|native|generic][,tx=auto|ring]
       AF_XDP socket on IFACE's queue QUEUE (default 0) with an XDP program that takes only
       EtherType 0x88B5. Needs root and Linux 5.x+. xdp=auto (default): the program runs in the
@@ -51,6 +52,14 @@ PORT SPECS (--port SPEC)
       drawn from a generator seeded with N (default: from the port's MAC address), and counts
       them as dropped. For trying recovery over real links: a frame crossing two such ports is
       lost with probability about 2P.
+  afpacket, afxdp and dpdk specs also take ,vlan=group
+      Every frame carries the node's group as its 802.1Q VLAN ID (groups 0 to 4094), and only
+      frames tagged with it are taken: a switch with VLANs keeps groups apart. The frames are 4
+      bytes shorter than the link's MTU. Untagged (the default) is what every node must agree on.
+      AF_XDP sees a tag only while it is in the frame's bytes: turn the receiving NIC's VLAN
+      offload off (ethtool -K IFACE rxvlan off), and on a Linux bridge turn its ports' tag
+      insertion off (ethtool -K PORT txvlan off), or use afpacket, to which the kernel hands
+      the tag over.
 ";
 
 fn bad(spec: &str, why: impl Into<String>) -> PortError {
@@ -92,9 +101,50 @@ fn split_loss(args: &str) -> core::result::Result<(String, Option<Loss>), String
     }
 }
 
+/// Takes the `vlan=group` option out of a spec's arguments; returns the rest and whether it was
+/// there.
+fn split_vlan(args: &str) -> core::result::Result<(String, bool), String> {
+    let mut vlan = false;
+    let mut rest = Vec::new();
+    for part in args.split(',') {
+        match part.trim().split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
+            Some(("vlan", "group")) => vlan = true,
+            Some(("vlan", v)) => {
+                return Err(format!("vlan={v}: write vlan=group (the VLAN ID is the node's group)"))
+            }
+            _ => rest.push(part),
+        }
+    }
+    Ok((rest.join(","), vlan))
+}
+
 /// Opens the port a spec names (see [`SPEC_HELP`]).
 pub fn open(spec: &str) -> Result<Box<dyn Port>> {
     let spec = spec.trim();
+    if let Some((kind, args)) = spec.split_once(':') {
+        let (rest, vlan) = split_vlan(args).map_err(|why| bad(spec, why))?;
+        if vlan {
+            if !matches!(kind, "afpacket" | "afxdp" | "dpdk") {
+                return Err(bad(
+                    spec,
+                    "vlan=group needs a port that sends raw Ethernet frames: afpacket, afxdp or dpdk",
+                ));
+            }
+            // AF_PACKET hands a tag over only to a socket that listens to every EtherType.
+            let rest = if kind == "afpacket" { format!("{rest},tags=keep") } else { rest };
+            let port = open_unvlanned(&format!("{kind}:{rest}")).map_err(|e| match e {
+                PortError::BadSpec { why, .. } => bad(spec, why),
+                PortError::Unavailable { why, .. } => unavailable(spec, why),
+                other => other,
+            })?;
+            return Ok(Box::new(crate::vlan::VlanPort::new(port)));
+        }
+    }
+    open_unvlanned(spec)
+}
+
+/// Opens a spec without the `vlan=` option.
+fn open_unvlanned(spec: &str) -> Result<Box<dyn Port>> {
     let (kind, args) = match spec.split_once(':') {
         Some((k, a)) => (k, Some(a)),
         None => (spec, None),
@@ -207,6 +257,10 @@ pub fn fuzz_spec(data: &[u8]) {
         }
         Err(why) => assert!(!why.is_empty()),
     }
+    match split_vlan(&text) {
+        Ok((rest, _)) => assert!(rest.len() <= text.len()),
+        Err(why) => assert!(!why.is_empty()),
+    }
 }
 
 /// Parses `IFACE[:QUEUE][,xdp=auto|native|generic][,tx=auto|ring]`, the arguments of an afxdp
@@ -313,6 +367,19 @@ mod tests {
         {
             assert!(!split_loss(bad).unwrap_err().is_empty(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_vlan_option_comes_off_raw_frame_specs_only() {
+        assert_eq!(split_vlan("eth0,vlan=group,rx=v3").unwrap(), ("eth0,rx=v3".into(), true));
+        assert_eq!(split_vlan("eth0").unwrap(), ("eth0".into(), false));
+        assert!(split_vlan("eth0,vlan=7").unwrap_err().contains("vlan=group"));
+        let err = open("udp:127.0.0.1:1,peer=127.0.0.1:2,vlan=group").err().unwrap().to_string();
+        assert!(err.contains("raw Ethernet frames"), "{err}");
+        let keep = AfPacketConfig::parse("eth0,tags=keep").unwrap();
+        assert!(keep.keep_tags && !keep.all_ethertypes);
+        assert!(!AfPacketConfig::parse("eth0").unwrap().keep_tags);
+        assert!(AfPacketConfig::parse("eth0,tags=drop").unwrap_err().contains("tags=keep"));
     }
 
     #[test]

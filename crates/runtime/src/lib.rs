@@ -180,6 +180,8 @@ struct Shared {
     /// takes those locks only when it is (an empty poll then touches no lock at all).
     posted: AtomicBool,
     local_mac: MacAddr,
+    /// The port's VLAN handle, where it carries the group as an 802.1Q VLAN ID.
+    vlan: Option<lanbus_port::vlan::VlanId>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -297,6 +299,10 @@ impl Runtime {
         if transport.epoch == 0 {
             transport.epoch = draw_epoch();
         }
+        let vlan = port.vlan();
+        if let Some(v) = &vlan {
+            v.set(transport.group).map_err(std::io::Error::other)?;
+        }
         let endpoint = Endpoint::new(transport, local_mac, clock.now());
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
@@ -313,6 +319,7 @@ impl Runtime {
             idle: AtomicBool::new(true),
             posted: AtomicBool::new(false),
             local_mac,
+            vlan,
         });
         let mut threads = Vec::new();
         let spawn =
@@ -357,14 +364,19 @@ impl Runtime {
     }
 
     /// Changes the node's group (announced in the next heartbeat; frames of other groups are
-    /// dropped from then on).
-    pub fn set_group(&self, group: u16) {
+    /// dropped from then on; on a port that carries the group as a VLAN, the node moves to that
+    /// VLAN). Refused, with nothing changed, for a group that cannot be a VLAN ID there.
+    pub fn set_group(&self, group: u16) -> Result<(), String> {
+        if let Some(v) = &self.shared.vlan {
+            v.set(group)?;
+        }
         lock(&self.shared.control_tx).push_back(Control::SetGroup(group));
         self.shared.posted_work();
         if self.shared.mode == ThreadMode::Pipeline {
             lock(&self.shared.control_rx).push_back(Control::SetGroup(group));
             self.shared.rx_waker.wake();
         }
+        Ok(())
     }
 
     /// The latest counters (published by the threads at least every millisecond, and with

@@ -198,7 +198,7 @@ fn a_node_in_another_group_drops_the_traffic() {
         let (a, b, rb) = forward_pair(mode, 0);
         a.sender().send(b.local_mac(), 1, b"before");
         assert_eq!(rb.recv_timeout(Duration::from_secs(10)).unwrap().2, b"before");
-        b.set_group(9);
+        b.set_group(9).unwrap();
         // Let the request reach B's threads before the next frame does.
         std::thread::sleep(Duration::from_millis(50));
         a.sender().send(b.local_mac(), 1, b"after");
@@ -208,13 +208,44 @@ fn a_node_in_another_group_drops_the_traffic() {
             assert!(std::time::Instant::now() < deadline, "{mode:?}: wrong-group drops not counted");
             std::thread::sleep(Duration::from_millis(5));
         }
-        a.set_group(9);
+        a.set_group(9).unwrap();
         assert_eq!(
             rb.recv_timeout(Duration::from_secs(10)).unwrap().2,
             b"after",
             "{mode:?}: same group again"
         );
     }
+}
+
+/// On ports that carry the group as an 802.1Q VLAN, the runtime keeps the VLAN with the group:
+/// set at start, moved by `set_group`, and a group that cannot be a VLAN ID is refused.
+#[test]
+fn the_group_is_the_vlan_of_a_vlan_port() {
+    use lanbus_port::vlan::VlanPort;
+    use lanbus_port::{Hub, HubConfig};
+    let hub = Hub::new(HubConfig::default()).unwrap();
+    let port = |n: u8| Box::new(VlanPort::new(Box::new(hub.port(MacAddr([2, 0, 0, 0, 0x7b, n])))));
+    let (pa, pb) = (port(1), port(2));
+    let (va, vb) = (pa.vlan_id(), pb.vlan_id());
+    let mut cfg = config(ThreadMode::RunToCompletion);
+    cfg.transport.group = 7;
+    let (ta, _) = mpsc::channel();
+    let (tb, rb) = mpsc::channel();
+    let a = Runtime::start(pa, cfg.clone(), Box::new(Forward { to: ta, echo: false })).unwrap();
+    let b = Runtime::start(pb, cfg.clone(), Box::new(Forward { to: tb, echo: false })).unwrap();
+    assert_eq!((va.get(), vb.get()), (7, 7), "the VLAN is the group from the start");
+    a.sender().send(b.local_mac(), 1, b"in VLAN 7");
+    assert_eq!(rb.recv_timeout(Duration::from_secs(10)).unwrap().2, b"in VLAN 7");
+    b.set_group(8).unwrap();
+    assert_eq!(vb.get(), 8);
+    assert!(b.set_group(4095).is_err(), "no VLAN ID 4095");
+    assert_eq!(vb.get(), 8, "a refused group changes nothing");
+    a.set_group(8).unwrap();
+    a.sender().send(b.local_mac(), 1, b"in VLAN 8");
+    assert_eq!(rb.recv_timeout(Duration::from_secs(10)).unwrap().2, b"in VLAN 8");
+    cfg.transport.group = 5000;
+    let (tc, _) = mpsc::channel();
+    assert!(Runtime::start(port(3), cfg, Box::new(Forward { to: tc, echo: false })).is_err());
 }
 
 #[test]

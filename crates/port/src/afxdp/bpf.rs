@@ -3,7 +3,8 @@
 //! no libbpf).
 //!
 //! Layer: ports (kernel interface). The program implements the one rule the port needs: it
-//! redirects only EtherType 0x88B5 frames to the socket and passes everything else to the kernel:
+//! redirects only EtherType 0x88B5 frames (untagged, or behind one 802.1Q tag, for groups carried
+//! as VLANs) to the socket and passes everything else to the kernel:
 //!
 //! ```text
 //!  0: r2 = *(u32 *)(r1 + 4)        ; xdp_md.data_end
@@ -12,14 +13,20 @@
 //!  3: r4 += 14                     ; end of the Ethernet header
 //!  4: if r4 > r2 goto pass         ; bounds check the verifier insists on
 //!  5: r4 = *(u16 *)(r3 + 12)       ; EtherType, network byte order as loaded
-//!  6: if r4 != 0x88B5 goto pass    ; (compared in the host's load order)
-//!  7: r2 = *(u32 *)(r1 + 16)       ; xdp_md.rx_queue_index: the key
-//!  8: r1 = map_fd xsks_map         ; ld_imm64, src = BPF_PSEUDO_MAP_FD (two slots)
-//! 10: r3 = XDP_PASS                ; flags: the action when the queue has no socket
-//! 11: call bpf_redirect_map
-//! 12: exit
-//! 13: pass: r0 = XDP_PASS
-//! 14: exit
+//!  6: if r4 == 0x88B5 goto redirect ; (compared in the host's load order)
+//!  7: if r4 != 0x8100 goto pass    ; an 802.1Q tag?
+//!  8: r4 = r3
+//!  9: r4 += 18                     ; end of the tagged header
+//! 10: if r4 > r2 goto pass
+//! 11: r4 = *(u16 *)(r3 + 16)       ; the EtherType behind the tag
+//! 12: if r4 != 0x88B5 goto pass
+//! 13: redirect: r2 = *(u32 *)(r1 + 16) ; xdp_md.rx_queue_index: the key
+//! 14: r1 = map_fd xsks_map         ; ld_imm64, src = BPF_PSEUDO_MAP_FD (two slots)
+//! 16: r3 = XDP_PASS                ; flags: the action when the queue has no socket
+//! 17: call bpf_redirect_map
+//! 18: exit
+//! 19: pass: r0 = XDP_PASS
+//! 20: exit
 //! ```
 //!
 //! Invariants: every file descriptor is owned ([`OwnedFd`]) and closed on drop; the program is
@@ -35,6 +42,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 /// The lanbus EtherType the program redirects.
 pub const ETHERTYPE_LANBUS: u16 = 0x88B5;
+/// The 802.1Q tag's protocol identifier.
+pub const ETHERTYPE_VLAN: u16 = 0x8100;
 
 /// XDP verdicts (`enum xdp_action`).
 pub mod action {
@@ -66,6 +75,7 @@ const BPF_ADD: u8 = 0x00;
 const BPF_MOV: u8 = 0xb0;
 const BPF_JGT: u8 = 0x20;
 const BPF_JNE: u8 = 0x50;
+const BPF_JEQ: u8 = 0x10;
 const BPF_CALL: u8 = 0x80;
 const BPF_EXIT: u8 = 0x90;
 /// `src_reg` of an `ld_imm64` whose immediate is a map file descriptor.
@@ -152,6 +162,11 @@ impl Insn {
         Insn::new(BPF_JMP | BPF_JNE | BPF_K, dst, Reg(0), off, imm)
     }
 
+    /// `if dst == imm goto +off`.
+    pub const fn jeq_imm(dst: Reg, imm: i32, off: i16) -> Insn {
+        Insn::new(BPF_JMP | BPF_JEQ | BPF_K, dst, Reg(0), off, imm)
+    }
+
     /// `call helper`.
     pub const fn call(helper: i32) -> Insn {
         Insn::new(BPF_JMP | BPF_CALL, Reg(0), Reg(0), 0, helper)
@@ -227,6 +242,7 @@ impl Assembler {
 pub fn lanbus_redirect_program(xsks_map_fd: RawFd) -> Vec<Insn> {
     let mut asm = Assembler::default();
     let pass = asm.label();
+    let redirect = asm.label();
     asm.emit(&[
         Insn::load_u32(R2, R1, XDP_MD_DATA_END),
         Insn::load_u32(R3, R1, XDP_MD_DATA),
@@ -237,8 +253,15 @@ pub fn lanbus_redirect_program(xsks_map_fd: RawFd) -> Vec<Insn> {
     asm.emit(&[Insn::load_u16(R4, R3, 12)]);
     // The load keeps the wire's byte order in memory, so compare against the value the same two
     // bytes have when loaded on this machine.
-    let lanbus_as_loaded = i32::from(u16::from_ne_bytes(ETHERTYPE_LANBUS.to_be_bytes()));
+    let as_loaded = |ethertype: u16| i32::from(u16::from_ne_bytes(ethertype.to_be_bytes()));
+    let lanbus_as_loaded = as_loaded(ETHERTYPE_LANBUS);
+    asm.emit_jump(Insn::jeq_imm(R4, lanbus_as_loaded, 0), redirect);
+    asm.emit_jump(Insn::jne_imm(R4, as_loaded(ETHERTYPE_VLAN), 0), pass);
+    asm.emit(&[Insn::mov_reg(R4, R3), Insn::add_imm(R4, 18)]);
+    asm.emit_jump(Insn::jgt_reg(R4, R2, 0), pass);
+    asm.emit(&[Insn::load_u16(R4, R3, 16)]);
     asm.emit_jump(Insn::jne_imm(R4, lanbus_as_loaded, 0), pass);
+    asm.place(redirect);
     asm.emit(&[Insn::load_u32(R2, R1, XDP_MD_RX_QUEUE_INDEX)]);
     asm.emit(&Insn::load_map_fd(R1, xsks_map_fd));
     asm.emit(&[Insn::mov_imm(R3, action::XDP_PASS as i32), Insn::call(BPF_FUNC_REDIRECT_MAP), Insn::exit()]);
@@ -557,10 +580,16 @@ mod tests {
                 [0x61, 0x13, 0, 0, 0, 0, 0, 0],       // r3 = data
                 [0xbf, 0x34, 0, 0, 0, 0, 0, 0],       // r4 = r3
                 [0x07, 0x04, 0, 0, 14, 0, 0, 0],      // r4 += 14
-                [0x2d, 0x24, 8, 0, 0, 0, 0, 0],       // if r4 > r2 goto pass (4 + 1 + 8 = 13)
+                [0x2d, 0x24, 14, 0, 0, 0, 0, 0],      // if r4 > r2 goto pass (4 + 1 + 14 = 19)
                 [0x69, 0x34, 12, 0, 0, 0, 0, 0],      // r4 = ethertype
-                [0x55, 0x04, 6, 0, 0x88, 0xb5, 0, 0], // if r4 != 0x88B5 (as loaded) goto pass
-                [0x61, 0x12, 16, 0, 0, 0, 0, 0],      // r2 = rx_queue_index
+                [0x15, 0x04, 6, 0, 0x88, 0xb5, 0, 0], // if r4 == 0x88B5 (as loaded) goto redirect
+                [0x55, 0x04, 11, 0, 0x81, 0, 0, 0],   // if r4 != 0x8100 goto pass
+                [0xbf, 0x34, 0, 0, 0, 0, 0, 0],       // r4 = r3
+                [0x07, 0x04, 0, 0, 18, 0, 0, 0],      // r4 += 18
+                [0x2d, 0x24, 8, 0, 0, 0, 0, 0],       // if r4 > r2 goto pass
+                [0x69, 0x34, 16, 0, 0, 0, 0, 0],      // r4 = the ethertype behind the tag
+                [0x55, 0x04, 6, 0, 0x88, 0xb5, 0, 0], // if r4 != 0x88B5 goto pass
+                [0x61, 0x12, 16, 0, 0, 0, 0, 0],      // redirect: r2 = rx_queue_index
                 [0x18, 0x11, 0, 0, 9, 0, 0, 0],       // r1 = map fd 9
                 [0; 8],                               // (second half of ld_imm64)
                 [0xb7, 0x03, 0, 0, 2, 0, 0, 0],       // r3 = XDP_PASS
@@ -576,11 +605,15 @@ mod tests {
     fn jumps_land_on_their_labels() {
         let prog = lanbus_redirect_program(3);
         let pass = prog.len() - 2;
+        let redirect = 13;
         for (at, insn) in prog.iter().enumerate() {
             if insn.code & 0x07 == BPF_JMP && insn.code & 0xf0 != BPF_CALL && insn.code & 0xf0 != BPF_EXIT {
-                assert_eq!(at as isize + 1 + insn.off as isize, pass as isize, "jump at {at}");
+                let to = at as isize + 1 + insn.off as isize;
+                let want = if insn.code & 0xf0 == BPF_JEQ { redirect } else { pass };
+                assert_eq!(to, want as isize, "jump at {at}");
             }
         }
+        assert_eq!(prog[redirect], Insn::load_u32(R2, R1, XDP_MD_RX_QUEUE_INDEX));
         assert_eq!(prog[pass], Insn::mov_imm(R0, action::XDP_PASS as i32));
     }
 

@@ -283,6 +283,15 @@ fn program_verdicts_in_the_kernel() {
     let mut arp = lanbus.clone();
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
     assert_eq!(a.test_program(&arp[..42]).unwrap(), bpf::action::XDP_PASS);
+    // Behind an 802.1Q tag (a group carried as a VLAN): lanbus frames only, and bounds-checked.
+    let mut tagged = lanbus[..12].to_vec();
+    tagged.extend_from_slice(&[0x81, 0x00, 0x00, 0x07]);
+    tagged.extend_from_slice(&lanbus[12..]);
+    assert_eq!(a.test_program(&tagged).unwrap(), bpf::action::XDP_REDIRECT);
+    let mut tagged_ipv4 = tagged.clone();
+    tagged_ipv4[16..18].copy_from_slice(&[0x08, 0x00]);
+    assert_eq!(a.test_program(&tagged_ipv4).unwrap(), bpf::action::XDP_PASS);
+    assert_eq!(a.test_program(&tagged[..17]).unwrap(), bpf::action::XDP_PASS, "a tag cut short");
 }
 
 fn xdp_shown(end: &VethEnd) -> String {
