@@ -80,12 +80,22 @@ pub fn runtime_samples(stats: &Stats, out: &mut Vec<Sample>) {
         c("tail_loss_probes_total", "Tail-loss probes sent.", t.tail_loss_probes),
         c("retransmission_timeouts_total", "Retransmission timer expiries.", t.timeouts),
         c("frames_dropped_total", "Received frames dropped, all reasons.", t.drops()),
+        c(
+            "frames_wrong_group_total",
+            "Frames from nodes of other groups, dropped (with groups as VLANs the port drops them first).",
+            t.drop_wrong_group,
+        ),
         c("peer_restarts_total", "Peers seen coming back with a new epoch.", t.peer_restarts),
         c("messages_sent_total", "Messages queued for sending.", t.messages_sent),
         c("messages_delivered_total", "Messages delivered in order.", t.messages_delivered),
         c("port_rx_frames_total", "Frames the port received.", stats.port.rx_frames),
         c("port_tx_frames_total", "Frames the port sent.", stats.port.tx_frames),
         c("port_rx_dropped_total", "Frames the port dropped on receive.", stats.port.rx_dropped),
+        c(
+            "port_rx_filtered_total",
+            "Frames the port filtered out as not for this node's VLAN (groups as VLANs).",
+            stats.port.rx_filtered,
+        ),
     ]);
     if let Some(rtt) = t.rtt_mean() {
         out.push(Sample::gauge("rtt_mean_seconds", "Mean round trip of the RTT samples.", rtt.as_secs_f64()));

@@ -58,6 +58,9 @@ pub struct PortCounters {
     pub rx_dropped: u64,
     /// Frames the caller filled that could not be sent (too long, no buffer, device error).
     pub tx_dropped: u64,
+    /// Received frames that were not for this node's VLAN (groups as VLANs: another VLAN's, or
+    /// untagged), filtered out.
+    pub rx_filtered: u64,
 }
 
 /// Why a port could not be opened or used.

@@ -11,8 +11,8 @@
 //! one less the tag), so a tagged frame never exceeds what the link takes.
 //!
 //! Invariants: an untagged frame, a frame of another VLAN and a frame too short to hold a tag are
-//! dropped and counted (in `rx_dropped`, and in [`VlanCounters`]); nothing is passed up with its
-//! tag. AF_PACKET hands a received tag over beside the frame (`tp_vlan_tci`), not in its bytes:
+//! filtered out and counted (in `rx_filtered`, and in [`VlanCounters`]); nothing is passed up with
+//! its tag. AF_PACKET hands a received tag over beside the frame (`tp_vlan_tci`), not in its bytes:
 //! the afpacket port puts it back into the frame, so this wrapper sees the same bytes on every
 //! port. Groups above 4094 have no VLAN ID: [`VlanId::set`] refuses them.
 
@@ -175,7 +175,7 @@ impl Port for VlanPort {
 
     fn counters(&self) -> PortCounters {
         let mut c = self.inner.counters();
-        c.rx_dropped += self.counters.untagged() + self.counters.other_vlan();
+        c.rx_filtered += self.counters.untagged() + self.counters.other_vlan();
         c
     }
 
@@ -247,7 +247,7 @@ mod tests {
         send(&mut plain, &frame(bcast, mac(4), b"untagged"));
         assert!(receive(&mut a).is_empty() && receive(&mut b).is_empty());
         assert_eq!(a.vlan_counters().untagged(), 1);
-        assert_eq!(a.counters().rx_dropped, 1);
+        assert_eq!(a.counters().rx_filtered, 1);
         // Moving c into VLAN 7 (a change of group) lets it hear a.
         c.vlan_id().set(7).unwrap();
         send(&mut a, &f);
