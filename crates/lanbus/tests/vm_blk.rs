@@ -13,7 +13,10 @@
 //!   as zero.
 //!
 //! - the host daemon restarting under a running guest (QEMU's `reconnect=1`): what the guest
-//!   wrote before reads back through the new daemon;
+//!   wrote before reads back through the new daemon; and the host daemon killed (SIGKILL) while
+//!   a guest writes: QEMU hands the new daemon the requests it had not seen completed (from the
+//!   used index: the backend publishes completions in the order it took the requests), and the
+//!   guest reads back every MiB as written;
 //! - the I/O box stopping unexports the drive: the socket goes away.
 //!
 //! Skips, saying why, without root, QEMU, busybox-static or rustc (to build the pattern tool).
@@ -59,6 +62,12 @@ case $mode in
     /bin/pattern zero $((mib - 2)) 1 /dev/vda || exit 5
     echo 3 >/proc/sys/vm/drop_caches
     /bin/pattern read "$seed" $((mib - 2)) /dev/vda
+    ;;
+  busy)
+    # write while the test kills and restarts the backend, then read back
+    /bin/pattern write "$seed" "$mib" /dev/vda || exit 1
+    echo 3 >/proc/sys/vm/drop_caches
+    /bin/pattern read "$seed" "$mib" /dev/vda
     ;;
   pause)
     # write, wait while the test restarts the backend, read back through the new one
@@ -248,6 +257,31 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     assert!(fourth.contains("lanbus-guest: exit 0"), "{fourth}");
     assert_eq!(report(&fourth).1, 0, "{fourth}");
     assert!(host_status(&host_ctl)["vhost_user_blk"]["read_bytes"].as_u64().unwrap() >= 8 << 20);
+
+    // The backend killed in the middle of a guest's writes, and a new one started: nothing the
+    // guest wrote is lost or written twice over something newer.
+    let log = dir.join("busy.log");
+    let mut q = guest.qemu("busy,6,64", &log);
+    let before = host_status(&host_ctl)["vhost_user_blk"]["written_bytes"].as_u64().unwrap();
+    wait_for("the busy guest's writes", Duration::from_secs(90), || {
+        host_status(&host_ctl)["vhost_user_blk"]["written_bytes"].as_u64().unwrap() > before + (8 << 20)
+    });
+    host.0.kill().unwrap();
+    host.0.wait().unwrap();
+    host = spawn(&veth.b.netns, host_args(), "host-after-kill.log");
+    let t = Instant::now();
+    while q.0.try_wait().unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "the guest did not finish after the kill: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let fifth = std::fs::read_to_string(&log).unwrap();
+    eprintln!("guest across a killed backend:\n{fifth}");
+    assert!(fifth.contains("lanbus-guest: exit 0"), "{fifth}");
+    assert_eq!(report(&fifth).1, 0, "{fifth}");
 
     // The I/O box goes: the host unexports, the socket goes with it, then the host stops cleanly.
     drop(_device);

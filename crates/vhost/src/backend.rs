@@ -74,7 +74,9 @@ impl BlkBackend {
     /// guest's driver has to reset the device). Up to [`IN_FLIGHT`] requests run at once, each
     /// on a thread of its own: a guest's large I/O arrives as several requests (at most
     /// `SEG_MAX` pages each), which the remote drive then serves in parallel rather than one
-    /// round trip after another.
+    /// round trip after another. Completions are published in the order the requests were taken:
+    /// when a backend dies, QEMU gives the next one every request from the used index on, which is
+    /// then exactly the ones the guest has not seen completed.
     fn process_queue(&self, vring: &VringRwLock<Memory>) -> bool {
         let mem = self.mem.memory();
         loop {
