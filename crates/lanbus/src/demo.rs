@@ -36,6 +36,21 @@ pub struct DemoArgs {
     /// Skip fio even if it is installed.
     #[arg(long)]
     no_fio: bool,
+    /// Where the demo's threads run: `one` (the default) keeps all of them, both machines' and
+    /// fio's, on one CPU, which makes the table repeatable; `all` lets them move between CPUs,
+    /// where on a small shared machine the scheduler's placement of the spinning threads decides
+    /// a run (the 4K row then swings about 2x from run to run).
+    #[arg(long, value_enum, default_value = "one")]
+    cpus: Cpus,
+}
+
+/// Where the demo's threads may run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Cpus {
+    /// One CPU for every thread.
+    One,
+    /// Any CPU the process may use.
+    All,
 }
 
 struct TempDir(PathBuf);
@@ -53,6 +68,14 @@ fn mb_per_s(bytes: u64, t: Duration) -> f64 {
 pub fn run(a: DemoArgs) -> anyhow::Result<()> {
     anyhow::ensure!((0.0..0.2).contains(&a.loss), "--loss must be in 0..0.2");
     anyhow::ensure!((8..=4096).contains(&a.size_mib), "--size-mib must be 8..=4096");
+    // Before any thread starts, so every thread (and fio) inherits it.
+    let pinned = match a.cpus {
+        Cpus::One => lanbus_ring::study::allowed_cpus()
+            .last()
+            .copied()
+            .filter(|&cpu| lanbus_ring::study::pin_current_thread(cpu)),
+        Cpus::All => None,
+    };
     let started = Instant::now();
     let size = a.size_mib << 20;
     println!("lanbus demo: a remote NVMe drive over the lanbus fabric, in one process\n");
@@ -65,7 +88,11 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         a.loss * 100.0,
         a.seed
     );
-    println!("  host:    host bridge, user-space NVMe driver, NBD server on a Unix socket\n");
+    println!("  host:    host bridge, user-space NVMe driver, NBD server on a Unix socket");
+    match pinned {
+        Some(cpu) => println!("  threads: all on CPU {cpu} (--cpus all lets them move)\n"),
+        None => println!("  threads: on any CPU\n"),
+    }
     let ctrl = drive::controller(&NvmeBacking::Ram(size), 512)?;
     let mut fab = SimFabric::start(ctrl, a.loss, a.seed)?;
     println!("enumerated through configuration TLPs ({:.0} ms):", started.elapsed().as_secs_f64() * 1e3);

@@ -19,10 +19,22 @@ fn demo_runs_the_remote_drive_and_verifies_everything() {
         "write MB/s",
         "retransmitted",
         "all data verified",
+        "threads: all on CPU",
     ] {
         assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
     }
     assert!(t.elapsed() < Duration::from_secs(60), "the demo took {:?}", t.elapsed());
+}
+
+#[test]
+fn demo_lets_its_threads_move_when_asked() {
+    let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
+        .args(["demo", "--cpus", "all", "--no-fio"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("threads: on any CPU") && stdout.contains("all data verified"), "{stdout}");
 }
 
 #[test]
