@@ -412,34 +412,36 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
     }
     println!("10 Gbit/s links of 1 us into one switch port with {} KiB of buffer", a.buffer_kib);
     println!(
-        "{:>8} {:>6} {:>5} {:>10} {:>9} {:>7} {:>8} {:>8} {:>8}",
-        "sessions", "util", "rc", "mean_ratio", "p10_ratio", "bursts", "drops", "retx", "timeouts"
+        "{:>8} {:>6} {:>5} {:>10} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8}",
+        "sessions", "util", "rc", "mean_ratio", "p10_ratio", "ideal", "bursts", "drops", "retx", "timeouts"
     );
     let mut csv = String::from(
-        "sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,retransmitted_frames\n",
+        "sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,retransmitted_frames,ideal_mean_throughput_ratio\n",
     );
     for p in &points {
         println!(
-            "{:>8} {:>6.3} {:>5} {:>10.3} {:>9.3} {:>7} {:>8} {:>8} {:>8}",
+            "{:>8} {:>6.3} {:>5} {:>10.3} {:>9.3} {:>7.3} {:>7} {:>8} {:>8} {:>8}",
             p.sessions,
             p.utilization,
             if p.rate_control { "on" } else { "off" },
             p.mean_ratio,
             p.p10_ratio,
+            p.ideal_mean_ratio,
             p.bursts,
             p.switch_drops,
             p.retransmitted_frames,
             p.timeouts
         );
         csv += &format!(
-            "{},{:.4},{},{:.4},{:.4},{},{}\n",
+            "{},{:.4},{},{:.4},{:.4},{},{},{:.4}\n",
             p.sessions,
             p.utilization,
             p.rate_control,
             p.mean_ratio,
             p.p10_ratio,
             p.switch_drops,
-            p.retransmitted_frames
+            p.retransmitted_frames,
+            p.ideal_mean_ratio
         );
         if p.incomplete > 0 {
             println!("  warning: {} bursts of this point did not complete before the bound", p.incomplete);
@@ -471,6 +473,15 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         sorted.iter().take_while(|p| p.mean_ratio >= 0.9).last().map_or(0.0, |p| p.utilization)
     };
     let (reach_off, reach_on) = (reach(&off), reach(&on));
+    let reach_ideal = {
+        let mut sorted: Vec<&&MultiPoint> = off.iter().collect();
+        sorted.sort_by(|x, y| x.utilization.total_cmp(&y.utilization));
+        sorted.iter().take_while(|p| p.ideal_mean_ratio >= 0.9).last().map_or(0.0, |p| p.utilization)
+    };
+    println!(
+        "an ideal fabric (the port shared equally among the bursts under way, nothing lost) keeps the mean \
+         ratio at or above 0.9 up to utilisation {reach_ideal:.2}: no control can reach further"
+    );
     println!(
         "mean ratio at or above 0.9 up to utilisation {reach_off:.2} without rate control, {reach_on:.2} with it \
          (goal: at least double): {}",
@@ -488,6 +499,7 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         series: vec![
             Series { name: "mean, no rate control".into(), points: line(&off, |p| p.mean_ratio) },
             Series { name: "mean, rate control".into(), points: line(&on, |p| p.mean_ratio) },
+            Series { name: "mean, ideal sharing".into(), points: line(&off, |p| p.ideal_mean_ratio) },
             Series { name: "10th pct, no rate control".into(), points: line(&off, |p| p.p10_ratio) },
             Series { name: "10th pct, rate control".into(), points: line(&on, |p| p.p10_ratio) },
         ],

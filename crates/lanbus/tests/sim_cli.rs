@@ -110,7 +110,10 @@ fn multi_session_writes_csv_and_png() {
     let mut lines = csv.lines();
     assert_eq!(
         lines.next(),
-        Some("sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,retransmitted_frames")
+        Some(
+            "sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,\
+             retransmitted_frames,ideal_mean_throughput_ratio"
+        )
     );
     let rows: Vec<&str> = lines.collect();
     assert_eq!(rows.len(), 4, "{rows:?}");
@@ -139,6 +142,15 @@ fn multi_session_at_scale_sets_each_utilisation_and_reports_the_reach() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("16 hosts sending 1 MB bursts") && text.contains("up to utilisation"), "{text}");
+    assert!(text.contains("an ideal fabric"), "{text}");
+    // The ideal fabric's ratio is the same for both runs of a point (the same bursts), at most 1,
+    // and falls with utilisation.
+    let ideal = |prefix: &str| -> f64 {
+        let row = csv_rows(&dir).into_iter().find(|r| r.starts_with(prefix)).unwrap();
+        row.rsplit(',').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(ideal("16,0.1000,false,"), ideal("16,0.1000,true,"));
+    assert!(ideal("16,0.1000,false,") <= 1.0 && ideal("16,0.3000,false,") < ideal("16,0.1000,false,"));
     let csv = std::fs::read_to_string(dir.join("multi_session.csv")).unwrap();
     let rows: Vec<&str> = csv.lines().skip(1).collect();
     assert_eq!(rows.len(), 4, "{rows:?}");
@@ -158,4 +170,13 @@ fn multi_session_at_scale_sets_each_utilisation_and_reports_the_reach() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--utilization"));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn csv_rows(dir: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(dir.join("multi_session.csv"))
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(String::from)
+        .collect()
 }

@@ -519,6 +519,9 @@ pub struct MultiPoint {
     pub mean_ratio: f64,
     /// 10th percentile of the same.
     pub p10_ratio: f64,
+    /// The mean ratio the same bursts get from an ideal fabric ([`ideal_sharing`]): the most any
+    /// control can reach.
+    pub ideal_mean_ratio: f64,
     /// Bursts counted.
     pub bursts: usize,
     /// Bursts offered in the counted window that never completed (must be 0).
@@ -590,23 +593,111 @@ pub fn multi_session_point(p: &MultiParams, progress: &mut dyn FnMut(f64)) -> Mu
             timeouts += c.timeouts;
         }
     }
-    // Count the offered bursts of the window again from the same seeds (the generators are pure).
+    // Count the offered bursts of the window again from the same seeds (the generators are pure),
+    // and run them through an ideal fabric.
+    let secs = |t: Instant| t.as_nanos() as f64 / 1e9;
+    let mut sessions = Vec::new();
     for i in 1..=p.sessions {
         let seed = p.seed.wrapping_mul(1_000_003).wrapping_add(u64::from(i));
-        offered += PoissonBursts::new(seed, Instant::ZERO, p.burst_bytes, p.mean_gap, stop)
-            .filter(|a| a.at >= warm)
-            .count();
+        let arrivals: Vec<f64> = PoissonBursts::new(seed, Instant::ZERO, p.burst_bytes, p.mean_gap, stop)
+            .map(|a| secs(a.at))
+            .collect();
+        offered += arrivals.iter().filter(|&&at| at >= secs(warm)).count();
+        sessions.push(arrivals);
     }
+    let ideal_mean_ratio =
+        ideal_sharing(&sessions, p.burst_bytes as f64 * 8.0, p.link.rate_bps as f64, secs(warm), secs(stop));
     MultiPoint {
         sessions: p.sessions,
         utilization: p.utilization(),
         rate_control: p.transport.rate.enabled,
         mean_ratio: ratios.mean().unwrap_or(f64::NAN),
         p10_ratio: ratios.percentile(10.0).unwrap_or(f64::NAN),
+        ideal_mean_ratio,
         bursts: ratios.len(),
         incomplete: offered.saturating_sub(ratios.len()),
         switch_drops: sim.switch_stats(sw).dropped(),
         retransmitted_frames: retransmitted,
         timeouts,
+    }
+}
+
+/// The mean throughput ratio the bursts of `sessions` (each session's arrival times, seconds, in
+/// order) get from an ideal fabric: the switch port's `rate_bps` shared equally among the
+/// sessions with a burst under way at every instant (fluid processor sharing), a session's bursts
+/// one after another, nothing lost, no overhead. The ratio is the simulation's: a burst's time at
+/// the full rate over its time from offer to completion, for bursts offered in `[warm, stop)`.
+/// Sharing alone keeps it below 1 (with Poisson arrivals at utilisation u, a burst's mean time
+/// is its ideal time over 1 - u), so this is the ceiling any congestion control can reach.
+pub fn ideal_sharing(sessions: &[Vec<f64>], burst_bits: f64, rate_bps: f64, warm: f64, stop: f64) -> f64 {
+    let ideal = burst_bits / rate_bps;
+    // Per session: the index of its head burst and, while it is under way, the bits left.
+    let mut next = vec![0usize; sessions.len()];
+    let mut left: Vec<Option<f64>> = vec![None; sessions.len()];
+    let mut now = 0.0f64;
+    let mut ratios = Vec::new();
+    loop {
+        let active = left.iter().flatten().count();
+        let completion =
+            left.iter().flatten().fold(f64::INFINITY, |m, &l| m.min(now + l * active as f64 / rate_bps));
+        let arrival = (0..sessions.len())
+            .filter(|&i| left[i].is_none())
+            .filter_map(|i| sessions[i].get(next[i]).map(|&at| (at.max(now), i)))
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        let t = match arrival {
+            Some((at, _)) if at <= completion => at,
+            _ if completion.is_finite() => completion,
+            _ => break,
+        };
+        if active > 0 {
+            let served = (t - now) * rate_bps / active as f64;
+            for l in left.iter_mut().flatten() {
+                *l -= served;
+            }
+        }
+        now = t;
+        if let Some((at, i)) = arrival.filter(|(at, _)| *at <= completion) {
+            debug_assert!(at <= now);
+            left[i] = Some(burst_bits);
+            continue;
+        }
+        // Bursts done (within a rounding error of a bit); each session's next starts if offered.
+        for i in 0..sessions.len() {
+            if left[i].is_some_and(|l| l <= 1e-6) {
+                let offered = sessions[i][next[i]];
+                if offered >= warm && offered < stop {
+                    ratios.push(ideal / (now - offered));
+                }
+                next[i] += 1;
+                left[i] = sessions[i].get(next[i]).filter(|&&at| at <= now).map(|_| burst_bits);
+            }
+        }
+    }
+    if ratios.is_empty() {
+        f64::NAN
+    } else {
+        ratios.iter().sum::<f64>() / ratios.len() as f64
+    }
+}
+
+#[cfg(test)]
+mod ideal_tests {
+    use super::ideal_sharing;
+
+    #[test]
+    fn alone_a_burst_gets_the_full_rate_and_two_at_once_share_it() {
+        // 1 Mbit at 1 Mbit/s: a second alone.
+        assert_eq!(ideal_sharing(&[vec![0.0]], 1e6, 1e6, 0.0, 10.0), 1.0);
+        // Two sessions offering at the same instant: both finish at 2 s, ratio 0.5.
+        assert_eq!(ideal_sharing(&[vec![0.0], vec![0.0]], 1e6, 1e6, 0.0, 10.0), 0.5);
+        // The second starts half-way: the first has 0.5 left, both share, the first ends at 1.5
+        // (ratio 1/1.5), the second has 0.5 left alone and ends at 2.0 (ratio 1/1.5).
+        let r = ideal_sharing(&[vec![0.0], vec![0.5]], 1e6, 1e6, 0.0, 10.0);
+        assert!((r - 1.0 / 1.5).abs() < 1e-9, "{r}");
+        // One session's bursts queue behind each other: the second waits for the first.
+        let r = ideal_sharing(&[vec![0.0, 0.0]], 1e6, 1e6, 0.0, 10.0);
+        assert!((r - (1.0 + 0.5) / 2.0).abs() < 1e-9, "{r}");
+        // Only bursts offered in the window count.
+        assert_eq!(ideal_sharing(&[vec![0.0], vec![5.0]], 1e6, 1e6, 4.0, 10.0), 1.0);
     }
 }
