@@ -31,10 +31,12 @@
 //! - **Reset**: not offered (the device flags say so): a function in an I/O box has no reset a
 //!   host may pull, and its drivers reset it through its own registers.
 //!
-//! One client at a time: another that connects meanwhile is closed at once. A client that sends
-//! something malformed gets an error reply (`EINVAL`, `ENOTSUP`) and goes on; one whose stream
-//! is out of step (a header claiming a size no message has) or that stalls mid-message is
-//! disconnected. When a client goes, its mappings and interrupt routes go with it.
+//! One client at a time: another that connects meanwhile is closed at once. A request the device
+//! cannot grant (an access outside a region, a mapping over another, a descriptor that is not an
+//! eventfd) gets an error reply (`EINVAL`, `EEXIST`, `ENOTSUP`) and the client goes on; a message
+//! of the wrong size for its command gets an error reply and the client is disconnected, as is
+//! one whose stream is out of step (a header claiming a size no message has) or that stalls
+//! mid-message. When a client goes, its mappings and interrupt routes go with it.
 
 mod config;
 mod fd;
@@ -414,10 +416,22 @@ impl Connection {
         let mut body = vec![0u8; h.body_len()];
         s.read_exact(&mut body)?;
         bump(&self.stats.messages);
-        let answer = match proto::decode(&h, &body) {
-            Ok(req) => self.handle(&h, req, fds),
-            Err(e) => Err(e),
+        let req = match proto::decode(&h, &body) {
+            Ok(req) => req,
+            Err(e) => {
+                // A message of the wrong size for its command: the client is told, then
+                // disconnected (its next bytes cannot be trusted to mean what it thinks).
+                bump(&self.stats.errors);
+                if !h.no_reply() {
+                    s.write_all(&error_reply(&h, e.errno))?;
+                }
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("command {}: {}", h.command, e.why),
+                ));
+            }
         };
+        let answer = self.handle(&h, req, fds);
         let out = match answer {
             Ok(bytes) => bytes,
             Err(e) => {
