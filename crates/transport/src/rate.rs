@@ -10,8 +10,14 @@
 //! below −min_rtt/100, Timely's gradient), the rate holds: the queue is draining and a cut would
 //! land after it is gone. A flow also keeps at most `rate * (min_rtt + target_queue_delay)` bytes
 //! in flight (Swift's window), so a growing queue slows it through the ACK clock at once.
-//! Pacing: each frame of `n` bytes moves the earliest next send time `n * 8 / rate` later; one
-//! frame of slack is kept so a driver that polls a little late does not lose rate.
+//! Pacing, as in Swift, only while that window is below one frame (a flow cut that far would
+//! otherwise still send a frame per round trip): each frame of `n` bytes moves the earliest next
+//! send time `n * 8 / rate` later; one frame of slack is kept so a driver that polls a little
+//! late does not lose rate. Above one frame the ACKs clock the flow. Pacing every flow at its
+//! rate makes things worse where many bursts share a port: a flow cut while it competed starts
+//! its next burst paced at that rate, bursts last longer and meet more often, and in the
+//! simulator at 64 hosts the port collapsed from 40% utilisation (mean burst ratio 0.02 at 60%)
+//! where the window alone keeps it above no control at every load.
 //!
 //! Invariant: `min_rate <= rate <= line_rate`.
 
@@ -24,6 +30,10 @@ use crate::config::RateConfig;
 #[derive(Debug, Clone)]
 pub(crate) struct RateControl {
     enabled: bool,
+    /// The frame size below whose window pacing applies (the transport's MTU).
+    frame_bytes: usize,
+    /// `target_queue_delay`, ns.
+    target_ns: u64,
     rate_bps: f64,
     min_rtt_ns: u64,
     last_decrease: Option<Instant>,
@@ -35,9 +45,11 @@ pub(crate) struct RateControl {
 }
 
 impl RateControl {
-    pub(crate) fn new(cfg: &RateConfig) -> Self {
+    pub(crate) fn new(cfg: &RateConfig, frame_bytes: usize) -> Self {
         RateControl {
             enabled: cfg.enabled,
+            frame_bytes,
+            target_ns: cfg.target_queue_delay.as_nanos() as u64,
             rate_bps: cfg.line_rate_bps.max(1) as f64,
             min_rtt_ns: u64::MAX,
             last_decrease: None,
@@ -53,27 +65,40 @@ impl RateControl {
         self.rate_bps
     }
 
-    /// When the next frame may leave (`None` when pacing is off).
+    /// Whether rate control is on for this flow.
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The bytes a flow keeps in flight: `rate * (min_rtt + target_queue_delay)`.
+    fn window_bytes(&self) -> f64 {
+        let min_rtt = if self.min_rtt_ns == u64::MAX { 0 } else { self.min_rtt_ns };
+        self.rate_bps / 8.0 * min_rtt.saturating_add(self.target_ns) as f64 / 1e9
+    }
+
+    /// Whether frames are paced now: rate control on and the window below one frame.
+    fn pacing(&self) -> bool {
+        self.enabled && self.window_bytes() < self.frame_bytes as f64
+    }
+
+    /// When the next frame may leave (`None` when nothing is paced).
     pub(crate) fn next_send(&self) -> Option<Instant> {
-        self.enabled.then_some(self.next_send)
+        self.pacing().then_some(self.next_send)
     }
 
     /// Whether a frame of `frame_bytes` may join `inflight_bytes` already in flight: a flow
     /// keeps at most `rate * (min_rtt + target_queue_delay)` in flight (Swift's window), so when
     /// a queue builds the ACK clock slows it at once, before any rate cut can take effect. At
     /// least one frame is always allowed.
-    pub(crate) fn window_allows(&self, cfg: &RateConfig, inflight_bytes: usize, frame_bytes: usize) -> bool {
+    pub(crate) fn window_allows(&self, inflight_bytes: usize, frame_bytes: usize) -> bool {
         if !self.enabled || inflight_bytes == 0 {
             return true;
         }
-        let min_rtt = if self.min_rtt_ns == u64::MAX { 0 } else { self.min_rtt_ns };
-        let horizon_ns = min_rtt.saturating_add(cfg.target_queue_delay.as_nanos() as u64);
-        let cwnd = self.rate_bps / 8.0 * horizon_ns as f64 / 1e9;
-        (inflight_bytes + frame_bytes) as f64 <= cwnd
+        (inflight_bytes + frame_bytes) as f64 <= self.window_bytes()
     }
 
     pub(crate) fn may_send(&self, now: Instant) -> bool {
-        !self.enabled || self.next_send <= now
+        !self.pacing() || self.next_send <= now
     }
 
     pub(crate) fn on_send(&mut self, now: Instant, bytes: usize) {
@@ -152,7 +177,7 @@ mod tests {
     #[test]
     fn decreases_above_target_and_increases_below() {
         let cfg = ten_gig();
-        let mut r = RateControl::new(&cfg);
+        let mut r = RateControl::new(&cfg, 1500);
         r.on_rtt(&cfg, t(0), 10_000, 10_000);
         assert_eq!(r.rate_bps(), 10e9, "at line rate already");
         // 100 us RTT: target 20 us, over = 0.8, factor = 1 - 0.64 -> limited to 0.5.
@@ -185,22 +210,27 @@ mod tests {
     #[test]
     fn keeps_rate_times_horizon_in_flight() {
         let cfg = ten_gig();
-        let mut r = RateControl::new(&cfg);
+        let mut r = RateControl::new(&cfg, 1500);
         // Before any sample the horizon is the target delay: 10 Gbit/s * 10 us = 12500 bytes.
-        assert!(r.window_allows(&cfg, 0, 100_000), "one frame always goes");
-        assert!(r.window_allows(&cfg, 11_000, 1500));
-        assert!(!r.window_allows(&cfg, 11_001, 1500));
+        assert!(r.window_allows(0, 100_000), "one frame always goes");
+        assert!(r.window_allows(11_000, 1500));
+        assert!(!r.window_allows(11_001, 1500));
         r.on_rtt(&cfg, t(0), 10_000, 10_000); // min RTT 10 us: 25000 bytes
-        assert!(r.window_allows(&cfg, 23_500, 1500) && !r.window_allows(&cfg, 23_501, 1500));
-        let off = RateControl::new(&RateConfig { enabled: false, ..cfg });
-        assert!(off.window_allows(&ten_gig(), usize::MAX / 2, 1500));
+        assert!(r.window_allows(23_500, 1500) && !r.window_allows(23_501, 1500));
+        let off = RateControl::new(&RateConfig { enabled: false, ..cfg }, 1500);
+        assert!(off.window_allows(usize::MAX / 2, 1500));
     }
 
     #[test]
-    fn paces_frames() {
-        // 1 Gbit/s: 1000 bytes take 8 us.
+    fn paces_frames_only_while_the_window_is_below_one_frame() {
+        // 1 Gbit/s with the 25 us target: a window of 3125 bytes, two 1500-byte frames; the ACKs
+        // clock such a flow, nothing waits for a pacing time.
         let cfg = RateConfig { line_rate_bps: 1_000_000_000, ..RateConfig::default() };
-        let mut r = RateControl::new(&cfg);
+        let mut clocked = RateControl::new(&cfg, 1500);
+        clocked.on_send(t(0), 1500);
+        assert!(clocked.may_send(t(0)) && clocked.next_send().is_none());
+        // With 9000-byte frames the window is below one: paced, 1000 bytes taking 8 us.
+        let mut r = RateControl::new(&cfg, 9000);
         assert!(r.may_send(t(0)));
         r.on_send(t(0), 1000);
         assert_eq!(r.next_send(), Some(t(8)));
@@ -210,7 +240,7 @@ mod tests {
         // Late by 100 us: one frame of slack, not 12.
         r.on_send(t(116), 1000);
         assert_eq!(r.next_send(), Some(t(116)));
-        let off = RateControl::new(&RateConfig { enabled: false, ..cfg });
+        let off = RateControl::new(&RateConfig { enabled: false, ..cfg }, 9000);
         assert!(off.may_send(t(0)) && off.next_send().is_none());
     }
 }

@@ -27,7 +27,7 @@ use lanbus_wire::{Instant, MacAddr};
 use crate::map::{key, ChannelMap};
 use crate::rate::RateControl;
 use crate::rtt::RttEstimator;
-use crate::{stamp, Config, Counters, Feedback, RateConfig, Sack, SendError, Seq};
+use crate::{stamp, Config, Counters, Feedback, Sack, SendError, Seq};
 
 /// The lanbus header of a stored frame (which this half wrote: it holds a whole header).
 fn header(frame: &[u8]) -> Packet<&[u8]> {
@@ -112,9 +112,9 @@ impl TxChannel {
         (self.next < self.frames.len() && self.next < window).then_some(self.next)
     }
 
-    fn has_sendable(&self, window: usize, rate: &RateConfig) -> bool {
+    fn has_sendable(&self, window: usize) -> bool {
         self.candidate(window)
-            .is_some_and(|i| self.rate.window_allows(rate, self.inflight_bytes, self.frames[i].len()))
+            .is_some_and(|i| self.rate.window_allows(self.inflight_bytes, self.frames[i].len()))
     }
 
     /// Moves `next` past frames the receiver already holds (after a go-back).
@@ -289,10 +289,11 @@ impl SendHalf {
         self.channels.iter().all(|c| c.frames.is_empty()) && self.acks.is_empty()
     }
 
-    /// The current pacing rate of a channel in bits per second (`None` if unknown or pacing is off).
+    /// The current rate of a channel in bits per second (`None` if unknown or rate control is
+    /// off).
     pub fn pacing_rate_bps(&self, peer: MacAddr, channel: u16) -> Option<f64> {
         let c = &self.channels[*self.index.get(&key(peer, channel))?];
-        c.rate.next_send().map(|_| c.rate.rate_bps())
+        c.rate.enabled().then(|| c.rate.rate_bps())
     }
 
     fn channel_index(&mut self, peer: MacAddr, channel: u16) -> usize {
@@ -321,7 +322,7 @@ impl SendHalf {
                     probed: false,
                     probe_pending: false,
                     rtt: RttEstimator::new(self.config.initial_rto, self.config.min_rto, self.config.max_rto),
-                    rate: RateControl::new(&self.config.rate),
+                    rate: RateControl::new(&self.config.rate, self.config.mtu),
                     inflight_bytes: 0,
                     owed: self
                         .owed_unopened
@@ -640,7 +641,7 @@ impl SendHalf {
             if let Some(d) = ch.probe_deadline {
                 consider(d);
             }
-            if ch.has_sendable(self.window, &self.config.rate) {
+            if ch.has_sendable(self.window) {
                 if let Some(p) = ch.rate.next_send() {
                     consider(p);
                 }
@@ -699,7 +700,7 @@ impl SendHalf {
         let mut paced = false;
         for _ in 0..n {
             let ch = &mut self.channels[ci];
-            if !ch.has_sendable(self.window, &self.config.rate) {
+            if !ch.has_sendable(self.window) {
                 ci = wrap(ci);
                 continue;
             }
@@ -811,7 +812,7 @@ impl SendHalf {
         let ch = &mut self.channels[ci];
         let advances = ch.last_acked.is_some_and(|last| last.is_before(a.ack))
             && ch.owed.is_none_or(|(owed, ..)| owed.is_before(a.ack));
-        if !advances || !ch.has_sendable(self.window, &self.config.rate) || !ch.rate.may_send(now) {
+        if !advances || !ch.has_sendable(self.window) || !ch.rate.may_send(now) {
             return None;
         }
         ch.owed = Some((a.ack, a.echo_ns, a.received));

@@ -516,8 +516,10 @@ fn bad_frames_never_panic_and_are_counted() {
 fn rate_control_paces_and_reacts_to_delay() {
     let mut c = p2p();
     c.rate.enabled = true;
-    c.rate.line_rate_bps = 1_000_000_000;
-    // A long target keeps the in-flight limit out of the way: this is about pacing.
+    // 50 Mbit/s with a 100 us target: a window of 625 bytes, below one frame, so frames are paced
+    // (a flow whose window holds a frame is clocked by its ACKs instead).
+    c.rate.line_rate_bps = 50_000_000;
+    c.rate.min_rate_bps = 1_000_000;
     c.rate.target_queue_delay = us(100);
     let (mut a, frames) = {
         let mut a = Endpoint::new(c.clone(), A, Instant::ZERO);
@@ -527,13 +529,16 @@ fn rate_control_paces_and_reacts_to_delay() {
         let f = drain(&mut a, Instant::ZERO);
         (a, f)
     };
-    assert_eq!(frames.len(), 1, "paced: one frame, then wait");
-    let gap = a.poll_timeout().unwrap();
-    assert!(gap > Instant::ZERO && gap <= at_us(9), "next send at {gap:?}");
-    assert_eq!(drain(&mut a, gap).len(), 1);
-    // A 200 us RTT against a 0 baseline... first sample sets the minimum; a later bigger one cuts.
-    let rate0 = a.send_half().pacing_rate_bps(B, 0).unwrap();
+    assert_eq!(frames.len(), 1, "the window holds one frame");
+    // Its ACK (a 10 us round trip, the first: the minimum) frees the window, but the next frame
+    // waits for its pacing time: about 1050 bytes at 50 Mbit/s, 168 us after the first.
     a.handle_frame(at_us(20), &ack_frame(B, A, 0, 1, Some(at_us(10).as_nanos() as u32)));
+    assert!(drain(&mut a, at_us(20)).is_empty(), "paced");
+    let gap = a.poll_timeout().unwrap();
+    assert!(gap > at_us(150) && gap <= at_us(200), "next send at {gap:?}");
+    assert_eq!(drain(&mut a, gap).len(), 1);
+    // A later, bigger round trip cuts the rate.
+    let rate0 = a.send_half().pacing_rate_bps(B, 0).unwrap();
     a.handle_frame(at_us(300), &ack_frame(B, A, 0, 2, Some(at_us(100).as_nanos() as u32)));
     let rate1 = a.send_half().pacing_rate_bps(B, 0).unwrap();
     // 200 us against a 10 us minimum and a 110 us target: 1 - 0.8 * 90 / 200.
@@ -544,15 +549,14 @@ fn rate_control_paces_and_reacts_to_delay() {
 fn rate_control_leaves_out_the_time_the_receiver_held_a_frame() {
     let mut c = p2p();
     c.rate.enabled = true;
-    c.rate.line_rate_bps = 1_000_000_000;
+    c.rate.line_rate_bps = 50_000_000;
+    c.rate.min_rate_bps = 1_000_000;
     c.rate.target_queue_delay = us(100);
     let mut a = Endpoint::new(c, A, Instant::ZERO);
     for i in 0..5 {
         a.send(Instant::ZERO, B, 0, &test_message(i, 1000)).unwrap();
     }
     let _ = drain(&mut a, Instant::ZERO);
-    let gap = a.poll_timeout().unwrap();
-    let _ = drain(&mut a, gap);
     let held = |ack: u32, echo: Instant, hold_us: u16| {
         let mut f = ack_frame(B, A, 0, ack, Some(echo.as_nanos() as u32));
         Packet::new_unchecked(&mut f[ETH_LEN..]).set_hold_us(hold_us);
@@ -561,6 +565,8 @@ fn rate_control_leaves_out_the_time_the_receiver_held_a_frame() {
     };
     let rate0 = a.send_half().pacing_rate_bps(B, 0).unwrap();
     a.handle_frame(at_us(20), &held(1, at_us(10), 0));
+    let gap = a.poll_timeout().unwrap();
+    assert_eq!(drain(&mut a, gap).len(), 1, "the second frame at its pacing time");
     // A 200 us round trip of which the receiver held the frame 190 us (its thread was not
     // scheduled): 10 us on the fabric, no queue, no cut. The timer still counts all of it.
     a.handle_frame(at_us(300), &held(2, at_us(100), 190));
