@@ -5,20 +5,14 @@
 //! host's own driver is refused.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{lanbus_path, Daemon};
+
 fn lanbus() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_lanbus"))
-}
-
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+    Command::new(lanbus_path())
 }
 
 fn spawn(args: &[String], log: &Path) -> Daemon {

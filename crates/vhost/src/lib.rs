@@ -250,17 +250,7 @@ impl Server {
         B: VhostUserBackend<Bitmap = (), Vring = VringRwLock<backend::Memory>> + 'static,
     {
         let socket_error = |source| Error::Socket { path: path.to_path_buf(), source };
-        if std::fs::symlink_metadata(path).is_ok_and(|m| {
-            use std::os::unix::fs::FileTypeExt;
-            m.file_type().is_socket()
-        }) {
-            std::fs::remove_file(path).map_err(socket_error)?;
-        }
-        let listener = UnixListener::bind(path).map_err(socket_error)?;
-        let epoll = Epoll::new().map_err(socket_error)?;
-        epoll
-            .ctl(ControlOperation::Add, listener.as_raw_fd(), EpollEvent::new(EventSet::IN, 0))
-            .map_err(socket_error)?;
+        let (listener, epoll) = listen(path).map_err(socket_error)?;
         let stop = Arc::new(AtomicBool::new(false));
         let current: Arc<Mutex<Option<ShutdownHandle>>> = Arc::new(Mutex::new(None));
         let thread = {
@@ -297,6 +287,21 @@ impl Drop for Server {
             self.shutdown();
         }
     }
+}
+
+/// Listens on the Unix socket `path` (replacing a stale socket file there, never another kind of
+/// file) and returns the listener with an epoll set that reports it readable (data 0).
+fn listen(path: &Path) -> std::io::Result<(UnixListener, Epoll)> {
+    if std::fs::symlink_metadata(path).is_ok_and(|m| {
+        use std::os::unix::fs::FileTypeExt;
+        m.file_type().is_socket()
+    }) {
+        std::fs::remove_file(path)?;
+    }
+    let listener = UnixListener::bind(path)?;
+    let epoll = Epoll::new()?;
+    epoll.ctl(ControlOperation::Add, listener.as_raw_fd(), EpollEvent::new(EventSet::IN, 0))?;
+    Ok((listener, epoll))
 }
 
 /// Accepts the VMM's connection on `public` and connects a fresh private listener (in the

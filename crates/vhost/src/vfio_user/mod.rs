@@ -161,17 +161,7 @@ pub fn serve_vfio_user(
             function.bdf
         )));
     }
-    if std::fs::symlink_metadata(path).is_ok_and(|m| {
-        use std::os::unix::fs::FileTypeExt;
-        m.file_type().is_socket()
-    }) {
-        std::fs::remove_file(path).map_err(socket_error)?;
-    }
-    let listener = UnixListener::bind(path).map_err(socket_error)?;
-    let epoll = Epoll::new().map_err(socket_error)?;
-    epoll
-        .ctl(ControlOperation::Add, listener.as_raw_fd(), EpollEvent::new(EventSet::IN, 0))
-        .map_err(socket_error)?;
+    let (listener, epoll) = crate::listen(path).map_err(socket_error)?;
     bridge.set_dma_domain(function.bdf, true);
     let stop = Arc::new(AtomicBool::new(false));
     let stats = Arc::new(VfioUserStats::default());
