@@ -1024,6 +1024,11 @@ impl DeviceBridge {
         self.runtime.as_ref().expect("running").stats()
     }
 
+    /// The 802.1Q VLAN the bridge's frames carry (`None`: untagged).
+    pub fn vlan(&self) -> Option<u16> {
+        self.runtime.as_ref().and_then(|r| r.vlan())
+    }
+
     /// Stops the workers and the runtime.
     pub fn shutdown(mut self) {
         self.stop();

@@ -1087,6 +1087,11 @@ impl HostBridge {
         self.runtime.as_ref().expect("running").stats()
     }
 
+    /// The 802.1Q VLAN the bridge's frames carry (`None`: untagged).
+    pub fn vlan(&self) -> Option<u16> {
+        self.runtime.as_ref().and_then(|r| r.vlan())
+    }
+
     /// Stops the threads.
     pub fn shutdown(mut self) {
         self.stop();

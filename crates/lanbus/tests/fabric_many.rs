@@ -341,6 +341,13 @@ fn many_machines(vlan: bool) {
     );
     // Other groups' heartbeats (broadcasts) reach host 1 on an untagged switch; as VLANs, its
     // port filters them out.
+    let out = Command::new(lanbus_path())
+        .args(["status", "--json", "--control"])
+        .arg(dir.join("h1.ctl"))
+        .output()
+        .expect("lanbus status");
+    let st: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status JSON");
+    assert_eq!(st["vlan"], if vlan { serde_json::json!(1) } else { serde_json::Value::Null }, "{st}");
     let filtered = f.metric(0, "lanbus_port_rx_filtered_total");
     if vlan {
         assert!(filtered > 0.0, "other VLANs' frames are filtered out at the port");

@@ -363,6 +363,11 @@ impl Runtime {
         self.shared.local_mac
     }
 
+    /// The 802.1Q VLAN the node's frames carry, where its port carries the group as one.
+    pub fn vlan(&self) -> Option<u16> {
+        self.shared.vlan.as_ref().map(|v| v.get())
+    }
+
     /// Changes the node's group (announced in the next heartbeat; frames of other groups are
     /// dropped from then on; on a port that carries the group as a VLAN, the node moves to that
     /// VLAN). Refused, with nothing changed, for a group that cannot be a VLAN ID there.
