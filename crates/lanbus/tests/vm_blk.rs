@@ -236,32 +236,36 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     // The backend restarts under a running guest: QEMU's reconnect=1 takes the new one, and the
     // guest's reads after the restart are served by it.
     let log = dir.join("restart.log");
-    let mut q = guest.qemu("pause,4,8", &log);
+    let q = guest.qemu("pause,4,8", &log);
     wait_for("the guest's pause", Duration::from_secs(90), || {
         std::fs::read_to_string(&log).unwrap_or_default().contains("lanbus-guest: paused")
     });
     drop(host);
     assert!(!socket.exists(), "the stopped host removed its socket");
     host = spawn(&veth.b.netns, host_args(), "host-restarted.log");
-    let t = Instant::now();
-    while q.0.try_wait().unwrap().is_none() {
-        assert!(
-            t.elapsed() < Duration::from_secs(90),
-            "the guest did not finish after the restart: {}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let fourth = std::fs::read_to_string(&log).unwrap();
-    eprintln!("guest restart:\n{fourth}");
-    assert!(fourth.contains("lanbus-guest: exit 0"), "{fourth}");
-    assert_eq!(report(&fourth).1, 0, "{fourth}");
+    // Waits for a guest to power off and checks it read back what it wrote.
+    let finishes_intact = |mut q: Proc, log: &Path, what: &str| {
+        let t = Instant::now();
+        while q.0.try_wait().unwrap().is_none() {
+            assert!(
+                t.elapsed() < LIMIT,
+                "the guest did not finish {what}: {}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let text = std::fs::read_to_string(log).unwrap();
+        eprintln!("guest {what}:\n{text}");
+        assert!(text.contains("lanbus-guest: exit 0"), "{text}");
+        assert_eq!(report(&text).1, 0, "{text}");
+    };
+    finishes_intact(q, &log, "after the restart");
     assert!(host_status(&host_ctl)["vhost_user_blk"]["read_bytes"].as_u64().unwrap() >= 8 << 20);
 
     // The backend killed in the middle of a guest's writes, and a new one started: nothing the
     // guest wrote is lost or written twice over something newer.
     let log = dir.join("busy.log");
-    let mut q = guest.qemu("busy,6,64", &log);
+    let q = guest.qemu("busy,6,64", &log);
     let before = host_status(&host_ctl)["vhost_user_blk"]["written_bytes"].as_u64().unwrap();
     wait_for("the busy guest's writes", Duration::from_secs(90), || {
         host_status(&host_ctl)["vhost_user_blk"]["written_bytes"].as_u64().unwrap() > before + (8 << 20)
@@ -269,19 +273,7 @@ fn a_guest_writes_and_reads_back_the_remote_drive_and_a_killed_vmm_leaves_it_ser
     host.0.kill().unwrap();
     host.0.wait().unwrap();
     host = spawn(&veth.b.netns, host_args(), "host-after-kill.log");
-    let t = Instant::now();
-    while q.0.try_wait().unwrap().is_none() {
-        assert!(
-            t.elapsed() < Duration::from_secs(120),
-            "the guest did not finish after the kill: {}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let fifth = std::fs::read_to_string(&log).unwrap();
-    eprintln!("guest across a killed backend:\n{fifth}");
-    assert!(fifth.contains("lanbus-guest: exit 0"), "{fifth}");
-    assert_eq!(report(&fifth).1, 0, "{fifth}");
+    finishes_intact(q, &log, "across a killed backend");
 
     // The I/O box goes: the host unexports, the socket goes with it, then the host stops cleanly.
     drop(_device);
