@@ -714,6 +714,11 @@ impl Core {
                     Ok(0) => return Err("closed its socket".into()),
                     Ok(_) => return Err("wrote on its socket after the hello".into()),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    // A client that dies with replies unread resets its end: it went away, it did
+                    // not break the protocol.
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                        return Err("closed its socket with replies unread".into())
+                    }
                     Err(e) => return Err(e.to_string()),
                 }
                 let mut from = from.take().expect("put back below");
@@ -756,6 +761,9 @@ impl Core {
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                            return Err("closed its socket with replies unread".into())
+                        }
                         Err(e) => return Err(e.to_string()),
                     }
                 }
