@@ -327,13 +327,18 @@ fn attach(
     hello[8..14].copy_from_slice(&shared.mac.0);
     hello[14..16].copy_from_slice(&id.to_le_bytes());
     let memfd = region.fd().ok_or_else(|| std::io::Error::other("the region has no memfd"))?;
-    send_fds(&sock, &hello, &[memfd, daemon_bell.as_fd(), client_bell.as_fd()]).map_err(ring_io)?;
     let client = Arc::new(Client {
         to_client: Mutex::new((to_client, VecDeque::new())),
         client_bell,
         peers: Mutex::new(HashSet::new()),
     });
+    // Known before the client can act on its hello (it may ask at once who is attached).
     lock(&shared.clients).insert(id, client.clone());
+    let fds = [memfd, daemon_bell.as_fd(), client.client_bell.as_fd()];
+    if let Err(e) = send_fds(&sock, &hello, &fds).map_err(ring_io) {
+        lock(&shared.clients).remove(&id);
+        return Err(e);
+    }
     let shared = shared.clone();
     std::thread::Builder::new().name(format!("msgd-client-{id}")).spawn(move || {
         serve_client(&shared, id, &client, from_client, &daemon_bell, sock, &sender);
