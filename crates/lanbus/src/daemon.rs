@@ -228,6 +228,8 @@ fn transport_json(rt: &lanbus_runtime::Stats) -> Value {
         "messages_sent": t.messages_sent,
         "messages_delivered": t.messages_delivered,
         "rtt_avg_us": t.rtt_sum_ns.checked_div(t.rtt_samples).unwrap_or(0) / 1000,
+        "fabric_rtt_avg_us": t.fabric_rtt_sum_ns.checked_div(t.rtt_samples).unwrap_or(0) / 1000,
+        "rate_decreases": t.rate_decreases,
         "port": format!("{:?}", rt.port),
     })
 }

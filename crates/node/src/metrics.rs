@@ -86,6 +86,7 @@ pub fn runtime_samples(stats: &Stats, out: &mut Vec<Sample>) {
             t.drop_wrong_group,
         ),
         c("peer_restarts_total", "Peers seen coming back with a new epoch.", t.peer_restarts),
+        c("rate_decreases_total", "Rate cuts by rate control (delay above target, timeouts).", t.rate_decreases),
         c("messages_sent_total", "Messages queued for sending.", t.messages_sent),
         c("messages_delivered_total", "Messages delivered in order.", t.messages_delivered),
         c("port_rx_frames_total", "Frames the port received.", stats.port.rx_frames),
@@ -99,6 +100,13 @@ pub fn runtime_samples(stats: &Stats, out: &mut Vec<Sample>) {
     ]);
     if let Some(rtt) = t.rtt_mean() {
         out.push(Sample::gauge("rtt_mean_seconds", "Mean round trip of the RTT samples.", rtt.as_secs_f64()));
+    }
+    if let Some(rtt) = t.fabric_rtt_mean() {
+        out.push(Sample::gauge(
+            "fabric_rtt_mean_seconds",
+            "Mean of the fabric's share of the round trips (less the time both hosts held the frame and its ACK).",
+            rtt.as_secs_f64(),
+        ));
     }
     out.push(Sample::gauge(
         "send_backlog_messages",

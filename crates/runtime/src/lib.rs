@@ -687,7 +687,15 @@ impl Worker {
             });
             work += fed;
             left_queued = left;
-            work += self.tx_burst(&mut |frame| endpoint.poll_transmit(now, frame));
+            // Frames are stamped when they are written, not when this turn began: the turn's
+            // receiving and handling came first, and a stale stamp would count them as the
+            // fabric's delay (rate control reads it) and shorten the hold an ACK reports.
+            let sent_at = self.clock.now();
+            let sent = self.tx_burst(&mut |frame| endpoint.poll_transmit(sent_at, frame));
+            if sent > 0 {
+                endpoint.frames_left(self.clock.now());
+            }
+            work += sent;
             let idle = endpoint.is_idle() && backlog.is_empty();
             if self.publish_due(now, work == 0) {
                 *lock(&self.shared.tx_counters) = endpoint.counters();
@@ -803,7 +811,13 @@ impl PipeTx {
             work +=
                 feed(&mut backlog, &shared, true, |o| half.send(now, o.peer, o.channel, &o.data).is_ok()).0;
             let half = &mut self.half;
-            work += self.worker.tx_burst(&mut |frame| half.poll_transmit(now, frame));
+            // Stamped when written, as in the run-to-completion loop.
+            let sent_at = self.worker.clock.now();
+            let sent = self.worker.tx_burst(&mut |frame| half.poll_transmit(sent_at, frame));
+            if sent > 0 {
+                self.half.frames_left(self.worker.clock.now());
+            }
+            work += sent;
             let idle = self.half.is_idle() && backlog.is_empty();
             if self.worker.publish_due(now, work == 0) {
                 *lock(&shared.tx_counters) = self.half.counters();

@@ -17,7 +17,8 @@ pub struct RateConfig {
     /// The lowest pacing rate, bits per second.
     pub min_rate_bps: u64,
     /// Queueing delay tolerated above the minimum RTT before the rate is cut; a channel also
-    /// keeps at most `rate * (min RTT + this)` bytes in flight. The default, 25 µs, is a fifth
+    /// keeps at most `rate * (min RTT + this + the hosts' smoothed share of the RTT)` bytes in
+    /// flight. The default, 25 µs, is a fifth
     /// of a 128 KiB switch buffer at 10 Gbit/s, and above what a busy host adds to a round trip
     /// once both ends leave out their own waits (the port's receive timestamps): a port sends
     /// frames in bursts, whose last frame waits for the others, and threads share cores.

@@ -88,12 +88,22 @@ pub struct Counters {
     pub rtt_max_ns: u64,
     /// Sum of RTT samples, ns (see [`Counters::rtt_mean`]).
     pub rtt_sum_ns: u64,
+    /// Sum of the fabric's share of the RTT samples, ns: each sample less the time the two hosts
+    /// held the frame and its ACK (see [`Counters::fabric_rtt_mean`]). Rate control reads this.
+    pub fabric_rtt_sum_ns: u64,
+    /// Rate cuts by rate control (on delay above target, and on timeouts).
+    pub rate_decreases: u64,
 }
 
 impl Counters {
     /// Mean RTT, if any sample was taken.
     pub fn rtt_mean(&self) -> Option<Duration> {
         self.rtt_sum_ns.checked_div(self.rtt_samples).map(Duration::from_nanos)
+    }
+
+    /// Mean of the fabric's share of the RTT, if any sample was taken.
+    pub fn fabric_rtt_mean(&self) -> Option<Duration> {
+        self.fabric_rtt_sum_ns.checked_div(self.rtt_samples).map(Duration::from_nanos)
     }
 
     /// Smallest RTT, if any sample was taken.
@@ -122,7 +132,8 @@ impl Counters {
             + self.drop_too_many_channels
     }
 
-    pub(crate) fn record_rtt(&mut self, ns: u64) {
+    pub(crate) fn record_rtt(&mut self, ns: u64, fabric_ns: u64) {
+        self.fabric_rtt_sum_ns = self.fabric_rtt_sum_ns.saturating_add(fabric_ns);
         if self.rtt_samples == 0 || ns < self.rtt_min_ns {
             self.rtt_min_ns = ns;
         }
@@ -171,8 +182,10 @@ impl Counters {
             bytes_sent,
             messages_delivered,
             bytes_delivered,
-            rtt_samples
+            rtt_samples,
+            rate_decreases
         );
+        self.fabric_rtt_sum_ns = self.fabric_rtt_sum_ns.saturating_add(other.fabric_rtt_sum_ns);
         self.rtt_sum_ns = self.rtt_sum_ns.saturating_add(other.rtt_sum_ns);
         self.rtt_max_ns = self.rtt_max_ns.max(other.rtt_max_ns);
         self.rtt_min_ns = match (na, other.rtt_samples) {
@@ -191,15 +204,16 @@ mod tests {
     fn rtt_statistics_merge() {
         let mut a = Counters::default();
         assert_eq!(a.rtt_mean(), None);
-        a.record_rtt(10);
-        a.record_rtt(30);
+        a.record_rtt(10, 4);
+        a.record_rtt(30, 20);
         let mut b = Counters::default();
-        b.record_rtt(5);
+        b.record_rtt(5, 3);
         b.frames_sent = 2;
         let mut m = Counters::default();
         m.merge(&a);
         m.merge(&b);
         assert_eq!((m.rtt_min_ns, m.rtt_max_ns, m.rtt_samples, m.frames_sent), (5, 30, 3, 2));
         assert_eq!(m.rtt_mean(), Some(Duration::from_nanos(15)));
+        assert_eq!(m.fabric_rtt_mean(), Some(Duration::from_nanos(9)));
     }
 }

@@ -125,6 +125,11 @@ impl Endpoint {
         self.tx.poll_transmit(now, buf)
     }
 
+    /// Says that every frame written so far has left at `now`; see [`SendHalf::frames_left`].
+    pub fn frames_left(&mut self, now: Instant) {
+        self.tx.frames_left(now);
+    }
+
     /// When to call [`Endpoint::handle_timeout`] / [`Endpoint::poll_transmit`] next.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {

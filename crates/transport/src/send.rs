@@ -235,7 +235,16 @@ pub struct SendHalf {
     /// The latest owed ACK of a channel this half has not sent on yet (channel key, ACK, echo):
     /// a first reply carries the ACK of its request too.
     owed_unopened: Option<(u64, Seq, Option<u32>, Instant)>,
+    /// The stamp of the first DATA frame written since the driver last said its frames left.
+    unflushed_since: Option<u32>,
+    /// The latest bursts that left (first frame's stamp, stamp when they left), a ring.
+    flushes: [(u32, u32); FLUSHES],
+    /// Where the next burst goes in `flushes`.
+    flush_at: usize,
 }
+
+/// Bursts remembered by [`SendHalf::frames_left`]: ACKs answer recent frames.
+const FLUSHES: usize = 16;
 
 impl SendHalf {
     pub(crate) fn new(config: Config, local: MacAddr, now: Instant) -> Self {
@@ -258,6 +267,9 @@ impl SendHalf {
             counters: Counters::default(),
             window,
             owed_unopened: None,
+            unflushed_since: None,
+            flushes: [(0, 0); FLUSHES],
+            flush_at: 0,
         }
     }
 
@@ -509,6 +521,8 @@ impl SendHalf {
         carried: bool,
     ) {
         let echo_ns = echo.map(|(e, _)| e);
+        // How long the echoed frame waited here, after it was written, for its burst to leave.
+        let left_ns = echo_ns.map_or(0, |e| self.left_after(e));
         let Some(&ci) = self.index.get(&key(peer, channel)) else {
             self.counters.bad_acks += 1;
             return;
@@ -538,10 +552,14 @@ impl SendHalf {
                 // share, without the time the receiver held the frame (its scheduling and ACK
                 // coalescing are no queue on the wire).
                 ch.rtt.on_sample(rtt_ns);
-                self.counters.record_rtt(rtt_ns);
                 let srtt = ch.rtt.srtt().unwrap_or(rtt_ns);
+                let hold_ns = hold_ns + left_ns;
                 let fabric_ns = rtt_ns.saturating_sub(hold_ns).max(1);
-                ch.rate.on_rtt(&self.config.rate, now, fabric_ns, srtt);
+                self.counters.record_rtt(rtt_ns, fabric_ns);
+                let host_ns = rtt_ns - fabric_ns.min(rtt_ns);
+                if ch.rate.on_rtt(&self.config.rate, now, fabric_ns, host_ns, srtt) {
+                    self.counters.rate_decreases += 1;
+                }
             }
         }
         if advance == 0 && selective {
@@ -602,6 +620,31 @@ impl SendHalf {
         ch.probe_deadline = (ch.high > 0).then(|| probe_at(&self.config, ch, now)).flatten();
     }
 
+    /// Says that every frame written by [`SendHalf::poll_transmit`] so far has left (the port
+    /// sent its burst) at `now`. A driver that writes a burst of frames and then hands it to the
+    /// port calls this after each hand-off: a frame waits there for the frames written after it,
+    /// and for the kernel to send those before it, which is this host's time, not the fabric's.
+    /// Rate control then leaves it out of the round trip (as it leaves out the time a receiver
+    /// held a frame). Without the call a frame counts as gone when written.
+    pub fn frames_left(&mut self, now: Instant) {
+        if let Some(first) = self.unflushed_since.take() {
+            self.flushes[self.flush_at] = (first, stamp(now));
+            self.flush_at = (self.flush_at + 1) % FLUSHES;
+        }
+    }
+
+    /// How long a frame stamped `sent` waited for its burst to leave, ns (0 if its burst is not
+    /// among the latest [`FLUSHES`]).
+    fn left_after(&self, sent: u32) -> u64 {
+        self.flushes
+            .iter()
+            .find(|&&(first, left)| {
+                // Wrapping stamps: `first <= sent <= left`, within the 4.3 s wheel.
+                sent.wrapping_sub(first) <= left.wrapping_sub(first)
+            })
+            .map_or(0, |&(_, left)| u64::from(left.wrapping_sub(sent)))
+    }
+
     /// Fires due timers: retransmission timeouts (go back to the first unacknowledged frame,
     /// double the RTO) and the heartbeat schedule.
     pub fn handle_timeout(&mut self, now: Instant) {
@@ -621,7 +664,9 @@ impl SendHalf {
                     ch.go_back();
                     ch.dup_acks = 0;
                     ch.rtt.on_timeout();
-                    ch.rate.on_timeout(&self.config.rate, now);
+                    if ch.rate.on_timeout(&self.config.rate, now) {
+                        self.counters.rate_decreases += 1;
+                    }
                     self.counters.timeouts += 1;
                 }
             }
@@ -770,6 +815,7 @@ impl SendHalf {
         let frame = &mut ch.frames[index];
         // The stored frame keeps the stamp of its latest transmission (see `on_ack`).
         header_mut(frame).set_timestamp(stamp(now));
+        self.unflushed_since.get_or_insert(stamp(now));
         let len = frame.len();
         buf[..len].copy_from_slice(frame);
         let out = &mut buf[..len];

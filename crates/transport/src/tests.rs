@@ -573,12 +573,49 @@ fn rate_control_leaves_out_the_time_the_receiver_held_a_frame() {
     let rate1 = a.send_half().pacing_rate_bps(B, 0).unwrap();
     assert!(rate1 >= rate0, "{rate0} -> {rate1}");
     assert_eq!(a.counters().rtt_max(), Some(us(200)));
-    // Held 50 us of 200: 150 us on the fabric against a 110 us target, 1 - 0.8 * 40 / 150.
+    // Held 50 us of 200: 150 us on the fabric. The threshold is the 10 us minimum, the 100 us
+    // target and the hosts' smoothed share (0, then 190 / 8, then that plus (50 - 23.75) / 8 =
+    // 27.03 us): 137.03 us, so 1 - 0.8 * 12.97 / 150.
     assert!(!drain(&mut a, at_us(400)).is_empty());
     a.handle_frame(at_us(600), &held(3, at_us(400), 50));
     let rate2 = a.send_half().pacing_rate_bps(B, 0).unwrap();
-    let want = rate1 * (1.0 - 0.8 * 40.0 / 150.0);
-    assert!((rate2 - want).abs() < 1.0, "{rate1} -> {rate2}, want {want}");
+    let threshold = 10.0 + 100.0 + (190.0 / 8.0 + (50.0 - 190.0 / 8.0) / 8.0);
+    let want = rate1 * (1.0 - 0.8 * (150.0 - threshold) / 150.0);
+    assert!((rate2 - want).abs() < want * 1e-5, "{rate1} -> {rate2}, want {want}");
+}
+
+/// A frame that waited after it was written for its burst to leave (the driver says when with
+/// `frames_left`) waited on this host: rate control does not read that wait as a queue.
+#[test]
+fn rate_control_leaves_out_the_time_a_frame_waited_for_its_burst_to_leave() {
+    for told in [true, false] {
+        let mut c = p2p();
+        c.rate.enabled = true;
+        c.rate.line_rate_bps = 1_000_000_000;
+        c.rate.target_queue_delay = us(20);
+        let mut a = Endpoint::new(c, A, Instant::ZERO);
+        // A first exchange: 10 us there and back, the minimum.
+        a.send(Instant::ZERO, B, 0, &test_message(0, 1000)).unwrap();
+        let _ = drain(&mut a, Instant::ZERO);
+        a.frames_left(Instant::ZERO);
+        a.handle_frame(at_us(10), &ack_frame(B, A, 0, 1, Some(0)));
+        let rate0 = a.send_half().pacing_rate_bps(B, 0).unwrap();
+        // The next frame is written at 1000 us, leaves with its burst 200 us later and is
+        // answered 10 us after that.
+        a.send(at_us(1000), B, 0, &test_message(1, 1000)).unwrap();
+        let _ = drain(&mut a, at_us(1000));
+        if told {
+            a.frames_left(at_us(1200));
+        }
+        a.handle_frame(at_us(1210), &ack_frame(B, A, 0, 2, Some(at_us(1000).as_nanos() as u32)));
+        let rate1 = a.send_half().pacing_rate_bps(B, 0).unwrap();
+        if told {
+            assert!(rate1 >= rate0, "no queue on the fabric: {rate0} -> {rate1}");
+        } else {
+            assert!(rate1 < rate0, "read as a queue when not told: {rate0} -> {rate1}");
+        }
+        assert_eq!(a.counters().rtt_max(), Some(us(210)), "the timer counts the whole round trip");
+    }
 }
 
 /// With the port's receive timestamps, neither end's wait before it read a frame counts as the

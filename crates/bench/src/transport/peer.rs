@@ -473,6 +473,8 @@ fn stream_client(
         "rtt_min_us": stats.transport.rtt_min_ns as f64 / 1e3,
         "rtt_mean_us": stats.transport.rtt_mean().map_or(0.0, |d| d.as_secs_f64() * 1e6),
         "rtt_max_us": stats.transport.rtt_max_ns as f64 / 1e3,
+        "fabric_rtt_mean_us": stats.transport.fabric_rtt_mean().map_or(0.0, |d| d.as_secs_f64() * 1e6),
+        "rate_decreases": stats.transport.rate_decreases,
     });
     println!("{out}");
     Ok(())
