@@ -216,6 +216,9 @@ struct Sample {
     gbps: Vec<f64>,
     /// Frames the bottleneck dropped during it.
     drops: u64,
+    /// lanbus only: the streams' mean round trip and its fabric share (less both hosts' hold),
+    /// microseconds, averaged over the pairs.
+    rtt_us: Option<(f64, f64)>,
 }
 
 /// What a run measures: lanbus with rate control on or off, or the peer.
@@ -257,7 +260,7 @@ fn lanbus_pairs(
     a: &FabricArgs,
     seconds: f64,
     rate_control: bool,
-) -> anyhow::Result<Vec<f64>> {
+) -> anyhow::Result<(Vec<f64>, (f64, f64))> {
     let size = a.size.to_string();
     let mut sinks = Vec::new();
     for (i, d) in f.devices.iter().enumerate() {
@@ -277,12 +280,26 @@ fn lanbus_pairs(
         })
         .collect();
     let mut gbps = Vec::new();
-    for c in clients {
+    let (mut rtt, mut fabric) = (0.0, 0.0);
+    for (i, c) in clients.into_iter().enumerate() {
         let v = c.join().map_err(|_| anyhow!("a stream client thread panicked"))??;
-        gbps.push(v["gbit_per_s"].as_f64().ok_or_else(|| anyhow!("stream client printed {v}"))?);
+        let g = v["gbit_per_s"].as_f64().ok_or_else(|| anyhow!("stream client printed {v}"))?;
+        let us = |k: &str| v[k].as_f64().unwrap_or(0.0);
+        eprintln!(
+            "  pair {}: {g:.2} Gbit/s, RTT {:.0} us (fabric {:.0} us), {} rate cuts, {} timeouts",
+            i + 1,
+            us("rtt_mean_us"),
+            us("fabric_rtt_mean_us"),
+            v["rate_decreases"],
+            v["timeouts"]
+        );
+        gbps.push(g);
+        rtt += us("rtt_mean_us");
+        fabric += us("fabric_rtt_mean_us");
     }
     drop(sinks);
-    Ok(gbps)
+    let n = gbps.len().max(1) as f64;
+    Ok((gbps, (rtt / n, fabric / n)))
 }
 
 /// All iperf3 TCP pairs at once.
@@ -338,6 +355,12 @@ pub fn run(a: FabricArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("finding this program")?.to_string_lossy().to_string();
     let iperf3 = Command::new("iperf3").arg("--version").output().is_ok();
     let fabric = Fabric::build(a.pairs, a.mtu)?;
+    // One unmeasured second first: frames to a link just brought up are dropped until the kernel
+    // activates its transmit queue, which its batched link-event handling does up to a second
+    // later, so the first streams on a new switch lose that second to retransmission timeouts,
+    // whichever setting goes first.
+    eprintln!("bench fabric: warming the switch up (not measured)");
+    lanbus_pairs(&fabric, &exe, &a, 1.0, false)?;
     let whos = {
         let mut w = vec![Who::Lanbus { rate_control: true }, Who::Lanbus { rate_control: false }];
         if iperf3 {
@@ -362,12 +385,15 @@ pub fn run(a: FabricArgs) -> anyhow::Result<()> {
                     bottleneck.map_or("none".to_string(), |m| format!("{m} Mbit/s"))
                 );
                 let before = fabric.bottleneck_drops();
-                let gbps = match who {
-                    Who::Lanbus { rate_control } => lanbus_pairs(&fabric, &exe, &a, seconds, rate_control)?,
-                    Who::Iperf3 => iperf3_pairs(&fabric, seconds)?,
+                let (gbps, rtt_us) = match who {
+                    Who::Lanbus { rate_control } => {
+                        let (g, rtt) = lanbus_pairs(&fabric, &exe, &a, seconds, rate_control)?;
+                        (g, Some(rtt))
+                    }
+                    Who::Iperf3 => (iperf3_pairs(&fabric, seconds)?, None),
                 };
                 let drops = fabric.bottleneck_drops().saturating_sub(before);
-                samples.push(((hog, bottleneck, who), Sample { gbps, drops }));
+                samples.push(((hog, bottleneck, who), Sample { gbps, drops, rtt_us }));
             }
         }
     }
@@ -397,6 +423,13 @@ pub fn run(a: FabricArgs) -> anyhow::Result<()> {
             report.push(row("slowest_pair_gbps", slowest));
             if bottleneck.is_some() {
                 report.push(row("bottleneck_drops", drops));
+            }
+            if let (Some(rtt), Some(fabric)) = (
+                figure(&|s| s.rtt_us.map_or(f64::NAN, |r| r.0)),
+                figure(&|s| s.rtt_us.map_or(f64::NAN, |r| r.1)),
+            ) {
+                report.push(row("rtt_mean_us", rtt));
+                report.push(row("fabric_rtt_mean_us", fabric));
             }
             summary.push(((hog, bottleneck, who), total, fairness, drops));
         }
