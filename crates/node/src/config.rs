@@ -16,14 +16,14 @@ use crate::{Error, Result};
 /// The runtime settings the daemons use on a port of this spec.
 pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
     let mut c = RuntimeConfig { name: name.into(), threads, ..RuntimeConfig::default() };
-    // Delay-based rate control stays off. It leaves both hosts' own waits out of the round trip
-    // it reads (the ACK's reported hold from the frame's arrival, the time an ACK waited before
-    // it was read), which keeps one stream beside a CPU hog at full speed; but where the fabric's
-    // path itself shares the cores (both bridges, the driver, the NBD server and fio on two cores,
-    // or several pairs on one software switch) every round trip stretches with the load, and it
-    // cut the drive's 4 KiB reads to 0.4x and 1 MiB reads to 0.8x
-    // (`docs/measurements/2026-11-26-fabric-transport.md`).
-    c.transport.rate.enabled = false;
+    // Delay-based rate control is on, with the transport's parameters (the simulator's and the
+    // benches' too). It reads only the fabric's share of a round trip: both hosts leave out how
+    // long they held a frame and its ACK (from the port's receive timestamps), frames are stamped
+    // when written, and a short rise that does not stand for half a round trip (a thread or the
+    // kernel's softirq work waiting for a core) is not a queue. So it stays out of the way on
+    // loaded hosts (the drive at depth 32, four streams beside a CPU hog) and cuts the drops of a
+    // real bottleneck (`docs/measurements/2026-11-27-rate-control-on.md`).
+    c.transport.rate.enabled = true;
     // A peer is down after 1 s with no frame from it (10 heartbeat intervals), not 300 ms: an idle
     // peer is heard only through its heartbeats, and on a loaded machine a starved thread can
     // miss three 100 ms beats; a device that loses its host fails the DMA of the command it is
