@@ -30,7 +30,7 @@ use lanbus_wire::MacAddr;
 use crate::counters::bump;
 use crate::inline::send_mem_writes;
 use crate::region::{DmaRegion, Domains};
-use crate::{lock, session_channel, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
+use crate::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
 use lanbus_pcie::config::{
     cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK,
 };
@@ -247,6 +247,23 @@ struct State {
     /// BAR ranges in use: (base, size, owner).
     allocations: Vec<(u64, u64, MacAddr)>,
     next_generation: u64,
+    /// Sessions opened so far: the next one's channel (see [`State::session_channel`]).
+    sessions_opened: u16,
+}
+
+impl State {
+    /// The channel of a new session with a device: the next of [`crate::PCIE_CHANNELS`] in turn,
+    /// so it differs from the device's last 255 sessions with this host. Only the current
+    /// session's channel counts on either side, so a late completion or DMA request of an
+    /// earlier session (the device unplugged and back, an enumeration given up) is told apart
+    /// and dropped. A restarted host starts again from the first; the transport tells its new
+    /// incarnation from the old by their epochs, and the device follows the channel its
+    /// configuration requests come on.
+    fn session_channel(&mut self) -> u16 {
+        let n = self.sessions_opened;
+        self.sessions_opened = self.sessions_opened.wrapping_add(1);
+        crate::PCIE_CHANNEL + (n & 0xff)
+    }
 }
 
 /// A user waiting for one transaction.
@@ -438,7 +455,7 @@ impl Shared {
         st.next_generation += 1;
         let generation = st.next_generation;
         st.buses.insert(bus, mac);
-        let channel = session_channel();
+        let channel = st.session_channel();
         st.devices.insert(mac, DevEntry { name, bus, channel, generation, functions: Vec::new() });
         drop(st);
         let c = &self.config;

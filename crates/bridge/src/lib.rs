@@ -7,11 +7,13 @@
 //! [`PCIE_CHANNELS`], between a host and the devices of its group (heartbeats carry role, name and
 //! group; the transport drops DATA of other groups).
 //!
-//! Channels: the transport keeps sequence state per (peer, channel) for as long as it runs, so a
-//! peer that restarts with the same MAC would be taken for its previous incarnation and its
-//! frames dropped as out of order. The host bridge therefore opens each device session (every
-//! time a device appears) on its own channel, [`PCIE_CHANNEL`] plus a value drawn at random, and
-//! the device bridge answers and issues its DMA on the channel its host last used.
+//! Channels: the host bridge opens each device session (every time a device appears, and again
+//! for a retried enumeration) on the next of [`PCIE_CHANNELS`] in turn, and only the current
+//! session's channel counts on either side: the device bridge answers and issues its DMA on the
+//! channel its host's configuration requests last came on, and the host drops what arrives on
+//! another, so a late completion or DMA request of an earlier session is never taken for the
+//! current one's. A peer that restarted is the transport's business: it tells the new incarnation
+//! from the old by their epochs and starts its channels afresh.
 //!
 //! Thread rule (what keeps this free of deadlock): the runtime's receive thread never waits for a
 //! device model or a user. On the device side a sans-IO model, which never blocks, runs inline on
@@ -65,22 +67,6 @@ pub const PCIE_CHANNEL: u16 = 0x5000;
 
 /// The channels PCIe sessions use: [`PCIE_CHANNEL`] and the 255 after it.
 pub const PCIE_CHANNELS: core::ops::Range<u16> = PCIE_CHANNEL..PCIE_CHANNEL + 0x100;
-
-/// A channel for a new host-device session: different from the last ones with high probability
-/// (time, process and a counter mixed; not cryptographic, not needed).
-pub(crate) fn session_channel() -> u16 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    // Relaxed: only distinctness of the values matters.
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let t =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    let mut x = t ^ u64::from(std::process::id()) << 32 ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    x ^= x >> 29;
-    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x ^= x >> 32;
-    PCIE_CHANNEL + (x & 0xff) as u16
-}
 
 /// How long a thread that waits for the fabric (a user for its completions or an interrupt, a
 /// device worker for its requests) looks again, yielding the core, before it sleeps.

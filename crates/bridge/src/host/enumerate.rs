@@ -215,7 +215,7 @@ fn enumerate(sh: &Shared, mac: MacAddr, generation: u64, bus: u8) -> BridgeResul
 }
 
 /// The configuration thread: enumerates each device bridge that appears, retrying a failed
-/// enumeration twice on a fresh channel while the device is still there.
+/// enumeration twice, each time as a new session, while the device is still there.
 pub(super) fn config_thread(sh: Arc<Shared>, jobs: mpsc::Receiver<Job>) {
     while let Ok(job) = jobs.recv() {
         if sh.stop.load(Ordering::Acquire) {
@@ -236,11 +236,12 @@ pub(super) fn config_thread(sh: Arc<Shared>, jobs: mpsc::Receiver<Job>) {
                     tracing::warn!("enumeration: {e} (attempt {attempt} of 3)");
                     let mut st = lock(&sh.state);
                     st.allocations.retain(|(_, _, m)| *m != mac);
-                    // Retry on a fresh channel: the one drawn may still carry an earlier session
-                    // of ours with this device (a host restarted with the same MAC), whose
-                    // sequence numbers the device's transport would keep expecting.
+                    // Retry as a new session, on the next channel: whatever of the failed
+                    // attempt is still under way (a late completion) arrives on the old one and
+                    // is dropped.
+                    let channel = st.session_channel();
                     if let Some(d) = st.devices.get_mut(&mac) {
-                        d.channel = session_channel();
+                        d.channel = channel;
                     }
                     drop(st);
                     // Nothing of the old channel is taken any more: its tags are free.
