@@ -103,8 +103,8 @@ pub struct Config {
     /// Lower bound of the RTO.
     pub min_rto: Duration,
     /// Send the oldest unacknowledged frame once more when no ACK came for two smoothed round
-    /// trips plus the ACK delay while frames are in flight (a tail-loss probe, as TCP's
-    /// RACK-TLP): a lost last frame, which no later frame reveals through duplicate ACKs, then
+    /// trips plus the ACK delay (or the smoothed round trip plus four times its variation, if
+    /// longer) while frames are in flight (a tail-loss probe, as TCP's RACK-TLP): a lost last frame, which no later frame reveals through duplicate ACKs, then
     /// costs a few round trips instead of a retransmission timeout. One probe per flight (until
     /// the next ACK progress); the RTO still backs it up. Off in the simulator's
     /// reproduction of the retransmission paper, whose scheme has no probe.

@@ -69,6 +69,12 @@ impl RttEstimator {
         self.has_sample.then_some(self.srtt_ns)
     }
 
+    /// `srtt + 4 * rttvar` without the RTO's bounds or backoff: how long an answer may take
+    /// given the round trips' variation so far.
+    pub(crate) fn variation_bound(&self) -> Option<u64> {
+        self.has_sample.then(|| self.srtt_ns.saturating_add(4 * self.rttvar_ns))
+    }
+
     /// The current RTO with backoff, within the bounds.
     pub(crate) fn rto(&self) -> Duration {
         let base = if self.has_sample {

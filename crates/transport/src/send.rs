@@ -46,14 +46,19 @@ fn hold_us(now: Instant, received: Instant) -> u16 {
 }
 
 /// When a tail-loss probe for a flight sent or acknowledged at `now` fires: two smoothed round
-/// trips plus the receiver's ACK delay, if that comes before the retransmission timer (and the
-/// channel has an RTT sample to go by; before one, the RTO alone serves).
+/// trips plus the receiver's ACK delay, or `srtt + 4 * rttvar` if later, if that comes before the
+/// retransmission timer (and the channel has an RTT sample to go by; before one, the RTO alone
+/// serves).
 fn probe_at(config: &Config, ch: &TxChannel, now: Instant) -> Option<Instant> {
     if !config.tail_loss_probe {
         return None;
     }
     let srtt = core::time::Duration::from_nanos(ch.rtt.srtt()?);
-    let pto = srtt * 2 + config.ack_delay;
+    // Two round trips, or more where they vary more than that (hosts whose threads share the
+    // cores answer late now and then): a probe sent while the answer is merely late is a
+    // frame and a duplicate ACK wasted. Still before the RTO, whose floor is far above.
+    let variation = core::time::Duration::from_nanos(ch.rtt.variation_bound().unwrap_or(0));
+    let pto = (srtt * 2 + config.ack_delay).max(variation);
     (pto < ch.rtt.rto()).then(|| now + pto)
 }
 
