@@ -244,8 +244,8 @@ fn rc_args(a: &FabricArgs, rate_control: bool) -> Vec<String> {
     // and a lower one fires whenever a receiver waits for a core (each timeout also halves the
     // rate when rate control is on).
     let mut v: Vec<String> = vec!["--min-rto-us".into(), "5000".into()];
+    v.extend(["--rate-control".into(), if rate_control { "on" } else { "off" }.into()]);
     if rate_control {
-        v.push("--rate-control".into());
         if let Some(us) = a.rc_target_us {
             v.extend(["--target-delay-us".into(), us.to_string()]);
         }

@@ -27,9 +27,8 @@
 //! median of the runs' ratios.
 //!
 //! Transport settings: point to point (no heartbeats), default window (128 frames), checksums and
-//! packing on, and the delay-based rate control off, as in the daemons (`--rate-control` on the
-//! peer keeps it: it reads the fabric's round trip without either end's own waits, the ports'
-//! receive timestamps and the hold each ACK reports, and costs one stream 3% here).
+//! packing on, and the delay-based rate control on, as in the daemons (`--rate-control off` on
+//! the peer turns it off).
 //!
 //! Processes: the bench re-executes this binary inside each namespace (`ip netns exec`, hidden
 //! subcommand `lanbus bench transport-peer`): a server (echo, sink, idle or raw-echo) in namespace b

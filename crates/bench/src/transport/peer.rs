@@ -34,8 +34,8 @@ pub struct PeerArgs {
     /// Rate control: the queueing delay tolerated, microseconds (default: the transport's).
     #[arg(long)]
     target_delay_us: Option<u64>,
-    /// Keep the transport's delay-based rate control on (off, as in the daemons).
-    #[arg(long)]
+    /// The transport's delay-based rate control: on (as in the daemons) or off.
+    #[arg(long, default_value = "on", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     rate_control: bool,
     /// Rate control: the starting and highest pacing rate, Gbit/s (default: the transport's).
     #[arg(long)]
