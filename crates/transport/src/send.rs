@@ -554,8 +554,9 @@ impl SendHalf {
             // wheel (or a confused peer): no sample.
             if rtt_ns <= self.config.max_rto.as_nanos() as u64 {
                 // The timer waits for the whole answer; rate control reads only the fabric's
-                // share, without the time the receiver held the frame (its scheduling and ACK
-                // coalescing are no queue on the wire).
+                // share, without the time the two hosts held the frame and its ACK (scheduling,
+                // ACK coalescing, the frame's wait for its burst to leave here: no queue on the
+                // wire), and judges the rest against a threshold that the hosts' share widens.
                 ch.rtt.on_sample(rtt_ns);
                 let srtt = ch.rtt.srtt().unwrap_or(rtt_ns);
                 let hold_ns = hold_ns + left_ns;
