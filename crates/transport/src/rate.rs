@@ -160,7 +160,7 @@ impl RateControl {
         self.host_ns += (host_ns as f64 - self.host_ns) / 8.0;
         self.min_rtt_ns = self.min_rtt_ns.min(rtt_ns);
         let standing = self.standing(now, rtt_ns, srtt_ns);
-        let target = self.threshold_ns() as u64;
+        let threshold = self.threshold_ns() as u64;
         let once_per_rtt =
             |last: Option<Instant>| last.is_none_or(|t| now - t >= Duration::from_nanos(srtt_ns));
         if let Some(prev) = self.prev_rtt_ns {
@@ -170,12 +170,12 @@ impl RateControl {
         self.prev_rtt_ns = Some(rtt_ns);
         let falling = self.rtt_diff_ns < -(self.min_rtt_ns as f64 / 100.0);
         let mut cut = false;
-        if standing > target && falling {
-            // Above target but the queue is draining (Timely's gradient): a cut now would land
+        if standing > threshold && falling {
+            // Above the threshold but the queue is draining (Timely's gradient): a cut now would land
             // after the queue is gone and leave the link idle. Hold.
-        } else if standing > target {
+        } else if standing > threshold {
             if once_per_rtt(self.last_decrease) {
-                let over = (standing - target) as f64 / standing as f64;
+                let over = (standing - threshold) as f64 / standing as f64;
                 let factor = (1.0 - cfg.beta * over).max(1.0 - cfg.max_decrease);
                 self.rate_bps *= factor;
                 self.last_decrease = Some(now);
