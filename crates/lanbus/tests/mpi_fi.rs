@@ -153,10 +153,14 @@ fn msgd(ns: Option<&lanbus_port::netns::Netns>, port: &str, socket: &Path, log: 
 }
 
 /// The environment every process of a job gets: the provider and the daemons, a rank taking the
-/// daemon at its rank modulo their number.
+/// daemon at its rank modulo their number; and the test's own scratch folder as TMPDIR, where
+/// Open MPI makes its session folder (named by host and user only, so two tests' jobs at once
+/// would race to create the same one in /tmp).
 fn job_env(cmd: &mut Command, provider: &Path, sockets: &[PathBuf]) {
     let list: Vec<String> = sockets.iter().map(|s| s.display().to_string()).collect();
-    cmd.env("FI_PROVIDER_PATH", provider)
+    let scratch = provider.parent().expect("the provider folder is in the test's scratch folder");
+    cmd.env("TMPDIR", scratch)
+        .env("FI_PROVIDER_PATH", provider)
         .env("FI_PROVIDER", "lanbus")
         .env("LANBUS_FI_DAEMON", list.join(","))
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
