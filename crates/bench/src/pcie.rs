@@ -52,6 +52,7 @@ fn mode_name(m: ThreadMode) -> &'static str {
     match m {
         ThreadMode::RunToCompletion => "rtc",
         ThreadMode::Pipeline => "pipeline",
+        ThreadMode::Caller => "caller",
     }
 }
 

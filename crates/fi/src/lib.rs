@@ -19,9 +19,10 @@
 //!   several daemons as if over several machines.
 //! - `LANBUS_FI_EAGER_LIMIT=BYTES`: messages up to this size go eagerly (default 16 KiB).
 //!
-//! Progress is manual: reading the completion queue moves the records (daemon mode); in direct
-//! mode the port's runtime moves them and reading only collects what finished. Data reaches the
-//! application's receive buffer when its completion is read.
+//! Progress is manual: reading the completion queue moves the records, through the daemon's
+//! rings (daemon mode) or through the port itself, whose runtime runs its turns on the reading
+//! thread (direct mode; a helper thread runs them when nobody has read for a millisecond). Data
+//! reaches the application's receive buffer when its completion is read.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_void};
@@ -204,7 +205,9 @@ impl Endpoint {
             }
             Mode::Direct(spec) => {
                 let port = lanbus_port::open(spec).map_err(|e| format!("opening port {spec}: {e}"))?;
-                let rc = lanbus_node::config::runtime_config("fi", lanbus_runtime::ThreadMode::default());
+                // The rank's own thread moves its messages as it polls the completion queue:
+                // no second thread to wake, nor to share the cores with.
+                let rc = lanbus_node::config::runtime_config("fi", lanbus_runtime::ThreadMode::Caller);
                 Link::Direct(MsgNode::start(port, 1, rc, cfg).map_err(|e| e.to_string())?)
             }
         };
@@ -233,7 +236,10 @@ impl Inner {
     /// Moves records (daemon mode) and turns finished requests into completions.
     fn progress(&mut self) {
         let finished = match &mut self.link {
-            Link::Direct(n) => n.take_finished(),
+            Link::Direct(n) => {
+                n.poll();
+                n.take_finished()
+            }
             Link::Daemon(c) => {
                 if !self.broken {
                     if let Err(MsgError::DaemonGone) = c.progress() {

@@ -169,12 +169,29 @@ fn job_env(cmd: &mut Command, provider: &Path, sockets: &[PathBuf]) {
 
 /// `mpirun` over the lanbus provider with `ranks` ranks.
 fn mpirun(provider: &Path, sockets: &[PathBuf], ranks: usize, program: &[&str], what: &str) -> String {
+    mpirun_with(provider, sockets, None, ranks, program, what)
+}
+
+/// [`mpirun`]; with `ports`, in direct mode: each rank owns the port of `LANBUS_FI_PORT` at its
+/// rank instead of attaching to a daemon.
+fn mpirun_with(
+    provider: &Path,
+    sockets: &[PathBuf],
+    ports: Option<&str>,
+    ranks: usize,
+    program: &[&str],
+    what: &str,
+) -> String {
     let mut cmd = Command::new("mpirun");
     cmd.args(["--oversubscribe", "--bind-to", "none", "-np", &ranks.to_string()])
         .args(["--mca", "pml", "cm", "--mca", "mtl", "ofi", "--mca", "mtl_ofi_provider_include", "lanbus"])
-        .args(["-x", "FI_PROVIDER_PATH", "-x", "FI_PROVIDER", "-x", "LANBUS_FI_DAEMON"])
-        .args(program);
+        .args(["-x", "FI_PROVIDER_PATH", "-x", "FI_PROVIDER"]);
     job_env(&mut cmd, provider, sockets);
+    match ports {
+        Some(p) => cmd.args(["-x", "LANBUS_FI_PORT"]).env_remove("LANBUS_FI_DAEMON").env("LANBUS_FI_PORT", p),
+        None => cmd.args(["-x", "LANBUS_FI_DAEMON"]),
+    };
+    cmd.args(program);
     let out = run(&mut cmd, what);
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -264,6 +281,28 @@ fn mpi_programs_over_two_daemons_joined_by_the_shm_port() {
     let out =
         mpirun(&provider, &sockets, 2, &[dir.join("checks").to_str().unwrap()], "checks.c after the kill");
     assert!(out.contains("checks passed on 2 ranks"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Direct mode: each rank owns a port (udp over loopback, no root) and its own thread moves the
+/// messages as it polls the completion queue; the C and Python checks on two ranks.
+#[test]
+fn mpi_programs_in_direct_mode_each_rank_owning_its_port() {
+    if !tools_ready("mpi_programs_in_direct_mode_each_rank_owning_its_port") {
+        return;
+    }
+    let dir = scratch("direct");
+    let provider = provider_dir(&dir);
+    build_programs(&dir);
+    let free = || std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (pa, pb) = (free(), free());
+    let ports = format!("udp:127.0.0.1:{pa},peer=127.0.0.1:{pb};udp:127.0.0.1:{pb},peer=127.0.0.1:{pa}");
+    let checks = dir.join("checks");
+    let out = mpirun_with(&provider, &[], Some(&ports), 2, &[checks.to_str().unwrap()], "checks.c, direct");
+    assert!(out.contains("checks passed on 2 ranks"), "{out}");
+    let py = format!("{PROGRAMS}/checks.py");
+    let out = mpirun_with(&provider, &[], Some(&ports), 2, &["/usr/bin/python3", &py], "checks.py, direct");
+    assert!(out.contains("python checks passed on 2 ranks"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -194,6 +194,13 @@ impl MsgNode {
         self.with_engine(|e| e.recv_claimed(claim, capacity))
     }
 
+    /// Runs one turn of the node's runtime on this thread when it runs in
+    /// [`lanbus_runtime::ThreadMode::Caller`] (messages move while the caller polls); returns
+    /// the work done (0 in the other modes, whose threads move them).
+    pub fn poll(&self) -> usize {
+        self.runtime.as_ref().map_or(0, Runtime::poll)
+    }
+
     /// Every finished request not yet waited for or taken, in no particular order.
     pub fn take_finished(&self) -> Vec<(RequestId, Outcome)> {
         lock(&self.shared.finished).drain().collect()

@@ -6,6 +6,11 @@
 //! - **Run to completion**: one thread receives a burst, feeds the endpoint, runs the engine's
 //!   [`Handler`] on every delivered message, queues what other threads asked to send, transmits,
 //!   and waits when idle.
+//! - **Caller**: the same turns as run to completion, run by the node's user on its own thread
+//!   through [`Runtime::poll`] (a process that polls a completion queue anyway, as an MPI rank
+//!   does, then needs no second thread and no wake-up between the two); a helper thread runs them
+//!   whenever the user has not for a millisecond, so the peer's frames, ACKs and timers are
+//!   served while the user computes.
 //! - **Pipeline** (Software ExpEther's design): a TX thread owns the [`SendHalf`] (segmentation,
 //!   window, pacing, retransmission, ACK and heartbeat transmission) and an RX thread owns the
 //!   [`ReceiveHalf`] (ordering, ACK generation, delivery to the handler, peer table). The RX
@@ -28,7 +33,7 @@ mod wake;
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -47,7 +52,14 @@ pub enum ThreadMode {
     RunToCompletion,
     /// A TX thread and an RX thread, joined by queues.
     Pipeline,
+    /// The user's thread runs the turns through [`Runtime::poll`]; a helper thread runs them
+    /// when the user has not for [`CALLER_LAPSE`].
+    Caller,
 }
+
+/// In [`ThreadMode::Caller`], how long the user may leave the node unpolled before the helper
+/// thread runs its turns.
+pub const CALLER_LAPSE: Duration = Duration::from_millis(1);
 
 /// How an idle thread waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -265,6 +277,8 @@ impl Sender {
 pub struct Runtime {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    /// Caller mode: the node's turns, and when one last ran (the clock's ns).
+    caller: Option<(Arc<Mutex<Rtc>>, Arc<AtomicU64>)>,
 }
 
 /// A nonzero epoch for a new incarnation: the wall clock, the process and a counter mixed (not
@@ -322,17 +336,25 @@ impl Runtime {
             vlan,
         });
         let mut threads = Vec::new();
+        let mut caller = None;
         let spawn =
             |name: String, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name).spawn(f);
         match config.threads {
             ThreadMode::RunToCompletion => {
-                let mut worker = Worker::new(&config, shared.clone(), clock, port);
-                let mut handler = handler;
-                let mut endpoint = endpoint;
+                let worker = Worker::new(&config, shared.clone(), clock, port);
+                let mut rtc = Rtc::new(worker, endpoint, handler);
+                threads.push(spawn(format!("{}-rtc", config.name), Box::new(move || rtc.run()))?);
+            }
+            ThreadMode::Caller => {
+                let worker = Worker::new(&config, shared.clone(), clock, port);
+                let rtc = Arc::new(Mutex::new(Rtc::new(worker, endpoint, handler)));
+                let last = Arc::new(AtomicU64::new(clock.now().as_nanos()));
+                let (r, l, sh) = (rtc.clone(), last.clone(), shared.clone());
                 threads.push(spawn(
-                    format!("{}-rtc", config.name),
-                    Box::new(move || worker.run_to_completion(&mut endpoint, &mut *handler)),
+                    format!("{}-lapse", config.name),
+                    Box::new(move || serve_lapses(&r, &l, &sh, clock)),
                 )?);
+                caller = Some((rtc, last));
             }
             ThreadMode::Pipeline => {
                 let (tx_half, rx_half) = endpoint.split();
@@ -350,7 +372,19 @@ impl Runtime {
                 threads.push(spawn(format!("{}-rx", config.name), Box::new(move || rx.run()))?);
             }
         }
-        Ok(Runtime { shared, threads })
+        Ok(Runtime { shared, threads, caller })
+    }
+
+    /// Caller mode: runs one turn of the node on this thread (receive a burst, hand what it
+    /// delivers to the handler, serve due timers, send what is queued) and returns the work done;
+    /// never blocks (0 at once while the helper thread runs a turn). Other modes: 0.
+    pub fn poll(&self) -> usize {
+        let Some((rtc, last)) = &self.caller else { return 0 };
+        let Ok(mut rtc) = rtc.try_lock() else { return 0 };
+        let (now, work) = rtc.turn();
+        // Relaxed: a hint for the helper thread, which takes the lock before it acts on it.
+        last.store(now.as_nanos(), Ordering::Relaxed);
+        work
     }
 
     /// A handle for sending from other threads.
@@ -646,67 +680,112 @@ impl Worker {
             (false, _) => waker.wait(None, timeout),
         }
     }
+}
 
-    fn run_to_completion(&mut self, endpoint: &mut Endpoint, handler: &mut dyn Handler) {
-        let shared = self.shared.clone();
-        let mut backlog: VecDeque<Outgoing> = VecDeque::new();
-        // Whether the transport refused part of the shared queue last time.
-        let mut left_queued = false;
-        // The earliest timer as computed at the end of the previous iteration, for both the wait
-        // and the next iteration's timer check: what changes the timers in between (frames, sends,
-        // ACKs) only arms them later than now, so nothing due is missed, and a received frame does
-        // not wait for a second walk over the channels before its answer goes out. The pipeline
-        // threads do the same.
-        let mut deadline = endpoint.poll_timeout();
-        while !self.stopping() {
-            let now = self.clock.now();
-            // Messages go to the handler straight from the port's buffer where order allows.
-            let mut work = self.rx_burst(now, &mut |arrived, frame| {
-                endpoint.handle_frame_delivering_at(now, arrived, frame, &mut |m, tx| {
-                    handler.on_message(m, &mut Direct { tx, backlog: &mut backlog, now });
-                });
+/// One thread's run-to-completion state: the worker, the whole endpoint, the handler and what
+/// waits for room in the transport.
+struct Rtc {
+    worker: Worker,
+    endpoint: Endpoint,
+    handler: Box<dyn Handler>,
+    backlog: VecDeque<Outgoing>,
+    /// Whether the transport refused part of the shared queue last time.
+    left_queued: bool,
+    /// The earliest timer as computed at the end of the previous turn, for both the wait and the
+    /// next turn's timer check: what changes the timers in between (frames, sends, ACKs) only
+    /// arms them later than now, so nothing due is missed, and a received frame does not wait
+    /// for a second walk over the channels before its answer goes out. The pipeline threads do
+    /// the same.
+    deadline: Option<Instant>,
+}
+
+impl Rtc {
+    fn new(worker: Worker, endpoint: Endpoint, handler: Box<dyn Handler>) -> Rtc {
+        let deadline = endpoint.poll_timeout();
+        Rtc { worker, endpoint, handler, backlog: VecDeque::new(), left_queued: false, deadline }
+    }
+
+    fn run(&mut self) {
+        let shared = self.worker.shared.clone();
+        while !self.worker.stopping() {
+            let (now, work) = self.turn();
+            self.worker.idle(now, work, self.deadline, true, &shared.tx_waker);
+        }
+        *lock(&shared.tx_counters) = self.endpoint.counters();
+    }
+
+    /// One turn: receive a burst, serve due timers, deliver, let the handler poll, queue what
+    /// other threads asked to send, transmit. Returns when it began and the work done.
+    fn turn(&mut self) -> (Instant, usize) {
+        let Rtc { worker, endpoint, handler, backlog, left_queued, deadline } = self;
+        let shared = worker.shared.clone();
+        let now = worker.clock.now();
+        // Messages go to the handler straight from the port's buffer where order allows.
+        let mut work = worker.rx_burst(now, &mut |arrived, frame| {
+            endpoint.handle_frame_delivering_at(now, arrived, frame, &mut |m, tx| {
+                handler.on_message(m, &mut Direct { tx, backlog: &mut *backlog, now });
             });
-            if deadline.is_some_and(|t| t <= now) {
-                endpoint.handle_timeout(now);
-            }
-            work += deliver_rtc(endpoint, handler, &mut backlog, now);
-            work += handler.poll(&mut Direct { tx: endpoint.send_half_mut(), backlog: &mut backlog, now });
-            // Acquire pairs with `posted_work`; a queue the transport left messages in is looked
-            // at again whatever the flag says.
-            let posted = shared.posted.swap(false, Ordering::Acquire) || left_queued;
-            if posted {
-                let requests: Vec<Control> = lock(&shared.control_tx).drain(..).collect();
-                for c in requests {
-                    match c {
-                        Control::SetGroup(g) => endpoint.set_group(g, now),
-                    }
+        });
+        if deadline.is_some_and(|t| t <= now) {
+            endpoint.handle_timeout(now);
+        }
+        work += deliver_rtc(endpoint, &mut **handler, backlog, now);
+        work += handler.poll(&mut Direct { tx: endpoint.send_half_mut(), backlog: &mut *backlog, now });
+        // Acquire pairs with `posted_work`; a queue the transport left messages in is looked
+        // at again whatever the flag says.
+        let posted = shared.posted.swap(false, Ordering::Acquire) || *left_queued;
+        if posted {
+            let requests: Vec<Control> = lock(&shared.control_tx).drain(..).collect();
+            for c in requests {
+                match c {
+                    Control::SetGroup(g) => endpoint.set_group(g, now),
                 }
             }
-            let (fed, left) = feed(&mut backlog, &shared, posted, |o| {
-                endpoint.send(now, o.peer, o.channel, &o.data).is_ok()
-            });
-            work += fed;
-            left_queued = left;
-            // Frames are stamped when they are written, not when this turn began: the turn's
-            // receiving and handling came first, and a stale stamp would count them as the
-            // fabric's delay (rate control reads it) and shorten the hold an ACK reports.
-            let sent_at = self.clock.now();
-            let sent = self.tx_burst(&mut |frame| endpoint.poll_transmit(sent_at, frame));
-            if sent > 0 {
-                endpoint.frames_left(self.clock.now());
-            }
-            work += sent;
-            let idle = endpoint.is_idle() && backlog.is_empty();
-            if self.publish_due(now, work == 0) {
-                *lock(&self.shared.tx_counters) = endpoint.counters();
-            }
-            // Release pairs with the Acquire in `wait_idle`.
-            self.shared.idle.store(idle, Ordering::Release);
-            deadline = endpoint.poll_timeout();
-            self.idle(now, work, deadline, true, &shared.tx_waker);
         }
-        *lock(&self.shared.tx_counters) = endpoint.counters();
+        let (fed, left) =
+            feed(backlog, &shared, posted, |o| endpoint.send(now, o.peer, o.channel, &o.data).is_ok());
+        work += fed;
+        *left_queued = left;
+        // Frames are stamped when they are written, not when this turn began: the turn's
+        // receiving and handling came first, and a stale stamp would count them as the
+        // fabric's delay (rate control reads it) and shorten the hold an ACK reports.
+        let sent_at = worker.clock.now();
+        let sent = worker.tx_burst(&mut |frame| endpoint.poll_transmit(sent_at, frame));
+        if sent > 0 {
+            endpoint.frames_left(worker.clock.now());
+        }
+        work += sent;
+        let idle = endpoint.is_idle() && backlog.is_empty();
+        if worker.publish_due(now, work == 0) {
+            *lock(&shared.tx_counters) = endpoint.counters();
+        }
+        // Release pairs with the Acquire in `wait_idle`.
+        shared.idle.store(idle, Ordering::Release);
+        *deadline = endpoint.poll_timeout();
+        (now, work)
     }
+}
+
+/// Caller mode's helper thread: every [`CALLER_LAPSE`], if the user ran no turn since the last
+/// look, runs turns until there is no work left.
+fn serve_lapses(rtc: &Mutex<Rtc>, last: &AtomicU64, shared: &Shared, clock: MonotonicClock) {
+    while !shared.stop.load(Ordering::Acquire) {
+        std::thread::sleep(CALLER_LAPSE);
+        let idle_for = clock.now().as_nanos().saturating_sub(last.load(Ordering::Relaxed));
+        if idle_for < CALLER_LAPSE.as_nanos() as u64 {
+            continue;
+        }
+        let mut rtc = lock(rtc);
+        loop {
+            let (now, work) = rtc.turn();
+            last.store(now.as_nanos(), Ordering::Relaxed);
+            if work == 0 || shared.stop.load(Ordering::Acquire) {
+                break;
+            }
+        }
+    }
+    let rtc = lock(rtc);
+    *lock(&shared.tx_counters) = rtc.endpoint.counters();
 }
 
 /// Drains delivered messages and events into the handler (run-to-completion mode), whose replies

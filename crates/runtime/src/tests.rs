@@ -137,6 +137,23 @@ type Received = mpsc::Receiver<(MacAddr, u16, Vec<u8>)>;
 
 fn one_way(mode: ThreadMode, messages: u32) {
     let (a, b, rb) = forward_pair(mode, 97);
+    // In caller mode, the users' threads run the nodes' turns as they poll.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (a, b) = (Arc::new(a), Arc::new(b));
+    let pollers: Vec<_> = [a.clone(), b.clone()]
+        .into_iter()
+        .filter(|_| mode == ThreadMode::Caller)
+        .map(|node| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if node.poll() == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+            })
+        })
+        .collect();
     let sender = a.sender();
     for i in 0..messages {
         sender.send(b.local_mac(), (i % 3) as u16, &payload(i));
@@ -156,6 +173,10 @@ fn one_way(mode: ThreadMode, messages: u32) {
     let stats = a.stats();
     assert!(stats.transport.retransmitted_frames > 0, "the lossy link made it retransmit");
     assert_eq!(stats.backlog_messages, 0);
+    stop.store(true, Ordering::Relaxed);
+    for p in pollers {
+        p.join().unwrap();
+    }
 }
 
 #[test]
@@ -166,6 +187,17 @@ fn run_to_completion_delivers_everything_once_in_order() {
 #[test]
 fn pipeline_delivers_everything_once_in_order() {
     one_way(ThreadMode::Pipeline, 5_000);
+}
+
+#[test]
+fn caller_mode_delivers_everything_once_in_order_as_its_users_poll() {
+    one_way(ThreadMode::Caller, 5_000);
+}
+
+/// Nobody polls: the helper thread alone runs the turns, a lapse at a time.
+#[test]
+fn handler_replies_reach_the_peer_in_caller_mode_without_a_caller() {
+    echo(ThreadMode::Caller);
 }
 
 fn echo(mode: ThreadMode) {
