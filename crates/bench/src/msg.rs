@@ -132,6 +132,11 @@ impl Protocol {
     fn carries(self, size: usize) -> bool {
         self != Protocol::Eager || size <= Config::MAX_EAGER
     }
+
+    /// The libfabric provider's eager limit for this protocol (`None`: its default).
+    fn provider_eager_limit(self) -> Option<usize> {
+        (self != Protocol::Auto).then(|| self.config().eager_limit)
+    }
 }
 
 /// Round trips per trial at `size` (after a tenth as many warm-up ones).
@@ -470,6 +475,44 @@ fn nptcp(
     Ok(rows)
 }
 
+/// A lanbus row's port kind, mode and protocol.
+type LanbusRow<'a> = (&'a str, Mode, Protocol);
+
+/// Whether a message of `size` bytes and its headers fit one frame of a `kind` port on a link of
+/// `mtu` (the frames a bare round trip sends).
+fn fits_one_frame(kind: &str, size: usize, mtu: usize) -> bool {
+    let udp = if kind == "udp" { super::UDP_IPV4_HEADERS } else { 0 };
+    size + lanbus_wire::frame::HEADER_LEN + lanbus_wire::frame::RECORD_HEADER_LEN + udp <= mtu
+}
+
+/// The floor under a row's latency (`raw:KIND latency_us`): half the median round trip of one
+/// bare frame as long as the message's, sent by a process in namespace a and bounced by one in
+/// namespace b, both busy polling the same kind of port on the same veth, with no transport,
+/// engine or MPI above them.
+fn raw_latency_us(veth: &VethPair, kind: &str, size: usize, quick: bool) -> anyhow::Result<f64> {
+    use super::transport::{peer_command, run_client, Mode as Polling, Server};
+    let exe = std::env::current_exe().context("finding this program")?;
+    let exe = exe.to_string_lossy();
+    // The bench transport's specs: over udp, they name each end's MAC, which the raw frames carry.
+    let specs = super::transport::port_specs(veth, kind)?;
+    let (sa, sb) = (specs.a, specs.b);
+    let echo = peer_command(&veth.b.netns, &exe, &sb, veth.a.mac, "raw-echo", Polling::Busy);
+    let _echo = Server::start(echo, &format!("{kind} raw echo"))?;
+    let mut ping = peer_command(&veth.a.netns, &exe, &sa, veth.b.mac, "raw-ping", Polling::Busy);
+    let seconds = if quick { "0.2" } else { "1" };
+    ping.args(["--size", &size.to_string(), "--seconds", seconds]);
+    let v = run_client(ping, &format!("{kind} raw ping"))?;
+    let p50 = v["p50_us"].as_f64().context("the raw ping gave no p50_us")?;
+    Ok(p50 / 2.0)
+}
+
+/// The floor under a row's bandwidth (`raw:KIND bw_mb_per_s`): the bare port's one-way rate in
+/// frames of the link's MTU, MB/s.
+fn raw_bw_mb_per_s(veth: &VethPair, kind: &str, quick: bool) -> anyhow::Result<f64> {
+    let gbit = super::nvme::raw_one_way(kind, Some(veth), if quick { 0.5 } else { 2.0 })?;
+    Ok(gbit * 1e3 / 8.0)
+}
+
 fn row_of(name: &str, metric: &str, v: f64, size: usize, mtu: usize) -> Row {
     Row::new(name, metric, v).with("size_bytes", size as u64).with("mtu", mtu as u64)
 }
@@ -510,15 +553,20 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     let mut lat: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; rows.len()];
     let mut bw: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; rows.len()];
     let (mut np_lat, mut np_bw): (Vec<Vec<f64>>, Vec<Vec<f64>>) = (vec![Vec::new(); n], vec![Vec::new(); n]);
-    // Open MPI rows: per program, (kind, mode), then the tcp BTL (`None`).
+    // Open MPI rows: per program, (kind, mode, protocol), then the tcp BTL (`None`). NetPIPE
+    // runs with the provider's own choice only.
     let mpi =
         if args.mpi { Some(super::msg_mpi::Mpi::prepare(&dir, args.fi_provider.as_deref())?) } else { None };
-    let mut mpi_rows: Vec<(Option<(&str, Mode)>, Program)> = Vec::new();
+    let mut mpi_rows: Vec<(Option<LanbusRow<'_>>, Program)> = Vec::new();
     if mpi.is_some() {
         for program in [Program::PingPong, Program::NetPipe] {
             for kind in &args.ports {
                 for &mode in &args.modes {
-                    mpi_rows.push((Some((kind.as_str(), mode)), program));
+                    for &protocol in &args.protocols {
+                        if program == Program::PingPong || protocol == Protocol::Auto {
+                            mpi_rows.push((Some((kind.as_str(), mode, protocol)), program));
+                        }
+                    }
                 }
             }
             if peer {
@@ -529,6 +577,11 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     let mut mpi_lat: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; mpi_rows.len()];
     let mut mpi_bw: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; mpi_rows.len()];
     let mut mpi_bytes: Vec<Vec<f64>> = vec![Vec::new(); mpi_rows.len()];
+    // The bare ports' floors, per kind: per size, the runs' one-way latencies; the runs' one-way
+    // rates. A kind whose floor failed once is not measured again (said on stderr).
+    let mut raw_lat: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; args.ports.len()];
+    let mut raw_bw: Vec<Vec<f64>> = vec![Vec::new(); args.ports.len()];
+    let mut raw_failed = vec![false; args.ports.len()];
     let mpi_limit = if args.quick { Duration::from_secs(60) } else { Duration::from_secs(240) };
     for r in 0..runs {
         for (k, &(kind, mode, protocol)) in rows.iter().enumerate() {
@@ -539,6 +592,27 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
             for i in 0..n {
                 lat[k][i].extend(m.latency_us[i]);
                 bw[k][i].extend(m.bw_mb_per_s[i]);
+            }
+        }
+        for (p, kind) in args.ports.iter().enumerate() {
+            if raw_failed[p] {
+                continue;
+            }
+            eprintln!("bench msg: run {}/{runs}: raw:{kind} (the bare port's floor)", r + 1);
+            let measured = (|| -> anyhow::Result<()> {
+                for (i, &size) in args.sizes.iter().enumerate() {
+                    if fits_one_frame(kind, size, args.mtu) {
+                        raw_lat[p][i].push(raw_latency_us(&veth, kind, size, args.quick)?);
+                    }
+                }
+                if window.is_some() {
+                    raw_bw[p].push(raw_bw_mb_per_s(&veth, kind, args.quick)?);
+                }
+                Ok(())
+            })();
+            if let Err(e) = measured {
+                eprintln!("bench msg: raw:{kind}, run {}: {e:#} (no more floors of {kind})", r + 1);
+                raw_failed[p] = true;
             }
         }
         if peer {
@@ -561,18 +635,21 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
         }
         if let Some(mpi) = &mpi {
             for (k, &(row, program)) in mpi_rows.iter().enumerate() {
-                let (what, transport) = match row {
-                    Some((kind, Mode::Direct)) => {
-                        (format!("Open MPI over lanbus {kind} direct"), Transport::Direct(kind))
-                    }
-                    Some((kind, Mode::Daemon)) => {
-                        (format!("Open MPI over lanbus {kind} daemon"), Transport::Daemon(kind))
-                    }
-                    None => ("Open MPI tcp BTL".to_string(), Transport::Tcp),
+                let (what, transport, limit) = match row {
+                    Some((kind, mode, protocol)) => (
+                        format!("Open MPI over lanbus {kind} {} {}", mode.name(), protocol.name()),
+                        match mode {
+                            Mode::Direct => Transport::Direct(kind),
+                            Mode::Daemon => Transport::Daemon(kind),
+                        },
+                        protocol.provider_eager_limit(),
+                    ),
+                    None => ("Open MPI tcp BTL".to_string(), Transport::Tcp, None),
                 };
                 let what = format!("{what}, {}", program.name());
                 eprintln!("bench msg: run {}/{runs}: {what}", r + 1);
-                match mpi.job(&veth, transport, program, &args.sizes, window.unwrap_or(0), mpi_limit) {
+                let (sizes, w) = (&args.sizes, window.unwrap_or(0));
+                match mpi.job(&veth, transport, limit, program, sizes, w, mpi_limit) {
                     Ok(job) => {
                         for (i, &(us, mbs)) in
                             job.figures.iter().enumerate().filter_map(|(i, f)| Some((i, f.as_ref()?)))
@@ -620,20 +697,44 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
             }
         }
     }
+    // The floors, beside the rows they bound; against Open MPI's tcp BTL (its ping-pong program)
+    // when it ran: a ratio above the goal's says the goal is under the bare port's own figure.
+    let tcp = mpi_rows.iter().position(|&(r, p)| r.is_none() && p == Program::PingPong);
+    for (p, kind) in args.ports.iter().enumerate() {
+        let name = format!("raw:{kind}");
+        for (i, &size) in args.sizes.iter().enumerate() {
+            if let Some(us) = median(&raw_lat[p][i]) {
+                report.push(row(&name, "latency_us", us, size));
+                if let Some(t) = tcp.and_then(|t| median(&mpi_lat[t][i])) {
+                    ratios.push(row(&name, "latency_vs_ompi_tcp", us / t, size));
+                }
+            }
+            if let (Some(mbs), Some(t)) = (median(&raw_bw[p]), tcp.and_then(|t| median(&mpi_bw[t][i]))) {
+                ratios.push(row(&name, "bw_vs_ompi_tcp", mbs / t, size));
+            }
+        }
+        if let Some(mbs) = median(&raw_bw[p]) {
+            let frame = args.mtu as u64;
+            report.push(Row::new(&name, "bw_mb_per_s", mbs).with("frame_bytes", frame).with("mtu", frame));
+        }
+    }
     for (k, &(row, program)) in mpi_rows.iter().enumerate() {
         let name = match row {
-            Some((kind, _)) => format!("mpi:lanbus-{kind}"),
+            Some((kind, ..)) => format!("mpi:lanbus-{kind}"),
             None => "peer:ompi-tcp".to_string(),
         };
         let with = |r: Row| {
             let r = r.with("launcher", "mpirun").with("program", program.name());
             match row {
-                Some((_, mode)) => r.with("mode", mode.name()),
+                Some((_, mode, protocol)) => r.with("mode", mode.name()).with("protocol", protocol.name()),
                 None => r,
             }
         };
         let peer_k = mpi_rows.iter().position(|&(r, p)| r.is_none() && p == program);
         for (i, &size) in args.sizes.iter().enumerate() {
+            if row.is_some_and(|(_, _, protocol)| !protocol.carries(size)) {
+                continue;
+            }
             if let Some(us) = median(&mpi_lat[k][i]) {
                 report.push(with(row_of(&name, "latency_us", us, size, args.mtu)));
                 if let Some(p) = peer_k.filter(|&p| p != k).and_then(|p| median(&mpi_lat[p][i])) {

@@ -131,10 +131,14 @@ impl Mpi {
     }
 
     /// Runs one job over `transport`; a job that does not finish within `limit` is an error.
+    /// Over lanbus, `eager_limit` sets the provider's eager limit (`LANBUS_FI_EAGER_LIMIT`;
+    /// `None`: its default).
+    #[allow(clippy::too_many_arguments)]
     pub fn job(
         &self,
         veth: &VethPair,
         transport: Transport<'_>,
+        eager_limit: Option<usize>,
         program: Program,
         sizes: &[usize],
         window: usize,
@@ -174,6 +178,9 @@ impl Mpi {
                 mca("mtl_ofi_provider_include", "lanbus");
                 env.push(("FI_PROVIDER_PATH".into(), self.provider.display().to_string()));
                 env.push(("FI_PROVIDER".into(), "lanbus".into()));
+                if let Some(limit) = eager_limit {
+                    env.push(("LANBUS_FI_EAGER_LIMIT".into(), limit.to_string()));
+                }
                 if let Transport::Direct(_) = transport {
                     let (sa, sb) = super::port_specs(kind, veth)?;
                     env.push(("LANBUS_FI_PORT".into(), format!("{sa};{sb}")));

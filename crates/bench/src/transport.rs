@@ -138,12 +138,12 @@ struct Plan {
 }
 
 /// The port specs of one kind on both ends.
-struct PortSpecs {
-    a: String,
-    b: String,
+pub(crate) struct PortSpecs {
+    pub(crate) a: String,
+    pub(crate) b: String,
 }
 
-fn port_specs(pair: &VethPair, kind: &str) -> anyhow::Result<PortSpecs> {
+pub(crate) fn port_specs(pair: &VethPair, kind: &str) -> anyhow::Result<PortSpecs> {
     let (a, b) = (&pair.a, &pair.b);
     let (sa, sb) = match kind {
         // Datagrams as large as the link takes, as the other ports' frames are.

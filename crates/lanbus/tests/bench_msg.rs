@@ -47,6 +47,18 @@ fn bench_msg_measures_both_ports_and_the_peer() {
         find(name, protocol, metric, size)
             .unwrap_or_else(|| panic!("no {name} {protocol} {metric} at {size}: {v}"))
     };
+    // The bare ports' floors: a 64-byte frame's one-way time, the one-way rate.
+    for kind in ["udp", "afpacket"] {
+        let raw = format!("raw:{kind}");
+        let us = value(&raw, "", "latency_us", 64);
+        assert!(us > 0.0 && us < 10_000.0, "{raw}: {us} µs");
+        assert!(
+            find(&raw, "", "latency_us", 65536).is_none(),
+            "{raw}: no floor for a message of many frames"
+        );
+        let rate = rows.iter().find(|r| r["name"] == raw.as_str() && r["metric"] == "bw_mb_per_s");
+        assert!(rate.and_then(|r| r["value"].as_f64()).is_some_and(|m| m > 0.0), "{raw} rate: {v}");
+    }
     let daemon =
         rows.iter().any(|r| r["mode"] == "daemon" && r["metric"] == "latency_us" && r["size_bytes"] == 65536);
     assert!(daemon, "daemon-mode rows: {v}");
@@ -131,4 +143,5 @@ fn bench_msg_measures_open_mpi_over_lanbus_and_its_tcp_btl() {
     let peer = find("peer:ompi-tcp", "", "latency_us").and_then(|r| r["value"].as_f64());
     assert!(peer.is_some_and(|us| us > 0.0), "the tcp BTL peer ran: {v}");
     assert!(find("mpi:lanbus-afpacket", "direct", "latency_vs_ompi_tcp").is_some());
+    assert!(find("raw:afpacket", "", "latency_vs_ompi_tcp").is_some(), "the floor against the tcp BTL: {v}");
 }
