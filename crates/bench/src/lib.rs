@@ -50,7 +50,7 @@ pub enum BenchCommand {
     /// without a CPU hog and a shared tbf bottleneck; iperf3 TCP over the same switch as the peer.
     /// Needs root.
     Fabric(fabric::FabricArgs),
-    /// MPI-style ping-pong latency through the messaging engine (eager below 16 KiB, rendezvous
+    /// MPI-style ping-pong latency through the messaging engine (eager up to 32 KiB, rendezvous
     /// above) over udp, afpacket and afxdp on a veth pair between two namespaces, against
     /// NetPIPE's TCP ping-pong (NPtcp) on the same veth. Needs root.
     Msg(msg::MsgArgs),

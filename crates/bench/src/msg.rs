@@ -11,7 +11,7 @@
 //! auto,eager,rendezvous` adds a row per protocol (the engine's choice, every message eager,
 //! every message by rendezvous), which shows where the two cross; `--bandwidth` adds osu_bw's
 //! streaming pattern (a window of messages back to back, then one short answer; the best of
-//! three trials) against NetPIPE's one-way streaming (`NPtcp -s`, `bw_vs_nptcp`). Messages up to 16 KiB go eagerly, longer ones by rendezvous
+//! three trials) against NetPIPE's one-way streaming (`NPtcp -s`, `bw_vs_nptcp`). Messages up to 32 KiB go eagerly, longer ones by rendezvous
 //! (RTS, CTS, then the data). The peer runs NPtcp's receiver in one namespace and its transmitter
 //! in the other over the same sizes. Runs go in turns (each lanbus kind, then the peer) and a
 //! figure is the median of its runs; `latency_vs_nptcp` divides lanbus's by NetPIPE's (below 1:
@@ -104,7 +104,7 @@ const ACK: u64 = u64::MAX - 3;
 /// How messages travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Protocol {
-    /// The engine's choice: eager up to its limit (16 KiB), rendezvous above.
+    /// The engine's choice: eager up to its limit (32 KiB), rendezvous above.
     Auto,
     /// Every message eagerly (up to the largest eager message, 65,516 bytes).
     Eager,

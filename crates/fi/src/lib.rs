@@ -17,7 +17,7 @@
 //! - With several sockets or specs, a process takes the one at its rank modulo their number
 //!   (`OMPI_COMM_WORLD_RANK`, `PMIX_RANK` or `PMI_RANK`): a job on one machine spreads over
 //!   several daemons as if over several machines.
-//! - `LANBUS_FI_EAGER_LIMIT=BYTES`: messages up to this size go eagerly (default 16 KiB).
+//! - `LANBUS_FI_EAGER_LIMIT=BYTES`: messages up to this size go eagerly (default 32 KiB).
 //!
 //! Progress is manual: reading the completion queue moves the records, through the daemon's
 //! rings (daemon mode) or through the port itself, whose runtime runs its turns on the reading

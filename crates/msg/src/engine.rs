@@ -35,8 +35,10 @@ impl Config {
 impl Default for Config {
     fn default() -> Self {
         // The MPI-over-DPDK paper finds eager ahead up to about 13 KB and rendezvous from about
-        // 26 KB; 16 KiB sits between.
-        Config { eager_limit: 16 << 10, data_chunk: Config::MAX_CHUNK }
+        // 26 KB. Here, through Open MPI on the rank's own thread, eager stays ahead up to 32 KiB
+        // (52.5 against 57.9 us at 32 KiB, MTU 1500; by 20% in the engine's own rows), and a
+        // larger message cannot go eagerly in one transport message anyway (64 KiB).
+        Config { eager_limit: 32 << 10, data_chunk: Config::MAX_CHUNK }
     }
 }
 

@@ -1,7 +1,7 @@
 //! The runtime layer: drives a sans-IO transport [`Endpoint`] over a [`Port`] on real threads and
 //! hands delivered messages to an engine (a PCIe bridge, the messaging layer...).
 //!
-//! Two thread models, chosen by [`ThreadMode`], pass the same tests:
+//! Three thread models, chosen by [`ThreadMode`], pass the same tests:
 //!
 //! - **Run to completion**: one thread receives a burst, feeds the endpoint, runs the engine's
 //!   [`Handler`] on every delivered message, queues what other threads asked to send, transmits,
