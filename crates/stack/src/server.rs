@@ -1348,10 +1348,15 @@ fn move_bytes(
         c.unreported += n as u64;
         moved = true;
     }
-    if c.shutdown
-        && c.pending.is_empty()
-        && matches!(s.state(), tcp::State::Established | tcp::State::CloseWait)
-    {
+    // smoltcp in LAST-ACK drops every acknowledgement that acknowledges nothing new, window
+    // updates included: a FIN sent from CLOSE-WAIT behind bytes the peer's shut window holds back
+    // would strand them until the timeout. So from CLOSE-WAIT the FIN waits for the bytes' ACK.
+    let close_now = match s.state() {
+        tcp::State::Established => true,
+        tcp::State::CloseWait => s.send_queue() == 0,
+        _ => false,
+    };
+    if c.shutdown && c.pending.is_empty() && close_now {
         s.close();
     }
     let state = s.state();
@@ -1430,7 +1435,9 @@ fn move_bytes(
         moved = true;
     }
     if state == tcp::State::Closed && !c.orphan && client.handles.contains(&h) && s.recv_queue() == 0 {
-        let errno = if c.fin_seen || c.shutdown {
+        // The peer's FIN ends a connection cleanly; anything else that closed it (its RST, or
+        // silence past the timeout) is an error even after this side shut its half down.
+        let errno = if c.fin_seen {
             0
         } else if t - c.last_activity >= timeout.into() {
             libc::ETIMEDOUT

@@ -92,14 +92,14 @@ fn exchange(unit: CopyUnit, loss: f64, name: &str) {
     let server = std::thread::spawn(move || {
         let (mut s, peer) = listener.accept().unwrap();
         assert_eq!(peer.ip(), IpAddr::V4(A));
-        assert_eq!(read_all(&mut s), up2, "the bytes A sent");
+        assert_same(&read_all(&mut s), &up2, "the bytes A sent");
         s.write_all(&down2).unwrap();
     });
     let mut s = ca.connect(SocketAddrV4::new(B, 7000)).unwrap();
     assert_eq!(s.local_addr().ip(), IpAddr::V4(A));
     s.write_all(&up).unwrap();
     s.shutdown_write().unwrap();
-    assert_eq!(read_all(&mut s), down, "the bytes B sent back");
+    assert_same(&read_all(&mut s), &down, "the bytes B sent back");
     server.join().unwrap();
     drop(s);
     drop(p.b);
@@ -120,6 +120,29 @@ fn tcp_both_ways_with_the_baseline_copy_path() {
 fn tcp_with_large_clusters_and_a_large_unit() {
     let unit = CopyUnit { cluster_bytes: 4096, clusters: 64, channel: Channel::SharedMemory };
     bounded(120, move || exchange(unit, 0.0, "large"));
+}
+
+/// The side that closes second (from CLOSE-WAIT) still has bytes queued while the reader's window
+/// is shut: they must all arrive once the reader reads, the FIN after them.
+#[test]
+fn bytes_queued_behind_a_shut_window_survive_the_second_close() {
+    bounded(60, || {
+        let p = pair("lastack", 0.0);
+        let ca = StackClient::attach(&p.sock_a, CopyUnit::BASELINE).unwrap();
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::BASELINE).unwrap();
+        let listener = cb.listen(7010, 1).unwrap();
+        let mut s = ca.connect(SocketAddrV4::new(B, 7010)).unwrap();
+        s.shutdown_write().unwrap();
+        let (mut peer_side, _) = listener.accept().unwrap();
+        assert!(read_all(&mut peer_side).is_empty());
+        // More than A's window holds while nobody reads there, less than B queues.
+        let down = pattern(1 << 20, 3);
+        peer_side.write_all(&down).unwrap();
+        drop(peer_side);
+        // B closes behind its queued bytes; let it give up on A's shut window for a while.
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_same(&read_all(&mut s), &down, "the bytes B sent before closing");
+    });
 }
 
 #[test]
