@@ -7,6 +7,7 @@
 //! that goes down or restarts fails the requests that need it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -48,6 +49,9 @@ struct Shared {
     engine: Mutex<Engine>,
     finished: Mutex<HashMap<RequestId, Outcome>>,
     done: Condvar,
+    /// Threads asleep on `done` (changed under `finished`'s lock): a wake-up is a system call,
+    /// which a busy-polling user would otherwise pay for every message.
+    sleepers: AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -63,8 +67,10 @@ impl Shared {
             finished.insert(c.id, c.outcome);
             any = true;
         }
+        // Read under the lock: a waiter counts itself before it releases the lock to sleep.
+        let sleepers = self.sleepers.load(Ordering::Relaxed);
         drop(finished);
-        if any {
+        if any && sleepers > 0 {
             self.done.notify_all();
         }
     }
@@ -133,6 +139,7 @@ impl MsgNode {
             engine: Mutex::new(Engine::new(addr, cfg)),
             finished: Mutex::new(HashMap::new()),
             done: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
         });
         let handler = MsgHandler { shared: shared.clone() };
         let runtime = Runtime::start(port, runtime, Box::new(handler)).map_err(MsgError::Start)?;
@@ -229,7 +236,9 @@ impl MsgNode {
             if left.is_zero() {
                 return Err(MsgError::Timeout(id, timeout));
             }
+            self.shared.sleepers.fetch_add(1, Ordering::Relaxed);
             finished = self.shared.done.wait_timeout(finished, left).unwrap_or_else(|p| p.into_inner()).0;
+            self.shared.sleepers.fetch_sub(1, Ordering::Relaxed);
         }
     }
 

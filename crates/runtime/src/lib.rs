@@ -346,7 +346,11 @@ impl Runtime {
                 threads.push(spawn(format!("{}-rtc", config.name), Box::new(move || rtc.run()))?);
             }
             ThreadMode::Caller => {
-                let worker = Worker::new(&config, shared.clone(), clock, port);
+                let mut worker = Worker::new(&config, shared.clone(), clock, port);
+                // The caller polls as often as it likes and the thread never waits here: publish
+                // counters on the millisecond, not each time a turn finds nothing (reading a
+                // port's counters may be a system call, on the path of the next frame).
+                worker.polling = Polling::Busy;
                 let rtc = Arc::new(Mutex::new(Rtc::new(worker, endpoint, handler)));
                 let last = Arc::new(AtomicU64::new(clock.now().as_nanos()));
                 let (r, l, sh) = (rtc.clone(), last.clone(), shared.clone());
