@@ -15,7 +15,9 @@
 //!
 //! The daemon forwards: records a client writes go to the transport (or straight to another
 //! client of the same node), records the transport delivers go to the client their destination
-//! id names. A client whose ring holds a record that does not parse, or one claiming another
+//! id names. Both ways it is the runtime's thread that moves them, on each of its turns (the
+//! poller of the paper); a thread per client only watches the client's ring while that thread
+//! sleeps, and checks that the client is still there. A client whose ring holds a record that does not parse, or one claiming another
 //! client's id as its source, is disconnected; nothing else is affected. A client that goes away
 //! (its socket closes) is forgotten. A daemon that goes away closes every client's socket: their
 //! calls fail with [`MsgError::DaemonGone`](crate::msg::MsgError::DaemonGone) instead of waiting.
@@ -45,9 +47,9 @@ const PIPE: PipeConfig = PipeConfig { slots: 64, buffers: 64, buf_size: 65_600 }
 const HELLO: &[u8; 8] = b"LBMSGD\x01\0";
 /// The hello: [`HELLO`], the node's MAC, the client's id.
 const HELLO_LEN: usize = 16;
-/// How long a client waiting for a request, and the daemon's thread serving a client, keep
-/// polling their ring (yielding the core each time) after the last record before they sleep on
-/// their doorbell: a wake-up costs more than the round trip of a small message.
+/// How long a client waiting for a request keeps polling its ring (yielding the core each time)
+/// after the last record before it sleeps on its doorbell: a wake-up costs more than the round
+/// trip of a small message.
 const POLL: Duration = Duration::from_micros(50);
 
 fn pipe_offset(k: usize) -> usize {
@@ -92,6 +94,15 @@ struct Client {
     client_bell: EventFd,
     /// Other nodes it exchanged records with: told when it goes.
     peers: Mutex<HashSet<MacAddr>>,
+    /// The client's ring toward the daemon. The runtime's thread takes its records on each of
+    /// its turns (so they go out in order, with no hand-off between threads); while that thread
+    /// sleeps, the client's serving thread watches the ring and wakes it.
+    from_client: Mutex<Receiver>,
+    /// The doorbell the client rings when the ring's reader sleeps (the runtime's thread rings
+    /// it too, to hand the watch back to the serving thread when it goes to sleep).
+    daemon_bell: EventFd,
+    /// The client wrote something that is not one of its records: it is disconnected.
+    hostile: AtomicBool,
 }
 
 impl Client {
@@ -140,6 +151,10 @@ fn flush(ring: &mut PipeSender, waiting: &mut VecDeque<Vec<u8>>) -> bool {
 struct Shared {
     mac: MacAddr,
     clients: Mutex<HashMap<u16, Arc<Client>>>,
+    /// Changes whenever a client comes or goes (the runtime's thread keeps its own list).
+    generation: AtomicU64,
+    /// The runtime's thread is taking turns (not asleep): it takes the clients' records itself.
+    turning: AtomicBool,
     counters: DaemonCounters,
     stop: AtomicBool,
 }
@@ -148,10 +163,71 @@ impl Shared {
     fn client(&self, id: u16) -> Option<Arc<Client>> {
         lock(&self.clients).get(&id).cloned()
     }
+
+    fn add_client(&self, id: u16, client: Arc<Client>) {
+        lock(&self.clients).insert(id, client);
+        self.generation.fetch_add(1, Ordering::Release);
+    }
+
+    fn remove_client(&self, id: u16) {
+        lock(&self.clients).remove(&id);
+        self.generation.fetch_add(1, Ordering::Release);
+    }
+
+    /// Takes client `id`'s records out of its ring and hands each to `emit` (the destination
+    /// node and the record) or, for another client of this node, straight to that client.
+    /// Returns the records taken; a client that wrote something that is not its own record is
+    /// marked hostile and its serving thread woken to disconnect it.
+    fn take_records(
+        &self,
+        id: u16,
+        client: &Client,
+        ring: &mut Receiver,
+        emit: &mut dyn FnMut(MacAddr, &[u8]),
+    ) -> usize {
+        let mut taken = 0;
+        let mut hostile = client.hostile.load(Ordering::Relaxed);
+        while !hostile {
+            let got = ring.recv(|entry| {
+                let Some((mac, record)) = entry.split_first_chunk::<6>() else {
+                    hostile = true;
+                    return;
+                };
+                match wire::Record::parse(record) {
+                    Ok((route, _)) if route.src == id => {
+                        let dest = MacAddr(*mac);
+                        bump(&self.counters.from_clients);
+                        if dest == self.mac {
+                            match self.client(route.dst) {
+                                Some(c) => c.deliver(self.mac, record),
+                                None => bump(&self.counters.no_such_client),
+                            }
+                        } else {
+                            lock(&client.peers).insert(dest);
+                            emit(dest, record);
+                        }
+                    }
+                    _ => hostile = true,
+                }
+            });
+            match got {
+                Ok(true) if !hostile => taken += 1,
+                Ok(false) => break,
+                _ => hostile = true,
+            }
+        }
+        if hostile && !client.hostile.swap(true, Ordering::Relaxed) {
+            let _ = client.daemon_bell.notify();
+        }
+        taken
+    }
 }
 
 struct DaemonHandler {
     shared: Arc<Shared>,
+    /// The clients as of `generation`.
+    clients: Vec<(u16, Arc<Client>)>,
+    generation: u64,
 }
 
 impl Handler for DaemonHandler {
@@ -185,6 +261,38 @@ impl Handler for DaemonHandler {
             }
         }
     }
+
+    /// The clients' records go out from here, in order with everything else this thread sends.
+    fn poll(&mut self, out: &mut dyn Outbox) -> usize {
+        let shared = &*self.shared;
+        if !shared.turning.load(Ordering::Relaxed) {
+            shared.turning.store(true, Ordering::SeqCst);
+        }
+        let generation = shared.generation.load(Ordering::Acquire);
+        if generation != self.generation {
+            self.generation = generation;
+            self.clients = lock(&shared.clients).iter().map(|(id, c)| (*id, c.clone())).collect();
+        }
+        let mut taken = 0;
+        for (id, c) in &self.clients {
+            // A serving thread holding the ring is handing a record over: the next turn takes it.
+            if let Ok(mut ring) = c.from_client.try_lock() {
+                taken += shared.take_records(*id, c, &mut ring, &mut |dest, record| {
+                    out.send(dest, MSG_CHANNEL, record);
+                });
+            }
+        }
+        taken
+    }
+
+    /// The thread goes to sleep: the serving threads watch the rings until it wakes.
+    fn parking(&mut self) {
+        // SeqCst: a serving thread that sees the flag still set is woken by the bell below.
+        self.shared.turning.store(false, Ordering::SeqCst);
+        for (_, c) in &self.clients {
+            let _ = c.daemon_bell.notify();
+        }
+    }
 }
 
 /// The messaging daemon: a port, its transport and the clients attached over `socket`.
@@ -202,6 +310,8 @@ impl MsgDaemon {
         let shared = Arc::new(Shared {
             mac: port.mac(),
             clients: Mutex::new(HashMap::new()),
+            generation: AtomicU64::new(0),
+            turning: AtomicBool::new(false),
             counters: DaemonCounters::default(),
             stop: AtomicBool::new(false),
         });
@@ -210,7 +320,11 @@ impl MsgDaemon {
         }
         let listener = UnixListener::bind(socket)?;
         listener.set_nonblocking(true)?;
-        let runtime = Runtime::start(port, runtime, Box::new(DaemonHandler { shared: shared.clone() }))?;
+        let runtime = Runtime::start(
+            port,
+            runtime,
+            Box::new(DaemonHandler { shared: shared.clone(), clients: Vec::new(), generation: 0 }),
+        )?;
         let sender = runtime.sender();
         let s = shared.clone();
         let accept = std::thread::Builder::new()
@@ -331,18 +445,21 @@ fn attach(
         to_client: Mutex::new((to_client, VecDeque::new())),
         client_bell,
         peers: Mutex::new(HashSet::new()),
+        from_client: Mutex::new(from_client),
+        daemon_bell,
+        hostile: AtomicBool::new(false),
     });
     // Known before the client can act on its hello (it may ask at once who is attached).
-    lock(&shared.clients).insert(id, client.clone());
-    let fds = [memfd, daemon_bell.as_fd(), client.client_bell.as_fd()];
+    shared.add_client(id, client.clone());
+    let fds = [memfd, client.daemon_bell.as_fd(), client.client_bell.as_fd()];
     if let Err(e) = send_fds(&sock, &hello, &fds).map_err(ring_io) {
-        lock(&shared.clients).remove(&id);
+        shared.remove_client(id);
         return Err(e);
     }
     let shared = shared.clone();
     std::thread::Builder::new().name(format!("msgd-client-{id}")).spawn(move || {
-        serve_client(&shared, id, &client, from_client, &daemon_bell, sock, &sender);
-        lock(&shared.clients).remove(&id);
+        serve_client(&shared, &client, sock, &sender);
+        shared.remove_client(id);
         say_gone(&shared, id, &lock(&client.peers), &sender);
     })
 }
@@ -361,69 +478,21 @@ fn say_gone(shared: &Shared, id: u16, talked_to: &HashSet<MacAddr>, sender: &Sen
     }
 }
 
-/// Forwards what client `id` writes until it goes away, misbehaves or the daemon stops.
-fn serve_client(
-    shared: &Shared,
-    id: u16,
-    client: &Client,
-    mut from_client: Receiver,
-    bell: &EventFd,
-    mut sock: UnixStream,
-    sender: &Sender,
-) {
+/// Serves a client until it goes away, misbehaves or the daemon stops: moves what waits for
+/// room in its ring, checks now and then that it is still there, and, while the runtime's thread
+/// sleeps, watches the client's ring and wakes that thread when a record arrives (the runtime's
+/// thread takes every record itself, so they leave in the order the client wrote them).
+fn serve_client(shared: &Shared, client: &Client, mut sock: UnixStream, sender: &Sender) {
     let _ = sock.set_nonblocking(true);
     let mut last_check = Instant::now();
-    let mut active = Instant::now();
     // Relaxed: a flag polled once per round.
     while !shared.stop.load(Ordering::Relaxed) {
-        let mut hostile = false;
-        let mut moved = 0;
-        loop {
-            let got = from_client.recv(|entry| {
-                let Some((mac, record)) = entry.split_first_chunk::<6>() else {
-                    hostile = true;
-                    return;
-                };
-                match wire::Record::parse(record) {
-                    Ok((route, _)) if route.src == id => {
-                        let dest = MacAddr(*mac);
-                        bump(&shared.counters.from_clients);
-                        if dest == shared.mac {
-                            match shared.client(route.dst) {
-                                Some(c) => c.deliver(shared.mac, record),
-                                None => bump(&shared.counters.no_such_client),
-                            }
-                        } else {
-                            lock(&client.peers).insert(dest);
-                            sender.send(dest, MSG_CHANNEL, record);
-                        }
-                    }
-                    _ => hostile = true,
-                }
-            });
-            match got {
-                Ok(true) if !hostile => moved += 1,
-                Ok(false) => break,
-                _ => {
-                    hostile = true;
-                    break;
-                }
-            }
-        }
-        if hostile {
+        if client.hostile.load(Ordering::Relaxed) {
             bump(&shared.counters.disconnected_hostile);
             return;
         }
         let waiting = client.flush();
-        if moved > 0 {
-            active = Instant::now();
-            continue;
-        }
-        if active.elapsed() < POLL {
-            std::thread::yield_now();
-            continue;
-        }
-        // Has the client gone? (Checked when idle, at most every few milliseconds.)
+        // Has the client gone? (Checked at most every few milliseconds.)
         if last_check.elapsed() > Duration::from_millis(5) {
             last_check = Instant::now();
             let mut b = [0u8; 1];
@@ -433,12 +502,26 @@ fn serve_client(
                 _ => return,
             }
         }
-        from_client.prepare_wait();
-        if !from_client.has_pending() {
-            let nap = if waiting { Duration::from_micros(200) } else { Duration::from_millis(5) };
-            let _ = bell.wait(Some(nap));
+        let nap = if waiting { Duration::from_micros(200) } else { Duration::from_millis(5) };
+        // SeqCst: pairs with the store in `DaemonHandler::parking`, which rings the bell after it.
+        if shared.turning.load(Ordering::SeqCst) {
+            // The runtime's thread takes the records; it rings the bell when it goes to sleep.
+            let _ = client.daemon_bell.wait(Some(nap));
+            continue;
         }
-        from_client.finish_wait();
+        let ring = lock(&client.from_client);
+        ring.prepare_wait();
+        let pending = ring.has_pending();
+        drop(ring);
+        if pending {
+            lock(&client.from_client).finish_wait();
+            sender.wake_handler();
+            // Give the runtime's thread the core to take over (it marks itself turning).
+            std::thread::yield_now();
+            continue;
+        }
+        let _ = client.daemon_bell.wait(Some(nap));
+        lock(&client.from_client).finish_wait();
     }
 }
 

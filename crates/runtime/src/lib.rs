@@ -143,6 +143,13 @@ pub trait Handler: Send + 'static {
         let _ = out;
         0
     }
+
+    /// Called on the handler's thread just before it sleeps (adaptive polling, once its spin ran
+    /// out with nothing to do). A handler whose [`Handler::poll`] watches something of its own,
+    /// such as another process's ring, hands that watch here to a thread that calls
+    /// [`Sender::wake_handler`] when work arrives. Not called in caller mode (the caller's
+    /// thread never sleeps here) nor with busy polling (the thread never sleeps).
+    fn parking(&mut self) {}
 }
 
 /// Counters of a running node.
@@ -638,6 +645,7 @@ impl Worker {
         deadline: Option<Instant>,
         watch_port: bool,
         waker: &Waker,
+        parking: &mut dyn FnMut(),
     ) {
         if work > 0 {
             // Adaptive polling spins for `spin` after the work ended, not after it began (a long
@@ -667,6 +675,7 @@ impl Worker {
         if timeout == Some(Duration::ZERO) {
             return;
         }
+        parking();
         match (watch_port, self.readiness_fd) {
             (true, Some(fd)) => waker.wait(Some(fd), timeout),
             (true, None) => {
@@ -713,7 +722,8 @@ impl Rtc {
         let shared = self.worker.shared.clone();
         while !self.worker.stopping() {
             let (now, work) = self.turn();
-            self.worker.idle(now, work, self.deadline, true, &shared.tx_waker);
+            let handler = &mut self.handler;
+            self.worker.idle(now, work, self.deadline, true, &shared.tx_waker, &mut || handler.parking());
         }
         *lock(&shared.tx_counters) = self.endpoint.counters();
     }
@@ -907,7 +917,7 @@ impl PipeTx {
             }
             shared.idle.store(idle, Ordering::Release);
             deadline = self.half.poll_timeout();
-            self.worker.idle(now, work, deadline, false, &shared.tx_waker);
+            self.worker.idle(now, work, deadline, false, &shared.tx_waker, &mut || {});
         }
         *lock(&shared.tx_counters) = self.half.counters();
     }
@@ -1019,7 +1029,8 @@ impl PipeRx {
                 *lock(&shared.rx_counters) = self.half.counters();
             }
             deadline = self.half.poll_timeout();
-            self.worker.idle(now, work, deadline, true, &shared.rx_waker);
+            let handler = &mut self.handler;
+            self.worker.idle(now, work, deadline, true, &shared.rx_waker, &mut || handler.parking());
         }
         *lock(&shared.rx_counters) = self.half.counters();
     }
