@@ -110,11 +110,25 @@ impl Client {
     fn deliver(&self, mac: MacAddr, record: &[u8]) {
         let mut g = lock(&self.to_client);
         let (ring, waiting) = &mut *g;
-        let mut entry = Vec::with_capacity(6 + record.len());
-        entry.extend_from_slice(&mac.0);
-        entry.extend_from_slice(record);
-        waiting.push_back(entry);
-        flush(ring, waiting);
+        let len = 6 + record.len();
+        // Straight into the ring when nothing waits before it; queued (a copy) otherwise.
+        let placed = waiting.is_empty()
+            && matches!(
+                ring.send_with(|buf| {
+                    let slot = buf.get_mut(..len)?;
+                    slot[..6].copy_from_slice(&mac.0);
+                    slot[6..].copy_from_slice(record);
+                    Some(len)
+                }),
+                Ok(Some(_))
+            );
+        if !placed {
+            let mut entry = Vec::with_capacity(len);
+            entry.extend_from_slice(&mac.0);
+            entry.extend_from_slice(record);
+            waiting.push_back(entry);
+            flush(ring, waiting);
+        }
         if ring.wake_needed() {
             let _ = self.client_bell.notify();
         }
