@@ -17,9 +17,9 @@
 //! client of the same node), records the transport delivers go to the client their destination
 //! id names. Both ways it is the runtime's thread that moves them, on each of its turns (the
 //! poller of the paper); a thread per client only watches the client's ring while that thread
-//! sleeps, and checks that the client is still there. A client whose ring holds a record that does not parse, or one claiming another
-//! client's id as its source, is disconnected; nothing else is affected. A client that goes away
-//! (its socket closes) is forgotten. A daemon that goes away closes every client's socket: their
+//! sleeps, and checks that the client is still there. A client whose ring holds a record that
+//! does not parse, or one claiming another client's id as its source, is disconnected; nothing
+//! else is affected. A client that goes away (its socket closes) is forgotten. A daemon that goes away closes every client's socket: their
 //! calls fail with [`MsgError::DaemonGone`](crate::msg::MsgError::DaemonGone) instead of waiting.
 
 use std::collections::{HashMap, HashSet, VecDeque};
