@@ -21,8 +21,14 @@
 //!
 //! Progress is manual: reading the completion queue moves the records, through the daemon's
 //! rings (daemon mode) or through the port itself, whose runtime runs its turns on the reading
-//! thread (direct mode; a helper thread runs them when nobody has read for a millisecond). Data
-//! reaches the application's receive buffer when its completion is read.
+//! thread (direct mode; a helper thread runs them when nobody has read for a millisecond).
+//!
+//! In direct mode the engine works in the application's own memory, which libfabric lends the
+//! provider until an operation's completion: a rendezvous send goes out from the send buffer
+//! (straight into the transport's frames) and a receive's bytes land in its buffer as they
+//! arrive. Injects, and sends without a context, are copied at once (their buffer is the
+//! application's again when the call returns). In daemon mode a message is copied into the
+//! rings, and data reaches the application's receive buffer when its completion is read.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_void};
@@ -31,7 +37,7 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use lanbus_msg::{Addr, Claim, Config, Failure, Match, Outcome, RequestId, Source, Status};
+use lanbus_msg::{Addr, Claim, Config, Failure, Match, Outcome, RecvBuf, RequestId, SendBuf, Source, Status};
 use lanbus_node::msg::{MsgError, MsgNode};
 use lanbus_node::msgd::MsgClient;
 use lanbus_wire::MacAddr;
@@ -102,6 +108,54 @@ struct Op {
     discard: bool,
     /// A receive (cancellable).
     recv: bool,
+    /// The engine writes into `buf` itself (direct mode): nothing is left to copy.
+    lent: bool,
+}
+
+/// Application memory lent to the engine for the length of one operation. libfabric's contract
+/// makes a send's or receive's buffer the provider's until the operation completes; the engine
+/// drops this when it finishes the operation (completed, failed or cancelled), before the
+/// completion is reported, and never touches the memory after.
+pub struct Lent {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the memory is the provider's until the operation completes (libfabric's contract);
+// the endpoint's lock serializes every access to it.
+unsafe impl Send for Lent {}
+
+impl Lent {
+    /// Lends `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` is valid for reads (and, for a receive, writes) of `len` bytes, is not null, and
+    /// stays so until the engine drops this.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Lent {
+        Lent { ptr, len }
+    }
+}
+
+impl SendBuf for Lent {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `Lent::new`'s contract.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl RecvBuf for Lent {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `Lent::new`'s contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// A send's message: copied, or lent.
+pub enum Payload {
+    /// The provider's own copy.
+    Copied(Vec<u8>),
+    /// The application's memory, read until the send completes.
+    Lent(Lent),
 }
 
 enum Link {
@@ -284,8 +338,8 @@ impl Inner {
                 if op.discard {
                     return self.succeed(op.report, 0, std::ptr::null_mut(), status.tag, cq_data);
                 }
-                let n = data.len().min(op.cap);
-                if n > 0 {
+                let n = if op.lent { (status.len as usize).min(op.cap) } else { data.len().min(op.cap) };
+                if n > 0 && !op.lent {
                     // SAFETY: libfabric's contract: the receive buffer of `cap` bytes stays the
                     // application's to lend until the operation's completion is read, which is now.
                     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), op.buf as *mut u8, n) };
@@ -363,7 +417,7 @@ impl Endpoint {
     pub fn send(
         &self,
         dest: Addr,
-        data: Vec<u8>,
+        data: Payload,
         tag: u64,
         cq_data: u32,
         context: usize,
@@ -372,13 +426,20 @@ impl Endpoint {
     ) {
         let mut g = lock(&self.inner);
         let report = Report { context, flags, wanted };
-        let op = Op { report, buf: 0, cap: 0, discard: false, recv: false };
+        let op = Op { report, buf: 0, cap: 0, discard: false, recv: false, lent: false };
         if g.broken {
             return g.fail(report, ErrKind::DaemonGone);
         }
-        let id = match &mut g.link {
-            Link::Direct(n) => Some(n.isend(dest, cq_data, tag, data)),
-            Link::Daemon(c) => c.isend(dest, cq_data, tag, data).ok(),
+        let id = match (&mut g.link, data) {
+            (Link::Direct(n), Payload::Copied(v)) => Some(n.isend(dest, cq_data, tag, v)),
+            (Link::Direct(n), Payload::Lent(l)) => Some(n.isend(dest, cq_data, tag, l)),
+            (Link::Daemon(c), data) => {
+                let v = match data {
+                    Payload::Copied(v) => v,
+                    Payload::Lent(l) => l.bytes().to_vec(),
+                };
+                c.isend(dest, cq_data, tag, v).ok()
+            }
         };
         g.start(id, op);
     }
@@ -408,7 +469,7 @@ impl Endpoint {
         // The context field carries remote CQ data: matching is on source and tag alone.
         let m = Match { source: source.map_or(Source::Any, Source::Only), context: None, tag, ignore };
         let discard = how & RECV_DISCARD != 0;
-        let op = Op { report, buf, cap, discard, recv: true };
+        let mut op = Op { report, buf, cap, discard, recv: true, lent: false };
         if how & RECV_PEEK != 0 {
             g.progress();
             let found: Option<Status> = if how & (RECV_CLAIM | RECV_DISCARD) != 0 {
@@ -420,7 +481,8 @@ impl Endpoint {
                     if discard {
                         let id = recv_claimed(&mut g.link, claim, 0);
                         let quiet = Report { context: 0, flags, wanted: false };
-                        g.start(id, Op { report: quiet, buf: 0, cap: 0, discard: true, recv: true });
+                        let op = Op { report: quiet, buf: 0, cap: 0, discard: true, recv: true, lent: false };
+                        g.start(id, op);
                     } else {
                         g.claims.insert(context, claim);
                     }
@@ -450,6 +512,13 @@ impl Endpoint {
             return true;
         }
         let id = match &mut g.link {
+            Link::Direct(n) if cap > 0 && buf != 0 => {
+                op.lent = true;
+                // SAFETY: libfabric lends the receive buffer until the completion, and the
+                // engine drops the loan when the receive finishes, before that.
+                let lent = unsafe { Lent::new(buf as *mut u8, cap) };
+                Some(n.irecv_into(m, Box::new(lent)))
+            }
             Link::Direct(n) => Some(n.irecv(m, cap)),
             Link::Daemon(c) => c.irecv(m, cap).ok(),
         };
@@ -586,10 +655,13 @@ pub unsafe extern "C" fn lanbus_fi_ep_name(ep: *const Endpoint, out: *mut u8) {
 }
 
 /// Starts a send of `len` bytes at `buf` with remote CQ data `cq_data` to the endpoint whose
-/// address is at `dest`; the bytes are copied before this returns. Returns 0, or -1 for a bad argument.
+/// address is at `dest`. Without a `context` (an inject) the bytes are copied before this
+/// returns; with one, a direct-mode endpoint reads them from `buf` until the send completes.
+/// Returns 0, or -1 for a bad argument.
 ///
 /// # Safety
-/// `ep` is an open endpoint; `dest` points to [`ADDR_LEN`] bytes; `buf` to `len` bytes.
+/// `ep` is an open endpoint; `dest` points to [`ADDR_LEN`] bytes; `buf` to `len` bytes, which
+/// stay valid until the send's completion when `context` is not null.
 #[no_mangle]
 pub unsafe extern "C" fn lanbus_fi_send(
     ep: *const Endpoint,
@@ -610,10 +682,14 @@ pub unsafe extern "C" fn lanbus_fi_send(
     // SAFETY: the caller's contract.
     let dest = addr_from(unsafe { &*(dest as *const [u8; ADDR_LEN]) });
     let data = if len == 0 {
-        Vec::new()
-    } else {
+        Payload::Copied(Vec::new())
+    } else if context.is_null() {
+        // An inject (or a send nobody will hear of): the buffer is the caller's again at return.
         // SAFETY: the caller's contract.
-        unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec()
+        Payload::Copied(unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec())
+    } else {
+        // SAFETY: the caller's contract: the buffer stays valid until the send completes.
+        Payload::Lent(unsafe { Lent::new(buf as *mut u8, len) })
     };
     guard(-1, || {
         // Remote CQ data is 4 bytes (the domain's cq_data_size).

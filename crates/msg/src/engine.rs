@@ -42,6 +42,41 @@ impl Default for Config {
     }
 }
 
+/// Memory a send reads its message from, lent to the engine until the send completes (a
+/// rendezvous message goes out from it, a chunk at a time, once the receiver asks for it).
+/// `Vec<u8>` is one; a layer whose caller keeps ownership of the message (libfabric's) lends
+/// the caller's memory instead of copying it.
+pub trait SendBuf: Send + 'static {
+    /// The message.
+    fn bytes(&self) -> &[u8];
+
+    /// The message as a vector (a send to the engine itself keeps it).
+    fn into_vec(self) -> Vec<u8>
+    where
+        Self: Sized,
+    {
+        self.bytes().to_vec()
+    }
+}
+
+impl SendBuf for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+
+    fn into_vec(self) -> Vec<u8> {
+        self
+    }
+}
+
+/// Memory a receive's bytes land in, lent to the engine until the receive completes: what
+/// arrives is written straight there (no buffer of the engine's own, no copy afterwards).
+/// Its length is the receive's capacity.
+pub trait RecvBuf: Send + 'static {
+    /// The memory.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
 /// The sources a receive takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
@@ -119,7 +154,9 @@ pub enum Outcome {
     /// The message left: its buffer is no longer needed.
     Sent,
     /// A message arrived. `data` holds at most the receive's capacity; `truncated` says the
-    /// message was longer (`status.len` is its length as sent).
+    /// message was longer (`status.len` is its length as sent). A receive into lent memory
+    /// ([`Engine::post_recv_into`]) has an empty `data`: its first `min(status.len, capacity)`
+    /// bytes of that memory hold the message.
     Received {
         /// The message as matched.
         status: Status,
@@ -187,6 +224,68 @@ enum Arrival {
     Rts { len: u64, send_id: u32 },
 }
 
+/// An arrival as it comes off the wire: an eager message's bytes are copied only where they
+/// end up (a receive's memory, or the unexpected queue).
+enum Arriving<'a> {
+    Eager(&'a [u8]),
+    Rts { len: u64, send_id: u32 },
+}
+
+impl Arriving<'_> {
+    fn owned(self) -> Arrival {
+        match self {
+            Arriving::Eager(d) => Arrival::Eager(d.to_vec()),
+            Arriving::Rts { len, send_id } => Arrival::Rts { len, send_id },
+        }
+    }
+}
+
+/// Where a receive's bytes go.
+enum Landing {
+    /// A buffer of the engine's, handed over in the completion.
+    Owned(usize),
+    /// Memory lent by the caller.
+    Lent(Box<dyn RecvBuf>),
+}
+
+impl Landing {
+    fn capacity(&mut self) -> usize {
+        match self {
+            Landing::Owned(n) => *n,
+            Landing::Lent(b) => b.bytes_mut().len(),
+        }
+    }
+}
+
+/// The bytes of a rendezvous receive under way.
+enum Filling {
+    Owned(Vec<u8>),
+    Lent(Box<dyn RecvBuf>, usize),
+}
+
+impl Filling {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Filling::Owned(v) => v,
+            Filling::Lent(b, n) => &mut b.bytes_mut()[..*n],
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Filling::Owned(v) => v.len(),
+            Filling::Lent(_, n) => *n,
+        }
+    }
+
+    fn into_data(self) -> Vec<u8> {
+        match self {
+            Filling::Owned(v) => v,
+            Filling::Lent(..) => Vec::new(),
+        }
+    }
+}
+
 struct Unexpected {
     from: Addr,
     context: u32,
@@ -197,21 +296,21 @@ struct Unexpected {
 struct Posted {
     id: RequestId,
     m: Match,
-    capacity: usize,
+    landing: Landing,
 }
 
 /// A rendezvous send waiting for its CTS.
 struct Announced {
     id: RequestId,
     dest: Addr,
-    data: Vec<u8>,
+    data: Box<dyn SendBuf>,
 }
 
 /// A rendezvous send whose DATA is going out.
 struct Stream {
     id: RequestId,
     dest: Addr,
-    data: Vec<u8>,
+    data: Box<dyn SendBuf>,
     recv_id: u32,
     granted: usize,
     offset: usize,
@@ -222,7 +321,7 @@ struct Incoming {
     id: RequestId,
     matched: u64,
     status: Status,
-    buf: Vec<u8>,
+    buf: Filling,
     got: usize,
 }
 
@@ -317,22 +416,24 @@ impl Engine {
 
     /// Sends `data` to `dest` in `context` with `tag`. Completes with [`Outcome::Sent`] once
     /// the data is handed on (at once for an eager message or one to this engine itself; for
-    /// rendezvous, once the receiver asked for it and the last DATA record went out).
-    pub fn send(&mut self, dest: Addr, context: u32, tag: u64, data: Vec<u8>) -> RequestId {
+    /// rendezvous, once the receiver asked for it and the last DATA record went out): until
+    /// then the engine reads from `data`.
+    pub fn send(&mut self, dest: Addr, context: u32, tag: u64, data: impl SendBuf) -> RequestId {
         let id = self.request();
+        let len = data.bytes().len();
         if dest == self.me {
             self.counters.eager_sent += 1;
-            self.arrive(self.me, context, tag, Arrival::Eager(data));
+            self.arrive(self.me, context, tag, Arrival::Eager(data.into_vec()));
             self.complete(id, Outcome::Sent);
-        } else if data.len() <= self.cfg.eager_limit {
+        } else if len <= self.cfg.eager_limit {
             self.counters.eager_sent += 1;
-            self.record(dest, Record::Eager { context, tag, data: &data });
+            self.record(dest, Record::Eager { context, tag, data: data.bytes() });
             self.complete(id, Outcome::Sent);
         } else {
             self.counters.rendezvous_sent += 1;
             let send_id = self.wire_id();
-            self.record(dest, Record::Rts { context, tag, len: data.len() as u64, send_id });
-            self.announced.insert(send_id, Announced { id, dest, data });
+            self.record(dest, Record::Rts { context, tag, len: len as u64, send_id });
+            self.announced.insert(send_id, Announced { id, dest, data: Box::new(data) });
         }
         id
     }
@@ -340,13 +441,24 @@ impl Engine {
     /// Posts a receive of at most `capacity` bytes for the first message `m` takes: one waiting
     /// already (oldest first), else the next to arrive.
     pub fn post_recv(&mut self, m: Match, capacity: usize) -> RequestId {
+        self.post(m, Landing::Owned(capacity))
+    }
+
+    /// Posts a receive as [`Engine::post_recv`] does, into `buf` (its length is the capacity):
+    /// the bytes land there as they arrive, and the engine keeps `buf` until the receive
+    /// completes (or fails, or is cancelled), then drops it.
+    pub fn post_recv_into(&mut self, m: Match, buf: Box<dyn RecvBuf>) -> RequestId {
+        self.post(m, Landing::Lent(buf))
+    }
+
+    fn post(&mut self, m: Match, landing: Landing) -> RequestId {
         let id = self.request();
         match self.unexpected.iter().position(|u| m.takes(u.from, u.context, u.tag)) {
             Some(i) => {
                 let u = self.unexpected.remove(i).expect("found");
-                self.deliver(id, capacity, u);
+                self.deliver(id, landing, u.from, u.context, u.tag, arriving(&u.arrival));
             }
-            None => self.posted.push_back(Posted { id, m, capacity }),
+            None => self.posted.push_back(Posted { id, m, landing }),
         }
         id
     }
@@ -386,46 +498,84 @@ impl Engine {
         let claimed = self.claimed.remove(&claim.0)?;
         let id = self.request();
         match claimed {
-            Ok(u) => self.deliver(id, capacity, u),
+            Ok(u) => {
+                self.deliver(id, Landing::Owned(capacity), u.from, u.context, u.tag, arriving(&u.arrival))
+            }
             Err(why) => self.complete(id, Outcome::Failed(why)),
         }
         Some(id)
     }
 
-    /// A message arrived from `from`: to the first posted receive that takes it, else waiting.
+    /// A message of our own arrived (a send to this engine).
     fn arrive(&mut self, from: Addr, context: u32, tag: u64, arrival: Arrival) {
-        let u = Unexpected { from, context, tag, arrival };
         match self.posted.iter().position(|p| p.m.takes(from, context, tag)) {
             Some(i) => {
                 let p = self.posted.remove(i).expect("found");
-                self.deliver(p.id, p.capacity, u);
+                self.deliver(p.id, p.landing, from, context, tag, arriving(&arrival));
             }
             None => {
                 self.counters.unexpected += 1;
-                self.unexpected.push_back(u);
+                self.unexpected.push_back(Unexpected { from, context, tag, arrival });
             }
         }
     }
 
-    /// Receive `id` of `capacity` bytes takes message `u`.
-    fn deliver(&mut self, id: RequestId, capacity: usize, u: Unexpected) {
-        let status = status_of(&u);
+    /// A message arrived from `from`: to the first posted receive that takes it, else waiting.
+    fn arrive_from_wire(&mut self, from: Addr, context: u32, tag: u64, arrival: Arriving<'_>) {
+        match self.posted.iter().position(|p| p.m.takes(from, context, tag)) {
+            Some(i) => {
+                let p = self.posted.remove(i).expect("found");
+                self.deliver(p.id, p.landing, from, context, tag, arrival);
+            }
+            None => {
+                self.counters.unexpected += 1;
+                self.unexpected.push_back(Unexpected { from, context, tag, arrival: arrival.owned() });
+            }
+        }
+    }
+
+    /// Receive `id` landing in `landing` takes a message from `from`.
+    fn deliver(
+        &mut self,
+        id: RequestId,
+        mut landing: Landing,
+        from: Addr,
+        context: u32,
+        tag: u64,
+        arrival: Arriving<'_>,
+    ) {
+        let len = match arrival {
+            Arriving::Eager(d) => d.len() as u64,
+            Arriving::Rts { len, .. } => len,
+        };
+        let status = Status { source: from, context, tag, len };
         self.matches += 1;
         let matched = self.matches;
-        match u.arrival {
-            Arrival::Eager(mut data) => {
+        let capacity = landing.capacity();
+        match arrival {
+            Arriving::Eager(data) => {
+                let n = data.len().min(capacity);
                 let truncated = data.len() > capacity;
-                data.truncate(capacity);
+                let data = match landing {
+                    Landing::Owned(_) => data[..n].to_vec(),
+                    Landing::Lent(mut buf) => {
+                        buf.bytes_mut()[..n].copy_from_slice(&data[..n]);
+                        Vec::new()
+                    }
+                };
                 self.received(id, status, data, truncated, matched);
             }
-            Arrival::Rts { len, send_id } => {
+            Arriving::Rts { len, send_id } => {
                 let granted = len.min(capacity as u64);
                 let recv_id = self.wire_id();
-                self.record(u.from, Record::Cts { send_id, recv_id, granted });
+                self.record(from, Record::Cts { send_id, recv_id, granted });
                 if granted == 0 {
                     self.received(id, status, Vec::new(), len > 0, matched);
                 } else {
-                    let buf = vec![0; granted as usize];
+                    let buf = match landing {
+                        Landing::Owned(_) => Filling::Owned(vec![0; granted as usize]),
+                        Landing::Lent(b) => Filling::Lent(b, granted as usize),
+                    };
                     self.incoming.insert(recv_id, Incoming { id, matched, status, buf, got: 0 });
                 }
             }
@@ -457,16 +607,16 @@ impl Engine {
         }
         match record {
             Record::Eager { context, tag, data } => {
-                self.arrive(from, context, tag, Arrival::Eager(data.to_vec()))
+                self.arrive_from_wire(from, context, tag, Arriving::Eager(data))
             }
             Record::Rts { context, tag, len, send_id } => {
-                self.arrive(from, context, tag, Arrival::Rts { len, send_id })
+                self.arrive_from_wire(from, context, tag, Arriving::Rts { len, send_id })
             }
             Record::Cts { send_id, recv_id, granted } => {
                 let fits = self
                     .announced
                     .get(&send_id)
-                    .is_some_and(|a| a.dest == from && granted <= a.data.len() as u64);
+                    .is_some_and(|a| a.dest == from && granted <= a.data.bytes().len() as u64);
                 if !fits {
                     self.counters.stray += 1;
                     return;
@@ -497,12 +647,12 @@ impl Engine {
                 }
                 let i = self.incoming.get_mut(&recv_id).expect("checked");
                 let at = offset as usize;
-                i.buf[at..at + data.len()].copy_from_slice(data);
+                i.buf.bytes_mut()[at..at + data.len()].copy_from_slice(data);
                 i.got += data.len();
                 if i.got >= i.buf.len() {
                     let i = self.incoming.remove(&recv_id).expect("there");
                     let truncated = i.status.len > i.buf.len() as u64;
-                    self.received(i.id, i.status, i.buf, truncated, i.matched);
+                    self.received(i.id, i.status, i.buf.into_data(), truncated, i.matched);
                 }
             }
             Record::Gone => unreachable!("handled above"),
@@ -513,22 +663,53 @@ impl Engine {
     /// first, in order, then DATA of the rendezvous sends under way, a chunk each in turn. If the
     /// transport cannot take it now, keep it and offer it again before anything else.
     pub fn poll_transmit(&mut self) -> Option<Outgoing> {
-        if let Some(o) = self.control.pop_front() {
-            return Some(o);
+        let mut taken = None;
+        self.transmit_one(&mut |dest, parts| {
+            taken = Some(Outgoing { dest, bytes: parts.concat() });
+            true
+        });
+        taken
+    }
+
+    /// Hands records to `out` in [`Engine::poll_transmit`]'s order until it refuses one or none
+    /// is left; returns how many it took. `out` gets the destination node and the record in
+    /// parts to send as one message: a DATA record is its header and a slice of the message
+    /// being sent, so its bytes are copied only where `out` puts them. A refused record stays
+    /// first in line.
+    pub fn transmit(&mut self, out: &mut dyn FnMut(MacAddr, &[&[u8]]) -> bool) -> usize {
+        let mut n = 0;
+        while self.transmit_one(out) == Some(true) {
+            n += 1;
         }
-        let mut s = self.streams.pop_front()?;
+        n
+    }
+
+    /// Offers the next record to `out`: `None` when there is none, else whether `out` took it.
+    fn transmit_one(&mut self, out: &mut dyn FnMut(MacAddr, &[&[u8]]) -> bool) -> Option<bool> {
+        if let Some(o) = self.control.front() {
+            let took = out(o.dest, &[&o.bytes]);
+            if took {
+                self.control.pop_front();
+            }
+            return Some(took);
+        }
+        let s = self.streams.front_mut()?;
         let n = self.cfg.data_chunk.min(s.granted - s.offset);
-        let mut bytes = Vec::with_capacity(DATA_HEADER + n);
-        Record::Data { recv_id: s.recv_id, offset: s.offset as u64, data: &s.data[s.offset..s.offset + n] }
-            .emit(Route { src: self.me.id, dst: s.dest.id }, &mut bytes);
+        let mut head = Vec::with_capacity(DATA_HEADER);
+        Record::Data { recv_id: s.recv_id, offset: s.offset as u64, data: &[] }
+            .emit(Route { src: self.me.id, dst: s.dest.id }, &mut head);
+        if !out(s.dest.mac, &[&head, &s.data.bytes()[s.offset..s.offset + n]]) {
+            return Some(false);
+        }
         s.offset += n;
-        let dest = s.dest.mac;
+        let s = self.streams.pop_front().expect("front");
         if s.offset == s.granted {
+            // The last of its bytes went out: the sender's memory is free again.
             self.complete(s.id, Outcome::Sent);
         } else {
             self.streams.push_back(s);
         }
-        Some(Outgoing { dest, bytes })
+        Some(true)
     }
 
     /// The next finished request.
@@ -592,6 +773,13 @@ impl Engine {
         for id in ids {
             self.complete(id, Outcome::Failed(why));
         }
+    }
+}
+
+fn arriving(a: &Arrival) -> Arriving<'_> {
+    match a {
+        Arrival::Eager(d) => Arriving::Eager(d),
+        Arrival::Rts { len, send_id } => Arriving::Rts { len: *len, send_id: *send_id },
     }
 }
 
@@ -834,6 +1022,137 @@ mod tests {
         assert!(matches!(c.outcome, Outcome::Received { ref data, truncated: true, .. } if data == b"abcd"));
         let n = e.counters();
         assert_eq!((n.bad_records, n.misrouted, n.stray), (1, 1, 5));
+    }
+
+    /// Memory lent to an engine: its bytes show in `back` once the engine gives it back (drops it).
+    struct Loan {
+        mem: Vec<u8>,
+        back: std::sync::Arc<std::sync::Mutex<Option<Vec<u8>>>>,
+    }
+
+    impl RecvBuf for Loan {
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut self.mem
+        }
+    }
+
+    impl Drop for Loan {
+        fn drop(&mut self) {
+            *self.back.lock().unwrap() = Some(std::mem::take(&mut self.mem));
+        }
+    }
+
+    type Back = std::sync::Arc<std::sync::Mutex<Option<Vec<u8>>>>;
+
+    fn lend(cap: usize) -> (Box<dyn RecvBuf>, Back) {
+        let back = Back::default();
+        (Box::new(Loan { mem: vec![0xee; cap], back: back.clone() }), back)
+    }
+
+    fn given_back(back: &Back) -> Option<Vec<u8>> {
+        back.lock().unwrap().clone()
+    }
+
+    /// A message the engine reads in place, counting the loans still out.
+    struct Borrowed {
+        message: Vec<u8>,
+        /// Held only to be counted.
+        _loan: std::sync::Arc<()>,
+    }
+
+    impl SendBuf for Borrowed {
+        fn bytes(&self) -> &[u8] {
+            &self.message
+        }
+    }
+
+    #[test]
+    fn lent_memory_takes_eager_and_rendezvous_bytes_in_place_and_is_given_back() {
+        let (a, b) = (addr(1, 1), addr(2, 1));
+        let mut net = Net::new(&[a, b], Config { eager_limit: 100, data_chunk: 64 });
+        let m = Match::any_tag(Source::Any, 0);
+        // Posted before (eager, rendezvous, truncated rendezvous), and after the arrival.
+        let (r1, back1) = lend(80);
+        let (r2, back2) = lend(1000);
+        let (r3, back3) = lend(300);
+        let r1 = net.engines[1].post_recv_into(m, r1);
+        let r2 = net.engines[1].post_recv_into(m, r2);
+        let r3 = net.engines[1].post_recv_into(m, r3);
+        let sent_loan = std::sync::Arc::new(());
+        let s2 = net.engines[0].send(b, 0, 2, Borrowed { message: bytes(1000, 2), _loan: sent_loan.clone() });
+        net.engines[0].send(b, 0, 1, bytes(60, 1));
+        net.engines[0].send(b, 0, 3, bytes(1000, 3));
+        net.engines[0].send(b, 0, 4, bytes(7, 4));
+        assert_eq!(std::sync::Arc::strong_count(&sent_loan), 2, "the engine reads the message in place");
+        assert!(given_back(&back1).is_none());
+        net.pump();
+        assert_eq!(net.outcome(0, s2), Some(&Outcome::Sent));
+        assert_eq!(std::sync::Arc::strong_count(&sent_loan), 1, "a completed send gives its memory back");
+        // The RTS went first: r1 took it (truncated to 80), r2 the eager message, r3 the next.
+        for (r, back, tag, len, want) in [
+            (r1, &back1, 2, 1000, bytes(80, 2)),
+            (r2, &back2, 1, 60, bytes(60, 1)),
+            (r3, &back3, 3, 1000, bytes(300, 3)),
+        ] {
+            let (status, data, truncated) = net.data(1, r);
+            assert_eq!((status.tag, status.len, truncated), (tag, len, len as usize > want.len()));
+            assert!(data.is_empty(), "the bytes are in the lent memory, not in the outcome");
+            let mem = given_back(back).expect("a finished receive gives its memory back");
+            assert_eq!(&mem[..want.len()], &want[..]);
+        }
+        // A message waiting already lands at once; a cancelled receive's memory comes back
+        // untouched.
+        let (r4, back4) = lend(10);
+        let r4 = net.engines[1].post_recv_into(m, r4);
+        net.pump();
+        assert_eq!(net.data(1, r4).0.len, 7);
+        assert_eq!(given_back(&back4).unwrap(), [&bytes(7, 4)[..], &[0xee; 3]].concat());
+        let (r5, back5) = lend(10);
+        let r5 = net.engines[1].post_recv_into(m, r5);
+        assert!(net.engines[1].cancel(r5));
+        assert_eq!(given_back(&back5).unwrap(), vec![0xee; 10]);
+    }
+
+    #[test]
+    fn a_refused_record_stays_first_in_line() {
+        let (a, b) = (addr(1, 1), addr(2, 1));
+        let cfg = Config { eager_limit: 10, data_chunk: 100 };
+        let (mut ea, mut eb) = (Engine::new(a, cfg.clone()), Engine::new(b, cfg));
+        let r = eb.post_recv(Match::any_tag(Source::Any, 0), 1000);
+        let s = ea.send(b, 0, 1, bytes(250, 9));
+        ea.send(b, 0, 2, bytes(5, 1));
+        // Hands on what `from` offers while `room` lasts.
+        let turn = |from: &mut Engine, to: &mut Engine, mut room: usize| {
+            let mut records = Vec::new();
+            let took = from.transmit(&mut |_, parts| {
+                if room == 0 {
+                    return false;
+                }
+                room -= 1;
+                records.push(parts.concat());
+                true
+            });
+            assert_eq!(took, records.len());
+            let src = from.addr().mac;
+            for rec in &records {
+                to.handle_message(src, rec);
+            }
+            records.len()
+        };
+        assert_eq!(turn(&mut ea, &mut eb, 0), 0, "nothing goes when the transport has no room");
+        assert_eq!(turn(&mut ea, &mut eb, 1), 1, "the RTS");
+        assert_eq!(turn(&mut ea, &mut eb, 1), 1, "then the eager message, in order");
+        assert_eq!(turn(&mut eb, &mut ea, 5), 1, "the CTS");
+        // One record a turn: three DATA records of 100, 100 and 50 bytes, in order.
+        for i in 0..3 {
+            assert!(ea.poll_completion().is_none_or(|c| c.id != s), "sent before DATA {i}");
+            assert_eq!(turn(&mut ea, &mut eb, 1), 1);
+        }
+        assert_eq!(turn(&mut ea, &mut eb, 1), 0);
+        assert!(std::iter::from_fn(|| ea.poll_completion())
+            .any(|c| c == Completion { id: s, outcome: Outcome::Sent }));
+        let got = std::iter::from_fn(|| eb.poll_completion()).find(|c| c.id == r).unwrap();
+        assert!(matches!(got.outcome, Outcome::Received { ref data, .. } if *data == bytes(250, 9)));
     }
 
     #[test]

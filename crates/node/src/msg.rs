@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use lanbus_msg::{Addr, Claim, Config, Engine, Match, Outcome, RequestId, Status, MSG_CHANNEL};
+use lanbus_msg::{
+    Addr, Claim, Config, Engine, Match, Outcome, RecvBuf, RequestId, SendBuf, Status, MSG_CHANNEL,
+};
 use lanbus_port::Port;
 use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
 use lanbus_transport::{Event, Message};
@@ -75,14 +77,12 @@ impl Shared {
         }
     }
 
-    /// Sends what the engine has and settles what finished; returns the records sent.
+    /// Sends what the engine has while the transport has room (a rendezvous message's
+    /// DATA is copied once, from the sender's memory into the transport's frames) and settles
+    /// what finished; returns the records sent.
     fn flush(&self, out: &mut dyn Outbox) -> usize {
         let mut engine = lock(&self.engine);
-        let mut n = 0;
-        while let Some(o) = engine.poll_transmit() {
-            out.send(o.dest, MSG_CHANNEL, &o.bytes);
-            n += 1;
-        }
+        let n = engine.transmit(&mut |dest, parts| out.try_send_parts(dest, MSG_CHANNEL, parts));
         self.settle(&mut engine);
         n
     }
@@ -171,14 +171,19 @@ impl MsgNode {
         r
     }
 
-    /// Starts sending `data` to `dest` in `context` with `tag`.
-    pub fn isend(&self, dest: Addr, context: u32, tag: u64, data: Vec<u8>) -> RequestId {
+    /// Starts sending `data` to `dest` in `context` with `tag` (read until the send completes).
+    pub fn isend(&self, dest: Addr, context: u32, tag: u64, data: impl SendBuf) -> RequestId {
         self.with_engine(|e| e.send(dest, context, tag, data))
     }
 
     /// Posts a receive of at most `capacity` bytes.
     pub fn irecv(&self, m: Match, capacity: usize) -> RequestId {
         self.with_engine(|e| e.post_recv(m, capacity))
+    }
+
+    /// Posts a receive into `buf` (see [`Engine::post_recv_into`]).
+    pub fn irecv_into(&self, m: Match, buf: Box<dyn RecvBuf>) -> RequestId {
+        self.with_engine(|e| e.post_recv_into(m, buf))
     }
 
     /// The first waiting message `m` takes, if any.

@@ -39,7 +39,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use lanbus_port::{Port, PortCounters};
-use lanbus_transport::{Config, Counters, Endpoint, Event, Feedback, Message, ReceiveHalf, SendHalf};
+use lanbus_transport::{
+    Config, Counters, Endpoint, Event, Feedback, Message, ReceiveHalf, SendError, SendHalf,
+};
 use lanbus_wire::{Clock, Instant, MacAddr, MonotonicClock};
 
 use wake::Waker;
@@ -122,6 +124,15 @@ impl Default for RuntimeConfig {
 pub trait Outbox {
     /// Queues `data` for `peer` on `channel`.
     fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]);
+
+    /// Queues the message made of `parts` (one after the other) for `peer` on `channel` if the
+    /// transport has room for it now, copying it once; false (nothing queued) when it has not,
+    /// and the caller offers it again on a later turn. A handler that streams more than the
+    /// transport holds keeps the rest itself this way instead of piling copies up here.
+    fn try_send_parts(&mut self, peer: MacAddr, channel: u16, parts: &[&[u8]]) -> bool {
+        self.send(peer, channel, &parts.concat());
+        true
+    }
 }
 
 /// An engine's receive side, run on the thread that owns reception.
@@ -835,6 +846,21 @@ impl Outbox for Direct<'_> {
     fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
         if !self.backlog.is_empty() || self.tx.send(self.now, peer, channel, data).is_err() {
             self.backlog.push_back(Outgoing { peer, channel, data: data.to_vec() });
+        }
+    }
+
+    fn try_send_parts(&mut self, peer: MacAddr, channel: u16, parts: &[&[u8]]) -> bool {
+        if !self.backlog.is_empty() {
+            return false;
+        }
+        match self.tx.send_parts(self.now, peer, channel, parts) {
+            Ok(()) => true,
+            Err(SendError::QueueFull) => false,
+            // Never fits (too large, not unicast): the backlog would refuse it for ever too.
+            Err(e) => {
+                tracing::warn!("dropping a message for {peer} on channel {channel}: {e}");
+                true
+            }
         }
     }
 }

@@ -62,6 +62,17 @@ impl Endpoint {
         self.tx.send(now, peer, channel, data)
     }
 
+    /// Queues a message made of `parts`; see [`SendHalf::send_parts`].
+    pub fn send_parts(
+        &mut self,
+        now: Instant,
+        peer: MacAddr,
+        channel: u16,
+        parts: &[&[u8]],
+    ) -> Result<(), SendError> {
+        self.tx.send_parts(now, peer, channel, parts)
+    }
+
     fn route(&mut self, now: Instant) {
         while let Some(f) = self.rx.poll_feedback() {
             self.tx.handle_feedback(now, f);

@@ -359,9 +359,23 @@ impl SendHalf {
 
     /// Queues one message (at most 64 KiB) for `peer` on `channel`. All or nothing: on error
     /// nothing is queued. Does not transmit: call [`SendHalf::poll_transmit`].
-    pub fn send(&mut self, _now: Instant, peer: MacAddr, channel: u16, data: &[u8]) -> Result<(), SendError> {
-        if data.len() > MAX_MESSAGE_LEN {
-            return Err(SendError::TooLarge { len: data.len() });
+    pub fn send(&mut self, now: Instant, peer: MacAddr, channel: u16, data: &[u8]) -> Result<(), SendError> {
+        self.send_parts(now, peer, channel, &[data])
+    }
+
+    /// Queues one message made of `parts` one after the other (a header and a body that live
+    /// apart are copied once, straight into the frames); as [`SendHalf::send`] otherwise.
+    pub fn send_parts(
+        &mut self,
+        _now: Instant,
+        peer: MacAddr,
+        channel: u16,
+        parts: &[&[u8]],
+    ) -> Result<(), SendError> {
+        let data = Parts(parts);
+        let len = data.len();
+        if len > MAX_MESSAGE_LEN {
+            return Err(SendError::TooLarge { len });
         }
         if peer.is_multicast() {
             return Err(SendError::NotUnicast(peer));
@@ -379,15 +393,15 @@ impl SendHalf {
             Some(f) if pack && ch.frames.len() > ch.high => max_payload - (f.len() - ETH_LEN - LB_LEN),
             _ => 0,
         };
-        let whole = RECORD_HEADER_LEN + data.len();
+        let whole = RECORD_HEADER_LEN + len;
         let into_tail = if whole <= tail_room {
             whole
-        } else if data.len() > max_fragment && tail_room >= MIN_SPLIT_ROOM {
+        } else if len > max_fragment && tail_room >= MIN_SPLIT_ROOM {
             tail_room
         } else {
             0
         };
-        let rest = data.len() - into_tail.saturating_sub(RECORD_HEADER_LEN).min(data.len());
+        let rest = len - into_tail.saturating_sub(RECORD_HEADER_LEN).min(len);
         let new_frames = if into_tail == whole { 0 } else { rest.div_ceil(max_fragment).max(1) };
         if ch.frames.len() + new_frames > limit {
             return Err(SendError::QueueFull);
@@ -397,29 +411,29 @@ impl SendHalf {
         let mut first = true;
         if into_tail > 0 {
             let n = into_tail - RECORD_HEADER_LEN;
-            let flags = RECORD_FIRST | if n == data.len() { RECORD_LAST } else { 0 };
+            let flags = RECORD_FIRST | if n == len { RECORD_LAST } else { 0 };
             let f = ch.frames.back_mut().expect("tail room implies a tail frame");
-            append_record(f, flags, &data[..n]);
+            append_record(f, flags, data, 0, n);
             off = n;
             first = false;
         }
-        while off < data.len() || first {
-            let n = (data.len() - off).min(max_fragment);
+        while off < len || first {
+            let n = (len - off).min(max_fragment);
             let mut flags = if first { RECORD_FIRST } else { 0 };
-            if off + n == data.len() {
+            if off + n == len {
                 flags |= RECORD_LAST;
             }
             let seq = ch.base + ch.frames.len() as u32;
             let mut f = self.pool.pop().unwrap_or_default();
             start_frame(&mut f, local, ch.peer, ch.channel, seq);
-            append_record(&mut f, flags, &data[off..off + n]);
+            append_record(&mut f, flags, data, off, n);
             ch.frames.push_back(f);
             ch.marks.push_back(0);
             off += n;
             first = false;
         }
         self.counters.messages_sent += 1;
-        self.counters.bytes_sent += data.len() as u64;
+        self.counters.bytes_sent += len as u64;
         Ok(())
     }
 
@@ -973,13 +987,40 @@ fn start_frame(f: &mut Vec<u8>, local: MacAddr, peer: MacAddr, channel: u16, seq
 }
 
 /// Appends one message record to a frame and updates its payload length.
-fn append_record(f: &mut Vec<u8>, flags: u8, data: &[u8]) {
+/// A message in pieces, read as one run of bytes.
+#[derive(Clone, Copy)]
+struct Parts<'a>(&'a [&'a [u8]]);
+
+impl Parts<'_> {
+    fn len(self) -> usize {
+        self.0.iter().map(|p| p.len()).sum()
+    }
+
+    /// Appends the message's bytes `at..at + n` to `f`.
+    fn copy_to(self, f: &mut Vec<u8>, mut at: usize, mut n: usize) {
+        for p in self.0 {
+            if n == 0 {
+                return;
+            }
+            if at >= p.len() {
+                at -= p.len();
+                continue;
+            }
+            let take = (p.len() - at).min(n);
+            f.extend_from_slice(&p[at..at + take]);
+            at = 0;
+            n -= take;
+        }
+    }
+}
+
+/// Appends a record of the message's bytes `at..at + n`.
+fn append_record(f: &mut Vec<u8>, flags: u8, data: Parts<'_>, at: usize, n: usize) {
     // The record header of lanbus_wire::frame::MessageRecord, written in place: this runs once
     // per message, and extend_from_slice avoids zero-filling bytes about to be overwritten.
-    let n = data.len() as u16;
-    let [n0, n1] = n.to_be_bytes();
+    let [n0, n1] = (n as u16).to_be_bytes();
     f.extend_from_slice(&[n0, n1, flags, 0]);
-    f.extend_from_slice(data);
+    data.copy_to(f, at, n);
     let plen = (f.len() - ETH_LEN - LB_LEN) as u16;
     header_mut(f).set_payload_len(plen);
 }

@@ -171,6 +171,36 @@ fn packs_small_messages_and_segments_big_ones() {
 }
 
 #[test]
+fn a_message_in_parts_goes_out_as_the_same_frames() {
+    // Parts cut anywhere (empty ones too, across frame boundaries and into a packed frame's
+    // tail) make exactly the frames the whole message makes.
+    let whole = test_message(5, 20_000);
+    let cuts: [&[usize]; 4] = [&[], &[0, 20, 20], &[1455, 1456, 2913], &[19_999]];
+    let send_all = |e: &mut Endpoint, parts: &[&[u8]]| {
+        e.send(Instant::ZERO, B, 0, &test_message(1, 100)).unwrap();
+        e.send_parts(Instant::ZERO, B, 0, parts).unwrap();
+    };
+    let mut reference = Endpoint::new(p2p(), A, Instant::ZERO);
+    send_all(&mut reference, &[&whole]);
+    let expected = drain(&mut reference, Instant::ZERO);
+    for cut in cuts {
+        let mut parts = Vec::new();
+        let mut at = 0;
+        for &c in cut {
+            parts.push(&whole[at..c]);
+            at = c;
+        }
+        parts.push(&whole[at..]);
+        let mut a = Endpoint::new(p2p(), A, Instant::ZERO);
+        send_all(&mut a, &parts);
+        assert_eq!(drain(&mut a, Instant::ZERO), expected, "cut at {cut:?}");
+    }
+    let mut a = Endpoint::new(p2p(), A, Instant::ZERO);
+    let big = [0u8; 40_000];
+    assert_eq!(a.send_parts(Instant::ZERO, B, 0, &[&big, &big]), Err(SendError::TooLarge { len: 80_000 }));
+}
+
+#[test]
 fn send_queue_applies_backpressure() {
     let mut c = p2p();
     c.send_queue_frames = 10;
