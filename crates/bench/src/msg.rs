@@ -321,8 +321,8 @@ fn lanbus_row(
     dir: &Path,
 ) -> anyhow::Result<Measured> {
     let (pa, pb) = super::port_pair(kind, Some(veth))?;
-    let rc = |name: &str| {
-        let mut c = lanbus_node::config::runtime_config(name, ThreadMode::default());
+    let rc = |name: &str, threads: ThreadMode| {
+        let mut c = lanbus_node::config::runtime_config(name, threads);
         // Two endpoints that know each other's address: no discovery needed.
         c.transport.heartbeat.enabled = false;
         c
@@ -330,14 +330,16 @@ fn lanbus_row(
     // The daemons (daemon mode) live as long as the row.
     let mut daemons = Vec::new();
     let (mut a, b): (Box<dyn Ep>, Box<dyn Ep>) = match mode {
+        // As an MPI rank over the libfabric provider runs: its own thread moves its messages
+        // while it waits (caller mode), no second thread per endpoint.
         Mode::Direct => (
-            Box::new(MsgNode::start(pa, 1, rc("msg-a"), protocol.config())?),
-            Box::new(MsgNode::start(pb, 1, rc("msg-b"), protocol.config())?),
+            Box::new(MsgNode::start(pa, 1, rc("msg-a", ThreadMode::Caller), protocol.config())?),
+            Box::new(MsgNode::start(pb, 1, rc("msg-b", ThreadMode::Caller), protocol.config())?),
         ),
         Mode::Daemon => {
             let (sa, sb) = (dir.join("msgd-a.sock"), dir.join("msgd-b.sock"));
-            daemons.push(MsgDaemon::start(pa, &sa, rc("msgd-a"))?);
-            daemons.push(MsgDaemon::start(pb, &sb, rc("msgd-b"))?);
+            daemons.push(MsgDaemon::start(pa, &sa, rc("msgd-a", ThreadMode::default()))?);
+            daemons.push(MsgDaemon::start(pb, &sb, rc("msgd-b", ThreadMode::default()))?);
             (
                 Box::new(MsgClient::connect(&sa, protocol.config())?),
                 Box::new(MsgClient::connect(&sb, protocol.config())?),

@@ -116,6 +116,10 @@ impl Handler for MsgHandler {
     }
 }
 
+/// How long a caller-mode wait polls before it gives its core away for a moment (as the
+/// libfabric provider's empty completion-queue reads do).
+const CALLER_YIELD_EVERY: Duration = Duration::from_micros(200);
+
 /// A messaging endpoint that owns its port.
 pub struct MsgNode {
     shared: Arc<Shared>,
@@ -223,9 +227,27 @@ impl MsgNode {
         lock(&self.shared.finished).remove(&id)
     }
 
-    /// Waits until request `id` finishes, at most `timeout`.
+    /// Waits until request `id` finishes, at most `timeout`. In caller mode the waiting thread
+    /// moves the messages itself (turn after turn, giving its core away now and then).
     pub fn wait(&self, id: RequestId, timeout: Duration) -> Result<Outcome, MsgError> {
         let start = Instant::now();
+        if self.runtime.as_ref().is_some_and(Runtime::is_caller) {
+            let mut last_yield = start;
+            loop {
+                let work = self.poll();
+                if let Some(o) = self.test(id) {
+                    return check(id, o);
+                }
+                let now = Instant::now();
+                if now - start >= timeout {
+                    return Err(MsgError::Timeout(id, timeout));
+                }
+                if work == 0 && now - last_yield >= CALLER_YIELD_EVERY {
+                    last_yield = now;
+                    std::thread::yield_now();
+                }
+            }
+        }
         while start.elapsed() < self.spin {
             if let Some(o) = self.test(id) {
                 return check(id, o);
@@ -344,6 +366,33 @@ mod tests {
         assert_eq!(a.counters().rendezvous_sent, 1);
         assert_eq!(b.counters().received, 4);
         assert_eq!(aa.id, 1);
+    }
+
+    #[test]
+    fn callers_threads_move_the_messages_they_wait_for() {
+        let (a, b) = crate::fabric::SimFabric::sim_ports(0.01, 6).unwrap();
+        let rc = RuntimeConfig {
+            transport: lanbus_transport::Config::point_to_point(),
+            threads: lanbus_runtime::ThreadMode::Caller,
+            ..Default::default()
+        };
+        let a = MsgNode::start(a, 1, rc.clone(), Config::default()).unwrap();
+        let b = MsgNode::start(b, 1, rc, Config::default()).unwrap();
+        let (ba, t) = (b.addr(), Duration::from_secs(10));
+        let echo = std::thread::spawn(move || {
+            for _ in 0..40 {
+                let (st, data, _) = b.recv(Match::any_tag(Source::Any, 0), 1 << 20, t).unwrap();
+                b.send(st.source, 0, st.tag, data, t).unwrap();
+            }
+        });
+        for i in 0..40u64 {
+            let data: Vec<u8> = (0..(i as usize * 7919) % 200_000).map(|j| (j as u64 ^ i) as u8).collect();
+            a.send(ba, 0, i, data.clone(), t).unwrap();
+            let (_, back, _) = a.recv(Match::exact(Source::Only(ba), 0, i), 1 << 20, t).unwrap();
+            assert!(back == data, "message {i} came back intact");
+        }
+        echo.join().unwrap();
+        assert!(a.counters().rendezvous_sent > 0);
     }
 
     #[test]

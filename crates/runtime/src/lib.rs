@@ -409,6 +409,12 @@ impl Runtime {
         work
     }
 
+    /// Whether the node runs in [`ThreadMode::Caller`] (its user's thread moves its messages
+    /// by calling [`Runtime::poll`]).
+    pub fn is_caller(&self) -> bool {
+        self.caller.is_some()
+    }
+
     /// A handle for sending from other threads.
     pub fn sender(&self) -> Sender {
         Sender { shared: self.shared.clone() }
