@@ -577,6 +577,8 @@ pub struct AfPacketPort {
     tx_head: usize,
     /// Frames marked for sending that the kernel has not been told about.
     tx_unkicked: bool,
+    /// System calls that told the kernel to send the transmit ring's slots.
+    kicks: u64,
     ignore_outgoing: bool,
     qdisc_bypass: bool,
     counters: PortCounters,
@@ -759,6 +761,7 @@ impl AfPacketPort {
             tx_slots: (map_len - rx_len) / tx_frame_bytes,
             tx_head: 0,
             tx_unkicked: false,
+            kicks: 0,
             ignore_outgoing,
             qdisc_bypass,
             all_ethertypes: config.all_ethertypes,
@@ -823,6 +826,12 @@ impl AfPacketPort {
     /// documentation); without it every frame goes through the transmit ring.
     pub fn sends_single_frames_directly(&self) -> bool {
         self.single.is_some()
+    }
+
+    /// System calls made to send the transmit ring's slots (a burst's first frame through the
+    /// ring-less socket needs none).
+    pub fn kicks(&self) -> u64 {
+        self.kicks
     }
 
     /// Frames the kernel dropped because the receive ring was full (included in `rx_dropped`).
@@ -943,6 +952,7 @@ impl AfPacketPort {
         // SAFETY: a zero-length send with no address tells the kernel to transmit the slots
         // marked SEND_REQUEST; no user memory is passed.
         let rc = unsafe { libc::send(self.fd.as_raw_fd(), core::ptr::null(), 0, libc::MSG_DONTWAIT) };
+        self.kicks += 1;
         if rc < 0 {
             let e = std::io::Error::last_os_error();
             match e.raw_os_error() {
@@ -1078,6 +1088,8 @@ impl Port for AfPacketPort {
         let slots = self.tx_slots;
         let mut sent = 0;
         let mut offered = 0;
+        // Frames this burst put in the ring: only those need a kick (a system call).
+        let mut in_ring = 0;
         // The burst's first frame through the ring-less socket, unless frames wait in the ring
         // (they must leave first): not kicked yet, or left by a kick the kernel cut short (its
         // send buffer full), which leaves the newest slot still marked SEND_REQUEST.
@@ -1151,8 +1163,9 @@ impl Port for AfPacketPort {
             self.counters.tx_frames += 1;
             self.counters.tx_bytes += len as u64;
             sent += 1;
+            in_ring += 1;
         }
-        if sent > 0 || self.tx_unkicked {
+        if in_ring > 0 || self.tx_unkicked {
             self.kick()?;
         }
         Ok(sent)

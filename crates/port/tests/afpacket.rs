@@ -224,6 +224,11 @@ fn single_frames_and_bursts_interleave_in_order() {
     let mut a = open_in(&pair.a, RxVersion::V2);
     let mut b = open_in(&pair.b, RxVersion::V2);
     assert!(a.sends_single_frames_directly(), "the ring-less socket opens as root");
+    // A frame alone costs one system call, its own send: the ring has nothing to kick.
+    let lone = frame(b.mac(), a.mac(), 0, len_for(0, 1500));
+    send_all(&mut a, &[lone], SECOND);
+    assert_eq!(a.kicks(), 0, "a lone frame kicks the transmit ring");
+    assert_eq!(recv_n(&mut b, 1, 5 * SECOND).len(), 1);
     // Bursts of 1..=12 frames: each burst's first frame leaves through the ring-less socket, the
     // rest through the ring, and they must arrive as sent.
     let mut seq = 0u32;
@@ -241,6 +246,6 @@ fn single_frames_and_bursts_interleave_in_order() {
         assert_eq!(seq_of(f), i as u32, "frame {i} out of order");
         assert_eq!(f.len(), 14 + len_for(i as u32, 1500), "frame {i} intact");
     }
-    assert_eq!(a.counters().tx_frames, sent as u64);
+    assert_eq!(a.counters().tx_frames, sent as u64 + 1, "the bursts and the lone frame");
     assert_eq!(a.counters().tx_dropped, 0);
 }
