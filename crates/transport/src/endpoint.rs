@@ -133,7 +133,11 @@ impl Endpoint {
     /// `None` when nothing may be sent now. See [`SendHalf::poll_transmit`].
     #[must_use]
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
-        self.tx.poll_transmit(now, buf)
+        let n = self.tx.poll_transmit(now, buf);
+        if let Some((peer, channel, ack)) = self.tx.take_carried() {
+            self.rx.ack_carried(peer, channel, ack);
+        }
+        n
     }
 
     /// Says that every frame written so far has left at `now`; see [`SendHalf::frames_left`].

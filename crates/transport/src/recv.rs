@@ -233,6 +233,25 @@ impl ReceiveHalf {
         t
     }
 
+    /// The sending half carried ACK `ack` to `peer` on `channel` on a DATA frame: when it
+    /// covers every frame accepted there (and none is held past a hole, which only an ACK
+    /// frame's SACK reports), no ACK frame is owed for them any more: the count toward
+    /// [`Config::ack_every_frames`] and the ACK delay start again with the next frame. Without
+    /// this, a ping-pong (whose every answer carries the ACK of the question) sent an ACK frame
+    /// of its own for every few messages, a second system call and a second frame to handle at
+    /// the peer. Only a whole endpoint can tell: split halves keep the plain rule.
+    pub fn ack_carried(&mut self, peer: MacAddr, channel: u16, ack: Seq) {
+        let Some(ci) = self.existing_channel_index(peer, channel) else { return };
+        let ch = &mut self.channels[ci];
+        if ack != ch.expected || !ch.held.is_empty() {
+            return;
+        }
+        ch.unacked = 0;
+        if ch.ack_deadline.take().is_some() {
+            self.armed_acks -= 1;
+        }
+    }
+
     /// Sends due coalesced ACKs and expires silent peers.
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.armed_acks > 0 {
@@ -506,6 +525,15 @@ impl ReceiveHalf {
                 d.start -= c;
             }
             self.consumed = 0;
+        }
+    }
+
+    /// The channel's index if it is open (never opens one).
+    fn existing_channel_index(&self, peer: MacAddr, channel: u16) -> Option<usize> {
+        let k = key(peer, channel);
+        match self.last {
+            Some((lk, li)) if lk == k => Some(li),
+            _ => self.index.get(&k).copied(),
         }
     }
 

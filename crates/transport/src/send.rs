@@ -242,6 +242,9 @@ pub struct SendHalf {
     owed_unopened: Option<(u64, Seq, Option<u32>, Instant)>,
     /// The stamp of the first DATA frame written since the driver last said its frames left.
     unflushed_since: Option<u32>,
+    /// The ACK the last DATA frame written carried, for the receiving half of a whole endpoint
+    /// (see [`SendHalf::take_carried`]).
+    last_carried: Option<(MacAddr, u16, Seq)>,
     /// The latest bursts that left (first frame's stamp, stamp when they left), a ring.
     flushes: [(u32, u32); FLUSHES],
     /// Where the next burst goes in `flushes`.
@@ -273,6 +276,7 @@ impl SendHalf {
             window,
             owed_unopened: None,
             unflushed_since: None,
+            last_carried: None,
             flushes: [(0, 0); FLUSHES],
             flush_at: 0,
         }
@@ -435,6 +439,13 @@ impl SendHalf {
         self.counters.messages_sent += 1;
         self.counters.bytes_sent += len as u64;
         Ok(())
+    }
+
+    /// The ACK the DATA frame written last carried, if it carried one (taken: a second call
+    /// says `None`). A whole [`crate::Endpoint`] tells its receiving half, which then owes no
+    /// ACK frame for what it covers.
+    pub fn take_carried(&mut self) -> Option<(MacAddr, u16, Seq)> {
+        self.last_carried.take()
     }
 
     /// Takes one value from the receive half: an ACK that arrived, or an ACK to send.
@@ -854,6 +865,7 @@ impl SendHalf {
             h.set_flags(flags);
             ch.carried = Some((ack, echo));
             ch.note_acked(ack);
+            self.last_carried = Some((ch.peer, ch.channel, ack));
             self.counters.acks_carried += 1;
         }
         if self.config.checksum {

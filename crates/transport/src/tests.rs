@@ -201,6 +201,41 @@ fn a_message_in_parts_goes_out_as_the_same_frames() {
 }
 
 #[test]
+fn a_ping_pong_whose_answers_carry_the_acks_sends_no_ack_frames() {
+    // Each side answers within a microsecond, well inside the ACK delay: every ACK rides the
+    // answer, however many messages go by (the count toward ack_every_frames starts again
+    // with each carried ACK).
+    let mut a = Endpoint::new(p2p(), A, Instant::ZERO);
+    let mut b = Endpoint::new(p2p(), B, Instant::ZERO);
+    let mut t = 0;
+    let mut ack_frames = 0;
+    let mut hop = |from: &mut Endpoint, to: &mut Endpoint, t: &mut u64, i: u64| {
+        *t += 1;
+        from.send(at_us(*t), to.local_mac(), 0, &test_message(i, 100)).unwrap();
+        let frames = drain(from, at_us(*t));
+        ack_frames += frames.iter().filter(|f| header(f).kind == Kind::Ack).count();
+        *t += 1;
+        for f in &frames {
+            to.handle_frame(at_us(*t), f);
+        }
+        to.handle_timeout(at_us(*t));
+        assert_eq!(to.poll_message().unwrap().data, &test_message(i, 100)[..]);
+    };
+    for i in 0..100 {
+        hop(&mut a, &mut b, &mut t, i);
+        hop(&mut b, &mut a, &mut t, i);
+    }
+    assert_eq!(ack_frames, 0);
+    assert_eq!(a.counters().acks_carried + b.counters().acks_carried, 199);
+    // The last answer's ACK is owed: it goes on its own once the delay is over.
+    t += 10;
+    a.handle_timeout(at_us(t));
+    let frames = drain(&mut a, at_us(t));
+    assert_eq!(frames.len(), 1);
+    assert_eq!(header(&frames[0]).kind, Kind::Ack);
+}
+
+#[test]
 fn send_queue_applies_backpressure() {
     let mut c = p2p();
     c.send_queue_frames = 10;
