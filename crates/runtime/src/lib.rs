@@ -779,8 +779,10 @@ impl Rtc {
         *left_queued = left;
         // Frames are stamped when they are written, not when this turn began: the turn's
         // receiving and handling came first, and a stale stamp would count them as the
-        // fabric's delay (rate control reads it) and shorten the hold an ACK reports.
-        let sent_at = worker.clock.now();
+        // fabric's delay (rate control reads it) and shorten the hold an ACK reports. A turn
+        // that did nothing yet is a few dozen nanoseconds old: its start will do (a clock read
+        // is a good part of an empty turn, whose length is how late a frame is seen).
+        let sent_at = if work == 0 { now } else { worker.clock.now() };
         let sent = worker.tx_burst(&mut |frame| endpoint.poll_transmit(sent_at, frame));
         if sent > 0 {
             endpoint.frames_left(worker.clock.now());
