@@ -37,7 +37,9 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use lanbus_msg::{Addr, Claim, Config, Failure, Match, Outcome, RecvBuf, RequestId, SendBuf, Source, Status};
+use lanbus_msg::{
+    Addr, Claim, Config, Failure, Match, Outcome, RecvBuf, RequestId, RequestMap, SendBuf, Source, Status,
+};
 use lanbus_node::msg::{MsgError, MsgNode};
 use lanbus_node::msgd::MsgClient;
 use lanbus_wire::MacAddr;
@@ -166,7 +168,9 @@ enum Link {
 struct Inner {
     link: Link,
     addr: Addr,
-    ops: HashMap<RequestId, Op>,
+    ops: RequestMap<Op>,
+    /// Finished requests being turned into completions (kept: no allocation per poll).
+    finished: Vec<(RequestId, Outcome)>,
     /// Messages claimed by a peek, by the context that claimed them.
     claims: HashMap<usize, Claim>,
     ready: VecDeque<LbCompletion>,
@@ -283,7 +287,8 @@ impl Endpoint {
         let inner = Inner {
             link,
             addr,
-            ops: HashMap::new(),
+            ops: RequestMap::default(),
+            finished: Vec::new(),
             claims: HashMap::new(),
             ready: VecDeque::new(),
             broken: false,
@@ -304,10 +309,11 @@ impl Inner {
     /// Returns whether anything moved.
     fn progress(&mut self) -> bool {
         let mut moved = false;
-        let finished = match &mut self.link {
+        let mut finished = std::mem::take(&mut self.finished);
+        match &mut self.link {
             Link::Direct(n) => {
                 moved = n.poll() > 0;
-                n.take_finished()
+                n.take_finished_into(&mut finished);
             }
             Link::Daemon(c) => {
                 if !self.broken {
@@ -317,14 +323,15 @@ impl Inner {
                         Err(_) => {}
                     }
                 }
-                c.take_finished()
+                c.take_finished_into(&mut finished);
             }
-        };
-        for (id, outcome) in finished {
+        }
+        for (id, outcome) in finished.drain(..) {
             if let Some(op) = self.ops.remove(&id) {
                 self.finish(op, outcome);
             }
         }
+        self.finished = finished;
         if self.broken {
             for (_, op) in std::mem::take(&mut self.ops) {
                 self.fail(op.report, ErrKind::DaemonGone);

@@ -6,13 +6,12 @@
 //! thread (a user call wakes it), so records leave in the order the engine made them. A peer
 //! that goes down or restarts fails the requests that need it.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use lanbus_msg::{
-    Addr, Claim, Config, Engine, Match, Outcome, RecvBuf, RequestId, SendBuf, Status, MSG_CHANNEL,
+    Addr, Claim, Config, Engine, Match, Outcome, RecvBuf, RequestId, RequestMap, SendBuf, Status, MSG_CHANNEL,
 };
 use lanbus_port::Port;
 use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
@@ -49,7 +48,7 @@ pub enum MsgError {
 
 struct Shared {
     engine: Mutex<Engine>,
-    finished: Mutex<HashMap<RequestId, Outcome>>,
+    finished: Mutex<RequestMap<Outcome>>,
     done: Condvar,
     /// Threads asleep on `done` (changed under `finished`'s lock): a wake-up is a system call,
     /// which a busy-polling user would otherwise pay for every message.
@@ -141,7 +140,7 @@ impl MsgNode {
         let addr = Addr { mac: port.mac(), id };
         let shared = Arc::new(Shared {
             engine: Mutex::new(Engine::new(addr, cfg)),
-            finished: Mutex::new(HashMap::new()),
+            finished: Mutex::new(RequestMap::default()),
             done: Condvar::new(),
             sleepers: AtomicUsize::new(0),
         });
@@ -219,7 +218,18 @@ impl MsgNode {
 
     /// Every finished request not yet waited for or taken, in no particular order.
     pub fn take_finished(&self) -> Vec<(RequestId, Outcome)> {
-        lock(&self.shared.finished).drain().collect()
+        let mut out = Vec::new();
+        self.take_finished_into(&mut out);
+        out
+    }
+
+    /// Appends every finished request not yet waited for or taken to `out` (a caller that
+    /// polls reuses one vector: no allocation per poll).
+    pub fn take_finished_into(&self, out: &mut Vec<(RequestId, Outcome)>) {
+        let mut finished = lock(&self.shared.finished);
+        if !finished.is_empty() {
+            out.extend(finished.drain());
+        }
     }
 
     /// The outcome of request `id` if it finished (taken: a second call says `None`).

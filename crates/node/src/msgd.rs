@@ -32,7 +32,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use lanbus_msg::{wire, Addr, Claim, Config, Engine, Match, Outcome, RequestId, Status, MSG_CHANNEL};
+use lanbus_msg::{
+    wire, Addr, Claim, Config, Engine, Match, Outcome, RequestId, RequestMap, Status, MSG_CHANNEL,
+};
 use lanbus_port::Port;
 use lanbus_ring::pipe::{PipeConfig, Receiver, Sender as PipeSender};
 use lanbus_ring::{peer_cred, recv_fds, send_fds, CopyMode, EventFd, Region};
@@ -549,7 +551,7 @@ pub struct MsgClient {
     sock: UnixStream,
     /// An entry the ring had no room for yet.
     held: Option<Vec<u8>>,
-    finished: HashMap<RequestId, Outcome>,
+    finished: RequestMap<Outcome>,
     gone: bool,
 }
 
@@ -584,7 +586,7 @@ impl MsgClient {
             my_bell: EventFd::from_fd(my_bell),
             sock,
             held: None,
-            finished: HashMap::new(),
+            finished: RequestMap::default(),
             gone: false,
         })
     }
@@ -716,7 +718,14 @@ impl MsgClient {
 
     /// Every finished request not yet waited for or taken, in no particular order.
     pub fn take_finished(&mut self) -> Vec<(RequestId, Outcome)> {
-        self.finished.drain().collect()
+        let mut out = Vec::new();
+        self.take_finished_into(&mut out);
+        out
+    }
+
+    /// Appends every finished request not yet waited for or taken to `out`.
+    pub fn take_finished_into(&mut self, out: &mut Vec<(RequestId, Outcome)>) {
+        out.extend(self.finished.drain());
     }
 
     /// Waits until request `id` finishes, at most `timeout`, making progress meanwhile.
