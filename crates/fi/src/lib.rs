@@ -23,12 +23,12 @@
 //! rings (daemon mode) or through the port itself, whose runtime runs its turns on the reading
 //! thread (direct mode; a helper thread runs them when nobody has read for a millisecond).
 //!
-//! In direct mode the engine works in the application's own memory, which libfabric lends the
-//! provider until an operation's completion: a rendezvous send goes out from the send buffer
-//! (straight into the transport's frames) and a receive's bytes land in its buffer as they
-//! arrive. Injects, and sends without a context, are copied at once (their buffer is the
-//! application's again when the call returns). In daemon mode a message is copied into the
-//! rings, and data reaches the application's receive buffer when its completion is read.
+//! The engine works in the application's own memory, which libfabric lends the provider until
+//! an operation's completion: a rendezvous send goes out from the send buffer (straight into
+//! the transport's frames in direct mode, into the ring to the daemon in daemon mode) and a
+//! receive's bytes land in its buffer as they arrive (from the port's frames, or from the ring).
+//! Injects, and sends without a context, are copied at once (their buffer is the application's
+//! again when the call returns).
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_void};
@@ -443,13 +443,8 @@ impl Endpoint {
         let id = match (&mut g.link, data) {
             (Link::Direct(n), Payload::Copied(v)) => Some(n.isend(dest, cq_data, tag, v)),
             (Link::Direct(n), Payload::Lent(l)) => Some(n.isend(dest, cq_data, tag, l)),
-            (Link::Daemon(c), data) => {
-                let v = match data {
-                    Payload::Copied(v) => v,
-                    Payload::Lent(l) => l.bytes().to_vec(),
-                };
-                c.isend(dest, cq_data, tag, v).ok()
-            }
+            (Link::Daemon(c), Payload::Copied(v)) => c.isend(dest, cq_data, tag, v).ok(),
+            (Link::Daemon(c), Payload::Lent(l)) => c.isend(dest, cq_data, tag, l).ok(),
         };
         g.start(id, op);
     }
@@ -521,16 +516,20 @@ impl Endpoint {
             g.start(id, op);
             return true;
         }
-        let id = match &mut g.link {
-            Link::Direct(n) if cap > 0 && buf != 0 => {
-                op.lent = true;
-                // SAFETY: libfabric lends the receive buffer until the completion, and the
-                // engine drops the loan when the receive finishes, before that.
-                let lent = unsafe { Lent::new(buf as *mut u8, cap) };
-                Some(n.irecv_into(m, Box::new(lent)))
+        let id = if cap > 0 && buf != 0 {
+            op.lent = true;
+            // SAFETY: libfabric lends the receive buffer until the completion, and the engine
+            // drops the loan when the receive finishes, before that.
+            let lent = Box::new(unsafe { Lent::new(buf as *mut u8, cap) });
+            match &mut g.link {
+                Link::Direct(n) => Some(n.irecv_into(m, lent)),
+                Link::Daemon(c) => c.irecv_into(m, lent).ok(),
             }
-            Link::Direct(n) => Some(n.irecv(m, cap)),
-            Link::Daemon(c) => c.irecv(m, cap).ok(),
+        } else {
+            match &mut g.link {
+                Link::Direct(n) => Some(n.irecv(m, cap)),
+                Link::Daemon(c) => c.irecv(m, cap).ok(),
+            }
         };
         g.start(id, op);
         true
@@ -667,7 +666,7 @@ pub unsafe extern "C" fn lanbus_fi_ep_name(ep: *const Endpoint, out: *mut u8) {
 
 /// Starts a send of `len` bytes at `buf` with remote CQ data `cq_data` to the endpoint whose
 /// address is at `dest`. Without a `context` (an inject) the bytes are copied before this
-/// returns; with one, a direct-mode endpoint reads them from `buf` until the send completes.
+/// returns; with one, the endpoint reads them from `buf` until the send completes.
 /// Returns 0, or -1 for a bad argument.
 ///
 /// # Safety

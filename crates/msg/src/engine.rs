@@ -737,6 +737,11 @@ impl Engine {
         Some(true)
     }
 
+    /// Whether records wait to be handed to the transport ([`Engine::transmit`]).
+    pub fn has_records(&self) -> bool {
+        !self.control.is_empty() || !self.streams.is_empty()
+    }
+
     /// The next finished request.
     pub fn poll_completion(&mut self) -> Option<Completion> {
         self.done.pop_front()

@@ -33,7 +33,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lanbus_msg::{
-    wire, Addr, Claim, Config, Engine, Match, Outcome, RequestId, RequestMap, Status, MSG_CHANNEL,
+    wire, Addr, Claim, Config, Engine, Match, Outcome, RecvBuf, RequestId, RequestMap, SendBuf, Status,
+    MSG_CHANNEL,
 };
 use lanbus_port::Port;
 use lanbus_ring::pipe::{PipeConfig, Receiver, Sender as PipeSender};
@@ -549,8 +550,6 @@ pub struct MsgClient {
     daemon_bell: EventFd,
     my_bell: EventFd,
     sock: UnixStream,
-    /// An entry the ring had no room for yet.
-    held: Option<Vec<u8>>,
     finished: RequestMap<Outcome>,
     gone: bool,
 }
@@ -585,7 +584,6 @@ impl MsgClient {
             daemon_bell: EventFd::from_fd(daemon_bell),
             my_bell: EventFd::from_fd(my_bell),
             sock,
-            held: None,
             finished: RequestMap::default(),
             gone: false,
         })
@@ -606,33 +604,26 @@ impl MsgClient {
         if self.gone {
             return Err(MsgError::DaemonGone);
         }
-        let mut moved = false;
         let _ = self.to_daemon.reclaim();
-        let mut sent = false;
-        loop {
-            let entry = match self.held.take() {
-                Some(e) => e,
-                None => match self.engine.poll_transmit() {
-                    Some(o) => {
-                        let mut e = Vec::with_capacity(6 + o.bytes.len());
-                        e.extend_from_slice(&o.dest.0);
-                        e.extend_from_slice(&o.bytes);
-                        e
-                    }
-                    None => break,
-                },
-            };
-            match self.to_daemon.send(&entry) {
-                Ok(true) => {
-                    sent = true;
-                    moved = true;
+        // Each record goes into the ring behind its node's MAC, written there straight from
+        // the engine (a DATA record from the message being sent); one the ring has no room
+        // for stays in the engine, first in line.
+        let ring = &mut self.to_daemon;
+        let sent = self.engine.transmit(&mut |dest, parts| {
+            let written = ring.send_with(|buf| {
+                let len = 6 + parts.iter().map(|p| p.len()).sum::<usize>();
+                let entry = buf.get_mut(..len)?;
+                entry[..6].copy_from_slice(&dest.0);
+                let mut at = 6;
+                for p in parts {
+                    entry[at..at + p.len()].copy_from_slice(p);
+                    at += p.len();
                 }
-                _ => {
-                    self.held = Some(entry);
-                    break;
-                }
-            }
-        }
+                Some(len)
+            });
+            matches!(written, Ok(Some(_)))
+        }) > 0;
+        let mut moved = sent;
         if sent && self.to_daemon.wake_needed() {
             let _ = self.daemon_bell.notify();
         }
@@ -670,13 +661,13 @@ impl MsgClient {
         self.gone
     }
 
-    /// Starts sending `data` to `dest` in `context` with `tag`.
+    /// Starts sending `data` to `dest` in `context` with `tag` (read until the send completes).
     pub fn isend(
         &mut self,
         dest: Addr,
         context: u32,
         tag: u64,
-        data: Vec<u8>,
+        data: impl SendBuf,
     ) -> Result<RequestId, MsgError> {
         let id = self.engine.send(dest, context, tag, data);
         self.progress()?;
@@ -686,6 +677,14 @@ impl MsgClient {
     /// Posts a receive of at most `capacity` bytes.
     pub fn irecv(&mut self, m: Match, capacity: usize) -> Result<RequestId, MsgError> {
         let id = self.engine.post_recv(m, capacity);
+        self.progress()?;
+        Ok(id)
+    }
+
+    /// Posts a receive into `buf` (see [`Engine::post_recv_into`]): the bytes land there
+    /// straight from the ring.
+    pub fn irecv_into(&mut self, m: Match, buf: Box<dyn RecvBuf>) -> Result<RequestId, MsgError> {
+        let id = self.engine.post_recv_into(m, buf);
         self.progress()?;
         Ok(id)
     }
@@ -758,8 +757,12 @@ impl MsgClient {
             }
             self.from_daemon.prepare_wait();
             if !self.from_daemon.has_pending() {
-                let nap =
-                    if self.held.is_some() { Duration::from_micros(200) } else { Duration::from_millis(5) };
+                // Records waiting for room in the ring: the daemon frees it without a word.
+                let nap = if self.engine.has_records() {
+                    Duration::from_micros(200)
+                } else {
+                    Duration::from_millis(5)
+                };
                 let _ = self.my_bell.wait(Some(left.min(nap)));
             }
             self.from_daemon.finish_wait();
