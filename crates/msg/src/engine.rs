@@ -126,30 +126,9 @@ impl Match {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub u64);
 
-/// Hashes [`RequestId`]s for the maps of requests under way: an engine hands them out in
-/// sequence (nothing from outside picks them), so one multiply spreads them as well as a keyed
-/// hash would, for a fraction of its cost on every message.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct RequestHasher(u64);
-
-impl std::hash::Hasher for RequestHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-/// A map keyed by request (see [`RequestHasher`]).
-pub type RequestMap<V> = HashMap<RequestId, V, std::hash::BuildHasherDefault<RequestHasher>>;
+/// A map keyed by request: an engine hands request ids out in sequence (nothing from outside
+/// picks them), so they are hashed by one multiply ([`lanbus_wire::hash::IdHasher`]).
+pub type RequestMap<V> = HashMap<RequestId, V, lanbus_wire::hash::BuildIdHasher>;
 
 /// A message as matching sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1183,22 +1162,6 @@ mod tests {
             .any(|c| c == Completion { id: s, outcome: Outcome::Sent }));
         let got = std::iter::from_fn(|| eb.poll_completion()).find(|c| c.id == r).unwrap();
         assert!(matches!(got.outcome, Outcome::Received { ref data, .. } if *data == bytes(250, 9)));
-    }
-
-    #[test]
-    fn request_maps_spread_sequential_ids() {
-        use std::hash::BuildHasher;
-        let build = std::hash::BuildHasherDefault::<RequestHasher>::default();
-        // A table of 1024 buckets indexes by the low bits: 1024 ids in a row take all of them.
-        let low: std::collections::HashSet<u64> =
-            (0..1024u64).map(|i| build.hash_one(RequestId(i)) & 1023).collect();
-        assert_eq!(low.len(), 1024);
-        let mut m = RequestMap::default();
-        for i in 0..10_000u64 {
-            m.insert(RequestId(i * 3), i);
-        }
-        assert!((0..10_000u64).all(|i| m.remove(&RequestId(i * 3)) == Some(i)));
-        assert!(m.is_empty());
     }
 
     #[test]

@@ -49,35 +49,7 @@ pub struct TransactionId(pub u64);
 /// map sits on every request's path.
 pub type TransactionMap<V> = HashMap<TransactionId, V, BuildIdHasher>;
 
-/// Builds [`IdHasher`]s (see [`TransactionMap`]).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct BuildIdHasher;
-
-impl std::hash::BuildHasher for BuildIdHasher {
-    type Hasher = IdHasher;
-    fn build_hasher(&self) -> IdHasher {
-        IdHasher(0)
-    }
-}
-
-/// Hashes a sequential id by one multiplication (Fibonacci hashing), which spreads consecutive
-/// ids over the whole word, so the map's probe bits differ from one id to the next.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.write_u64(u64::from(*b));
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
+pub use lanbus_wire::hash::{BuildIdHasher, IdHasher};
 
 /// How a transaction ended.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,8 +6,8 @@
 //! is bounded by `max_channels`, so flooding buys an attacker nothing beyond that bound).
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
+use lanbus_wire::hash::BuildIdHasher;
 use lanbus_wire::MacAddr;
 
 pub(crate) fn key(peer: MacAddr, channel: u16) -> u64 {
@@ -15,24 +15,4 @@ pub(crate) fn key(peer: MacAddr, channel: u16) -> u64 {
     u64::from_be_bytes([m[0], m[1], m[2], m[3], m[4], m[5], 0, 0]) | u64::from(channel)
 }
 
-#[derive(Default)]
-pub(crate) struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        // Fibonacci hashing: mix all bits into the high ones, which hashbrown uses.
-        self.0 = (self.0 ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
-    }
-}
-
-pub(crate) type ChannelMap = HashMap<u64, usize, BuildHasherDefault<KeyHasher>>;
+pub(crate) type ChannelMap = HashMap<u64, usize, BuildIdHasher>;

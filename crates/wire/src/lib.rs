@@ -12,6 +12,7 @@
 mod crc;
 pub mod ethernet;
 pub mod frame;
+pub mod hash;
 pub mod time;
 pub mod tlp;
 
