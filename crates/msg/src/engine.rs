@@ -49,22 +49,10 @@ impl Default for Config {
 pub trait SendBuf: Send + 'static {
     /// The message.
     fn bytes(&self) -> &[u8];
-
-    /// The message as a vector (a send to the engine itself keeps it).
-    fn into_vec(self) -> Vec<u8>
-    where
-        Self: Sized,
-    {
-        self.bytes().to_vec()
-    }
 }
 
 impl SendBuf for Vec<u8> {
     fn bytes(&self) -> &[u8] {
-        self
-    }
-
-    fn into_vec(self) -> Vec<u8> {
         self
     }
 }
@@ -427,7 +415,7 @@ impl Engine {
         let len = data.bytes().len();
         if dest == self.me {
             self.counters.eager_sent += 1;
-            self.arrive(self.me, context, tag, Arrival::Eager(data.into_vec()));
+            self.arrive(self.me, context, tag, Arriving::Eager(data.bytes()));
             self.complete(id, Outcome::Sent);
         } else if len <= self.cfg.eager_limit {
             self.counters.eager_sent += 1;
@@ -510,22 +498,9 @@ impl Engine {
         Some(id)
     }
 
-    /// A message of our own arrived (a send to this engine).
-    fn arrive(&mut self, from: Addr, context: u32, tag: u64, arrival: Arrival) {
-        match self.posted.iter().position(|p| p.m.takes(from, context, tag)) {
-            Some(i) => {
-                let p = self.posted.remove(i).expect("found");
-                self.deliver(p.id, p.landing, from, context, tag, arriving(&arrival));
-            }
-            None => {
-                self.counters.unexpected += 1;
-                self.unexpected.push_back(Unexpected { from, context, tag, arrival });
-            }
-        }
-    }
-
-    /// A message arrived from `from`: to the first posted receive that takes it, else waiting.
-    fn arrive_from_wire(&mut self, from: Addr, context: u32, tag: u64, arrival: Arriving<'_>) {
+    /// A message arrived from `from` (or from this engine itself): to the first posted receive
+    /// that takes it, else waiting (its bytes copied then, not before).
+    fn arrive(&mut self, from: Addr, context: u32, tag: u64, arrival: Arriving<'_>) {
         match self.posted.iter().position(|p| p.m.takes(from, context, tag)) {
             Some(i) => {
                 let p = self.posted.remove(i).expect("found");
@@ -610,11 +585,9 @@ impl Engine {
             return;
         }
         match record {
-            Record::Eager { context, tag, data } => {
-                self.arrive_from_wire(from, context, tag, Arriving::Eager(data))
-            }
+            Record::Eager { context, tag, data } => self.arrive(from, context, tag, Arriving::Eager(data)),
             Record::Rts { context, tag, len, send_id } => {
-                self.arrive_from_wire(from, context, tag, Arriving::Rts { len, send_id })
+                self.arrive(from, context, tag, Arriving::Rts { len, send_id })
             }
             Record::Cts { send_id, recv_id, granted } => {
                 let fits = self
