@@ -110,7 +110,7 @@ struct Op {
     discard: bool,
     /// A receive (cancellable).
     recv: bool,
-    /// The engine writes into `buf` itself (direct mode): nothing is left to copy.
+    /// The engine writes into `buf` itself (a lent receive): nothing is left to copy.
     lent: bool,
 }
 
