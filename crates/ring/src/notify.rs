@@ -56,11 +56,17 @@ impl EventFd {
     }
 
     /// Sleeps until the doorbell rang (then clears it) or `timeout` passed. Returns whether it rang.
+    /// The timeout is kept to the microsecond (ppoll(2)): a 200 µs nap is a nap, not a poll that
+    /// returns at once, as poll(2)'s whole milliseconds would make it.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
         let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
-        // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+        let ts = timeout.map(|t| libc::timespec {
+            tv_sec: t.as_secs().min(i32::MAX as u64) as libc::time_t,
+            tv_nsec: t.subsec_nanos() as libc::c_long,
+        });
+        let tsp = ts.as_ref().map_or(core::ptr::null(), |t| t as *const libc::timespec);
+        // SAFETY: one valid pollfd; `tsp` is null or points at a live timespec; no signal mask.
+        let r = unsafe { libc::ppoll(&mut pfd, 1, tsp, core::ptr::null()) };
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -71,10 +77,16 @@ impl EventFd {
         if r == 0 {
             return Ok(false);
         }
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into a live u64. EAGAIN (another reader won) is fine.
-        unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        self.clear();
         Ok(true)
+    }
+
+    /// Clears the doorbell without waiting (one read(2); nothing to clear is fine).
+    pub fn clear(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd. EAGAIN (nothing
+        // rang, or another reader won) is fine.
+        unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
     }
 }
 
@@ -96,5 +108,26 @@ impl<T: Pod> Consumer<T> {
         let r = if self.is_empty()? { doorbell.wait(timeout).map(|_| ()) } else { Ok(()) };
         self.finish_wait();
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_short_nap_sleeps_its_time_and_a_ring_is_kept_until_cleared() {
+        let bell = EventFd::new().unwrap();
+        // Below a millisecond: poll(2) would have returned at once.
+        let t = std::time::Instant::now();
+        assert!(!bell.wait(Some(Duration::from_micros(300))).unwrap());
+        assert!(t.elapsed() >= Duration::from_micros(300));
+        bell.notify().unwrap();
+        bell.notify().unwrap();
+        assert!(bell.wait(Some(Duration::ZERO)).unwrap(), "a ring before the wait is kept");
+        assert!(!bell.wait(Some(Duration::ZERO)).unwrap(), "and taken by it");
+        bell.notify().unwrap();
+        bell.clear();
+        assert!(!bell.wait(Some(Duration::ZERO)).unwrap(), "cleared");
     }
 }
