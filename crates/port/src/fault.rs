@@ -146,6 +146,14 @@ impl<P: Port> Port for FaultyPort<P> {
         self.inner.readiness_fd()
     }
 
+    fn arm_readiness(&mut self) -> bool {
+        self.inner.arm_readiness()
+    }
+
+    fn disarm_readiness(&mut self) {
+        self.inner.disarm_readiness()
+    }
+
     fn mac(&self) -> MacAddr {
         self.inner.mac()
     }

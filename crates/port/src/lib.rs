@@ -161,6 +161,18 @@ pub trait Port: Send {
         None
     }
 
+    /// Before a driver sleeps on [`Port::readiness_fd`]: a port whose descriptor is a doorbell
+    /// the peer rings only on request (shared memory) asks for it here. Returns false when a
+    /// frame is waiting already: do not sleep. Either way, call [`Port::disarm_readiness`] after.
+    /// The default (a socket's descriptor needs no asking) returns true.
+    fn arm_readiness(&mut self) -> bool {
+        true
+    }
+
+    /// After the sleep on [`Port::readiness_fd`] (or a false [`Port::arm_readiness`]): the port
+    /// stops asking for its doorbell and clears it. The default does nothing.
+    fn disarm_readiness(&mut self) {}
+
     /// Sends one TCP segment larger than the MTU for the kernel (or the device) to cut into
     /// `gso.segment_bytes` pieces and checksum, as a NIC with segmentation offload does (the
     /// frame's TCP checksum field holds the pseudo-header sum). `Ok(false)` when the port cannot:
@@ -242,6 +254,12 @@ impl<P: Port + ?Sized> Port for Box<P> {
     }
     fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
         (**self).readiness_fd()
+    }
+    fn arm_readiness(&mut self) -> bool {
+        (**self).arm_readiness()
+    }
+    fn disarm_readiness(&mut self) {
+        (**self).disarm_readiness()
     }
     fn mac(&self) -> MacAddr {
         (**self).mac()

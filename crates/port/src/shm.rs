@@ -9,12 +9,19 @@
 //! wait in the ring. After the peer has connected the socket file is removed, so a later pair can
 //! reuse the path. A stale socket file (nobody listening) is replaced.
 //!
+//! Each frame carries, after its bytes, the wall-clock time its sender wrote it (8 bytes,
+//! little-endian ns): the receive timestamp. A frame that waits in the ring waits for this
+//! host's threads, not on any wire, so the transport's delay-based rate control does not take
+//! a parked thread's wake-up for a queue. A driver that waits on several things at once polls
+//! [`Port::readiness_fd`] (an epoll set of the doorbell and, until the peer connects, the
+//! listening socket) between [`Port::arm_readiness`] and [`Port::disarm_readiness`].
+//!
 //! Distrust: the connector validates the region's pipes when attaching; both sides validate every
 //! descriptor (`lanbus_ring::pipe`), and a peer's corrupt descriptor is counted in `rx_dropped` /
 //! `tx_dropped` instead of crashing the port. Wake-ups use the prepare/re-check/sleep handshake.
 
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,7 +37,9 @@ use crate::{Port, PortCounters, PortError, Result};
 pub const SHM_MTU: usize = 1500;
 
 const PIPE: PipeConfig = PipeConfig { slots: 256, buffers: 512, buf_size: 1536 };
-const HELLO: &[u8; 8] = b"LBSHM\x01\0\0";
+const HELLO: &[u8; 8] = b"LBSHM\x02\0\0";
+/// The sender's write time after each frame's bytes.
+const STAMP_LEN: usize = 8;
 
 fn pipe_offset(k: usize) -> usize {
     k * PIPE.bytes_needed().next_multiple_of(4096)
@@ -53,6 +62,8 @@ pub struct ShmPort {
     my_bell: EventFd,
     /// Rung by us when the peer may have frames.
     peer_bell: EventFd,
+    /// The readiness descriptor: an epoll set of `my_bell` and, while pending, the listener.
+    ready: OwnedFd,
     /// Creator only, until the peer connects: the listener and the fds to hand over.
     pending: Option<Pending>,
     /// Keeps the connection open (the peer sees EOF when we go).
@@ -118,12 +129,14 @@ impl ShmPort {
         PIPE.format(&region, pipe_offset(1)).map_err(&e)?;
         let tx = Sender::attach(region.clone(), pipe_offset(0), CopyMode::Ordinary).map_err(&e)?;
         let rx = Receiver::attach(region.clone(), pipe_offset(1)).map_err(&e)?;
+        let my_bell = EventFd::new().map_err(&e)?;
         Ok(ShmPort {
             spec: spec.to_string(),
             tx,
             rx,
-            my_bell: EventFd::new().map_err(&e)?,
             peer_bell: EventFd::new().map_err(&e)?,
+            ready: epoll_of(&[my_bell.as_fd().as_raw_fd(), listener.as_raw_fd()])?,
+            my_bell,
             pending: Some(Pending { listener, path: path.to_path_buf(), region }),
             _conn: None,
             mac: mac_for(path, true),
@@ -147,11 +160,13 @@ impl ShmPort {
         let region = Arc::new(Region::from_fd(mem).map_err(&e)?);
         let rx = Receiver::attach(region.clone(), pipe_offset(0)).map_err(&e)?;
         let tx = Sender::attach(region, pipe_offset(1), CopyMode::Ordinary).map_err(&e)?;
+        let my_bell = EventFd::from_fd(my_bell);
         Ok(ShmPort {
             spec: spec.to_string(),
             tx,
             rx,
-            my_bell: EventFd::from_fd(my_bell),
+            ready: epoll_of(&[my_bell.as_fd().as_raw_fd()])?,
+            my_bell,
             peer_bell: EventFd::from_fd(creator_bell),
             pending: None,
             _conn: Some(sock),
@@ -180,6 +195,25 @@ impl ShmPort {
     }
 }
 
+/// An epoll set of `fds` (readable ones wake it): a single descriptor to poll for all of them.
+fn epoll_of(fds: &[RawFd]) -> Result<OwnedFd> {
+    // SAFETY: plain syscall; the result is checked.
+    let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if raw < 0 {
+        return Err(PortError::io("epoll_create1", io::Error::last_os_error()));
+    }
+    // SAFETY: `raw` is a fresh descriptor nobody else owns.
+    let ep = unsafe { OwnedFd::from_raw_fd(raw) };
+    for &fd in fds {
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: fd as u64 };
+        // SAFETY: `ev` is a live epoll_event; `fd` is open (owned by the port).
+        if unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
+            return Err(PortError::io("epoll_ctl", io::Error::last_os_error()));
+        }
+    }
+    Ok(ep)
+}
+
 impl Drop for ShmPort {
     fn drop(&mut self) {
         if let Some(p) = &self.pending {
@@ -190,20 +224,34 @@ impl Drop for ShmPort {
 
 impl Port for ShmPort {
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        self.rx_burst_stamped(max, &mut |frame, _| on_frame(frame))
+    }
+
+    fn rx_burst_stamped(
+        &mut self,
+        max: usize,
+        on_frame: &mut dyn FnMut(&[u8], Option<u64>),
+    ) -> Result<usize> {
         self.try_accept();
         let mut n = 0;
         let mut attempts = 0;
         while n < max && attempts < max {
             attempts += 1;
-            let mut len = 0;
-            match self.rx.recv(|f| {
-                len = f.len();
-                on_frame(f)
-            }) {
+            let mut len = None;
+            let got = self.rx.recv(|f| {
+                let Some(at) = f.len().checked_sub(STAMP_LEN) else { return };
+                let (frame, stamp) = f.split_at(at);
+                let stamp = u64::from_le_bytes(stamp.try_into().expect("8 bytes"));
+                len = Some(frame.len());
+                on_frame(frame, Some(stamp))
+            });
+            match got {
+                // Shorter than its stamp: a peer's bad frame.
+                Ok(true) if len.is_none() => self.counters.rx_dropped += 1,
                 Ok(true) => {
                     n += 1;
                     self.counters.rx_frames += 1;
-                    self.counters.rx_bytes += len as u64;
+                    self.counters.rx_bytes += len.unwrap_or(0) as u64;
                 }
                 Ok(false) => break,
                 Err(lanbus_ring::Error::Corrupt(_)) => self.counters.rx_dropped += 1,
@@ -216,13 +264,19 @@ impl Port for ShmPort {
     fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize> {
         self.try_accept();
         let cap = self.frame_capacity();
+        let stamp = crate::realtime_ns().to_le_bytes();
         let mut n = 0;
         while n < max {
-            match self.tx.send_with(|buf| fill(&mut buf[..cap]).filter(|&len| len <= cap)) {
+            let sent = self.tx.send_with(|buf| {
+                let len = fill(&mut buf[..cap]).filter(|&len| len <= cap)?;
+                buf[len..len + STAMP_LEN].copy_from_slice(&stamp);
+                Some(len + STAMP_LEN)
+            });
+            match sent {
                 Ok(Some(len)) => {
                     n += 1;
                     self.counters.tx_frames += 1;
-                    self.counters.tx_bytes += len as u64;
+                    self.counters.tx_bytes += (len - STAMP_LEN) as u64;
                 }
                 Ok(None) => break,
                 Err(lanbus_ring::Error::Corrupt(_)) => {
@@ -252,6 +306,22 @@ impl Port for ShmPort {
         r.map_err(ring_err(&self.spec))
     }
 
+    fn readiness_fd(&self) -> Option<RawFd> {
+        Some(self.ready.as_raw_fd())
+    }
+
+    fn arm_readiness(&mut self) -> bool {
+        self.try_accept();
+        self.rx.prepare_wait();
+        !self.rx.has_pending()
+    }
+
+    fn disarm_readiness(&mut self) {
+        self.rx.finish_wait();
+        self.my_bell.clear();
+        self.try_accept();
+    }
+
     fn mtu(&self) -> usize {
         SHM_MTU
     }
@@ -277,7 +347,7 @@ mod tests {
 
     #[test]
     fn frame_fits_a_buffer() {
-        assert!(SHM_MTU + lanbus_wire::ethernet::HEADER_LEN <= PIPE.buf_size as usize);
+        assert!(SHM_MTU + lanbus_wire::ethernet::HEADER_LEN + STAMP_LEN <= PIPE.buf_size as usize);
     }
 
     #[test]
@@ -289,12 +359,14 @@ mod tests {
         assert_eq!(a.send_frames(&[&[7u8; 60]]).unwrap(), 1);
         // The connector waits for the creator to hand over the memory, which the creator does in
         // any port call: open b on another thread while a polls.
+        // A creator asleep on its readiness descriptor wakes for the connecting peer.
         let opener = std::thread::spawn(move || ShmPort::open(&spec).unwrap());
-        let t0 = std::time::Instant::now();
-        while !a.connected() {
-            assert!(t0.elapsed() < Duration::from_secs(10), "peer never connected");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        assert!(a.arm_readiness());
+        let mut pfd = libc::pollfd { fd: a.readiness_fd().unwrap(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one live pollfd.
+        assert_eq!(unsafe { libc::poll(&mut pfd, 1, 10_000) }, 1, "peer never connected");
+        a.disarm_readiness();
+        assert!(a.connected());
         let mut b = opener.join().unwrap();
         assert!(!path.exists(), "the socket file is removed once the peer is connected");
         let mut got = Vec::new();
@@ -306,6 +378,34 @@ mod tests {
         a.rx_burst(8, &mut |f| got.push(f.len())).unwrap();
         assert_eq!(got, vec![1514]);
         assert_ne!(a.mac(), b.mac());
+
+        // The readiness descriptor: quiet while armed and empty, readable once the peer sends
+        // (the peer rings because we asked), quiet again after disarming.
+        let readable = |p: &ShmPort| {
+            let mut pfd = libc::pollfd { fd: p.readiness_fd().unwrap(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one live pollfd.
+            unsafe { libc::poll(&mut pfd, 1, 0) == 1 }
+        };
+        assert!(a.arm_readiness(), "nothing waiting");
+        assert!(!readable(&a));
+        let before = crate::realtime_ns();
+        b.send_frames(&[&[3u8; 100]]).unwrap();
+        assert!(readable(&a), "the peer rang");
+        assert!(!a.arm_readiness(), "a frame is waiting");
+        a.disarm_readiness();
+        assert!(!readable(&a), "disarming clears the bell");
+        // Each frame comes with when its sender wrote it.
+        let mut got = Vec::new();
+        a.rx_burst_stamped(8, &mut |f, stamp| got.push((f.len(), stamp))).unwrap();
+        let (len, stamp) = got[0];
+        assert_eq!(len, 100);
+        let stamp = stamp.expect("stamped");
+        assert!(stamp >= before && stamp <= crate::realtime_ns());
+        // A peer's frame too short to hold its stamp is counted and dropped.
+        b.tx.send_with(|_| Some(4)).unwrap();
+        let dropped = a.counters().rx_dropped;
+        assert_eq!(a.rx_burst(8, &mut |_| panic!("no frame")).unwrap(), 0);
+        assert_eq!(a.counters().rx_dropped, dropped + 1);
         assert_eq!(a.counters().tx_frames, 1);
         assert_eq!(b.counters().rx_bytes, 60);
     }

@@ -169,6 +169,14 @@ impl Port for VlanPort {
         self.inner.readiness_fd()
     }
 
+    fn arm_readiness(&mut self) -> bool {
+        self.inner.arm_readiness()
+    }
+
+    fn disarm_readiness(&mut self) {
+        self.inner.disarm_readiness()
+    }
+
     fn mac(&self) -> MacAddr {
         self.inner.mac()
     }

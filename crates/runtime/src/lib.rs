@@ -694,7 +694,13 @@ impl Worker {
         }
         parking();
         match (watch_port, self.readiness_fd) {
-            (true, Some(fd)) => waker.wait(Some(fd), timeout),
+            (true, Some(fd)) => {
+                // A doorbell port rings only when asked; a waiting frame means no sleep.
+                if self.with_port(|p| p.arm_readiness()) {
+                    waker.wait(Some(fd), timeout);
+                }
+                self.with_port(|p| p.disarm_readiness());
+            }
             (true, None) => {
                 // The port has no descriptor: wait on it briefly so local sends are not delayed
                 // by more than that.

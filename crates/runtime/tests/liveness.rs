@@ -64,6 +64,12 @@ impl Port for Muffled {
     fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
         self.inner.readiness_fd()
     }
+    fn arm_readiness(&mut self) -> bool {
+        self.inner.arm_readiness()
+    }
+    fn disarm_readiness(&mut self) {
+        self.inner.disarm_readiness()
+    }
     fn mac(&self) -> MacAddr {
         self.inner.mac()
     }

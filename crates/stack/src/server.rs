@@ -575,10 +575,14 @@ impl Core {
         });
         if !pending {
             if self.dev.port().readiness_fd().is_some() {
-                let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
-                let ms = delay.div_ceil(1000).clamp(1, 100) as i32;
-                // SAFETY: events is a live array of 16 entries.
-                unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), 16, ms) };
+                // A doorbell port rings only when asked; a waiting frame means no sleep.
+                if self.dev.port_mut().arm_readiness() {
+                    let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
+                    let ms = delay.div_ceil(1000).clamp(1, 100) as i32;
+                    // SAFETY: events is a live array of 16 entries.
+                    unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), 16, ms) };
+                }
+                self.dev.port_mut().disarm_readiness();
             } else {
                 let _ = self.dev.port_mut().wait(Some(Duration::from_micros(delay.min(1000))));
             }
