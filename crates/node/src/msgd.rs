@@ -755,15 +755,15 @@ impl MsgClient {
             if self.daemon_gone() {
                 return Err(MsgError::DaemonGone);
             }
+            if self.engine.has_records() {
+                // Records waiting for room in the ring: the daemon frees it without a word, and
+                // a stream refills it at once, so give the daemon the core rather than nap.
+                std::thread::yield_now();
+                continue;
+            }
             self.from_daemon.prepare_wait();
             if !self.from_daemon.has_pending() {
-                // Records waiting for room in the ring: the daemon frees it without a word.
-                let nap = if self.engine.has_records() {
-                    Duration::from_micros(200)
-                } else {
-                    Duration::from_millis(5)
-                };
-                let _ = self.my_bell.wait(Some(left.min(nap)));
+                let _ = self.my_bell.wait(Some(left.min(Duration::from_millis(5))));
             }
             self.from_daemon.finish_wait();
         }
