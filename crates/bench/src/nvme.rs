@@ -37,7 +37,9 @@
 //! commands: bridges, transport, port and controller, less the backing store), `backing`
 //! (pread/pwrite of the backing file) and `nbd_reply` (sending the reply, a READ's data
 //! included). The stages overlap a little (a reply is read while it is sent), so the first is
-//! clamped at zero. With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
+//! clamped at zero. `--cmb on,off` measures each lanbus row with the driver's queues, PRP lists
+//! and write data in the drive's Controller Memory Buffer and in host memory (the `cmb`
+//! parameter; both compare with the same `peer:nbd-tcp` figures). With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
 //! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
 
 use std::path::{Path, PathBuf};
@@ -92,6 +94,13 @@ pub struct NvmeBenchArgs {
     /// queue briefly, then sleep on MSI-X; what the host daemon uses) or `interrupt`.
     #[arg(long, default_value = "poll", value_parser = ["poll", "interrupt"])]
     completion: String,
+    /// Whether the lanbus rows' driver uses the drive's Controller Memory Buffer: `on` (its
+    /// submission queues, PRP lists and write data in the drive's memory, reached with posted
+    /// writes; what the host daemon does) or `off` (all of them in host memory, where Linux's
+    /// own nvme driver puts them: the drive then reads each command and each write's data
+    /// across the fabric, a round trip each). Comma-separated for both in one run.
+    #[arg(long, value_delimiter = ',', default_value = "on", value_parser = ["on", "off"])]
+    cmb: Vec<String>,
     /// MTUs of the veth pair the udp, afpacket, afxdp and peer:nbd-tcp rows cross
     /// (comma-separated: those rows run at each, and each figure names its MTU). The default is
     /// the usual jumbo frame (an AF_XDP frame then takes three 4 KiB UMEM frames: multi-buffer
@@ -113,12 +122,12 @@ impl NvmeBenchArgs {
             .filter(|rw| self.rw.is_empty() || self.rw.iter().any(|r| r == rw))
     }
 
-    fn driver_config(&self) -> lanbus_nvme::DriverConfig {
+    fn driver_config(&self, cmb: &str) -> lanbus_nvme::DriverConfig {
         let completion = match self.completion.as_str() {
             "interrupt" => lanbus_nvme::CompletionMode::Interrupt,
             _ => lanbus_nvme::CompletionMode::Poll,
         };
-        lanbus_nvme::DriverConfig { completion, ..drive::driver_config() }
+        lanbus_nvme::DriverConfig { completion, use_cmb: cmb == "on", ..drive::driver_config() }
     }
 }
 
@@ -390,10 +399,18 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
                 continue;
             }
             let bs = row.params.get("block_size").and_then(|v| v.as_f64()).unwrap_or(0.0) / 1024.0;
-            let name = match row.params.get("iodepth").and_then(|v| v.as_u64()) {
-                Some(d) if d != 1 => format!("{} qd{d}", row.name),
-                _ => row.name.clone(),
-            };
+            let mut name = row.name.clone();
+            if let Some(d) = row.params.get("iodepth").and_then(|v| v.as_u64()).filter(|&d| d != 1) {
+                name.push_str(&format!(" qd{d}"));
+            }
+            if args.mtu.len() > 1 {
+                if let Some(m) = row.params.get("mtu").and_then(|v| v.as_u64()) {
+                    name.push_str(&format!(" MTU {m}"));
+                }
+            }
+            if row.params.get("cmb").and_then(|v| v.as_str()) == Some("off") {
+                name.push_str(" CMB off");
+            }
             match series.iter_mut().find(|s| s.name == name) {
                 Some(s) => s.points.push((bs, row.value)),
                 None => series.push(Series { name, points: vec![(bs, row.value)] }),
@@ -418,6 +435,15 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
 /// The rows that cross the veth, measured at every `--mtu`.
 const VETH_ROWS: [&str; 4] = ["udp", "afpacket", "afxdp", "peer:nbd-tcp"];
 
+/// Which row to measure, and how: the veth's MTU (rows that cross it) and whether the driver uses
+/// the drive's memory buffer (lanbus rows).
+#[derive(Debug, Clone, Copy)]
+struct RowSetting {
+    name: &'static str,
+    mtu: Option<u32>,
+    cmb: Option<&'static str>,
+}
+
 /// A port's floor: the port kind and the veth's MTU (none over loopback).
 type Floor = (&'static str, Option<u32>);
 
@@ -430,6 +456,8 @@ struct Point {
     depth: u32,
     /// The veth's MTU, for rows that cross it.
     mtu: Option<u32>,
+    /// Whether the driver used the drive's memory buffer (lanbus rows).
+    cmb: Option<&'static str>,
 }
 
 /// A point's figures, one per run.
@@ -487,6 +515,11 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     }
     rows.retain(|n| want(n));
     let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
+    let mut cmbs: Vec<&'static str> =
+        ["on", "off"].into_iter().filter(|c| args.cmb.iter().any(|a| a == c)).collect();
+    if cmbs.is_empty() {
+        cmbs.push("on");
+    }
     let runtime = if args.quick { 1 } else { 2 };
     create_backing(dir, size)?;
     let mut points: Vec<(Point, Samples)> = Vec::new();
@@ -499,17 +532,30 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             if let Some(v) = &veth {
                 v.set_mtu(mtu as usize).with_context(|| format!("setting the veth's MTU to {mtu}"))?;
             }
-            for &name in &rows {
+            // Each lanbus row at every `--cmb`, the peers once.
+            let settings = rows.iter().flat_map(|&name| {
+                let cmb: Vec<Option<&'static str>> = if name.starts_with("peer:") {
+                    vec![None]
+                } else {
+                    cmbs.iter().map(|&c| Some(c)).collect()
+                };
+                cmb.into_iter().map(move |c| (name, c))
+            });
+            for (name, cmb) in settings {
                 let crosses = veth.is_some() && VETH_ROWS.contains(&name);
                 // Rows without the veth do not depend on its MTU: once per run.
                 if !crosses && m > 0 {
                     continue;
                 }
                 let mtu = crosses.then_some(mtu);
-                let label = mtu.map_or(name.to_string(), |m| format!("{name} (MTU {m})"));
+                let mut label = mtu.map_or(name.to_string(), |m| format!("{name} (MTU {m})"));
+                if cmb == Some("off") {
+                    label.push_str(" (CMB off)");
+                }
                 eprintln!("bench nvme: run {run}/{runs}: {label}");
+                let row = RowSetting { name, mtu, cmb };
                 if let Err(e) =
-                    measure_row(args, dir, veth.as_ref(), name, mtu, &sizes, largest, runtime, &mut points)
+                    measure_row(args, dir, veth.as_ref(), row, &sizes, largest, runtime, &mut points)
                 {
                     eprintln!("bench nvme: row {label} missing: {e:#}");
                     if !missing.contains(&label) {
@@ -551,6 +597,9 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             if !p.name.starts_with("peer:") {
                 row = row.with("completion", args.completion.as_str());
             }
+            if let Some(cmb) = p.cmb {
+                row = row.with("cmb", cmb);
+            }
             if let Some(mtu) = p.mtu {
                 row = row.with("mtu", mtu);
             }
@@ -564,6 +613,9 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 .with("iodepth", p.depth);
             if let Some(mtu) = p.mtu {
                 row = row.with("mtu", mtu);
+            }
+            if let Some(cmb) = p.cmb {
+                row = row.with("cmb", cmb);
             }
             report.push(row);
         }
@@ -588,21 +640,22 @@ fn measure_row(
     args: &NvmeBenchArgs,
     dir: &Path,
     veth: Option<&VethPair>,
-    name: &'static str,
-    mtu: Option<u32>,
+    row: RowSetting,
     sizes: &[(&str, u64)],
     largest: u64,
     runtime: u64,
     points: &mut Vec<(Point, Samples)>,
 ) -> anyhow::Result<()> {
+    let RowSetting { name, mtu, cmb } = row;
+    let dcfg = args.driver_config(cmb.unwrap_or("on"));
     // fio runs here, except across the veth for the TCP peer.
     let fio_ns = (name == "peer:nbd-tcp").then(|| veth.map(|v| &v.a.netns)).flatten();
     let (holder, uri) = match name {
-        "local" => local(dir, args.driver_config())?,
+        "local" => local(dir, dcfg)?,
         "peer:qemu-nbd" => qemu(dir)?,
         "peer:nbd-tcp" => qemu_tcp(dir, veth.context("needs a veth pair (root)")?)?,
-        "sim" => over(dir, "sim", SimFabric::sim_ports(0.0, 1)?, args.driver_config())?,
-        kind => over(dir, kind, super::port_pair(kind, veth)?, args.driver_config())?,
+        "sim" => over(dir, "sim", SimFabric::sim_ports(0.0, 1)?, dcfg)?,
+        kind => over(dir, kind, super::port_pair(kind, veth)?, dcfg)?,
     };
     // The serving side's process: qemu-nbd for the peers; this one (bridges, driver, NBD server,
     // controller) for the lanbus rows.
@@ -622,7 +675,7 @@ fn measure_row(
                     continue;
                 }
             };
-            let point = Point { name, rw, block, depth, mtu };
+            let point = Point { name, rw, block, depth, mtu, cmb };
             let i = match points.iter().position(|(p, _)| *p == point) {
                 Some(i) => i,
                 None => {
