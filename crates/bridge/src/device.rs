@@ -691,7 +691,9 @@ impl Path for FabricPath {
             if !st.reads.changed() && !st.stop {
                 let wait = limit.saturating_duration_since(Instant::now());
                 st.sleeping = true;
+                st.reads.set_awaiting(Some(op));
                 let (mut st, _) = self.f.wake.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner());
+                st.reads.set_awaiting(None);
                 st.sleeping = false;
             }
         }

@@ -187,10 +187,12 @@ impl DmaPath for Blocking<'_> {
         Ok(())
     }
     fn read_many(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<(), DmaError> {
-        // All started, then each waited for: their completions share the round trip.
+        // All started, then each waited for: their completions share the round trip. The last
+        // first: completions come in order, so the worker sleeps once for the lot rather than
+        // once per read.
         let ops: Vec<OpId> = reads.iter().map(|(a, b)| self.0.start_read(*a, b.len())).collect();
         let mut first_error = None;
-        for (op, (_, buf)) in ops.into_iter().zip(reads.iter_mut()) {
+        for (op, (_, buf)) in ops.into_iter().zip(reads.iter_mut()).rev() {
             match self.0.wait_read(op) {
                 Ok(data) if data.len() == buf.len() => buf.copy_from_slice(&data),
                 Ok(_) => first_error = first_error.or(Some(DmaError::Completion(CplStatus::CompleterAbort))),

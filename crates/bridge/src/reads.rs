@@ -37,8 +37,12 @@ pub(crate) struct Reads {
     ops: TransactionMap<OpId>,
     next_op: OpId,
     finished: VecDeque<(OpId, Result<Vec<u8>, DmaError>)>,
-    /// A tag was freed or a read ended since `take_changed` (the worker wakes on it).
+    /// A tag a waiting request needs was freed, or a read ended, since `take_changed` (the worker
+    /// wakes on it).
     changed: bool,
+    /// The one read the worker sleeps for, if it sleeps for one: others that end meanwhile do
+    /// not wake it (it takes them when it asks for them).
+    awaiting: Option<OpId>,
 }
 
 impl Reads {
@@ -52,6 +56,7 @@ impl Reads {
             next_op: 0,
             finished: VecDeque::new(),
             changed: false,
+            awaiting: None,
         }
     }
 
@@ -115,7 +120,10 @@ impl Reads {
         if self.requester.handle_completion(self.at(now), tlp).is_err() {
             return false;
         }
-        if self.requester.requests_in_flight() < before {
+        // A freed tag matters to the worker only if a request waits for one (a read that ends
+        // says so in `end`): a wake-up per completion of a long read would cost the worker a
+        // context switch per 4 KiB.
+        if self.requester.requests_in_flight() < before && self.requester.queued_requests() > 0 {
             self.changed = true;
         }
         self.collect();
@@ -165,8 +173,10 @@ impl Reads {
         if result.is_err() {
             bump(&self.counters.dma_read_failures);
         }
+        if result.is_err() || self.awaiting.is_none_or(|a| a == op) {
+            self.changed = true;
+        }
         self.finished.push_back((op, result));
-        self.changed = true;
     }
 
     /// A finished read, if any.
@@ -183,7 +193,13 @@ impl Reads {
         }
     }
 
-    /// Whether a tag was freed or a read ended since the last `take_changed`.
+    /// Sets the read the worker is about to sleep for (`None`: any read that ends wakes it).
+    pub(crate) fn set_awaiting(&mut self, op: Option<OpId>) {
+        self.awaiting = op;
+    }
+
+    /// Whether a tag a waiting request needs was freed, or a read ended, since the last
+    /// `take_changed`.
     pub(crate) fn changed(&self) -> bool {
         self.changed
     }
@@ -201,5 +217,102 @@ fn dma_error(error: Error) -> DmaError {
         Error::Unreachable(_) => DmaError::HostUnreachable,
         // Completions that did not add up: the host's mistake, reported as an abort.
         _ => DmaError::Completion(CplStatus::CompleterAbort),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lanbus_pcie::request::completions_for_read;
+
+    const HOST: MacAddr = MacAddr([2, 0, 0, 0, 0, 1]);
+
+    /// `tags` tags; the read TLPs pumped so far.
+    fn reads(tags: u16) -> Reads {
+        Reads::new(Arc::new(Counters::default()), Duration::from_secs(1), tags)
+    }
+
+    fn pump(r: &mut Reads) -> Vec<Tlp> {
+        let mut sent = Vec::new();
+        r.pump(Some(HOST), Bdf(8), Instant::now(), |_, t| sent.push(t.clone()));
+        sent
+    }
+
+    /// The host's answer to one read request: 4 KiB completions of a byte pattern.
+    fn answer(rd: &Tlp) -> Vec<Tlp> {
+        completions_for_read(rd, Bdf(0), 4096, 64, |a, buf| {
+            for (i, b) in buf.iter_mut().enumerate() {
+                *b = (a as usize + i) as u8;
+            }
+            Ok(())
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn the_worker_wakes_for_a_whole_read_not_for_each_completion() {
+        let mut r = reads(256);
+        let op = r.start(0x10_0000, 64 << 10, 4096, Instant::now());
+        let sent = pump(&mut r);
+        assert_eq!(sent.len(), 16);
+        r.take_changed();
+        for (i, rd) in sent.iter().enumerate() {
+            for c in answer(rd) {
+                assert!(r.complete(HOST, &c, Instant::now()));
+            }
+            // A freed tag that no request waits for wakes nobody; the last piece ends the read.
+            assert_eq!(r.take_changed(), i == 15, "after piece {i}");
+        }
+        let data = r.take(op).unwrap().unwrap();
+        assert!(data.iter().enumerate().all(|(i, b)| *b == (0x10_0000 + i) as u8));
+    }
+
+    #[test]
+    fn a_freed_tag_wakes_the_worker_when_a_request_waits_for_it() {
+        let mut r = reads(2);
+        let op = r.start(0x2000, 4 * 4096, 4096, Instant::now());
+        let sent = pump(&mut r);
+        assert_eq!(sent.len(), 2, "two tags, two requests out");
+        r.take_changed();
+        for c in answer(&sent[0]) {
+            r.complete(HOST, &c, Instant::now());
+        }
+        assert!(r.take_changed(), "two requests wait for the freed tag");
+        assert_eq!(pump(&mut r).len(), 1);
+        assert!(r.take(op).is_none());
+    }
+
+    #[test]
+    fn while_the_worker_awaits_one_read_others_ending_do_not_wake_it() {
+        let mut r = reads(256);
+        let first = r.start(0x1000, 4096, 4096, Instant::now());
+        let second = r.start(0x8000, 4096, 4096, Instant::now());
+        let sent = pump(&mut r);
+        r.take_changed();
+        r.set_awaiting(Some(second));
+        for c in answer(&sent[0]) {
+            r.complete(HOST, &c, Instant::now());
+        }
+        assert!(!r.take_changed(), "the first read ended; the worker waits for the second");
+        for c in answer(&sent[1]) {
+            r.complete(HOST, &c, Instant::now());
+        }
+        assert!(r.take_changed());
+        r.set_awaiting(None);
+        assert!(r.take(first).unwrap().is_ok());
+        assert!(r.take(second).unwrap().is_ok());
+    }
+
+    #[test]
+    fn a_failed_read_wakes_the_worker_whatever_it_awaits() {
+        let mut r = reads(256);
+        let first = r.start(0x1000, 4096, 4096, Instant::now());
+        let second = r.start(0x8000, 4096, 4096, Instant::now());
+        pump(&mut r);
+        r.take_changed();
+        r.set_awaiting(Some(second));
+        r.fail_all(DmaError::HostUnreachable);
+        assert!(r.take_changed());
+        assert_eq!(r.take(first), Some(Err(DmaError::HostUnreachable)));
     }
 }

@@ -210,6 +210,11 @@ impl Requester {
         self.tags.outstanding()
     }
 
+    /// Requests waiting for a tag (sent by the next [`Requester::poll_transmit`]s as tags free).
+    pub fn queued_requests(&self) -> usize {
+        self.queued.len()
+    }
+
     /// Tags quarantined after a timeout or an abort.
     pub fn quarantined_tags(&self) -> usize {
         self.tags.quarantined()
