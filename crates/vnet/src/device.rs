@@ -45,8 +45,10 @@ pub struct Offloads {
 
 /// The device's wire: where transmitted frames go.
 pub trait Wire: Send {
-    /// Sends one frame: a `virtio_net_hdr` ([`NET_HDR_LEN`] bytes) and the Ethernet frame.
-    fn send(&mut self, frame: &[u8]) -> io::Result<()>;
+    /// Sends one frame: a `virtio_net_hdr` ([`NET_HDR_LEN`] bytes) and the Ethernet frame. A wire
+    /// may queue it and write it later (the device goes on with its queues meanwhile); errors
+    /// it meets then are its own to count.
+    fn send(&mut self, frame: Vec<u8>) -> io::Result<()>;
     /// Tells the wire which offloads the driver accepts, so that it hands over frames the driver
     /// can take. Called after feature negotiation and at reset (all off).
     fn set_offloads(&mut self, offloads: Offloads) -> io::Result<()>;
@@ -520,11 +522,12 @@ impl NetDevice {
             }
             host.read_many(&mut reads)?;
         }
-        for frame in &frames {
+        for frame in frames {
+            let len = frame.len();
             match self.wire.send(frame) {
                 Ok(()) => {
                     add(&self.stats.tx_frames, 1);
-                    add(&self.stats.tx_bytes, (frame.len() - NET_HDR_LEN) as u64);
+                    add(&self.stats.tx_bytes, (len - NET_HDR_LEN) as u64);
                 }
                 Err(_) => add(&self.stats.tx_errors, 1),
             }

@@ -30,8 +30,8 @@ pub struct RecordingWire {
 }
 
 impl Wire for RecordingWire {
-    fn send(&mut self, frame: &[u8]) -> std::io::Result<()> {
-        lock(&self.sent).push(frame.to_vec());
+    fn send(&mut self, frame: Vec<u8>) -> std::io::Result<()> {
+        lock(&self.sent).push(frame);
         Ok(())
     }
     fn set_offloads(&mut self, offloads: Offloads) -> std::io::Result<()> {

@@ -199,11 +199,18 @@ fn wait_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
     Ok(n > 0)
 }
 
-/// The I/O box's wire: a TAP, with a reader thread filling the device's [`Inbound`] queue.
+/// Frames the device may hand the TAP's writer before it waits for the writer.
+const OUTBOUND_FRAMES: usize = 128;
+
+/// The I/O box's wire: a TAP, with a reader thread filling the device's [`Inbound`] queue and a
+/// writer thread writing the frames the device sends, so that the device reads its next frames
+/// from the host while the kernel takes the last ones.
 pub struct TapWire {
     tap: Arc<Tap>,
     inbound: Arc<Inbound>,
     reader: Option<JoinHandle<()>>,
+    outbound: Option<std::sync::mpsc::SyncSender<Vec<u8>>>,
+    writer: Option<JoinHandle<()>>,
 }
 
 impl TapWire {
@@ -213,11 +220,20 @@ impl TapWire {
         let tap = Arc::new(Tap::open(name)?);
         tap.configure(None, Some(mtu), true)?;
         let inbound = Inbound::new(capacity);
-        let (t, q) = (tap.clone(), inbound.clone());
-        let reader = std::thread::Builder::new()
-            .name(format!("nic-{name}"))
-            .spawn(move || read_loop(&t, &q, &stats))?;
-        Ok(TapWire { tap, inbound, reader: Some(reader) })
+        let (t, q, s) = (tap.clone(), inbound.clone(), stats.clone());
+        let reader =
+            std::thread::Builder::new().name(format!("nic-{name}")).spawn(move || read_loop(&t, &q, &s))?;
+        let (outbound, frames) = std::sync::mpsc::sync_channel::<Vec<u8>>(OUTBOUND_FRAMES);
+        let t = tap.clone();
+        let writer = std::thread::Builder::new().name(format!("nic-{name}-tx")).spawn(move || {
+            // A frame the kernel refuses is counted; the writer ends when the wire is dropped.
+            for frame in frames {
+                if t.write(&frame).is_err() {
+                    stats.tx_errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })?;
+        Ok(TapWire { tap, inbound, reader: Some(reader), outbound: Some(outbound), writer: Some(writer) })
     }
 
     /// The queue the device takes received frames from.
@@ -247,8 +263,9 @@ fn read_loop(tap: &Tap, inbound: &Inbound, stats: &NetStats) {
 }
 
 impl Wire for TapWire {
-    fn send(&mut self, frame: &[u8]) -> io::Result<()> {
-        self.tap.write(frame)
+    fn send(&mut self, frame: Vec<u8>) -> io::Result<()> {
+        let out = self.outbound.as_ref().ok_or_else(|| io::Error::other("the TAP's writer stopped"))?;
+        out.send(frame).map_err(|_| io::Error::other("the TAP's writer stopped"))
     }
     fn set_offloads(&mut self, offloads: Offloads) -> io::Result<()> {
         self.tap.set_offloads(offloads)
@@ -260,6 +277,10 @@ impl Drop for TapWire {
         self.inbound.close();
         if let Some(r) = self.reader.take() {
             let _ = r.join();
+        }
+        drop(self.outbound.take());
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
         }
     }
 }
