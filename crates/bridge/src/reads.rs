@@ -227,7 +227,7 @@ mod tests {
 
     const HOST: MacAddr = MacAddr([2, 0, 0, 0, 0, 1]);
 
-    /// `tags` tags; the read TLPs pumped so far.
+    /// A function's reads with `tags` tags.
     fn reads(tags: u16) -> Reads {
         Reads::new(Arc::new(Counters::default()), Duration::from_secs(1), tags)
     }
