@@ -157,11 +157,12 @@ impl Default for NetConfig {
 /// The device's counters, readable from other threads.
 #[derive(Debug, Default)]
 pub struct NetStats {
-    /// Frames the driver transmitted that went to the wire.
+    /// Frames the driver transmitted that the wire took (a wire that queues them may still fail
+    /// to write one later: that one is counted in `tx_errors` too).
     pub tx_frames: AtomicU64,
     /// Their bytes (without the header).
     pub tx_bytes: AtomicU64,
-    /// Frames the wire refused (send failed).
+    /// Frames the wire refused, at once or when it came to write them.
     pub tx_errors: AtomicU64,
     /// Transmit buffers too short or too long to be a frame (used, not sent).
     pub tx_malformed: AtomicU64,
