@@ -147,11 +147,25 @@ struct FnState {
     /// The function's ID as its host addressed it.
     bdf: Bdf,
     stop: bool,
-    /// The worker sleeps on `wake` (only then is a notification worth a system call).
-    sleeping: bool,
+    /// Whether and for what the worker sleeps on `wake` (only then is a notification worth a
+    /// system call).
+    sleeping: Sleep,
     /// The receive thread left the model work only the worker may do (it reads host memory or
     /// may wait for storage).
     kicked: bool,
+}
+
+/// What the worker sleeps for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sleep {
+    /// It runs.
+    No,
+    /// For work: a request, a kick, a read that ended, a timeout.
+    ForWork,
+    /// For the DMA read it waits for in the middle of running the model: only that read's end (or
+    /// a failure, or the bridge stopping) lets it go on; new work waits for the model to return,
+    /// so waking it for that would cost a context switch and do nothing.
+    ForRead,
 }
 
 struct FnShared {
@@ -166,11 +180,20 @@ struct FnShared {
 }
 
 impl FnShared {
-    /// Wakes the worker if it sleeps. Called after publishing work under `state`'s lock.
+    /// Wakes the worker if it sleeps for work. Called after publishing work under `state`'s lock.
     fn notify(&self, st: std::sync::MutexGuard<'_, FnState>) {
         let sleeping = st.sleeping;
         drop(st);
-        if sleeping {
+        if sleeping == Sleep::ForWork {
+            self.wake.notify_all();
+        }
+    }
+
+    /// Wakes the worker if it sleeps at all: its reads changed (`Reads` says when that matters).
+    fn notify_reads(&self, st: std::sync::MutexGuard<'_, FnState>) {
+        let sleeping = st.sleeping;
+        drop(st);
+        if sleeping != Sleep::No {
             self.wake.notify_all();
         }
     }
@@ -442,7 +465,15 @@ impl DevHandler {
         f.notify(st);
     }
 
-    fn complete(&self, peer: MacAddr, tlp: &Tlp, session: (Option<MacAddr>, u16), out: &mut dyn Outbox) {
+    /// Feeds a completion, decoded in place (`payload` still in the frame), to the read it ends.
+    fn complete(
+        &self,
+        peer: MacAddr,
+        tlp: &Tlp,
+        payload: &[u8],
+        session: (Option<MacAddr>, u16),
+        out: &mut dyn Outbox,
+    ) {
         let Header::Completion(c) = &tlp.header else { return };
         let Some(f) = self.shared.fns.get(usize::from(c.requester_id.function())) else {
             bump(&self.shared.counters.unexpected_completions);
@@ -450,7 +481,7 @@ impl DevHandler {
         };
         if let Some(inl) = &f.inline {
             let mut g = lock(inl);
-            if g.session(session).path.complete(peer, tlp) {
+            if g.session(session).path.complete(peer, tlp, payload) {
                 g.run();
                 g.flush(out);
             } else {
@@ -459,14 +490,14 @@ impl DevHandler {
             return;
         }
         let mut st = lock(&f.state);
-        if !st.reads.complete(peer, tlp, Instant::now()) {
+        if !st.reads.complete(peer, tlp, payload, Instant::now()) {
             bump(&self.shared.counters.unexpected_completions);
             return;
         }
         // The worker pumps the freed tag and collects the read (a partial completion needs
         // nothing of it).
         if st.reads.changed() {
-            f.notify(st);
+            f.notify_reads(st);
         }
     }
 }
@@ -508,7 +539,7 @@ impl Handler for DevHandler {
         };
         bump(&c.tlps_received);
         // Decoded in place: a write's payload is copied once, to where it goes.
-        let (mut tlp, payload) = match Tlp::decode_borrowed(m.data) {
+        let (tlp, payload) = match Tlp::decode_borrowed(m.data) {
             Ok(t) => t,
             Err(_) => {
                 bump(&c.malformed);
@@ -543,10 +574,7 @@ impl Handler for DevHandler {
                     None => bump(&c.unclaimed_writes),
                 }
             }
-            (TlpKind::Cpl | TlpKind::CplD, _) => {
-                tlp.data = payload.to_vec();
-                self.complete(m.peer, &tlp, session, out)
-            }
+            (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp, payload, session, out),
             _ if crate::is_non_posted(&tlp) => self.ur(out, m.peer, m.channel, &tlp),
             _ => bump(&c.malformed),
         }
@@ -639,6 +667,16 @@ impl Path for FabricPath {
         id
     }
 
+    fn start_reads(&mut self, reads: &[(u64, usize)]) -> Vec<OpId> {
+        let now = Instant::now();
+        let ids = {
+            let mut st = lock(&self.f.state);
+            reads.iter().map(|&(address, len)| st.reads.start(address, len, self.mrrs, now)).collect()
+        };
+        self.pump();
+        ids
+    }
+
     fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError> {
         let c = &self.shared.counters;
         let (host, channel) = {
@@ -690,11 +728,11 @@ impl Path for FabricPath {
             }
             if !st.reads.changed() && !st.stop {
                 let wait = limit.saturating_duration_since(Instant::now());
-                st.sleeping = true;
+                st.sleeping = Sleep::ForRead;
                 st.reads.set_awaiting(Some(op));
                 let (mut st, _) = self.f.wake.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner());
                 st.reads.set_awaiting(None);
-                st.sleeping = false;
+                st.sleeping = Sleep::No;
             }
         }
     }
@@ -802,10 +840,10 @@ fn worker(index: usize, shared: Arc<Shared>, sender: Sender) {
                     None if wants_run => Duration::from_millis(1),
                     None => Duration::from_millis(100),
                 };
-                st.sleeping = true;
+                st.sleeping = Sleep::ForWork;
                 let (g, timeout) = f.wake.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner());
                 st = g;
-                st.sleeping = false;
+                st.sleeping = Sleep::No;
                 if timeout.timed_out() {
                     idle_runs = 0;
                     break;
@@ -895,7 +933,7 @@ impl DeviceBridge {
                         bars: Vec::new(),
                         bdf,
                         stop: false,
-                        sleeping: false,
+                        sleeping: Sleep::No,
                         kicked: false,
                     }),
                     wake: Condvar::new(),

@@ -753,11 +753,12 @@ impl Handler for HostHandler {
                     sh.config.rcb,
                     completions,
                     |a, buf| regions.read_dws(want, len as u64, a, buf).ok_or(()),
-                    |cpl| {
-                        scratch.resize(cpl.buffer_len(), 0);
-                        if let Ok(n) = cpl.emit(scratch) {
-                            out.send(m.peer, m.channel, &scratch[..n]);
-                        }
+                    |cpl, payload| {
+                        // The header here, the payload straight from the region's copy: each
+                        // byte is copied once more, into the transport.
+                        scratch.resize(cpl.header_len(), 0);
+                        let n = cpl.emit_header(scratch);
+                        out.send_parts(m.peer, m.channel, &[&scratch[..n], payload]);
                     },
                 );
                 drop(domains);

@@ -24,6 +24,11 @@ pub(crate) type OpId = u64;
 pub(crate) trait Path {
     /// Starts a read of `len` bytes at `address`; its result comes from `poll_read`/`wait_read`.
     fn start_read(&mut self, address: u64, len: usize) -> OpId;
+    /// Starts every read of `reads` (address, length), in order, as one batch: a path that sends
+    /// through another thread hands it their requests at once, not one wake-up per read.
+    fn start_reads(&mut self, reads: &[(u64, usize)]) -> Vec<OpId> {
+        reads.iter().map(|&(address, len)| self.start_read(address, len)).collect()
+    }
     /// A posted write.
     fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError>;
     /// A finished read, if any, without waiting.
@@ -190,7 +195,8 @@ impl DmaPath for Blocking<'_> {
         // All started, then each waited for: their completions share the round trip. The last
         // first: completions come in order, so the worker sleeps once for the lot rather than
         // once per read.
-        let ops: Vec<OpId> = reads.iter().map(|(a, b)| self.0.start_read(*a, b.len())).collect();
+        let wanted: Vec<(u64, usize)> = reads.iter().map(|(a, b)| (*a, b.len())).collect();
+        let ops = self.0.start_reads(&wanted);
         let mut first_error = None;
         for (op, (_, buf)) in ops.into_iter().zip(reads.iter_mut()).rev() {
             match self.0.wait_read(op) {
@@ -200,6 +206,20 @@ impl DmaPath for Blocking<'_> {
             }
         }
         first_error.map_or(Ok(()), Err)
+    }
+    fn read_owned(&mut self, reads: &[(u64, usize)]) -> Result<Vec<Vec<u8>>, DmaError> {
+        // As `read_many`, handing over the buffers the reads were reassembled in.
+        let ops = self.0.start_reads(reads);
+        let mut got: Vec<Vec<u8>> = vec![Vec::new(); reads.len()];
+        let mut first_error = None;
+        for ((op, &(_, len)), slot) in ops.into_iter().zip(reads).zip(got.iter_mut()).rev() {
+            match self.0.wait_read(op) {
+                Ok(data) if data.len() == len => *slot = data,
+                Ok(_) => first_error = first_error.or(Some(DmaError::Completion(CplStatus::CompleterAbort))),
+                Err(e) => first_error = first_error.or(Some(e)),
+            }
+        }
+        first_error.map_or(Ok(got), Err)
     }
     fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError> {
         self.0.write(address, data)

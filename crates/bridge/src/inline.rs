@@ -207,9 +207,9 @@ impl InlinePath {
     }
 
     /// Feeds a completion from `peer`; false if it matches no read in flight.
-    pub(crate) fn complete(&mut self, peer: MacAddr, tlp: &Tlp) -> bool {
+    pub(crate) fn complete(&mut self, peer: MacAddr, tlp: &Tlp, payload: &[u8]) -> bool {
         let now = Instant::now();
-        let matched = self.reads.complete(peer, tlp, now);
+        let matched = self.reads.complete(peer, tlp, payload, now);
         if matched {
             self.pump(now);
         }

@@ -112,12 +112,12 @@ impl Reads {
     }
 
     /// Feeds a completion from `peer`; false if it matches no read in flight. The caller pumps.
-    pub(crate) fn complete(&mut self, peer: MacAddr, tlp: &Tlp, now: Instant) -> bool {
+    pub(crate) fn complete(&mut self, peer: MacAddr, tlp: &Tlp, payload: &[u8], now: Instant) -> bool {
         if self.host != Some(peer) {
             return false;
         }
         let before = self.requester.requests_in_flight();
-        if self.requester.handle_completion(self.at(now), tlp).is_err() {
+        if self.requester.handle_completion_payload(self.at(now), tlp, payload).is_err() {
             return false;
         }
         // A freed tag matters to the worker only if a request waits for one (a read that ends
@@ -258,7 +258,7 @@ mod tests {
         r.take_changed();
         for (i, rd) in sent.iter().enumerate() {
             for c in answer(rd) {
-                assert!(r.complete(HOST, &c, Instant::now()));
+                assert!(r.complete(HOST, &c, &c.data, Instant::now()));
             }
             // A freed tag that no request waits for wakes nobody; the last piece ends the read.
             assert_eq!(r.take_changed(), i == 15, "after piece {i}");
@@ -275,7 +275,7 @@ mod tests {
         assert_eq!(sent.len(), 2, "two tags, two requests out");
         r.take_changed();
         for c in answer(&sent[0]) {
-            r.complete(HOST, &c, Instant::now());
+            r.complete(HOST, &c, &c.data, Instant::now());
         }
         assert!(r.take_changed(), "two requests wait for the freed tag");
         assert_eq!(pump(&mut r).len(), 1);
@@ -291,11 +291,11 @@ mod tests {
         r.take_changed();
         r.set_awaiting(Some(second));
         for c in answer(&sent[0]) {
-            r.complete(HOST, &c, Instant::now());
+            r.complete(HOST, &c, &c.data, Instant::now());
         }
         assert!(!r.take_changed(), "the first read ended; the worker waits for the second");
         for c in answer(&sent[1]) {
-            r.complete(HOST, &c, Instant::now());
+            r.complete(HOST, &c, &c.data, Instant::now());
         }
         assert!(r.take_changed());
         r.set_awaiting(None);

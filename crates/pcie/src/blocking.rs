@@ -33,6 +33,16 @@ pub trait HostAccess {
         }
         Ok(())
     }
+    /// Reads several ranges (address, length) like [`read_many`](Self::read_many), into buffers
+    /// of their own that it returns in order: a path whose reads arrive in buffers hands those
+    /// over instead of copying them. The default reads into fresh buffers.
+    fn read_owned(&mut self, reads: &[(u64, usize)]) -> core::result::Result<Vec<Vec<u8>>, DmaError> {
+        let mut bufs: Vec<Vec<u8>> = reads.iter().map(|&(_, len)| vec![0; len]).collect();
+        let mut ranges: Vec<(u64, &mut [u8])> =
+            reads.iter().zip(bufs.iter_mut()).map(|(&(a, _), b)| (a, b.as_mut_slice())).collect();
+        self.read_many(&mut ranges)?;
+        Ok(bufs)
+    }
     /// Writes `data` to host memory at `address` (posted: an error means it could not be sent).
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
     /// Raises MSI-X `vector`. Writes made before it reach the host first.
@@ -78,6 +88,14 @@ pub trait DmaPath {
             self.read(*address, buf)?;
         }
         Ok(())
+    }
+    /// Reads several ranges into buffers of their own (see [`HostAccess::read_owned`]).
+    fn read_owned(&mut self, reads: &[(u64, usize)]) -> core::result::Result<Vec<Vec<u8>>, DmaError> {
+        let mut bufs: Vec<Vec<u8>> = reads.iter().map(|&(_, len)| vec![0; len]).collect();
+        let mut ranges: Vec<(u64, &mut [u8])> =
+            reads.iter().zip(bufs.iter_mut()).map(|(&(a, _), b)| (a, b.as_mut_slice())).collect();
+        self.read_many(&mut ranges)?;
+        Ok(bufs)
     }
     /// Writes `data` at `address` (posted).
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
@@ -190,6 +208,14 @@ impl HostAccess for Access<'_> {
             return Err(DmaError::BusMasterDisabled);
         }
         self.path.read_many(reads)
+    }
+
+    fn read_owned(&mut self, reads: &[(u64, usize)]) -> core::result::Result<Vec<Vec<u8>>, DmaError> {
+        if !self.config.bus_master() {
+            self.counters.dma_refused += 1;
+            return Err(DmaError::BusMasterDisabled);
+        }
+        self.path.read_owned(reads)
     }
 
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError> {

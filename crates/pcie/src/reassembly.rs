@@ -72,6 +72,13 @@ impl ReadReassembly {
     /// status, which ends the read ([`Error::CompletionStatus`]; later completions are
     /// unexpected).
     pub fn handle_completion(&mut self, cpl: &Tlp) -> Result<Progress> {
+        self.handle_completion_payload(cpl, &cpl.data)
+    }
+
+    /// [`handle_completion`](Self::handle_completion) for a completion decoded in place
+    /// ([`Tlp::decode_borrowed`]): its `data` left empty, its `payload` still in the frame, copied
+    /// once, to where it goes.
+    pub fn handle_completion_payload(&mut self, cpl: &Tlp, payload: &[u8]) -> Result<Progress> {
         let Header::Completion(h) = &cpl.header else {
             return Err(Error::UnexpectedCompletion("not a completion"));
         };
@@ -107,7 +114,7 @@ impl ReadReassembly {
         let start_dw = cur & !3;
         let end = self.address + len as u64;
         let end_dw = if len == 0 { start_dw + 4 } else { (end + 3) & !3 };
-        let got_end = start_dw.saturating_add(cpl.data.len() as u64);
+        let got_end = start_dw.saturating_add(payload.len() as u64);
         if got_end > end_dw {
             return Err(Error::InconsistentCompletion("more data than the read has left"));
         }
@@ -121,7 +128,7 @@ impl ReadReassembly {
         }
         let skip = (cur - start_dw) as usize;
         let n = (upto - cur) as usize;
-        self.data[self.received..self.received + n].copy_from_slice(&cpl.data[skip..skip + n]);
+        self.data[self.received..self.received + n].copy_from_slice(&payload[skip..skip + n]);
         self.received += n;
         if self.received == len {
             self.done = true;

@@ -320,13 +320,15 @@ pub fn completions_for_read(
 #[derive(Debug, Default)]
 pub struct CompletionScratch {
     data: Vec<u8>,
-    payload: Vec<u8>,
 }
 
 /// [`completions_for_read`] handing each completion to `emit` in order instead of collecting
-/// them, built in `scratch`'s reused buffers (no allocation per completion once they have grown).
-/// Same completions, same errors: every piece is read before the first is emitted, and a read that
-/// fails, or a request that needs no data, takes [`completions_for_read`]'s own path.
+/// them: `emit` gets the completion without its payload (`data` empty; `kind` and `length_dw`
+/// those of the whole TLP, so [`Tlp::emit_header`] writes its header) and the payload, a slice of
+/// `scratch`'s reused buffer. A caller that copies both into a message copies every byte once; no
+/// allocation per completion once the buffer has grown. Same completions, same errors: every piece
+/// is read before the first is emitted, and a read that fails, or a request that needs no data,
+/// takes [`completions_for_read`]'s own path.
 pub fn each_completion_for_read(
     request: &Tlp,
     completer_id: Bdf,
@@ -334,42 +336,43 @@ pub fn each_completion_for_read(
     rcb: usize,
     scratch: &mut CompletionScratch,
     mut read: impl FnMut(u64, &mut [u8]) -> core::result::Result<(), ()>,
-    mut emit: impl FnMut(&Tlp),
+    mut emit: impl FnMut(&Tlp, &[u8]),
 ) -> Result<()> {
     let (h, address, len) = read_request(request, mps, rcb)?;
     let pieces =
         if len == 0 { Vec::new() } else { split_completions(address, len, mps, rcb).unwrap_or_default() };
     let total: usize = pieces.iter().map(|p| usize::from(p.length_dw) * 4).sum();
-    scratch.data.clear();
-    scratch.data.resize(total, 0);
+    // Grown, never cleared: `read` overwrites every byte of the pieces it fills.
+    if scratch.data.len() < total {
+        scratch.data.resize(total, 0);
+    }
+    let data = &mut scratch.data[..total];
     let mut at = 0;
     let mut read_all = !pieces.is_empty();
     for p in &pieces {
         let n = usize::from(p.length_dw) * 4;
-        if read(p.address, &mut scratch.data[at..at + n]).is_err() {
+        if read(p.address, &mut data[at..at + n]).is_err() {
             read_all = false;
             break;
         }
         at += n;
     }
     if !read_all {
-        for c in completions_for_read(request, completer_id, mps, rcb, read)? {
-            emit(&c);
+        for mut c in completions_for_read(request, completer_id, mps, rcb, read)? {
+            let payload = core::mem::take(&mut c.data);
+            emit(&c, &payload);
         }
         return Ok(());
     }
-    let mut payload = core::mem::take(&mut scratch.payload);
     let mut at = 0;
     for p in &pieces {
         let n = usize::from(p.length_dw) * 4;
-        payload.clear();
-        payload.extend_from_slice(&scratch.data[at..at + n]);
+        let mut c = success_completion(request, h, completer_id, p, Vec::new());
+        c.kind = TlpKind::CplD;
+        c.length_dw = p.length_dw;
+        emit(&c, &data[at..at + n]);
         at += n;
-        let c = success_completion(request, h, completer_id, p, payload);
-        emit(&c);
-        payload = c.data;
     }
-    scratch.payload = payload;
     Ok(())
 }
 
@@ -637,9 +640,19 @@ mod each_completion_tests {
                         };
                         let want = completions_for_read(&req, Bdf(0), mps, rcb, read);
                         let mut got = Vec::new();
-                        let r = each_completion_for_read(&req, Bdf(0), mps, rcb, &mut scratch, read, |c| {
-                            got.push(c.clone())
-                        });
+                        let r = each_completion_for_read(
+                            &req,
+                            Bdf(0),
+                            mps,
+                            rcb,
+                            &mut scratch,
+                            read,
+                            |c, payload| {
+                                let mut whole = c.clone();
+                                whole.data = payload.to_vec();
+                                got.push(whole)
+                            },
+                        );
                         match want {
                             Ok(want) => {
                                 assert!(r.is_ok());

@@ -332,6 +332,12 @@ impl Requester {
     /// completions may still come, or the timeout ends it). A completion status other than
     /// success ends the transaction with [`RequesterEvent::Failed`]; that is not an error here.
     pub fn handle_completion(&mut self, now: Instant, cpl: &Tlp) -> Result<()> {
+        self.handle_completion_payload(now, cpl, &cpl.data)
+    }
+
+    /// [`handle_completion`](Self::handle_completion) for a completion decoded in place
+    /// ([`Tlp::decode_borrowed`]): its `data` left empty, its `payload` still in the frame.
+    pub fn handle_completion_payload(&mut self, now: Instant, cpl: &Tlp, payload: &[u8]) -> Result<()> {
         let tag = usize::from(cpl.tag.get());
         let ours = matches!(&cpl.header, Header::Completion(h) if h.requester_id == self.requester_id);
         let Some(mut flight) = self.in_flight.get_mut(tag).and_then(|f| f.take_if(|_| ours)) else {
@@ -341,15 +347,16 @@ impl Requester {
         let id = flight.id;
         let step: Result<bool> = match &mut flight.part {
             Part::Memory { reassembly, .. } => {
-                reassembly.handle_completion(cpl).map(|p| p == Progress::Complete)
+                reassembly.handle_completion_payload(cpl, payload).map(|p| p == Progress::Complete)
             }
             Part::Config { write } => {
                 let Header::Completion(h) = &cpl.header else { unreachable!("matched above") };
-                match (h.status, *write, cpl.kind, cpl.data.len()) {
+                match (h.status, *write, cpl.kind, payload.len()) {
                     (CplStatus::Success, true, TlpKind::Cpl, _) => Ok(true),
                     (CplStatus::Success, false, TlpKind::CplD, 4) => {
                         if let Some(t) = self.transactions.get_mut(&id) {
-                            t.data.clone_from(&cpl.data);
+                            t.data.clear();
+                            t.data.extend_from_slice(payload);
                         }
                         Ok(true)
                     }

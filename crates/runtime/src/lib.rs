@@ -125,6 +125,13 @@ pub trait Outbox {
     /// Queues `data` for `peer` on `channel`.
     fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]);
 
+    /// Queues the message made of `parts` (one after the other) for `peer` on `channel`, as
+    /// [`send`](Self::send) does with one slice: a message built of a header and a payload from
+    /// elsewhere is copied once, not first assembled.
+    fn send_parts(&mut self, peer: MacAddr, channel: u16, parts: &[&[u8]]) {
+        self.send(peer, channel, &parts.concat());
+    }
+
     /// Queues the message made of `parts` (one after the other) for `peer` on `channel` if the
     /// transport has room for it now, copying it once; false (nothing queued) when it has not,
     /// and the caller offers it again on a later turn. A handler that streams more than the
@@ -863,6 +870,12 @@ impl Outbox for Direct<'_> {
         }
     }
 
+    fn send_parts(&mut self, peer: MacAddr, channel: u16, parts: &[&[u8]]) {
+        if !self.try_send_parts(peer, channel, parts) {
+            self.backlog.push_back(Outgoing { peer, channel, data: parts.concat() });
+        }
+    }
+
     fn try_send_parts(&mut self, peer: MacAddr, channel: u16, parts: &[&[u8]]) -> bool {
         if !self.backlog.is_empty() {
             return false;
@@ -996,9 +1009,15 @@ impl Replies {
 
 impl Outbox for Replies {
     fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
+        self.send_parts(peer, channel, &[data]);
+    }
+
+    fn send_parts(&mut self, peer: MacAddr, channel: u16, parts: &[&[u8]]) {
         let start = self.bytes.len();
-        self.bytes.extend_from_slice(data);
-        self.items.push(Reply { peer, channel, start, len: data.len() });
+        for p in parts {
+            self.bytes.extend_from_slice(p);
+        }
+        self.items.push(Reply { peer, channel, start, len: self.bytes.len() - start });
     }
 }
 

@@ -494,9 +494,11 @@ impl NetDevice {
         if chains.is_empty() {
             return Ok(0);
         }
-        // Every frame of the batch read at once: one round trip, not one per frame.
+        // Every frame of the batch read at once: one round trip, not one per frame. A frame in
+        // one buffer (as drivers lay them out) is the buffer its read arrived in.
         let mut used = Vec::with_capacity(chains.len());
-        let mut frames: Vec<Vec<u8>> = Vec::with_capacity(chains.len());
+        let mut wanted: Vec<(u64, usize)> = Vec::new();
+        let mut shapes: Vec<usize> = Vec::with_capacity(chains.len());
         for c in &chains {
             used.push((c.head, 0));
             let len = c.len();
@@ -504,24 +506,17 @@ impl NetDevice {
                 add(&self.stats.tx_malformed, 1);
                 continue;
             }
-            frames.push(vec![0u8; len as usize]);
+            shapes.push(c.segments.len());
+            wanted.extend(c.segments.iter().map(|s| (s.addr, s.len as usize)));
         }
-        {
-            let mut reads: Vec<(u64, &mut [u8])> = Vec::new();
-            let mut bufs = frames.iter_mut();
-            for c in &chains {
-                let len = c.len();
-                if len < (NET_HDR_LEN + 14) as u64 || len > MAX_BUFFER as u64 {
-                    continue;
-                }
-                let Some(mut rest) = bufs.next().map(|b| b.as_mut_slice()) else { break };
-                for s in &c.segments {
-                    let (this, more) = rest.split_at_mut(s.len as usize);
-                    reads.push((s.addr, this));
-                    rest = more;
-                }
+        let mut pieces = host.read_owned(&wanted)?.into_iter();
+        let mut frames: Vec<Vec<u8>> = Vec::with_capacity(shapes.len());
+        for n in shapes {
+            let mut frame = pieces.next().unwrap_or_default();
+            for more in pieces.by_ref().take(n - 1) {
+                frame.extend_from_slice(&more);
             }
-            host.read_many(&mut reads)?;
+            frames.push(frame);
         }
         for frame in frames {
             let len = frame.len();
