@@ -30,8 +30,11 @@ pub struct ReadReassembly {
     requester_id: Bdf,
     tag: Tag,
     address: u64,
+    /// Bytes requested.
+    len: usize,
     /// Bytes received so far (the next expected byte is `address + received`).
     received: usize,
+    /// The bytes received, in order (completions of one request arrive in address order).
     data: Vec<u8>,
     failed: Option<CplStatus>,
     done: bool,
@@ -46,8 +49,9 @@ impl ReadReassembly {
             requester_id,
             tag,
             address,
+            len,
             received: 0,
-            data: vec![0; len],
+            data: Vec::with_capacity(len),
             failed: None,
             done: false,
         })
@@ -98,7 +102,7 @@ impl ReadReassembly {
         if cpl.kind != TlpKind::CplD {
             return Err(Error::InconsistentCompletion("successful read completion without data"));
         }
-        let len = self.data.len();
+        let len = self.len;
         let cur = self.address + self.received as u64;
         let (want_bc, want_la) = if len == 0 {
             (1, (self.address & 0x7c) as u8)
@@ -128,7 +132,7 @@ impl ReadReassembly {
         }
         let skip = (cur - start_dw) as usize;
         let n = (upto - cur) as usize;
-        self.data[self.received..self.received + n].copy_from_slice(&payload[skip..skip + n]);
+        self.data.extend_from_slice(&payload[skip..skip + n]);
         self.received += n;
         if self.received == len {
             self.done = true;

@@ -82,8 +82,9 @@ pub struct RequesterCounters {
 
 #[derive(Debug)]
 struct Transaction {
-    /// The bytes read so far; allocated when the first part ends, unless that part is the whole
-    /// transaction, whose reassembled bytes then become the data as they are.
+    /// The bytes read so far: the parts ended in address order, appended, or all `len` bytes
+    /// once one ended out of order; the reassembled bytes as they are if the first part to end
+    /// is the whole transaction.
     data: Vec<u8>,
     len: usize,
     /// Parts not yet ended.
@@ -98,8 +99,14 @@ impl Transaction {
             self.data = bytes;
             return;
         }
-        if self.data.len() != self.len {
-            self.data = vec![0; self.len];
+        // Parts usually end in address order: each is appended, nothing zeroed first.
+        if offset == self.data.len() && offset + bytes.len() <= self.len {
+            self.data.reserve_exact(self.len - self.data.len());
+            self.data.extend_from_slice(&bytes);
+            return;
+        }
+        if self.data.len() < self.len {
+            self.data.resize(self.len, 0);
         }
         if let Some(dst) = self.data.get_mut(offset..offset + bytes.len()) {
             dst.copy_from_slice(&bytes);
