@@ -37,16 +37,24 @@ pub trait HostAccess {
     /// of their own that it returns in order: a path whose reads arrive in buffers hands those
     /// over instead of copying them. The default reads into fresh buffers.
     fn read_owned(&mut self, reads: &[(u64, usize)]) -> core::result::Result<Vec<Vec<u8>>, DmaError> {
-        let mut bufs: Vec<Vec<u8>> = reads.iter().map(|&(_, len)| vec![0; len]).collect();
-        let mut ranges: Vec<(u64, &mut [u8])> =
-            reads.iter().zip(bufs.iter_mut()).map(|(&(a, _), b)| (a, b.as_mut_slice())).collect();
-        self.read_many(&mut ranges)?;
-        Ok(bufs)
+        read_into_fresh_buffers(reads, |r| self.read_many(r))
     }
     /// Writes `data` to host memory at `address` (posted: an error means it could not be sent).
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
     /// Raises MSI-X `vector`. Writes made before it reach the host first.
     fn signal_msix(&mut self, vector: u16);
+}
+
+/// `read_owned`'s default: fresh buffers for `reads`, filled by `read_many`.
+fn read_into_fresh_buffers(
+    reads: &[(u64, usize)],
+    read_many: impl FnOnce(&mut [(u64, &mut [u8])]) -> core::result::Result<(), DmaError>,
+) -> core::result::Result<Vec<Vec<u8>>, DmaError> {
+    let mut bufs: Vec<Vec<u8>> = reads.iter().map(|&(_, len)| vec![0; len]).collect();
+    let mut ranges: Vec<(u64, &mut [u8])> =
+        reads.iter().zip(bufs.iter_mut()).map(|(&(a, _), b)| (a, b.as_mut_slice())).collect();
+    read_many(&mut ranges)?;
+    Ok(bufs)
 }
 
 /// Wakes the thread that runs a [`BlockingFunction`]: a model whose work can come from outside
@@ -91,11 +99,7 @@ pub trait DmaPath {
     }
     /// Reads several ranges into buffers of their own (see [`HostAccess::read_owned`]).
     fn read_owned(&mut self, reads: &[(u64, usize)]) -> core::result::Result<Vec<Vec<u8>>, DmaError> {
-        let mut bufs: Vec<Vec<u8>> = reads.iter().map(|&(_, len)| vec![0; len]).collect();
-        let mut ranges: Vec<(u64, &mut [u8])> =
-            reads.iter().zip(bufs.iter_mut()).map(|(&(a, _), b)| (a, b.as_mut_slice())).collect();
-        self.read_many(&mut ranges)?;
-        Ok(bufs)
+        read_into_fresh_buffers(reads, |r| self.read_many(r))
     }
     /// Writes `data` at `address` (posted).
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
@@ -503,5 +507,21 @@ mod tests {
         let mut b = [0u8; 4];
         f.memory_read(entry + 8, &mut b).unwrap();
         assert_eq!(u32::from_le_bytes(b), 7);
+    }
+
+    #[test]
+    fn owned_reads_come_back_in_order_and_need_bus_mastering() {
+        let mut mem = Memory::default();
+        let got = mem.read_owned(&[(0x10, 3), (0x20, 0), (0x30, 5)]).unwrap();
+        assert_eq!(got, vec![vec![0x11; 3], vec![], vec![0x31; 5]]);
+
+        let mut config = ConfigSpace::new(ConfigSpec::new(1, 2, 0)).unwrap();
+        let mut counters = BlockingCounters::default();
+        let mut access = Access { path: &mut mem, config: &config, msix: None, counters: &mut counters };
+        assert_eq!(access.read_owned(&[(0x10, 3)]), Err(DmaError::BusMasterDisabled));
+        assert_eq!(counters.dma_refused, 1);
+        config.write(reg::COMMAND, 0b11, (command::BUS_MASTER as u32).to_le_bytes());
+        let mut access = Access { path: &mut mem, config: &config, msix: None, counters: &mut counters };
+        assert_eq!(access.read_owned(&[(0x40, 2)]), Ok(vec![vec![0x41; 2]]));
     }
 }
