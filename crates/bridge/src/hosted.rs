@@ -192,23 +192,16 @@ impl DmaPath for Blocking<'_> {
         Ok(())
     }
     fn read_many(&mut self, reads: &mut [(u64, &mut [u8])]) -> Result<(), DmaError> {
-        // All started, then each waited for: their completions share the round trip. The last
-        // first: completions come in order, so the worker sleeps once for the lot rather than
-        // once per read.
         let wanted: Vec<(u64, usize)> = reads.iter().map(|(a, b)| (*a, b.len())).collect();
-        let ops = self.0.start_reads(&wanted);
-        let mut first_error = None;
-        for (op, (_, buf)) in ops.into_iter().zip(reads.iter_mut()).rev() {
-            match self.0.wait_read(op) {
-                Ok(data) if data.len() == buf.len() => buf.copy_from_slice(&data),
-                Ok(_) => first_error = first_error.or(Some(DmaError::Completion(CplStatus::CompleterAbort))),
-                Err(e) => first_error = first_error.or(Some(e)),
-            }
+        for ((_, buf), data) in reads.iter_mut().zip(self.read_owned(&wanted)?) {
+            buf.copy_from_slice(&data);
         }
-        first_error.map_or(Ok(()), Err)
+        Ok(())
     }
     fn read_owned(&mut self, reads: &[(u64, usize)]) -> Result<Vec<Vec<u8>>, DmaError> {
-        // As `read_many`, handing over the buffers the reads were reassembled in.
+        // All started, then each waited for: their completions share the round trip. The last
+        // first: completions come in order, so the worker sleeps once for the lot rather than
+        // once per read. The buffers the reads were reassembled in are handed over as they are.
         let ops = self.0.start_reads(reads);
         let mut got: Vec<Vec<u8>> = vec![Vec::new(); reads.len()];
         let mut first_error = None;
