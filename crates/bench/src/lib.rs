@@ -7,6 +7,7 @@ pub mod fabric;
 mod interrupt;
 pub mod msg;
 mod msg_mpi;
+mod msg_relay;
 pub mod nbd;
 pub mod nic;
 pub mod nvme;

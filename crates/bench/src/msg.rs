@@ -17,6 +17,10 @@
 //! figure is the median of its runs; `latency_vs_nptcp` divides lanbus's by NetPIPE's (below 1:
 //! lanbus is faster). `--mpi` adds rows measured through Open MPI itself (see `msg_mpi`): the
 //! lanbus libfabric provider against Open MPI's tcp BTL on the same veth, in the same turns.
+//! With daemon rows, each run also measures `raw:relay` (see `msg_relay`): what a message's two
+//! extra hand-offs between polling threads cost on this machine with every lanbus layer taken
+//! out; `latency_vs_direct` divides each daemon row by its direct row, and `floor_vs_direct`
+//! the direct row plus that relay time by the direct row (the least daemon mode can cost here).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -584,6 +588,9 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     let mut raw_lat: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); n]; args.ports.len()];
     let mut raw_bw: Vec<Vec<f64>> = vec![Vec::new(); args.ports.len()];
     let mut raw_failed = vec![false; args.ports.len()];
+    // Daemon mode's floor: the extra one-way time of its two hand-offs, once per run.
+    let mut relay: Vec<f64> = Vec::new();
+    let daemon = args.modes.contains(&Mode::Daemon);
     let mpi_limit = if args.quick { Duration::from_secs(60) } else { Duration::from_secs(240) };
     for r in 0..runs {
         for (k, &(kind, mode, protocol)) in rows.iter().enumerate() {
@@ -616,6 +623,10 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
                 eprintln!("bench msg: raw:{kind}, run {}: {e:#} (no more floors of {kind})", r + 1);
                 raw_failed[p] = true;
             }
+        }
+        if daemon {
+            eprintln!("bench msg: run {}/{runs}: raw:relay (daemon mode's two hand-offs alone)", r + 1);
+            relay.push(super::msg_relay::extra_one_way_us(args.quick)?);
         }
         if peer {
             eprintln!("bench msg: run {}/{runs}: NPtcp", r + 1);
@@ -718,6 +729,48 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
         if let Some(mbs) = median(&raw_bw[p]) {
             let frame = args.mtu as u64;
             report.push(Row::new(&name, "bw_mb_per_s", mbs).with("frame_bytes", frame).with("mtu", frame));
+        }
+    }
+    // Daemon mode's floor beside its goal (within 1.5x of direct mode): each daemon row's time
+    // against its direct row's, and the direct row's time plus the relay's extra against the
+    // same: a floor ratio above the goal's says the goal is under what the hand-offs cost here.
+    let relay_us = median(&relay);
+    if let Some(extra) = relay_us {
+        report.push(row("raw:relay", "latency_us", extra, super::msg_relay::RECORD));
+    }
+    let vs_direct = |daemon_us: &[Vec<f64>],
+                     direct_us: &[Vec<f64>],
+                     with: &dyn Fn(Row) -> Row,
+                     name: &str| {
+        let mut out = Vec::new();
+        for (i, &size) in args.sizes.iter().enumerate() {
+            let (Some(d), Some(direct)) = (median(&daemon_us[i]), median(&direct_us[i])) else { continue };
+            out.push(with(row_of(name, "latency_vs_direct", d / direct, size, args.mtu)));
+            if let Some(extra) = relay_us {
+                out.push(with(row_of(name, "floor_vs_direct", (direct + extra) / direct, size, args.mtu)));
+            }
+        }
+        out
+    };
+    for (k, &(kind, mode, protocol)) in rows.iter().enumerate() {
+        let direct = rows.iter().position(|&(kd, m, p)| kd == kind && m == Mode::Direct && p == protocol);
+        if let (Mode::Daemon, Some(d)) = (mode, direct) {
+            let with = |r: Row| r.with("protocol", protocol.name()).with("mode", mode.name());
+            ratios.extend(vs_direct(&lat[k], &lat[d], &with, kind));
+        }
+    }
+    for (k, &(row, program)) in mpi_rows.iter().enumerate() {
+        let Some((kind, Mode::Daemon, protocol)) = row else { continue };
+        let direct =
+            mpi_rows.iter().position(|&(r, p)| r == Some((kind, Mode::Direct, protocol)) && p == program);
+        if let Some(d) = direct {
+            let with = |r: Row| {
+                r.with("launcher", "mpirun")
+                    .with("program", program.name())
+                    .with("mode", "daemon")
+                    .with("protocol", protocol.name())
+            };
+            ratios.extend(vs_direct(&mpi_lat[k], &mpi_lat[d], &with, &format!("mpi:lanbus-{kind}")));
         }
     }
     for (k, &(row, program)) in mpi_rows.iter().enumerate() {
