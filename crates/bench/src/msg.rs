@@ -342,8 +342,13 @@ fn lanbus_row(
         ),
         Mode::Daemon => {
             let (sa, sb) = (dir.join("msgd-a.sock"), dir.join("msgd-b.sock"));
-            daemons.push(MsgDaemon::start(pa, &sa, rc("msgd-a", ThreadMode::default()))?);
-            daemons.push(MsgDaemon::start(pb, &sb, rc("msgd-b", ThreadMode::default()))?);
+            let rc = |name: &str| {
+                let mut c = lanbus_node::config::msgd_runtime_config(name);
+                c.transport.heartbeat.enabled = false;
+                c
+            };
+            daemons.push(MsgDaemon::start(pa, &sa, rc("msgd-a"))?);
+            daemons.push(MsgDaemon::start(pb, &sb, rc("msgd-b"))?);
             (
                 Box::new(MsgClient::connect(&sa, protocol.config())?),
                 Box::new(MsgClient::connect(&sb, protocol.config())?),

@@ -22,7 +22,6 @@ use anyhow::{bail, Context};
 use lanbus_node::msgd::MsgDaemon;
 use lanbus_node::process::end_with_parent;
 use lanbus_port::netns::{VethEnd, VethPair};
-use lanbus_runtime::ThreadMode;
 
 const PINGPONG: &str = include_str!("../mpi/pingpong.c");
 
@@ -187,7 +186,7 @@ impl Mpi {
                 } else {
                     let (pa, pb) = super::port_pair(kind, Some(veth))?;
                     let rc = |name: &str| {
-                        let mut c = lanbus_node::config::runtime_config(name, ThreadMode::default());
+                        let mut c = lanbus_node::config::msgd_runtime_config(name);
                         c.transport.heartbeat.enabled = false;
                         c
                     };

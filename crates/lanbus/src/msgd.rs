@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use anyhow::Context;
 use lanbus_node::msgd::MsgDaemon;
 use lanbus_node::process::Blocked;
-use lanbus_runtime::ThreadMode;
 
 /// Options of `lanbus msgd`.
 #[derive(Debug, clap::Args)]
@@ -28,7 +27,7 @@ pub struct MsgdArgs {
 pub fn run(args: MsgdArgs) -> anyhow::Result<()> {
     let signals = Blocked::termination().context("blocking SIGINT and SIGTERM")?;
     let port = lanbus_port::open(&args.port)?;
-    let mut rc = lanbus_node::config::runtime_config("msgd", ThreadMode::default());
+    let mut rc = lanbus_node::config::msgd_runtime_config("msgd");
     rc.transport.group = args.group;
     let daemon = MsgDaemon::start(port, &args.socket, rc)
         .with_context(|| format!("starting the daemon at {}", args.socket.display()))?;

@@ -803,7 +803,6 @@ impl MsgClient {
 mod tests {
     use super::*;
     use lanbus_msg::Source;
-    use lanbus_runtime::ThreadMode;
 
     const T: Duration = Duration::from_secs(10);
 
@@ -818,7 +817,7 @@ mod tests {
     }
 
     fn runtime(name: &str) -> RuntimeConfig {
-        let mut c = crate::config::runtime_config(name, ThreadMode::default());
+        let mut c = crate::config::msgd_runtime_config(name);
         c.transport.heartbeat.enabled = false;
         c
     }
