@@ -489,17 +489,23 @@ fn nptcp(
 /// A lanbus row's port kind, mode and protocol.
 type LanbusRow<'a> = (&'a str, Mode, Protocol);
 
-/// Whether a message of `size` bytes and its headers fit one frame of a `kind` port on a link of
-/// `mtu` (the frames a bare round trip sends).
-fn fits_one_frame(kind: &str, size: usize, mtu: usize) -> bool {
+/// The most frames a bare round trip sends for one message: a floor for messages of a few
+/// frames (a 2 KiB message on plain Ethernet frames), where it says what the frames alone cost;
+/// larger messages have the bandwidth floor.
+const RAW_MAX_FRAMES: usize = 8;
+
+/// How many frames a bare round trip of a `size`-byte message sends on a `kind` port over a link
+/// of `mtu`: as many as its lanbus headers, record header and bytes need.
+fn raw_frames(kind: &str, size: usize, mtu: usize) -> usize {
     let udp = if kind == "udp" { super::UDP_IPV4_HEADERS } else { 0 };
-    size + lanbus_wire::frame::HEADER_LEN + lanbus_wire::frame::RECORD_HEADER_LEN + udp <= mtu
+    super::transport::peer::raw_frame_lengths(size, mtu.saturating_sub(udp)).len()
 }
 
-/// The floor under a row's latency (`raw:KIND latency_us`): half the median round trip of one
-/// bare frame as long as the message's, sent by a process in namespace a and bounced by one in
-/// namespace b, both busy polling the same kind of port on the same veth, with no transport,
-/// engine or MPI above them.
+/// The floor under a row's latency (`raw:KIND latency_us`): half the median round trip of the
+/// bare frames a message takes (one as long as the message's frame, or as many full frames as a
+/// longer one needs, sent in one burst and answered once all arrived), sent by a process in
+/// namespace a and bounced by one in namespace b, both busy polling the same kind of port on the
+/// same veth, with no transport, engine or MPI above them.
 fn raw_latency_us(veth: &VethPair, kind: &str, size: usize, quick: bool) -> anyhow::Result<f64> {
     use super::transport::{peer_command, run_client, Mode as Polling, Server};
     let exe = std::env::current_exe().context("finding this program")?;
@@ -615,7 +621,7 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
             eprintln!("bench msg: run {}/{runs}: raw:{kind} (the bare port's floor)", r + 1);
             let measured = (|| -> anyhow::Result<()> {
                 for (i, &size) in args.sizes.iter().enumerate() {
-                    if fits_one_frame(kind, size, args.mtu) {
+                    if raw_frames(kind, size, args.mtu) <= RAW_MAX_FRAMES {
                         raw_lat[p][i].push(raw_latency_us(&veth, kind, size, args.quick)?);
                     }
                 }

@@ -54,7 +54,7 @@ use serde_json::{json, Value};
 use super::report::{median, Report, Row};
 use lanbus_node::process::end_with_parent;
 
-mod peer;
+pub(crate) mod peer;
 /// Every port the bench knows, in table order.
 const PORTS: &[&str] = &["udp", "afpacket", "afpacket-v3", "afxdp"];
 /// Ping-pong message sizes.
@@ -98,11 +98,12 @@ pub enum Role {
     Ping,
     /// Client: stream to a sink.
     Stream,
-    /// Server: bounce every frame straight back through the port, addresses swapped, with no
-    /// transport (the bare port's half of a round trip).
+    /// Server: bounce every raw message straight back through the port, addresses swapped, with
+    /// no transport (the bare port's half of a round trip); a message of several frames once all
+    /// of them came.
     RawEcho,
-    /// Client: raw frames as long as a one-message lanbus frame, each sent when the last came
-    /// back from a raw echo server: the bare port's round trip.
+    /// Client: the raw frames a lanbus message of `--size` bytes takes, sent in one burst when
+    /// the last came back from a raw echo server: the bare port's round trip.
     RawPing,
 }
 

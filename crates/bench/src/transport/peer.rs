@@ -141,9 +141,26 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     }
 }
 
-/// Bounces every frame that arrives back to its sender until stdin closes. Busy: spins on the
-/// port without ever yielding (unlike the runtime, which yields every couple of microseconds);
-/// adaptive: blocks in the port's `wait` when nothing came.
+/// Where a raw frame says which message it belongs to, right after the Ethernet header (in the
+/// space of the lanbus header it stands in for): the message's number (8 bytes), the frame's
+/// index in it and the message's frame count (2 bytes each, big-endian).
+const RAW_SEQ: core::ops::Range<usize> = 0..8;
+const RAW_INDEX: core::ops::Range<usize> = 8..10;
+const RAW_COUNT: core::ops::Range<usize> = 10..12;
+
+fn raw_field(f: &[u8], at: core::ops::Range<usize>) -> Option<&[u8]> {
+    f.get(lanbus_wire::ethernet::HEADER_LEN + at.start..lanbus_wire::ethernet::HEADER_LEN + at.end)
+}
+
+fn raw_count(f: &[u8]) -> u16 {
+    raw_field(f, RAW_COUNT).map_or(1, |b| u16::from_be_bytes([b[0], b[1]]))
+}
+
+/// Bounces raw messages back to their sender until stdin closes: a message of one frame at once,
+/// one of several frames (a message longer than the link's MTU, see [`raw_ping`]) once all its
+/// frames arrived, all of them in one burst, as a receiver that answers whole messages does.
+/// Busy: spins on the port without ever yielding (unlike the runtime, which yields every couple
+/// of microseconds); adaptive: blocks in the port's `wait` when nothing came.
 fn raw_echo(mut port: Box<dyn lanbus_port::Port>, mode: Mode) -> anyhow::Result<()> {
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stdin_closed = stop.clone();
@@ -154,57 +171,111 @@ fn raw_echo(mut port: Box<dyn lanbus_port::Port>, mode: Mode) -> anyhow::Result<
     });
     println!("ready");
     std::io::stdout().flush()?;
+    // Frames ready to go back (`ready` of them), then those of the message still arriving.
     let mut frames: Vec<Vec<u8>> = Vec::new();
+    let mut ready = 0;
+    let mut held = 0;
+    let mut held_seq = [0u8; 8];
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-        let mut got = 0;
         port.rx_burst(32, &mut |f| {
             // Ports deliver whole Ethernet headers; anything shorter is not bounced.
             if f.len() < lanbus_wire::ethernet::HEADER_LEN {
                 return;
             }
-            if frames.len() == got {
+            let count = usize::from(raw_count(f));
+            let seq = raw_field(f, RAW_SEQ).unwrap_or(&[0; 8]);
+            if count > 1 && (held == 0 || seq != held_seq) {
+                // A new message of several frames; the rest of a message whose frames did not
+                // all come is dropped, as its pinger gave up on it.
+                held = 0;
+                held_seq.copy_from_slice(seq);
+            }
+            let at = ready + held;
+            if frames.len() == at {
                 frames.push(Vec::new());
             }
-            let back = &mut frames[got];
+            let back = &mut frames[at];
             back.clear();
             back.extend_from_slice(f);
             back.copy_within(6..12, 0);
             back[6..12].copy_from_slice(&f[0..6]);
-            got += 1;
+            if count <= 1 {
+                // Goes back before the frames held.
+                frames[ready..=at].rotate_right(1);
+                ready += 1;
+            } else {
+                held += 1;
+                if held == count {
+                    ready += held;
+                    held = 0;
+                }
+            }
         })?;
-        if got == 0 {
+        if ready == 0 {
             match mode {
                 Mode::Busy => core::hint::spin_loop(),
                 Mode::Adaptive => port.wait(Some(Duration::from_millis(5)))?,
             }
             continue;
         }
-        let refs: Vec<&[u8]> = frames[..got].iter().map(|f| f.as_slice()).collect();
+        let refs: Vec<&[u8]> = frames[..ready].iter().map(|f| f.as_slice()).collect();
         let mut sent = 0;
-        while sent < got {
+        while sent < ready {
             sent += port.send_frames(&refs[sent..])?;
         }
+        // The frames held move to the front.
+        frames[..ready + held].rotate_left(ready);
+        ready = 0;
     }
     Ok(())
 }
 
-/// Raw round trips against [`raw_echo`]: one frame of `14 + 32 + 4 + size` bytes (the Ethernet
-/// and lanbus headers, a message record's header and the message: as long as the ping-pong's
-/// frames) at a time, numbered, timed from its send to its reply's arrival; 100 warm-up rounds,
-/// then `rounds` (at least 10) or `seconds` after the warm-up, whichever ends first. Gives up
-/// when the port takes no frame or none comes back for a second. Prints the same JSON line as
-/// the ping client.
+/// The frames a raw round trip sends for a message of `size` bytes on a port whose frames carry
+/// `mtu` bytes after the Ethernet header: the lanbus header in each frame, a message record's
+/// header and the message spread over as few frames as hold them. Their lengths, Ethernet header
+/// included.
+pub(crate) fn raw_frame_lengths(size: usize, mtu: usize) -> Vec<usize> {
+    use lanbus_wire::ethernet::HEADER_LEN as ETHERNET;
+    use lanbus_wire::frame::{HEADER_LEN, RECORD_HEADER_LEN};
+    let per_frame = mtu.saturating_sub(HEADER_LEN).max(1);
+    let mut left = RECORD_HEADER_LEN + size;
+    let mut lengths = Vec::new();
+    while left > 0 {
+        let n = left.min(per_frame);
+        lengths.push(ETHERNET + HEADER_LEN + n);
+        left -= n;
+    }
+    lengths
+}
+
+/// Raw round trips against [`raw_echo`]: the frames a lanbus message of `size` bytes takes (one
+/// frame of `14 + 32 + 4 + size` bytes, the Ethernet and lanbus headers, a message record's
+/// header and the message, or as many full frames as a longer message needs), numbered, sent in
+/// one burst, timed from the send to the last frame's return; 100 warm-up rounds, then `rounds`
+/// (at least 10) or `seconds` after the warm-up, whichever ends first. Gives up when the port
+/// takes no frame or nothing comes back for a second. Prints the same JSON line as the ping
+/// client.
 fn raw_ping(mut port: Box<dyn lanbus_port::Port>, peer: MacAddr, args: &PeerArgs) -> anyhow::Result<()> {
     use lanbus_wire::ethernet::HEADER_LEN as ETHERNET;
     const WARMUP: usize = 100;
-    let len = ETHERNET + lanbus_wire::frame::HEADER_LEN + lanbus_wire::frame::RECORD_HEADER_LEN + args.size;
-    if len > ETHERNET + port.mtu() {
-        bail!("a {}-byte raw frame does not fit the port's MTU of {}", len, port.mtu());
-    }
-    let mut frame = vec![0u8; len];
-    frame[0..6].copy_from_slice(&peer.0);
-    frame[6..12].copy_from_slice(&port.mac().0);
-    frame[12..14].copy_from_slice(&lanbus_wire::ethernet::EtherType::LANBUS_RAW.to_be_bytes());
+    let lengths = raw_frame_lengths(args.size, port.mtu());
+    let count = u16::try_from(lengths.len()).ok().filter(|&c| c < 1024).with_context(|| {
+        format!("a {}-byte message takes {} raw frames at MTU {}", args.size, lengths.len(), port.mtu())
+    })?;
+    let mut frames: Vec<Vec<u8>> = lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let mut f = vec![0u8; len];
+            f[0..6].copy_from_slice(&peer.0);
+            f[6..12].copy_from_slice(&port.mac().0);
+            f[12..14].copy_from_slice(&lanbus_wire::ethernet::EtherType::LANBUS_RAW.to_be_bytes());
+            f[ETHERNET + RAW_INDEX.start..ETHERNET + RAW_INDEX.end]
+                .copy_from_slice(&(i as u16).to_be_bytes());
+            f[ETHERNET + RAW_COUNT.start..ETHERNET + RAW_COUNT.end].copy_from_slice(&count.to_be_bytes());
+            f
+        })
+        .collect();
     let rounds = args.rounds.max(10);
     let mut until = Instant::now();
     let mut samples = Vec::with_capacity(rounds);
@@ -213,18 +284,25 @@ fn raw_ping(mut port: Box<dyn lanbus_port::Port>, peer: MacAddr, args: &PeerArgs
             until = Instant::now() + Duration::from_secs_f64(args.seconds);
         }
         let seq = round.to_be_bytes();
-        frame[ETHERNET..ETHERNET + 8].copy_from_slice(&seq);
+        for f in &mut frames {
+            f[ETHERNET + RAW_SEQ.start..ETHERNET + RAW_SEQ.end].copy_from_slice(&seq);
+        }
+        let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
         let start = Instant::now();
-        while port.send_frames(&[&frame])? == 0 {
-            if start.elapsed() > Duration::from_secs(1) {
+        let mut sent = 0;
+        while sent < refs.len() {
+            sent += port.send_frames(&refs[sent..])?;
+            if sent < refs.len() && start.elapsed() > Duration::from_secs(1) {
                 bail!("the port took no frame to send for a second");
             }
         }
         let mut polls = 0u32;
+        let mut back = 0;
         loop {
-            let mut back = false;
-            port.rx_burst(8, &mut |f| back |= f.len() == len && f[ETHERNET..ETHERNET + 8] == seq)?;
-            if back {
+            port.rx_burst(32, &mut |f| {
+                back += usize::from(raw_field(f, RAW_SEQ) == Some(&seq[..]) && raw_count(f) == count);
+            })?;
+            if back >= frames.len() {
                 break;
             }
             if args.polling == Mode::Adaptive {
@@ -234,7 +312,7 @@ fn raw_ping(mut port: Box<dyn lanbus_port::Port>, peer: MacAddr, args: &PeerArgs
             polls = polls.wrapping_add(1);
             let look = args.polling == Mode::Adaptive || polls.is_multiple_of(1024);
             if look && start.elapsed() > Duration::from_secs(1) {
-                bail!("raw frame {round} came back from no echo server within 1 s");
+                bail!("raw message {round} came back from no echo server within 1 s");
             }
         }
         let now = Instant::now();
@@ -247,7 +325,7 @@ fn raw_ping(mut port: Box<dyn lanbus_port::Port>, peer: MacAddr, args: &PeerArgs
     }
     samples.sort_by(f64::total_cmp);
     let (p50, p99) = (percentile(&samples, 0.5), percentile(&samples, 0.99));
-    println!("{}", json!({ "p50_us": p50, "p99_us": p99, "rounds": samples.len() }));
+    println!("{}", json!({ "p50_us": p50, "p99_us": p99, "rounds": samples.len(), "frames": frames.len() }));
     Ok(())
 }
 
@@ -478,4 +556,28 @@ fn stream_client(
     });
     println!("{out}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::raw_frame_lengths;
+    use lanbus_wire::ethernet::HEADER_LEN as ETHERNET;
+    use lanbus_wire::frame::{HEADER_LEN, RECORD_HEADER_LEN};
+
+    #[test]
+    fn a_raw_message_takes_as_few_frames_as_its_bytes_need() {
+        // One frame, as long as the message's lanbus frame.
+        assert_eq!(raw_frame_lengths(1024, 1500), vec![ETHERNET + HEADER_LEN + RECORD_HEADER_LEN + 1024]);
+        let full = 1500 - HEADER_LEN;
+        assert_eq!(raw_frame_lengths(full - RECORD_HEADER_LEN, 1500), vec![ETHERNET + 1500]);
+        // One byte more needs a second frame.
+        assert_eq!(
+            raw_frame_lengths(full - RECORD_HEADER_LEN + 1, 1500),
+            vec![ETHERNET + 1500, ETHERNET + HEADER_LEN + 1]
+        );
+        // Every byte of a 2 KiB message is carried once.
+        let l = raw_frame_lengths(2048, 1500);
+        assert_eq!(l.len(), 2);
+        assert_eq!(l.iter().map(|n| n - ETHERNET - HEADER_LEN).sum::<usize>(), RECORD_HEADER_LEN + 2048);
+    }
 }
