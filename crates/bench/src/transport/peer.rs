@@ -152,8 +152,11 @@ fn raw_field(f: &[u8], at: core::ops::Range<usize>) -> Option<&[u8]> {
     f.get(lanbus_wire::ethernet::HEADER_LEN + at.start..lanbus_wire::ethernet::HEADER_LEN + at.end)
 }
 
+/// The frame count of the message a raw frame belongs to; 1 for any other frame (the echo bounces
+/// those at once, and their bytes say nothing about a count).
 fn raw_count(f: &[u8]) -> u16 {
-    raw_field(f, RAW_COUNT).map_or(1, |b| u16::from_be_bytes([b[0], b[1]]))
+    let raw = f.get(12..14) == Some(&lanbus_wire::ethernet::EtherType::LANBUS_RAW.to_be_bytes()[..]);
+    raw_field(f, RAW_COUNT).filter(|_| raw).map_or(1, |b| u16::from_be_bytes([b[0], b[1]]))
 }
 
 /// Bounces raw messages back to their sender until stdin closes: a message of one frame at once,
