@@ -11,13 +11,15 @@
 //!   requester ID. It answers at once with Unsupported Request what no function claims and every
 //!   non-posted request of a type it does not serve (I/O, type 1 configuration, undecodable
 //!   requests), so the host never waits in silence.
-//! - A sans-IO model ([`HostedFunction::model`], the DMA engine) never blocks, so it runs inline
-//!   on the receive thread (`bridge/inline.rs`): the handler serves its requests, feeds its read
-//!   completions and runs it, and the TLPs it sends go out through the handler's outbox in the
-//!   same burst (no thread hand-off, no queue, no wake-up per TLP). The timer thread fails its
-//!   reads that see no completion within the completion timeout and runs the model, but sends
-//!   nothing: it wakes the receive thread, whose [`Handler::poll`] sends what the model sent, in
-//!   order with the function's other TLPs (only the receive thread sends them).
+//! - A sans-IO model ([`HostedFunction::model`]: the DMA engine, the virtio-net function) never
+//!   blocks, so it runs inline on the receive thread (`bridge/inline.rs`): the handler serves its
+//!   requests, feeds its read completions and runs it, and the TLPs it sends go out through the
+//!   handler's outbox in the same burst (no thread hand-off, no queue, no wake-up per TLP). The
+//!   timer thread fails its reads that see no completion within the completion timeout and runs
+//!   the model, but sends nothing: it wakes the receive thread, whose [`Handler::poll`] sends what
+//!   the model sent, in order with the function's other TLPs (only the receive thread sends
+//!   them). Work from outside the bus (a frame on a NIC's wire) wakes the receive thread the same
+//!   way, through the model's waker, and that thread runs the model in its next poll.
 //! - A blocking model ([`HostedFunction::blocking`], the NVMe controller) has a worker thread that
 //!   answers its function's queued requests, then runs it: DMA reads are split by the programmed
 //!   max read request size into tagged MRd TLPs whose completions are reassembled
@@ -236,6 +238,11 @@ impl InlineFn {
         self.hosted.run(&mut self.path);
     }
 
+    /// Runs the model; returns the units of work done.
+    fn hosted_run(&mut self) -> usize {
+        self.hosted.run(&mut self.path)
+    }
+
     /// Hands what the function sent to `out`.
     fn flush(&mut self, out: &mut dyn Outbox) {
         self.path.out.drain(|peer, channel, bytes| out.send(peer, channel, bytes));
@@ -328,6 +335,10 @@ struct Shared {
     /// The timer thread left output in an inline function's `path.out` for the receive thread
     /// to send (in order with the function's other TLPs: only that thread sends them).
     flush_due: AtomicBool,
+    /// An inline function asked to be run (outside work arrived, see
+    /// [`lanbus_pcie::device::DeviceModel::has_work`]): the receive thread runs it in its next
+    /// [`Handler::poll`].
+    run_due: AtomicBool,
     /// The runtime's sender, once it runs: blocking functions' TLPs go through it.
     sender: OnceLock<Sender>,
     /// The handler runs on the thread that sends (run to completion): its outbox keeps order
@@ -581,14 +592,22 @@ impl Handler for DevHandler {
     }
 
     fn poll(&mut self, out: &mut dyn Outbox) -> usize {
-        // Acquire pairs with the Release store in `ticker`.
-        if !self.shared.flush_due.swap(false, Ordering::Acquire) {
+        // Acquire pairs with the Release stores in `ticker` and the inline functions' wakers.
+        let run = self.shared.run_due.swap(false, Ordering::Acquire);
+        if !self.shared.flush_due.swap(false, Ordering::Acquire) && !run {
             return 0;
         }
         let mut n = 0;
+        // Lock order: session, then function (see `ticker`).
+        let s = run.then(|| lock(&self.shared.session));
         for f in &self.shared.fns {
             if let Some(inl) = &f.inline {
                 let mut g = lock(inl);
+                if let Some(s) = &s {
+                    if g.hosted.wants_run() {
+                        n += g.session((s.host, s.channel)).hosted_run();
+                    }
+                }
                 n += usize::from(!g.path.out.is_empty());
                 g.flush(out);
             }
@@ -969,6 +988,7 @@ impl DeviceBridge {
             ticker_stop: Mutex::new(false),
             ticker_wake: Condvar::new(),
             flush_due: AtomicBool::new(false),
+            run_due: AtomicBool::new(false),
             sender: OnceLock::new(),
             run_to_completion: config.runtime.threads == ThreadMode::RunToCompletion,
         });
@@ -982,6 +1002,21 @@ impl DeviceBridge {
             Runtime::start(port, rc, Box::new(handler)).map_err(|e| BridgeError::Start(e.to_string()))?;
         let mut bridge = DeviceBridge { runtime: Some(runtime), shared: shared.clone(), workers: Vec::new() };
         let _ = shared.sender.set(bridge.sender());
+        for f in &shared.fns {
+            if let Some(inl) = &f.inline {
+                // Weak: the waker lives inside the bridge it wakes.
+                let weak = Arc::downgrade(&shared);
+                lock(inl).hosted.set_waker(Waker::new(move || {
+                    if let Some(sh) = weak.upgrade() {
+                        // Release pairs with the Acquire swap in `DevHandler::poll`.
+                        sh.run_due.store(true, Ordering::Release);
+                        if let Some(sender) = sh.sender.get() {
+                            sender.wake_handler();
+                        }
+                    }
+                }));
+            }
+        }
         for i in workers {
             let sender = bridge.sender();
             let shared = shared.clone();

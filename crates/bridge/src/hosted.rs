@@ -69,7 +69,8 @@ pub(crate) trait Hosted: Send {
     }
     /// Marks the function as one of several in its device (header type bit 7).
     fn set_multi_function(&mut self);
-    /// Gives a blocking model the waker of its worker (see [`Waker`]); others ignore it.
+    /// Gives the model the waker of whoever runs it: a blocking model's worker, or the device
+    /// bridge's receive thread for a sans-IO one (see [`Waker`]).
     fn set_waker(&mut self, waker: Waker) {
         let _ = waker;
     }
@@ -142,12 +143,16 @@ impl<D: DeviceModel + Send> Hosted for ModelHosted<D> {
         self.function.memory_write(address, data)
     }
     fn wants_run(&self) -> bool {
-        false
+        self.function.has_work()
     }
     fn run(&mut self, path: &mut dyn Path) -> usize {
         let mut work = 0;
         loop {
             let before = work;
+            if self.function.has_work() {
+                work += 1;
+                self.function.poll();
+            }
             while let Some(r) = self.function.poll_host_request() {
                 work += 1;
                 match r {
@@ -164,13 +169,16 @@ impl<D: DeviceModel + Send> Hosted for ModelHosted<D> {
             while let Some((op, result)) = path.poll_read() {
                 if let Some(id) = self.reads.remove(&op) {
                     work += 1;
-                    self.function.dma_read_done(id, result.as_deref().map_err(|e| *e));
+                    self.function.dma_read_done_owned(id, result);
                 }
             }
             if work == before {
                 return work;
             }
         }
+    }
+    fn set_waker(&mut self, waker: Waker) {
+        self.function.device_mut().set_waker(waker);
     }
 }
 

@@ -71,10 +71,27 @@ pub enum HostRequest {
     },
 }
 
+/// One thing a model asked of its [`DeviceIo`], in order (for a host that runs a model itself,
+/// without a [`Function`] around it: see [`DeviceIo::next_op`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum IoOp {
-    Read { id: DmaId, address: u64, len: usize },
-    Write { address: u64, data: Vec<u8> },
+pub enum IoOp {
+    /// A DMA read; its outcome goes back with [`DeviceModel::dma_read_done`].
+    Read {
+        /// The read's name.
+        id: DmaId,
+        /// Byte address in host memory.
+        address: u64,
+        /// Bytes to read.
+        len: usize,
+    },
+    /// A posted DMA write.
+    Write {
+        /// Byte address in host memory.
+        address: u64,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// An MSI-X vector raised.
     Interrupt(u16),
 }
 
@@ -105,6 +122,12 @@ impl DeviceIo {
     /// requires of posted writes.
     pub fn signal_msix(&mut self, vector: u16) {
         self.queue.push_back(IoOp::Interrupt(vector));
+    }
+
+    /// Takes the oldest request, for a host that runs a model without a [`Function`] (tests,
+    /// in-process buses); a [`Function`] drains them itself.
+    pub fn next_op(&mut self) -> Option<IoOp> {
+        self.queue.pop_front()
     }
 }
 
@@ -146,6 +169,34 @@ pub trait DeviceModel {
 
     /// The outcome of a read the model asked for with [`DeviceIo::dma_read`].
     fn dma_read_done(&mut self, id: DmaId, result: core::result::Result<&[u8], DmaError>, io: &mut DeviceIo);
+
+    /// [`DeviceModel::dma_read_done`] with the buffer the read was assembled in, for a model
+    /// that keeps the bytes (no copy). The default lends it.
+    fn dma_read_done_owned(
+        &mut self,
+        id: DmaId,
+        result: core::result::Result<Vec<u8>, DmaError>,
+        io: &mut DeviceIo,
+    ) {
+        self.dma_read_done(id, result.as_deref().map_err(|e| *e), io);
+    }
+
+    /// Whether the model has work of its own, started by nothing on the bus (a frame that
+    /// arrived on a NIC's wire, say). The default has none.
+    fn has_work(&self) -> bool {
+        false
+    }
+
+    /// Runs that work (see [`DeviceModel::has_work`]). The default does nothing.
+    fn poll(&mut self, io: &mut DeviceIo) {
+        let _ = io;
+    }
+
+    /// Gives the model a way to ask for a [`DeviceModel::poll`] soon from another thread (when
+    /// outside work arrives). The default drops it.
+    fn set_waker(&mut self, waker: crate::blocking::Waker) {
+        let _ = waker;
+    }
 
     /// Called after software wrote the configuration DW at `register` (for example to notice
     /// Bus Master Enable going off). The default does nothing.
@@ -302,6 +353,24 @@ impl<D: DeviceModel> Function<D> {
     /// Hands the outcome of a [`HostRequest::Read`] to the model.
     pub fn dma_read_done(&mut self, id: DmaId, result: core::result::Result<&[u8], DmaError>) {
         self.device.dma_read_done(id, result, &mut self.io);
+    }
+
+    /// [`Function::dma_read_done`] with the buffer the read was assembled in (see
+    /// [`DeviceModel::dma_read_done_owned`]).
+    pub fn dma_read_done_owned(&mut self, id: DmaId, result: core::result::Result<Vec<u8>, DmaError>) {
+        self.device.dma_read_done_owned(id, result, &mut self.io);
+    }
+
+    /// Whether the model has work of its own (see [`DeviceModel::has_work`]).
+    pub fn has_work(&self) -> bool {
+        self.device.has_work()
+    }
+
+    /// Runs the model's own work, if it has any; then drain [`Function::poll_host_request`].
+    pub fn poll(&mut self) {
+        if self.device.has_work() {
+            self.device.poll(&mut self.io);
+        }
     }
 
     /// Answers a request routed to this function (PCIe completer rules, 2.2.8 and 2.3): the

@@ -1,14 +1,16 @@
 //! The virtio-net function model (device side, in the I/O box).
 //!
-//! Layer: device model over the pcie engine's [`BlockingDevice`]. Its registers are the virtio
-//! 1.x PCI structures in BAR0 ([`crate::layout`]), found by the driver through vendor-specific
-//! capabilities; its queues are read and written only through the [`HostAccess`] the device
-//! bridge gives it (memory read and write TLPs), its interrupts are MSI-X messages.
+//! Layer: a sans-IO [`DeviceModel`] of the pcie engine, which the device bridge runs on its
+//! receive thread (no worker, no hand-off). Its registers are the virtio 1.x PCI structures in
+//! BAR0 ([`crate::layout`]), found by the driver through vendor-specific capabilities; its queues
+//! are read and written only by DMA through the [`DeviceIo`] the bridge gives it (memory read and
+//! write TLPs), its interrupts are MSI-X messages. A read in flight is state, not a wait: a
+//! transmit batch's frames are read while the next batch's rings are (up to three batches).
 //!
 //! The wire side is a [`Wire`] (a TAP with `IFF_VNET_HDR` in the daemon): frames the driver
 //! transmits go to [`Wire::send`] with their `virtio_net_hdr`, so checksum and segmentation
 //! offload pass through; frames from the wire arrive through an [`Inbound`] queue that a reader
-//! thread fills and that wakes the bridge's worker. A frame waits there until the driver has made
+//! thread fills and that wakes the bridge's receive thread to run the model. A frame waits there until the driver has made
 //! a receive buffer available; when the queue is full the reader stops reading and the wire's own
 //! queue drops, as a NIC's would.
 //!
@@ -16,15 +18,16 @@
 //! sets DEVICE_NEEDS_RESET and raises the configuration vector (VIRTIO 1.2 section 2.1.2), and the
 //! device does nothing more until the driver resets it. Counters say what was dropped and why.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use lanbus_pcie::blocking::{BlockingDevice, HostAccess, Waker};
+use lanbus_pcie::blocking::Waker;
 use lanbus_pcie::config::{Bar, BarKind, ConfigSpec, MsixSpec};
-use lanbus_pcie::device::{CompleterAbort, DmaError};
+use lanbus_pcie::device::{CompleterAbort, DeviceIo, DeviceModel, DmaError, DmaId};
+use lanbus_pcie::CplStatus;
 
 use crate::virtq::{Chain, Queue, QueueError};
 use crate::{common, feature, layout, status, MAX_BUFFER, NET_HDR_LEN, RX_QUEUE, TX_QUEUE};
@@ -189,7 +192,53 @@ fn add(c: &AtomicU64, n: u64) {
 /// Chains taken from a queue per round, so that the other queue gets its turn.
 const BATCH: usize = 64;
 
-/// The virtio-net device model.
+/// Transmit batches whose frames may be read at once: the next batch's rings are read while the
+/// last one's frames arrive.
+const TX_IN_FLIGHT: usize = 3;
+
+/// What a DMA read in flight is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pending {
+    /// Queue `q`'s available index.
+    Index(usize),
+    /// Queue `q`'s descriptor table (and, when the ring follows it, the ring too).
+    Table(usize),
+    /// Queue `q`'s available ring.
+    Ring(usize),
+    /// Piece `piece` of transmit batch `batch`.
+    Frame { batch: u64, piece: usize },
+}
+
+/// A queue's chains being fetched: the index, then the table and ring.
+#[derive(Debug, Default)]
+struct Fetch {
+    /// Chains to take (known once the index is).
+    n: usize,
+    table: Option<Vec<u8>>,
+    ring: Option<Vec<u8>>,
+    /// Whether the table read holds the ring too.
+    joined: bool,
+}
+
+/// Transmit chains whose frames are being read.
+#[derive(Debug)]
+struct TxBatch {
+    /// (head, 0) of every chain taken, for the used ring.
+    used: Vec<(u16, u32)>,
+    /// The frames' buffers as their reads end, one per segment.
+    pieces: Vec<Option<Vec<u8>>>,
+    /// Segments per frame, in order.
+    shapes: Vec<usize>,
+    /// Reads not ended yet.
+    missing: usize,
+    /// A read failed: the batch is dropped.
+    failed: bool,
+    /// The driver asked for no interrupt.
+    no_irq: bool,
+}
+
+/// The virtio-net device model. Sans-IO: the device bridge runs it on its receive thread; every
+/// wait for host memory is a read in flight and the state that says what it is for.
 pub struct NetDevice {
     cfg: NetConfig,
     wire: Box<dyn Wire>,
@@ -206,6 +255,13 @@ pub struct NetDevice {
     /// Notified per queue, with the available index the notification carried.
     kicked: [bool; 2],
     notified: [Option<u16>; 2],
+    /// Each queue's chains being fetched.
+    fetch: [Option<Fetch>; 2],
+    /// Reads in flight (a reset forgets them: what they bring is dropped).
+    pending: HashMap<DmaId, Pending>,
+    /// Transmit batches in order; the first is numbered `tx_first`.
+    tx: VecDeque<TxBatch>,
+    tx_first: u64,
     /// Receive buffers made available and not yet used.
     rx_chains: VecDeque<Chain>,
     /// A configuration interrupt to raise (the device broke).
@@ -243,6 +299,10 @@ impl NetDevice {
             isr: 0,
             kicked: [false; 2],
             notified: [None; 2],
+            fetch: [None, None],
+            pending: HashMap::new(),
+            tx: VecDeque::new(),
+            tx_first: 0,
             rx_chains: VecDeque::new(),
             config_irq: false,
             last_error: Arc::default(),
@@ -280,6 +340,9 @@ impl NetDevice {
         self.isr = 0;
         self.kicked = [false; 2];
         self.notified = [None; 2];
+        self.fetch = [None, None];
+        self.pending.clear();
+        self.tx.clear();
         self.rx_chains.clear();
         self.config_irq = false;
         if let Err(e) = self.wire.set_offloads(Offloads::default()) {
@@ -457,6 +520,9 @@ impl NetDevice {
         self.status |= status::NEEDS_RESET;
         self.config_irq = true;
         self.rx_chains.clear();
+        // Fetches stop here; frames in flight are dropped as they end.
+        self.fetch = [None, None];
+        self.pending.retain(|_, p| matches!(p, Pending::Frame { .. }));
     }
 
     fn queue_error(&mut self, e: QueueError) {
@@ -473,80 +539,197 @@ impl NetDevice {
         }
     }
 
-    fn interrupt(&mut self, host: &mut dyn HostAccess, vector: u16) {
+    fn interrupt(&mut self, io: &mut DeviceIo, vector: u16) {
         self.isr |= 1;
         if vector != common::NO_VECTOR {
             add(&self.stats.interrupts, 1);
-            host.signal_msix(vector);
+            io.signal_msix(vector);
         }
     }
 
-    /// Transmit: frames the driver made available go to the wire.
-    fn transmit(&mut self, host: &mut dyn HostAccess) -> Result<usize, QueueError> {
-        let q = usize::from(TX_QUEUE);
-        if !self.kicked[q] || !self.queues[q].enabled {
-            return Ok(0);
+    /// Runs what can run now: the configuration interrupt, fetches of chains the driver made
+    /// available, finished transmit batches, frames from the wire into receive buffers.
+    fn pump(&mut self, io: &mut DeviceIo) {
+        if std::mem::take(&mut self.config_irq) {
+            self.isr |= 2;
+            if self.config_msix != common::NO_VECTOR {
+                add(&self.stats.interrupts, 1);
+                io.signal_msix(self.config_msix);
+            }
         }
-        let (chains, no_irq) = self.queues[q].take(host, self.notified[q], false, BATCH)?;
-        if chains.len() < BATCH {
-            self.kicked[q] = false;
+        if !self.running() {
+            self.kicked = [false; 2];
+            return;
         }
-        if chains.is_empty() {
-            return Ok(0);
+        for q in [usize::from(TX_QUEUE), usize::from(RX_QUEUE)] {
+            if self.may_fetch(q) {
+                self.kicked[q] = false;
+                if let Err(e) = self.start_fetch(q, io) {
+                    self.queue_error(e);
+                }
+            }
         }
-        // Every frame of the batch read at once: one round trip, not one per frame. A frame in
-        // one buffer (as drivers lay them out) is the buffer its read arrived in.
-        let mut used = Vec::with_capacity(chains.len());
-        let mut wanted: Vec<(u64, usize)> = Vec::new();
-        let mut shapes: Vec<usize> = Vec::with_capacity(chains.len());
+        self.finish_tx(io);
+        if self.running() {
+            if let Err(e) = self.receive(io) {
+                self.queue_error(e);
+            }
+        }
+    }
+
+    /// Whether queue `q` was notified and a fetch of its chains may start.
+    fn may_fetch(&self, q: usize) -> bool {
+        let room = q != usize::from(TX_QUEUE) || self.tx.len() < TX_IN_FLIGHT;
+        self.kicked[q] && self.fetch[q].is_none() && self.queues[q].enabled && room
+    }
+
+    /// Starts fetching queue `q`'s chains: the index, unless the notification carried it.
+    fn start_fetch(&mut self, q: usize, io: &mut DeviceIo) -> Result<(), QueueError> {
+        match self.notified[q] {
+            Some(idx) => self.fetch_chains(q, idx, io),
+            None => {
+                let id = io.dma_read(self.queues[q].driver, 4);
+                self.pending.insert(id, Pending::Index(q));
+                self.fetch[q] = Some(Fetch::default());
+                Ok(())
+            }
+        }
+    }
+
+    /// The index is known: reads the table and ring for the chains it makes available.
+    fn fetch_chains(&mut self, q: usize, idx: u16, io: &mut DeviceIo) -> Result<(), QueueError> {
+        self.fetch[q] = None;
+        let queue = &self.queues[q];
+        let ahead = usize::from(queue.available(idx)?);
+        let limit = if q == usize::from(TX_QUEUE) {
+            BATCH
+        } else {
+            usize::from(queue.size).saturating_sub(self.rx_chains.len())
+        };
+        let n = ahead.min(limit);
+        if ahead > n {
+            // The rest on the next round.
+            self.kicked[q] = true;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let joined = queue.ring_follows_table();
+        let (table_len, ring_len) = (queue.table_len(), queue.ring_len());
+        let (desc, driver) = (queue.desc, queue.driver);
+        if joined {
+            let id = io.dma_read(desc, table_len + ring_len);
+            self.pending.insert(id, Pending::Table(q));
+        } else {
+            let t = io.dma_read(desc, table_len);
+            self.pending.insert(t, Pending::Table(q));
+            let r = io.dma_read(driver, ring_len);
+            self.pending.insert(r, Pending::Ring(q));
+        }
+        self.fetch[q] = Some(Fetch { n, table: None, ring: None, joined });
+        Ok(())
+    }
+
+    /// A read of queue `q`'s areas ended: takes the chains once table and ring are in.
+    fn fetched(&mut self, q: usize, io: &mut DeviceIo) -> Result<(), QueueError> {
+        if !self.running() {
+            return Ok(());
+        }
+        let Some(f) = self.fetch[q].as_mut() else { return Ok(()) };
+        if f.joined {
+            if let Some(mut both) = f.table.take() {
+                let at = self.queues[q].table_len().min(both.len());
+                f.ring = Some(both.split_off(at));
+                f.table = Some(both);
+            }
+        }
+        let (Some(table), Some(ring)) = (&f.table, &f.ring) else { return Ok(()) };
+        let n = f.n;
+        let want_write = q == usize::from(RX_QUEUE);
+        let (chains, no_irq) = self.queues[q].take(table, ring, n, want_write)?;
+        self.fetch[q] = None;
+        if want_write {
+            self.rx_chains.extend(chains);
+        } else {
+            self.start_tx(chains, no_irq, io);
+        }
+        Ok(())
+    }
+
+    /// Transmit: reads every frame of a batch at once (one round trip, not one per frame).
+    fn start_tx(&mut self, chains: Vec<Chain>, no_irq: bool, io: &mut DeviceIo) {
+        let number = self.tx_first + self.tx.len() as u64;
+        let mut batch = TxBatch {
+            used: Vec::with_capacity(chains.len()),
+            pieces: Vec::new(),
+            shapes: Vec::with_capacity(chains.len()),
+            missing: 0,
+            failed: false,
+            no_irq,
+        };
         for c in &chains {
-            used.push((c.head, 0));
+            batch.used.push((c.head, 0));
             let len = c.len();
             if len < (NET_HDR_LEN + 14) as u64 || len > MAX_BUFFER as u64 {
                 add(&self.stats.tx_malformed, 1);
                 continue;
             }
-            shapes.push(c.segments.len());
-            wanted.extend(c.segments.iter().map(|s| (s.addr, s.len as usize)));
-        }
-        let mut pieces = host.read_owned(&wanted)?.into_iter();
-        let mut frames: Vec<Vec<u8>> = Vec::with_capacity(shapes.len());
-        for n in shapes {
-            let mut frame = pieces.next().unwrap_or_default();
-            for more in pieces.by_ref().take(n - 1) {
-                frame.extend_from_slice(&more);
-            }
-            frames.push(frame);
-        }
-        for frame in frames {
-            let len = frame.len();
-            match self.wire.send(frame) {
-                Ok(()) => {
-                    add(&self.stats.tx_frames, 1);
-                    add(&self.stats.tx_bytes, (len - NET_HDR_LEN) as u64);
+            batch.shapes.push(c.segments.len());
+            for s in &c.segments {
+                if s.len == 0 {
+                    batch.pieces.push(Some(Vec::new()));
+                    continue;
                 }
-                Err(_) => add(&self.stats.tx_errors, 1),
+                let id = io.dma_read(s.addr, s.len as usize);
+                self.pending.insert(id, Pending::Frame { batch: number, piece: batch.pieces.len() });
+                batch.pieces.push(None);
+                batch.missing += 1;
             }
         }
-        self.queues[q].put_used(host, &used)?;
-        if !no_irq {
-            let v = self.queues[q].msix;
-            self.interrupt(host, v);
-        }
-        Ok(chains.len())
+        self.tx.push_back(batch);
     }
 
-    /// Receive: buffers the driver made available, then frames from the wire into them.
-    fn receive(&mut self, host: &mut dyn HostAccess) -> Result<usize, QueueError> {
+    /// Sends the frames of the transmit batches whose reads all ended, in order, and returns
+    /// their buffers to the driver.
+    fn finish_tx(&mut self, io: &mut DeviceIo) {
+        while self.tx.front().is_some_and(|b| b.missing == 0) {
+            let Some(batch) = self.tx.pop_front() else { break };
+            self.tx_first += 1;
+            if batch.failed || !self.running() {
+                // A failed read was counted; its buffers stay with the device until a reset.
+                continue;
+            }
+            let mut pieces = batch.pieces.into_iter().map(Option::unwrap_or_default);
+            for n in batch.shapes {
+                let mut frame = pieces.next().unwrap_or_default();
+                for more in pieces.by_ref().take(n - 1) {
+                    frame.extend_from_slice(&more);
+                }
+                let len = frame.len();
+                match self.wire.send(frame) {
+                    Ok(()) => {
+                        add(&self.stats.tx_frames, 1);
+                        add(&self.stats.tx_bytes, len.saturating_sub(NET_HDR_LEN) as u64);
+                    }
+                    Err(_) => add(&self.stats.tx_errors, 1),
+                }
+            }
+            let q = usize::from(TX_QUEUE);
+            for (address, data) in self.queues[q].put_used(&batch.used) {
+                io.dma_write(address, data);
+            }
+            if !batch.no_irq {
+                let v = self.queues[q].msix;
+                self.interrupt(io, v);
+            }
+        }
+    }
+
+    /// Receive: frames from the wire into the buffers the driver made available.
+    fn receive(&mut self, io: &mut DeviceIo) -> Result<(), QueueError> {
         let q = usize::from(RX_QUEUE);
         if !self.queues[q].enabled {
-            return Ok(0);
-        }
-        if self.kicked[q] {
-            let room = usize::from(self.queues[q].size).saturating_sub(self.rx_chains.len());
-            let (chains, _) = self.queues[q].take(host, self.notified[q], true, room)?;
-            self.kicked[q] = false;
-            self.rx_chains.extend(chains);
+            return Ok(());
         }
         let mut used = Vec::new();
         while used.len() < BATCH && !self.rx_chains.is_empty() {
@@ -565,35 +748,50 @@ impl NetDevice {
             let Some(chain) = self.rx_chains.pop_front() else { break };
             // num_buffers: one buffer per frame (no mergeable buffers).
             frame[10..12].copy_from_slice(&1u16.to_le_bytes());
-            let mut at = 0;
-            for s in &chain.segments {
-                if at == frame.len() {
-                    break;
-                }
-                let n = (s.len as usize).min(frame.len() - at);
-                host.write(s.addr, &frame[at..at + n])?;
-                at += n;
-            }
+            let len = frame.len();
             add(&self.stats.rx_frames, 1);
-            add(&self.stats.rx_bytes, (frame.len() - NET_HDR_LEN) as u64);
-            used.push((chain.head, frame.len() as u32));
+            add(&self.stats.rx_bytes, (len - NET_HDR_LEN) as u64);
+            used.push((chain.head, len as u32));
+            match chain.segments.first() {
+                // One buffer holds it (as drivers lay them out): the frame itself is the write.
+                Some(s) if s.len as usize >= len => io.dma_write(s.addr, frame),
+                _ => {
+                    let mut at = 0;
+                    for s in &chain.segments {
+                        if at == len {
+                            break;
+                        }
+                        let n = (s.len as usize).min(len - at);
+                        io.dma_write(s.addr, frame[at..at + n].to_vec());
+                        at += n;
+                    }
+                }
+            }
         }
         if used.is_empty() {
-            return Ok(0);
+            return Ok(());
         }
-        self.queues[q].put_used(host, &used)?;
+        for (address, data) in self.queues[q].put_used(&used) {
+            io.dma_write(address, data);
+        }
         let v = self.queues[q].msix;
-        self.interrupt(host, v);
-        Ok(used.len())
+        self.interrupt(io, v);
+        Ok(())
     }
 }
 
-impl BlockingDevice for NetDevice {
+impl DeviceModel for NetDevice {
     fn config_spec(&self) -> ConfigSpec {
         config_spec()
     }
 
-    fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) -> Result<(), CompleterAbort> {
+    fn bar_read(
+        &mut self,
+        bar: usize,
+        offset: u64,
+        data: &mut [u8],
+        _io: &mut DeviceIo,
+    ) -> Result<(), CompleterAbort> {
         data.fill(0);
         if bar != usize::from(layout::BAR) {
             return Err(CompleterAbort);
@@ -616,7 +814,7 @@ impl BlockingDevice for NetDevice {
         Ok(())
     }
 
-    fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
+    fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8], io: &mut DeviceIo) {
         if bar != usize::from(layout::BAR) {
             return;
         }
@@ -631,6 +829,70 @@ impl BlockingDevice for NetDevice {
                 self.notified[usize::from(q)] = Some(u16::from_le_bytes([data[2], data[3]]));
             }
         }
+        self.pump(io);
+    }
+
+    fn dma_read_done(&mut self, id: DmaId, result: Result<&[u8], DmaError>, io: &mut DeviceIo) {
+        self.dma_read_done_owned(id, result.map(<[u8]>::to_vec), io);
+    }
+
+    fn dma_read_done_owned(&mut self, id: DmaId, result: Result<Vec<u8>, DmaError>, io: &mut DeviceIo) {
+        // A read from before a reset brings nothing the device still wants.
+        let Some(what) = self.pending.remove(&id) else { return };
+        let data = match result {
+            Ok(d) => d,
+            Err(e) => {
+                match what {
+                    Pending::Frame { batch, .. } => {
+                        if let Some(b) =
+                            batch.checked_sub(self.tx_first).and_then(|i| self.tx.get_mut(i as usize))
+                        {
+                            b.missing -= 1;
+                            b.failed = true;
+                        }
+                    }
+                    Pending::Index(q) | Pending::Table(q) | Pending::Ring(q) => {
+                        self.fetch[q] = None;
+                        self.pending
+                            .retain(|_, p| !matches!(p, Pending::Table(x) | Pending::Ring(x) if *x == q));
+                    }
+                }
+                self.queue_error(QueueError::Bus(e));
+                self.pump(io);
+                return;
+            }
+        };
+        let outcome = match what {
+            Pending::Index(q) if data.len() >= 4 => {
+                self.fetch_chains(q, u16::from_le_bytes([data[2], data[3]]), io)
+            }
+            Pending::Index(_) => Err(QueueError::Bus(DmaError::Completion(CplStatus::CompleterAbort))),
+            Pending::Table(q) => {
+                if let Some(f) = self.fetch[q].as_mut() {
+                    f.table = Some(data);
+                }
+                self.fetched(q, io)
+            }
+            Pending::Ring(q) => {
+                if let Some(f) = self.fetch[q].as_mut() {
+                    f.ring = Some(data);
+                }
+                self.fetched(q, io)
+            }
+            Pending::Frame { batch, piece } => {
+                if let Some(b) = batch.checked_sub(self.tx_first).and_then(|i| self.tx.get_mut(i as usize)) {
+                    if let Some(slot) = b.pieces.get_mut(piece) {
+                        *slot = Some(data);
+                    }
+                    b.missing -= 1;
+                }
+                Ok(())
+            }
+        };
+        if let Err(e) = outcome {
+            self.queue_error(e);
+        }
+        self.pump(io);
     }
 
     fn has_work(&self) -> bool {
@@ -638,43 +900,17 @@ impl BlockingDevice for NetDevice {
             return true;
         }
         if !self.running() {
-            return false;
+            return self.kicked.iter().any(|k| *k);
         }
-        self.kicked.iter().any(|k| *k) || (!self.rx_chains.is_empty() && !self.inbound.is_empty())
+        (0..2).any(|q| self.may_fetch(q))
+            || self.tx.front().is_some_and(|b| b.missing == 0)
+            || (self.queues[usize::from(RX_QUEUE)].enabled
+                && !self.rx_chains.is_empty()
+                && !self.inbound.is_empty())
     }
 
-    fn process(&mut self, host: &mut dyn HostAccess) -> usize {
-        let mut done = 0;
-        if std::mem::take(&mut self.config_irq) {
-            self.isr |= 2;
-            if self.config_msix != common::NO_VECTOR {
-                add(&self.stats.interrupts, 1);
-                host.signal_msix(self.config_msix);
-            }
-            done += 1;
-        }
-        if !self.running() {
-            self.kicked = [false; 2];
-            return done;
-        }
-        match self.transmit(host) {
-            Ok(n) => done += n,
-            Err(e) => self.queue_error(e),
-        }
-        if !self.running() {
-            return done;
-        }
-        match self.receive(host) {
-            Ok(n) => done += n,
-            Err(e) => self.queue_error(e),
-        }
-        done
-    }
-
-    /// Every register is plain memory: the receive thread may serve them all.
-    fn serves_inline(&self, bar: usize, offset: u64, write: bool) -> bool {
-        let _ = (offset, write);
-        bar == usize::from(layout::BAR)
+    fn poll(&mut self, io: &mut DeviceIo) {
+        self.pump(io);
     }
 
     fn set_waker(&mut self, waker: Waker) {

@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use lanbus_nvme::driver::{DmaMemory, InterruptWait};
 use lanbus_nvme::{BusError, HostRegion};
-use lanbus_pcie::blocking::{BlockingDevice, HostAccess};
-use lanbus_pcie::device::DmaError;
+use lanbus_pcie::device::{DeviceIo, DeviceModel, DmaError, DmaId, IoOp};
 use lanbus_pcie::CplStatus;
 
 use crate::device::{Inbound, NetConfig, NetDevice, Offloads, Wire};
@@ -64,52 +63,70 @@ impl InterruptWait for Vectors {
     }
 }
 
-struct Host<'a> {
-    mem: &'a HostRegion,
-    irq: &'a Vectors,
-}
-
-impl HostAccess for Host<'_> {
-    fn read(&mut self, address: u64, buf: &mut [u8]) -> Result<(), DmaError> {
-        DmaMemory::read(self.mem, address, buf)
-            .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))
-    }
-    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError> {
-        DmaMemory::write(self.mem, address, data)
-            .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))
-    }
-    fn signal_msix(&mut self, vector: u16) {
-        let mut f = lock(&self.irq.fired);
-        let v = usize::from(vector);
-        if f.len() <= v {
-            f.resize(v + 1, 0);
-        }
-        f[v] += 1;
-        self.irq.cv.notify_all();
-    }
-}
-
 /// Where BAR0 sits on the in-process bus.
 const BAR_BASE: u64 = 0x1000_0000;
 /// Where host memory starts.
 const MEM_BASE: u64 = 0x1_0000_0000;
 
 struct Join {
-    dev: Mutex<NetDevice>,
+    dev: Mutex<Local>,
     mem: Arc<HostRegion>,
     irq: Arc<Vectors>,
 }
 
+/// The model, the handle its DMA and interrupts queue in, and the reads a test holds back.
+struct Local {
+    dev: NetDevice,
+    io: DeviceIo,
+    /// Whether reads wait in `held` for [`LocalNic::release_reads`] instead of being answered.
+    hold: bool,
+    held: Vec<(DmaId, u64, usize)>,
+}
+
 impl Join {
-    fn run(&self, dev: &mut NetDevice) {
-        let mut host = Host { mem: &self.mem, irq: &self.irq };
-        let mut rounds = 0;
-        while dev.has_work() && rounds < 1000 {
-            if dev.process(&mut host) == 0 {
-                rounds += 100;
+    /// Serves what the model asked of the host (reads answered at once from host memory) until
+    /// it has nothing left to do.
+    fn run(&self, l: &mut Local) {
+        let Local { dev, io, hold, held } = l;
+        for _ in 0..100_000 {
+            if dev.has_work() {
+                dev.poll(io);
             }
-            rounds += 1;
+            let Some(op) = io.next_op() else {
+                if dev.has_work() {
+                    continue;
+                }
+                return;
+            };
+            match op {
+                IoOp::Read { id, address, len } if *hold => held.push((id, address, len)),
+                IoOp::Read { id, address, len } => self.answer(dev, io, id, address, len),
+                IoOp::Write { address, data } => {
+                    // Posted: a write nowhere is dropped, as on a bus.
+                    let _ = DmaMemory::write(&*self.mem, address, &data);
+                }
+                IoOp::Interrupt(vector) => {
+                    let mut f = lock(&self.irq.fired);
+                    let v = usize::from(vector);
+                    if f.len() <= v {
+                        f.resize(v + 1, 0);
+                    }
+                    f[v] += 1;
+                    self.irq.cv.notify_all();
+                }
+            }
         }
+    }
+}
+
+impl Join {
+    /// Answers a read from host memory.
+    fn answer(&self, dev: &mut NetDevice, io: &mut DeviceIo, id: DmaId, address: u64, len: usize) {
+        let mut buf = vec![0u8; len];
+        let result = DmaMemory::read(&*self.mem, address, &mut buf)
+            .map(|()| buf)
+            .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest));
+        dev.dma_read_done_owned(id, result, io);
     }
 }
 
@@ -119,16 +136,19 @@ impl Mmio for Join {
             .checked_sub(BAR_BASE)
             .filter(|o| *o < layout::BAR_SIZE)
             .ok_or(BusError::Unsupported { addr })?;
-        lock(&self.dev).bar_read(0, off, buf).map_err(|_| BusError::Rejected("completer abort"))
+        let mut l = lock(&self.dev);
+        let Local { dev, io, .. } = &mut *l;
+        dev.bar_read(0, off, buf, io).map_err(|_| BusError::Rejected("completer abort"))
     }
     fn write(&self, addr: u64, data: &[u8]) -> Result<(), BusError> {
         let off = addr
             .checked_sub(BAR_BASE)
             .filter(|o| *o < layout::BAR_SIZE)
             .ok_or(BusError::Unsupported { addr })?;
-        let mut dev = lock(&self.dev);
-        dev.bar_write(0, off, data);
-        self.run(&mut dev);
+        let mut l = lock(&self.dev);
+        let Local { dev, io, .. } = &mut *l;
+        dev.bar_write(0, off, data, io);
+        self.run(&mut l);
         Ok(())
     }
 }
@@ -147,7 +167,8 @@ impl LocalNic {
         let inbound = Inbound::new(1024);
         let dev = NetDevice::new(cfg, Box::new(wire.clone()), inbound.clone());
         let mem = Arc::new(HostRegion::new(MEM_BASE, region_pages(drv) + 4));
-        LocalNic { join: Arc::new(Join { dev: Mutex::new(dev), mem, irq: Arc::default() }), inbound, wire }
+        let dev = Mutex::new(Local { dev, io: DeviceIo::default(), hold: false, held: Vec::new() });
+        LocalNic { join: Arc::new(Join { dev, mem, irq: Arc::default() }), inbound, wire }
     }
 
     /// Starts a driver on the device.
@@ -179,13 +200,33 @@ impl LocalNic {
 
     /// Runs the device's pending work (frames that arrived).
     pub fn pump(&self) {
-        let mut dev = lock(&self.join.dev);
-        self.join.run(&mut dev);
+        let mut l = lock(&self.join.dev);
+        self.join.run(&mut l);
+    }
+
+    /// Holds the device's DMA reads back from now on (`true`), until released, so that a test
+    /// chooses when and in what order they end; `false` answers them at once again.
+    pub fn hold_reads(&self, hold: bool) {
+        lock(&self.join.dev).hold = hold;
+    }
+
+    /// Answers the reads held back so far (the newest alone with `newest_only`), then runs the
+    /// device; returns how many were answered. Reads the device starts meanwhile are held.
+    pub fn release_reads(&self, newest_only: bool) -> usize {
+        let mut l = lock(&self.join.dev);
+        let take = if newest_only { l.held.len().saturating_sub(1) } else { 0 };
+        let ready: Vec<_> = l.held.drain(take..).collect();
+        let Local { dev, io, .. } = &mut *l;
+        for &(id, address, len) in &ready {
+            self.join.answer(dev, io, id, address, len);
+        }
+        self.join.run(&mut l);
+        ready.len()
     }
 
     /// The device's counters.
     pub fn stats(&self) -> Arc<crate::NetStats> {
-        lock(&self.join.dev).stats()
+        lock(&self.join.dev).dev.stats()
     }
 
     /// Host memory, for tests that play a hostile driver.

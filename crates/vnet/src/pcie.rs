@@ -40,7 +40,7 @@ pub fn tap_function(
     let inbound = wire.inbound();
     let dev = NetDevice::with_stats(cfg, Box::new(wire), inbound, stats.clone());
     let last = dev.last_error();
-    let f = HostedFunction::blocking(dev).map_err(|e| std::io::Error::other(e.to_string()))?;
+    let f = HostedFunction::model(dev).map_err(|e| std::io::Error::other(e.to_string()))?;
     Ok((f, stats, last))
 }
 

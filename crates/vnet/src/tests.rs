@@ -84,6 +84,42 @@ fn frames_cross_both_ways_intact_through_many_laps_of_the_rings() {
 }
 
 #[test]
+fn transmit_batches_in_flight_leave_in_order_whatever_order_their_reads_end() {
+    let (nic, drv) = nic(8);
+    nic.hold_reads(true);
+    let (a, b) = ([frame(1, 1514), frame(2, 60)], frame(3, 9000));
+    for f in &a {
+        assert!(drv.tx_push(f).unwrap());
+    }
+    drv.tx_flush().unwrap();
+    assert_eq!(nic.release_reads(false), 1, "the rings of the first batch");
+    // Its two frames are being read; the second batch's rings are read meanwhile.
+    assert!(drv.tx_push(&b).unwrap());
+    drv.tx_flush().unwrap();
+    assert_eq!(nic.release_reads(true), 1, "the rings of the second batch");
+    assert_eq!(nic.release_reads(true), 1, "the second batch's frame");
+    assert!(nic.take_sent().is_empty(), "the second batch waits for the first");
+    assert_eq!(drv.tx_room().unwrap(), 5, "no buffer came back yet");
+    assert_eq!(nic.release_reads(false), 2, "the first batch's frames");
+    assert_eq!(nic.take_sent(), vec![a[0].clone(), a[1].clone(), b], "in the driver's order");
+    assert_eq!(drv.tx_room().unwrap(), 8, "every buffer came back");
+    nic.hold_reads(false);
+}
+
+#[test]
+fn a_reset_drops_the_reads_in_flight() {
+    let (nic, drv) = nic(8);
+    nic.hold_reads(true);
+    assert!(drv.tx_push(&frame(1, 100)).unwrap());
+    drv.tx_flush().unwrap();
+    assert_eq!(nic.release_reads(false), 1);
+    nic.bar_write(layout::COMMON + common::DEVICE_STATUS, &[0]);
+    nic.release_reads(false);
+    assert!(nic.take_sent().is_empty(), "a frame read for a reset device goes nowhere");
+    assert_eq!(nic.stats().tx_frames.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+#[test]
 fn frames_wait_on_the_wire_side_until_the_driver_gives_buffers() {
     let (nic, drv) = nic(4);
     for i in 0..10 {

@@ -8,12 +8,13 @@
 //! range, a chain longer than the queue, a buffer of the wrong direction or an indirect
 //! descriptor (not negotiated) is a [`QueueError::Broken`], after which the device needs a reset.
 //!
-//! DMA per batch: the available index (skipped when the driver's notification carried it), then
-//! one read of the ring entries and, where the driver put the available ring right after the
-//! descriptor table (as this crate's driver and legacy layouts do), the table in the same read.
+//! Sans-IO: the device reads and writes the areas by DMA and hands the bytes here. Per batch:
+//! the available index (skipped when the driver's notification carried it), then one read of
+//! the ring entries and, where the driver put the available ring right after the descriptor
+//! table (as this crate's driver and legacy layouts do), the table in the same read.
 
-use lanbus_pcie::blocking::HostAccess;
 use lanbus_pcie::device::DmaError;
+use lanbus_pcie::CplStatus;
 
 /// Descriptor flag: the chain continues at `next`.
 pub const DESC_F_NEXT: u16 = 1;
@@ -111,27 +112,9 @@ impl Queue {
         Ok(())
     }
 
-    /// Reads what the driver made available since the last call: the chains, and whether it asked
-    /// for no interrupt. `notified` is the available index a notification carried, if any (then
-    /// the index is not read). `want_write`: the buffers must be device-writable (receive) or
-    /// device-readable (transmit). At most `limit` chains are taken; the rest stay available.
-    pub fn take(
-        &mut self,
-        host: &mut dyn HostAccess,
-        notified: Option<u16>,
-        want_write: bool,
-        limit: usize,
-    ) -> Result<(Vec<Chain>, bool), QueueError> {
-        // The index first (unless the notification carried it), then the entries and
-        // descriptors: read together with the index, a descriptor could be older than it.
-        let idx = match notified {
-            Some(n) => n,
-            None => {
-                let mut head = [0u8; 4];
-                host.read(self.driver, &mut head)?;
-                u16::from_le_bytes([head[2], head[3]])
-            }
-        };
+    /// How many entries the driver made available up to its available index `idx`; an index
+    /// further ahead than the queue holds breaks the queue.
+    pub fn available(&self, idx: u16) -> Result<u16, QueueError> {
         let ahead = idx.wrapping_sub(self.last_avail);
         if ahead > self.size {
             return broken(format!(
@@ -139,32 +122,46 @@ impl Queue {
                 self.size
             ));
         }
-        let n = usize::from(ahead).min(limit);
-        if n == 0 {
-            return Ok((Vec::new(), false));
+        Ok(ahead)
+    }
+
+    /// Bytes of the descriptor table.
+    pub fn table_len(&self) -> usize {
+        usize::from(self.size) * 16
+    }
+
+    /// Bytes of the available ring (flags, index, entries).
+    pub fn ring_len(&self) -> usize {
+        4 + 2 * usize::from(self.size)
+    }
+
+    /// Whether the available ring follows the descriptor table (as this crate's driver and legacy
+    /// layouts put them): then one read fetches both.
+    pub fn ring_follows_table(&self) -> bool {
+        self.desc.checked_add(self.table_len() as u64) == Some(self.driver)
+    }
+
+    /// Takes the next `n` chains the driver made available (`n` from [`Queue::available`]) out of
+    /// copies of the descriptor table and the available ring, read after the index (read
+    /// together with it, a descriptor could be older than it). `want_write`: the buffers must be
+    /// device-writable (receive) or device-readable (transmit). Returns the chains and whether
+    /// the driver asked for no interrupt.
+    pub fn take(
+        &mut self,
+        table: &[u8],
+        ring: &[u8],
+        n: usize,
+        want_write: bool,
+    ) -> Result<(Vec<Chain>, bool), QueueError> {
+        if table.len() < self.table_len() || ring.len() < self.ring_len() {
+            return Err(QueueError::Bus(DmaError::Completion(CplStatus::CompleterAbort)));
         }
-        let size = usize::from(self.size);
-        let table_len = size * 16;
-        let ring_len = 4 + 2 * size;
-        // One read when the ring follows the table; else two.
-        let (table, ring) = if self.driver == self.desc + table_len as u64 {
-            let mut both = vec![0u8; table_len + ring_len];
-            host.read(self.desc, &mut both)?;
-            let ring = both.split_off(table_len);
-            (both, ring)
-        } else {
-            let mut table = vec![0u8; table_len];
-            host.read(self.desc, &mut table)?;
-            let mut ring = vec![0u8; ring_len];
-            host.read(self.driver, &mut ring)?;
-            (table, ring)
-        };
         let flags = u16::from_le_bytes([ring[0], ring[1]]);
         let mut chains = Vec::with_capacity(n);
         for k in 0..n {
             let slot = usize::from(self.last_avail.wrapping_add(k as u16) % self.size);
             let head = u16::from_le_bytes([ring[4 + 2 * slot], ring[5 + 2 * slot]]);
-            chains.push(self.chain(&table, head, want_write)?);
+            chains.push(self.chain(table, head, want_write)?);
         }
         self.last_avail = self.last_avail.wrapping_add(n as u16);
         Ok((chains, flags & AVAIL_F_NO_INTERRUPT != 0))
@@ -208,12 +205,13 @@ impl Queue {
         }
     }
 
-    /// Returns `used` (head, bytes written) to the driver: the entries, then the index.
-    pub fn put_used(&mut self, host: &mut dyn HostAccess, used: &[(u16, u32)]) -> Result<(), QueueError> {
+    /// Returns `used` (head, bytes written) to the driver: the posted writes to make, in order
+    /// (the entries, up to the ring's end in one write, then the index).
+    pub fn put_used(&mut self, used: &[(u16, u32)]) -> Vec<(u64, Vec<u8>)> {
         let size = self.size;
+        let mut writes = Vec::with_capacity(2);
         let mut k = 0;
         while k < used.len() {
-            // Entries up to the ring's end in one write.
             let slot = self.used_idx.wrapping_add(k as u16) % size;
             let run = (used.len() - k).min(usize::from(size - slot));
             let mut bytes = Vec::with_capacity(run * 8);
@@ -221,11 +219,11 @@ impl Queue {
                 bytes.extend_from_slice(&u32::from(id).to_le_bytes());
                 bytes.extend_from_slice(&len.to_le_bytes());
             }
-            host.write(self.device + 4 + 8 * u64::from(slot), &bytes)?;
+            writes.push((self.device + 4 + 8 * u64::from(slot), bytes));
             k += run;
         }
         self.used_idx = self.used_idx.wrapping_add(used.len() as u16);
-        host.write(self.device + 2, &self.used_idx.to_le_bytes())?;
-        Ok(())
+        writes.push((self.device + 2, self.used_idx.to_le_bytes().to_vec()));
+        writes
     }
 }
