@@ -141,13 +141,41 @@ impl RegionMap {
     pub(crate) fn read_dws(&self, want: u64, want_len: u64, address: u64, buf: &mut [u8]) -> Option<()> {
         let (r, off) = self.find(want, want_len.max(1))?;
         let base = want - off;
-        buf.fill(0);
         let lo = address.max(base);
         let hi = (address + buf.len() as u64).min(base + r.len());
-        if hi > lo {
-            let s = (lo - address) as usize;
-            r.read(lo - base, &mut buf[s..s + (hi - lo) as usize]);
+        if hi <= lo {
+            buf.fill(0);
+            return Some(());
         }
+        // Zeros only around what the region holds (a read usually lies wholly inside it).
+        let (s, e) = ((lo - address) as usize, (hi - address) as usize);
+        buf[..s].fill(0);
+        buf[e..].fill(0);
+        r.read(lo - base, &mut buf[s..e]);
         Some(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_completion_read_zeroes_only_what_sticks_out_of_the_region() {
+        let mut map = RegionMap::default();
+        let bytes: Vec<u8> = (1..=16).collect();
+        map.add(0x1002, DmaBuffer::from_vec(bytes.clone())).unwrap();
+        // The DWs around all 16 bytes: two bytes stick out before, two after.
+        let mut buf = [0xffu8; 20];
+        map.read_dws(0x1002, 16, 0x1000, &mut buf).unwrap();
+        assert_eq!(&buf[..2], &[0, 0]);
+        assert_eq!(&buf[2..18], &bytes[..]);
+        assert_eq!(&buf[18..], &[0, 0]);
+        // Wholly inside: every byte from the region.
+        let mut inner = [0xffu8; 8];
+        map.read_dws(0x1002, 16, 0x1004, &mut inner).unwrap();
+        assert_eq!(&inner[..], &bytes[2..10]);
+        // Enabled bytes outside any region: refused.
+        assert!(map.read_dws(0x2000, 4, 0x2000, &mut inner).is_none());
     }
 }
