@@ -24,17 +24,19 @@ use std::time::{Duration, Instant};
 
 use lanbus_port::Port;
 use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
-use lanbus_transport::{Event, Message, Role};
+use lanbus_transport::{Event, Message, MessageSource, Role};
 use lanbus_wire::MacAddr;
 
 use crate::counters::bump;
 use crate::inline::send_mem_writes;
-use crate::region::{DmaRegion, Domains};
+use crate::region::{DmaRegion, Domains, RegionMap};
 use crate::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
 use lanbus_pcie::config::{
     cap_id, command, reg, walk_capabilities, BarKind, MSIX_ENABLE, MSIX_FUNCTION_MASK,
 };
-use lanbus_pcie::request::{each_completion_for_read, CompletionScratch, RequestShape};
+use lanbus_pcie::request::{
+    each_completion_for_read, read_completion_headers, CompletionScratch, RequestShape,
+};
 use lanbus_pcie::requester::{Requester, RequesterEvent, TransactionId, TransactionMap};
 use lanbus_pcie::{Bdf, CplStatus, Error, Header, Tag, Tlp, TlpKind};
 
@@ -706,6 +708,41 @@ impl HostHandler {
     }
 }
 
+/// A completion as the transport takes it: its header, then its payload read from host memory
+/// straight into the frame ([`RegionMap::append_dws`]).
+struct FromRegion<'a> {
+    header: &'a [u8],
+    regions: &'a RegionMap,
+    /// The bytes the read request enabled (address, length).
+    want: (u64, u64),
+    /// The payload's DWs.
+    address: u64,
+    len: usize,
+}
+
+impl MessageSource for FromRegion<'_> {
+    fn len(&self) -> usize {
+        self.header.len() + self.len
+    }
+
+    fn append_to(&mut self, f: &mut Vec<u8>, mut at: usize, mut n: usize) {
+        let h = self.header.len();
+        if at < h {
+            let k = (h - at).min(n);
+            f.extend_from_slice(&self.header[at..at + k]);
+            (at, n) = (at + k, n - k);
+        }
+        if n > 0 {
+            let (want, want_len) = self.want;
+            let from = self.address + (at - h) as u64;
+            if self.regions.append_dws(want, want_len, from, n, f).is_none() {
+                // Checked before the first completion left; a region never goes meanwhile.
+                f.resize(f.len() + n, 0);
+            }
+        }
+    }
+}
+
 impl Handler for HostHandler {
     fn on_message(&mut self, m: Message<'_>, out: &mut dyn Outbox) {
         let sh = self.shared.clone();
@@ -746,6 +783,27 @@ impl Handler for HostHandler {
                     return;
                 }
                 let HostHandler { scratch, completions, .. } = self;
+                // The usual read: each completion's payload copied once, from the region
+                // straight into the transport's frame.
+                if let Ok(pieces) = read_completion_headers(&tlp, HOST_BDF, sh.config.mps, sh.config.rcb) {
+                    if !pieces.is_empty() {
+                        for (cpl, address, n) in &pieces {
+                            scratch.resize(cpl.header_len(), 0);
+                            let h = cpl.emit_header(scratch);
+                            let mut source = FromRegion {
+                                header: &scratch[..h],
+                                regions,
+                                want: (want, len as u64),
+                                address: *address,
+                                len: *n,
+                            };
+                            out.send_from(m.peer, m.channel, &mut source);
+                        }
+                        drop(domains);
+                        bump(&c.dma_reads_served);
+                        return;
+                    }
+                }
                 let served = each_completion_for_read(
                     &tlp,
                     HOST_BDF,

@@ -24,6 +24,13 @@ pub trait DmaRegion: Send + Sync {
     fn read(&self, offset: u64, buf: &mut [u8]);
     /// Copies `data` to `offset`.
     fn write(&self, offset: u64, data: &[u8]);
+    /// Appends `len` bytes at `offset` to `out` (a region that can copies them straight in,
+    /// without zero-filling `out` first: the default does, then reads over it).
+    fn append(&self, offset: u64, len: usize, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.resize(start + len, 0);
+        self.read(offset, &mut out[start..]);
+    }
 }
 
 /// A [`DmaRegion`] in ordinary memory, behind a mutex.
@@ -135,6 +142,30 @@ impl RegionMap {
         (off.checked_add(len)? <= *l).then_some((r, off))
     }
 
+    /// [`RegionMap::read_dws`] appending the `len` bytes at `address` to `out` instead (the
+    /// transport's frame, say): the same bytes, copied once.
+    pub(crate) fn append_dws(
+        &self,
+        want: u64,
+        want_len: u64,
+        address: u64,
+        len: usize,
+        out: &mut Vec<u8>,
+    ) -> Option<()> {
+        let (r, off) = self.find(want, want_len.max(1))?;
+        let base = want - off;
+        let end = address + len as u64;
+        let (lo, hi) = (address.max(base), end.min(base + r.len()));
+        if hi <= lo {
+            out.resize(out.len() + len, 0);
+            return Some(());
+        }
+        out.resize(out.len() + (lo - address) as usize, 0);
+        r.append(lo - base, (hi - lo) as usize, out);
+        out.resize(out.len() + (end - hi) as usize, 0);
+        Some(())
+    }
+
     /// Reads bytes at `address` for a completion: the DW-aligned range may stick out of the
     /// region by up to 3 bytes at each end (bytes the request did not enable); those read as
     /// zero. `None` if the enabled bytes `want..want+want_len` are not inside one region.
@@ -177,5 +208,14 @@ mod tests {
         assert_eq!(&inner[..], &bytes[2..10]);
         // Enabled bytes outside any region: refused.
         assert!(map.read_dws(0x2000, 4, 0x2000, &mut inner).is_none());
+        // Appended, any piece of it: the same bytes after what the buffer held.
+        for (at, n) in [(0x1000u64, 20usize), (0x1001, 5), (0x1004, 8), (0x1010, 4), (0x1013, 1)] {
+            let mut want = vec![0u8; n];
+            map.read_dws(0x1002, 16, at, &mut want).unwrap();
+            let mut out = vec![9u8; 3];
+            map.append_dws(0x1002, 16, at, n, &mut out).unwrap();
+            assert_eq!(&out[..3], &[9, 9, 9]);
+            assert_eq!(&out[3..], &want[..], "{at:#x} {n}");
+        }
     }
 }

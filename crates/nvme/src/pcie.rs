@@ -277,6 +277,11 @@ impl DmaRegion for RegionView {
     fn write(&self, offset: u64, data: &[u8]) {
         let _ = DmaMemory::write(&*self.0, self.0.base() + offset, data);
     }
+    fn append(&self, offset: u64, len: usize, out: &mut Vec<u8>) {
+        if self.0.read_append(self.0.base() + offset, len, out).is_err() {
+            out.resize(out.len() + len, 0);
+        }
+    }
 }
 
 /// MSI-X of a remote function: one bridge eventfd per vector.

@@ -376,6 +376,33 @@ pub fn each_completion_for_read(
     Ok(())
 }
 
+/// The completions of a successful read without their payloads, for a completer that copies each
+/// payload itself straight to where it goes: each completion as [`each_completion_for_read`]
+/// hands it over (`data` empty, `kind` CplD, `length_dw` its own, so [`Tlp::emit_header`] writes
+/// its header), with the address and length of its payload (whole DWs). Empty for a read that
+/// needs no data (zero length), which [`completions_for_read`] answers. Errors as its.
+pub fn read_completion_headers(
+    request: &Tlp,
+    completer_id: Bdf,
+    mps: usize,
+    rcb: usize,
+) -> Result<Vec<(Tlp, u64, usize)>> {
+    let (h, address, len) = read_request(request, mps, rcb)?;
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let pieces = split_completions(address, len, mps, rcb)?;
+    Ok(pieces
+        .iter()
+        .map(|p| {
+            let mut c = success_completion(request, h, completer_id, p, Vec::new());
+            c.kind = TlpKind::CplD;
+            c.length_dw = p.length_dw;
+            (c, p.address, usize::from(p.length_dw) * 4)
+        })
+        .collect())
+}
+
 /// The completion that refuses a request with `status` (Unsupported Request, Completer Abort):
 /// `None` for posted requests (memory writes) and completions, which get no answer. The byte
 /// count is the read's for memory reads and 4 otherwise, as for the first completion of a
@@ -667,5 +694,37 @@ mod each_completion_tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn completion_headers_with_their_payloads_are_exactly_completions_for_read() {
+        let mem: Vec<u8> = (0..16384u32).map(|i| (i * 7 + 1) as u8).collect();
+        let requester = Bdf::new(2, 0, 0).unwrap();
+        for (address, len) in [(0x0u64, 4096usize), (0x3, 1), (0x7d, 600), (0x1ffc, 4), (0x2f0, 4096)] {
+            for (mps, rcb) in [(128, 64), (256, 64), (512, 128), (4096, 128)] {
+                let reqs = read_requests(requester, address, len, 4096, || Ok(Tag::new(7).unwrap())).unwrap();
+                for (_, req) in reqs {
+                    let read = |a: u64, buf: &mut [u8]| {
+                        let a = a as usize;
+                        buf.copy_from_slice(&mem[a..a + buf.len()]);
+                        Ok(())
+                    };
+                    let want = completions_for_read(&req, Bdf(0), mps, rcb, read).unwrap();
+                    let got: Vec<Tlp> = read_completion_headers(&req, Bdf(0), mps, rcb)
+                        .unwrap()
+                        .into_iter()
+                        .map(|(mut c, at, n)| {
+                            c.data = mem[at as usize..at as usize + n].to_vec();
+                            c
+                        })
+                        .collect();
+                    assert_eq!(got, want, "{address:#x} {len} mps {mps} rcb {rcb}");
+                }
+            }
+        }
+        // A zero-length read is left to completions_for_read.
+        let (_, req) =
+            read_requests(requester, 0x100, 0, 4096, || Ok(Tag::new(7).unwrap())).unwrap().remove(0);
+        assert!(read_completion_headers(&req, Bdf(0), 256, 64).unwrap().is_empty());
     }
 }

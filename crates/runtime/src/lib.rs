@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use lanbus_port::{Port, PortCounters};
 use lanbus_transport::{
-    Config, Counters, Endpoint, Event, Feedback, Message, ReceiveHalf, SendError, SendHalf,
+    Config, Counters, Endpoint, Event, Feedback, Message, MessageSource, ReceiveHalf, SendError, SendHalf,
 };
 use lanbus_wire::{Clock, Instant, MacAddr, MonotonicClock};
 
@@ -139,6 +139,16 @@ pub trait Outbox {
     fn try_send_parts(&mut self, peer: MacAddr, channel: u16, parts: &[&[u8]]) -> bool {
         self.send(peer, channel, &parts.concat());
         true
+    }
+
+    /// Queues the message whose bytes `data` appends itself for `peer` on `channel`, as
+    /// [`send`](Self::send) does: bytes that live elsewhere (memory behind locks) are copied
+    /// once, straight into the transport, where the outbox can. The default assembles them first.
+    fn send_from(&mut self, peer: MacAddr, channel: u16, data: &mut dyn MessageSource) {
+        let mut v = Vec::with_capacity(data.len());
+        let n = data.len();
+        data.append_to(&mut v, 0, n);
+        self.send(peer, channel, &v);
     }
 }
 
@@ -873,6 +883,25 @@ impl Outbox for Direct<'_> {
     fn send_parts(&mut self, peer: MacAddr, channel: u16, parts: &[&[u8]]) {
         if !self.try_send_parts(peer, channel, parts) {
             self.backlog.push_back(Outgoing { peer, channel, data: parts.concat() });
+        }
+    }
+
+    fn send_from(&mut self, peer: MacAddr, channel: u16, data: &mut dyn MessageSource) {
+        let queued = self.backlog.is_empty()
+            && match self.tx.send_from(self.now, peer, channel, data) {
+                Ok(()) => true,
+                Err(SendError::QueueFull) => false,
+                Err(e) => {
+                    tracing::warn!("dropping a message for {peer} on channel {channel}: {e}");
+                    true
+                }
+            };
+        if !queued {
+            // Refused whole: `data` was not read, it goes to the backlog as bytes.
+            let mut v = Vec::with_capacity(data.len());
+            let n = data.len();
+            data.append_to(&mut v, 0, n);
+            self.backlog.push_back(Outgoing { peer, channel, data: v });
         }
     }
 

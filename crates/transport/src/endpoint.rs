@@ -73,6 +73,17 @@ impl Endpoint {
         self.tx.send_parts(now, peer, channel, parts)
     }
 
+    /// Queues a message whose bytes `data` appends itself; see [`SendHalf::send_from`].
+    pub fn send_from(
+        &mut self,
+        now: Instant,
+        peer: MacAddr,
+        channel: u16,
+        data: &mut dyn crate::MessageSource,
+    ) -> Result<(), SendError> {
+        self.tx.send_from(now, peer, channel, data)
+    }
+
     fn route(&mut self, now: Instant) {
         while let Some(f) = self.rx.poll_feedback() {
             self.tx.handle_feedback(now, f);

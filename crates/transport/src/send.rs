@@ -371,12 +371,24 @@ impl SendHalf {
     /// apart are copied once, straight into the frames); as [`SendHalf::send`] otherwise.
     pub fn send_parts(
         &mut self,
-        _now: Instant,
+        now: Instant,
         peer: MacAddr,
         channel: u16,
         parts: &[&[u8]],
     ) -> Result<(), SendError> {
-        let data = Parts(parts);
+        self.send_from(now, peer, channel, &mut Parts(parts))
+    }
+
+    /// Queues one message whose bytes `data` appends to the frames itself (bytes that live
+    /// elsewhere are copied once, straight into the frames); as [`SendHalf::send`] otherwise.
+    /// On error `data` was not read.
+    pub fn send_from(
+        &mut self,
+        _now: Instant,
+        peer: MacAddr,
+        channel: u16,
+        data: &mut dyn MessageSource,
+    ) -> Result<(), SendError> {
         let len = data.len();
         if len > MAX_MESSAGE_LEN {
             return Err(SendError::TooLarge { len });
@@ -998,18 +1010,29 @@ fn start_frame(f: &mut Vec<u8>, local: MacAddr, peer: MacAddr, channel: u16, seq
     .emit(&mut Packet::new_unchecked(&mut f[ETH_LEN..]));
 }
 
-/// Appends one message record to a frame and updates its payload length.
+/// A message's bytes as [`SendHalf::send_from`] takes them: how many, and any range of them
+/// appended to a frame. A sender whose bytes live elsewhere (memory behind locks, a header and a
+/// payload apart) copies them once, straight into the frames.
+pub trait MessageSource {
+    /// The message's length.
+    fn len(&self) -> usize;
+    /// Whether the message is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Appends the message's bytes `at..at + n` (inside the message) to `f`.
+    fn append_to(&mut self, f: &mut Vec<u8>, at: usize, n: usize);
+}
+
 /// A message in pieces, read as one run of bytes.
-#[derive(Clone, Copy)]
 struct Parts<'a>(&'a [&'a [u8]]);
 
-impl Parts<'_> {
-    fn len(self) -> usize {
+impl MessageSource for Parts<'_> {
+    fn len(&self) -> usize {
         self.0.iter().map(|p| p.len()).sum()
     }
 
-    /// Appends the message's bytes `at..at + n` to `f`.
-    fn copy_to(self, f: &mut Vec<u8>, mut at: usize, mut n: usize) {
+    fn append_to(&mut self, f: &mut Vec<u8>, mut at: usize, mut n: usize) {
         for p in self.0 {
             if n == 0 {
                 return;
@@ -1026,13 +1049,14 @@ impl Parts<'_> {
     }
 }
 
-/// Appends a record of the message's bytes `at..at + n`.
-fn append_record(f: &mut Vec<u8>, flags: u8, data: Parts<'_>, at: usize, n: usize) {
+/// Appends a record of the message's bytes `at..at + n` to a frame and updates its payload
+/// length.
+fn append_record(f: &mut Vec<u8>, flags: u8, data: &mut dyn MessageSource, at: usize, n: usize) {
     // The record header of lanbus_wire::frame::MessageRecord, written in place: this runs once
     // per message, and extend_from_slice avoids zero-filling bytes about to be overwritten.
     let [n0, n1] = (n as u16).to_be_bytes();
     f.extend_from_slice(&[n0, n1, flags, 0]);
-    data.copy_to(f, at, n);
+    data.append_to(f, at, n);
     let plen = (f.len() - ETH_LEN - LB_LEN) as u16;
     header_mut(f).set_payload_len(plen);
 }

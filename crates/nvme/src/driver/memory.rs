@@ -69,6 +69,15 @@ impl HostRegion {
     }
 }
 
+impl HostRegion {
+    /// Appends `len` bytes at `addr` to `out`, page by page straight from the region (no
+    /// zero-filled buffer first). Nothing is appended on an error.
+    pub fn read_append(&self, addr: u64, len: usize, out: &mut Vec<u8>) -> Result<(), BusError> {
+        out.reserve(len);
+        self.access(addr, len, |p, _| out.extend_from_slice(p))
+    }
+}
+
 impl DmaMemory for HostRegion {
     fn page_size(&self) -> usize {
         REGION_PAGE
