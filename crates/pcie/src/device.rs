@@ -75,22 +75,8 @@ pub enum HostRequest {
 /// without a [`Function`] around it: see [`DeviceIo::next_op`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IoOp {
-    /// A DMA read; its outcome goes back with [`DeviceModel::dma_read_done`].
-    Read {
-        /// The read's name.
-        id: DmaId,
-        /// Byte address in host memory.
-        address: u64,
-        /// Bytes to read.
-        len: usize,
-    },
-    /// A posted DMA write.
-    Write {
-        /// Byte address in host memory.
-        address: u64,
-        /// The bytes.
-        data: Vec<u8>,
-    },
+    /// A DMA read or write; a read's outcome goes back with [`DeviceModel::dma_read_done`].
+    Dma(HostRequest),
     /// An MSI-X vector raised.
     Interrupt(u16),
 }
@@ -109,13 +95,13 @@ impl DeviceIo {
     pub fn dma_read(&mut self, address: u64, len: usize) -> DmaId {
         let id = DmaId(self.next_id);
         self.next_id += 1;
-        self.queue.push_back(IoOp::Read { id, address, len });
+        self.queue.push_back(IoOp::Dma(HostRequest::Read { id, address, len }));
         id
     }
 
     /// Writes `data` to host memory at `address` (posted: no answer).
     pub fn dma_write(&mut self, address: u64, data: Vec<u8>) {
-        self.queue.push_back(IoOp::Write { address, data });
+        self.queue.push_back(IoOp::Dma(HostRequest::Write { address, data }));
     }
 
     /// Raises MSI-X `vector`. Requests queued before it reach the host first, as PCIe ordering
@@ -518,14 +504,14 @@ impl<D: DeviceModel> Function<D> {
         }
         while let Some(op) = self.io.queue.pop_front() {
             match op {
-                IoOp::Read { id, address, len } => {
+                IoOp::Dma(HostRequest::Read { id, address, len }) => {
                     if bus_master {
                         return Some(HostRequest::Read { id, address, len });
                     }
                     self.counters.reads_refused += 1;
                     self.device.dma_read_done(id, Err(DmaError::BusMasterDisabled), &mut self.io);
                 }
-                IoOp::Write { address, data } => {
+                IoOp::Dma(HostRequest::Write { address, data }) => {
                     if bus_master {
                         return Some(HostRequest::Write { address, data });
                     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lanbus_nvme::driver::{DmaMemory, InterruptWait};
 use lanbus_nvme::{BusError, HostRegion};
-use lanbus_pcie::device::{DeviceIo, DeviceModel, DmaError, DmaId, IoOp};
+use lanbus_pcie::device::{DeviceIo, DeviceModel, DmaError, DmaId, HostRequest, IoOp};
 use lanbus_pcie::CplStatus;
 
 use crate::device::{Inbound, NetConfig, NetDevice, Offloads, Wire};
@@ -99,9 +99,9 @@ impl Join {
                 return;
             };
             match op {
-                IoOp::Read { id, address, len } if *hold => held.push((id, address, len)),
-                IoOp::Read { id, address, len } => self.answer(dev, io, id, address, len),
-                IoOp::Write { address, data } => {
+                IoOp::Dma(HostRequest::Read { id, address, len }) if *hold => held.push((id, address, len)),
+                IoOp::Dma(HostRequest::Read { id, address, len }) => self.answer(dev, io, id, address, len),
+                IoOp::Dma(HostRequest::Write { address, data }) => {
                     // Posted: a write nowhere is dropped, as on a bus.
                     let _ = DmaMemory::write(&*self.mem, address, &data);
                 }
