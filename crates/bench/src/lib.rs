@@ -10,6 +10,7 @@ mod msg_mpi;
 mod msg_relay;
 pub mod nbd;
 pub mod nic;
+pub mod nic_tunnel;
 pub mod nvme;
 pub mod pcie;
 pub mod plot;
@@ -57,7 +58,8 @@ pub enum BenchCommand {
     Msg(msg::MsgArgs),
     /// iperf3 (TCP 1 and 4 streams, UDP 64 B and 1400 B) from a host through a remote virtio-net
     /// NIC in an I/O box over udp, afpacket and afxdp, against the same iperf3 over a direct veth,
-    /// with each port's raw floor. Needs root.
+    /// with two floors per port: the same iperf3 TCP through a bare relay between the two TAPs over
+    /// the port (`tunnel:PORT`, nothing of PCIe) and the port's raw one-way rate. Needs root.
     Nic(nic::NicBenchArgs),
     /// The TCP/IP stack server against Linux's TCP on a veth at MTU 1500: throughput by the
     /// application's buffer size (1 KiB to 4 MiB), sending and receiving, for the rump-kernel

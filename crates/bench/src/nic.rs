@@ -11,10 +11,14 @@
 //! (`pps_received`, and `loss_percent` in the row). The peer, `peer:veth`, is the same iperf3 over
 //! a direct veth between the host and server namespaces, in the same run (with the kernel's
 //! segmentation offloads, as the host's TAP has them too); every lanbus row carries
-//! `ratio_vs_veth`. After the rows, each port's floor: `raw:PORT`, the bare port's one-way rate in
-//! frames of the fabric's MTU (`gbit_per_s_one_way`). Runs go in turns (`--runs`, default 5: every
-//! row once, then again), the daemons restarted for each; a figure is the median. Table, JSON
-//! (`--json`), and PREFIX-tcp.png (`--png`): Gbit/s against streams.
+//! `ratio_vs_veth`. Two floors per port: `tunnel:PORT`, the same iperf3 TCP tests through a bare
+//! user-space path from the host's TAP to the I/O box's (a relay on each side between its TAP
+//! and the port, offloads passed through, nothing of PCIe: [`crate::nic_tunnel`]), which the
+//! port's lanbus row also compares with (`ratio_vs_tunnel`); and after the rows `raw:PORT`, the
+//! bare port's one-way rate in frames of the fabric's MTU (`gbit_per_s_one_way`). Runs go in
+//! turns (`--runs`, default 5: every row once, then again), the daemons restarted for each; a
+//! figure is the median. Table, JSON (`--json`), and PREFIX-tcp.png (`--png`): Gbit/s against
+//! streams.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -26,6 +30,7 @@ use lanbus_port::netns::{Netns, VethPair};
 
 use super::interrupt::KillOnDrop;
 use super::report::{median, Report, Row};
+use crate::nic_tunnel::Tunnel;
 use crate::plot::{write_png, Plot, Series};
 
 /// `lanbus bench nic` options.
@@ -163,6 +168,29 @@ impl Net {
         Ok((io, host))
     }
 
+    /// Joins the host's `lanbus0` and the I/O box's `nic0` by the floor's relays over `kind`.
+    fn start_tunnel(&self, kind: &str) -> anyhow::Result<Tunnel> {
+        let (mut a, mut b) = crate::port_specs(kind, &self.veth)?;
+        if kind == "afpacket" {
+            // Nothing paces the relays as the transport's window paces lanbus: the receive ring
+            // a port has for every EtherType (sixteen times as many slots) keeps a window of TCP
+            // segments from overflowing it; the relays ignore the link's other frames.
+            a.push_str(",ethertypes=all");
+            b.push_str(",ethertypes=all");
+        }
+        let a = self.veth.a.netns.run(move || lanbus_port::open(&a).map_err(|e| e.to_string()))?;
+        let b = self.veth.b.netns.run(move || lanbus_port::open(&b).map_err(|e| e.to_string()))?;
+        let (a, b) = (a.map_err(anyhow::Error::msg)?, b.map_err(anyhow::Error::msg)?);
+        let tunnel = Tunnel::start(&self.veth.a.netns, "lanbus0", a, &self.veth.b.netns, "nic0", b)?;
+        ok(self.veth.b.netns.ip(&["link", "set", "nic0", "master", "br0", "up"]), "TAP into the bridge")?;
+        ok(
+            self.veth.a.netns.ip(&["addr", "add", &format!("{NIC_HOST}/24"), "dev", "lanbus0"]),
+            "tunnel address",
+        )?;
+        let _ = self.veth.a.netns.exec("ping", &["-c", "1", "-W", "2", NIC_SERVER]);
+        Ok(tunnel)
+    }
+
     /// One iperf3 test toward `server`: (Gbit/s received, pps received, loss %).
     fn iperf3(
         &self,
@@ -230,6 +258,16 @@ impl Drop for Net {
     }
 }
 
+/// How a row's traffic goes from the host to the server.
+enum Path {
+    /// The direct veth (the peer).
+    Direct,
+    /// Through the remote NIC: the I/O box's and the host's daemons.
+    Daemons { _daemons: (KillOnDrop, KillOnDrop) },
+    /// Through the floor's relays.
+    Tunnel(Tunnel),
+}
+
 /// (row, test) -> the runs' (Gbit/s, pps received, loss %).
 type Samples = std::collections::BTreeMap<(String, &'static str), Vec<(f64, f64, f64)>>;
 
@@ -249,21 +287,42 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
         bail!("--mtu: {} is not an MTU of 576 to 65000", args.mtu);
     }
     let net = Net::build(args.mtu)?;
-    let rows: Vec<String> = std::iter::once("peer:veth".to_string()).chain(ports.iter().cloned()).collect();
+    let rows: Vec<String> = std::iter::once("peer:veth".to_string())
+        .chain(ports.iter().flat_map(|p| [p.clone(), format!("tunnel:{p}")]))
+        .collect();
     let mut samples: Samples = Default::default();
     let mut raw: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     for run in 0..args.runs {
         for row in &rows {
             eprintln!("bench nic: run {}/{} {row}", run + 1, args.runs);
-            let (daemons, server) =
-                if row == "peer:veth" { (None, DIRECT_SERVER) } else { (Some(net.start(row)?), NIC_SERVER) };
+            let path = if row == "peer:veth" {
+                Path::Direct
+            } else if let Some(kind) = row.strip_prefix("tunnel:") {
+                Path::Tunnel(net.start_tunnel(kind)?)
+            } else {
+                Path::Daemons { _daemons: net.start(row)? }
+            };
+            let server = if matches!(path, Path::Direct) { DIRECT_SERVER } else { NIC_SERVER };
             for (test, streams, udp) in TESTS {
+                // The tunnel is the floor of the TCP goal; one thread a side moving each small
+                // packet alone is not the floor of a packet rate.
+                if matches!(path, Path::Tunnel(_)) && udp.is_some() {
+                    continue;
+                }
                 match net.iperf3(server, args.seconds, streams, udp) {
                     Ok(s) => samples.entry((row.clone(), test)).or_default().push(s),
                     Err(e) => eprintln!("bench nic: {row} {test}: {e:#}"),
                 }
             }
-            drop(daemons);
+            if let Path::Tunnel(t) = path {
+                match t.stop() {
+                    Ok([h, b]) if h.dropped + b.dropped > 0 => {
+                        eprintln!("bench nic: {row}: the relays dropped {} pieces", h.dropped + b.dropped)
+                    }
+                    Ok(_) => {}
+                    Err(e) => eprintln!("bench nic: {row}: {e:#}"),
+                }
+            }
         }
         for p in &ports {
             match super::nvme::raw_one_way(p, Some(&net.veth), 2.0) {
@@ -281,22 +340,26 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
         let mut points = Vec::new();
         for (test, streams, udp) in TESTS {
             let Some(v) = samples.get(&(row.clone(), test)) else { continue };
-            let peer = samples.get(&("peer:veth".to_string(), test));
-            let r = if udp.is_some() {
-                let pps = med(v, 1);
-                let mut r = Row::new(row, "pps_received", pps).with("loss_percent", med(v, 2));
-                if let Some(p) = peer.filter(|_| row != "peer:veth") {
-                    r = r.with("ratio_vs_veth", pps / med(p, 1).max(1e-9));
-                }
-                r.with("datagram_bytes", udp.unwrap_or(0))
+            let peer = samples.get(&("peer:veth".to_string(), test)).filter(|_| row != "peer:veth");
+            let tunnel = samples.get(&(format!("tunnel:{row}"), test));
+            // The figure (Gbit/s or packets per second) this test compares.
+            let k = if udp.is_some() { 1 } else { 0 };
+            let x = med(v, k);
+            let mut r = if udp.is_some() {
+                Row::new(row, "pps_received", x).with("loss_percent", med(v, 2))
             } else {
-                let g = med(v, 0);
-                points.push((f64::from(streams), g));
-                let mut r = Row::new(row, "gbit_per_s", g);
-                if let Some(p) = peer.filter(|_| row != "peer:veth") {
-                    r = r.with("ratio_vs_veth", g / med(p, 0).max(1e-9));
-                }
-                r.with("streams", streams)
+                points.push((f64::from(streams), x));
+                Row::new(row, "gbit_per_s", x)
+            };
+            if let Some(p) = peer {
+                r = r.with("ratio_vs_veth", x / med(p, k).max(1e-9));
+            }
+            if let Some(t) = tunnel {
+                r = r.with("ratio_vs_tunnel", x / med(t, k).max(1e-9));
+            }
+            let r = match udp {
+                Some(len) => r.with("datagram_bytes", len),
+                None => r.with("streams", streams),
             };
             report.push(r.with("test", test).with("mtu", args.mtu).with("runs", v.len()));
         }
