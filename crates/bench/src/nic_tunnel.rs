@@ -171,7 +171,7 @@ impl Relay {
             }
             let read = lens.len();
             if read > 0 {
-                self.send(&frames, &lens, &mut number, per)?;
+                self.send(stop, &frames, &lens, &mut number, per)?;
             }
             let tap = &self.tap;
             let counters = &mut self.counters;
@@ -191,9 +191,11 @@ impl Relay {
     }
 
     /// Sends the TAP frames `frames[i][..lens[i]]`, each in pieces of up to `per` bytes, the last
-    /// piece first, as many pieces in a port frame as fit.
+    /// piece first, as many pieces in a port frame as fit. A port whose queue stays full is
+    /// waited for until `stop`.
     fn send(
         &mut self,
+        stop: &AtomicBool,
         frames: &[Vec<u8>],
         lens: &[usize],
         number: &mut u16,
@@ -243,6 +245,9 @@ impl Relay {
                 Some(at)
             })?;
             if sent == 0 {
+                if stop.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
                 std::thread::yield_now();
             }
         }
