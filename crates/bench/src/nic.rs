@@ -316,9 +316,16 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
             }
             if let Path::Tunnel(t) = path {
                 match t.stop() {
-                    Ok([h, b]) if h.dropped + b.dropped > 0 => {
-                        eprintln!("bench nic: {row}: the relays dropped {} pieces", h.dropped + b.dropped)
-                    }
+                    Ok([h, b]) if h.dropped + b.dropped > 0 => eprintln!(
+                        "bench nic: {row}: the relays dropped {} pieces (host: {} frames sent, {} delivered; \
+                         I/O box: {} sent, {} delivered; {} other frames ignored)",
+                        h.dropped + b.dropped,
+                        h.sent,
+                        h.delivered,
+                        b.sent,
+                        b.delivered,
+                        h.foreign + b.foreign
+                    ),
                     Ok(_) => {}
                     Err(e) => eprintln!("bench nic: {row}: {e:#}"),
                 }
