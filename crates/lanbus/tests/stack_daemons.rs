@@ -143,6 +143,12 @@ impl Net {
         let t = std::thread::spawn(move || {
             lanbus_port::netns::enter(&name).expect("entering the namespace");
             let l = TcpListener::bind((LINUX_IP, port)).expect("binding in the Linux namespace");
+            // Room for every connection of a test opened at once (std listens with a backlog of
+            // 128; Linux drops the handshakes past it while the accepting thread waits for a
+            // core, and a connection the stack saw open could then be reset).
+            // SAFETY: listen(2) again on a listening socket only changes its backlog.
+            let rc = unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&l), 4096) };
+            assert_eq!(rc, 0, "listen: {}", std::io::Error::last_os_error());
             tx.send(()).unwrap();
             serve(l)
         });
