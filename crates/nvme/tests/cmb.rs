@@ -100,6 +100,30 @@ fn the_driver_puts_queues_lists_and_write_data_in_the_buffer() {
 }
 
 #[test]
+fn a_write_into_the_buffer_goes_in_commands_of_the_pipelined_size() {
+    for (mode, split, use_cmb, commands) in [
+        (ProcessMode::Inline, 256 << 10, true, 4),
+        (ProcessMode::Thread, 256 << 10, true, 4),
+        (ProcessMode::Thread, 100_000, true, 11), // 195 blocks of 512 bytes each
+        (ProcessMode::Thread, 0, true, 1),
+        (ProcessMode::Thread, 256 << 10, false, 1), // data in host memory: one MDTS command
+    ] {
+        let l = with_cmb(4 * CMB, mode);
+        let cfg = DriverConfig { pipelined_write_bytes: split, use_cmb, ..DriverConfig::default() };
+        let d = l.driver(cfg).unwrap();
+        let data = pattern(split as u64 + 7, 1 << 20);
+        let before = l.controller().stats().io_commands;
+        d.write(2048, &data, false).unwrap();
+        let ran = l.controller().stats().io_commands - before;
+        assert_eq!(ran, commands, "split {split}, buffer {use_cmb}, {mode:?}");
+        let mut back = vec![0u8; data.len()];
+        d.read(2048, &mut back).unwrap();
+        assert!(back == data, "split {split}, buffer {use_cmb}, {mode:?}");
+        assert_eq!(l.controller().stats().error_completions, 0);
+    }
+}
+
+#[test]
 fn a_transfer_straddling_the_buffer_edge_is_invalid_cmb_use() {
     let l = with_cmb(CMB, ProcessMode::Inline);
     let d = l.driver(DriverConfig::default()).unwrap();

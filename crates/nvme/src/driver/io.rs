@@ -24,16 +24,16 @@ impl NvmeDriver {
         }
     }
 
-    /// A read or write command for `len` bytes at `lba` with a fresh DMA buffer (written with
-    /// `data` for a write).
-    fn rw_command(
-        &self,
+    /// A read or write command for `len` bytes at `lba` with a fresh DMA buffer (for a write,
+    /// `data` is copied into it just before the command is submitted).
+    fn rw_command<'a>(
+        &'a self,
         write: bool,
         lba: u64,
         len: usize,
-        data: Option<&[u8]>,
+        data: Option<&'a [u8]>,
         fua: bool,
-    ) -> Result<Pending<'_>> {
+    ) -> Result<Pending<'a>> {
         let cmb = self.cmb.as_ref();
         let buf = match data {
             Some(_) => DmaBuf::prefer_cmb(cmb.filter(|c| c.write_data), &*self.mem, len)?,
@@ -49,11 +49,7 @@ impl NvmeDriver {
         for (addr, bytes) in &plan.lists {
             self.put(*addr, bytes)?;
         }
-        if let Some(d) = data {
-            let start = Instant::now();
-            self.put(buf.addr, d)?;
-            bump_ns(&self.stats.copy_ns, start);
-        }
+        let fill = data;
         let blocks = (len / self.identity.lba_size as usize) as u32;
         let sqe = Sqe {
             opcode: if write { nvm_opcode::WRITE } else { nvm_opcode::READ },
@@ -63,13 +59,26 @@ impl NvmeDriver {
             cdw: [lba as u32, (lba >> 32) as u32, (blocks - 1) | u32::from(fua) << 30, 0, 0, 0],
             ..Sqe::default()
         };
-        Ok(Pending { sqe, data: Some(buf), lists })
+        Ok(Pending { sqe, data: Some(buf), lists, fill })
     }
 
     /// Bytes of one request in flight at once: whole commands, at least one.
     fn window_bytes(&self) -> usize {
         let chunk = self.chunk_bytes();
         (self.cfg.max_inflight_bytes / chunk).max(1) * chunk
+    }
+
+    /// Command size of a write: [`DriverConfig::pipelined_write_bytes`](super::DriverConfig)
+    /// when write data goes into the memory buffer, else as for a read.
+    fn write_chunk_bytes(&self) -> usize {
+        let chunk = self.chunk_bytes();
+        let lba = self.identity.lba_size as usize;
+        match self.cfg.pipelined_write_bytes {
+            n if n > 0 && self.cmb.as_ref().is_some_and(|c| c.write_data) => {
+                (n / lba * lba).clamp(lba, chunk)
+            }
+            _ => chunk,
+        }
     }
 
     fn chunk_bytes(&self) -> usize {
@@ -132,7 +141,7 @@ impl NvmeDriver {
             )));
         }
         self.check_blocks(lba, (data.len() / bs) as u64)?;
-        let chunk = self.chunk_bytes();
+        let chunk = self.write_chunk_bytes();
         let window = self.window_bytes();
         for (w, group) in data.chunks(window).enumerate() {
             let lba = lba + (w * window / bs) as u64;
@@ -154,7 +163,7 @@ impl NvmeDriver {
     /// Flush: everything written so far is durable.
     pub fn flush(&self) -> Result<()> {
         let sqe = Sqe { opcode: nvm_opcode::FLUSH, nsid: self.identity.nsid, ..Sqe::default() };
-        self.run_io(&mut [Pending { sqe, data: None, lists: Vec::new() }])?;
+        self.run_io(&mut [Pending { sqe, data: None, lists: Vec::new(), fill: None }])?;
         Ok(())
     }
 
@@ -173,7 +182,7 @@ impl NvmeDriver {
                 cdw: [l as u32, (l >> 32) as u32, (n as u32 - 1) | u32::from(deallocate) << 25, 0, 0, 0],
                 ..Sqe::default()
             };
-            cmds.push(Pending { sqe, data: None, lists: Vec::new() });
+            cmds.push(Pending { sqe, data: None, lists: Vec::new(), fill: None });
             at += n;
         }
         self.run_io(&mut cmds)?;
@@ -208,7 +217,7 @@ impl NvmeDriver {
                 cdw: [group.len() as u32 - 1, 1 << 2, 0, 0, 0, 0],
                 ..Sqe::default()
             };
-            cmds.push(Pending { sqe, data: Some(buf), lists: Vec::new() });
+            cmds.push(Pending { sqe, data: Some(buf), lists: Vec::new(), fill: None });
         }
         if !cmds.is_empty() {
             self.run_io(&mut cmds)?;

@@ -48,6 +48,12 @@ pub struct DriverConfig {
     /// [`Bar`](super::Bar) maps it: I/O submission queues, PRP lists and write data go there with
     /// posted writes, so the controller reads none of them across the bus.
     pub use_cmb: bool,
+    /// Largest command of a write whose data goes into the Controller Memory Buffer: a larger
+    /// write is split into commands of this size, each submitted as soon as its data is posted,
+    /// so the controller writes one to its store while the next still crosses the bus. 0 keeps
+    /// commands as large as MDTS allows. Data in host memory is not split (the controller
+    /// fetches it, and smaller commands only add round trips).
+    pub pipelined_write_bytes: usize,
 }
 
 impl Default for DriverConfig {
@@ -63,6 +69,7 @@ impl Default for DriverConfig {
             admin_timeout: Duration::from_secs(10),
             poll_spin: Duration::from_micros(50),
             use_cmb: true,
+            pipelined_write_bytes: 256 << 10,
         }
     }
 }
