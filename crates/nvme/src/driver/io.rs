@@ -3,7 +3,10 @@
 //! NVM commands of NVMe base specification 1.4 section 6; a transfer is split at MDTS into
 //! commands that are in flight together, in windows of
 //! [`DriverConfig::max_inflight_bytes`](super::DriverConfig::max_inflight_bytes), each with its
-//! PRPs (section 4.3) over buffers of its own.
+//! PRPs (section 4.3) over buffers of its own. A write whose data goes into the Controller
+//! Memory Buffer is split finer
+//! ([`DriverConfig::pipelined_write_bytes`](super::DriverConfig::pipelined_write_bytes)), each
+//! command submitted as soon as its own data is posted.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
