@@ -52,7 +52,6 @@ impl NvmeDriver {
         for (addr, bytes) in &plan.lists {
             self.put(*addr, bytes)?;
         }
-        let fill = data;
         let blocks = (len / self.identity.lba_size as usize) as u32;
         let sqe = Sqe {
             opcode: if write { nvm_opcode::WRITE } else { nvm_opcode::READ },
@@ -62,7 +61,7 @@ impl NvmeDriver {
             cdw: [lba as u32, (lba >> 32) as u32, (blocks - 1) | u32::from(fua) << 30, 0, 0, 0],
             ..Sqe::default()
         };
-        Ok(Pending { sqe, data: Some(buf), lists, fill })
+        Ok(Pending { sqe, data: Some(buf), lists, fill: data })
     }
 
     /// Bytes of one request in flight at once: whole commands, at least one.
