@@ -92,7 +92,9 @@ fn build(test: char) -> Net {
         .arg(&socket)
         .arg("--control")
         .arg(&control)
-        .args(["--tcp-timeout", "3"])
+        // Short enough for the ETIMEDOUT check below, long enough that a segment dropped while
+        // a thousand connections burst out at once is retransmitted (with the backoff) in time.
+        .args(["--tcp-timeout", "15"])
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
