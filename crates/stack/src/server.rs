@@ -1370,7 +1370,6 @@ fn move_bytes(
     ) {
         c.fin_seen = true;
     }
-
     let Some(client) = client.filter(|_| !c.orphan) else {
         // Nobody reads any more: drain what arrives so the peer is not stalled.
         while s.can_recv() {
@@ -1433,6 +1432,19 @@ fn move_bytes(
             }
         }
     }
+    // The peer's FIN and then its RST can arrive in one poll: a peer that closed answers the ACK
+    // it no longer expects (ours, repeated for its retransmitted FIN) with a reset, and the socket
+    // goes from FIN-WAIT straight to CLOSED. smoltcp's receive side still knows the FIN came; with
+    // every byte of ours acknowledged, nothing was lost and the connection ended cleanly.
+    // (Asked once the bytes before the FIN are delivered: until then smoltcp answers as open.)
+    if state == tcp::State::Closed
+        && !c.fin_seen
+        && s.send_queue() == 0
+        && s.recv_queue() == 0
+        && matches!(s.recv(|_| (0, ())), Err(tcp::RecvError::Finished))
+    {
+        c.fin_seen = true;
+    }
     if c.fin_seen && !c.eof_sent && s.recv_queue() == 0 {
         client.control(Msg::Eof { conn: h });
         c.eof_sent = true;
@@ -1461,5 +1473,176 @@ fn own_ids() -> (u32, u32) {
     match UnixStream::pair().ok().and_then(|(a, _b)| peer_cred(&a).ok()) {
         Some(c) => (c.uid, c.gid),
         None => (u32::MAX, u32::MAX),
+    }
+}
+
+#[cfg(test)]
+mod closing {
+    use smoltcp::phy::{Loopback, Medium};
+
+    use super::*;
+
+    /// Two smoltcp sockets on one loopback interface: `ours` is serviced like a client's
+    /// connection, `theirs` plays the peer.
+    struct Net {
+        dev: Loopback,
+        iface: Interface,
+        sockets: SocketSet<'static>,
+        t: Instant,
+    }
+
+    impl Net {
+        fn new() -> Net {
+            let mut dev = Loopback::new(Medium::Ethernet);
+            let config = Config::new(EthernetAddress([2, 0, 0, 0, 0, 1]).into());
+            let mut iface = Interface::new(config, &mut dev, Instant::ZERO);
+            iface.update_ip_addrs(|a| a.push(IpCidr::new(IpAddress::v4(127, 0, 0, 1), 8)).unwrap());
+            Net { dev, iface, sockets: SocketSet::new(vec![]), t: Instant::ZERO }
+        }
+
+        fn socket(&mut self) -> SocketHandle {
+            let mut s = tcp::Socket::new(
+                tcp::SocketBuffer::new(vec![0; 4096]),
+                tcp::SocketBuffer::new(vec![0; 4096]),
+            );
+            s.set_ack_delay(None);
+            self.sockets.add(s)
+        }
+
+        fn tcp(&mut self, h: SocketHandle) -> &mut tcp::Socket<'static> {
+            self.sockets.get_mut(h)
+        }
+
+        fn poll(&mut self) {
+            self.t += smoltcp::time::Duration::from_millis(1);
+            self.iface.poll(self.t, &mut self.dev, &mut self.sockets);
+        }
+
+        fn egress(&mut self) {
+            self.iface.poll_egress(self.t, &mut self.dev, &mut self.sockets);
+        }
+    }
+
+    fn client(conn: u32) -> Client {
+        let (sock, _) = UnixStream::pair().unwrap();
+        Client {
+            sock,
+            link: Link::Socket { read: Vec::new(), write: VecDeque::new() },
+            pid: 0,
+            unit: 4096,
+            outbox: VecDeque::new(),
+            handles: HashSet::from([conn]),
+            wrote: false,
+            blocked: false,
+        }
+    }
+
+    /// The messages the client was sent, as (data received, end of stream seen, errno closed with).
+    fn told(client: &Client) -> (Vec<u8>, bool, Option<i32>) {
+        let Link::Socket { write, .. } = &client.link else { unreachable!() };
+        let bytes: Vec<u8> = write.iter().copied().collect();
+        let (mut data, mut eof, mut closed) = (Vec::new(), false, None);
+        let mut at = 0;
+        while at < bytes.len() {
+            let len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+            match Msg::parse(&bytes[at + 4..at + 4 + len]).unwrap() {
+                Msg::Data { data: d, .. } => data.extend_from_slice(d),
+                Msg::Eof { .. } => eof = true,
+                Msg::Closed { errno, .. } => closed = Some(errno),
+                Msg::Sent { .. } => {}
+                other => panic!("unexpected {other:?}"),
+            }
+            at += 4 + len;
+        }
+        (data, eof, closed)
+    }
+
+    #[test]
+    fn a_fin_and_a_reset_in_one_poll_end_the_connection_cleanly() {
+        const CONN: u32 = 7;
+        let timeout = Duration::from_secs(15);
+        let mut net = Net::new();
+        let (ours, theirs) = (net.socket(), net.socket());
+        net.tcp(theirs).listen(1234).unwrap();
+        let cx = net.iface.context();
+        net.sockets
+            .get_mut::<tcp::Socket>(ours)
+            .connect(cx, (IpAddress::v4(127, 0, 0, 1), 1234), 49152)
+            .unwrap();
+        let mut c = Conn::new(1, ours, None, net.t);
+        let mut client = client(CONN);
+        let mut counters = ServerCounters::default();
+        let mut service = |net: &mut Net, c: &mut Conn, client: &mut Client| {
+            let t = net.t;
+            service_conn(CONN, c, net.sockets.get_mut(ours), Some(client), t, &mut counters, timeout);
+        };
+        for _ in 0..10 {
+            net.poll();
+            service(&mut net, &mut c, &mut client);
+        }
+        assert_eq!(net.tcp(theirs).state(), tcp::State::Established);
+
+        // Ours sends and shuts its half down; the peer reads it all and sees the FIN.
+        c.pending.extend(b"hello");
+        c.shutdown = true;
+        for _ in 0..10 {
+            service(&mut net, &mut c, &mut client);
+            net.poll();
+        }
+        service(&mut net, &mut c, &mut client);
+        assert_eq!(net.tcp(ours).state(), tcp::State::FinWait2);
+        let mut got = [0; 16];
+        let n = net.tcp(theirs).recv_slice(&mut got).unwrap();
+        assert_eq!(&got[..n], b"hello");
+
+        // The peer answers, closes, and then resets (as Linux does when our repeated ACK of its
+        // FIN finds its socket gone): FIN and RST wait together for ours's next poll.
+        net.tcp(theirs).send_slice(b"back").unwrap();
+        net.tcp(theirs).close();
+        net.egress();
+        net.tcp(theirs).abort();
+        net.egress();
+        net.poll();
+        assert_eq!(net.tcp(ours).state(), tcp::State::Closed, "the FIN and the RST came in one poll");
+
+        service(&mut net, &mut c, &mut client);
+        assert_eq!(told(&client), (b"back".to_vec(), true, Some(0)));
+    }
+
+    #[test]
+    fn a_reset_before_the_fin_is_an_error() {
+        const CONN: u32 = 7;
+        let timeout = Duration::from_secs(15);
+        let mut net = Net::new();
+        let (ours, theirs) = (net.socket(), net.socket());
+        net.tcp(theirs).listen(1234).unwrap();
+        let cx = net.iface.context();
+        net.sockets
+            .get_mut::<tcp::Socket>(ours)
+            .connect(cx, (IpAddress::v4(127, 0, 0, 1), 1234), 49152)
+            .unwrap();
+        let mut c = Conn::new(1, ours, None, net.t);
+        let mut client = client(CONN);
+        let mut counters = ServerCounters::default();
+        for _ in 0..10 {
+            net.poll();
+            let t = net.t;
+            service_conn(
+                CONN,
+                &mut c,
+                net.sockets.get_mut(ours),
+                Some(&mut client),
+                t,
+                &mut counters,
+                timeout,
+            );
+        }
+        net.tcp(theirs).abort();
+        net.egress();
+        net.poll();
+        assert_eq!(net.tcp(ours).state(), tcp::State::Closed);
+        let t = net.t;
+        service_conn(CONN, &mut c, net.sockets.get_mut(ours), Some(&mut client), t, &mut counters, timeout);
+        assert_eq!(told(&client), (Vec::new(), false, Some(libc::ECONNRESET)));
     }
 }
