@@ -24,4 +24,6 @@ pub(crate) struct Counters {
     pub(crate) dma_writes_dropped: AtomicU64,
     pub(crate) host_changes: AtomicU64,
     pub(crate) served_inline: AtomicU64,
+    pub(crate) prefetched_reads: AtomicU64,
+    pub(crate) prefetches_used: AtomicU64,
 }

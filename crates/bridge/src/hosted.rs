@@ -37,6 +37,11 @@ pub(crate) trait Path {
     fn wait_read(&mut self, op: OpId) -> Result<Vec<u8>, DmaError>;
     /// The function's max payload size and max read request size, as its host programmed them.
     fn set_limits(&mut self, mps: usize, mrrs: usize);
+    /// A read the function will ask for soon (see [`lanbus_pcie::blocking::HostAccess::prefetch`]);
+    /// a path that cannot start it here ignores it.
+    fn prefetch(&mut self, address: u64, len: usize) {
+        let _ = (address, len);
+    }
 }
 
 /// What the bridge needs of a hosted function.
@@ -224,6 +229,9 @@ impl DmaPath for Blocking<'_> {
     }
     fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError> {
         self.0.write(address, data)
+    }
+    fn prefetch(&mut self, address: u64, len: usize) {
+        self.0.prefetch(address, len);
     }
 }
 

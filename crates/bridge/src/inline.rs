@@ -176,6 +176,9 @@ pub(crate) struct InlinePath {
     reads: Reads,
     mps: usize,
     mrrs: usize,
+    /// Reads a blocking function's posted-only work said it will ask for (see
+    /// [`InlinePath::take_prefetches`]).
+    prefetches: Vec<(u64, usize)>,
 }
 
 impl InlinePath {
@@ -196,7 +199,16 @@ impl InlinePath {
             counters,
             mps,
             mrrs,
+            prefetches: Vec::new(),
         }
+    }
+
+    /// The reads (address, length) prefetched through this path since the last call, and the
+    /// max read request size to split them by. This path serves a blocking function's posted
+    /// work on the receive thread; the reads belong to the function's worker, whose [`Reads`]
+    /// the caller starts them on.
+    pub(crate) fn take_prefetches(&mut self) -> (Vec<(u64, usize)>, usize) {
+        (std::mem::take(&mut self.prefetches), self.mrrs)
     }
 
     /// Sends read TLPs for the reads' pieces while tags are free.
@@ -279,6 +291,10 @@ impl Path for InlinePath {
     fn set_limits(&mut self, mps: usize, mrrs: usize) {
         self.mps = mps;
         self.mrrs = mrrs;
+    }
+
+    fn prefetch(&mut self, address: u64, len: usize) {
+        self.prefetches.push((address, len));
     }
 }
 

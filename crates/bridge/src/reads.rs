@@ -7,11 +7,19 @@
 //! reassembly and the completion timeout are the requester's; this adapter maps its transactions
 //! to the model's [`OpId`]s and its errors to [`DmaError`]s, and counts.
 //!
-//! Invariants: every read started ends once, in [`Reads::poll`] or [`Reads::take`]; completions
-//! are accepted only from the host the reads went to; after anything that may free a tag
-//! (`complete`, `expire`) the caller calls `pump`.
+//! A read may be started ahead of the worker's asking ([`Reads::prefetch`], from the receive
+//! thread, when a blocking model's posted-only work names the read its next run will make). The
+//! worker's read of exactly that range then claims it ([`Reads::claim`]) instead of starting its
+//! own; a read of anything overlapping it, or the end of the worker's run, drops it. So a
+//! prefetched result is used at most once and never outlives the run it was made for, and memory
+//! read again after the model used it (a queue slot the host filled anew) is read anew.
+//!
+//! Invariants: every read started ends once, in [`Reads::poll`] or [`Reads::take`] (a dropped
+//! prefetch: in neither, its result thrown away); completions are accepted only from the host
+//! the reads went to; after anything that may free a tag (`complete`, `expire`) the caller calls
+//! `pump`.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +33,9 @@ use crate::hosted::OpId;
 
 /// The largest read request a function may be programmed with (PCIe's maximum).
 const MRRS_MAX: usize = 4096;
+
+/// Prefetched reads kept unclaimed at most (the oldest goes first).
+const PREFETCH_MAX: usize = 16;
 
 /// One function's DMA reads. See the module docs.
 pub(crate) struct Reads {
@@ -43,6 +54,10 @@ pub(crate) struct Reads {
     /// The one read the worker sleeps for, if it sleeps for one: others that end meanwhile do
     /// not wake it (it takes them when it asks for them).
     awaiting: Option<OpId>,
+    /// Prefetched reads nobody claimed yet: (address, length, op), oldest first.
+    prefetched: Vec<(u64, usize, OpId)>,
+    /// Dropped prefetches still in flight: their results are thrown away when they end.
+    discarded: HashSet<OpId>,
 }
 
 impl Reads {
@@ -57,6 +72,8 @@ impl Reads {
             finished: VecDeque::new(),
             changed: false,
             awaiting: None,
+            prefetched: Vec::new(),
+            discarded: HashSet::new(),
         }
     }
 
@@ -81,6 +98,79 @@ impl Reads {
             Err(_) => self.end(op, Err(DmaError::Completion(CplStatus::UnsupportedRequest))),
         }
         op
+    }
+
+    /// Starts a read of `len` bytes at `address` that the worker will ask for soon (see the
+    /// module docs); `pump` sends it. An unclaimed prefetch of the same range stands (nothing
+    /// consumed that memory since); one that overlaps it is dropped.
+    pub(crate) fn prefetch(&mut self, address: u64, len: usize, mrrs: usize, now: Instant) {
+        if len == 0 || self.prefetched.iter().any(|&(a, n, _)| (a, n) == (address, len)) {
+            return;
+        }
+        self.drop_prefetches_over(address, len);
+        if self.prefetched.len() >= PREFETCH_MAX {
+            let (_, _, op) = self.prefetched.remove(0);
+            self.discard(op);
+        }
+        bump(&self.counters.prefetched_reads);
+        let op = self.start(address, len, mrrs, now);
+        // A read that could not start has ended already (in `finished`, with its error).
+        self.prefetched.push((address, len, op));
+    }
+
+    /// The prefetched read of exactly `len` bytes at `address`, now the caller's to `take`;
+    /// `None` if there is none (prefetches overlapping the range are then dropped: the caller
+    /// reads that memory itself).
+    pub(crate) fn claim(&mut self, address: u64, len: usize) -> Option<OpId> {
+        if self.prefetched.is_empty() {
+            return None;
+        }
+        match self.prefetched.iter().position(|&(a, n, _)| (a, n) == (address, len)) {
+            Some(i) => {
+                let (_, _, op) = self.prefetched.remove(i);
+                bump(&self.counters.prefetches_used);
+                // From here on an ordinary read: its end wakes a worker that waits for it.
+                Some(op)
+            }
+            None => {
+                self.drop_prefetches_over(address, len);
+                None
+            }
+        }
+    }
+
+    /// Drops every unclaimed prefetch (the worker's run that could have used them is over).
+    pub(crate) fn drop_prefetches(&mut self) {
+        for (_, _, op) in std::mem::take(&mut self.prefetched) {
+            self.discard(op);
+        }
+    }
+
+    /// Drops the unclaimed prefetches that overlap `len` bytes at `address`.
+    fn drop_prefetches_over(&mut self, address: u64, len: usize) {
+        let end = address.saturating_add(len as u64);
+        let mut i = 0;
+        while i < self.prefetched.len() {
+            let (a, n, op) = self.prefetched[i];
+            if a < end && address < a.saturating_add(n as u64) {
+                self.prefetched.remove(i);
+                self.discard(op);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Forgets read `op`: its result if it ended, or the result it will end with.
+    fn discard(&mut self, op: OpId) {
+        match self.finished.iter().position(|(id, _)| *id == op) {
+            Some(i) => {
+                self.finished.remove(i);
+            }
+            None => {
+                self.discarded.insert(op);
+            }
+        }
     }
 
     /// Hands `send` the read TLPs (for `host`, from `me`) that tags allow, oldest read first; with
@@ -173,15 +263,22 @@ impl Reads {
         if result.is_err() {
             bump(&self.counters.dma_read_failures);
         }
-        if result.is_err() || self.awaiting.is_none_or(|a| a == op) {
+        if self.discarded.remove(&op) {
+            return;
+        }
+        // Nobody waits for an unclaimed prefetch: its end wakes nobody.
+        let prefetch = self.prefetched.iter().any(|&(_, _, p)| p == op);
+        if !prefetch && (result.is_err() || self.awaiting.is_none_or(|a| a == op)) {
             self.changed = true;
         }
         self.finished.push_back((op, result));
     }
 
-    /// A finished read, if any.
+    /// A finished read, if any (unclaimed prefetches wait for their claim).
     pub(crate) fn poll(&mut self) -> Option<(OpId, Result<Vec<u8>, DmaError>)> {
-        self.finished.pop_front()
+        let i =
+            self.finished.iter().position(|(op, _)| !self.prefetched.iter().any(|&(_, _, p)| p == *op))?;
+        self.finished.remove(i)
     }
 
     /// Read `op`'s result if it finished; `Some(Err(Timeout))` if no such read is known.
@@ -301,6 +398,80 @@ mod tests {
         r.set_awaiting(None);
         assert!(r.take(first).unwrap().is_ok());
         assert!(r.take(second).unwrap().is_ok());
+    }
+
+    #[test]
+    fn a_prefetch_is_claimed_once_by_a_read_of_exactly_its_range() {
+        let mut r = reads(256);
+        r.prefetch(0x4000, 128, 4096, Instant::now());
+        r.prefetch(0x4000, 128, 4096, Instant::now());
+        let sent = pump(&mut r);
+        assert_eq!(sent.len(), 1, "the same range twice is one read");
+        r.take_changed();
+        for c in answer(&sent[0]) {
+            assert!(r.complete(HOST, &c, &c.data, Instant::now()));
+        }
+        assert!(!r.take_changed(), "nobody waits for a prefetch");
+        assert!(r.poll().is_none(), "a prefetch waits for its claim");
+        assert_eq!(r.claim(0x4000, 64), None, "another length is another read");
+        r.prefetch(0x4000, 128, 4096, Instant::now());
+        let sent = pump(&mut r);
+        for c in answer(&sent[0]) {
+            r.complete(HOST, &c, &c.data, Instant::now());
+        }
+        let op = r.claim(0x4000, 128).expect("prefetched");
+        let data = r.take(op).unwrap().unwrap();
+        assert!(data.iter().enumerate().all(|(i, b)| *b == (0x4000 + i) as u8));
+        assert_eq!(r.claim(0x4000, 128), None, "used once");
+        assert!(r.poll().is_none());
+        assert_eq!(r.counters.prefetched_reads.load(std::sync::atomic::Ordering::Relaxed), 2);
+        assert_eq!(r.counters.prefetches_used.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_claimed_prefetch_still_in_flight_wakes_the_worker_when_it_ends() {
+        let mut r = reads(256);
+        r.prefetch(0x4000, 64, 4096, Instant::now());
+        let sent = pump(&mut r);
+        let op = r.claim(0x4000, 64).unwrap();
+        assert!(r.take(op).is_none(), "in flight");
+        r.take_changed();
+        r.set_awaiting(Some(op));
+        for c in answer(&sent[0]) {
+            r.complete(HOST, &c, &c.data, Instant::now());
+        }
+        assert!(r.take_changed());
+        assert!(r.take(op).unwrap().is_ok());
+    }
+
+    #[test]
+    fn prefetches_overlapping_a_read_or_left_after_a_run_are_thrown_away() {
+        let mut r = reads(256);
+        // Finished, then overlapped by the worker's own read of part of it.
+        r.prefetch(0x4000, 256, 4096, Instant::now());
+        let sent = pump(&mut r);
+        for c in answer(&sent[0]) {
+            r.complete(HOST, &c, &c.data, Instant::now());
+        }
+        assert_eq!(r.claim(0x4040, 64), None);
+        assert_eq!(r.claim(0x4000, 256), None, "dropped by the overlapping read");
+        assert!(r.poll().is_none(), "its result is gone");
+        // Still in flight when the run ends: its result is dropped when it comes.
+        r.prefetch(0x8000, 64, 4096, Instant::now());
+        let sent = pump(&mut r);
+        r.drop_prefetches();
+        r.take_changed();
+        for c in answer(&sent[0]) {
+            r.complete(HOST, &c, &c.data, Instant::now());
+        }
+        assert!(!r.take_changed());
+        assert!(r.poll().is_none());
+        assert_eq!(r.claim(0x8000, 64), None);
+        // A newer prefetch over an older one replaces it.
+        r.prefetch(0xc000, 128, 4096, Instant::now());
+        r.prefetch(0xc040, 128, 4096, Instant::now());
+        assert!(r.claim(0xc040, 128).is_some());
+        assert_eq!(r.claim(0xc000, 128), None);
     }
 
     #[test]

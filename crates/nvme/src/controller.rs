@@ -391,6 +391,11 @@ impl HostMemory for CmbView<'_> {
         let at = self.locate(addr, len).ok()??;
         Some(&self.cmb[at..at + len])
     }
+    fn prefetch(&mut self, addr: u64, len: usize) {
+        if let Ok(None) = self.locate(addr, len) {
+            self.host.prefetch(addr, len);
+        }
+    }
 }
 
 /// Why a controller could not be built.
@@ -522,9 +527,11 @@ impl Controller {
     /// completions are posted writes. It stops at the first other command (that one and the rest stay for
     /// `process`, so [`has_work`](Self::has_work) stays true) and never runs admin commands. A
     /// caller that must not wait (a bridge's receive thread) runs this and leaves the rest to a
-    /// thread that may.
+    /// thread that may. An I/O queue in host memory gets its new entries prefetched instead
+    /// ([`HostMemory::prefetch`]: the very read `process` will make), so that their round trip
+    /// overlaps the hand-off to that thread.
     pub fn process_posted(&mut self, mem: &mut dyn HostMemory, irq: &mut dyn InterruptSink) -> usize {
-        if !self.enabled() || self.cmb_base().is_none() {
+        if !self.enabled() {
             return 0;
         }
         self.process_in(mem, irq, true)
@@ -623,6 +630,9 @@ impl Controller {
         }
         let at = sq.base + u64::from(sq.head) * SQE_LEN as u64;
         if posted_only && !matches!(mem.locate(at, n * SQE_LEN), Ok(Some(_))) {
+            // The entries lie in host memory, and the host leaves them alone until their
+            // completions say they were fetched.
+            mem.prefetch(at, n * SQE_LEN);
             return 0;
         }
         let mut fetch = std::mem::take(&mut self.fetch);

@@ -127,6 +127,9 @@ impl HostMemory for Shared<'_, '_> {
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), BusError> {
         self.0.borrow_mut().write(addr, data).map_err(|e| bus_error(e, addr))
     }
+    fn prefetch(&mut self, addr: u64, len: usize) {
+        self.0.borrow_mut().prefetch(addr, len);
+    }
 }
 
 impl InterruptSink for Shared<'_, '_> {

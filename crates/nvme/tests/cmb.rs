@@ -260,3 +260,88 @@ fn posted_processing_runs_what_reads_no_host_memory_and_leaves_the_rest() {
     assert_eq!(done[5].sq_head, 6);
     assert!(!c.has_work());
 }
+
+/// Host memory that records the reads and prefetches made of it.
+struct Recording<'a> {
+    mem: &'a lanbus_nvme::driver::HostRegion,
+    reads: Vec<(u64, usize)>,
+    prefetches: Vec<(u64, usize)>,
+}
+
+impl lanbus_nvme::HostMemory for Recording<'_> {
+    fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), lanbus_nvme::BusError> {
+        self.reads.push((addr, buf.len()));
+        let mut region = self.mem;
+        lanbus_nvme::HostMemory::read(&mut region, addr, buf)
+    }
+    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), lanbus_nvme::BusError> {
+        let mut region = self.mem;
+        lanbus_nvme::HostMemory::write(&mut region, addr, data)
+    }
+    fn prefetch(&mut self, addr: u64, len: usize) {
+        self.prefetches.push((addr, len));
+    }
+}
+
+/// Without the buffer, posted processing runs nothing but names the read of the queue's new
+/// entries, which is exactly the first read the full run makes.
+#[test]
+fn posted_processing_prefetches_the_new_entries_of_a_queue_in_host_memory() {
+    use lanbus_nvme::command::{admin_opcode, Sqe, SQE_LEN};
+    use lanbus_nvme::driver::HostRegion;
+    const HOST: u64 = 0x1000_0000;
+    let (asq, acq, iocq, iosq, data) = (HOST, HOST + 0x1000, HOST + 0x2000, HOST + 0x3000, HOST + 0x10000);
+    let mem = HostRegion::new(HOST, 64);
+    for cmb_bytes in [0, 64 << 10] {
+        let mut c = controller(512, MIB, ControllerConfig { cmb_bytes, ..ControllerConfig::default() });
+        c.bar0_write(reg::AQA, &(15u32 | 15 << 16).to_le_bytes()).unwrap();
+        c.bar0_write(reg::ASQ, &asq.to_le_bytes()).unwrap();
+        c.bar0_write(reg::ACQ, &acq.to_le_bytes()).unwrap();
+        c.bar0_write(reg::CC, &(1u32 | 6 << 16 | 4 << 20).to_le_bytes()).unwrap();
+        let mut irqs = Irqs(0);
+        let create_cq = Sqe {
+            opcode: admin_opcode::CREATE_CQ,
+            prp1: iocq,
+            cdw: [15 << 16 | 1, 3, 0, 0, 0, 0],
+            ..Sqe::default()
+        };
+        let create_sq = Sqe {
+            opcode: admin_opcode::CREATE_SQ,
+            prp1: iosq,
+            cdw: [15 << 16 | 1, 1 | 1 << 16, 0, 0, 0, 0],
+            ..Sqe::default()
+        };
+        for (i, s) in [create_cq, create_sq].iter().enumerate() {
+            lanbus_nvme::HostMemory::write(&mut &mem, asq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+        }
+        c.bar0_write(reg::sq_tail(0), &2u32.to_le_bytes()).unwrap();
+        let mut rec = Recording { mem: &mem, reads: Vec::new(), prefetches: Vec::new() };
+        assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+        assert!(rec.prefetches.is_empty(), "admin commands are not prefetched");
+        while c.process(&mut &mem, &mut irqs) > 0 {}
+
+        // Three reads from slot 14 on: they wrap, so the first fetch takes slots 14 and 15.
+        let read = |cid: u16| Sqe { opcode: nvm_opcode::READ, cid, nsid: 1, prp1: data, ..Sqe::default() };
+        for round in 0..2u16 {
+            let slots: Vec<u16> = if round == 0 { (0..14).collect() } else { vec![14, 15, 0] };
+            for &slot in &slots {
+                let at = iosq + u64::from(slot) * SQE_LEN as u64;
+                lanbus_nvme::HostMemory::write(&mut &mem, at, &read(slot).to_bytes()).unwrap();
+            }
+            let tail = (slots.last().unwrap() + 1) % 16;
+            c.bar0_write(reg::sq_tail(1), &u32::from(tail).to_le_bytes()).unwrap();
+            let mut rec = Recording { mem: &mem, reads: Vec::new(), prefetches: Vec::new() };
+            assert_eq!(c.process_posted(&mut rec, &mut irqs), 0, "buffer {cmb_bytes}: nothing runs");
+            let first = slots[0];
+            let fetched = slots.iter().take_while(|&&s| s >= first).count();
+            let want = (iosq + u64::from(first) * SQE_LEN as u64, fetched * SQE_LEN);
+            assert_eq!(rec.prefetches, [want], "buffer {cmb_bytes}, round {round}");
+            let mut rec = Recording { mem: &mem, reads: Vec::new(), prefetches: Vec::new() };
+            while c.process(&mut rec, &mut irqs) > 0 {}
+            assert_eq!(rec.reads.first(), Some(&want), "the run's first read is the prefetched one");
+            // Completions free the slots: CQ head follows.
+            let head = if round == 0 { 14u32 } else { 1 };
+            c.bar0_write(reg::cq_head(1), &head.to_le_bytes()).unwrap();
+        }
+    }
+}

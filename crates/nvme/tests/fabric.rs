@@ -132,6 +132,11 @@ fn random_io_reads_back(host: Arc<HostBridge>, dev: DeviceBridge, cmb: bool) {
     if cmb {
         // Only the admin commands (queue creation) read host memory; every I/O ran inline.
         assert!(ds.dma_reads < 20, "{ds:?}");
+        assert_eq!(ds.prefetched_reads, 0, "{ds:?}");
+    } else {
+        // The receive thread fetched the commands the doorbells announced, and the worker used
+        // those reads (the data read back above is the proof they were the right ones).
+        assert!(ds.prefetches_used > 0 && ds.prefetches_used <= ds.prefetched_reads, "{ds:?}");
     }
     // The device goes away: requests fail with an error, within the timeouts, not a hang.
     dev.shutdown();

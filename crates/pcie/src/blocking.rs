@@ -43,6 +43,14 @@ pub trait HostAccess {
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
     /// Raises MSI-X `vector`. Writes made before it reach the host first.
     fn signal_msix(&mut self, vector: u16);
+    /// Says that the model's next [`BlockingDevice::process`] will read exactly `len` bytes at
+    /// `address` (a submission queue's new entries, say), memory the host will not change before
+    /// then. A path that can start that read now does, even from
+    /// [`BlockingDevice::process_posted`], so the data may be there by the time the model asks;
+    /// the next read of exactly that range takes it. A hint: the default ignores it.
+    fn prefetch(&mut self, address: u64, len: usize) {
+        let _ = (address, len);
+    }
 }
 
 /// `read_owned`'s default: fresh buffers for `reads`, filled by `read_many`.
@@ -103,6 +111,10 @@ pub trait DmaPath {
     }
     /// Writes `data` at `address` (posted).
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
+    /// Starts a read the model will ask for soon, if the path can (see [`HostAccess::prefetch`]).
+    fn prefetch(&mut self, address: u64, len: usize) {
+        let _ = (address, len);
+    }
 }
 
 /// A PCIe function model whose DMA is synchronous.
@@ -228,6 +240,13 @@ impl HostAccess for Access<'_> {
             return Err(DmaError::BusMasterDisabled);
         }
         self.path.write(address, data)
+    }
+
+    fn prefetch(&mut self, address: u64, len: usize) {
+        // A read that could not leave now will not be asked for either.
+        if self.config.bus_master() {
+            self.path.prefetch(address, len);
+        }
     }
 
     fn signal_msix(&mut self, vector: u16) {
@@ -362,7 +381,7 @@ impl<B: BlockingDevice> BlockingFunction<B> {
 
     /// What [`process`](Self::process) does, limited to the model's
     /// [`process_posted`](BlockingDevice::process_posted): the work that needs no host read. A
-    /// read fails with [`DmaError::WouldBlock`] without reaching `path`.
+    /// read fails with [`DmaError::WouldBlock`] without reaching `path`; a prefetch reaches it.
     pub fn process_posted(&mut self, path: &mut dyn DmaPath) -> usize {
         /// `path` with reads refused.
         struct NoReads<'a>(&'a mut dyn DmaPath);
@@ -372,6 +391,9 @@ impl<B: BlockingDevice> BlockingFunction<B> {
             }
             fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError> {
                 self.0.write(address, data)
+            }
+            fn prefetch(&mut self, address: u64, len: usize) {
+                self.0.prefetch(address, len);
             }
         }
         self.run(&mut NoReads(path), true)
