@@ -277,33 +277,55 @@ impl BlockingFn {
         direct: Option<&mut dyn Outbox>,
     ) -> bool {
         let Incoming { session, peer, channel, ref tlp, payload } = *req;
-        let (me, replies) =
+        let (_, replies) =
             serve_request(self.index, &mut *self.hosted, f, counters, &mut self.posted, tlp, payload);
+        for r in &replies {
+            self.posted.out.push(peer, channel, r);
+        }
+        self.run_here(f, session, sender, direct)
+    }
+
+    /// Runs, on the receive thread, the model's work that needs no host read to wait: what it
+    /// reads must be here already (a prefetch that ended). The reads it names for later are
+    /// started at once on the worker's reads, so that their round trip overlaps whatever comes
+    /// next. Sends as [`BlockingFn::serve_here`] does. Returns whether work is left for the
+    /// worker now: not while a prefetch is on its way (its end brings the receive thread back
+    /// here).
+    fn run_here(
+        &mut self,
+        f: &FnShared,
+        session: (Option<MacAddr>, u16),
+        sender: &Sender,
+        direct: Option<&mut dyn Outbox>,
+    ) -> bool {
         let path = &mut self.posted;
-        (path.me, path.host, path.channel) = (me, session.0, session.1);
+        (path.host, path.channel) = session;
         let config = self.hosted.config();
         path.set_limits(config.max_payload_size(), config.max_read_request_size());
-        for r in &replies {
-            path.out.push(peer, channel, r);
+        {
+            let mut st = lock(&f.state);
+            path.me = st.bdf;
+            path.set_ready(st.reads.take_ready_prefetches());
         }
         self.hosted.run_posted(path);
-        // The reads the worker's next run will make: started now, on the worker's reads, so that
-        // their round trip overlaps its wake-up.
+        path.set_ready(Vec::new());
         let (prefetches, mrrs) = path.take_prefetches();
+        let mut awaiting_prefetch = false;
         if !prefetches.is_empty() {
             let now = Instant::now();
             let mut st = lock(&f.state);
             for (address, len) in prefetches {
                 st.reads.prefetch(address, len, mrrs, now);
             }
-            let out = &mut path.out;
+            let (out, me) = (&mut path.out, path.me);
             st.reads.pump(session.0, me, now, |host, tlp| out.push(host, session.1, tlp));
+            awaiting_prefetch = st.reads.prefetch_in_flight();
         }
         match direct {
             Some(out) => path.out.drain(|peer, channel, bytes| out.send(peer, channel, bytes)),
             None => path.out.send_via(sender),
         }
-        self.hosted.wants_run()
+        self.hosted.wants_run() && !awaiting_prefetch
     }
 }
 
@@ -522,11 +544,41 @@ impl DevHandler {
             bump(&self.shared.counters.unexpected_completions);
             return;
         }
+        let prefetched = st.reads.prefetch_ready();
         // The worker pumps the freed tag and collects the read (a partial completion needs
         // nothing of it).
         if st.reads.changed() {
             f.notify_reads(st);
+        } else {
+            drop(st);
         }
+        if prefetched {
+            self.run_prefetched(f, session, out);
+        }
+    }
+
+    /// A prefetch for a blocking function ended: runs the work that waited for it here, as
+    /// [`DevHandler::to_blocking`] runs a doorbell's, when the worker is not running the model
+    /// and nothing is queued for it; otherwise the worker's run takes it.
+    fn run_prefetched(&self, f: &FnShared, session: (Option<MacAddr>, u16), out: &mut dyn Outbox) {
+        let (Some(model), Some(sender)) = (&f.blocking, self.shared.sender.get()) else { return };
+        let mut model = match model.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            // The worker runs the model: the prefetch is its to claim, or to drop and read again.
+            Err(TryLockError::WouldBlock) => return,
+        };
+        let mut st = lock(&f.state);
+        if st.inbox.is_empty() {
+            drop(st);
+            let direct = (self.shared.run_to_completion && sender.is_drained()).then_some(out);
+            if !model.run_here(f, session, sender, direct) {
+                return;
+            }
+            st = lock(&f.state);
+        }
+        st.kicked = true;
+        f.notify(st);
     }
 }
 

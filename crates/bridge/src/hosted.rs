@@ -42,6 +42,12 @@ pub(crate) trait Path {
     fn prefetch(&mut self, address: u64, len: usize) {
         let _ = (address, len);
     }
+    /// The data of a prefetch of exactly `len` bytes at `address` that ended, if the path holds
+    /// one (it is then used up).
+    fn read_ready(&mut self, address: u64, len: usize) -> Option<Vec<u8>> {
+        let _ = (address, len);
+        None
+    }
 }
 
 /// What the bridge needs of a hosted function.
@@ -232,6 +238,16 @@ impl DmaPath for Blocking<'_> {
     }
     fn prefetch(&mut self, address: u64, len: usize) {
         self.0.prefetch(address, len);
+    }
+    fn read_ready(&mut self, address: u64, buf: &mut [u8]) -> Result<(), DmaError> {
+        match self.0.read_ready(address, buf.len()) {
+            Some(data) if data.len() == buf.len() => {
+                buf.copy_from_slice(&data);
+                Ok(())
+            }
+            Some(_) => Err(DmaError::Completion(CplStatus::CompleterAbort)),
+            None => Err(DmaError::WouldBlock),
+        }
     }
 }
 

@@ -179,6 +179,9 @@ pub(crate) struct InlinePath {
     /// Reads a blocking function's posted-only work said it will ask for (see
     /// [`InlinePath::take_prefetches`]).
     prefetches: Vec<(u64, usize)>,
+    /// Prefetches that ended, (address, length, data), for that work to read (see
+    /// [`InlinePath::set_ready`]).
+    ready: Vec<(u64, usize, Vec<u8>)>,
 }
 
 impl InlinePath {
@@ -200,6 +203,7 @@ impl InlinePath {
             mps,
             mrrs,
             prefetches: Vec::new(),
+            ready: Vec::new(),
         }
     }
 
@@ -209,6 +213,12 @@ impl InlinePath {
     /// the caller starts them on.
     pub(crate) fn take_prefetches(&mut self) -> (Vec<(u64, usize)>, usize) {
         (std::mem::take(&mut self.prefetches), self.mrrs)
+    }
+
+    /// Hands the prefetches that ended (taken from the worker's reads) to the posted-only work
+    /// about to run through this path; what it does not read is dropped with the next call.
+    pub(crate) fn set_ready(&mut self, ready: Vec<(u64, usize, Vec<u8>)>) {
+        self.ready = ready;
     }
 
     /// Sends read TLPs for the reads' pieces while tags are free.
@@ -295,6 +305,12 @@ impl Path for InlinePath {
 
     fn prefetch(&mut self, address: u64, len: usize) {
         self.prefetches.push((address, len));
+    }
+
+    fn read_ready(&mut self, address: u64, len: usize) -> Option<Vec<u8>> {
+        let i = self.ready.iter().position(|&(a, n, _)| (a, n) == (address, len))?;
+        bump(&self.counters.prefetches_used);
+        Some(self.ready.swap_remove(i).2)
     }
 }
 

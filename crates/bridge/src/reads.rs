@@ -139,6 +139,36 @@ impl Reads {
         }
     }
 
+    /// Whether a prefetch is still on its way.
+    pub(crate) fn prefetch_in_flight(&self) -> bool {
+        self.prefetched.iter().any(|&(_, _, op)| !self.finished.iter().any(|(id, _)| *id == op))
+    }
+
+    /// Whether a prefetch ended well and waits for its claim.
+    pub(crate) fn prefetch_ready(&self) -> bool {
+        self.prefetched.iter().any(|&(_, _, op)| self.finished.iter().any(|(id, r)| *id == op && r.is_ok()))
+    }
+
+    /// Claims every prefetch that ended well, as (address, length, data): the receive thread's
+    /// run of the model's posted-only work reads them. Failed ones stay for the worker's claim.
+    pub(crate) fn take_ready_prefetches(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
+        let mut ready = Vec::new();
+        let mut i = 0;
+        while i < self.prefetched.len() {
+            let (address, len, op) = self.prefetched[i];
+            match self.finished.iter().position(|(id, r)| *id == op && r.is_ok()) {
+                Some(at) => {
+                    self.prefetched.remove(i);
+                    if let Some((_, Ok(data))) = self.finished.remove(at) {
+                        ready.push((address, len, data));
+                    }
+                }
+                None => i += 1,
+            }
+        }
+        ready
+    }
+
     /// Drops every unclaimed prefetch (the worker's run that could have used them is over).
     pub(crate) fn drop_prefetches(&mut self) {
         for (_, _, op) in std::mem::take(&mut self.prefetched) {

@@ -331,6 +331,10 @@ pub struct Controller {
     next_sq: usize,
     stats: ControllerStats,
     fetch: Vec<u8>,
+    /// Entries fetched by posted processing that it could not run: (queue, its base, the head
+    /// they start at, the entries). The host leaves them alone until their completions, so the
+    /// next run takes them from here instead of fetching them again. Queue changes drop them.
+    fetched: Option<(usize, u64, u32, Vec<u8>)>,
     cqes: Vec<u8>,
     data: Vec<u8>,
     runs: Vec<Run>,
@@ -452,6 +456,7 @@ impl Controller {
             next_sq: 0,
             stats: ControllerStats::default(),
             fetch: Vec::new(),
+            fetched: None,
             cqes: Vec::new(),
             data: Vec::new(),
             runs: Vec::new(),
@@ -629,20 +634,35 @@ impl Controller {
             return 0;
         }
         let at = sq.base + u64::from(sq.head) * SQE_LEN as u64;
-        if posted_only && !matches!(mem.locate(at, n * SQE_LEN), Ok(Some(_))) {
-            // The entries lie in host memory, and the host leaves them alone until their
-            // completions say they were fetched.
-            mem.prefetch(at, n * SQE_LEN);
-            return 0;
-        }
         let mut fetch = std::mem::take(&mut self.fetch);
-        fetch.resize(n * SQE_LEN, 0);
-        self.stats.sq_fetches += 1;
-        if mem.read(at, &mut fetch).is_err() {
-            self.fetch = fetch;
-            self.fatal();
-            return 0;
+        match self.fetched.take() {
+            Some((q, base, head, entries)) if (q, base, head) == (qid, sq.base, sq.head) => {
+                let n = n.min(entries.len() / SQE_LEN);
+                fetch.clear();
+                fetch.extend_from_slice(&entries[..n * SQE_LEN]);
+            }
+            other => {
+                self.fetched = other;
+                fetch.resize(n * SQE_LEN, 0);
+                if let Err(e) = mem.read(at, &mut fetch) {
+                    self.fetch = fetch;
+                    if posted_only {
+                        // Posted processing reads host memory only where the data is already
+                        // here (a prefetch that ended). Otherwise it names the read the next run
+                        // will make: the entries lie in host memory, and the host leaves them
+                        // alone until their completions say they were fetched.
+                        if matches!(e, BusError::NotReady) {
+                            mem.prefetch(at, n * SQE_LEN);
+                        }
+                    } else {
+                        self.fatal();
+                    }
+                    return 0;
+                }
+                self.stats.sq_fetches += 1;
+            }
         }
+        let n = fetch.len() / SQE_LEN;
         let mut cqes = std::mem::take(&mut self.cqes);
         cqes.clear();
         let mut head = sq.head;
@@ -682,6 +702,11 @@ impl Controller {
             let mut out = [0u8; CQE_LEN];
             cqe.emit(&mut out);
             cqes.extend_from_slice(&out);
+        }
+        if ran < n {
+            // Posted processing stopped at a command it may not run: the worker's run starts
+            // from these entries.
+            self.fetched = Some((qid, sq.base, head, fetch[ran * SQE_LEN..].to_vec()));
         }
         self.fetch = fetch;
         if let Some(Some(sq)) = self.sqs.get_mut(qid) {

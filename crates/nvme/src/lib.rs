@@ -84,6 +84,9 @@ pub enum BusError {
     /// The link or the peer is down.
     #[error("link down: {0}")]
     Down(String),
+    /// Where nothing may wait (a bridge's receive thread), a read whose data is not here yet.
+    #[error("the data is not here yet and this caller may not wait for it")]
+    NotReady,
 }
 
 /// DMA toward host memory, as the controller model sees it. The device bridge implements it with

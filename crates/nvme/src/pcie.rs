@@ -112,6 +112,7 @@ fn bus_error(e: DmaError, addr: u64) -> BusError {
         DmaError::Completion(_) => BusError::Rejected("the host answered Completer Abort"),
         DmaError::BusMasterDisabled => BusError::Rejected("bus mastering is disabled"),
         DmaError::HostUnreachable => BusError::Down("host unreachable".into()),
+        DmaError::WouldBlock => BusError::NotReady,
         _ => BusError::Down(e.to_string()),
     }
 }

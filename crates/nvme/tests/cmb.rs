@@ -261,15 +261,29 @@ fn posted_processing_runs_what_reads_no_host_memory_and_leaves_the_rest() {
     assert!(!c.has_work());
 }
 
-/// Host memory that records the reads and prefetches made of it.
+/// Host memory that records the reads and prefetches made of it. Where nothing may wait
+/// (`posted`), only the ranges in `ready` (prefetches that ended) can be read, once each.
 struct Recording<'a> {
     mem: &'a lanbus_nvme::driver::HostRegion,
+    posted: bool,
+    ready: Vec<(u64, usize)>,
     reads: Vec<(u64, usize)>,
     prefetches: Vec<(u64, usize)>,
 }
 
+impl<'a> Recording<'a> {
+    fn new(mem: &'a lanbus_nvme::driver::HostRegion, posted: bool, ready: Vec<(u64, usize)>) -> Self {
+        Recording { mem, posted, ready, reads: Vec::new(), prefetches: Vec::new() }
+    }
+}
+
 impl lanbus_nvme::HostMemory for Recording<'_> {
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), lanbus_nvme::BusError> {
+        if self.posted {
+            let i = self.ready.iter().position(|&r| r == (addr, buf.len()));
+            let Some(i) = i else { return Err(lanbus_nvme::BusError::NotReady) };
+            self.ready.remove(i);
+        }
         self.reads.push((addr, buf.len()));
         let mut region = self.mem;
         lanbus_nvme::HostMemory::read(&mut region, addr, buf)
@@ -315,7 +329,7 @@ fn posted_processing_prefetches_the_new_entries_of_a_queue_in_host_memory() {
             lanbus_nvme::HostMemory::write(&mut &mem, asq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
         }
         c.bar0_write(reg::sq_tail(0), &2u32.to_le_bytes()).unwrap();
-        let mut rec = Recording { mem: &mem, reads: Vec::new(), prefetches: Vec::new() };
+        let mut rec = Recording::new(&mem, true, Vec::new());
         assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
         assert!(rec.prefetches.is_empty(), "admin commands are not prefetched");
         while c.process(&mut &mem, &mut irqs) > 0 {}
@@ -330,13 +344,13 @@ fn posted_processing_prefetches_the_new_entries_of_a_queue_in_host_memory() {
             }
             let tail = (slots.last().unwrap() + 1) % 16;
             c.bar0_write(reg::sq_tail(1), &u32::from(tail).to_le_bytes()).unwrap();
-            let mut rec = Recording { mem: &mem, reads: Vec::new(), prefetches: Vec::new() };
+            let mut rec = Recording::new(&mem, true, Vec::new());
             assert_eq!(c.process_posted(&mut rec, &mut irqs), 0, "buffer {cmb_bytes}: nothing runs");
             let first = slots[0];
             let fetched = slots.iter().take_while(|&&s| s >= first).count();
             let want = (iosq + u64::from(first) * SQE_LEN as u64, fetched * SQE_LEN);
             assert_eq!(rec.prefetches, [want], "buffer {cmb_bytes}, round {round}");
-            let mut rec = Recording { mem: &mem, reads: Vec::new(), prefetches: Vec::new() };
+            let mut rec = Recording::new(&mem, false, Vec::new());
             while c.process(&mut rec, &mut irqs) > 0 {}
             assert_eq!(rec.reads.first(), Some(&want), "the run's first read is the prefetched one");
             // Completions free the slots: CQ head follows.
@@ -344,4 +358,91 @@ fn posted_processing_prefetches_the_new_entries_of_a_queue_in_host_memory() {
             c.bar0_write(reg::cq_head(1), &head.to_le_bytes()).unwrap();
         }
     }
+}
+
+/// Once the prefetched entries are here, posted processing runs what needs nothing more from the
+/// host (reads into host memory) and stops at a write whose data lies there; the full run goes
+/// on from the entries already fetched, reading only that data.
+#[test]
+fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fetching_again() {
+    use lanbus_nvme::command::{admin_opcode, Completion, Sqe, CQE_LEN, SQE_LEN};
+    use lanbus_nvme::driver::HostRegion;
+    const HOST: u64 = 0x1000_0000;
+    let (asq, acq, iocq, iosq, data) = (HOST, HOST + 0x1000, HOST + 0x2000, HOST + 0x3000, HOST + 0x10000);
+    let mem = HostRegion::new(HOST, 64);
+    let mut c = controller(512, MIB, ControllerConfig::default());
+    c.bar0_write(reg::AQA, &(15u32 | 15 << 16).to_le_bytes()).unwrap();
+    c.bar0_write(reg::ASQ, &asq.to_le_bytes()).unwrap();
+    c.bar0_write(reg::ACQ, &acq.to_le_bytes()).unwrap();
+    c.bar0_write(reg::CC, &(1u32 | 6 << 16 | 4 << 20).to_le_bytes()).unwrap();
+    let mut irqs = Irqs(0);
+    let create_cq = Sqe {
+        opcode: admin_opcode::CREATE_CQ,
+        prp1: iocq,
+        cdw: [15 << 16 | 1, 3, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    let create_sq = Sqe {
+        opcode: admin_opcode::CREATE_SQ,
+        prp1: iosq,
+        cdw: [15 << 16 | 1, 1 | 1 << 16, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    for (i, s) in [create_cq, create_sq].iter().enumerate() {
+        lanbus_nvme::HostMemory::write(&mut &mem, asq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::sq_tail(0), &2u32.to_le_bytes()).unwrap();
+    while c.process(&mut &mem, &mut irqs) > 0 {}
+
+    let payload = pattern(3, 4096);
+    lanbus_nvme::HostMemory::write(&mut &mem, data, &payload).unwrap();
+    let rw = |opcode, cid: u16, slba: u32, prp1| Sqe {
+        opcode,
+        cid,
+        nsid: 1,
+        prp1,
+        cdw: [slba, 0, 7, 0, 0, 0],
+        ..Sqe::default()
+    };
+    let cmds = [
+        rw(nvm_opcode::READ, 1, 16, data + 0x1000),
+        rw(nvm_opcode::READ, 2, 24, data + 0x2000),
+        rw(nvm_opcode::WRITE, 3, 0, data),
+        rw(nvm_opcode::READ, 4, 0, data + 0x3000),
+    ];
+    for (i, s) in cmds.iter().enumerate() {
+        lanbus_nvme::HostMemory::write(&mut &mem, iosq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::sq_tail(1), &(cmds.len() as u32).to_le_bytes()).unwrap();
+    let entries = (iosq, cmds.len() * SQE_LEN);
+    // The doorbell: nothing here yet, so the entries are named for prefetching.
+    let mut rec = Recording::new(&mem, true, Vec::new());
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, [entries]);
+    // The prefetch ended: the two reads run; the write needs its data from the host.
+    let mut rec = Recording::new(&mem, true, vec![entries]);
+    irqs.0 = 0;
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 2);
+    assert_eq!(rec.reads, [entries]);
+    assert_eq!(irqs.0, 1);
+    assert!(c.has_work());
+    // The full run starts from the fetched entries: its only read is the write's data.
+    let mut rec = Recording::new(&mem, false, Vec::new());
+    while c.process(&mut rec, &mut irqs) > 0 {}
+    assert_eq!(rec.reads, [(data, 4096)]);
+    let done: Vec<Completion> = (0..4)
+        .map(|i| {
+            let mut b = [0u8; CQE_LEN];
+            lanbus_nvme::HostMemory::read(&mut &mem, iocq + (i * CQE_LEN) as u64, &mut b).unwrap();
+            Completion::parse(&b)
+        })
+        .collect();
+    assert_eq!(
+        done.iter().map(|c| (c.cid, c.status.is_success())).collect::<Vec<_>>(),
+        [(1, true), (2, true), (3, true), (4, true)]
+    );
+    let mut back = vec![0u8; 4096];
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0x3000, &mut back).unwrap();
+    assert!(back == payload, "the write's data read back");
+    assert!(!c.has_work());
 }

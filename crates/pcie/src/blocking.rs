@@ -115,6 +115,13 @@ pub trait DmaPath {
     fn prefetch(&mut self, address: u64, len: usize) {
         let _ = (address, len);
     }
+    /// Reads `buf.len()` bytes at `address` only if the path holds them already (a prefetch of
+    /// exactly that range that ended); [`DmaError::WouldBlock`] otherwise, without waiting. What
+    /// [`BlockingFunction::process_posted`] reads through. The default holds nothing.
+    fn read_ready(&mut self, address: u64, buf: &mut [u8]) -> core::result::Result<(), DmaError> {
+        let _ = (address, buf);
+        Err(DmaError::WouldBlock)
+    }
 }
 
 /// A PCIe function model whose DMA is synchronous.
@@ -151,11 +158,12 @@ pub trait BlockingDevice {
     }
 
     /// Does the part of the pending work that needs no host memory read (only posted writes and
-    /// MSI-X) and is quick (no flush of slow storage), stopping before the first piece that is
-    /// not; `process` does the rest. The
+    /// MSI-X, and reads of data a prefetch brought already) and is quick (no flush of slow
+    /// storage), stopping before the first piece that is not; `process` does the rest. The
     /// device bridge calls it on the thread that receives the fabric's frames, where nothing may
-    /// wait (a read there fails with [`DmaError::WouldBlock`] and sends nothing), which saves the
-    /// hand-off to the function's worker. The default does nothing.
+    /// wait (a read of data not here yet fails there with [`DmaError::WouldBlock`] and sends
+    /// nothing; [`HostAccess::prefetch`] asks for it), which saves the hand-off to the function's
+    /// worker. The bridge calls it again when a prefetch ends. The default does nothing.
     fn process_posted(&mut self, host: &mut dyn HostAccess) -> usize {
         let _ = host;
         0
@@ -380,14 +388,15 @@ impl<B: BlockingDevice> BlockingFunction<B> {
     }
 
     /// What [`process`](Self::process) does, limited to the model's
-    /// [`process_posted`](BlockingDevice::process_posted): the work that needs no host read. A
-    /// read fails with [`DmaError::WouldBlock`] without reaching `path`; a prefetch reaches it.
+    /// [`process_posted`](BlockingDevice::process_posted): the work that needs no host read to
+    /// wait. A read gets only what `path` holds already ([`DmaPath::read_ready`]) and fails with
+    /// [`DmaError::WouldBlock`] otherwise; a prefetch reaches `path`.
     pub fn process_posted(&mut self, path: &mut dyn DmaPath) -> usize {
-        /// `path` with reads refused.
+        /// `path` with reads refused, but for data it holds already.
         struct NoReads<'a>(&'a mut dyn DmaPath);
         impl DmaPath for NoReads<'_> {
-            fn read(&mut self, _: u64, _: &mut [u8]) -> core::result::Result<(), DmaError> {
-                Err(DmaError::WouldBlock)
+            fn read(&mut self, address: u64, buf: &mut [u8]) -> core::result::Result<(), DmaError> {
+                self.0.read_ready(address, buf)
             }
             fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError> {
                 self.0.write(address, data)

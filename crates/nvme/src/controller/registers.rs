@@ -219,6 +219,7 @@ impl Controller {
     /// to defaults. The namespace's data stays.
     fn reset(&mut self) {
         self.sqs.iter_mut().for_each(|q| *q = None);
+        self.fetched = None;
         self.cqs.iter_mut().for_each(|q| *q = None);
         self.csts = 0;
         self.io_sqs_allowed = self.cfg.max_io_queues;
