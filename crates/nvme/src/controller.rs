@@ -335,6 +335,9 @@ pub struct Controller {
     /// they start at, the entries). The host leaves them alone until their completions, so the
     /// next run takes them from here instead of fetching them again. Queue changes drop them.
     fetched: Option<(usize, u64, u32, Vec<u8>)>,
+    /// A write's data that posted processing read already (from a prefetch) into `data`: the run
+    /// (address, length) it came from. The command runs next, and takes it instead of reading.
+    staged: Option<(u64, usize)>,
     cqes: Vec<u8>,
     data: Vec<u8>,
     runs: Vec<Run>,
@@ -457,6 +460,7 @@ impl Controller {
             stats: ControllerStats::default(),
             fetch: Vec::new(),
             fetched: None,
+            staged: None,
             cqes: Vec::new(),
             data: Vec::new(),
             runs: Vec::new(),
@@ -605,10 +609,32 @@ impl Controller {
         let mut local = CmbView { cmb: &mut *mem.cmb, base: mem.base, host: &mut Unreachable };
         let (mut runs, mut lists) = (std::mem::take(&mut self.runs), std::mem::take(&mut self.lists));
         let walked = prp::walk(&mut local, data.prp1, data.prp2, len, self.page, &mut runs, &mut lists);
-        let local = walked.is_ok()
-            && (!reads_data || runs.iter().all(|&(a, n)| matches!(local.locate(a, n), Ok(Some(_)))));
+        let in_buffer = |view: &CmbView<'_>, &(a, n): &(u64, usize)| matches!(view.locate(a, n), Ok(Some(_)));
+        let ok = walked.is_ok() && (!reads_data || runs.iter().all(|r| in_buffer(&local, r)));
+        // A write's data in one run of host memory: the command may run here once a prefetch
+        // brought it (the read below gets only such data), and it is named for prefetching if not.
+        let single = match runs[..] {
+            [(a, n)] if walked.is_ok() && reads_data && !ok && matches!(local.locate(a, n), Ok(None)) => {
+                Some((a, n))
+            }
+            _ => None,
+        };
         (self.runs, self.lists) = (runs, lists);
-        local
+        let Some((a, n)) = single else { return ok };
+        if self.data.len() < n {
+            self.data.resize(n, 0);
+        }
+        match mem.read(a, &mut self.data[..n]) {
+            Ok(()) => {
+                self.staged = Some((a, n));
+                true
+            }
+            Err(BusError::NotReady) => {
+                mem.prefetch(a, n);
+                false
+            }
+            Err(_) => false,
+        }
     }
 
     fn fatal(&mut self) {
@@ -677,6 +703,7 @@ impl Controller {
             ran += 1;
             head = (head + 1) % sq.entries;
             let result = if qid == 0 { self.exec_admin(&sqe, mem, irq) } else { self.exec_io(&sqe, mem) };
+            self.staged = None;
             if qid == 0 {
                 self.stats.admin_commands += 1;
             } else {
@@ -777,6 +804,9 @@ impl Controller {
 
     /// Copies between `self.data` and the runs walked (to them when `to_host`).
     fn copy_runs(&mut self, mem: &mut dyn HostMemory, to_host: bool) -> Result<(), Status> {
+        if !to_host && self.runs.len() == 1 && self.staged.take() == Some(self.runs[0]) {
+            return Ok(());
+        }
         let mut at = 0usize;
         for &(addr, n) in &self.runs {
             let r = if to_host {

@@ -424,6 +424,7 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
     irqs.0 = 0;
     assert_eq!(c.process_posted(&mut rec, &mut irqs), 2);
     assert_eq!(rec.reads, [entries]);
+    assert_eq!(rec.prefetches, [(data, 4096)], "the write's data is named for prefetching");
     assert_eq!(irqs.0, 1);
     assert!(c.has_work());
     // The full run starts from the fetched entries: its only read is the write's data.
@@ -445,4 +446,24 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0x3000, &mut back).unwrap();
     assert!(back == payload, "the write's data read back");
     assert!(!c.has_work());
+
+    // Again, and this time the write's data arrives too: everything runs where nothing waits.
+    let payload = pattern(4, 4096);
+    lanbus_nvme::HostMemory::write(&mut &mem, data + 0x4000, &payload).unwrap();
+    let cmds = [rw(nvm_opcode::WRITE, 5, 40, data + 0x4000), rw(nvm_opcode::READ, 6, 40, data + 0x5000)];
+    for (i, s) in cmds.iter().enumerate() {
+        lanbus_nvme::HostMemory::write(&mut &mem, iosq + ((4 + i) * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::cq_head(1), &4u32.to_le_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(1), &6u32.to_le_bytes()).unwrap();
+    let entries = (iosq + 4 * SQE_LEN as u64, 2 * SQE_LEN);
+    let mut rec = Recording::new(&mem, true, vec![entries]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, [(data + 0x4000, 4096)]);
+    let mut rec = Recording::new(&mem, true, vec![(data + 0x4000, 4096)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 2);
+    assert_eq!(rec.reads, [(data + 0x4000, 4096)], "the entries were fetched already");
+    assert!(!c.has_work());
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0x5000, &mut back).unwrap();
+    assert!(back == payload, "the second write's data read back");
 }
