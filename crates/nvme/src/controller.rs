@@ -335,9 +335,10 @@ pub struct Controller {
     /// they start at, the entries). The host leaves them alone until their completions, so the
     /// next run takes them from here instead of fetching them again. Queue changes drop them.
     fetched: Option<(usize, u64, u32, Vec<u8>)>,
-    /// A write's data that posted processing read already (from a prefetch) into `data`: the run
-    /// (address, length) it came from. The command runs next, and takes it instead of reading.
-    staged: Option<(u64, usize)>,
+    /// Host memory the command at the head of `fetched` will read, read already by posted
+    /// processing (from prefetches): (address, bytes). The command's run takes it instead of
+    /// reading; it is dropped when the command has run, and with queue changes.
+    staged: Vec<(u64, Vec<u8>)>,
     cqes: Vec<u8>,
     data: Vec<u8>,
     runs: Vec<Run>,
@@ -405,6 +406,69 @@ impl HostMemory for CmbView<'_> {
     }
 }
 
+/// Posted processing's view of host memory while it checks a command: reads come from what is
+/// staged, from the buffer, or from a prefetch that ended (then staged for the command's run);
+/// a read whose data is not here yet is noted in `missing` and fails.
+struct Probe<'a, 'b> {
+    mem: &'a mut CmbView<'b>,
+    staged: &'a mut Vec<(u64, Vec<u8>)>,
+    missing: Vec<(u64, usize)>,
+}
+
+impl HostMemory for Probe<'_, '_> {
+    fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
+        if let Some((_, bytes)) = self.staged.iter().find(|(a, b)| *a == addr && b.len() == buf.len()) {
+            buf.copy_from_slice(bytes);
+            return Ok(());
+        }
+        match self.mem.read(addr, buf) {
+            Ok(()) => {
+                if !matches!(self.mem.locate(addr, buf.len()), Ok(Some(_))) {
+                    self.staged.push((addr, buf.to_vec()));
+                }
+                Ok(())
+            }
+            Err(BusError::NotReady) => {
+                self.missing.push((addr, buf.len()));
+                Err(BusError::NotReady)
+            }
+            Err(e) => Err(e),
+        }
+    }
+    fn write(&mut self, addr: u64, _: &[u8]) -> Result<(), BusError> {
+        // Checking a command writes nothing.
+        Err(BusError::Unsupported { addr })
+    }
+}
+
+/// Host memory for a command's run, with what posted processing staged for it: a read of exactly
+/// a staged range takes the staged bytes.
+struct Staged<'a, 'b> {
+    mem: &'a mut CmbView<'b>,
+    staged: &'a mut Vec<(u64, Vec<u8>)>,
+}
+
+impl HostMemory for Staged<'_, '_> {
+    fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
+        match self.staged.iter().position(|(a, b)| *a == addr && b.len() == buf.len()) {
+            Some(i) => {
+                buf.copy_from_slice(&self.staged.swap_remove(i).1);
+                Ok(())
+            }
+            None => self.mem.read(addr, buf),
+        }
+    }
+    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), BusError> {
+        self.mem.write(addr, data)
+    }
+    fn local(&self, addr: u64, len: usize) -> Option<&[u8]> {
+        self.mem.local(addr, len)
+    }
+    fn prefetch(&mut self, addr: u64, len: usize) {
+        self.mem.prefetch(addr, len);
+    }
+}
+
 /// Why a controller could not be built.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -460,7 +524,7 @@ impl Controller {
             stats: ControllerStats::default(),
             fetch: Vec::new(),
             fetched: None,
-            staged: None,
+            staged: Vec::new(),
             cqes: Vec::new(),
             data: Vec::new(),
             runs: Vec::new(),
@@ -578,12 +642,13 @@ impl Controller {
         done
     }
 
-    /// Whether I/O command `sqe` may run where nothing may wait: it reads no host memory (its
-    /// PRP list, if any, lies in the Controller Memory Buffer, and so does its data if the
-    /// controller reads it) and it only reads or writes the backing store (no Flush, FUA, Write
-    /// Zeroes or Dataset Management: a disk may take its time over those). A command that will
-    /// fail before any transfer qualifies too. Conservative: what it cannot tell (a PRP list
-    /// outside the buffer) does not.
+    /// Whether I/O command `sqe` may run where nothing may wait: whatever it reads of host memory
+    /// (its PRP list, a write's data) is here already, read from the Controller Memory Buffer or
+    /// brought by a prefetch (`mem` reads only such data), and it only reads or writes the backing
+    /// store (no Flush, FUA, Write Zeroes or Dataset Management: a disk may take its time over
+    /// those). What it read is staged for the command's run; what is not here yet is named for
+    /// prefetching, and the command waits for it (a later call, or the full run, goes on from
+    /// what was staged). A command that will fail before any transfer qualifies too.
     fn may_run_posted(&mut self, sqe: &Sqe, mem: &mut CmbView<'_>) -> bool {
         let lba = self.cfg.lba_size as usize;
         let (data, len, reads_data) = match decode_io(sqe) {
@@ -596,45 +661,32 @@ impl Controller {
         if len > self.mdts_bytes() {
             return true;
         }
-        /// Host memory that cannot be reached.
-        struct Unreachable;
-        impl HostMemory for Unreachable {
-            fn read(&mut self, addr: u64, _: &mut [u8]) -> Result<(), BusError> {
-                Err(BusError::Unsupported { addr })
-            }
-            fn write(&mut self, addr: u64, _: &[u8]) -> Result<(), BusError> {
-                Err(BusError::Unsupported { addr })
-            }
-        }
-        let mut local = CmbView { cmb: &mut *mem.cmb, base: mem.base, host: &mut Unreachable };
         let (mut runs, mut lists) = (std::mem::take(&mut self.runs), std::mem::take(&mut self.lists));
-        let walked = prp::walk(&mut local, data.prp1, data.prp2, len, self.page, &mut runs, &mut lists);
-        let in_buffer = |view: &CmbView<'_>, &(a, n): &(u64, usize)| matches!(view.locate(a, n), Ok(Some(_)));
-        let ok = walked.is_ok() && (!reads_data || runs.iter().all(|r| in_buffer(&local, r)));
-        // A write's data in one run of host memory: the command may run here once a prefetch
-        // brought it (the read below gets only such data), and it is named for prefetching if not.
-        let single = match runs[..] {
-            [(a, n)] if walked.is_ok() && reads_data && !ok && matches!(local.locate(a, n), Ok(None)) => {
-                Some((a, n))
+        let mut probe = Probe { mem, staged: &mut self.staged, missing: Vec::new() };
+        let walked = prp::walk(&mut probe, data.prp1, data.prp2, len, self.page, &mut runs, &mut lists);
+        let mut ok = walked.is_ok();
+        if ok && reads_data {
+            let mut buf = Vec::new();
+            for &(a, n) in &runs {
+                if matches!(probe.mem.locate(a, n), Ok(Some(_))) {
+                    continue;
+                }
+                buf.resize(n, 0);
+                if probe.read(a, &mut buf).is_err() && probe.missing.is_empty() {
+                    ok = false;
+                    break;
+                }
             }
-            _ => None,
-        };
+        }
+        let missing = std::mem::take(&mut probe.missing);
         (self.runs, self.lists) = (runs, lists);
-        let Some((a, n)) = single else { return ok };
-        if self.data.len() < n {
-            self.data.resize(n, 0);
-        }
-        match mem.read(a, &mut self.data[..n]) {
-            Ok(()) => {
-                self.staged = Some((a, n));
-                true
-            }
-            Err(BusError::NotReady) => {
+        if !missing.is_empty() {
+            for (a, n) in missing {
                 mem.prefetch(a, n);
-                false
             }
-            Err(_) => false,
+            return false;
         }
+        ok
     }
 
     fn fatal(&mut self) {
@@ -702,8 +754,15 @@ impl Controller {
             }
             ran += 1;
             head = (head + 1) % sq.entries;
-            let result = if qid == 0 { self.exec_admin(&sqe, mem, irq) } else { self.exec_io(&sqe, mem) };
-            self.staged = None;
+            let result = if qid == 0 {
+                self.exec_admin(&sqe, mem, irq)
+            } else {
+                let mut staged = std::mem::take(&mut self.staged);
+                let result = self.exec_io(&sqe, &mut Staged { mem, staged: &mut staged });
+                staged.clear();
+                self.staged = staged;
+                result
+            };
             if qid == 0 {
                 self.stats.admin_commands += 1;
             } else {
@@ -804,9 +863,6 @@ impl Controller {
 
     /// Copies between `self.data` and the runs walked (to them when `to_host`).
     fn copy_runs(&mut self, mem: &mut dyn HostMemory, to_host: bool) -> Result<(), Status> {
-        if !to_host && self.runs.len() == 1 && self.staged.take() == Some(self.runs[0]) {
-            return Ok(());
-        }
         let mut at = 0usize;
         for &(addr, n) in &self.runs {
             let r = if to_host {

@@ -466,4 +466,54 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
     assert!(!c.has_work());
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0x5000, &mut back).unwrap();
     assert!(back == payload, "the second write's data read back");
+
+    // A 12 KiB write and a 12 KiB read, each with a PRP list in host memory: the list is named
+    // first, then the write's three pages; each piece is read once.
+    let (wlist, rlist) = (HOST + 0x5000, HOST + 0x5800);
+    let entries_of = |pages: [u64; 2]| -> Vec<u8> { pages.iter().flat_map(|a| a.to_le_bytes()).collect() };
+    lanbus_nvme::HostMemory::write(&mut &mem, wlist, &entries_of([data + 0xc000, data + 0xe000])).unwrap();
+    lanbus_nvme::HostMemory::write(&mut &mem, rlist, &entries_of([data + 0xa000, data + 0xb000])).unwrap();
+    let payload = pattern(5, 12 << 10);
+    for (i, page) in [0x6000u64, 0xc000, 0xe000].into_iter().enumerate() {
+        lanbus_nvme::HostMemory::write(&mut &mem, data + page, &payload[i << 12..(i + 1) << 12]).unwrap();
+    }
+    let long = |opcode, cid: u16, prp1, prp2| Sqe {
+        opcode,
+        cid,
+        nsid: 1,
+        prp1,
+        prp2,
+        cdw: [64, 0, 23, 0, 0, 0],
+        ..Sqe::default()
+    };
+    let cmds =
+        [long(nvm_opcode::WRITE, 7, data + 0x6000, wlist), long(nvm_opcode::READ, 8, data + 0x9000, rlist)];
+    for (i, s) in cmds.iter().enumerate() {
+        lanbus_nvme::HostMemory::write(&mut &mem, iosq + ((6 + i) * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::cq_head(1), &6u32.to_le_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(1), &8u32.to_le_bytes()).unwrap();
+    let entries = (iosq + 6 * SQE_LEN as u64, 2 * SQE_LEN);
+    let pages = [(data + 0x6000, 4096), (data + 0xc000, 4096), (data + 0xe000, 4096)];
+    let mut rec = Recording::new(&mem, true, vec![entries]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, [(wlist, 16)]);
+    let mut rec = Recording::new(&mem, true, vec![(wlist, 16)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, pages);
+    // Two of the three pages: still waiting, and nothing read is read again.
+    let mut rec = Recording::new(&mem, true, pages[..2].to_vec());
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, [pages[2]]);
+    let mut rec = Recording::new(&mem, true, vec![pages[2]]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 1, "the write runs; the read's list is not here");
+    assert_eq!(rec.prefetches, [(rlist, 16)]);
+    let mut rec = Recording::new(&mem, true, vec![(rlist, 16)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 1);
+    assert!(!c.has_work());
+    let mut back = vec![0u8; 12 << 10];
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0x9000, &mut back[..4096]).unwrap();
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0xa000, &mut back[4096..8192]).unwrap();
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0xb000, &mut back[8192..]).unwrap();
+    assert!(back == payload, "the 12 KiB read back through its list");
 }

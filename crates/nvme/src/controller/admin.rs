@@ -58,6 +58,7 @@ impl Controller {
                     cq.attached_sqs += 1;
                 }
                 self.fetched = None;
+                self.staged.clear();
                 self.sqs[usize::from(qid)] = Some(Sq { base, entries, head: 0, tail: 0, cqid });
                 Ok(Some(0))
             }
@@ -73,6 +74,7 @@ impl Controller {
                 // submitted; entries that find the CQ full are dropped and counted.
                 while self.run_sq(usize::from(qid), mem, irq, false) > 0 {}
                 self.fetched = None;
+                self.staged.clear();
                 let sq = self.sqs[usize::from(qid)].take().ok_or(Status::INVALID_QUEUE_ID)?;
                 if sq.head != sq.tail {
                     self.stats.dropped_on_deletion +=

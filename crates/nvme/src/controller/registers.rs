@@ -220,6 +220,7 @@ impl Controller {
     fn reset(&mut self) {
         self.sqs.iter_mut().for_each(|q| *q = None);
         self.fetched = None;
+        self.staged.clear();
         self.cqs.iter_mut().for_each(|q| *q = None);
         self.csts = 0;
         self.io_sqs_allowed = self.cfg.max_io_queues;
