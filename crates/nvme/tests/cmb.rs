@@ -162,40 +162,15 @@ impl lanbus_nvme::InterruptSink for Irqs {
 
 #[test]
 fn posted_processing_runs_what_reads_no_host_memory_and_leaves_the_rest() {
-    use lanbus_nvme::command::{admin_opcode, Completion, Sqe, CQE_LEN, SQE_LEN};
+    use lanbus_nvme::command::{Completion, Sqe, CQE_LEN, SQE_LEN};
     use lanbus_nvme::driver::HostRegion;
-    const HOST: u64 = 0x1000_0000;
     const CMB_AT: u64 = 0xfe00_0000;
-    let (asq, acq, iocq, data) = (HOST, HOST + 0x1000, HOST + 0x2000, HOST + 0x10000);
+    let (iocq, data) = (IOCQ, HOST + 0x10000);
     let mem = HostRegion::new(HOST, 64);
     let mut c = controller(512, MIB, ControllerConfig { cmb_bytes: 64 << 10, ..ControllerConfig::default() });
     c.bar0_write(reg::CMBMSC, &(CMB_AT | cmb::CRE | cmb::CMSE).to_le_bytes()).unwrap();
-    c.bar0_write(reg::AQA, &(15u32 | 15 << 16).to_le_bytes()).unwrap();
-    c.bar0_write(reg::ASQ, &asq.to_le_bytes()).unwrap();
-    c.bar0_write(reg::ACQ, &acq.to_le_bytes()).unwrap();
-    c.bar0_write(reg::CC, &(1u32 | 6 << 16 | 4 << 20).to_le_bytes()).unwrap();
-    let mut irqs = Irqs(0);
-    // Admin commands read host memory: posted processing leaves them alone.
-    let create_cq = Sqe {
-        opcode: admin_opcode::CREATE_CQ,
-        prp1: iocq,
-        cdw: [63 << 16 | 1, 3, 0, 0, 0, 0],
-        ..Sqe::default()
-    };
     // The I/O SQ lives in the buffer.
-    let create_sq = Sqe {
-        opcode: admin_opcode::CREATE_SQ,
-        prp1: CMB_AT,
-        cdw: [15 << 16 | 1, 1 | 1 << 16, 0, 0, 0, 0],
-        ..Sqe::default()
-    };
-    for (i, s) in [create_cq, create_sq].iter().enumerate() {
-        lanbus_nvme::HostMemory::write(&mut &mem, asq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
-    }
-    c.bar0_write(reg::sq_tail(0), &2u32.to_le_bytes()).unwrap();
-    assert_eq!(c.process_posted(&mut WriteOnly(&mem), &mut irqs), 0);
-    assert!(c.has_work());
-    while c.process(&mut &mem, &mut irqs) > 0 {}
+    let mut irqs = with_io_queues(&mut c, &mem, 64, CMB_AT);
 
     let write_data = pattern(7, 4096);
     c.cmb_write(0x8000, &write_data).unwrap();
@@ -261,6 +236,50 @@ fn posted_processing_runs_what_reads_no_host_memory_and_leaves_the_rest() {
     assert!(!c.has_work());
 }
 
+/// Host memory of the posted-processing tests: admin queues at its start, I/O CQ 1 after them.
+const HOST: u64 = 0x1000_0000;
+const IOCQ: u64 = HOST + 0x2000;
+
+/// Enables `c` with its admin queues in `mem` and creates I/O CQ 1 (`cq_entries` entries) and
+/// I/O SQ 1 (16 entries at `sq_base`). Posted processing leaves the admin commands alone: it
+/// neither runs nor prefetches them (they read host memory).
+fn with_io_queues(
+    c: &mut lanbus_nvme::Controller,
+    mem: &lanbus_nvme::driver::HostRegion,
+    cq_entries: u32,
+    sq_base: u64,
+) -> Irqs {
+    use lanbus_nvme::command::{admin_opcode, Sqe, SQE_LEN};
+    let (asq, acq) = (HOST, HOST + 0x1000);
+    c.bar0_write(reg::AQA, &(15u32 | 15 << 16).to_le_bytes()).unwrap();
+    c.bar0_write(reg::ASQ, &asq.to_le_bytes()).unwrap();
+    c.bar0_write(reg::ACQ, &acq.to_le_bytes()).unwrap();
+    c.bar0_write(reg::CC, &(1u32 | 6 << 16 | 4 << 20).to_le_bytes()).unwrap();
+    let mut irqs = Irqs(0);
+    let create_cq = Sqe {
+        opcode: admin_opcode::CREATE_CQ,
+        prp1: IOCQ,
+        cdw: [(cq_entries - 1) << 16 | 1, 3, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    let create_sq = Sqe {
+        opcode: admin_opcode::CREATE_SQ,
+        prp1: sq_base,
+        cdw: [15 << 16 | 1, 1 | 1 << 16, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    for (i, s) in [create_cq, create_sq].iter().enumerate() {
+        lanbus_nvme::HostMemory::write(&mut &*mem, asq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::sq_tail(0), &2u32.to_le_bytes()).unwrap();
+    let mut rec = Recording::new(mem, true, Vec::new());
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert!(rec.reads.is_empty() && rec.prefetches.is_empty(), "admin commands wait for the full run");
+    assert!(c.has_work());
+    while c.process(&mut &*mem, &mut irqs) > 0 {}
+    irqs
+}
+
 /// Host memory that records the reads and prefetches made of it. Where nothing may wait
 /// (`posted`), only the ranges in `ready` (prefetches that ended) can be read, once each.
 struct Recording<'a> {
@@ -301,38 +320,13 @@ impl lanbus_nvme::HostMemory for Recording<'_> {
 /// entries, which is exactly the first read the full run makes.
 #[test]
 fn posted_processing_prefetches_the_new_entries_of_a_queue_in_host_memory() {
-    use lanbus_nvme::command::{admin_opcode, Sqe, SQE_LEN};
+    use lanbus_nvme::command::{Sqe, SQE_LEN};
     use lanbus_nvme::driver::HostRegion;
-    const HOST: u64 = 0x1000_0000;
-    let (asq, acq, iocq, iosq, data) = (HOST, HOST + 0x1000, HOST + 0x2000, HOST + 0x3000, HOST + 0x10000);
+    let (iosq, data) = (HOST + 0x3000, HOST + 0x10000);
     let mem = HostRegion::new(HOST, 64);
     for cmb_bytes in [0, 64 << 10] {
         let mut c = controller(512, MIB, ControllerConfig { cmb_bytes, ..ControllerConfig::default() });
-        c.bar0_write(reg::AQA, &(15u32 | 15 << 16).to_le_bytes()).unwrap();
-        c.bar0_write(reg::ASQ, &asq.to_le_bytes()).unwrap();
-        c.bar0_write(reg::ACQ, &acq.to_le_bytes()).unwrap();
-        c.bar0_write(reg::CC, &(1u32 | 6 << 16 | 4 << 20).to_le_bytes()).unwrap();
-        let mut irqs = Irqs(0);
-        let create_cq = Sqe {
-            opcode: admin_opcode::CREATE_CQ,
-            prp1: iocq,
-            cdw: [15 << 16 | 1, 3, 0, 0, 0, 0],
-            ..Sqe::default()
-        };
-        let create_sq = Sqe {
-            opcode: admin_opcode::CREATE_SQ,
-            prp1: iosq,
-            cdw: [15 << 16 | 1, 1 | 1 << 16, 0, 0, 0, 0],
-            ..Sqe::default()
-        };
-        for (i, s) in [create_cq, create_sq].iter().enumerate() {
-            lanbus_nvme::HostMemory::write(&mut &mem, asq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
-        }
-        c.bar0_write(reg::sq_tail(0), &2u32.to_le_bytes()).unwrap();
-        let mut rec = Recording::new(&mem, true, Vec::new());
-        assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
-        assert!(rec.prefetches.is_empty(), "admin commands are not prefetched");
-        while c.process(&mut &mem, &mut irqs) > 0 {}
+        let mut irqs = with_io_queues(&mut c, &mem, 16, iosq);
 
         // Three reads from slot 14 on: they wrap, so the first fetch takes slots 14 and 15.
         let read = |cid: u16| Sqe { opcode: nvm_opcode::READ, cid, nsid: 1, prp1: data, ..Sqe::default() };
@@ -365,34 +359,12 @@ fn posted_processing_prefetches_the_new_entries_of_a_queue_in_host_memory() {
 /// on from the entries already fetched, reading only that data.
 #[test]
 fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fetching_again() {
-    use lanbus_nvme::command::{admin_opcode, Completion, Sqe, CQE_LEN, SQE_LEN};
+    use lanbus_nvme::command::{Completion, Sqe, CQE_LEN, SQE_LEN};
     use lanbus_nvme::driver::HostRegion;
-    const HOST: u64 = 0x1000_0000;
-    let (asq, acq, iocq, iosq, data) = (HOST, HOST + 0x1000, HOST + 0x2000, HOST + 0x3000, HOST + 0x10000);
+    let (iocq, iosq, data) = (IOCQ, HOST + 0x3000, HOST + 0x10000);
     let mem = HostRegion::new(HOST, 64);
     let mut c = controller(512, MIB, ControllerConfig::default());
-    c.bar0_write(reg::AQA, &(15u32 | 15 << 16).to_le_bytes()).unwrap();
-    c.bar0_write(reg::ASQ, &asq.to_le_bytes()).unwrap();
-    c.bar0_write(reg::ACQ, &acq.to_le_bytes()).unwrap();
-    c.bar0_write(reg::CC, &(1u32 | 6 << 16 | 4 << 20).to_le_bytes()).unwrap();
-    let mut irqs = Irqs(0);
-    let create_cq = Sqe {
-        opcode: admin_opcode::CREATE_CQ,
-        prp1: iocq,
-        cdw: [15 << 16 | 1, 3, 0, 0, 0, 0],
-        ..Sqe::default()
-    };
-    let create_sq = Sqe {
-        opcode: admin_opcode::CREATE_SQ,
-        prp1: iosq,
-        cdw: [15 << 16 | 1, 1 | 1 << 16, 0, 0, 0, 0],
-        ..Sqe::default()
-    };
-    for (i, s) in [create_cq, create_sq].iter().enumerate() {
-        lanbus_nvme::HostMemory::write(&mut &mem, asq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
-    }
-    c.bar0_write(reg::sq_tail(0), &2u32.to_le_bytes()).unwrap();
-    while c.process(&mut &mem, &mut irqs) > 0 {}
+    let mut irqs = with_io_queues(&mut c, &mem, 16, iosq);
 
     let payload = pattern(3, 4096);
     lanbus_nvme::HostMemory::write(&mut &mem, data, &payload).unwrap();

@@ -1557,92 +1557,84 @@ mod closing {
         (data, eof, closed)
     }
 
+    /// A connection from `ours`, serviced for client connection 7, to `theirs`, established.
+    struct Connected {
+        net: Net,
+        ours: SocketHandle,
+        theirs: SocketHandle,
+        c: Conn,
+        client: Client,
+        counters: ServerCounters,
+    }
+
+    impl Connected {
+        fn new() -> Connected {
+            let mut net = Net::new();
+            let (ours, theirs) = (net.socket(), net.socket());
+            net.tcp(theirs).listen(1234).unwrap();
+            let cx = net.iface.context();
+            net.sockets
+                .get_mut::<tcp::Socket>(ours)
+                .connect(cx, (IpAddress::v4(127, 0, 0, 1), 1234), 49152)
+                .unwrap();
+            let c = Conn::new(1, ours, None, net.t);
+            let mut me =
+                Connected { net, ours, theirs, c, client: client(7), counters: ServerCounters::default() };
+            for _ in 0..10 {
+                me.net.poll();
+                me.service();
+            }
+            assert_eq!(me.net.tcp(theirs).state(), tcp::State::Established);
+            me
+        }
+
+        /// One iteration of the server's work for the connection.
+        fn service(&mut self) {
+            let (t, timeout) = (self.net.t, Duration::from_secs(15));
+            let s = self.net.sockets.get_mut(self.ours);
+            service_conn(7, &mut self.c, s, Some(&mut self.client), t, &mut self.counters, timeout);
+        }
+    }
+
     #[test]
     fn a_fin_and_a_reset_in_one_poll_end_the_connection_cleanly() {
-        const CONN: u32 = 7;
-        let timeout = Duration::from_secs(15);
-        let mut net = Net::new();
-        let (ours, theirs) = (net.socket(), net.socket());
-        net.tcp(theirs).listen(1234).unwrap();
-        let cx = net.iface.context();
-        net.sockets
-            .get_mut::<tcp::Socket>(ours)
-            .connect(cx, (IpAddress::v4(127, 0, 0, 1), 1234), 49152)
-            .unwrap();
-        let mut c = Conn::new(1, ours, None, net.t);
-        let mut client = client(CONN);
-        let mut counters = ServerCounters::default();
-        let mut service = |net: &mut Net, c: &mut Conn, client: &mut Client| {
-            let t = net.t;
-            service_conn(CONN, c, net.sockets.get_mut(ours), Some(client), t, &mut counters, timeout);
-        };
-        for _ in 0..10 {
-            net.poll();
-            service(&mut net, &mut c, &mut client);
-        }
-        assert_eq!(net.tcp(theirs).state(), tcp::State::Established);
-
+        let mut p = Connected::new();
+        let (ours, theirs) = (p.ours, p.theirs);
         // Ours sends and shuts its half down; the peer reads it all and sees the FIN.
-        c.pending.extend(b"hello");
-        c.shutdown = true;
+        p.c.pending.extend(b"hello");
+        p.c.shutdown = true;
         for _ in 0..10 {
-            service(&mut net, &mut c, &mut client);
-            net.poll();
+            p.service();
+            p.net.poll();
         }
-        service(&mut net, &mut c, &mut client);
-        assert_eq!(net.tcp(ours).state(), tcp::State::FinWait2);
+        p.service();
+        assert_eq!(p.net.tcp(ours).state(), tcp::State::FinWait2);
         let mut got = [0; 16];
-        let n = net.tcp(theirs).recv_slice(&mut got).unwrap();
+        let n = p.net.tcp(theirs).recv_slice(&mut got).unwrap();
         assert_eq!(&got[..n], b"hello");
 
         // The peer answers, closes, and then resets (as Linux does when our repeated ACK of its
         // FIN finds its socket gone): FIN and RST wait together for ours's next poll.
-        net.tcp(theirs).send_slice(b"back").unwrap();
-        net.tcp(theirs).close();
-        net.egress();
-        net.tcp(theirs).abort();
-        net.egress();
-        net.poll();
-        assert_eq!(net.tcp(ours).state(), tcp::State::Closed, "the FIN and the RST came in one poll");
+        p.net.tcp(theirs).send_slice(b"back").unwrap();
+        p.net.tcp(theirs).close();
+        p.net.egress();
+        p.net.tcp(theirs).abort();
+        p.net.egress();
+        p.net.poll();
+        assert_eq!(p.net.tcp(ours).state(), tcp::State::Closed, "the FIN and the RST came in one poll");
 
-        service(&mut net, &mut c, &mut client);
-        assert_eq!(told(&client), (b"back".to_vec(), true, Some(0)));
+        p.service();
+        assert_eq!(told(&p.client), (b"back".to_vec(), true, Some(0)));
     }
 
     #[test]
     fn a_reset_before_the_fin_is_an_error() {
-        const CONN: u32 = 7;
-        let timeout = Duration::from_secs(15);
-        let mut net = Net::new();
-        let (ours, theirs) = (net.socket(), net.socket());
-        net.tcp(theirs).listen(1234).unwrap();
-        let cx = net.iface.context();
-        net.sockets
-            .get_mut::<tcp::Socket>(ours)
-            .connect(cx, (IpAddress::v4(127, 0, 0, 1), 1234), 49152)
-            .unwrap();
-        let mut c = Conn::new(1, ours, None, net.t);
-        let mut client = client(CONN);
-        let mut counters = ServerCounters::default();
-        for _ in 0..10 {
-            net.poll();
-            let t = net.t;
-            service_conn(
-                CONN,
-                &mut c,
-                net.sockets.get_mut(ours),
-                Some(&mut client),
-                t,
-                &mut counters,
-                timeout,
-            );
-        }
-        net.tcp(theirs).abort();
-        net.egress();
-        net.poll();
-        assert_eq!(net.tcp(ours).state(), tcp::State::Closed);
-        let t = net.t;
-        service_conn(CONN, &mut c, net.sockets.get_mut(ours), Some(&mut client), t, &mut counters, timeout);
-        assert_eq!(told(&client), (Vec::new(), false, Some(libc::ECONNRESET)));
+        let mut p = Connected::new();
+        p.net.tcp(p.theirs).abort();
+        p.net.egress();
+        p.net.poll();
+        assert_eq!(p.net.tcp(p.ours).state(), tcp::State::Closed);
+        p.service();
+        assert_eq!(told(&p.client), (Vec::new(), false, Some(libc::ECONNRESET)));
     }
 }
