@@ -126,10 +126,12 @@ pub struct DeviceBridgeStats {
     /// Memory requests to blocking functions served on the receive thread (with the work they
     /// started that reads no host memory) instead of by the function's worker.
     pub served_inline: u64,
-    /// DMA reads the receive thread started ahead of a blocking function's worker (the reads
-    /// its next run will make: an NVMe queue's new entries in host memory).
+    /// DMA reads the receive thread started for a blocking function before its work asked for
+    /// them (what its commands will read in host memory: an NVMe queue's new entries, a PRP
+    /// list, a write's data).
     pub prefetched_reads: u64,
-    /// Of those, the reads the worker then used instead of reading again.
+    /// Of those, the reads then used (on the receive thread or by the worker) instead of
+    /// reading again.
     pub prefetches_used: u64,
 }
 

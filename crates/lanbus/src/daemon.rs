@@ -335,10 +335,10 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
             c("bridge_dma_writes_total", "DMA writes the functions issued.", b.dma_writes),
             c(
                 "bridge_prefetched_reads_total",
-                "DMA reads started ahead of a function's worker (an NVMe queue's new entries).",
+                "DMA reads started before a function's work asked for them (an NVMe command, its PRP list, a write's data).",
                 b.prefetched_reads,
             ),
-            c("bridge_prefetches_used_total", "Prefetched DMA reads the worker used.", b.prefetches_used),
+            c("bridge_prefetches_used_total", "Prefetched DMA reads used.", b.prefetches_used),
             c("bridge_foreign_requests_total", "Requests from hosts not ours.", b.foreign_requests),
             c("bridge_host_changes_total", "Times the bridge took up or lost its host.", b.host_changes),
         ]);

@@ -111,9 +111,10 @@ pub trait HostMemory {
         let _ = (addr, len);
         None
     }
-    /// The controller's next run will read exactly these `len` bytes at `addr` (a submission
-    /// queue's new entries): a memory that can start that read now does, and the next read of
-    /// exactly that range takes its result. A hint; the default ignores it.
+    /// The controller will soon read exactly these `len` bytes at `addr` (a submission queue's
+    /// new entries, a PRP list, a write's data), which the host leaves alone until then: a memory
+    /// that can start that read now does, and the next read of exactly that range takes its
+    /// result. A hint; the default ignores it.
     fn prefetch(&mut self, addr: u64, len: usize) {
         let _ = (addr, len);
     }

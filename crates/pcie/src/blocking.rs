@@ -43,11 +43,12 @@ pub trait HostAccess {
     fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError>;
     /// Raises MSI-X `vector`. Writes made before it reach the host first.
     fn signal_msix(&mut self, vector: u16);
-    /// Says that the model's next [`BlockingDevice::process`] will read exactly `len` bytes at
-    /// `address` (a submission queue's new entries, say), memory the host will not change before
-    /// then. A path that can start that read now does, even from
-    /// [`BlockingDevice::process_posted`], so the data may be there by the time the model asks;
-    /// the next read of exactly that range takes it. A hint: the default ignores it.
+    /// Says that the model will soon read exactly `len` bytes at `address` (a submission queue's
+    /// new entries, say), memory the host will not change before then: in its next
+    /// [`BlockingDevice::process`], or in a later [`BlockingDevice::process_posted`] once the
+    /// data is here. A path that can start that read now does, even from `process_posted`, so
+    /// the data may be there by the time the model asks; the next read of exactly that range
+    /// takes it. A hint: the default ignores it.
     fn prefetch(&mut self, address: u64, len: usize) {
         let _ = (address, len);
     }
