@@ -594,15 +594,16 @@ impl Controller {
         self.process_in(mem, irq, false)
     }
 
-    /// The part of [`process`](Self::process) that reads no host memory and is quick: the Read
-    /// and Write commands (without FUA) of submission queues in the Controller Memory Buffer
-    /// whose PRP lists (and, for a write, data) lie there too; their data for the host and their
-    /// completions are posted writes. It stops at the first other command (that one and the rest stay for
-    /// `process`, so [`has_work`](Self::has_work) stays true) and never runs admin commands. A
-    /// caller that must not wait (a bridge's receive thread) runs this and leaves the rest to a
-    /// thread that may. An I/O queue in host memory gets its new entries prefetched instead
-    /// ([`HostMemory::prefetch`]: the very read `process` will make), so that their round trip
-    /// overlaps the hand-off to that thread.
+    /// The part of [`process`](Self::process) that waits for no host memory and is quick: the
+    /// Read and Write commands (without FUA) of the I/O queues, as long as what they read (the
+    /// entries, a PRP list, a write's data) lies in the Controller Memory Buffer or is already
+    /// here (`mem` answers [`BusError::NotReady`] for what is not: a prefetch has not brought it
+    /// yet); their data for the host and their completions are posted writes. What is not here
+    /// yet is named with [`HostMemory::prefetch`] (the very read a later call, or `process`, will
+    /// make), and what was read is kept for that call. It stops at the first other command (that
+    /// one and the rest stay for `process`, so [`has_work`](Self::has_work) stays true) and
+    /// never runs admin commands. A caller that must not wait (a bridge's receive thread) runs
+    /// this, again when a prefetch ends, and leaves the rest to a thread that may.
     pub fn process_posted(&mut self, mem: &mut dyn HostMemory, irq: &mut dyn InterruptSink) -> usize {
         if !self.enabled() {
             return 0;
