@@ -8,9 +8,11 @@
 //! to the model's [`OpId`]s and its errors to [`DmaError`]s, and counts.
 //!
 //! A read may be started ahead of the worker's asking ([`Reads::prefetch`], from the receive
-//! thread, when a blocking model's posted-only work names the read its next run will make). The
-//! worker's read of exactly that range then claims it ([`Reads::claim`]) instead of starting its
-//! own; a read of anything overlapping it, or the end of the worker's run, drops it. So a
+//! thread, when a blocking model's posted-only work names a read it or the next run will make).
+//! When it ends, the receive thread's next run of that work takes it
+//! ([`Reads::take_ready_prefetches`]); otherwise the worker's read of exactly that range claims
+//! it ([`Reads::claim`]) instead of starting its own; a read of anything overlapping it, or the
+//! end of the worker's run, drops it. So a
 //! prefetched result is used at most once and never outlives the run it was made for, and memory
 //! read again after the model used it (a queue slot the host filled anew) is read anew.
 //!
