@@ -152,11 +152,12 @@ impl RecvBuf for Lent {
     }
 }
 
-/// A send's message: copied, or lent.
-pub enum Payload {
-    /// The provider's own copy.
-    Copied(Vec<u8>),
-    /// The application's memory, read until the send completes.
+/// A send's message: the application's memory, read before the call returns or until the send
+/// completes.
+pub enum Payload<'a> {
+    /// Read before the call returns (an inject, or a send nobody will hear of).
+    Copied(&'a [u8]),
+    /// Read until the send completes.
     Lent(Lent),
 }
 
@@ -432,7 +433,7 @@ impl Endpoint {
     pub fn send(
         &self,
         dest: Addr,
-        data: Payload,
+        data: Payload<'_>,
         tag: u64,
         cq_data: u32,
         context: usize,
@@ -446,9 +447,19 @@ impl Endpoint {
             return g.fail(report, ErrKind::DaemonGone);
         }
         let id = match (&mut g.link, data) {
-            (Link::Direct(n), Payload::Copied(v)) => Some(n.isend(dest, cq_data, tag, v)),
+            (Link::Direct(n), Payload::Copied(v)) if !wanted => {
+                match n.isend_copy_unreported(dest, cq_data, tag, v) {
+                    Some(id) => Some(id),
+                    // Gone at once, and nobody is to hear of it: only move it on.
+                    None => {
+                        g.progress();
+                        return;
+                    }
+                }
+            }
+            (Link::Direct(n), Payload::Copied(v)) => Some(n.isend_copy(dest, cq_data, tag, v)),
             (Link::Direct(n), Payload::Lent(l)) => Some(n.isend(dest, cq_data, tag, l)),
-            (Link::Daemon(c), Payload::Copied(v)) => c.isend(dest, cq_data, tag, v).ok(),
+            (Link::Daemon(c), Payload::Copied(v)) => c.isend(dest, cq_data, tag, v.to_vec()).ok(),
             (Link::Daemon(c), Payload::Lent(l)) => c.isend(dest, cq_data, tag, l).ok(),
         };
         g.start(id, op);
@@ -701,11 +712,11 @@ pub unsafe extern "C" fn lanbus_fi_send(
     // SAFETY: the caller's contract.
     let dest = addr_from(unsafe { &*(dest as *const [u8; ADDR_LEN]) });
     let data = if len == 0 {
-        Payload::Copied(Vec::new())
+        Payload::Copied(&[])
     } else if context.is_null() {
         // An inject (or a send nobody will hear of): the buffer is the caller's again at return.
         // SAFETY: the caller's contract.
-        Payload::Copied(unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec())
+        Payload::Copied(unsafe { std::slice::from_raw_parts(buf as *const u8, len) })
     } else {
         // SAFETY: the caller's contract: the buffer stays valid until the send completes.
         Payload::Lent(unsafe { Lent::new(buf as *mut u8, len) })

@@ -42,6 +42,9 @@ impl Default for Config {
     }
 }
 
+/// How many buffers of records handed on an engine keeps for its next records.
+const SPARE_RECORDS: usize = 8;
+
 /// Memory a send reads its message from, lent to the engine until the send completes (a
 /// rendezvous message goes out from it, a chunk at a time, once the receiver asks for it).
 /// `Vec<u8>` is one; a layer whose caller keeps ownership of the message (libfabric's) lends
@@ -335,6 +338,8 @@ pub struct Engine {
     streams: VecDeque<Stream>,
     incoming: HashMap<u32, Incoming>,
     control: VecDeque<Outgoing>,
+    /// Buffers of records handed on, kept for the next ones (no allocation per message).
+    spare: Vec<Vec<u8>>,
     done: VecDeque<Completion>,
     matches: u64,
     counters: Counters,
@@ -357,6 +362,7 @@ impl Engine {
             streams: VecDeque::new(),
             incoming: HashMap::new(),
             control: VecDeque::new(),
+            spare: Vec::new(),
             done: VecDeque::new(),
             matches: 0,
             counters: Counters::default(),
@@ -401,7 +407,8 @@ impl Engine {
     }
 
     fn record(&mut self, dest: Addr, record: Record<'_>) {
-        let mut bytes = Vec::new();
+        let mut bytes = self.spare.pop().unwrap_or_default();
+        bytes.clear();
         record.emit(Route { src: self.me.id, dst: dest.id }, &mut bytes);
         self.control.push_back(Outgoing { dest: dest.mac, bytes });
     }
@@ -411,23 +418,69 @@ impl Engine {
     /// rendezvous, once the receiver asked for it and the last DATA record went out): until
     /// then the engine reads from `data`.
     pub fn send(&mut self, dest: Addr, context: u32, tag: u64, data: impl SendBuf) -> RequestId {
-        let id = self.request();
-        let len = data.bytes().len();
-        if dest == self.me {
-            self.counters.eager_sent += 1;
-            self.arrive(self.me, context, tag, Arriving::Eager(data.bytes()));
-            self.complete(id, Outcome::Sent);
-        } else if len <= self.cfg.eager_limit {
-            self.counters.eager_sent += 1;
-            self.record(dest, Record::Eager { context, tag, data: data.bytes() });
-            self.complete(id, Outcome::Sent);
-        } else {
-            self.counters.rendezvous_sent += 1;
-            let send_id = self.wire_id();
-            self.record(dest, Record::Rts { context, tag, len: len as u64, send_id });
-            self.announced.insert(send_id, Announced { id, dest, data: Box::new(data) });
+        if let Some(id) = self.send_eager(dest, context, tag, data.bytes()) {
+            return id;
         }
+        let id = self.request();
+        self.counters.rendezvous_sent += 1;
+        let send_id = self.wire_id();
+        let len = data.bytes().len() as u64;
+        self.record(dest, Record::Rts { context, tag, len, send_id });
+        self.announced.insert(send_id, Announced { id, dest, data: Box::new(data) });
         id
+    }
+
+    /// Sends a copy of `data`, as [`Engine::send`] does: an eager message (or one to this
+    /// engine itself) is copied straight into its record, and only a rendezvous message, read
+    /// after this call returns, takes a copy of its own.
+    pub fn send_copy(&mut self, dest: Addr, context: u32, tag: u64, data: &[u8]) -> RequestId {
+        if let Some(id) = self.send_eager(dest, context, tag, data) {
+            return id;
+        }
+        self.send(dest, context, tag, data.to_vec())
+    }
+
+    /// Sends a copy of `data` whose completion nobody waits for (libfabric's inject): as
+    /// [`Engine::send_copy`], but a message that goes at once (eagerly, or to this engine
+    /// itself) reports no completion and returns `None`; a rendezvous message returns its
+    /// request, which completes (or fails) as usual.
+    pub fn send_copy_unreported(
+        &mut self,
+        dest: Addr,
+        context: u32,
+        tag: u64,
+        data: &[u8],
+    ) -> Option<RequestId> {
+        if self.send_now(dest, context, tag, data) {
+            return None;
+        }
+        Some(self.send(dest, context, tag, data.to_vec()))
+    }
+
+    /// Sends `data` at once, a finished request, if it goes eagerly or to this engine itself;
+    /// `None` (nothing done) if it needs a rendezvous.
+    fn send_eager(&mut self, dest: Addr, context: u32, tag: u64, data: &[u8]) -> Option<RequestId> {
+        if !self.send_now(dest, context, tag, data) {
+            return None;
+        }
+        let id = self.request();
+        self.complete(id, Outcome::Sent);
+        Some(id)
+    }
+
+    /// Sends `data` eagerly (or to this engine itself) and returns true, or returns false and
+    /// does nothing if it needs a rendezvous.
+    fn send_now(&mut self, dest: Addr, context: u32, tag: u64, data: &[u8]) -> bool {
+        if dest != self.me && data.len() > self.cfg.eager_limit {
+            return false;
+        }
+        self.counters.eager_sent += 1;
+        if dest == self.me {
+            self.arrive(self.me, context, tag, Arriving::Eager(data));
+        } else {
+            self.record(dest, Record::Eager { context, tag, data });
+        }
+        true
     }
 
     /// Posts a receive of at most `capacity` bytes for the first message `m` takes: one waiting
@@ -666,7 +719,10 @@ impl Engine {
         if let Some(o) = self.control.front() {
             let took = out(o.dest, &[&o.bytes]);
             if took {
-                self.control.pop_front();
+                let o = self.control.pop_front().expect("front");
+                if self.spare.len() < SPARE_RECORDS {
+                    self.spare.push(o.bytes);
+                }
             }
             return Some(took);
         }
@@ -692,6 +748,11 @@ impl Engine {
     /// Whether records wait to be handed to the transport ([`Engine::transmit`]).
     pub fn has_records(&self) -> bool {
         !self.control.is_empty() || !self.streams.is_empty()
+    }
+
+    /// Whether finished requests wait to be taken ([`Engine::poll_completion`]).
+    pub fn has_completions(&self) -> bool {
+        !self.done.is_empty()
     }
 
     /// The next finished request.
@@ -865,6 +926,45 @@ mod tests {
         let c = net.engines[0].counters();
         assert_eq!((c.eager_sent, c.rendezvous_sent), (2, 2));
         assert_eq!(net.engines[1].counters().unexpected, 2);
+    }
+
+    #[test]
+    fn copied_sends_go_eagerly_by_rendezvous_and_to_self() {
+        let (a, b) = (addr(1, 1), addr(2, 7));
+        let mut net = Net::new(&[a, b], Config { eager_limit: 1000, data_chunk: 300 });
+        let mut message = bytes(100, 1);
+        let s1 = net.engines[0].send_copy(b, 0, 5, &message);
+        // The caller's memory is its own again at return: change it before anything moves.
+        message.fill(0);
+        let big = bytes(5000, 2);
+        let s2 = net.engines[0].send_copy(b, 0, 5, &big);
+        let to_self = net.engines[0].send_copy(a, 0, 9, &bytes(3000, 3));
+        assert_eq!(net.engines[0].counters().eager_sent, 2);
+        assert_eq!(net.engines[0].counters().rendezvous_sent, 1);
+        let r1 = net.engines[1].post_recv(Match::exact(Source::Only(a), 0, 5), 10_000);
+        let r2 = net.engines[1].post_recv(Match::exact(Source::Only(a), 0, 5), 10_000);
+        let r3 = net.engines[0].post_recv(Match::exact(Source::Only(a), 0, 9), 10_000);
+        net.pump();
+        assert_eq!(net.data(1, r1).1, bytes(100, 1));
+        assert_eq!(net.data(1, r2).1, big);
+        assert_eq!(net.data(0, r3).1, bytes(3000, 3));
+        for s in [s1, s2, to_self] {
+            assert_eq!(net.outcome(0, s), Some(&Outcome::Sent));
+        }
+        // Unreported: only a rendezvous message has a request, and it completes as usual.
+        let completions = net.done.len();
+        assert_eq!(net.engines[0].send_copy_unreported(b, 0, 6, &bytes(10, 4)), None);
+        assert_eq!(net.engines[0].send_copy_unreported(a, 0, 6, &bytes(20, 5)), None);
+        let s3 = net.engines[0].send_copy_unreported(b, 0, 6, &big).expect("a rendezvous request");
+        let r4 = net.engines[1].post_recv(Match::exact(Source::Only(a), 0, 6), 10_000);
+        let r5 = net.engines[1].post_recv(Match::exact(Source::Only(a), 0, 6), 10_000);
+        let r6 = net.engines[0].post_recv(Match::exact(Source::Only(a), 0, 6), 10_000);
+        net.pump();
+        assert_eq!(net.data(1, r4).1, bytes(10, 4));
+        assert_eq!(net.data(1, r5).1, big);
+        assert_eq!(net.data(0, r6).1, bytes(20, 5));
+        assert_eq!(net.outcome(0, s3), Some(&Outcome::Sent));
+        assert_eq!(net.done.len(), completions + 4, "three receives and the rendezvous send");
     }
 
     #[test]

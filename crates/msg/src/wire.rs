@@ -165,8 +165,20 @@ impl<'a> Record<'a> {
         Ok((route, record))
     }
 
+    /// How many bytes [`Record::emit`] appends.
+    pub fn encoded_len(&self) -> usize {
+        match self {
+            Record::Eager { data, .. } => EAGER_HEADER + data.len(),
+            Record::Rts { .. } => RTS_LEN,
+            Record::Cts { .. } => CTS_LEN,
+            Record::Data { data, .. } => DATA_HEADER + data.len(),
+            Record::Gone => GONE_LEN,
+        }
+    }
+
     /// Appends the record, with its route, to `out`.
     pub fn emit(&self, route: Route, out: &mut Vec<u8>) {
+        out.reserve(self.encoded_len());
         let kind = match self {
             Record::Eager { .. } => EAGER,
             Record::Rts { .. } => RTS,
@@ -247,6 +259,7 @@ mod tests {
         for r in records {
             let mut b = Vec::new();
             r.emit(route, &mut b);
+            assert_eq!(b.len(), r.encoded_len());
             assert_eq!(Record::parse(&b).unwrap(), (route, r));
             assert_eq!(destination(&b), Some(9));
         }
@@ -279,7 +292,11 @@ mod tests {
             b.extend_from_slice(&rest[4..(len - 8 + 4).min(40)]);
             b.resize(len, 7);
             fuzz_record(&b);
-            prop_assert!(Record::parse(&b).is_ok());
+            let (route, record) = Record::parse(&b).expect("well formed");
+            prop_assert_eq!(record.encoded_len(), len);
+            let mut again = Vec::new();
+            record.emit(route, &mut again);
+            prop_assert_eq!(again.len(), len);
         }
     }
 }

@@ -6,7 +6,7 @@
 //! thread (a user call wakes it), so records leave in the order the engine made them. A peer
 //! that goes down or restarts fails the requests that need it.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -53,6 +53,9 @@ struct Shared {
     /// Threads asleep on `done` (changed under `finished`'s lock): a wake-up is a system call,
     /// which a busy-polling user would otherwise pay for every message.
     sleepers: AtomicUsize,
+    /// The engine holds records no flush has handed to the transport yet (written under the
+    /// engine's lock): a turn with nothing to send then takes no lock.
+    unsent: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -62,6 +65,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Shared {
     /// Moves the engine's finished requests where waiters find them.
     fn settle(&self, engine: &mut Engine) {
+        if !engine.has_completions() {
+            return;
+        }
         let mut any = false;
         let mut finished = lock(&self.finished);
         while let Some(c) = engine.poll_completion() {
@@ -80,9 +86,14 @@ impl Shared {
     /// DATA is copied once, from the sender's memory into the transport's frames) and settles
     /// what finished; returns the records sent.
     fn flush(&self, out: &mut dyn Outbox) -> usize {
-        let mut engine = lock(&self.engine);
+        self.flush_locked(&mut lock(&self.engine), out)
+    }
+
+    /// [`Shared::flush`] with the engine's lock held.
+    fn flush_locked(&self, engine: &mut Engine, out: &mut dyn Outbox) -> usize {
         let n = engine.transmit(&mut |dest, parts| out.try_send_parts(dest, MSG_CHANNEL, parts));
-        self.settle(&mut engine);
+        self.settle(engine);
+        self.unsent.store(engine.has_records(), Ordering::Relaxed);
         n
     }
 }
@@ -96,21 +107,28 @@ impl Handler for MsgHandler {
         if message.channel != MSG_CHANNEL {
             return;
         }
-        lock(&self.shared.engine).handle_message(message.peer, message.data);
-        self.shared.flush(out);
+        let mut engine = lock(&self.shared.engine);
+        engine.handle_message(message.peer, message.data);
+        self.shared.flush_locked(&mut engine, out);
     }
 
     fn on_event(&mut self, event: &Event, out: &mut dyn Outbox) {
         match event {
             Event::PeerDown { peer } | Event::PeerRestarted { peer, .. } => {
-                lock(&self.shared.engine).peer_down(*peer);
-                self.shared.flush(out);
+                let mut engine = lock(&self.shared.engine);
+                engine.peer_down(*peer);
+                self.shared.flush_locked(&mut engine, out);
             }
             _ => {}
         }
     }
 
     fn poll(&mut self, out: &mut dyn Outbox) -> usize {
+        // Acquire pairs with the Release in `with_engine`; a user call rings the handler after
+        // it, so a record made meanwhile is seen on the next turn.
+        if !self.shared.unsent.load(Ordering::Acquire) {
+            return 0;
+        }
         self.shared.flush(out)
     }
 }
@@ -143,6 +161,7 @@ impl MsgNode {
             finished: Mutex::new(RequestMap::default()),
             done: Condvar::new(),
             sleepers: AtomicUsize::new(0),
+            unsent: AtomicBool::new(false),
         });
         let handler = MsgHandler { shared: shared.clone() };
         let runtime = Runtime::start(port, runtime, Box::new(handler)).map_err(MsgError::Start)?;
@@ -169,6 +188,9 @@ impl MsgNode {
         let mut engine = lock(&self.shared.engine);
         let r = f(&mut engine);
         self.shared.settle(&mut engine);
+        if engine.has_records() {
+            self.shared.unsent.store(true, Ordering::Release);
+        }
         drop(engine);
         self.sender.wake_handler();
         r
@@ -177,6 +199,25 @@ impl MsgNode {
     /// Starts sending `data` to `dest` in `context` with `tag` (read until the send completes).
     pub fn isend(&self, dest: Addr, context: u32, tag: u64, data: impl SendBuf) -> RequestId {
         self.with_engine(|e| e.send(dest, context, tag, data))
+    }
+
+    /// Starts sending a copy of `data` (see [`Engine::send_copy`]): the caller's memory is its
+    /// own again at return, and an eager message is copied once, straight into its record.
+    pub fn isend_copy(&self, dest: Addr, context: u32, tag: u64, data: &[u8]) -> RequestId {
+        self.with_engine(|e| e.send_copy(dest, context, tag, data))
+    }
+
+    /// Starts sending a copy of `data` whose completion nobody waits for (see
+    /// [`Engine::send_copy_unreported`]): `None` when it went at once, else the rendezvous
+    /// request.
+    pub fn isend_copy_unreported(
+        &self,
+        dest: Addr,
+        context: u32,
+        tag: u64,
+        data: &[u8],
+    ) -> Option<RequestId> {
+        self.with_engine(|e| e.send_copy_unreported(dest, context, tag, data))
     }
 
     /// Posts a receive of at most `capacity` bytes.
