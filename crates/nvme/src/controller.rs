@@ -44,6 +44,8 @@ mod admin;
 mod io;
 mod registers;
 
+use std::collections::HashMap;
+
 use crate::backing::Backing;
 use crate::command::{decode_io, Completion, DataPtr, IoCommand, Sqe, CQE_LEN, SQE_LEN};
 use crate::prp::{self, Run};
@@ -336,9 +338,9 @@ pub struct Controller {
     /// next run takes them from here instead of fetching them again. Queue changes drop them.
     fetched: Option<(usize, u64, u32, Vec<u8>)>,
     /// Host memory the command at the head of `fetched` will read, read already by posted
-    /// processing (from prefetches): (address, bytes). The command's run takes it instead of
-    /// reading; it is dropped when the command has run, and with queue changes.
-    staged: Vec<(u64, Vec<u8>)>,
+    /// processing (from prefetches), by (address, length). The command's run takes it instead
+    /// of reading; it is dropped when the command has run, and with queue changes.
+    staged: StagedReads,
     cqes: Vec<u8>,
     data: Vec<u8>,
     runs: Vec<Run>,
@@ -406,25 +408,52 @@ impl HostMemory for CmbView<'_> {
     }
 }
 
+/// Host memory read ahead for a command, by (address, length).
+type StagedReads = HashMap<(u64, usize), Vec<u8>>;
+
 /// Posted processing's view of host memory while it checks a command: reads come from what is
 /// staged, from the buffer, or from a prefetch that ended (then staged for the command's run);
 /// a read whose data is not here yet is noted in `missing` and fails.
 struct Probe<'a, 'b> {
     mem: &'a mut CmbView<'b>,
-    staged: &'a mut Vec<(u64, Vec<u8>)>,
+    staged: &'a mut StagedReads,
     missing: Vec<(u64, usize)>,
+}
+
+impl Probe<'_, '_> {
+    /// Makes sure `len` bytes at `addr` are here for the command's run without reading them
+    /// now: staged already, in the buffer, or a prefetch that ended (staged then). The check of
+    /// a command is made again as each of its pieces arrives, so it must not cost what its
+    /// bytes do each time.
+    fn stage(&mut self, addr: u64, len: usize) -> Result<(), BusError> {
+        if self.staged.contains_key(&(addr, len)) || matches!(self.mem.locate(addr, len), Ok(Some(_))) {
+            return Ok(());
+        }
+        let mut bytes = vec![0; len];
+        match self.mem.read(addr, &mut bytes) {
+            Ok(()) => {
+                self.staged.insert((addr, len), bytes);
+                Ok(())
+            }
+            Err(BusError::NotReady) => {
+                self.missing.push((addr, len));
+                Err(BusError::NotReady)
+            }
+            Err(e) => Err(e),
+        }
+    }
 }
 
 impl HostMemory for Probe<'_, '_> {
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
-        if let Some((_, bytes)) = self.staged.iter().find(|(a, b)| *a == addr && b.len() == buf.len()) {
+        if let Some(bytes) = self.staged.get(&(addr, buf.len())) {
             buf.copy_from_slice(bytes);
             return Ok(());
         }
         match self.mem.read(addr, buf) {
             Ok(()) => {
                 if !matches!(self.mem.locate(addr, buf.len()), Ok(Some(_))) {
-                    self.staged.push((addr, buf.to_vec()));
+                    self.staged.insert((addr, buf.len()), buf.to_vec());
                 }
                 Ok(())
             }
@@ -445,14 +474,14 @@ impl HostMemory for Probe<'_, '_> {
 /// a staged range takes the staged bytes.
 struct Staged<'a, 'b> {
     mem: &'a mut CmbView<'b>,
-    staged: &'a mut Vec<(u64, Vec<u8>)>,
+    staged: &'a mut StagedReads,
 }
 
 impl HostMemory for Staged<'_, '_> {
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
-        match self.staged.iter().position(|(a, b)| *a == addr && b.len() == buf.len()) {
-            Some(i) => {
-                buf.copy_from_slice(&self.staged.swap_remove(i).1);
+        match self.staged.remove(&(addr, buf.len())) {
+            Some(bytes) => {
+                buf.copy_from_slice(&bytes);
                 Ok(())
             }
             None => self.mem.read(addr, buf),
@@ -524,7 +553,7 @@ impl Controller {
             stats: ControllerStats::default(),
             fetch: Vec::new(),
             fetched: None,
-            staged: Vec::new(),
+            staged: StagedReads::new(),
             cqes: Vec::new(),
             data: Vec::new(),
             runs: Vec::new(),
@@ -667,13 +696,8 @@ impl Controller {
         let walked = prp::walk(&mut probe, data.prp1, data.prp2, len, self.page, &mut runs, &mut lists);
         let mut ok = walked.is_ok();
         if ok && reads_data {
-            let mut buf = Vec::new();
             for &(a, n) in &runs {
-                if matches!(probe.mem.locate(a, n), Ok(Some(_))) {
-                    continue;
-                }
-                buf.resize(n, 0);
-                if probe.read(a, &mut buf).is_err() && probe.missing.is_empty() {
+                if probe.stage(a, n).is_err() && probe.missing.is_empty() {
                     ok = false;
                     break;
                 }
