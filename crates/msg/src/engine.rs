@@ -941,9 +941,11 @@ mod tests {
         let to_self = net.engines[0].send_copy(a, 0, 9, &bytes(3000, 3));
         assert_eq!(net.engines[0].counters().eager_sent, 2);
         assert_eq!(net.engines[0].counters().rendezvous_sent, 1);
-        let r1 = net.engines[1].post_recv(Match::exact(Source::Only(a), 0, 5), 10_000);
-        let r2 = net.engines[1].post_recv(Match::exact(Source::Only(a), 0, 5), 10_000);
-        let r3 = net.engines[0].post_recv(Match::exact(Source::Only(a), 0, 9), 10_000);
+        // A receive on engine `e` of what `a` sends with `tag`.
+        let post = |net: &mut Net, e: usize, tag| {
+            net.engines[e].post_recv(Match::exact(Source::Only(a), 0, tag), 10_000)
+        };
+        let (r1, r2, r3) = (post(&mut net, 1, 5), post(&mut net, 1, 5), post(&mut net, 0, 9));
         net.pump();
         assert_eq!(net.data(1, r1).1, bytes(100, 1));
         assert_eq!(net.data(1, r2).1, big);
@@ -956,9 +958,7 @@ mod tests {
         assert_eq!(net.engines[0].send_copy_unreported(b, 0, 6, &bytes(10, 4)), None);
         assert_eq!(net.engines[0].send_copy_unreported(a, 0, 6, &bytes(20, 5)), None);
         let s3 = net.engines[0].send_copy_unreported(b, 0, 6, &big).expect("a rendezvous request");
-        let r4 = net.engines[1].post_recv(Match::exact(Source::Only(a), 0, 6), 10_000);
-        let r5 = net.engines[1].post_recv(Match::exact(Source::Only(a), 0, 6), 10_000);
-        let r6 = net.engines[0].post_recv(Match::exact(Source::Only(a), 0, 6), 10_000);
+        let (r4, r5, r6) = (post(&mut net, 1, 6), post(&mut net, 1, 6), post(&mut net, 0, 6));
         net.pump();
         assert_eq!(net.data(1, r4).1, bytes(10, 4));
         assert_eq!(net.data(1, r5).1, big);
