@@ -436,7 +436,10 @@ impl Probe<'_, '_> {
                 Ok(())
             }
             Err(BusError::NotReady) => {
-                self.missing.push((addr, len));
+                // A list may name one page twice: one prefetch brings it for both.
+                if !self.missing.contains(&(addr, len)) {
+                    self.missing.push((addr, len));
+                }
                 Err(BusError::NotReady)
             }
             Err(e) => Err(e),
@@ -471,7 +474,8 @@ impl HostMemory for Probe<'_, '_> {
 }
 
 /// Host memory for a command's run, with what posted processing staged for it: a read of exactly
-/// a staged range takes the staged bytes.
+/// a staged range takes the staged bytes (as often as the command names it; the stage is
+/// dropped after the run).
 struct Staged<'a, 'b> {
     mem: &'a mut CmbView<'b>,
     staged: &'a mut StagedReads,
@@ -479,9 +483,9 @@ struct Staged<'a, 'b> {
 
 impl HostMemory for Staged<'_, '_> {
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
-        match self.staged.remove(&(addr, buf.len())) {
+        match self.staged.get(&(addr, buf.len())) {
             Some(bytes) => {
-                buf.copy_from_slice(&bytes);
+                buf.copy_from_slice(bytes);
                 Ok(())
             }
             None => self.mem.read(addr, buf),

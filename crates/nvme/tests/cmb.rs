@@ -488,4 +488,40 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0xa000, &mut back[4096..8192]).unwrap();
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0xb000, &mut back[8192..]).unwrap();
     assert!(back == payload, "the 12 KiB read back through its list");
+
+    // A 12 KiB write whose list names one page twice (legal in NVMe): the page is fetched once
+    // and its bytes go to both blocks.
+    let twice = HOST + 0x6000;
+    lanbus_nvme::HostMemory::write(&mut &mem, twice, &entries_of([data + 0xc000, data + 0xc000])).unwrap();
+    let cmd = long(nvm_opcode::WRITE, 9, data + 0x6000, twice);
+    lanbus_nvme::HostMemory::write(&mut &mem, iosq + (8 * SQE_LEN) as u64, &cmd.to_bytes()).unwrap();
+    c.bar0_write(reg::cq_head(1), &8u32.to_le_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(1), &9u32.to_le_bytes()).unwrap();
+    let mut rec = Recording::new(&mem, true, vec![(iosq + 8 * SQE_LEN as u64, SQE_LEN)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, [(twice, 16)]);
+    let mut rec = Recording::new(&mem, true, vec![(twice, 16)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, pages[..2], "the page named twice is fetched once");
+    let mut rec = Recording::new(&mem, true, pages[..2].to_vec());
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 1);
+    assert_eq!(rec.reads, pages[..2]);
+    assert!(!c.has_work());
+    let mut expected = payload[..4096].to_vec();
+    expected.extend_from_slice(&payload[4096..8192]);
+    expected.extend_from_slice(&payload[4096..8192]);
+    let read = |c: &mut lanbus_nvme::Controller| {
+        let mut rec = Recording::new(&mem, false, Vec::new());
+        let cmd = long(nvm_opcode::READ, 10, data + 0x9000, rlist);
+        lanbus_nvme::HostMemory::write(&mut &mem, iosq + (9 * SQE_LEN) as u64, &cmd.to_bytes()).unwrap();
+        c.bar0_write(reg::cq_head(1), &9u32.to_le_bytes()).unwrap();
+        c.bar0_write(reg::sq_tail(1), &10u32.to_le_bytes()).unwrap();
+        while c.process(&mut rec, &mut Irqs(0)) > 0 {}
+    };
+    read(&mut c);
+    let mut back = vec![0u8; 12 << 10];
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0x9000, &mut back[..4096]).unwrap();
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0xa000, &mut back[4096..8192]).unwrap();
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0xb000, &mut back[8192..]).unwrap();
+    assert!(back == expected, "both blocks of the page named twice hold its bytes");
 }
