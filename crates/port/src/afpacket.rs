@@ -948,6 +948,14 @@ impl AfPacketPort {
         self.gso.as_ref().and_then(|r| r.as_ref().ok())
     }
 
+    /// Whether frames wait in the transmit ring: not kicked yet, or left by a kick the kernel cut
+    /// short (its send buffer full), which leaves the newest slot still marked SEND_REQUEST.
+    fn ring_waits(&self) -> bool {
+        let prev = if self.tx_head == 0 { self.tx_slots - 1 } else { self.tx_head - 1 };
+        // Acquire: the status the kernel last wrote.
+        self.tx_unkicked || self.tx_status(prev).load(Ordering::Acquire) == libc::TP_STATUS_SEND_REQUEST
+    }
+
     fn kick(&mut self) -> Result<()> {
         // SAFETY: a zero-length send with no address tells the kernel to transmit the slots
         // marked SEND_REQUEST; no user memory is passed.
@@ -1091,12 +1099,8 @@ impl Port for AfPacketPort {
         // Frames this burst put in the ring: only those need a kick (a system call).
         let mut in_ring = 0;
         // The burst's first frame through the ring-less socket, unless frames wait in the ring
-        // (they must leave first): not kicked yet, or left by a kick the kernel cut short (its
-        // send buffer full), which leaves the newest slot still marked SEND_REQUEST.
-        let prev = if self.tx_head == 0 { slots - 1 } else { self.tx_head - 1 };
-        // Acquire as above: the status the kernel last wrote.
-        let ring_waits =
-            self.tx_unkicked || self.tx_status(prev).load(Ordering::Acquire) == libc::TP_STATUS_SEND_REQUEST;
+        // (they must leave first).
+        let ring_waits = self.ring_waits();
         if let Some((fd, buf)) = self.single.as_mut().filter(|_| !ring_waits && max > 0) {
             let Some(len) = fill(&mut buf[..capacity]) else { return Ok(0) };
             offered += 1;
@@ -1169,6 +1173,103 @@ impl Port for AfPacketPort {
             self.kick()?;
         }
         Ok(sent)
+    }
+
+    fn borrows_frames(&self) -> bool {
+        self.single.is_some()
+    }
+
+    /// Up to 32 frames a system call (`sendmmsg`) through the ring-less socket, which copies
+    /// each from the caller's memory into the kernel's buffer. Through the transmit ring a frame
+    /// is copied into the ring and then, on a veth, once more by the kernel (the ring's pages
+    /// cannot be handed to a local receiver); this way it is copied once.
+    fn tx_borrowed(&mut self, frames: &[&[u8]]) -> Result<usize> {
+        const CHUNK: usize = 32;
+        // Frames waiting in the ring must leave first: the other socket would overtake them.
+        let fd = match &self.single {
+            Some((fd, _)) if !self.ring_waits() => fd.as_raw_fd(),
+            _ => return self.send_frames(frames),
+        };
+        let capacity = self.frame_capacity();
+        let mut next = 0;
+        while next < frames.len() {
+            // SAFETY: iovec and mmsghdr are plain old data; all-zero is valid (null pointers,
+            // zero lengths).
+            let mut iov: [libc::iovec; CHUNK] = unsafe { core::mem::zeroed() };
+            let mut lens = [0usize; CHUNK];
+            let mut n = 0;
+            while next < frames.len() && n < CHUNK {
+                let frame = frames[next];
+                next += 1;
+                if !(HEADER_LEN..=capacity).contains(&frame.len()) {
+                    self.counters.tx_dropped += 1;
+                    continue;
+                }
+                // The kernel only reads through iov_base (sendmmsg's data is const in effect).
+                iov[n] = libc::iovec { iov_base: frame.as_ptr() as *mut libc::c_void, iov_len: frame.len() };
+                lens[n] = frame.len();
+                n += 1;
+            }
+            // SAFETY: as above.
+            let mut msgs: [libc::mmsghdr; CHUNK] = unsafe { core::mem::zeroed() };
+            for (m, v) in msgs.iter_mut().zip(iov.iter_mut()).take(n) {
+                m.msg_hdr.msg_iov = v;
+                m.msg_hdr.msg_iovlen = 1;
+            }
+            let mut done = 0;
+            while done < n {
+                let rc = if n - done == 1 {
+                    // A lone frame (a small message's usual burst): send(2), which copies no
+                    // message header in.
+                    let v = &iov[done];
+                    // SAFETY: v points into a frame the caller lends for the call.
+                    let rc = unsafe { libc::send(fd, v.iov_base, v.iov_len, libc::MSG_DONTWAIT) };
+                    if rc < 0 {
+                        -1
+                    } else {
+                        1
+                    }
+                } else {
+                    // SAFETY: msgs[done..n] are initialised headers whose single iovecs point
+                    // into frames the caller lends for the call; the socket is bound, so no
+                    // address.
+                    unsafe {
+                        libc::sendmmsg(
+                            fd,
+                            msgs.as_mut_ptr().add(done),
+                            (n - done) as libc::c_uint,
+                            libc::MSG_DONTWAIT,
+                        )
+                    }
+                };
+                if rc > 0 {
+                    let sent = rc as usize;
+                    self.counters.tx_frames += sent as u64;
+                    self.counters.tx_bytes += lens[done..done + sent].iter().sum::<usize>() as u64;
+                    done += sent;
+                    continue;
+                }
+                match std::io::Error::last_os_error().raw_os_error() {
+                    Some(libc::EINTR) => {}
+                    Some(libc::ENETDOWN | libc::ENXIO) => {
+                        return Err(PortError::Unavailable {
+                            spec: format!("afpacket:{}", self.ifname),
+                            why: format!(
+                                "interface {} went down: `ip link set {} up`",
+                                self.ifname, self.ifname
+                            ),
+                        });
+                    }
+                    _ => {
+                        // Device queue full (or gone): the frame is lost, as on a wire; the
+                        // transport resends it.
+                        self.counters.tx_dropped += 1;
+                        done += 1;
+                    }
+                }
+            }
+        }
+        Ok(frames.len())
     }
 
     fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {

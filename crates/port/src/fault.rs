@@ -130,6 +130,31 @@ impl<P: Port> Port for FaultyPort<P> {
         })
     }
 
+    fn borrows_frames(&self) -> bool {
+        self.inner.borrows_frames()
+    }
+
+    fn tx_borrowed(&mut self, frames: &[&[u8]]) -> Result<usize> {
+        if !self.inner.borrows_frames() {
+            return self.send_frames(frames);
+        }
+        let (rng, loss, counters) = (&mut self.rng, self.config.tx_loss, &self.counters);
+        let kept: Vec<&[u8]> = frames
+            .iter()
+            .copied()
+            .filter(|_| {
+                let lost = loss > 0.0 && rng.random_bool(loss);
+                if lost {
+                    // Relaxed: a statistic.
+                    counters.tx_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                !lost
+            })
+            .collect();
+        self.inner.tx_borrowed(&kept)?;
+        Ok(frames.len())
+    }
+
     fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
         self.inner.wait(timeout)
     }
@@ -180,6 +205,8 @@ mod tests {
     struct Loop {
         frames: VecDeque<Vec<u8>>,
         counters: PortCounters,
+        /// Whether it takes frames where they lie ([`Port::tx_borrowed`]).
+        borrows: bool,
     }
 
     impl Port for Loop {
@@ -206,6 +233,15 @@ mod tests {
                 n += 1;
             }
             Ok(n)
+        }
+        fn borrows_frames(&self) -> bool {
+            self.borrows
+        }
+        fn tx_borrowed(&mut self, frames: &[&[u8]]) -> Result<usize> {
+            assert!(self.borrows, "borrowed frames handed to a port that copies");
+            self.frames.extend(frames.iter().map(|f| f.to_vec()));
+            self.counters.tx_frames += frames.len() as u64;
+            Ok(frames.len())
         }
         fn wait(&mut self, _: Option<Duration>) -> Result<()> {
             Ok(())
@@ -255,6 +291,32 @@ mod tests {
         // The same seed loses the same frames; another seed others.
         assert_eq!(run(FaultConfig::loss(0.1, 7), 10_000).0, got);
         assert_ne!(run(FaultConfig::loss(0.1, 8), 10_000).0, got);
+    }
+
+    #[test]
+    fn borrowed_frames_are_lost_at_the_same_rate_and_the_rest_pass_in_order() {
+        for borrows in [true, false] {
+            let mut port = FaultyPort::new(Loop { borrows, ..Loop::default() }, FaultConfig::loss(0.1, 7));
+            assert_eq!(port.borrows_frames(), borrows);
+            let frames: Vec<[u8; 4]> = (0..10_000u32).map(u32::to_be_bytes).collect();
+            for chunk in frames.chunks(32) {
+                let borrowed: Vec<&[u8]> = chunk.iter().map(|f| &f[..]).collect();
+                let took = port.tx_borrowed(&borrowed).unwrap();
+                // Borrowed, all are taken (the lost ones counted as dropped); copied, the lost
+                // ones never reach the port.
+                if borrows {
+                    assert_eq!(took, chunk.len());
+                } else {
+                    assert!(took <= chunk.len());
+                }
+            }
+            let mut got = Vec::new();
+            port.rx_burst(usize::MAX, &mut |f| got.push(u32::from_be_bytes(f.try_into().unwrap()))).unwrap();
+            let lost = port.fault_counters().tx_dropped();
+            assert!((800..1200).contains(&lost), "borrows {borrows}: {lost} lost");
+            assert_eq!(got.len() as u64 + lost + port.fault_counters().rx_dropped(), 10_000);
+            assert!(got.windows(2).all(|w| w[0] < w[1]));
+        }
     }
 
     #[test]

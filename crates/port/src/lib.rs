@@ -141,6 +141,23 @@ pub trait Port: Send {
     /// whose transmit queue is full stops asking early; the caller keeps its frames and tries again.
     fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize>;
 
+    /// Whether [`Port::tx_borrowed`] sends frames from the caller's memory, without first copying
+    /// them into the port's own buffers. A caller that keeps its frames anyway (a transport
+    /// keeps each until it is acknowledged) then hands them over where they lie, and each byte
+    /// is copied once fewer. The default: no.
+    fn borrows_frames(&self) -> bool {
+        false
+    }
+
+    /// Transmits `frames` (whole Ethernet frames) from the caller's memory where the port
+    /// [borrows frames](Port::borrows_frames), else through [`Port::tx_burst`]. Returns how many
+    /// the port took: a port that borrows takes them all, counting those it could not send
+    /// (a full socket buffer, a frame longer than [`Port::frame_capacity`]) as dropped, as a
+    /// wire would lose them; one that copies stops where its queue is full.
+    fn tx_borrowed(&mut self, frames: &[&[u8]]) -> Result<usize> {
+        self.send_frames(frames)
+    }
+
     /// Blocks until a frame may be waiting to be received or `timeout` passes (`None`: no limit).
     /// Spurious wake-ups are allowed; a missed wake-up is not.
     fn wait(&mut self, timeout: Option<Duration>) -> Result<()>;
@@ -248,6 +265,12 @@ impl<P: Port + ?Sized> Port for Box<P> {
     }
     fn frame_capacity(&self) -> usize {
         (**self).frame_capacity()
+    }
+    fn borrows_frames(&self) -> bool {
+        (**self).borrows_frames()
+    }
+    fn tx_borrowed(&mut self, frames: &[&[u8]]) -> Result<usize> {
+        (**self).tx_borrowed(frames)
     }
     fn tx_gso(&mut self, frame: &[u8], gso: Gso) -> Result<bool> {
         (**self).tx_gso(frame, gso)

@@ -40,7 +40,8 @@ use std::time::Duration;
 
 use lanbus_port::{Port, PortCounters};
 use lanbus_transport::{
-    Config, Counters, Endpoint, Event, Feedback, Message, MessageSource, ReceiveHalf, SendError, SendHalf,
+    Config, Counters, Endpoint, Event, Feedback, FrameRef, Message, MessageSource, ReceiveHalf, SendError,
+    SendHalf,
 };
 use lanbus_wire::{Clock, Instant, MacAddr, MonotonicClock};
 
@@ -531,6 +532,8 @@ struct Worker {
     readiness_fd: Option<RawFd>,
     polling: Polling,
     burst: usize,
+    /// Whether the port sends the transport's frames where they lie ([`Port::borrows_frames`]).
+    borrows: bool,
     last_work: Instant,
     last_publish: Instant,
     /// Whether the counters were published since the thread last did work.
@@ -568,6 +571,10 @@ impl Worker {
         readiness_fd: Option<RawFd>,
     ) -> Worker {
         let now = clock.now();
+        let borrows = match &port {
+            PortAccess::Owned(p) => p.borrows_frames(),
+            PortAccess::Shared(p) => lock(p).borrows_frames(),
+        };
         Worker {
             shared,
             clock,
@@ -575,6 +582,7 @@ impl Worker {
             readiness_fd,
             polling: config.polling,
             burst: config.burst.max(1),
+            borrows,
             last_work: now,
             last_publish: now,
             published_idle: false,
@@ -616,6 +624,34 @@ impl Worker {
         let burst = self.burst;
         let r = self.with_port(|p| p.tx_burst(burst, fill));
         self.count_port_result(r)
+    }
+
+    /// Sends one burst of the transport's frames; returns how many it wrote. A port that
+    /// borrows frames gets them where the transport keeps them (ACKs in its own buffers); any
+    /// other port gets them copied into its buffers.
+    fn transmit(&mut self, from: &mut impl Transmit, now: Instant) -> usize {
+        if !self.borrows {
+            return self.tx_burst(&mut |buf| from.poll_into(now, buf));
+        }
+        let mut refs = [None; BORROWED_BURST];
+        let mut n = 0;
+        while n < self.burst.min(BORROWED_BURST) {
+            let Some(at) = from.poll_ref(now) else { break };
+            refs[n] = Some(at);
+            n += 1;
+        }
+        if n == 0 {
+            return 0;
+        }
+        let mut frames: [&[u8]; BORROWED_BURST] = [&[]; BORROWED_BURST];
+        for (frame, at) in frames.iter_mut().zip(refs.iter().flatten()) {
+            *frame = from.frame(*at);
+        }
+        let r = self.with_port(|p| p.tx_borrowed(&frames[..n]));
+        self.count_port_result(r);
+        // Written, so gone for the transport whatever the port did: one it could not send is
+        // lost as on a wire, and sent again.
+        n
     }
 
     fn count_port_result(&mut self, r: lanbus_port::Result<usize>) -> usize {
@@ -806,7 +842,7 @@ impl Rtc {
         // that did nothing yet is a few dozen nanoseconds old: its start will do (a clock read
         // is a good part of an empty turn, whose length is how late a frame is seen).
         let sent_at = if work == 0 { now } else { worker.clock.now() };
-        let sent = worker.tx_burst(&mut |frame| endpoint.poll_transmit(sent_at, frame));
+        let sent = worker.transmit(endpoint, sent_at);
         if sent > 0 {
             endpoint.frames_left(worker.clock.now());
         }
@@ -819,6 +855,43 @@ impl Rtc {
         shared.idle.store(idle, Ordering::Release);
         *deadline = endpoint.poll_timeout();
         (now, work)
+    }
+}
+
+/// The most frames one burst hands a port that borrows them.
+const BORROWED_BURST: usize = 64;
+
+/// What a runtime thread transmits from: a whole endpoint or a pipeline's sending half.
+trait Transmit {
+    /// The next frame, copied into `buf`.
+    fn poll_into(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize>;
+    /// The next frame, written where it lies.
+    fn poll_ref(&mut self, now: Instant) -> Option<FrameRef>;
+    /// A frame `poll_ref` wrote.
+    fn frame(&self, at: FrameRef) -> &[u8];
+}
+
+impl Transmit for Endpoint {
+    fn poll_into(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
+        self.poll_transmit(now, buf)
+    }
+    fn poll_ref(&mut self, now: Instant) -> Option<FrameRef> {
+        self.poll_transmit_ref(now)
+    }
+    fn frame(&self, at: FrameRef) -> &[u8] {
+        Endpoint::frame(self, at)
+    }
+}
+
+impl Transmit for SendHalf {
+    fn poll_into(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
+        self.poll_transmit(now, buf)
+    }
+    fn poll_ref(&mut self, now: Instant) -> Option<FrameRef> {
+        self.poll_transmit_ref(now)
+    }
+    fn frame(&self, at: FrameRef) -> &[u8] {
+        SendHalf::frame(self, at)
     }
 }
 
@@ -988,7 +1061,7 @@ impl PipeTx {
             let half = &mut self.half;
             // Stamped when written, as in the run-to-completion loop.
             let sent_at = self.worker.clock.now();
-            let sent = self.worker.tx_burst(&mut |frame| half.poll_transmit(sent_at, frame));
+            let sent = self.worker.transmit(half, sent_at);
             if sent > 0 {
                 self.half.frames_left(self.worker.clock.now());
             }

@@ -3,7 +3,7 @@
 
 use lanbus_wire::{Instant, MacAddr};
 
-use crate::{Config, Counters, Event, Message, ReceiveHalf, SendError, SendHalf};
+use crate::{Config, Counters, Event, FrameRef, Message, ReceiveHalf, SendError, SendHalf};
 
 /// One transport endpoint: all channels of one MAC address. See the crate docs for the call order.
 ///
@@ -149,6 +149,22 @@ impl Endpoint {
             self.rx.ack_carried(peer, channel, ack);
         }
         n
+    }
+
+    /// [`Endpoint::poll_transmit`] without the copy; see [`SendHalf::poll_transmit_ref`].
+    #[must_use]
+    pub fn poll_transmit_ref(&mut self, now: Instant) -> Option<FrameRef> {
+        let at = self.tx.poll_transmit_ref(now);
+        if let Some((peer, channel, ack)) = self.tx.take_carried() {
+            self.rx.ack_carried(peer, channel, ack);
+        }
+        at
+    }
+
+    /// The bytes of a frame [`Endpoint::poll_transmit_ref`] wrote; see [`SendHalf::frame`].
+    #[must_use]
+    pub fn frame(&self, at: FrameRef) -> &[u8] {
+        self.tx.frame(at)
     }
 
     /// Says that every frame written so far has left at `now`; see [`SendHalf::frames_left`].

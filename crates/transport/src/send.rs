@@ -39,6 +39,19 @@ fn header_mut(frame: &mut [u8]) -> Packet<&mut [u8]> {
     Packet::new_unchecked(&mut frame[ETH_LEN..])
 }
 
+/// A frame [`SendHalf::poll_transmit_ref`] wrote, where it lies: read it with
+/// [`SendHalf::frame`] and hand it to the port as it is, without a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameRef(FrameAt);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FrameAt {
+    /// A DATA frame in the queue of channel `ci`, where it stays until acknowledged.
+    Stored { ci: usize, index: usize },
+    /// An ACK or heartbeat frame in the half's own buffer `i`.
+    Scratch(usize),
+}
+
 /// How long since `received`, in the microseconds an ACK reports (saturating).
 fn hold_us(now: Instant, received: Instant) -> u16 {
     let us = (now.saturating_duration_since(received).as_nanos() + 500) / 1000;
@@ -249,6 +262,11 @@ pub struct SendHalf {
     flushes: [(u32, u32); FLUSHES],
     /// Where the next burst goes in `flushes`.
     flush_at: usize,
+    /// Buffers of whole frame capacity for ACK and heartbeat frames that
+    /// [`SendHalf::poll_transmit_ref`] wrote, with their lengths; the first `scratch_used` hold
+    /// frames not yet known to have left.
+    scratch: Vec<(Box<[u8]>, usize)>,
+    scratch_used: usize,
 }
 
 /// Bursts remembered by [`SendHalf::frames_left`]: ACKs answer recent frames.
@@ -279,6 +297,8 @@ impl SendHalf {
             last_carried: None,
             flushes: [(0, 0); FLUSHES],
             flush_at: 0,
+            scratch: Vec::new(),
+            scratch_used: 0,
         }
     }
 
@@ -670,6 +690,7 @@ impl SendHalf {
     /// Rate control then leaves it out of the round trip (as it leaves out the time a receiver
     /// held a frame). Without the call a frame counts as gone when written.
     pub fn frames_left(&mut self, now: Instant) {
+        self.scratch_used = 0;
         if let Some(first) = self.unflushed_since.take() {
             self.flushes[self.flush_at] = (first, stamp(now));
             self.flush_at = (self.flush_at + 1) % FLUSHES;
@@ -754,18 +775,36 @@ impl SendHalf {
             self.config.frame_capacity(),
             buf.len()
         );
+        let at = self.poll_transmit_ref(now)?;
+        let frame = self.frame(at);
+        let len = frame.len();
+        buf[..len].copy_from_slice(frame);
+        if let FrameAt::Scratch(_) = at.0 {
+            // Copied out: the buffer is free again.
+            self.scratch_used -= 1;
+        }
+        Some(len)
+    }
+
+    /// [`SendHalf::poll_transmit`] without the copy: the next frame is written where it lies (a
+    /// DATA frame in the copy its channel keeps until it is acknowledged, an ACK or heartbeat in
+    /// a buffer of this half's own) and [`SendHalf::frame`] gives its bytes. A reference stays
+    /// valid until [`SendHalf::frames_left`] or a call of another method that takes `&mut self`
+    /// other than this one: poll a burst, hand the frames to the port, then say they left.
+    #[must_use]
+    pub fn poll_transmit_ref(&mut self, now: Instant) -> Option<FrameRef> {
         if let Some(a) = self.acks.pop_front() {
             // An ACK that may ride on a DATA frame does so in this very call: put off to a later
             // one, its DATA frame might never go (the frames acknowledged meanwhile, pacing) and
             // the ACK, whose coalescing timer has fired already, would be lost.
             if let Some(ci) = self.carrier(now, &a) {
-                return Some(self.write_data(now, ci, buf));
+                return Some(self.write_data(now, ci));
             }
-            return Some(self.write_ack(now, a, buf));
+            return Some(self.write_scratch(|half, buf| half.write_ack(now, a, buf)));
         }
         if self.next_heartbeat.is_some_and(|t| t <= now) {
             self.next_heartbeat = Some(now + self.config.heartbeat.interval);
-            return Some(self.write_heartbeat(now, buf));
+            return Some(self.write_scratch(|half, buf| half.write_heartbeat(now, buf)));
         }
         while self.probes_pending > 0 {
             let Some(ci) = self.channels.iter().position(|c| c.probe_pending) else {
@@ -777,7 +816,7 @@ impl SendHalf {
             ch.probe_pending = false;
             // An ACK may have emptied the flight since the probe was due.
             if ch.high > 0 {
-                return Some(self.write_probe(now, ci, buf));
+                return Some(self.write_probe(now, ci));
             }
         }
         // Round robin from `rr`, wrapping by comparison: this runs on every poll, and a `%` is a
@@ -798,7 +837,7 @@ impl SendHalf {
                 continue;
             }
             self.rr = wrap(ci);
-            return Some(self.write_data(now, ci, buf));
+            return Some(self.write_data(now, ci));
         }
         if paced {
             self.counters.paced_out += 1;
@@ -806,12 +845,37 @@ impl SendHalf {
         None
     }
 
+    /// The bytes of a frame [`SendHalf::poll_transmit_ref`] wrote; empty for a reference made
+    /// stale by a later call (see there), which a port drops as too short.
+    #[must_use]
+    pub fn frame(&self, at: FrameRef) -> &[u8] {
+        match at.0 {
+            FrameAt::Stored { ci, index } => {
+                self.channels.get(ci).and_then(|c| c.frames.get(index)).map_or(&[], |f| &f[..])
+            }
+            FrameAt::Scratch(i) => self.scratch.get(i).map_or(&[], |(buf, len)| &buf[..*len]),
+        }
+    }
+
+    /// Writes an ACK or heartbeat frame into the next free buffer of the half's own.
+    fn write_scratch(&mut self, write: impl FnOnce(&mut Self, &mut [u8]) -> usize) -> FrameRef {
+        let i = self.scratch_used;
+        if i == self.scratch.len() {
+            self.scratch.push((vec![0; self.config.frame_capacity()].into_boxed_slice(), 0));
+        }
+        let mut buf = std::mem::take(&mut self.scratch[i].0);
+        let len = write(self, &mut buf);
+        self.scratch[i] = (buf, len);
+        self.scratch_used += 1;
+        FrameRef(FrameAt::Scratch(i))
+    }
+
     /// Writes channel `ci`'s next DATA frame into `buf` (a frame found lost, else the next in
     /// order), carrying the channel's owed ACK if any. The channel must have a sendable frame
     /// that pacing allows now.
-    fn write_data(&mut self, now: Instant, ci: usize, buf: &mut [u8]) -> usize {
+    fn write_data(&mut self, now: Instant, ci: usize) -> FrameRef {
         let index = self.channels[ci].candidate(self.window).expect("write_data needs a sendable frame");
-        let len = self.emit_stored(now, ci, index, buf);
+        let len = self.emit_stored(now, ci, index);
         let ch = &mut self.channels[ci];
         if ch.marks[index] & LOST != 0 {
             ch.marks[index] &= !LOST;
@@ -835,58 +899,62 @@ impl SendHalf {
         ch.rate.on_send(now, len);
         self.counters.frames_sent += 1;
         self.counters.data_frames_sent += 1;
-        len
+        FrameRef(FrameAt::Stored { ci, index })
     }
 
     /// Writes channel `ci`'s tail-loss probe: its oldest unacknowledged frame once more, outside
     /// the window's order (the frames after it stay in flight as they are). Whatever was lost,
     /// the receiver's answer to it moves the sender on: an ACK that advances if the frame or its
     /// ACK was lost, a duplicate ACK otherwise. A spurious probe costs one frame.
-    fn write_probe(&mut self, now: Instant, ci: usize, buf: &mut [u8]) -> usize {
-        let len = self.emit_stored(now, ci, 0, buf);
+    fn write_probe(&mut self, now: Instant, ci: usize) -> FrameRef {
+        self.emit_stored(now, ci, 0);
         self.counters.retransmitted_frames += 1;
         self.counters.frames_sent += 1;
         self.counters.data_frames_sent += 1;
-        len
+        FrameRef(FrameAt::Stored { ci, index: 0 })
     }
 
-    /// Copies stored frame `index` of channel `ci` into `buf` for transmission now: fresh
-    /// timestamp (kept in the stored frame too, see `on_ack`), our group, the channel's owed ACK
-    /// if any, the checksum.
-    fn emit_stored(&mut self, now: Instant, ci: usize, index: usize, buf: &mut [u8]) -> usize {
+    /// Readies stored frame `index` of channel `ci` for transmission now, where it lies: fresh
+    /// timestamp (which `on_ack` reads back), our group and epochs, the channel's owed ACK if
+    /// any (and none left from an earlier transmission), the checksum. Returns its length.
+    fn emit_stored(&mut self, now: Instant, ci: usize, index: usize) -> usize {
+        let now_stamp = stamp(now);
+        self.unflushed_since.get_or_insert(now_stamp);
+        let (group, epoch, checksum) = (self.group, self.epoch, self.config.checksum);
         let ch = &mut self.channels[ci];
-        let frame = &mut ch.frames[index];
-        // The stored frame keeps the stamp of its latest transmission (see `on_ack`).
-        header_mut(frame).set_timestamp(stamp(now));
-        self.unflushed_since.get_or_insert(stamp(now));
-        let len = frame.len();
-        buf[..len].copy_from_slice(frame);
-        let out = &mut buf[..len];
-        let mut h = header_mut(out);
-        h.set_group(self.group);
-        h.set_epoch(self.epoch);
-        h.set_peer_epoch(ch.peer_epoch);
-        if let Some((ack, echo, received)) = ch.owed.take() {
-            h.set_ack(ack.0);
-            let mut flags = h.flags() | FLAG_ACK;
-            if let Some(echo) = echo {
-                h.set_echo(echo);
-                h.set_hold_us(hold_us(now, received));
-                flags |= FLAG_ECHO;
-            }
-            h.set_flags(flags);
+        let owed = ch.owed.take();
+        if let Some((ack, echo, _)) = owed {
             ch.carried = Some((ack, echo));
             ch.note_acked(ack);
             self.last_carried = Some((ch.peer, ch.channel, ack));
             self.counters.acks_carried += 1;
         }
-        if self.config.checksum {
-            frame::fill_checksum(out);
-        } else {
-            let mut h = header_mut(out);
-            h.set_flags(h.flags() & !frame::FLAG_CHECKSUM);
+        let peer_epoch = ch.peer_epoch;
+        let frame = &mut ch.frames[index];
+        let mut h = header_mut(frame);
+        h.set_timestamp(now_stamp);
+        h.set_group(group);
+        h.set_epoch(epoch);
+        h.set_peer_epoch(peer_epoch);
+        let mut flags = h.flags() & !(FLAG_ACK | FLAG_ECHO | frame::FLAG_CHECKSUM);
+        let (mut ack_field, mut echo_field, mut hold) = (0, 0, 0);
+        if let Some((ack, echo, received)) = owed {
+            ack_field = ack.0;
+            flags |= FLAG_ACK;
+            if let Some(echo) = echo {
+                echo_field = echo;
+                hold = hold_us(now, received);
+                flags |= FLAG_ECHO;
+            }
         }
-        len
+        h.set_ack(ack_field);
+        h.set_echo(echo_field);
+        h.set_hold_us(hold);
+        h.set_flags(flags);
+        if checksum {
+            frame::fill_checksum(frame);
+        }
+        frame.len()
     }
 
     /// The channel whose DATA frame can carry ACK `a` now instead of an ACK frame of its own, with

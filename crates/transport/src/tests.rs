@@ -760,6 +760,70 @@ fn traffic_in_both_directions_and_many_channels() {
     }
 }
 
+#[test]
+fn frames_written_where_they_lie_cross_a_faulty_wire_in_both_directions() {
+    // Bursts of frames read only after the whole burst was written (ACKs in the half's own
+    // buffers, DATA frames in their channels' queues), retransmitted and probed in place.
+    for (seed, burst) in [(31, 1), (32, 4), (33, 32)] {
+        let f = Faults { loss: 0.03, reorder: 0.02, duplicate: 0.01, corrupt: 0.01, ack_loss: 0.05 };
+        let mut p = Pair::borrowed(p2p(), f, seed, burst);
+        let len = |i: u64, ch: u16| (i as usize * 53 + usize::from(ch) * 700) % 3000;
+        for round in 0..60u64 {
+            for ch in 0..3u16 {
+                p.a.send(p.now, B, ch, &test_message(round, len(round, ch))).unwrap();
+                p.b.send(p.now, A, ch, &test_message(round, len(round, ch))).unwrap();
+            }
+            p.step();
+        }
+        assert!(p.run_until_idle(at_us(20_000_000)), "burst {burst}");
+        for ch in 0..3u16 {
+            assert_stream(&p.at_b, A, ch, 60, move |i| len(i, ch));
+            assert_stream(&p.at_a, B, ch, 60, move |i| len(i, ch));
+        }
+        let c = p.a.counters();
+        assert!(c.retransmitted_frames > 0 && c.ack_frames_sent > 0, "burst {burst}: {c:?}");
+    }
+}
+
+#[test]
+fn a_frame_sent_again_carries_no_ack_from_its_first_transmission() {
+    // The frame stored for retransmission is the one sent: what the first transmission carried
+    // (an ACK and an echo) must not go out again with it.
+    let mut a = Endpoint::new(p2p(), A, Instant::ZERO);
+    let mut b = Endpoint::new(p2p(), B, Instant::ZERO);
+    b.send(at_us(0), A, 0, b"request").unwrap();
+    for f in drain(&mut b, at_us(0)) {
+        a.handle_frame(at_us(1), &f);
+    }
+    assert_eq!(a.poll_message().unwrap().data, b"request");
+    // The answer carries the request's ACK; the wire loses it.
+    a.send(at_us(2), B, 0, b"answer").unwrap();
+    let at = a.poll_transmit_ref(at_us(2)).expect("the answer");
+    let first = a.frame(at).to_vec();
+    assert!(a.poll_transmit_ref(at_us(2)).is_none());
+    a.frames_left(at_us(2));
+    let h = header(&first);
+    assert_eq!((h.kind, h.flags & frame::FLAG_ACK != 0), (Kind::Data, true));
+    // Its timer fires: it goes again, with nothing owed.
+    let mut t = 2;
+    let again = loop {
+        t += 100;
+        a.handle_timeout(at_us(t));
+        if let Some(at) = a.poll_transmit_ref(at_us(t)) {
+            break a.frame(at).to_vec();
+        }
+        assert!(t < 1_000_000, "no retransmission");
+    };
+    let h = header(&again);
+    assert_eq!(h.kind, Kind::Data);
+    assert_eq!(h.flags & (frame::FLAG_ACK | FLAG_ECHO), 0, "{h:?}");
+    assert_eq!((h.ack, h.echo, h.hold_us), (0, 0, 0));
+    assert!(frame::verify_checksum(&again));
+    assert_eq!(first.len(), again.len());
+    b.handle_frame(at_us(t + 1), &again);
+    assert_eq!(b.poll_message().unwrap().data, b"answer");
+}
+
 /// How a test feeds frames to the receiving side.
 #[derive(Debug, Clone, Copy)]
 enum Mode {

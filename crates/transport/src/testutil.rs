@@ -192,6 +192,71 @@ impl Node for InPlaceNode {
     }
 }
 
+/// An [`Endpoint`] whose frames are written where they lie ([`Endpoint::poll_transmit_ref`]),
+/// a burst of up to `burst` at a time as the runtime hands them to a port that borrows them, and
+/// read only after the whole burst was written.
+pub struct BorrowedNode {
+    endpoint: Endpoint,
+    burst: usize,
+    ready: std::collections::VecDeque<Vec<u8>>,
+}
+
+impl BorrowedNode {
+    /// Wraps `endpoint`, polling bursts of up to `burst` frames.
+    pub fn new(endpoint: Endpoint, burst: usize) -> Self {
+        BorrowedNode { endpoint, burst: burst.max(1), ready: std::collections::VecDeque::new() }
+    }
+}
+
+impl Node for BorrowedNode {
+    fn local_mac(&self) -> MacAddr {
+        self.endpoint.local_mac()
+    }
+    fn send(&mut self, now: Instant, peer: MacAddr, channel: u16, data: &[u8]) -> Result<(), SendError> {
+        self.endpoint.send(now, peer, channel, data)
+    }
+    fn handle_frame(&mut self, now: Instant, frame: &[u8]) {
+        self.endpoint.handle_frame(now, frame)
+    }
+    fn handle_timeout(&mut self, now: Instant) {
+        self.endpoint.handle_timeout(now)
+    }
+    fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
+        if self.ready.is_empty() {
+            let mut refs = Vec::new();
+            while refs.len() < self.burst {
+                let Some(at) = self.endpoint.poll_transmit_ref(now) else { break };
+                refs.push(at);
+            }
+            self.ready.extend(refs.iter().map(|&at| self.endpoint.frame(at).to_vec()));
+            if !refs.is_empty() {
+                self.endpoint.frames_left(now);
+            }
+        }
+        let frame = self.ready.pop_front()?;
+        buf[..frame.len()].copy_from_slice(&frame);
+        Some(frame.len())
+    }
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.endpoint.poll_timeout()
+    }
+    fn drain_messages(&mut self, out: &mut Vec<(MacAddr, u16, Vec<u8>)>) {
+        self.endpoint.drain_messages(out)
+    }
+    fn drain_events(&mut self, out: &mut Vec<Event>) {
+        self.endpoint.drain_events(out)
+    }
+    fn counters(&self) -> Counters {
+        self.endpoint.counters()
+    }
+    fn is_idle(&self) -> bool {
+        self.endpoint.is_idle() && self.ready.is_empty()
+    }
+    fn frame_capacity(&self) -> usize {
+        self.endpoint.config().frame_capacity()
+    }
+}
+
 /// An endpoint split into halves that talk through an mpsc queue.
 pub struct SplitNode {
     tx: SendHalf,
@@ -423,6 +488,14 @@ impl Pair<InPlaceNode, InPlaceNode> {
     /// them, with the same config.
     pub fn in_place(config: Config, faults: Faults, seed: u64) -> Self {
         Pair::of(config, faults, seed, InPlaceNode::new)
+    }
+}
+
+impl Pair<BorrowedNode, BorrowedNode> {
+    /// Two endpoints `MacAddr::local(1)` and `local(2)` whose frames are written where they lie,
+    /// `burst` at a time, with the same config.
+    pub fn borrowed(config: Config, faults: Faults, seed: u64, burst: usize) -> Self {
+        Pair::of(config, faults, seed, |e| BorrowedNode::new(e, burst))
     }
 }
 
