@@ -948,6 +948,40 @@ impl AfPacketPort {
         self.gso.as_ref().and_then(|r| r.as_ref().ok())
     }
 
+    /// Sends one frame through the ring-less socket `fd` from the caller's memory; a frame the
+    /// port cannot carry, or the kernel refuses, is dropped and counted.
+    fn send_lone(&mut self, fd: libc::c_int, frame: &[u8], capacity: usize) -> Result<()> {
+        if !(HEADER_LEN..=capacity).contains(&frame.len()) {
+            self.counters.tx_dropped += 1;
+            return Ok(());
+        }
+        loop {
+            // SAFETY: reads frame.len() bytes from a live slice.
+            let rc = unsafe { libc::send(fd, frame.as_ptr().cast(), frame.len(), libc::MSG_DONTWAIT) };
+            if rc >= 0 {
+                self.counters.tx_frames += 1;
+                self.counters.tx_bytes += frame.len() as u64;
+                return Ok(());
+            }
+            match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::EINTR) => {}
+                Some(libc::ENETDOWN | libc::ENXIO) => return Err(self.went_down()),
+                _ => {
+                    // Device queue full (or gone): lost, as on a wire; the transport resends it.
+                    self.counters.tx_dropped += 1;
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    fn went_down(&self) -> PortError {
+        PortError::Unavailable {
+            spec: format!("afpacket:{}", self.ifname),
+            why: format!("interface {} went down: `ip link set {} up`", self.ifname, self.ifname),
+        }
+    }
+
     /// Whether frames wait in the transmit ring: not kicked yet, or left by a kick the kernel cut
     /// short (its send buffer full), which leaves the newest slot still marked SEND_REQUEST.
     fn ring_waits(&self) -> bool {
@@ -1117,10 +1151,7 @@ impl Port for AfPacketPort {
                 } else if let Some(libc::ENETDOWN | libc::ENXIO) =
                     error.as_ref().and_then(|e| e.raw_os_error())
                 {
-                    return Err(PortError::Unavailable {
-                        spec: format!("afpacket:{}", self.ifname),
-                        why: format!("interface {} went down: `ip link set {} up`", self.ifname, self.ifname),
-                    });
+                    return Err(self.went_down());
                 } else {
                     // Device queue full or gone: the frame is lost, as on a wire; the transport
                     // resends it.
@@ -1191,6 +1222,11 @@ impl Port for AfPacketPort {
             _ => return self.send_frames(frames),
         };
         let capacity = self.frame_capacity();
+        if let [frame] = frames {
+            // A lone frame (a small message's usual burst): send(2), no message headers.
+            self.send_lone(fd, frame, capacity)?;
+            return Ok(1);
+        }
         let mut next = 0;
         while next < frames.len() {
             // SAFETY: iovec and mmsghdr are plain old data; all-zero is valid (null pointers,
@@ -1218,29 +1254,15 @@ impl Port for AfPacketPort {
             }
             let mut done = 0;
             while done < n {
-                let rc = if n - done == 1 {
-                    // A lone frame (a small message's usual burst): send(2), which copies no
-                    // message header in.
-                    let v = &iov[done];
-                    // SAFETY: v points into a frame the caller lends for the call.
-                    let rc = unsafe { libc::send(fd, v.iov_base, v.iov_len, libc::MSG_DONTWAIT) };
-                    if rc < 0 {
-                        -1
-                    } else {
-                        1
-                    }
-                } else {
-                    // SAFETY: msgs[done..n] are initialised headers whose single iovecs point
-                    // into frames the caller lends for the call; the socket is bound, so no
-                    // address.
-                    unsafe {
-                        libc::sendmmsg(
-                            fd,
-                            msgs.as_mut_ptr().add(done),
-                            (n - done) as libc::c_uint,
-                            libc::MSG_DONTWAIT,
-                        )
-                    }
+                // SAFETY: msgs[done..n] are initialised headers whose single iovecs point into
+                // frames the caller lends for the call; the socket is bound, so no address.
+                let rc = unsafe {
+                    libc::sendmmsg(
+                        fd,
+                        msgs.as_mut_ptr().add(done),
+                        (n - done) as libc::c_uint,
+                        libc::MSG_DONTWAIT,
+                    )
                 };
                 if rc > 0 {
                     let sent = rc as usize;
@@ -1251,15 +1273,7 @@ impl Port for AfPacketPort {
                 }
                 match std::io::Error::last_os_error().raw_os_error() {
                     Some(libc::EINTR) => {}
-                    Some(libc::ENETDOWN | libc::ENXIO) => {
-                        return Err(PortError::Unavailable {
-                            spec: format!("afpacket:{}", self.ifname),
-                            why: format!(
-                                "interface {} went down: `ip link set {} up`",
-                                self.ifname, self.ifname
-                            ),
-                        });
-                    }
+                    Some(libc::ENETDOWN | libc::ENXIO) => return Err(self.went_down()),
                     _ => {
                         // Device queue full (or gone): the frame is lost, as on a wire; the
                         // transport resends it.
