@@ -112,6 +112,21 @@ pub trait BlockDevice: Send + Sync {
     /// Fills `buf` from `offset`.
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError>;
 
+    /// Reads `len` bytes at `offset` and lends them to `reply` where they lie, in order, as
+    /// slices, instead of copying them into a buffer of the caller's: a device whose reads land
+    /// in memory of its own (a DMA buffer) saves a copy of every byte. `reply` is called once,
+    /// and only when the read succeeded. `None` (the default) when the device does not lend this
+    /// read: the caller uses [`BlockDevice::read_at`].
+    fn read_lent(
+        &self,
+        offset: u64,
+        len: usize,
+        reply: &mut dyn FnMut(&[&[u8]]),
+    ) -> Option<Result<(), DeviceError>> {
+        let _ = (offset, len, reply);
+        None
+    }
+
     /// Writes `data` at `offset`; with `fua` the data is durable before this returns.
     fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError>;
 

@@ -452,3 +452,83 @@ fn shutdown_finishes_requests_in_flight_and_flushes() {
     assert!(Client::connect_unix(&srv.socket, "export").is_err(), "no longer accepting");
     assert!(srv.server.shutdown().is_ok(), "shutdown is idempotent");
 }
+
+/// A device that lends its reads in pieces of 1000 bytes (odd ones, so replies are many slices
+/// whose edges fall anywhere) and fails the reads it is told to.
+struct LendingDevice {
+    inner: MemDevice,
+    fail_at: u64,
+    lent: std::sync::atomic::AtomicU64,
+}
+
+impl BlockDevice for LendingDevice {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), lanbus_nbd::DeviceError> {
+        self.inner.read_at(offset, buf)
+    }
+    fn read_lent(
+        &self,
+        offset: u64,
+        len: usize,
+        reply: &mut dyn FnMut(&[&[u8]]),
+    ) -> Option<Result<(), lanbus_nbd::DeviceError>> {
+        if len < 4096 {
+            return None;
+        }
+        if offset == self.fail_at {
+            return Some(Err(lanbus_nbd::DeviceError::Device { errno: Errno::Io, message: "failed".into() }));
+        }
+        let mut buf = vec![0u8; len];
+        if let Err(e) = self.inner.read_at(offset, &mut buf) {
+            return Some(Err(e));
+        }
+        let pieces: Vec<&[u8]> = buf.chunks(1000).collect();
+        reply(&pieces);
+        self.lent.fetch_add(1, Ordering::Relaxed);
+        Some(Ok(()))
+    }
+    fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), lanbus_nbd::DeviceError> {
+        self.inner.write_at(offset, data, fua)
+    }
+    fn flush(&self) -> Result<(), lanbus_nbd::DeviceError> {
+        self.inner.flush()
+    }
+}
+
+#[test]
+fn reads_a_device_lends_are_sent_from_its_slices() {
+    let dev = Arc::new(LendingDevice {
+        inner: MemDevice::new(8 << 20),
+        fail_at: 4 << 20,
+        lent: Default::default(),
+    });
+    let srv = TestServer::start("lent", vec![Export::new("export", dev.clone() as Arc<dyn BlockDevice>)]);
+    let mut c = Client::connect_unix(&srv.socket, "export").unwrap();
+    let data: Vec<u8> = (0..1 << 20).map(|i| (i * 7 % 253) as u8).collect();
+    c.write(0, &data, false).unwrap();
+    // Lent (4 KiB and more, in 1000-byte slices) and not (smaller): the same bytes either way,
+    // and several requests in flight at once keep their replies whole.
+    for len in [512usize, 4096, 65536, 1 << 20] {
+        let mut back = vec![0u8; len];
+        c.read(0, &mut back).unwrap();
+        assert_eq!(back, data[..len], "{len} bytes");
+    }
+    let handles: Vec<u64> =
+        (0..8u64).map(|i| c.submit(Command::Read, 0, i * 65536, 65536, &[]).unwrap()).collect();
+    for _ in &handles {
+        let done = c.complete().unwrap();
+        assert_eq!(done.error, 0);
+    }
+    assert_eq!(dev.lent.load(Ordering::Relaxed), 3 + 8);
+    // A lent read that fails is an error reply, and the connection goes on.
+    match c.read(4 << 20, &mut [0u8; 8192]) {
+        Err(ClientError::Request(e)) => assert_eq!(e, Errno::Io),
+        other => panic!("expected EIO, got {other:?}"),
+    }
+    let mut back = vec![0u8; 8192];
+    c.read(0, &mut back).unwrap();
+    assert_eq!(back, data[..8192]);
+    assert_eq!(srv.server.stats().device_errors, 1);
+}

@@ -57,6 +57,14 @@ impl BlockDevice for NvmeBlock {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> core::result::Result<(), DeviceError> {
         self.drv.read_at(offset, buf).map_err(nbd_error)
     }
+    fn read_lent(
+        &self,
+        offset: u64,
+        len: usize,
+        reply: &mut dyn FnMut(&[&[u8]]),
+    ) -> Option<core::result::Result<(), DeviceError>> {
+        self.drv.read_lent(offset, len, reply).map(|r| r.map_err(nbd_error))
+    }
     fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> core::result::Result<(), DeviceError> {
         self.drv.write_at(offset, data, fua).map_err(nbd_error)
     }

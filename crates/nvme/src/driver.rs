@@ -86,6 +86,18 @@ pub trait DmaMemory: Send + Sync {
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), BusError>;
     /// Writes host memory at a bus address.
     fn write(&self, addr: u64, data: &[u8]) -> Result<(), BusError>;
+    /// Lends the bytes of `runs` (bus address, length), in order, to `f` as slices of the
+    /// memory itself, held still for the call. The default copies them into a buffer first.
+    fn lend(&self, runs: &[(u64, usize)], f: &mut dyn FnMut(&[&[u8]])) -> Result<(), BusError> {
+        let mut buf = vec![0u8; runs.iter().map(|r| r.1).sum()];
+        let mut at = 0;
+        for &(addr, len) in runs {
+            self.read(addr, &mut buf[at..at + len])?;
+            at += len;
+        }
+        f(&[&buf]);
+        Ok(())
+    }
 }
 
 /// Waiting for MSI-X interrupts, with eventfd semantics: a signal that arrives while nobody waits

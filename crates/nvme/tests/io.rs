@@ -341,6 +341,35 @@ fn large_requests_go_in_windows_and_small_mdts_chunks() {
 }
 
 #[test]
+fn lent_reads_hand_over_the_dma_buffers_as_they_lie() {
+    // MDTS 32 KiB: a 1 MiB read is 32 commands, lent as one reply of their buffers' pages.
+    let cfg = ControllerConfig { mdts: 3, ..ControllerConfig::default() };
+    let l = LocalNvme::new(controller(512, 8 * MIB, cfg), 4096, ProcessMode::Thread);
+    let d = l.driver(DriverConfig { max_inflight_bytes: 1 << 20, ..DriverConfig::default() }).unwrap();
+    let data = pattern(7, 2 << 20);
+    d.write(0, &data, false).unwrap();
+    for (off, len) in [(0u64, 512usize), (512, 4096), (4096, 33 << 10), (1536, 1 << 20)] {
+        let mut got = Vec::new();
+        let mut calls = 0;
+        let r = d.read_lent(off, len, &mut |slices| {
+            calls += 1;
+            slices.iter().for_each(|s| got.extend_from_slice(s));
+        });
+        assert!(matches!(r, Some(Ok(()))), "{off}+{len}: {r:?}");
+        assert_eq!(calls, 1);
+        assert!(got == data[off as usize..off as usize + len], "{off}+{len}");
+    }
+    // Not lent: misaligned, empty, or more than one window; out of range is an error, unreplied.
+    let mut never = |_: &[&[u8]]| panic!("replied");
+    assert!(d.read_lent(100, 512, &mut never).is_none());
+    assert!(d.read_lent(0, 0, &mut never).is_none());
+    assert!(d.read_lent(0, (1 << 20) + 512, &mut never).is_none());
+    assert!(matches!(d.read_lent(8 * MIB - 512, 1024, &mut never), Some(Err(_))));
+    drop(d);
+    assert_eq!(l.region().pages_in_use(), 0, "every DMA buffer freed");
+}
+
+#[test]
 fn thread_safety_of_the_public_types() {
     fn send<T: Send>() {}
     fn send_sync<T: Send + Sync>() {}

@@ -125,6 +125,53 @@ impl NvmeDriver {
         Ok(())
     }
 
+    /// Reads `len` bytes at byte `offset` and lends them to `reply` where they lie in DMA memory
+    /// (no copy out), for a read of whole blocks that fits one window of commands in flight;
+    /// `None` for any other (use [`NvmeDriver::read_at`]). `reply` is called only when every
+    /// command succeeded. The time `reply` takes is not counted as the driver's.
+    pub fn read_lent(&self, offset: u64, len: usize, reply: &mut dyn FnMut(&[&[u8]])) -> Option<Result<()>> {
+        let bs = self.identity.lba_size as usize;
+        if len == 0
+            || !offset.is_multiple_of(bs as u64)
+            || !len.is_multiple_of(bs)
+            || len > self.window_bytes()
+        {
+            return None;
+        }
+        let start = Instant::now();
+        let mut lent_ns = 0;
+        let r = (|| {
+            self.byte_range(offset, len)?;
+            let lba = offset / bs as u64;
+            self.check_blocks(lba, (len / bs) as u64)?;
+            let chunk = self.chunk_bytes();
+            let mut cmds = Vec::new();
+            for at in (0..len).step_by(chunk) {
+                cmds.push(self.rw_command(
+                    false,
+                    lba + (at / bs) as u64,
+                    chunk.min(len - at),
+                    None,
+                    false,
+                )?);
+            }
+            self.run_io(&mut cmds)?;
+            let runs: Vec<(u64, usize)> = cmds
+                .iter()
+                .zip((0..len).step_by(chunk))
+                .filter_map(|(cmd, at)| cmd.data.as_ref().map(|d| (d.addr, chunk.min(len - at))))
+                .collect();
+            let lending = Instant::now();
+            self.mem.lend(&runs, reply)?;
+            lent_ns = lending.elapsed().as_nanos() as u64;
+            Ok(())
+        })();
+        let ns = (start.elapsed().as_nanos() as u64).saturating_sub(lent_ns);
+        // Relaxed: a statistic, read as a snapshot.
+        self.stats.io_ns.fetch_add(ns, Ordering::Relaxed);
+        Some(r)
+    }
+
     /// Writes `data` (a multiple of the block size) starting at block `lba`; with `fua` the data
     /// is durable when this returns.
     pub fn write(&self, lba: u64, data: &[u8], fua: bool) -> Result<()> {
