@@ -207,13 +207,16 @@ impl Completion {
     }
 }
 
-/// The data pointer of a command: PRP entry 1 and 2 (SGLs are not supported).
+/// The data pointer of a command: PRP entry 1 and 2, or (an I/O command with PSDT 01b) the
+/// first SGL descriptor, whose 16 bytes the same two fields hold ([`crate::sgl::sgl1`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DataPtr {
-    /// PRP entry 1.
+    /// PRP entry 1 (SGL1 bytes 7:0).
     pub prp1: u64,
-    /// PRP entry 2 (second page or PRP list pointer).
+    /// PRP entry 2: second page or PRP list pointer (SGL1 bytes 15:8).
     pub prp2: u64,
+    /// The fields hold SGL1, not PRPs.
+    pub sgl: bool,
 }
 
 /// A decoded admin command.
@@ -353,10 +356,11 @@ pub enum IoCommand {
     },
 }
 
-/// Checks the fields common to every command: no fused operations, PRPs only, no metadata
-/// pointer use.
-fn check_common(sqe: &Sqe) -> Result<(), Status> {
-    if sqe.fuse != 0 || sqe.psdt != 0 {
+/// Checks the fields common to every command: no fused operations, and PRPs, or where `sgl`
+/// allows it an SGL for the data (PSDT 01b; not 10b, an SGL for metadata, which this controller
+/// has none of).
+fn check_common(sqe: &Sqe, sgl: bool) -> Result<(), Status> {
+    if sqe.fuse != 0 || !(sqe.psdt == 0 || sgl && sqe.psdt == 1) {
         return Err(Status::INVALID_FIELD);
     }
     Ok(())
@@ -366,8 +370,8 @@ fn check_common(sqe: &Sqe) -> Result<(), Status> {
 /// which knows its limits; here only what the SQE alone determines.
 pub fn decode_admin(sqe: &Sqe) -> Result<AdminCommand, Status> {
     use admin_opcode::*;
-    check_common(sqe)?;
-    let data = DataPtr { prp1: sqe.prp1, prp2: sqe.prp2 };
+    check_common(sqe, false)?;
+    let data = DataPtr { prp1: sqe.prp1, prp2: sqe.prp2, sgl: false };
     let dw10 = sqe.dw(10);
     let dw11 = sqe.dw(11);
     Ok(match sqe.opcode {
@@ -417,8 +421,9 @@ pub fn decode_admin(sqe: &Sqe) -> Result<AdminCommand, Status> {
 /// Decodes an NVM command set I/O command.
 pub fn decode_io(sqe: &Sqe) -> Result<IoCommand, Status> {
     use nvm_opcode::*;
-    check_common(sqe)?;
-    let data = DataPtr { prp1: sqe.prp1, prp2: sqe.prp2 };
+    // PCIe admin commands use PRPs only (1.4 section 4.4); I/O commands may use an SGL.
+    check_common(sqe, true)?;
+    let data = DataPtr { prp1: sqe.prp1, prp2: sqe.prp2, sgl: sqe.psdt == 1 };
     let slba = u64::from(sqe.dw(10)) | (u64::from(sqe.dw(11)) << 32);
     let dw12 = sqe.dw(12);
     let blocks = (dw12 & 0xFFFF) + 1;
@@ -517,7 +522,7 @@ mod tests {
                 slba: 0x1_0000_0002,
                 blocks: 8,
                 fua: true,
-                data: DataPtr { prp1: 0x1000, prp2: 0 }
+                data: DataPtr { prp1: 0x1000, prp2: 0, sgl: false }
             })
         );
         // As an admin command, opcode 2 is Get Log Page, whose CDW12 offset must be dword aligned.
@@ -542,11 +547,23 @@ mod tests {
     }
 
     #[test]
-    fn fused_and_sgl_rejected() {
+    fn fused_rejected_and_sgls_only_for_io_data() {
         let sqe = Sqe { opcode: nvm_opcode::READ, fuse: 1, ..Sqe::default() };
         assert_eq!(decode_io(&sqe), Err(Status::INVALID_FIELD));
-        let sqe = Sqe { opcode: nvm_opcode::READ, psdt: 1, ..Sqe::default() };
-        assert_eq!(decode_io(&sqe), Err(Status::INVALID_FIELD));
+        let sqe = Sqe { opcode: nvm_opcode::READ, psdt: 1, prp1: 0x1000, prp2: 512, ..Sqe::default() };
+        match decode_io(&sqe) {
+            Ok(IoCommand::ReadWrite { data, .. }) => {
+                assert_eq!(data, DataPtr { prp1: 0x1000, prp2: 512, sgl: true })
+            }
+            other => panic!("an SGL read: {other:?}"),
+        }
+        // An SGL for metadata (10b), the reserved 11b, and SGLs in admin commands.
+        for psdt in [2, 3] {
+            let sqe = Sqe { opcode: nvm_opcode::READ, psdt, ..Sqe::default() };
+            assert_eq!(decode_io(&sqe), Err(Status::INVALID_FIELD));
+        }
+        let sqe = Sqe { opcode: admin_opcode::IDENTIFY, psdt: 1, ..Sqe::default() };
+        assert_eq!(decode_admin(&sqe), Err(Status::INVALID_FIELD));
         let sqe = Sqe { opcode: 0x7F, ..Sqe::default() };
         assert_eq!(decode_io(&sqe), Err(Status::INVALID_OPCODE));
         assert_eq!(decode_admin(&sqe), Err(Status::INVALID_OPCODE));

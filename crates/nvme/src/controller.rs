@@ -49,6 +49,7 @@ use std::collections::HashMap;
 use crate::backing::Backing;
 use crate::command::{decode_io, Completion, DataPtr, IoCommand, Sqe, CQE_LEN, SQE_LEN};
 use crate::prp::{self, Run};
+use crate::sgl;
 use crate::status::Status;
 use crate::{BusError, HostMemory, InterruptSink};
 
@@ -408,6 +409,22 @@ impl HostMemory for CmbView<'_> {
     }
 }
 
+/// Resolves a command's data pointer, PRPs or an SGL, into the runs of host memory it names.
+fn walk_ptr(
+    mem: &mut dyn HostMemory,
+    ptr: DataPtr,
+    len: usize,
+    page: usize,
+    runs: &mut Vec<Run>,
+    scratch: &mut Vec<u8>,
+) -> Result<(), Status> {
+    if ptr.sgl {
+        sgl::walk(mem, sgl::sgl1(ptr.prp1, ptr.prp2), len, runs, scratch)
+    } else {
+        prp::walk(mem, ptr.prp1, ptr.prp2, len, page, runs, scratch)
+    }
+}
+
 /// Host memory read ahead for a command, by (address, length).
 type StagedReads = HashMap<(u64, usize), Vec<u8>>;
 
@@ -697,7 +714,7 @@ impl Controller {
         }
         let (mut runs, mut lists) = (std::mem::take(&mut self.runs), std::mem::take(&mut self.lists));
         let mut probe = Probe { mem, staged: &mut self.staged, missing: Vec::new() };
-        let walked = prp::walk(&mut probe, data.prp1, data.prp2, len, self.page, &mut runs, &mut lists);
+        let walked = walk_ptr(&mut probe, data, len, self.page, &mut runs, &mut lists);
         let mut ok = walked.is_ok();
         if ok && reads_data {
             for &(a, n) in &runs {
@@ -865,7 +882,7 @@ impl Controller {
         ran
     }
 
-    /// Moves `len` bytes between host memory at the command's PRPs and `self.data[..len]`.
+    /// Moves `len` bytes between host memory at the command's data pointer (PRPs or SGL) and `self.data[..len]`.
     fn transfer(
         &mut self,
         mem: &mut dyn HostMemory,
@@ -877,11 +894,11 @@ impl Controller {
         self.copy_runs(mem, to_host)
     }
 
-    /// Walks the PRPs of a `len`-byte transfer into `self.runs`.
+    /// Walks the data pointer (PRPs or SGL) of a `len`-byte transfer into `self.runs`.
     fn walk(&mut self, mem: &mut dyn HostMemory, ptr: DataPtr, len: usize) -> Result<(), Status> {
         let mut runs = std::mem::take(&mut self.runs);
         let mut lists = std::mem::take(&mut self.lists);
-        let walked = prp::walk(mem, ptr.prp1, ptr.prp2, len, self.page, &mut runs, &mut lists);
+        let walked = walk_ptr(mem, ptr, len, self.page, &mut runs, &mut lists);
         self.lists = lists;
         self.runs = runs;
         if walked == Err(Status::DATA_TRANSFER_ERROR) {

@@ -232,6 +232,7 @@ impl NvmeDriver {
                 nsid: 0,
                 blocks: 0,
                 lba_size: 0,
+                sgl: false,
             },
             admin: Mutex::new(admin),
             io: Vec::new(),
@@ -281,6 +282,7 @@ impl NvmeDriver {
             nsid,
             blocks,
             lba_size: 1 << lbads,
+            sgl: ctrl[536] & 0b11 != 0,
         };
         Ok(())
     }

@@ -13,7 +13,8 @@
 //! ```
 //!
 //! - [`controller`]: the NVMe controller model (NVMe base specification 1.4, with the 2.0 section
-//!   numbers where they differ): registers, admin and I/O queues, PRPs, MSI-X per CQ, a namespace
+//!   numbers where they differ): registers, admin and I/O queues, PRPs ([`prp`]) and SGLs
+//!   ([`sgl`]: Data Block, Segment and Last Segment descriptors), MSI-X per CQ, a namespace
 //!   over a [`backing::Backing`] store. All host-memory traffic goes through [`HostMemory`], which
 //!   the device bridge implements with memory read/write TLPs.
 //! - [`command`]: the pure decoder of 64-byte submission queue entries and the completion queue
@@ -52,6 +53,7 @@ pub mod driver;
 pub mod local;
 pub mod pcie;
 pub mod prp;
+pub mod sgl;
 pub mod status;
 
 pub use backing::{Backing, FileBacking, RamBacking};

@@ -17,7 +17,8 @@ use crate::HostMemory;
 /// One run of host memory: bus address and length in bytes.
 pub type Run = (u64, usize);
 
-fn push_run(runs: &mut Vec<Run>, addr: u64, len: usize) {
+/// Appends a run, merged into the last one when it continues it.
+pub(crate) fn push_run(runs: &mut Vec<Run>, addr: u64, len: usize) {
     if let Some(last) = runs.last_mut() {
         if last.0.wrapping_add(last.1 as u64) == addr {
             last.1 += len;

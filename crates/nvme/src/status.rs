@@ -56,6 +56,15 @@ statuses! {
     INVALID_NAMESPACE = (0, 0x0B, true, "Invalid Namespace or Format");
     /// Command Sequence Error.
     COMMAND_SEQUENCE_ERROR = (0, 0x0C, true, "Command Sequence Error");
+    /// Invalid SGL Segment Descriptor (a segment's length, or a segment descriptor where none
+    /// may be).
+    INVALID_SGL_SEGMENT_DESCRIPTOR = (0, 0x0D, true, "Invalid SGL Segment Descriptor");
+    /// Invalid Number of SGL Descriptors.
+    INVALID_SGL_DESCRIPTOR_COUNT = (0, 0x0E, true, "Invalid Number of SGL Descriptors");
+    /// Data SGL Length Invalid (the data blocks do not add up to the transfer).
+    DATA_SGL_LENGTH_INVALID = (0, 0x0F, true, "Data SGL Length Invalid");
+    /// SGL Descriptor Type Invalid.
+    SGL_DESCRIPTOR_TYPE_INVALID = (0, 0x11, true, "SGL Descriptor Type Invalid");
     /// Invalid Use of Controller Memory Buffer (an access straddles its edge).
     INVALID_CMB_USE = (0, 0x12, true, "Invalid Use of Controller Memory Buffer");
     /// PRP Offset Invalid.

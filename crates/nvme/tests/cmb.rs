@@ -525,3 +525,73 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0xb000, &mut back[8192..]).unwrap();
     assert!(back == expected, "both blocks of the page named twice hold its bytes");
 }
+
+/// With an SGL, a 12 KiB write fetches no list: the data block is named for prefetching as soon
+/// as the command arrives, and the command runs where nothing waits when it comes. A Last
+/// Segment in host memory is fetched first, as a PRP list is.
+#[test]
+fn posted_processing_runs_sgl_commands_without_a_list_round_trip() {
+    use lanbus_nvme::command::{Completion, Sqe, CQE_LEN, SQE_LEN};
+    use lanbus_nvme::driver::HostRegion;
+    use lanbus_nvme::sgl;
+    let (iocq, iosq, data) = (IOCQ, HOST + 0x3000, HOST + 0x10000);
+    let mem = HostRegion::new(HOST, 64);
+    let mut c = controller(512, MIB, ControllerConfig::default());
+    let mut irqs = with_io_queues(&mut c, &mem, 16, iosq);
+    let payload = pattern(6, 12 << 10);
+    lanbus_nvme::HostMemory::write(&mut &mem, data, &payload).unwrap();
+    let sgl_cmd = |opcode, cid: u16, (prp1, prp2): (u64, u64)| Sqe {
+        opcode,
+        cid,
+        nsid: 1,
+        psdt: 1,
+        prp1,
+        prp2,
+        cdw: [64, 0, 23, 0, 0, 0],
+        ..Sqe::default()
+    };
+    let cmd = sgl_cmd(nvm_opcode::WRITE, 1, sgl::data_block(data, 12 << 10));
+    lanbus_nvme::HostMemory::write(&mut &mem, iosq, &cmd.to_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(1), &1u32.to_le_bytes()).unwrap();
+    let entry = (iosq, SQE_LEN);
+    let mut rec = Recording::new(&mem, true, vec![entry]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, [(data, 12 << 10)], "the data block at once, no list before it");
+    let mut rec = Recording::new(&mem, true, vec![(data, 12 << 10)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 1);
+    assert!(!c.has_work());
+
+    // A read whose SGL is a Last Segment of two blocks in host memory: the segment is named for
+    // prefetching, then the command runs and writes the blocks.
+    let seg = HOST + 0x5000;
+    let mut list = Vec::new();
+    for (addr, len) in [(data + 0x8000, 4096u32), (data + 0xa000, 8192)] {
+        list.extend_from_slice(&addr.to_le_bytes());
+        list.extend_from_slice(&len.to_le_bytes());
+        list.extend_from_slice(&[0; 4]);
+    }
+    lanbus_nvme::HostMemory::write(&mut &mem, seg, &list).unwrap();
+    let cmd = sgl_cmd(nvm_opcode::READ, 2, (seg, 32 | 0x30 << 56));
+    lanbus_nvme::HostMemory::write(&mut &mem, iosq + SQE_LEN as u64, &cmd.to_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(1), &2u32.to_le_bytes()).unwrap();
+    let mut rec = Recording::new(&mem, true, vec![(iosq + SQE_LEN as u64, SQE_LEN)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, [(seg, 32)]);
+    let mut rec = Recording::new(&mem, true, vec![(seg, 32)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 1);
+    let mut back = vec![0u8; 12 << 10];
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0x8000, &mut back[..4096]).unwrap();
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0xa000, &mut back[4096..]).unwrap();
+    assert!(back == payload, "the write's bytes read back into the two blocks");
+    let done: Vec<Completion> = (0..2)
+        .map(|i| {
+            let mut b = [0u8; CQE_LEN];
+            lanbus_nvme::HostMemory::read(&mut &mem, iocq + (i * CQE_LEN) as u64, &mut b).unwrap();
+            Completion::parse(&b)
+        })
+        .collect();
+    assert_eq!(
+        done.iter().map(|c| (c.cid, c.status.is_success())).collect::<Vec<_>>(),
+        [(1, true), (2, true)]
+    );
+}

@@ -8,6 +8,7 @@ use common::*;
 use lanbus_nvme::command::{nvm_opcode, Sqe};
 use lanbus_nvme::driver::DmaMemory;
 use lanbus_nvme::local::{LocalNvme, ProcessMode};
+use lanbus_nvme::status::Status;
 use lanbus_nvme::{prp, CompletionMode, ControllerConfig, DriverConfig, FileBacking};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -337,6 +338,76 @@ fn large_requests_go_in_windows_and_small_mdts_chunks() {
         assert!(back == data, "mdts {mdts} inflight {inflight}");
         drop(d);
         assert_eq!(l.region().pages_in_use(), 0, "every DMA buffer freed");
+    }
+}
+
+#[test]
+fn sgls_and_prps_move_the_same_bytes_and_bad_sgls_fail_cleanly() {
+    for use_sgl in [true, false] {
+        let (l, d) =
+            pair(512, 8 * MIB, ProcessMode::Thread, DriverConfig { use_sgl, ..DriverConfig::default() });
+        assert!(d.identity().sgl, "the controller takes SGLs");
+        for (i, &len) in [512usize, 8192, 12288, 65536, 1 << 20].iter().enumerate() {
+            let data = pattern(i as u64 + 40, len);
+            let lba = (i * 2048) as u64;
+            d.write(lba, &data, false).unwrap();
+            let mut back = vec![0u8; len];
+            d.read(lba, &mut back).unwrap();
+            assert!(back == data, "sgl {use_sgl}, {len} bytes");
+        }
+        assert_eq!(l.controller().stats().error_completions, 0);
+    }
+    // Hand-made SGLs: a Last Segment of three scattered blocks, then malformed ones.
+    let (l, d) = pair(512, 8 * MIB, ProcessMode::Inline, DriverConfig::default());
+    let mem = d.dma().clone();
+    let blocks: Vec<(u64, usize)> = [(2usize, 4096usize), (1, 1024), (1, 3072)]
+        .iter()
+        .map(|&(pages, len)| (mem.alloc(pages).unwrap() + 64, len))
+        .collect();
+    let total: usize = blocks.iter().map(|b| b.1).sum();
+    let seg = mem.alloc(1).unwrap();
+    let mut list = Vec::new();
+    for &(addr, len) in &blocks {
+        list.extend_from_slice(&addr.to_le_bytes());
+        list.extend_from_slice(&(len as u32).to_le_bytes());
+        list.extend_from_slice(&[0, 0, 0, 0x00]);
+    }
+    mem.write(seg, &list).unwrap();
+    let data = pattern(99, total);
+    let mut at = 0;
+    for &(addr, len) in &blocks {
+        mem.write(addr, &data[at..at + len]).unwrap();
+        at += len;
+    }
+    let last_segment =
+        |bytes: u32| sqe_sgl(nvm_opcode::WRITE, 300, total, seg, u64::from(bytes) | 0x30 << 56);
+    let c = d.submit_io_raw(0, last_segment(48)).unwrap();
+    assert!(c.status.is_success(), "{}", c.status);
+    let mut back = vec![0u8; total];
+    d.read(300, &mut back).unwrap();
+    assert!(back == data, "the blocks were written in their order");
+    // The blocks do not add up to the transfer; a segment of half a descriptor; a Bit Bucket.
+    let c = d.submit_io_raw(0, sqe_sgl(nvm_opcode::READ, 300, total + 512, seg, 48 | 0x30 << 56)).unwrap();
+    assert_eq!(c.status, Status::DATA_SGL_LENGTH_INVALID);
+    let c = d.submit_io_raw(0, last_segment(40)).unwrap();
+    assert_eq!(c.status, Status::INVALID_SGL_SEGMENT_DESCRIPTOR);
+    let c = d.submit_io_raw(0, sqe_sgl(nvm_opcode::READ, 300, 512, seg, 512 | 0x10 << 56)).unwrap();
+    assert_eq!(c.status, Status::SGL_DESCRIPTOR_TYPE_INVALID);
+    // The controller goes on.
+    d.read(300, &mut back).unwrap();
+    assert!(back == data);
+    assert_eq!(l.controller().stats().error_completions, 3);
+
+    fn sqe_sgl(op: u8, lba: u64, len: usize, prp1: u64, prp2: u64) -> Sqe {
+        Sqe {
+            opcode: op,
+            nsid: 1,
+            psdt: 1,
+            prp1,
+            prp2,
+            cdw: [lba as u32, 0, (len / 512) as u32 - 1, 0, 0, 0],
+            ..Sqe::default()
+        }
     }
 }
 

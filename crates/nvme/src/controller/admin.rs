@@ -286,6 +286,7 @@ impl Controller {
                 p[516..520].copy_from_slice(&1u32.to_le_bytes()); // NN
                 p[520..522].copy_from_slice(&0b1100u16.to_le_bytes()); // ONCS: DSM, Write Zeroes
                 p[525] = 1; // VWC present
+                p[536..540].copy_from_slice(&1u32.to_le_bytes()); // SGLS: SGLs, no alignment rule
                 p[526..528].copy_from_slice(&0u16.to_le_bytes()); // AWUN
                 let subnqn = format!("nqn.2024-01.io.lanbus:nvme:{}", self.cfg.serial);
                 let n = subnqn.len().min(255);

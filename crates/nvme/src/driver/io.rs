@@ -14,7 +14,7 @@ use std::time::Instant;
 use super::memory::DmaBuf;
 use super::{DriverError, NvmeDriver, Pending, Result};
 use crate::command::{nvm_opcode, Sqe};
-use crate::prp;
+use crate::{prp, sgl};
 
 impl NvmeDriver {
     fn check_blocks(&self, lba: u64, blocks: u64) -> Result<()> {
@@ -43,24 +43,29 @@ impl NvmeDriver {
             None => DmaBuf::new(&*self.mem, len)?,
         };
         let n = prp::list_pages_needed(buf.addr, len, self.page);
-        let mut lists = Vec::with_capacity(n);
-        for _ in 0..n {
-            lists.push(DmaBuf::prefer_cmb(cmb.filter(|c| c.lists), &*self.mem, self.page)?);
-        }
-        let addrs: Vec<u64> = lists.iter().map(|l| l.addr).collect();
-        let plan = prp::build(buf.addr, len, self.page, &addrs);
-        for (addr, bytes) in &plan.lists {
-            self.put(*addr, bytes)?;
-        }
         let blocks = (len / self.identity.lba_size as usize) as u32;
-        let sqe = Sqe {
+        let mut sqe = Sqe {
             opcode: if write { nvm_opcode::WRITE } else { nvm_opcode::READ },
             nsid: self.identity.nsid,
-            prp1: plan.prp1,
-            prp2: plan.prp2,
             cdw: [lba as u32, (lba >> 32) as u32, (blocks - 1) | u32::from(fua) << 30, 0, 0, 0],
             ..Sqe::default()
         };
+        let mut lists = Vec::new();
+        if n > 0 && self.cfg.use_sgl && self.identity.sgl {
+            // One Data Block descriptor names the whole buffer: no list to write or to fetch.
+            (sqe.prp1, sqe.prp2) = sgl::data_block(buf.addr, len as u32);
+            sqe.psdt = 1;
+        } else {
+            for _ in 0..n {
+                lists.push(DmaBuf::prefer_cmb(cmb.filter(|c| c.lists), &*self.mem, self.page)?);
+            }
+            let addrs: Vec<u64> = lists.iter().map(|l| l.addr).collect();
+            let plan = prp::build(buf.addr, len, self.page, &addrs);
+            for (addr, bytes) in &plan.lists {
+                self.put(*addr, bytes)?;
+            }
+            (sqe.prp1, sqe.prp2) = (plan.prp1, plan.prp2);
+        }
         Ok(Pending { sqe, data: Some(buf), lists, fill: data })
     }
 

@@ -54,6 +54,10 @@ pub struct DriverConfig {
     /// commands as large as MDTS allows. Data in host memory is not split (the controller
     /// fetches it, and smaller commands only add round trips).
     pub pipelined_write_bytes: usize,
+    /// Describe a buffer of more than two memory pages with one SGL Data Block descriptor when
+    /// the controller takes SGLs (Identify Controller SGLS), instead of PRPs whose list the
+    /// controller must read first: with the list in host memory, one round trip less a command.
+    pub use_sgl: bool,
 }
 
 impl Default for DriverConfig {
@@ -70,6 +74,7 @@ impl Default for DriverConfig {
             poll_spin: Duration::from_micros(50),
             use_cmb: true,
             pipelined_write_bytes: 256 << 10,
+            use_sgl: true,
         }
     }
 }
@@ -157,6 +162,8 @@ pub struct Identity {
     pub blocks: u64,
     /// Logical block size in bytes.
     pub lba_size: u32,
+    /// The controller takes SGLs for the data of I/O commands (Identify Controller SGLS).
+    pub sgl: bool,
 }
 
 /// What the driver keeps in the controller's memory buffer
