@@ -162,7 +162,7 @@ impl lanbus_nvme::InterruptSink for Irqs {
 
 #[test]
 fn posted_processing_runs_what_reads_no_host_memory_and_leaves_the_rest() {
-    use lanbus_nvme::command::{Completion, Sqe, CQE_LEN, SQE_LEN};
+    use lanbus_nvme::command::{Sqe, SQE_LEN};
     use lanbus_nvme::driver::HostRegion;
     const CMB_AT: u64 = 0xfe00_0000;
     let (iocq, data) = (IOCQ, HOST + 0x10000);
@@ -203,19 +203,10 @@ fn posted_processing_runs_what_reads_no_host_memory_and_leaves_the_rest() {
         c.cmb_write((i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
     }
     c.bar0_write(reg::sq_tail(1), &(cmds.len() as u32).to_le_bytes()).unwrap();
-    let cqes = |n: usize| -> Vec<Completion> {
-        (0..n)
-            .map(|i| {
-                let mut b = [0u8; CQE_LEN];
-                lanbus_nvme::HostMemory::read(&mut &mem, iocq + (i * CQE_LEN) as u64, &mut b).unwrap();
-                Completion::parse(&b)
-            })
-            .collect()
-    };
     irqs.0 = 0;
     assert_eq!(c.process_posted(&mut WriteOnly(&mem), &mut irqs), 3);
     assert_eq!(irqs.0, 1, "one interrupt for the batch");
-    let done = cqes(4);
+    let done = cqes(&mem, iocq, 4);
     assert_eq!(
         done.iter().take(3).map(|c| (c.cid, c.phase)).collect::<Vec<_>>(),
         [(1, true), (2, true), (3, true)]
@@ -229,7 +220,7 @@ fn posted_processing_runs_what_reads_no_host_memory_and_leaves_the_rest() {
     assert!(c.has_work());
     assert_eq!(c.process_posted(&mut WriteOnly(&mem), &mut irqs), 0, "nothing more it may do");
     while c.process(&mut &mem, &mut irqs) > 0 {}
-    let done = cqes(6);
+    let done = cqes(&mem, iocq, 6);
     assert_eq!(done.iter().map(|c| c.cid).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
     assert!(done[3..].iter().all(|c| c.status.is_success()));
     assert_eq!(done[5].sq_head, 6);
@@ -278,6 +269,23 @@ fn with_io_queues(
     assert!(c.has_work());
     while c.process(&mut &*mem, &mut irqs) > 0 {}
     irqs
+}
+
+/// The first `n` entries of the completion queue at `cq`.
+fn cqes(mem: &lanbus_nvme::driver::HostRegion, cq: u64, n: usize) -> Vec<lanbus_nvme::Completion> {
+    use lanbus_nvme::command::{Completion, CQE_LEN};
+    (0..n)
+        .map(|i| {
+            let mut b = [0u8; CQE_LEN];
+            lanbus_nvme::HostMemory::read(&mut &*mem, cq + (i * CQE_LEN) as u64, &mut b).unwrap();
+            Completion::parse(&b)
+        })
+        .collect()
+}
+
+/// (command id, success) of the first `n` entries of the completion queue at `cq`.
+fn completions(mem: &lanbus_nvme::driver::HostRegion, cq: u64, n: usize) -> Vec<(u16, bool)> {
+    cqes(mem, cq, n).iter().map(|c| (c.cid, c.status.is_success())).collect()
 }
 
 /// Host memory that records the reads and prefetches made of it. Where nothing may wait
@@ -359,7 +367,7 @@ fn posted_processing_prefetches_the_new_entries_of_a_queue_in_host_memory() {
 /// on from the entries already fetched, reading only that data.
 #[test]
 fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fetching_again() {
-    use lanbus_nvme::command::{Completion, Sqe, CQE_LEN, SQE_LEN};
+    use lanbus_nvme::command::{Sqe, SQE_LEN};
     use lanbus_nvme::driver::HostRegion;
     let (iocq, iosq, data) = (IOCQ, HOST + 0x3000, HOST + 0x10000);
     let mem = HostRegion::new(HOST, 64);
@@ -403,17 +411,7 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
     let mut rec = Recording::new(&mem, false, Vec::new());
     while c.process(&mut rec, &mut irqs) > 0 {}
     assert_eq!(rec.reads, [(data, 4096)]);
-    let done: Vec<Completion> = (0..4)
-        .map(|i| {
-            let mut b = [0u8; CQE_LEN];
-            lanbus_nvme::HostMemory::read(&mut &mem, iocq + (i * CQE_LEN) as u64, &mut b).unwrap();
-            Completion::parse(&b)
-        })
-        .collect();
-    assert_eq!(
-        done.iter().map(|c| (c.cid, c.status.is_success())).collect::<Vec<_>>(),
-        [(1, true), (2, true), (3, true), (4, true)]
-    );
+    assert_eq!(completions(&mem, iocq, 4), [(1, true), (2, true), (3, true), (4, true)]);
     let mut back = vec![0u8; 4096];
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0x3000, &mut back).unwrap();
     assert!(back == payload, "the write's data read back");
@@ -531,7 +529,7 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
 /// Segment in host memory is fetched first, as a PRP list is.
 #[test]
 fn posted_processing_runs_sgl_commands_without_a_list_round_trip() {
-    use lanbus_nvme::command::{Completion, Sqe, CQE_LEN, SQE_LEN};
+    use lanbus_nvme::command::{Sqe, SQE_LEN};
     use lanbus_nvme::driver::HostRegion;
     use lanbus_nvme::sgl;
     let (iocq, iosq, data) = (IOCQ, HOST + 0x3000, HOST + 0x10000);
@@ -583,15 +581,5 @@ fn posted_processing_runs_sgl_commands_without_a_list_round_trip() {
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0x8000, &mut back[..4096]).unwrap();
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0xa000, &mut back[4096..]).unwrap();
     assert!(back == payload, "the write's bytes read back into the two blocks");
-    let done: Vec<Completion> = (0..2)
-        .map(|i| {
-            let mut b = [0u8; CQE_LEN];
-            lanbus_nvme::HostMemory::read(&mut &mem, iocq + (i * CQE_LEN) as u64, &mut b).unwrap();
-            Completion::parse(&b)
-        })
-        .collect();
-    assert_eq!(
-        done.iter().map(|c| (c.cid, c.status.is_success())).collect::<Vec<_>>(),
-        [(1, true), (2, true)]
-    );
+    assert_eq!(completions(&mem, iocq, 2), [(1, true), (2, true)]);
 }
