@@ -98,6 +98,15 @@ pub trait DmaMemory: Send + Sync {
         f(&[&buf]);
         Ok(())
     }
+    /// Lends the `len` bytes at `addr` to `f` to write in place, as slices of the memory itself
+    /// held still for the call, in order. The run is wholly the caller's: what `f` leaves alone
+    /// may be left as it was or overwritten. The default lends a zeroed buffer and writes all of
+    /// it back.
+    fn lend_mut(&self, addr: u64, len: usize, f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<(), BusError> {
+        let mut buf = vec![0u8; len];
+        f(&mut [&mut buf]);
+        self.write(addr, &buf)
+    }
 }
 
 /// Waiting for MSI-X interrupts, with eventfd semantics: a signal that arrives while nobody waits

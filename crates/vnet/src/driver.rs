@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use lanbus_nvme::driver::{DmaMemory, InterruptWait};
 use lanbus_nvme::BusError;
 
-use crate::virtq::{DESC_F_WRITE, MAX_SIZE};
+use crate::virtq::{AVAIL_F_NO_INTERRUPT, DESC_F_WRITE, MAX_SIZE};
 use crate::{common, feature, status, MAX_BUFFER, NET_HDR_LEN, RX_QUEUE, TX_QUEUE};
 
 /// MMIO to the device's structures, at bus addresses.
@@ -129,6 +129,8 @@ struct DrvQueue {
     free: Vec<u16>,
     /// Available entries written but not yet published.
     unpublished: u16,
+    /// Whether the available ring asks for no interrupt (`VIRTQ_AVAIL_F_NO_INTERRUPT`).
+    quiet: bool,
     /// Where received frames are copied out to (grown once, reused: no 64 KiB zeroed per poll).
     scratch: Vec<u8>,
 }
@@ -308,6 +310,7 @@ impl NetDriver {
                 last_used: 0,
                 free: (0..size).rev().collect(),
                 unpublished: 0,
+                quiet: false,
                 scratch: Vec::new(),
             });
         }
@@ -452,15 +455,46 @@ impl NetDriver {
         Ok(out)
     }
 
-    /// Transmit buffers free now (after taking back the ones the device used).
-    pub fn tx_room(&self) -> Result<usize> {
-        let mut q = lock(&self.tx);
-        for (d, _) in self.take_used(&mut q)? {
+    /// Takes back the transmit buffers the device used.
+    fn reclaim(&self, q: &mut DrvQueue) -> Result<()> {
+        for (d, _) in self.take_used(q)? {
             if !q.free.contains(&d) {
                 q.free.push(d);
             }
         }
+        Ok(())
+    }
+
+    /// Transmit buffers free now (after taking back the ones the device used).
+    pub fn tx_room(&self) -> Result<usize> {
+        let mut q = lock(&self.tx);
+        self.reclaim(&mut q)?;
         Ok(q.free.len())
+    }
+
+    /// Queues the frame `fill` writes straight into a free transmit buffer: it gets the buffer
+    /// ([`MAX_BUFFER`] bytes, as slices of the DMA memory itself) and returns the frame's length
+    /// (a `virtio_net_hdr` and the Ethernet frame), or 0 when it has none. `Ok(None)` when no
+    /// buffer is free (`fill` is not called), `Ok(Some(0))` when `fill` had no frame. The device
+    /// learns of the frame at [`tx_flush`](Self::tx_flush).
+    pub fn tx_fill(&self, fill: &mut dyn FnMut(&mut [&mut [u8]]) -> usize) -> Result<Option<usize>> {
+        let mut q = lock(&self.tx);
+        let Some(d) = q.free.pop() else { return Ok(None) };
+        let mut n = 0;
+        let lent = self.mem.lend_mut(q.bufs[usize::from(d)], MAX_BUFFER, &mut |b| n = fill(b));
+        if lent.is_err() || !(NET_HDR_LEN..=MAX_BUFFER).contains(&n) {
+            q.free.push(d);
+            lent?;
+            return match n {
+                0 => Ok(Some(0)),
+                _ => Err(DriverError::Device(format!("a {n}-byte frame"))),
+            };
+        }
+        self.write_desc(&q, d, n as u32, 0)?;
+        self.make_available(&mut q, d)?;
+        self.stats.tx_frames.fetch_add(1, Ordering::Relaxed);
+        self.stats.tx_bytes.fetch_add((n - NET_HDR_LEN) as u64, Ordering::Relaxed);
+        Ok(Some(n))
     }
 
     /// Queues `frame` (a `virtio_net_hdr` and the Ethernet frame) for transmission; false when
@@ -480,8 +514,24 @@ impl NetDriver {
     }
 
     /// Tells the device about the frames queued since the last flush.
+    ///
+    /// While more than half the transmit buffers are free the driver asks for no interrupt
+    /// when the device is done with them (`VIRTQ_AVAIL_F_NO_INTERRUPT`, VIRTIO 1.2 section
+    /// 2.7.7): it takes them back as it goes, as Linux's `virtio_net` does. The device reads the
+    /// flag with each batch's descriptors, so the batch published when the buffers run out asks
+    /// for the interrupt that [`tx_wait`](Self::tx_wait) waits for.
     pub fn tx_flush(&self) -> Result<()> {
         let mut q = lock(&self.tx);
+        if q.unpublished == 0 {
+            return Ok(());
+        }
+        self.reclaim(&mut q)?;
+        let quiet = q.free.len() > usize::from(q.size) / 2;
+        if quiet != q.quiet {
+            let flags = if quiet { AVAIL_F_NO_INTERRUPT } else { 0 };
+            self.mem.write(q.avail, &flags.to_le_bytes())?;
+            q.quiet = quiet;
+        }
         self.publish(&mut q)
     }
 
@@ -494,27 +544,37 @@ impl NetDriver {
     /// Hands every frame the device received to `f` (header and Ethernet frame), gives the
     /// buffers back to the device and notifies it. Returns the frames handled.
     pub fn rx_poll(&self, f: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        let mut buf = std::mem::take(&mut lock(&self.rx).scratch);
+        let handled = self.rx_poll_lent(&mut |pieces| match pieces {
+            [whole] => f(whole),
+            _ => {
+                buf.clear();
+                pieces.iter().for_each(|p| buf.extend_from_slice(p));
+                f(&buf);
+            }
+        });
+        lock(&self.rx).scratch = buf;
+        handled
+    }
+
+    /// As [`rx_poll`](Self::rx_poll), but each frame comes as the pieces of DMA memory it lies
+    /// in (held still for the call), without a copy.
+    pub fn rx_poll_lent(&self, f: &mut dyn FnMut(&[&[u8]])) -> Result<usize> {
         let mut q = lock(&self.rx);
         let used = self.take_used(&mut q)?;
-        let mut buf = std::mem::take(&mut q.scratch);
         let mut n = 0;
         for (d, len) in &used {
             let len = *len as usize;
             if (NET_HDR_LEN..=MAX_BUFFER).contains(&len) {
-                if buf.len() < len {
-                    buf.resize(len, 0);
-                }
-                self.mem.read(q.bufs[usize::from(*d)], &mut buf[..len])?;
+                self.mem.lend(&[(q.bufs[usize::from(*d)], len)], f)?;
                 self.stats.rx_frames.fetch_add(1, Ordering::Relaxed);
                 self.stats.rx_bytes.fetch_add((len - NET_HDR_LEN) as u64, Ordering::Relaxed);
-                f(&buf[..len]);
                 n += 1;
             } else {
                 self.stats.rx_bad.fetch_add(1, Ordering::Relaxed);
             }
             self.offer_rx(&mut q, *d)?;
         }
-        q.scratch = buf;
         self.publish(&mut q)?;
         Ok(n)
     }

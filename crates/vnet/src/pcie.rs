@@ -21,7 +21,7 @@ use lanbus_pcie::Bdf;
 use crate::device::{NetConfig, NetDevice, NetStats, Offloads};
 use crate::driver::{region_pages, DriverConfig, DriverError, Mmio, NetDriver, Structures};
 use crate::tap::{Tap, TapWire};
-use crate::{feature, layout, MAX_BUFFER};
+use crate::{feature, layout};
 
 /// Frames the I/O box holds for the host before its TAP's own queue takes over.
 const INBOUND_FRAMES: usize = 512;
@@ -239,27 +239,28 @@ impl Drop for TapExport {
 }
 
 fn transmit_loop(drv: &NetDriver, tap: &Tap, stop: &AtomicBool) -> Result<(), DriverError> {
-    let mut buf = vec![0u8; MAX_BUFFER];
+    // Each frame is read from the TAP straight into its transmit buffer in DMA memory.
+    // A read the kernel refuses ends the batch; the next wait says whether the TAP is still there.
+    let mut read = |bufs: &mut [&mut [u8]]| tap.read_vectored_now(bufs).ok().flatten().unwrap_or(0);
     while !stop.load(Ordering::Relaxed) {
         if drv.tx_room()? == 0 {
             drv.tx_wait(Duration::from_millis(10));
             continue;
         }
-        let Ok(Some(n)) = tap.read(&mut buf, Duration::from_millis(100)) else { continue };
-        let mut queued = usize::from(drv.tx_push(&buf[..n])?);
-        while queued < TX_BATCH {
-            match tap.read_now(&mut buf) {
-                Ok(Some(n)) => {
-                    if !drv.tx_push(&buf[..n])? {
-                        drv.tx_flush()?;
-                        while drv.tx_room()? == 0 && !stop.load(Ordering::Relaxed) {
-                            drv.tx_wait(Duration::from_millis(10));
-                        }
-                        drv.tx_push(&buf[..n])?;
+        if !tap.wait(Duration::from_millis(100)).unwrap_or(false) {
+            continue;
+        }
+        let mut queued = 0;
+        while queued < TX_BATCH && !stop.load(Ordering::Relaxed) {
+            match drv.tx_fill(&mut read)? {
+                Some(0) => break,
+                Some(_) => queued += 1,
+                None => {
+                    drv.tx_flush()?;
+                    while drv.tx_room()? == 0 && !stop.load(Ordering::Relaxed) {
+                        drv.tx_wait(Duration::from_millis(10));
                     }
-                    queued += 1;
                 }
-                _ => break,
             }
         }
         drv.tx_flush()?;
@@ -269,9 +270,10 @@ fn transmit_loop(drv: &NetDriver, tap: &Tap, stop: &AtomicBool) -> Result<(), Dr
 
 fn receive_loop(drv: &NetDriver, tap: &Tap, stop: &AtomicBool) -> Result<(), DriverError> {
     while !stop.load(Ordering::Relaxed) {
-        let n = drv.rx_poll(&mut |frame| {
+        // Each frame is written to the TAP from the DMA memory it was received into.
+        let n = drv.rx_poll_lent(&mut |pieces| {
             // A frame the kernel refuses is the kernel's drop, counted on the interface.
-            let _ = tap.write(frame);
+            let _ = tap.write_vectored(pieces);
         })?;
         if n == 0 {
             drv.rx_wait(Duration::from_millis(100));

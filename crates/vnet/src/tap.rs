@@ -161,6 +161,54 @@ impl Tap {
         Ok(())
     }
 
+    /// Writes one frame given in pieces, in order, with one `writev`.
+    pub fn write_vectored(&self, pieces: &[&[u8]]) -> io::Result<()> {
+        let iov: Vec<libc::iovec> = pieces
+            .iter()
+            .map(|p| libc::iovec { iov_base: p.as_ptr() as *mut libc::c_void, iov_len: p.len() })
+            .collect();
+        // SAFETY: every iovec names a live slice that outlives the call; writev only reads them.
+        let n = unsafe {
+            libc::writev(
+                self.fd.as_raw_fd(),
+                iov.as_ptr(),
+                iov.len().min(libc::c_int::MAX as usize) as libc::c_int,
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for a frame to read; false when none came.
+    pub fn wait(&self, timeout: Duration) -> io::Result<bool> {
+        wait_readable(self.fd.as_raw_fd(), timeout)
+    }
+
+    /// Reads one frame if one is there, straight into `bufs` in order (their lengths together at
+    /// least [`MAX_BUFFER`] bytes).
+    pub fn read_vectored_now(&self, bufs: &mut [&mut [u8]]) -> io::Result<Option<usize>> {
+        let iov: Vec<libc::iovec> = bufs
+            .iter_mut()
+            .map(|b| libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: b.len() })
+            .collect();
+        // SAFETY: every iovec names a live, exclusively borrowed slice that outlives the call;
+        // readv writes at most each one's length (the fd is non-blocking).
+        let n = unsafe {
+            libc::readv(
+                self.fd.as_raw_fd(),
+                iov.as_ptr(),
+                iov.len().min(libc::c_int::MAX as usize) as libc::c_int,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return if e.kind() == io::ErrorKind::WouldBlock { Ok(None) } else { Err(e) };
+        }
+        Ok(Some(n as usize))
+    }
+
     /// Reads one frame into `buf` (at least [`MAX_BUFFER`] bytes), waiting up to `timeout`:
     /// `Ok(None)` when none came.
     pub fn read(&self, buf: &mut [u8], timeout: Duration) -> io::Result<Option<usize>> {

@@ -213,3 +213,54 @@ proptest! {
         fuzz_rings(&data);
     }
 }
+
+#[test]
+fn frames_filled_in_place_cross_intact_and_a_fill_without_a_frame_keeps_its_buffer() {
+    let (nic, drv) = nic(8);
+    let fill = |f: &[u8]| {
+        let f = f.to_vec();
+        move |bufs: &mut [&mut [u8]]| {
+            let mut at = 0;
+            for b in bufs.iter_mut() {
+                let n = b.len().min(f.len() - at);
+                b[..n].copy_from_slice(&f[at..at + n]);
+                at += n;
+            }
+            f.len()
+        }
+    };
+    let sent: Vec<Vec<u8>> = (0..3).map(|i| frame(i, [60, 9000, 65_550][i as usize])).collect();
+    for f in &sent {
+        assert!(drv.tx_fill(&mut fill(f)).unwrap().is_some_and(|n| n == f.len()));
+    }
+    assert_eq!(drv.tx_fill(&mut |_| 0).unwrap(), Some(0), "no frame, nothing queued");
+    assert!(drv.tx_fill(&mut |_| NET_HDR_LEN - 1).is_err(), "a frame shorter than its header");
+    assert_eq!(drv.tx_room().unwrap(), 5, "only the three frames took buffers");
+    drv.tx_flush().unwrap();
+    assert_eq!(nic.take_sent(), sent);
+}
+
+#[test]
+fn transmit_interrupts_come_only_when_the_buffers_run_low() {
+    let (nic, drv) = nic(8);
+    let interrupts = || nic.stats().interrupts.load(std::sync::atomic::Ordering::Relaxed);
+    let before = interrupts();
+    for i in 0..3 {
+        assert!(drv.tx_push(&frame(i, 100)).unwrap());
+    }
+    drv.tx_flush().unwrap();
+    assert_eq!(nic.take_sent().len(), 3);
+    assert_eq!(interrupts(), before, "five of eight buffers free: no interrupt asked for");
+    assert!(!drv.tx_wait(std::time::Duration::ZERO));
+    // Take every free buffer: the batch that leaves three of eight free asks for the interrupt.
+    let mut pushed = 0;
+    while drv.tx_push(&frame(10 + pushed, 100)).unwrap() {
+        pushed += 1;
+    }
+    assert_eq!(pushed, 5, "the three sent are not taken back before the flush");
+    drv.tx_flush().unwrap();
+    assert_eq!(nic.take_sent().len(), 5);
+    assert_eq!(interrupts(), before + 1, "the device interrupted once the buffers ran out");
+    assert!(drv.tx_wait(std::time::Duration::ZERO), "the waiting driver is woken");
+    assert_eq!(drv.tx_room().unwrap(), 8);
+}

@@ -136,6 +136,29 @@ impl DmaMemory for HostRegion {
         f(&slices);
         Ok(())
     }
+
+    /// Locks the run's pages in order (held for the call, like [`lend`](DmaMemory::lend)) and
+    /// lends them for writing where they lie.
+    fn lend_mut(&self, addr: u64, len: usize, f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<(), BusError> {
+        let end = addr.checked_add(len as u64).ok_or(BusError::Unsupported { addr })?;
+        if addr < self.base || end > self.base + self.len_bytes() {
+            return Err(BusError::Unsupported { addr });
+        }
+        let first = ((addr - self.base) / REGION_PAGE as u64) as usize;
+        let last = (end - self.base).div_ceil(REGION_PAGE as u64) as usize;
+        let mut guards: Vec<_> = self.pages[first..last].iter().map(lock).collect();
+        let mut off = ((addr - self.base) % REGION_PAGE as u64) as usize;
+        let mut left = len;
+        let mut slices = Vec::with_capacity(guards.len());
+        for g in &mut guards {
+            let n = left.min(REGION_PAGE - off);
+            slices.push(&mut g[off..off + n]);
+            left -= n;
+            off = 0;
+        }
+        f(&mut slices);
+        Ok(())
+    }
 }
 
 /// The device's view of a [`HostRegion`] (DMA from the controller model, in-process).
@@ -363,5 +386,31 @@ mod tests {
         assert!(r.lend(&[(0x10_0000 + 3 * 4096, 4097)], &mut |_| called = true).is_err());
         assert!(r.lend(&[(u64::MAX - 10, 100)], &mut |_| called = true).is_err());
         assert!(!called);
+    }
+
+    #[test]
+    fn a_region_lends_a_run_for_writing_page_by_page_and_refuses_what_lies_outside() {
+        let r = HostRegion::new(0x10_0000, 4);
+        let mut sizes = Vec::new();
+        r.lend_mut(0x10_0000 + 4000, 4096 + 200, &mut |slices| {
+            sizes = slices.iter().map(|s| s.len()).collect();
+            let mut k = 0u8;
+            for s in slices.iter_mut() {
+                for b in s.iter_mut() {
+                    *b = k;
+                    k = k.wrapping_add(1);
+                }
+            }
+        })
+        .unwrap();
+        assert_eq!(sizes, [96, 4096, 104], "the run is cut at page boundaries");
+        let mut back = vec![0u8; 4096 + 200];
+        DmaMemory::read(&r, 0x10_0000 + 4000, &mut back).unwrap();
+        assert!(back.iter().enumerate().all(|(i, b)| *b == i as u8), "written where it lies");
+        let mut called = false;
+        assert!(r.lend_mut(0x10_0000 + 3 * 4096, 4097, &mut |_| called = true).is_err());
+        assert!(r.lend_mut(u64::MAX - 10, 100, &mut |_| called = true).is_err());
+        assert!(!called);
+        r.lend_mut(0x10_0000 + 4 * 4096, 0, &mut |s| assert!(s.iter().all(|s| s.is_empty()))).unwrap();
     }
 }
