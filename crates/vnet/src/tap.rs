@@ -153,20 +153,12 @@ impl Tap {
 
     /// Writes one frame (header and Ethernet frame).
     pub fn write(&self, frame: &[u8]) -> io::Result<()> {
-        // SAFETY: reads `frame.len()` bytes from a live slice.
-        let n = unsafe { libc::write(self.fd.as_raw_fd(), frame.as_ptr().cast(), frame.len()) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        self.write_vectored(&[frame])
     }
 
     /// Writes one frame given in pieces, in order, with one `writev`.
     pub fn write_vectored(&self, pieces: &[&[u8]]) -> io::Result<()> {
-        let iov: Vec<libc::iovec> = pieces
-            .iter()
-            .map(|p| libc::iovec { iov_base: p.as_ptr() as *mut libc::c_void, iov_len: p.len() })
-            .collect();
+        let iov = iovecs(pieces.iter().map(|p| (p.as_ptr().cast_mut(), p.len())));
         // SAFETY: every iovec names a live slice that outlives the call; writev only reads them.
         let n = unsafe {
             libc::writev(
@@ -189,10 +181,7 @@ impl Tap {
     /// Reads one frame if one is there, straight into `bufs` in order (their lengths together at
     /// least [`MAX_BUFFER`] bytes).
     pub fn read_vectored_now(&self, bufs: &mut [&mut [u8]]) -> io::Result<Option<usize>> {
-        let iov: Vec<libc::iovec> = bufs
-            .iter_mut()
-            .map(|b| libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: b.len() })
-            .collect();
+        let iov = iovecs(bufs.iter_mut().map(|b| (b.as_mut_ptr(), b.len())));
         // SAFETY: every iovec names a live, exclusively borrowed slice that outlives the call;
         // readv writes at most each one's length (the fd is non-blocking).
         let n = unsafe {
@@ -220,19 +209,18 @@ impl Tap {
 
     /// Reads one frame if one is there.
     pub fn read_now(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
-        // SAFETY: writes at most `buf.len()` bytes into a live slice (the fd is non-blocking).
-        let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            return if e.kind() == io::ErrorKind::WouldBlock { Ok(None) } else { Err(e) };
-        }
-        Ok(Some(n as usize))
+        self.read_vectored_now(&mut [buf])
     }
 
     /// The file descriptor (for poll).
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
+}
+
+/// The iovecs of a frame's pieces (more than `IOV_MAX` of them fail with `EINVAL`).
+fn iovecs(pieces: impl Iterator<Item = (*mut u8, usize)>) -> Vec<libc::iovec> {
+    pieces.map(|(base, len)| libc::iovec { iov_base: base.cast(), iov_len: len }).collect()
 }
 
 fn wait_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
