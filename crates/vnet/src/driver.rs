@@ -490,10 +490,7 @@ impl NetDriver {
                 _ => Err(DriverError::Device(format!("a {n}-byte frame"))),
             };
         }
-        self.write_desc(&q, d, n as u32, 0)?;
-        self.make_available(&mut q, d)?;
-        self.stats.tx_frames.fetch_add(1, Ordering::Relaxed);
-        self.stats.tx_bytes.fetch_add((n - NET_HDR_LEN) as u64, Ordering::Relaxed);
+        self.queue_tx(&mut q, d, n)?;
         Ok(Some(n))
     }
 
@@ -506,11 +503,17 @@ impl NetDriver {
         let mut q = lock(&self.tx);
         let Some(d) = q.free.pop() else { return Ok(false) };
         self.mem.write(q.bufs[usize::from(d)], frame)?;
-        self.write_desc(&q, d, frame.len() as u32, 0)?;
-        self.make_available(&mut q, d)?;
-        self.stats.tx_frames.fetch_add(1, Ordering::Relaxed);
-        self.stats.tx_bytes.fetch_add((frame.len() - NET_HDR_LEN) as u64, Ordering::Relaxed);
+        self.queue_tx(&mut q, d, frame.len())?;
         Ok(true)
+    }
+
+    /// Makes descriptor `d`, whose buffer holds a `len`-byte frame, available to the device.
+    fn queue_tx(&self, q: &mut DrvQueue, d: u16, len: usize) -> Result<()> {
+        self.write_desc(q, d, len as u32, 0)?;
+        self.make_available(q, d)?;
+        self.stats.tx_frames.fetch_add(1, Ordering::Relaxed);
+        self.stats.tx_bytes.fetch_add((len - NET_HDR_LEN) as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Tells the device about the frames queued since the last flush.
