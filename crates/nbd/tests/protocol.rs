@@ -532,3 +532,23 @@ fn reads_a_device_lends_are_sent_from_its_slices() {
     assert_eq!(back, data[..8192]);
     assert_eq!(srv.server.stats().device_errors, 1);
 }
+
+#[test]
+fn a_large_read_reply_leaves_at_once_on_a_local_socket() {
+    // A local socket's default send buffer (about 200 KiB) would hold the reply back until the
+    // client read some of it; the server's wider buffer takes all of it in one call.
+    let (dev, export) = mem_export("export", 4 << 20);
+    let data: Vec<u8> = (0..256 << 10).map(|i| (i % 251) as u8).collect();
+    dev.write_at(0, &data, false).unwrap();
+    let srv = TestServer::start("widebuf", vec![export]);
+    let mut c = Client::connect_unix(&srv.socket, "export").unwrap();
+    let h = c.submit(Command::Read, 0, 0, data.len() as u32, &[]).unwrap();
+    wait_for("the whole reply sent while the client reads nothing", || {
+        let s = srv.server.stats();
+        s.requests_read == 1 && s.reply_ns > 0
+    });
+    let done = c.complete().unwrap();
+    assert_eq!((done.handle, done.error), (h, 0));
+    assert_eq!(done.data, data);
+    c.disconnect().unwrap();
+}
