@@ -485,8 +485,10 @@ impl BlockDevice for LendingDevice {
             return Some(Err(e));
         }
         let pieces: Vec<&[u8]> = buf.chunks(1000).collect();
-        reply(&pieces);
+        // Counted before the reply goes: the client may see the reply before this thread
+        // runs again.
         self.lent.fetch_add(1, Ordering::Relaxed);
+        reply(&pieces);
         Some(Ok(()))
     }
     fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), lanbus_nbd::DeviceError> {
