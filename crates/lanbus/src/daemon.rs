@@ -242,6 +242,7 @@ fn controller_json(stats: &FunctionStats) -> Value {
         "error_completions": c.error_completions,
         "bytes_read": c.bytes_read,
         "bytes_written": c.bytes_written,
+        "writes_in_place": c.writes_in_place,
         "dma_errors": c.dma_errors,
         "interrupts": c.interrupts,
         "invalid_doorbells": c.invalid_doorbells,

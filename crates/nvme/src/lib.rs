@@ -106,9 +106,10 @@ pub trait HostMemory {
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError>;
     /// Writes `data` to host memory at bus address `addr`.
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), BusError>;
-    /// The `len` bytes at bus address `addr` if they lie in the device's own memory (its
-    /// Controller Memory Buffer), for the controller to use in place instead of reading a copy.
-    /// `None` (the default) means: use [`HostMemory::read`].
+    /// The `len` bytes at bus address `addr` if they are on the device's side already (in its
+    /// own memory, the Controller Memory Buffer, or read ahead for the command that asks), for the
+    /// controller to use in place instead of reading a copy. `None` (the default) means: use
+    /// [`HostMemory::read`].
     fn local(&self, addr: u64, len: usize) -> Option<&[u8]> {
         let _ = (addr, len);
         None

@@ -434,6 +434,9 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
     assert_eq!(c.process_posted(&mut rec, &mut irqs), 2);
     assert_eq!(rec.reads, [(data + 0x4000, 4096)], "the entries were fetched already");
     assert!(!c.has_work());
+    // The first write's data was read by the full run; this one's, read ahead, went to the
+    // store from where it lay.
+    assert_eq!(c.stats().writes_in_place, 1);
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0x5000, &mut back).unwrap();
     assert!(back == payload, "the second write's data read back");
 
@@ -486,6 +489,7 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0xa000, &mut back[4096..8192]).unwrap();
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0xb000, &mut back[8192..]).unwrap();
     assert!(back == payload, "the 12 KiB read back through its list");
+    assert_eq!(c.stats().writes_in_place, 1, "three pages apart are copied together");
 
     // A 12 KiB write whose list names one page twice (legal in NVMe): the page is fetched once
     // and its bytes go to both blocks.

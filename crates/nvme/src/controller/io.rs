@@ -34,14 +34,18 @@ impl Controller {
                 }
                 if write {
                     self.walk(mem, data, len)?;
-                    // Data in one piece of the memory buffer goes to the backing store from
-                    // there, without a copy.
+                    // Data in one piece that is here already (in the memory buffer, or read
+                    // ahead for this command) goes to the backing store from there, without a
+                    // copy.
                     let in_place = match self.runs[..] {
                         [(addr, n)] => mem.local(addr, n),
                         _ => None,
                     };
                     let written = match in_place {
-                        Some(bytes) => self.backing.write_at(slba * lba, bytes),
+                        Some(bytes) => {
+                            self.stats.writes_in_place += 1;
+                            self.backing.write_at(slba * lba, bytes)
+                        }
                         None => {
                             self.copy_runs(mem, false)?;
                             self.backing.write_at(slba * lba, &self.data[..len])
