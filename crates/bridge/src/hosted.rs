@@ -240,11 +240,13 @@ impl DmaPath for Blocking<'_> {
         self.0.prefetch(address, len);
     }
     fn read_ready(&mut self, address: u64, buf: &mut [u8]) -> Result<(), DmaError> {
-        match self.0.read_ready(address, buf.len()) {
-            Some(data) if data.len() == buf.len() => {
-                buf.copy_from_slice(&data);
-                Ok(())
-            }
+        let data = self.read_ready_owned(address, buf.len())?;
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+    fn read_ready_owned(&mut self, address: u64, len: usize) -> Result<Vec<u8>, DmaError> {
+        match self.0.read_ready(address, len) {
+            Some(data) if data.len() == len => Ok(data),
             Some(_) => Err(DmaError::Completion(CplStatus::CompleterAbort)),
             None => Err(DmaError::WouldBlock),
         }

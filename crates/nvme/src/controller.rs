@@ -345,9 +345,6 @@ pub struct Controller {
     /// processing (from prefetches), by (address, length). The command's run takes it instead
     /// of reading; it is dropped when the command has run, and with queue changes.
     staged: StagedReads,
-    /// Buffers of stages that ended, for the next ones (a fresh large buffer costs zeroing and
-    /// page faults for every command).
-    spare_stages: Vec<Vec<u8>>,
     cqes: Vec<u8>,
     data: Vec<u8>,
     runs: Vec<Run>,
@@ -368,10 +365,6 @@ struct CmbView<'a> {
 }
 
 /// What a [`CmbView`] access across the buffer's edge fails with.
-/// Stage buffers kept for reuse: a command stages a few ranges (its data, a PRP list or an SGL
-/// segment), and ranges of one size come again and again.
-const MAX_SPARE_STAGES: usize = 8;
-
 const CMB_EDGE: &str = "an access straddles the controller memory buffer's edge";
 
 impl CmbView<'_> {
@@ -397,6 +390,12 @@ impl HostMemory for CmbView<'_> {
                 Ok(())
             }
             None => self.host.read(addr, buf),
+        }
+    }
+    fn read_owned(&mut self, addr: u64, len: usize) -> Result<Vec<u8>, BusError> {
+        match self.locate(addr, len)? {
+            Some(at) => Ok(self.cmb[at..at + len].to_vec()),
+            None => self.host.read_owned(addr, len),
         }
     }
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), BusError> {
@@ -444,7 +443,6 @@ type StagedReads = HashMap<(u64, usize), Vec<u8>>;
 struct Probe<'a, 'b> {
     mem: &'a mut CmbView<'b>,
     staged: &'a mut StagedReads,
-    spare: &'a mut Vec<Vec<u8>>,
     missing: Vec<(u64, usize)>,
 }
 
@@ -457,16 +455,13 @@ impl Probe<'_, '_> {
         if self.staged.contains_key(&(addr, len)) || matches!(self.mem.locate(addr, len), Ok(Some(_))) {
             return Ok(());
         }
-        let mut bytes = self.spare.pop().unwrap_or_default();
-        // Every byte is overwritten by the read; only growth is zeroed.
-        bytes.resize(len, 0);
-        match self.mem.read(addr, &mut bytes) {
-            Ok(()) => {
+        // The buffer the data arrived in, handed over as it is.
+        match self.mem.read_owned(addr, len) {
+            Ok(bytes) => {
                 self.staged.insert((addr, len), bytes);
                 Ok(())
             }
             Err(BusError::NotReady) => {
-                self.spare.push(bytes);
                 // A list may name one page twice: one prefetch brings it for both.
                 if !self.missing.contains(&(addr, len)) {
                     self.missing.push((addr, len));
@@ -593,7 +588,6 @@ impl Controller {
             fetch: Vec::new(),
             fetched: None,
             staged: StagedReads::new(),
-            spare_stages: Vec::new(),
             cqes: Vec::new(),
             data: Vec::new(),
             runs: Vec::new(),
@@ -732,8 +726,7 @@ impl Controller {
             return true;
         }
         let (mut runs, mut lists) = (std::mem::take(&mut self.runs), std::mem::take(&mut self.lists));
-        let mut probe =
-            Probe { mem, staged: &mut self.staged, spare: &mut self.spare_stages, missing: Vec::new() };
+        let mut probe = Probe { mem, staged: &mut self.staged, missing: Vec::new() };
         let walked = walk_ptr(&mut probe, data, len, self.page, &mut runs, &mut lists);
         let mut ok = walked.is_ok();
         if ok && reads_data {
@@ -825,11 +818,7 @@ impl Controller {
             } else {
                 let mut staged = std::mem::take(&mut self.staged);
                 let result = self.exec_io(&sqe, &mut Staged { mem, staged: &mut staged });
-                for (_, bytes) in staged.drain() {
-                    if self.spare_stages.len() < MAX_SPARE_STAGES {
-                        self.spare_stages.push(bytes);
-                    }
-                }
+                staged.clear();
                 self.staged = staged;
                 result
             };

@@ -104,6 +104,13 @@ pub enum BusError {
 pub trait HostMemory {
     /// Reads `buf.len()` bytes of host memory at bus address `addr`.
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError>;
+    /// Reads `len` bytes at `addr` into a buffer of their own: a memory whose reads arrive in
+    /// buffers hands that one over instead of copying it. The default reads into a fresh one.
+    fn read_owned(&mut self, addr: u64, len: usize) -> Result<Vec<u8>, BusError> {
+        let mut buf = vec![0; len];
+        self.read(addr, &mut buf)?;
+        Ok(buf)
+    }
     /// Writes `data` to host memory at bus address `addr`.
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), BusError>;
     /// The `len` bytes at bus address `addr` if they are on the device's side already (in its

@@ -125,6 +125,13 @@ impl HostMemory for Shared<'_, '_> {
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
         self.0.borrow_mut().read(addr, buf).map_err(|e| bus_error(e, addr))
     }
+    fn read_owned(&mut self, addr: u64, len: usize) -> Result<Vec<u8>, BusError> {
+        let mut got = self.0.borrow_mut().read_owned(&[(addr, len)]).map_err(|e| bus_error(e, addr))?;
+        match got.pop() {
+            Some(bytes) if bytes.len() == len && got.is_empty() => Ok(bytes),
+            _ => Err(BusError::Rejected("a read returned the wrong length")),
+        }
+    }
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), BusError> {
         self.0.borrow_mut().write(addr, data).map_err(|e| bus_error(e, addr))
     }

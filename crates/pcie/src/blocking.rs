@@ -123,6 +123,13 @@ pub trait DmaPath {
         let _ = (address, buf);
         Err(DmaError::WouldBlock)
     }
+    /// [`read_ready`](Self::read_ready) into a buffer of its own: a path that holds the data in a
+    /// buffer hands that one over. The default reads into a fresh one.
+    fn read_ready_owned(&mut self, address: u64, len: usize) -> core::result::Result<Vec<u8>, DmaError> {
+        let mut buf = vec![0; len];
+        self.read_ready(address, &mut buf)?;
+        Ok(buf)
+    }
 }
 
 /// A PCIe function model whose DMA is synchronous.
@@ -399,6 +406,9 @@ impl<B: BlockingDevice> BlockingFunction<B> {
             fn read(&mut self, address: u64, buf: &mut [u8]) -> core::result::Result<(), DmaError> {
                 self.0.read_ready(address, buf)
             }
+            fn read_owned(&mut self, reads: &[(u64, usize)]) -> core::result::Result<Vec<Vec<u8>>, DmaError> {
+                reads.iter().map(|&(address, len)| self.0.read_ready_owned(address, len)).collect()
+            }
             fn write(&mut self, address: u64, data: &[u8]) -> core::result::Result<(), DmaError> {
                 self.0.write(address, data)
             }
@@ -433,10 +443,12 @@ mod tests {
     use super::*;
     use crate::config::{command, reg, Bar, BarKind, MsixSpec, MSIX_CAP_OFFSET, MSIX_ENABLE};
 
-    /// Copies 8 bytes from host 0x1000 to 0x2000 and raises vector 1 when rung.
+    /// Copies 8 bytes from host 0x1000 to 0x2000 and raises vector 1 when rung; its posted work
+    /// reads 4 KiB at 0x3000 into a buffer of their own.
     struct Model {
         rung: bool,
         result: Option<core::result::Result<(), DmaError>>,
+        posted: Option<core::result::Result<Vec<Vec<u8>>, DmaError>>,
     }
 
     impl BlockingDevice for Model {
@@ -473,6 +485,10 @@ mod tests {
             host.signal_msix(1);
             1
         }
+        fn process_posted(&mut self, host: &mut dyn HostAccess) -> usize {
+            self.posted = Some(host.read_owned(&[(0x3000, 4096)]));
+            1
+        }
     }
 
     #[derive(Default)]
@@ -492,7 +508,7 @@ mod tests {
     }
 
     fn function() -> BlockingFunction<Model> {
-        let mut f = BlockingFunction::new(Model { rung: false, result: None }).unwrap();
+        let mut f = BlockingFunction::new(Model { rung: false, result: None, posted: None }).unwrap();
         f.config_write(reg::BAR0, 0xf, 0xfe00_0000u32.to_le_bytes());
         f
     }
@@ -539,6 +555,43 @@ mod tests {
         let mut b = [0u8; 4];
         f.memory_read(entry + 8, &mut b).unwrap();
         assert_eq!(u32::from_le_bytes(b), 7);
+    }
+
+    /// A path that holds the data of one ended prefetch, in a buffer of its own.
+    struct Held(Option<(u64, Vec<u8>)>);
+
+    impl DmaPath for Held {
+        fn read(&mut self, _: u64, _: &mut [u8]) -> core::result::Result<(), DmaError> {
+            Err(DmaError::Timeout)
+        }
+        fn write(&mut self, _: u64, _: &[u8]) -> core::result::Result<(), DmaError> {
+            Ok(())
+        }
+        fn read_ready_owned(&mut self, address: u64, len: usize) -> core::result::Result<Vec<u8>, DmaError> {
+            match self.0.take() {
+                Some((a, data)) if (a, data.len()) == (address, len) => Ok(data),
+                _ => Err(DmaError::WouldBlock),
+            }
+        }
+    }
+
+    #[test]
+    fn posted_work_is_handed_the_buffer_a_prefetch_arrived_in() {
+        let mut f = function();
+        let cmd = (command::MEMORY_SPACE | command::BUS_MASTER) as u32;
+        f.config_write(reg::COMMAND, 0b11, cmd.to_le_bytes());
+        f.memory_write(0xfe00_0000, &[1, 0, 0, 0]).unwrap();
+        let data = vec![0x77; 4096];
+        let at = data.as_ptr();
+        let mut path = Held(Some((0x3000, data)));
+        assert_eq!(f.process_posted(&mut path), 1);
+        let got = f.device_mut().posted.take().unwrap().unwrap();
+        assert_eq!(got.len(), 1);
+        assert!(got[0] == vec![0x77; 4096]);
+        assert_eq!(got[0].as_ptr(), at, "the very buffer, not a copy");
+        // Nothing held: the read would have to wait, which posted work may not.
+        assert_eq!(f.process_posted(&mut path), 1);
+        assert_eq!(f.device_mut().posted.take(), Some(Err(DmaError::WouldBlock)));
     }
 
     #[test]
