@@ -46,14 +46,15 @@ pub struct NbdBenchArgs {
     no_peer: bool,
 }
 
-/// One fio measurement.
+/// One fio measurement (all its jobs together).
 #[derive(Debug, Clone, Copy)]
 pub struct FioResult {
     /// Megabytes (10^6) per second.
     pub mb_per_s: f64,
     /// Operations per second.
     pub iops: f64,
-    /// 99th percentile of the completion latency, microseconds.
+    /// 99th percentile of the completion latency, microseconds (of the slowest job, when
+    /// there are several).
     pub p99_us: f64,
     /// Bytes moved in the measured time.
     pub bytes: f64,
@@ -61,14 +62,17 @@ pub struct FioResult {
     pub client_cpu_s: f64,
 }
 
-/// Runs one time-based fio job with the nbd engine against `uri` and reads its JSON output:
-/// inside network namespace `ns` (fio as a client across a link), or here.
+/// Runs time-based fio with the nbd engine against `uri`, `numjobs` jobs (each its own
+/// connection) of `iodepth` I/Os in flight, and reads its JSON output: inside network namespace
+/// `ns` (fio as a client across a link), or here.
+#[allow(clippy::too_many_arguments)]
 pub fn run_fio(
     ns: Option<&lanbus_port::netns::Netns>,
     uri: &str,
     rw: &str,
     bs: &str,
     iodepth: u32,
+    numjobs: u32,
     size_mib: u64,
     runtime: u64,
 ) -> anyhow::Result<FioResult> {
@@ -77,7 +81,8 @@ pub fn run_fio(
         None => Command::new("fio"),
     };
     let out = end_with_parent(&mut command)
-        .args(["--name=bench", "--ioengine=nbd", "--numjobs=1", "--time_based", "--output-format=json"])
+        .args(["--name=bench", "--ioengine=nbd", "--time_based", "--output-format=json"])
+        .arg(format!("--numjobs={numjobs}"))
         .arg(format!("--uri={uri}"))
         .arg(format!("--rw={rw}"))
         .arg(format!("--bs={bs}"))
@@ -93,17 +98,30 @@ pub fn run_fio(
     let text = String::from_utf8_lossy(&out.stdout);
     let start = text.find('{').context("fio printed no JSON")?;
     let v: serde_json::Value = serde_json::from_str(&text[start..]).context("parsing fio JSON")?;
+    fio_result(&v, rw, numjobs)
+}
+
+/// The figures of fio's JSON output `v` for direction `rw`, summed over its `numjobs` jobs.
+fn fio_result(v: &serde_json::Value, rw: &str, numjobs: u32) -> anyhow::Result<FioResult> {
     let dir = if rw.contains("read") { "read" } else { "write" };
-    let job = &v["jobs"][0][dir];
-    let bw = job["bw_bytes"].as_f64().context("fio JSON without bw_bytes")?;
-    let iops = job["iops"].as_f64().context("fio JSON without iops")?;
-    let p99_us = job["clat_ns"]["percentile"]["99.000000"].as_f64().map_or(f64::NAN, |ns| ns / 1e3);
-    let bytes = job["io_bytes"].as_f64().unwrap_or(f64::NAN);
-    let whole = &v["jobs"][0];
-    let cpu_percent =
-        whole["usr_cpu"].as_f64().unwrap_or(f64::NAN) + whole["sys_cpu"].as_f64().unwrap_or(f64::NAN);
-    let run_s = whole["job_runtime"].as_f64().unwrap_or(f64::NAN) / 1e3;
-    Ok(FioResult { mb_per_s: bw / 1e6, iops, p99_us, bytes, client_cpu_s: cpu_percent / 100.0 * run_s })
+    let jobs = v["jobs"].as_array().context("fio JSON without jobs")?;
+    if jobs.len() != numjobs as usize {
+        bail!("fio reported {} jobs, not {numjobs}", jobs.len());
+    }
+    let mut r = FioResult { mb_per_s: 0.0, iops: 0.0, p99_us: f64::NAN, bytes: 0.0, client_cpu_s: 0.0 };
+    for whole in jobs {
+        let job = &whole[dir];
+        r.mb_per_s += job["bw_bytes"].as_f64().context("fio JSON without bw_bytes")? / 1e6;
+        r.iops += job["iops"].as_f64().context("fio JSON without iops")?;
+        let p99 = job["clat_ns"]["percentile"]["99.000000"].as_f64().map_or(f64::NAN, |ns| ns / 1e3);
+        r.p99_us = r.p99_us.max(p99);
+        r.bytes += job["io_bytes"].as_f64().unwrap_or(f64::NAN);
+        let cpu_percent =
+            whole["usr_cpu"].as_f64().unwrap_or(f64::NAN) + whole["sys_cpu"].as_f64().unwrap_or(f64::NAN);
+        let run_s = whole["job_runtime"].as_f64().unwrap_or(f64::NAN) / 1e3;
+        r.client_cpu_s += cpu_percent / 100.0 * run_s;
+    }
+    Ok(r)
 }
 
 fn wait_for_socket(socket: &Path) -> anyhow::Result<()> {
@@ -181,7 +199,7 @@ fn measure(args: &NbdBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 let mut mbs = Vec::new();
                 let mut iops = Vec::new();
                 for _ in 0..args.runs.max(1) {
-                    let r = run_fio(None, uri, rw, bs, args.iodepth, args.size_mib, args.runtime)?;
+                    let r = run_fio(None, uri, rw, bs, args.iodepth, 1, args.size_mib, args.runtime)?;
                     mbs.push(r.mb_per_s);
                     iops.push(r.iops);
                 }
@@ -204,4 +222,29 @@ fn measure(args: &NbdBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         }
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fio_figures_are_summed_over_the_jobs() {
+        let job = |bw: f64, iops: f64, p99_ns: f64, cpu: f64| {
+            serde_json::json!({
+                "read": {
+                    "bw_bytes": bw, "iops": iops, "io_bytes": bw * 2.0,
+                    "clat_ns": {"percentile": {"99.000000": p99_ns}}
+                },
+                "usr_cpu": cpu, "sys_cpu": cpu, "job_runtime": 2000.0
+            })
+        };
+        let v = serde_json::json!({"jobs": [job(100e6, 10.0, 50e3, 10.0), job(300e6, 30.0, 80e3, 15.0)]});
+        let r = fio_result(&v, "randread", 2).unwrap();
+        assert_eq!((r.mb_per_s, r.iops, r.bytes), (400.0, 40.0, 800e6));
+        assert_eq!(r.p99_us, 80.0, "the slowest job's p99");
+        assert!((r.client_cpu_s - (0.2 * 2.0 + 0.3 * 2.0)).abs() < 1e-9);
+        assert!(fio_result(&v, "randread", 1).is_err(), "a job count other than asked for");
+        assert!(fio_result(&serde_json::json!({}), "randread", 1).is_err());
+    }
 }

@@ -1,5 +1,6 @@
 //! `lanbus bench nvme`: the paper's Fig. 6. fio (`--ioengine=nbd`, random read and random write,
-//! numjobs=1, iodepth=1, block sizes 4 KiB .. 1 MiB) against the NVMe namespace exported over NBD:
+//! numjobs=1, iodepth=1, block sizes 4 KiB .. 1 MiB; `--iodepth` and `--numjobs` for deeper
+//! queues and several connections, whose figures are the jobs' sum) against the NVMe namespace exported over NBD:
 //!
 //! - `local`: the controller model in-process (driver and controller joined directly, the
 //!   controller on its own thread as on the device bridge), behind the NBD server: no fabric;
@@ -29,7 +30,7 @@
 //! both bridges, the driver, the controller and the NBD server: both ends of the link). Each after an unmeasured warm-up run per
 //! direction with blocks twice the largest measured (see [`warm_up`]). A PNG per direction (MB/s
 //! against block size) next to the JSON. At depth 1 each lanbus row also splits a request's time
-//! into stages (`stage_us`, microseconds per request, from counters the NBD server, the driver
+//! (with one job) into stages (`stage_us`, microseconds per request, from counters the NBD server, the driver
 //! and the backing store keep): `client_and_socket` (fio and the Unix socket: fio's time per
 //! request less the server's stages), `nbd_payload` (reading a WRITE's data from the socket),
 //! `driver_copy` (the driver copying data between the request and DMA memory: for a write into
@@ -112,6 +113,11 @@ pub struct NvmeBenchArgs {
     /// fabric scales with outstanding I/O (the driver's queue pairs, the fabric's channels).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     iodepth: Vec<u32>,
+    /// fio jobs to measure (comma-separated), each with a connection of its own to the NBD
+    /// server (the lanbus rows' driver spreads them over its queue pairs); the paper's is 1.
+    /// Figures are the jobs' sum.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    numjobs: Vec<u32>,
 }
 
 impl NvmeBenchArgs {
@@ -299,7 +305,7 @@ fn over(
 fn warm_up(ns: Option<&Netns>, uri: &str, args: &NvmeBenchArgs, bytes: u64) -> anyhow::Result<()> {
     let bs = bytes.to_string();
     for rw in args.directions() {
-        run_fio(ns, uri, rw, &bs, 1, args.size_mib, 1)
+        run_fio(ns, uri, rw, &bs, 1, 1, args.size_mib, 1)
             .with_context(|| format!("warming up with {rw} of {bs} bytes"))?;
     }
     Ok(())
@@ -320,7 +326,8 @@ fn create_backing(dir: &Path, size: u64) -> anyhow::Result<()> {
 /// like the lanbus rows' controller, listening where `listen` says.
 fn qemu_nbd(mut command: Command, dir: &Path, listen: &[String]) -> anyhow::Result<KillOnDrop> {
     let child = end_with_parent(&mut command)
-        .args(["--format=raw", "--persistent", "--shared=4", "--export-name=nvme0", "--cache=writeback"])
+        .args(["--format=raw", "--persistent", "--export-name=nvme0", "--cache=writeback"])
+        .arg(format!("--shared={MAX_JOBS}"))
         .args(listen)
         .arg(dir.join("backing.img"))
         .stdout(Stdio::null())
@@ -403,6 +410,9 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
             if let Some(d) = row.params.get("iodepth").and_then(|v| v.as_u64()).filter(|&d| d != 1) {
                 name.push_str(&format!(" qd{d}"));
             }
+            if let Some(j) = row.params.get("numjobs").and_then(|v| v.as_u64()).filter(|&j| j != 1) {
+                name.push_str(&format!(" {j} jobs"));
+            }
             if args.mtu.len() > 1 {
                 if let Some(m) = row.params.get("mtu").and_then(|v| v.as_u64()) {
                     name.push_str(&format!(" MTU {m}"));
@@ -417,7 +427,7 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
             }
         }
         let plot = Plot {
-            title: format!("NVMe over lanbus, fio {rw}, numjobs=1"),
+            title: format!("NVMe over lanbus, fio {rw}"),
             x_label: "block size (KiB)".into(),
             y_label: "MB/s".into(),
             x_log: true,
@@ -431,6 +441,9 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Most `--numjobs`: qemu-nbd serves this many connections at once.
+const MAX_JOBS: u32 = 8;
 
 /// The rows that cross the veth, measured at every `--mtu`.
 const VETH_ROWS: [&str; 4] = ["udp", "afpacket", "afxdp", "peer:nbd-tcp"];
@@ -454,6 +467,7 @@ struct Point {
     rw: &'static str,
     block: u64,
     depth: u32,
+    jobs: u32,
     /// The veth's MTU, for rows that cross it.
     mtu: Option<u32>,
     /// Whether the driver used the drive's memory buffer (lanbus rows).
@@ -476,6 +490,10 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     anyhow::ensure!(
         !args.iodepth.is_empty() && args.iodepth.iter().all(|d| (1..=256).contains(d)),
         "--iodepth: depths of 1 to 256"
+    );
+    anyhow::ensure!(
+        !args.numjobs.is_empty() && args.numjobs.iter().all(|j| (1..=MAX_JOBS).contains(j)),
+        "--numjobs: 1 to {MAX_JOBS} jobs"
     );
     anyhow::ensure!(
         !args.mtu.is_empty() && args.mtu.iter().all(|m| (576..=65_000).contains(m)),
@@ -593,7 +611,8 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             let mut row = Row::new(p.name, metric, value)
                 .with("rw", p.rw)
                 .with("block_size", p.block)
-                .with("iodepth", p.depth);
+                .with("iodepth", p.depth)
+                .with("numjobs", p.jobs);
             if !p.name.starts_with("peer:") {
                 row = row.with("completion", args.completion.as_str());
             }
@@ -664,18 +683,20 @@ fn measure_row(
         _ => std::process::id(),
     };
     warm_up(fio_ns, &uri, args, 2 * largest)?;
+    let shapes: Vec<(u32, u32)> =
+        args.iodepth.iter().flat_map(|&d| args.numjobs.iter().map(move |&j| (d, j))).collect();
     for rw in args.directions() {
-        for (&depth, &(bs, block)) in args.iodepth.iter().flat_map(|d| sizes.iter().map(move |s| (d, s))) {
+        for (&(depth, jobs), &(bs, block)) in shapes.iter().flat_map(|s| sizes.iter().map(move |z| (s, z))) {
             let before = cpu_seconds(server_pid);
             let stamps = holder.stamps();
-            let r = match run_fio(fio_ns, &uri, rw, bs, depth, args.size_mib, runtime) {
+            let r = match run_fio(fio_ns, &uri, rw, bs, depth, jobs, args.size_mib, runtime) {
                 Ok(r) => r,
                 Err(e) => {
                     eprintln!("bench nvme: {name} {rw} {bs}: {e:#}");
                     continue;
                 }
             };
-            let point = Point { name, rw, block, depth, mtu, cmb };
+            let point = Point { name, rw, block, depth, jobs, mtu, cmb };
             let i = match points.iter().position(|(p, _)| *p == point) {
                 Some(i) => i,
                 None => {
@@ -694,7 +715,8 @@ fn measure_row(
             if let (Some(b), Some(a)) = (before, cpu_seconds(server_pid)) {
                 s.server_cpu.push((a - b) / served_gb);
             }
-            if depth == 1 && r.iops > 0.0 {
+            // The stages are per request of one request at a time.
+            if depth == 1 && jobs == 1 && r.iops > 0.0 {
                 if let Some(per) =
                     stamps.zip(holder.stamps()).and_then(|(b, a)| b.per_request(&a, 1e6 / r.iops))
                 {
@@ -704,7 +726,7 @@ fn measure_row(
                 }
             }
             eprintln!(
-                "bench nvme: {name:>14} {rw:>9} {bs:>4} qd{depth}: {:8.1} MB/s {:8.0} IOPS",
+                "bench nvme: {name:>14} {rw:>9} {bs:>4} qd{depth} x{jobs}: {:8.1} MB/s {:8.0} IOPS",
                 r.mb_per_s, r.iops
             );
         }
@@ -713,12 +735,12 @@ fn measure_row(
     Ok(())
 }
 
-/// Each lanbus row's bandwidth against `peer:nbd-tcp`'s at the same direction, block size, depth
-/// and MTU (`ratio_vs_nbd_tcp`), when that row was measured.
+/// Each lanbus row's bandwidth against `peer:nbd-tcp`'s at the same direction, block size, depth,
+/// jobs and MTU (`ratio_vs_nbd_tcp`), when that row was measured.
 fn ratios_vs_nbd_tcp(report: &mut Report) {
     let key = |r: &Row| {
         let p = |k: &str| r.params.get(k).cloned();
-        (p("rw"), p("block_size"), p("iodepth"), p("mtu"))
+        (p("rw"), p("block_size"), p("iodepth"), p("numjobs"), p("mtu"))
     };
     let peer: Vec<_> = report
         .rows

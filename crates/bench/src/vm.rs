@@ -495,7 +495,7 @@ fn measure(args: &VmBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         ];
         for (name, uri) in &uris {
             for (rw, metric) in [("write", "write_mb_per_s"), ("read", "read_mb_per_s")] {
-                match run_fio(None, uri, rw, "1m", 1, mib, 2) {
+                match run_fio(None, uri, rw, "1m", 1, 1, mib, 2) {
                     Ok(r) => {
                         samples.entry((name.to_string(), metric.to_string())).or_default().push(r.mb_per_s)
                     }
