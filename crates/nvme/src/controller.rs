@@ -337,13 +337,14 @@ pub struct Controller {
     next_sq: usize,
     stats: ControllerStats,
     fetch: Vec<u8>,
-    /// Entries fetched by posted processing that it could not run: (queue, its base, the head
-    /// they start at, the entries). The host leaves them alone until their completions, so the
-    /// next run takes them from here instead of fetching them again. Queue changes drop them.
-    fetched: Option<(usize, u64, u32, Vec<u8>)>,
-    /// Host memory the command at the head of `fetched` will read, read already by posted
-    /// processing (from prefetches), by (address, length). The command's run takes it instead
-    /// of reading; it is dropped when the command has run, and with queue changes.
+    /// Entries fetched by posted processing that it could not run, at most one run of them per
+    /// queue: (queue, its base, the head they start at, the entries). The host leaves them alone
+    /// until their completions, so the next run takes them from here instead of fetching them
+    /// again (while commands of other queues run). Queue changes drop them.
+    fetched: Vec<(usize, u64, u32, Vec<u8>)>,
+    /// Host memory the commands at the heads of `fetched` will read, read already by posted
+    /// processing (from prefetches), by (address, length). A command's run takes what it reads
+    /// from here and drops it afterwards; queue changes drop all of it.
     staged: StagedReads,
     cqes: Vec<u8>,
     data: Vec<u8>,
@@ -363,6 +364,9 @@ struct CmbView<'a> {
     base: Option<u64>,
     host: &'a mut dyn HostMemory,
 }
+
+/// Staged bytes kept at most: enough for several queues' commands waiting on their data.
+const MAX_STAGED_BYTES: usize = 16 << 20;
 
 /// What a [`CmbView`] access across the buffer's edge fails with.
 const CMB_EDGE: &str = "an access straddles the controller memory buffer's edge";
@@ -505,6 +509,8 @@ impl HostMemory for Probe<'_, '_> {
 struct Staged<'a, 'b> {
     mem: &'a mut CmbView<'b>,
     staged: &'a mut StagedReads,
+    /// The staged ranges the run read.
+    used: Vec<(u64, usize)>,
 }
 
 impl HostMemory for Staged<'_, '_> {
@@ -512,6 +518,7 @@ impl HostMemory for Staged<'_, '_> {
         match self.staged.get(&(addr, buf.len())) {
             Some(bytes) => {
                 buf.copy_from_slice(bytes);
+                self.used.push((addr, buf.len()));
                 Ok(())
             }
             None => self.mem.read(addr, buf),
@@ -586,7 +593,7 @@ impl Controller {
             next_sq: 0,
             stats: ControllerStats::default(),
             fetch: Vec::new(),
-            fetched: None,
+            fetched: Vec::new(),
             staged: StagedReads::new(),
             cqes: Vec::new(),
             data: Vec::new(),
@@ -772,14 +779,14 @@ impl Controller {
         }
         let at = sq.base + u64::from(sq.head) * SQE_LEN as u64;
         let mut fetch = std::mem::take(&mut self.fetch);
-        match self.fetched.take() {
-            Some((q, base, head, entries)) if (q, base, head) == (qid, sq.base, sq.head) => {
+        let held = self.fetched.iter().position(|&(q, ..)| q == qid).map(|i| self.fetched.swap_remove(i));
+        match held {
+            Some((_, base, head, entries)) if (base, head) == (sq.base, sq.head) => {
                 let n = n.min(entries.len() / SQE_LEN);
                 fetch.clear();
                 fetch.extend_from_slice(&entries[..n * SQE_LEN]);
             }
-            other => {
-                self.fetched = other;
+            _ => {
                 fetch.resize(n * SQE_LEN, 0);
                 if let Err(e) = mem.read(at, &mut fetch) {
                     self.fetch = fetch;
@@ -817,8 +824,18 @@ impl Controller {
                 self.exec_admin(&sqe, mem, irq)
             } else {
                 let mut staged = std::mem::take(&mut self.staged);
-                let result = self.exec_io(&sqe, &mut Staged { mem, staged: &mut staged });
-                staged.clear();
+                let mut view = Staged { mem, staged: &mut staged, used: Vec::new() };
+                let result = self.exec_io(&sqe, &mut view);
+                // What this command read is done with; what other queues' commands staged
+                // stays for their runs (bounded: should it grow past that, it goes, and those
+                // commands read their data again).
+                let used = std::mem::take(&mut view.used);
+                for key in used.iter().chain(self.runs.iter()) {
+                    staged.remove(key);
+                }
+                if staged.keys().map(|&(_, n)| n).sum::<usize>() > MAX_STAGED_BYTES {
+                    staged.clear();
+                }
                 self.staged = staged;
                 result
             };
@@ -851,7 +868,7 @@ impl Controller {
         if ran < n {
             // Posted processing stopped at a command it may not run: the worker's run starts
             // from these entries.
-            self.fetched = Some((qid, sq.base, head, fetch[ran * SQE_LEN..].to_vec()));
+            self.fetched.push((qid, sq.base, head, fetch[ran * SQE_LEN..].to_vec()));
         }
         self.fetch = fetch;
         if let Some(Some(sq)) = self.sqs.get_mut(qid) {

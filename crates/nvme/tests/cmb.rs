@@ -587,3 +587,81 @@ fn posted_processing_runs_sgl_commands_without_a_list_round_trip() {
     assert!(back == payload, "the write's bytes read back into the two blocks");
     assert_eq!(completions(&mem, iocq, 2), [(1, true), (2, true)]);
 }
+
+/// Two queues, each with a write waiting for its data: what posted processing fetched and
+/// staged for one stays while the other runs, so a write whose data arrives first runs then,
+/// without fetching its entry or its data again.
+#[test]
+fn posted_processing_keeps_each_queues_fetched_command_apart() {
+    use lanbus_nvme::command::{admin_opcode, Sqe, SQE_LEN};
+    use lanbus_nvme::driver::HostRegion;
+    let (iosq1, iosq2, data) = (HOST + 0x3000, HOST + 0x4000, HOST + 0x10000);
+    let mem = HostRegion::new(HOST, 64);
+    let mut c = controller(512, MIB, ControllerConfig::default());
+    let mut irqs = with_io_queues(&mut c, &mem, 16, iosq1);
+    // A second submission queue on the same completion queue.
+    let create_sq2 = Sqe {
+        opcode: admin_opcode::CREATE_SQ,
+        prp1: iosq2,
+        cdw: [15 << 16 | 2, 1 | 1 << 16, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    lanbus_nvme::HostMemory::write(&mut &mem, HOST + 2 * SQE_LEN as u64, &create_sq2.to_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(0), &3u32.to_le_bytes()).unwrap();
+    while c.process(&mut &mem, &mut irqs) > 0 {}
+
+    // Each write's two pages lie apart, so each is a range of its own.
+    let (d1, d2) = ((data, 8192usize), (data + 0x8000, 8192usize));
+    let pages = |(a, _): (u64, usize)| [(a, 4096), (a + 0x2000, 4096)];
+    let (p1, p2) = (pattern(11, 8192), pattern(12, 8192));
+    for (d, p) in [(d1, &p1), (d2, &p2)] {
+        for (i, (at, _)) in pages(d).into_iter().enumerate() {
+            lanbus_nvme::HostMemory::write(&mut &mem, at, &p[i << 12..(i + 1) << 12]).unwrap();
+        }
+    }
+    let write = |cid: u16, slba: u32, (prp1, _): (u64, usize)| Sqe {
+        opcode: nvm_opcode::WRITE,
+        cid,
+        nsid: 1,
+        prp1,
+        prp2: prp1 + 0x2000,
+        cdw: [slba, 0, 15, 0, 0, 0],
+        ..Sqe::default()
+    };
+    lanbus_nvme::HostMemory::write(&mut &mem, iosq1, &write(1, 0, d1).to_bytes()).unwrap();
+    lanbus_nvme::HostMemory::write(&mut &mem, iosq2, &write(2, 16, d2).to_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(1), &1u32.to_le_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(2), &1u32.to_le_bytes()).unwrap();
+    let (e1, e2) = ((iosq1, SQE_LEN), (iosq2, SQE_LEN));
+
+    // Both entries arrive: each write names its two pages.
+    let mut rec = Recording::new(&mem, true, vec![e1, e2]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    let mut named = rec.prefetches.clone();
+    named.sort_unstable();
+    let mut want = [pages(d1), pages(d2)].concat();
+    want.sort_unstable();
+    assert_eq!(named, want);
+    // A page of each arrives: neither write runs yet, and both pages are kept.
+    let mut rec = Recording::new(&mem, true, vec![pages(d1)[0], pages(d2)[0]]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.reads.len(), 2);
+    // The first write's other page: it runs, without its entry or first page fetched again.
+    let mut rec = Recording::new(&mem, true, vec![pages(d1)[1]]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 1, "the first queue's write runs");
+    assert_eq!(rec.reads, [pages(d1)[1]], "nothing fetched again");
+    let of_d2 = |named: &[(u64, usize)]| named.iter().all(|p| *p == pages(d2)[1]);
+    assert!(of_d2(&rec.prefetches), "no entry named again: {:?}", rec.prefetches);
+    // The second write's other page: it runs too, its first page still staged.
+    let mut rec = Recording::new(&mem, true, vec![pages(d2)[1]]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 1, "the second queue's write runs");
+    assert_eq!(rec.reads, [pages(d2)[1]], "the page that came first was kept");
+    assert!(!c.has_work());
+    assert_eq!(completions(&mem, IOCQ, 2), [(1, true), (2, true)]);
+    // Both reached the namespace.
+    let mut back = vec![0u8; 8192];
+    c.backing_mut().read_at(0, &mut back).unwrap();
+    assert!(back == p1);
+    c.backing_mut().read_at(16 * 512, &mut back).unwrap();
+    assert!(back == p2);
+}

@@ -57,7 +57,7 @@ impl Controller {
                 if let Some(cq) = self.cqs[usize::from(cqid)].as_mut() {
                     cq.attached_sqs += 1;
                 }
-                self.fetched = None;
+                self.fetched.clear();
                 self.staged.clear();
                 self.sqs[usize::from(qid)] = Some(Sq { base, entries, head: 0, tail: 0, cqid });
                 Ok(Some(0))
@@ -73,7 +73,7 @@ impl Controller {
                 // before the deletion does. Commands run synchronously, so run what the host
                 // submitted; entries that find the CQ full are dropped and counted.
                 while self.run_sq(usize::from(qid), mem, irq, false) > 0 {}
-                self.fetched = None;
+                self.fetched.clear();
                 self.staged.clear();
                 let sq = self.sqs[usize::from(qid)].take().ok_or(Status::INVALID_QUEUE_ID)?;
                 if sq.head != sq.tail {

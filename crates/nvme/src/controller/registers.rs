@@ -219,7 +219,7 @@ impl Controller {
     /// to defaults. The namespace's data stays.
     fn reset(&mut self) {
         self.sqs.iter_mut().for_each(|q| *q = None);
-        self.fetched = None;
+        self.fetched.clear();
         self.staged.clear();
         self.cqs.iter_mut().for_each(|q| *q = None);
         self.csts = 0;
