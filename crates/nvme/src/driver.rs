@@ -13,7 +13,9 @@
 //! thread tries them round-robin and blocks on one only when all are busy), submits all the
 //! commands it needs (a large transfer is split at MDTS and its pieces are in flight together, up
 //! to the queue depth), rings the doorbell once and reaps its completions. So N threads have up to
-//! N requests in flight on N pairs. Completion entries the driver does not expect (a late answer
+//! N requests in flight on N pairs. A client with many requests at once takes a pair of its own
+//! instead ([`NvmeDriver::stream`], in `stream.rs`): one thread submits, rings and reaps any
+//! number of requests on it. Completion entries the driver does not expect (a late answer
 //! to a command that timed out) are counted and dropped, never matched to a newer command: command
 //! identifiers advance monotonically per queue.
 //!
@@ -23,10 +25,11 @@
 //! This file holds the traits the driver runs over, initialization, the admin commands it sends,
 //! the submission and completion engine and shutdown; the settings, error, identity and counter
 //! types are in `types.rs`, the host DMA memory (and [`HostRegion`]) in `memory.rs`, the block
-//! I/O methods in `io.rs`.
+//! I/O methods in `io.rs`, the streams in `stream.rs`.
 
 mod io;
 mod memory;
+mod stream;
 mod types;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -34,6 +37,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 pub use memory::{HostRegion, REGION_PAGE};
+pub use stream::{Finished, IoStream};
 pub use types::{CmbUse, CompletionMode, DriverConfig, DriverError, DriverStats, Identity};
 
 use crate::command::{admin_opcode, feature, Completion, Sqe, CQE_LEN, SQE_LEN};
@@ -164,6 +168,8 @@ pub struct NvmeDriver {
     identity: Identity,
     admin: Mutex<QueuePair>,
     io: Vec<Mutex<QueuePair>>,
+    /// Which I/O queue pairs an [`IoStream`] holds (the plain calls leave them alone).
+    reserved: Vec<AtomicBool>,
     cmb: Option<CmbMemory>,
     next_queue: AtomicUsize,
     shut_down: AtomicBool,
@@ -245,6 +251,7 @@ impl NvmeDriver {
             },
             admin: Mutex::new(admin),
             io: Vec::new(),
+            reserved: Vec::new(),
             cmb: None,
             next_queue: AtomicUsize::new(0),
             shut_down: AtomicBool::new(false),
@@ -418,6 +425,7 @@ impl NvmeDriver {
                 return Err(e);
             }
             self.io.push(Mutex::new(qp));
+            self.reserved.push(AtomicBool::new(false));
         }
         Ok(())
     }
@@ -645,16 +653,30 @@ impl NvmeDriver {
     }
 
     /// Takes a free I/O queue pair (trying each once from a rotating start), or waits for one.
+    /// Pairs an [`IoStream`] holds are skipped: the flag is read under the pair's lock, and a
+    /// stream takes that lock once after setting it, so no plain request is left on its pair.
     fn pick_queue(&self) -> MutexGuard<'_, QueuePair> {
         // Relaxed: the counter only spreads threads over queues; the locks order the queues.
         let start = self.next_queue.fetch_add(1, Ordering::Relaxed);
         let n = self.io.len();
+        // Acquire: pairs with the stream's reservation (see above).
+        let free = |i: usize| !self.reserved[i].load(Ordering::Acquire);
         for i in 0..n {
-            if let Ok(g) = self.io[(start + i) % n].try_lock() {
-                return g;
+            let i = (start + i) % n;
+            if let Ok(g) = self.io[i].try_lock() {
+                if free(i) {
+                    return g;
+                }
             }
         }
-        lock(&self.io[start % n])
+        let i = start % n;
+        let g = lock(&self.io[i]);
+        if free(i) {
+            return g;
+        }
+        drop(g);
+        // The first pair is never reserved.
+        lock(&self.io[0])
     }
 
     /// Runs I/O commands on one queue pair and turns the first error status into an error.

@@ -62,7 +62,8 @@ pub use command::fuzz_command;
 pub use command::{Completion, Sqe};
 pub use controller::{Controller, ControllerConfig, ControllerStats, PciInfo};
 pub use driver::{
-    Bar, CompletionMode, DmaMemory, DriverConfig, DriverError, HostRegion, InterruptWait, NvmeDriver,
+    Bar, CompletionMode, DmaMemory, DriverConfig, DriverError, Finished, HostRegion, InterruptWait, IoStream,
+    NvmeDriver,
 };
 pub use status::Status;
 

@@ -37,10 +37,24 @@ impl NvmeDriver {
         data: Option<&'a [u8]>,
         fua: bool,
     ) -> Result<Pending<'a>> {
+        let mut p = self.rw_command_unfilled(write || data.is_some(), lba, len, fua)?;
+        p.fill = data;
+        Ok(p)
+    }
+
+    /// As [`NvmeDriver::rw_command`], without the write's data: the caller puts it into the
+    /// command's buffer before submitting it.
+    pub(super) fn rw_command_unfilled<'a>(
+        &'a self,
+        write: bool,
+        lba: u64,
+        len: usize,
+        fua: bool,
+    ) -> Result<Pending<'a>> {
         let cmb = self.cmb.as_ref();
-        let buf = match data {
-            Some(_) => DmaBuf::prefer_cmb(cmb.filter(|c| c.write_data), &*self.mem, len)?,
-            None => DmaBuf::new(&*self.mem, len)?,
+        let buf = match write {
+            true => DmaBuf::prefer_cmb(cmb.filter(|c| c.write_data), &*self.mem, len)?,
+            false => DmaBuf::new(&*self.mem, len)?,
         };
         let n = prp::list_pages_needed(buf.addr, len, self.page);
         let blocks = (len / self.identity.lba_size as usize) as u32;
@@ -66,11 +80,11 @@ impl NvmeDriver {
             }
             (sqe.prp1, sqe.prp2) = (plan.prp1, plan.prp2);
         }
-        Ok(Pending { sqe, data: Some(buf), lists, fill: data })
+        Ok(Pending { sqe, data: Some(buf), lists, fill: None })
     }
 
     /// Bytes of one request in flight at once: whole commands, at least one.
-    fn window_bytes(&self) -> usize {
+    pub(super) fn window_bytes(&self) -> usize {
         let chunk = self.chunk_bytes();
         (self.cfg.max_inflight_bytes / chunk).max(1) * chunk
     }
@@ -88,7 +102,7 @@ impl NvmeDriver {
         }
     }
 
-    fn chunk_bytes(&self) -> usize {
+    pub(super) fn chunk_bytes(&self) -> usize {
         let lba = self.identity.lba_size as usize;
         self.identity.max_transfer_bytes.min(65536 * lba) / lba * lba
     }
@@ -279,7 +293,7 @@ impl NvmeDriver {
         Ok(())
     }
 
-    fn byte_range(&self, offset: u64, len: usize) -> Result<()> {
+    pub(super) fn byte_range(&self, offset: u64, len: usize) -> Result<()> {
         match offset.checked_add(len as u64) {
             Some(end) if end <= self.size_bytes() => Ok(()),
             _ => Err(DriverError::InvalidArgument(format!(

@@ -1,0 +1,378 @@
+//! A queue pair held by one client that keeps many requests in flight ([`IoStream`]).
+//!
+//! The driver's plain calls ([`NvmeDriver::read_lent`], [`NvmeDriver::write`], ...) take a free
+//! queue pair, run one request on it and wait for it: a thread per request in flight, each
+//! polling for its own completion. A client with many requests at once (an NBD connection at
+//! depth 32) would need as many threads, which on a small machine spend their time handing the
+//! cores to each other. A stream instead belongs to one thread: it submits requests as they come
+//! (their entries go out with one doorbell for all that were submitted together), reaps every
+//! completion that arrived in one pass, and waits on the queue's own interrupt only when none
+//! has.
+//!
+//! A stream reserves one I/O queue pair for as long as it lives; the plain calls then use the
+//! others (the first pair is never reserved, so they always have one). [`NvmeDriver::stream`]
+//! returns `None` when no pair is left to reserve.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::memory::DmaBuf;
+use super::{lock, DriverError, NvmeDriver, Pending, QueuePair, Result};
+use crate::command::{Completion, CQE_LEN, SQE_LEN};
+use crate::controller::reg;
+
+/// One request of a stream, finished: its tag, its outcome and, for a read, its data where it
+/// lies in DMA memory until this is dropped.
+pub struct Finished<'d> {
+    /// The tag the request was submitted with.
+    pub tag: u64,
+    /// Success, or the first error of its commands.
+    pub result: Result<()>,
+    /// For a read: its buffers and how many bytes of each are the request's, in order.
+    data: Vec<(DmaBuf<'d>, usize)>,
+    drv: &'d NvmeDriver,
+}
+
+impl Finished<'_> {
+    /// Lends a successful read's data to `f`, as slices of the DMA memory itself (no copy);
+    /// a write lends nothing (`f` gets no slices).
+    pub fn lend(&self, f: &mut dyn FnMut(&[&[u8]])) -> Result<()> {
+        let runs: Vec<(u64, usize)> = self.data.iter().map(|(b, n)| (b.addr, *n)).collect();
+        if runs.is_empty() {
+            f(&[]);
+            return Ok(());
+        }
+        self.drv.mem.lend(&runs, f)?;
+        Ok(())
+    }
+}
+
+/// A command in flight: its request and the memory it owns until it completes.
+struct InFlight<'d> {
+    tag: u64,
+    piece: usize,
+    opcode: u8,
+    data: Option<DmaBuf<'d>>,
+    lists: Vec<DmaBuf<'d>>,
+    deadline: Instant,
+}
+
+/// A request in flight: its commands' outcomes.
+struct Request<'d> {
+    left: usize,
+    /// Bytes of the request.
+    len: usize,
+    read: bool,
+    pieces: Vec<Option<(DmaBuf<'d>, usize)>>,
+    error: Option<DriverError>,
+}
+
+/// A queue pair reserved for one client, with any number of requests in flight. Not shared
+/// between threads: one thread submits, rings, reaps and waits.
+pub struct IoStream<'d> {
+    drv: &'d NvmeDriver,
+    /// Index of the reserved pair in the driver's I/O queues.
+    index: usize,
+    qid: u16,
+    vector: u16,
+    /// Entries written to the queue but not yet announced by the doorbell.
+    staged: usize,
+    commands: HashMap<u16, InFlight<'d>>,
+    requests: HashMap<u64, Request<'d>>,
+}
+
+impl NvmeDriver {
+    /// Reserves an I/O queue pair for a client that keeps many requests in flight; `None` when
+    /// every pair but the first is reserved already (the plain calls keep that one).
+    pub fn stream(&self) -> Option<IoStream<'_>> {
+        if self.shut_down.load(Ordering::Acquire) {
+            return None;
+        }
+        for index in 1..self.io.len() {
+            // AcqRel: the flag hands the pair over; the queue's lock orders its contents.
+            if !self.reserved[index].swap(true, Ordering::AcqRel) {
+                let q = lock(&self.io[index]);
+                let (qid, vector) = (q.qid, q.vector);
+                drop(q);
+                return Some(IoStream {
+                    drv: self,
+                    index,
+                    qid,
+                    vector,
+                    staged: 0,
+                    commands: HashMap::new(),
+                    requests: HashMap::new(),
+                });
+            }
+        }
+        None
+    }
+}
+
+impl<'d> IoStream<'d> {
+    /// The largest request a stream takes: as much as one plain request has in flight
+    /// ([`DriverConfig::max_inflight_bytes`](super::DriverConfig::max_inflight_bytes)).
+    pub fn max_request_bytes(&self) -> usize {
+        self.drv.window_bytes()
+    }
+
+    /// Commands a request of `len` bytes takes (a transfer is split at MDTS).
+    pub fn commands_for(&self, len: usize) -> usize {
+        len.div_ceil(self.drv.chunk_bytes()).max(1)
+    }
+
+    /// Whether a request of `len` bytes fits in the queue now, besides what is in flight.
+    pub fn room_for(&self, len: usize) -> bool {
+        let q = lock(&self.drv.io[self.index]);
+        q.free_slots() as usize >= self.commands_for(len)
+    }
+
+    /// Requests in flight (submitted and not yet reaped).
+    pub fn in_flight(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Submits a read of `len` bytes at byte `offset` (both multiples of the block size) under
+    /// `tag`, which must not be in flight already. Its entries go out at the next
+    /// [`IoStream::ring`].
+    pub fn submit_read(&mut self, tag: u64, offset: u64, len: usize) -> Result<()> {
+        self.submit(tag, offset, len, None, false)
+    }
+
+    /// Submits a write of `data` at byte `offset` (both multiples of the block size) under
+    /// `tag`. The data is copied into DMA memory (or the controller's memory buffer) now.
+    pub fn submit_write(&mut self, tag: u64, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.submit(tag, offset, data.len(), Some(data), fua)
+    }
+
+    fn submit(&mut self, tag: u64, offset: u64, len: usize, data: Option<&[u8]>, fua: bool) -> Result<()> {
+        let drv = self.drv;
+        let bs = drv.identity.lba_size as usize;
+        if len == 0 || !offset.is_multiple_of(bs as u64) || !len.is_multiple_of(bs) {
+            return Err(DriverError::InvalidArgument(format!(
+                "{offset}+{len} is empty or not in whole {bs}-byte blocks"
+            )));
+        }
+        if self.requests.contains_key(&tag) {
+            return Err(DriverError::InvalidArgument(format!("tag {tag} is in flight already")));
+        }
+        drv.byte_range(offset, len)?;
+        if len > self.max_request_bytes() || !self.room_for(len) {
+            return Err(DriverError::InvalidArgument(format!(
+                "no room in queue {} for {len} bytes",
+                self.qid
+            )));
+        }
+        let lba = offset / bs as u64;
+        let chunk = drv.chunk_bytes();
+        // Build every command first: a request goes in whole or not at all.
+        let mut cmds = Vec::with_capacity(len.div_ceil(chunk));
+        for at in (0..len).step_by(chunk) {
+            let n = chunk.min(len - at);
+            cmds.push((at, drv.rw_command_unfilled(data.is_some(), lba + (at / bs) as u64, n, fua)?));
+        }
+        let mut q = lock(&drv.io[self.index]);
+        let deadline = Instant::now() + drv.cfg.io_timeout;
+        let pieces = cmds.len();
+        let mut request =
+            Request { left: pieces, len, read: data.is_none(), pieces: Vec::new(), error: None };
+        request.pieces.resize_with(pieces, || None);
+        for (piece, (at, mut cmd)) in cmds.into_iter().enumerate() {
+            let staged = match (data, &cmd.data) {
+                (Some(d), Some(buf)) => drv.put(buf.addr, &d[at..(at + chunk).min(len)]),
+                _ => Ok(()),
+            }
+            .and_then(|()| self.stage(&mut q, &mut cmd));
+            if let Err(e) = staged {
+                if piece == 0 {
+                    return Err(e);
+                }
+                // The pieces already in the queue finish the request, with this error.
+                request.left = piece;
+                request.error = Some(e);
+                break;
+            }
+            let Pending { sqe, data, lists, .. } = cmd;
+            self.commands.insert(sqe.cid, InFlight { tag, piece, opcode: sqe.opcode, data, lists, deadline });
+        }
+        self.requests.insert(tag, request);
+        Ok(())
+    }
+
+    /// Writes one entry at the queue's tail (the doorbell waits for [`IoStream::ring`]).
+    fn stage(&mut self, q: &mut QueuePair, cmd: &mut Pending<'d>) -> Result<()> {
+        cmd.sqe.cid = q.next_cid;
+        q.next_cid = q.next_cid.wrapping_add(1);
+        self.drv.put(q.sq_base + u64::from(q.sq_tail) * SQE_LEN as u64, &cmd.sqe.to_bytes())?;
+        q.sq_tail = (q.sq_tail + 1) % q.entries;
+        self.staged += 1;
+        Ok(())
+    }
+
+    /// Rings the submission doorbell once for every entry submitted since the last ring.
+    pub fn ring(&mut self) -> Result<()> {
+        if self.staged == 0 {
+            return Ok(());
+        }
+        let q = lock(&self.drv.io[self.index]);
+        self.drv.bar.write32(reg::sq_tail(q.qid), q.sq_tail)?;
+        self.staged = 0;
+        Ok(())
+    }
+
+    /// Takes every completion that has arrived and appends the requests they finished to `out`
+    /// (without waiting). Requests whose time ran out finish with [`DriverError::Timeout`];
+    /// their buffers are never reused (the controller might still write them). Returns how
+    /// many requests finished.
+    pub fn reap(&mut self, out: &mut Vec<Finished<'d>>) -> Result<usize> {
+        let drv = self.drv;
+        let before = out.len();
+        let mut q = lock(&drv.io[self.index]);
+        let mut reaped = 0;
+        loop {
+            let mut b = [0u8; CQE_LEN];
+            drv.mem.read(q.cq_base + u64::from(q.cq_head) * CQE_LEN as u64, &mut b)?;
+            let c = Completion::parse(&b);
+            if c.phase != q.phase {
+                break;
+            }
+            q.cq_head += 1;
+            if q.cq_head == q.entries {
+                q.cq_head = 0;
+                q.phase = !q.phase;
+            }
+            reaped += 1;
+            if u32::from(c.sq_head) < q.entries {
+                q.sq_head = u32::from(c.sq_head);
+            }
+            match self.commands.remove(&c.cid).filter(|_| c.sq_id == q.qid) {
+                Some(cmd) => self.complete(cmd, Some(c), out),
+                // Statistics counter: Relaxed, nothing is ordered by it.
+                None => _ = drv.stats.stray_completions.fetch_add(1, Ordering::Relaxed),
+            }
+        }
+        if reaped > 0 {
+            drv.bar.write32(reg::cq_head(q.qid), q.cq_head)?;
+            // Statistics counter: Relaxed, nothing is ordered by it.
+            drv.stats.commands.fetch_add(reaped as u64, Ordering::Relaxed);
+        } else if !self.commands.is_empty() {
+            let now = Instant::now();
+            let late: Vec<u16> =
+                self.commands.iter().filter(|(_, c)| c.deadline <= now).map(|(cid, _)| *cid).collect();
+            for cid in late {
+                if let Some(cmd) = self.commands.remove(&cid) {
+                    self.complete(cmd, None, out);
+                }
+            }
+        }
+        Ok(out.len() - before)
+    }
+
+    /// Records one command's end (`None`: its time ran out) and finishes its request when it
+    /// was the last.
+    fn complete(&mut self, cmd: InFlight<'d>, c: Option<Completion>, out: &mut Vec<Finished<'d>>) {
+        let InFlight { tag, piece, opcode, data, lists, .. } = cmd;
+        let Some(req) = self.requests.get_mut(&tag) else { return };
+        req.left -= 1;
+        match c {
+            Some(c) if c.status.is_success() => {
+                if req.read {
+                    // Every piece is a whole chunk but the last.
+                    let chunk = self.drv.chunk_bytes();
+                    let len = chunk.min(req.len - piece * chunk);
+                    req.pieces[piece] = data.map(|d| (d, len));
+                }
+            }
+            Some(c) => {
+                req.error.get_or_insert(DriverError::Status { status: c.status, opcode, qid: self.qid });
+            }
+            None => {
+                for b in data.into_iter().chain(lists) {
+                    // Statistics counter: Relaxed, nothing is ordered by it.
+                    self.drv.stats.quarantined_pages.fetch_add(b.pages as u64, Ordering::Relaxed);
+                    std::mem::forget(b);
+                }
+                req.error.get_or_insert(DriverError::Timeout(format!(
+                    "command {opcode:#04x} on queue {} (a streamed request)",
+                    self.qid
+                )));
+            }
+        }
+        if req.left > 0 {
+            return;
+        }
+        let Some(req) = self.requests.remove(&tag) else { return };
+        let (result, data) = match req.error {
+            Some(e) => (Err(e), Vec::new()),
+            None => (Ok(()), req.pieces.into_iter().flatten().collect()),
+        };
+        out.push(Finished { tag, result, data, drv: self.drv });
+    }
+
+    /// Waits until a completion may have arrived: polls the completion queue for the
+    /// driver's [`poll_spin`](super::DriverConfig::poll_spin) in
+    /// [`CompletionMode::Poll`](super::CompletionMode::Poll), then sleeps on the queue's
+    /// interrupt for at most `timeout`. Returns at once when nothing is in flight.
+    pub fn wait(&mut self, timeout: Duration) {
+        if self.commands.is_empty() {
+            return;
+        }
+        let drv = self.drv;
+        if drv.cfg.completion == super::CompletionMode::Poll {
+            let start = Instant::now();
+            let mut spins = 0u32;
+            while start.elapsed() < drv.cfg.poll_spin {
+                if self.arrived() {
+                    return;
+                }
+                spins += 1;
+                if spins < 64 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        if !self.arrived() && drv.irq.wait_vector(self.vector, timeout) {
+            // Statistics counter: Relaxed, nothing is ordered by it.
+            drv.stats.interrupts.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the entry at the completion queue's head has been written.
+    fn arrived(&self) -> bool {
+        let q = lock(&self.drv.io[self.index]);
+        let mut b = [0u8; CQE_LEN];
+        match self.drv.mem.read(q.cq_base + u64::from(q.cq_head) * CQE_LEN as u64, &mut b) {
+            Ok(()) => Completion::parse(&b).phase == q.phase,
+            Err(_) => true,
+        }
+    }
+}
+
+impl Drop for IoStream<'_> {
+    /// Waits for what is still in flight (at most the driver's I/O timeout), then gives the
+    /// queue pair back.
+    fn drop(&mut self) {
+        let _ = self.ring();
+        let mut out = Vec::new();
+        while !self.commands.is_empty() {
+            if self.reap(&mut out).is_err() {
+                break;
+            }
+            out.clear();
+            self.wait(Duration::from_millis(5));
+        }
+        // Commands that never completed keep their buffers out of use for good.
+        for (_, cmd) in self.commands.drain() {
+            for b in cmd.data.into_iter().chain(cmd.lists) {
+                // Statistics counter: Relaxed, nothing is ordered by it.
+                self.drv.stats.quarantined_pages.fetch_add(b.pages as u64, Ordering::Relaxed);
+                std::mem::forget(b);
+            }
+        }
+        // Release: the pair's state is published by its lock, the flag hands it back.
+        self.drv.reserved[self.index].store(false, Ordering::Release);
+    }
+}

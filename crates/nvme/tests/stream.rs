@@ -1,0 +1,193 @@
+//! A queue pair reserved for one client with many requests in flight (`NvmeDriver::stream`):
+//! requests submitted together and reaped in one pass move the right bytes, the plain calls
+//! keep off a reserved pair, a request that does not fit is refused whole, a timed-out request
+//! quarantines its buffers, and the pair goes back when the stream ends.
+
+mod common;
+use common::*;
+
+use lanbus_nvme::local::{LocalNvme, ProcessMode};
+use lanbus_nvme::{CompletionMode, ControllerConfig, DriverConfig, DriverError, Finished};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// Reaps until `want` requests finished (or a second passes), waiting on the queue between.
+fn reap_all<'d>(s: &mut lanbus_nvme::IoStream<'d>, want: usize) -> Vec<Finished<'d>> {
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while out.len() < want && Instant::now() < deadline {
+        s.reap(&mut out).unwrap();
+        s.wait(Duration::from_millis(5));
+    }
+    out
+}
+
+fn lent(f: &Finished<'_>) -> Vec<u8> {
+    let mut v = Vec::new();
+    f.lend(&mut |parts| parts.iter().for_each(|p| v.extend_from_slice(p))).unwrap();
+    v
+}
+
+#[test]
+fn requests_in_flight_together_move_the_right_bytes() {
+    // A small MDTS (8 KiB) so that larger requests are several commands.
+    let cfg = ControllerConfig { mdts: 1, ..ControllerConfig::default() };
+    for completion in [CompletionMode::Interrupt, CompletionMode::Poll] {
+        let l = LocalNvme::new(controller(512, 8 * MIB, cfg.clone()), 4096, ProcessMode::Thread);
+        let d = l.driver(DriverConfig { io_queues: 3, completion, ..DriverConfig::default() }).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut model = vec![0u8; 8 << 20];
+        let mut s = d.stream().expect("a pair to reserve");
+        for round in 0..20u64 {
+            // A batch of disjoint writes, started with one doorbell.
+            let mut written = HashMap::new();
+            for i in 0..16u64 {
+                let len = 512 * rng.random_range(1..=64usize);
+                let offset = (i * (64 << 10)) + 512 * rng.random_range(0..64u64);
+                let data = pattern(round * 100 + i, len);
+                s.submit_write(i, offset, &data, false).unwrap();
+                written.insert(i, (offset, data));
+            }
+            s.ring().unwrap();
+            let done = reap_all(&mut s, 16);
+            assert_eq!(done.len(), 16, "round {round}: every write finished");
+            for f in &done {
+                assert!(f.result.is_ok(), "{:?}", f.result);
+                let (offset, data) = &written[&f.tag];
+                model[*offset as usize..*offset as usize + data.len()].copy_from_slice(data);
+            }
+            drop(done);
+            // Reads of the same ranges and of ranges around them, all in flight at once.
+            let mut asked = HashMap::new();
+            for i in 0..16u64 {
+                let len = 512 * rng.random_range(1..=128usize);
+                let offset = 512 * rng.random_range(0..(16_000 - len as u64 / 512));
+                s.submit_read(100 + i, offset, len).unwrap();
+                asked.insert(100 + i, (offset as usize, len));
+            }
+            assert_eq!(s.in_flight(), 16);
+            s.ring().unwrap();
+            for f in reap_all(&mut s, 16) {
+                assert!(f.result.is_ok(), "{:?}", f.result);
+                let (offset, len) = asked[&f.tag];
+                assert!(lent(&f) == model[offset..offset + len], "round {round}: read {offset}+{len}");
+            }
+            assert_eq!(s.in_flight(), 0);
+        }
+        drop(s);
+        drop(d);
+        assert_eq!(l.region().pages_in_use(), 0, "every DMA buffer freed");
+    }
+}
+
+#[test]
+fn reserved_pairs_are_left_to_their_stream_and_given_back() {
+    let l = local(512, 4 * MIB, ProcessMode::Thread);
+    let d = l.driver(DriverConfig { io_queues: 3, ..DriverConfig::default() }).unwrap();
+    // The first pair stays with the plain calls: two of three can be reserved.
+    let a = d.stream().unwrap();
+    let mut b = d.stream().unwrap();
+    assert!(d.stream().is_none(), "the first pair is never reserved");
+    // Plain calls from threads meanwhile, while `b` has requests in flight: none of them may
+    // take `b`'s completions (it would count them as stray and `b` would wait forever).
+    let data = pattern(3, 64 << 10);
+    for i in 0..8u64 {
+        b.submit_write(i, i * (64 << 10), &data, false).unwrap();
+    }
+    b.ring().unwrap();
+    std::thread::scope(|sc| {
+        for t in 0..4u64 {
+            let d = &d;
+            sc.spawn(move || {
+                let mine = pattern(10 + t, 4096);
+                for k in 0..50u64 {
+                    let at = (2 * MIB) + (t * 64 + k % 64) * 4096;
+                    d.write_at(at, &mine, false).unwrap();
+                    let mut back = vec![0u8; 4096];
+                    d.read_at(at, &mut back).unwrap();
+                    assert!(back == mine);
+                }
+            });
+        }
+    });
+    let done = reap_all(&mut b, 8);
+    assert_eq!(done.len(), 8);
+    assert!(done.iter().all(|f| f.result.is_ok()));
+    drop(done);
+    assert_eq!(d.stats().stray_completions.load(Ordering::Relaxed), 0);
+    drop(a);
+    drop(b);
+    // Both pairs are free again.
+    let _a = d.stream().unwrap();
+    let _b = d.stream().unwrap();
+    assert!(d.stream().is_none());
+}
+
+#[test]
+fn requests_that_do_not_fit_are_refused_whole() {
+    let l = local(512, 4 * MIB, ProcessMode::Thread);
+    let d = l
+        .driver(DriverConfig {
+            io_queues: 2,
+            queue_entries: 8,
+            max_inflight_bytes: 1 << 20,
+            ..DriverConfig::default()
+        })
+        .unwrap();
+    let mut s = d.stream().unwrap();
+    let bad = |r: Result<(), DriverError>| matches!(r, Err(DriverError::InvalidArgument(_)));
+    assert!(bad(s.submit_read(1, 100, 512)), "misaligned");
+    assert!(bad(s.submit_read(1, 0, 0)), "empty");
+    assert!(bad(s.submit_read(1, 4 * MIB - 512, 1024)), "past the end");
+    assert!(bad(s.submit_read(1, 0, 2 << 20)), "larger than a request may be");
+    // Seven entries fit a queue of eight; the eighth request waits for room.
+    for t in 0..7 {
+        assert!(s.room_for(4096));
+        s.submit_read(t, t * 4096, 4096).unwrap();
+    }
+    assert!(!s.room_for(4096));
+    assert!(bad(s.submit_read(7, 0, 4096)), "no room");
+    assert!(bad(s.submit_read(3, 0, 4096)), "a tag in flight");
+    assert_eq!(s.in_flight(), 7, "a refused request leaves nothing behind");
+    s.ring().unwrap();
+    assert_eq!(reap_all(&mut s, 7).len(), 7);
+    assert!(s.room_for(4096));
+}
+
+#[test]
+fn a_request_that_times_out_quarantines_its_buffers() {
+    let l = local(512, 4 * MIB, ProcessMode::Thread);
+    let d = l
+        .driver(DriverConfig {
+            io_queues: 2,
+            io_timeout: Duration::from_millis(50),
+            ..DriverConfig::default()
+        })
+        .unwrap();
+    let mut s = d.stream().unwrap();
+    l.pause(true);
+    s.submit_read(9, 0, 8192).unwrap();
+    s.ring().unwrap();
+    let done = reap_all(&mut s, 1);
+    assert_eq!(done.len(), 1);
+    assert!(matches!(done[0].result, Err(DriverError::Timeout(_))), "{:?}", done[0].result);
+    assert!(d.stats().quarantined_pages.load(Ordering::Relaxed) >= 2);
+    drop(done);
+    l.pause(false);
+    // The late completion is dropped as stray; the stream goes on.
+    s.submit_write(10, 0, &[4u8; 512], false).unwrap();
+    s.ring().unwrap();
+    let done = reap_all(&mut s, 1);
+    assert!(done[0].result.is_ok());
+    drop(done);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while d.stats().stray_completions.load(Ordering::Relaxed) == 0 && Instant::now() < deadline {
+        let mut out = Vec::new();
+        s.reap(&mut out).unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(d.stats().stray_completions.load(Ordering::Relaxed), 1);
+}
