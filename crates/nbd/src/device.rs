@@ -139,6 +139,13 @@ pub trait BlockDevice: Send + Sync {
         check_range(self.size_bytes(), offset, len)
     }
 
+    /// A queue of this connection's own for many requests in flight at once, driven by one
+    /// thread (see [`BlockQueue`]); `None` (the default) when the device has none to give. The
+    /// server then runs requests on worker threads through the calls above.
+    fn queue(&self) -> Option<Box<dyn BlockQueue + '_>> {
+        None
+    }
+
     /// Writes `len` zero bytes at `offset`; with `may_trim` the device may deallocate the range
     /// instead as long as it reads back as zeroes. The default writes zeroes in 1 MiB pieces.
     fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> Result<(), DeviceError> {
@@ -153,6 +160,45 @@ pub trait BlockDevice: Send + Sync {
         }
         Ok(())
     }
+}
+
+/// How a [`BlockQueue`] reports a finished request: its tag and, on success, a read's data
+/// where it lies (a write's is empty).
+pub type Reaped<'a> = Result<&'a [&'a [u8]], DeviceError>;
+
+/// Reads and writes in flight at once on one connection, submitted, started and reaped by one
+/// thread: a request goes in without waiting for the ones before it, the requests submitted
+/// together start at once ([`BlockQueue::start`]), and every request that finished is taken in
+/// one pass ([`BlockQueue::reap`]). What a device with deep queues of its own (NVMe) offers, so
+/// that a connection at depth 32 needs one thread rather than 32.
+///
+/// Ranges are checked by the server as for [`BlockDevice`]; tags are the caller's and unique
+/// among the requests in flight.
+pub trait BlockQueue {
+    /// The largest request this queue takes; larger ones go through [`BlockDevice`]'s calls.
+    fn max_request_bytes(&self) -> usize;
+
+    /// Requests submitted and not yet reaped.
+    fn in_flight(&self) -> usize;
+
+    /// Submits a read of `len` bytes at `offset`. `Ok(false)`: no room now, submit it again
+    /// once requests in flight have been reaped.
+    fn submit_read(&mut self, tag: u64, offset: u64, len: usize) -> Result<bool, DeviceError>;
+
+    /// Submits a write of `data` at `offset` (durable when it finishes, with `fua`). `Ok(false)`
+    /// as for [`BlockQueue::submit_read`].
+    fn submit_write(&mut self, tag: u64, offset: u64, data: &[u8], fua: bool) -> Result<bool, DeviceError>;
+
+    /// Starts every request submitted since the last call.
+    fn start(&mut self) -> Result<(), DeviceError>;
+
+    /// Calls `done` for every request that has finished, without waiting: its tag and, on
+    /// success, a read's data where it lies (a write's is empty). Returns how many finished.
+    fn reap(&mut self, done: &mut dyn FnMut(u64, Reaped<'_>)) -> Result<usize, DeviceError>;
+
+    /// Waits at most `timeout` for a request in flight to finish (returns at once when none
+    /// is in flight; may return early).
+    fn wait(&mut self, timeout: std::time::Duration);
 }
 
 /// Checks that `offset..offset+len` lies inside a device of `size` bytes.

@@ -45,7 +45,7 @@ pub mod proto;
 pub mod server;
 
 pub use client::{Client, ClientError, Completion};
-pub use device::{BlockDevice, DeviceError, FileDevice, MemDevice};
+pub use device::{BlockDevice, BlockQueue, DeviceError, FileDevice, MemDevice, Reaped};
 #[cfg(any(test, fuzzing))]
 pub use handshake::fuzz_handshake;
 pub use proto::Errno;

@@ -36,6 +36,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::device::BlockDevice;
+
+mod pipeline;
 use crate::handshake::{negotiate, ExportInfo, HandshakeError, Outcome};
 use crate::proto::*;
 use crate::Error;
@@ -79,6 +81,15 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.set_write_timeout(t),
             Stream::Unix(s) => s.set_write_timeout(t),
+        }
+    }
+
+    /// The socket's descriptor.
+    fn raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Unix(s) => s.as_raw_fd(),
         }
     }
 
@@ -714,19 +725,28 @@ fn serve_connection(inner: &Arc<Inner>, stream: Stream) -> Result<Ended, ConnErr
         budget: Budget::new(inner.config.inflight_bytes_per_connection),
         broken: AtomicBool::new(false),
     };
-    // Leader/followers: whichever worker holds the reader reads one request, lets the next idle
-    // worker take the reader, and executes the request itself. A request is run by the thread
-    // that read it, with no hand-off (and no wake-up of another thread) in between.
-    let reader = Mutex::new(Leader { reader, ended: None });
-    std::thread::scope(|scope| {
-        for _ in 1..inner.config.workers_per_connection {
-            let (conn, reader, limits) = (&conn, &reader, &limits);
-            scope.spawn(move || conn.worker(reader, limits));
+    let result = match export.device.queue() {
+        // A device queue of the connection's own: one thread for every request in flight.
+        Some(mut queue) => {
+            let inbox = pipeline::Inbox::new(reader.get_ref().inner.raw_fd(), reader.buffer());
+            conn.pipeline(inbox, &mut *queue, &limits)
         }
-        conn.worker(&reader, &limits);
-    });
-    let result =
-        reader.into_inner().unwrap_or_else(|p| p.into_inner()).ended.unwrap_or(Ok(Ended::Disconnected));
+        None => {
+            // Leader/followers: whichever worker holds the reader reads one request, lets the
+            // next idle worker take the reader, and executes the request itself. A request is
+            // run by the thread that read it, with no hand-off (and no wake-up of another
+            // thread) in between.
+            let reader = Mutex::new(Leader { reader, ended: None });
+            std::thread::scope(|scope| {
+                for _ in 1..inner.config.workers_per_connection {
+                    let (conn, reader, limits) = (&conn, &reader, &limits);
+                    scope.spawn(move || conn.worker(reader, limits));
+                }
+                conn.worker(&reader, &limits);
+            });
+            reader.into_inner().unwrap_or_else(|p| p.into_inner()).ended.unwrap_or(Ok(Ended::Disconnected))
+        }
+    };
     // Workers are joined: every reply is sent. A client that leaves gets its writes flushed.
     if !export.read_only {
         if let Err(e) = export.device.flush() {
@@ -811,6 +831,11 @@ impl Budget {
     fn give(&self, n: u64) {
         *self.available.lock().unwrap_or_else(|p| p.into_inner()) += n;
         self.freed.notify_one();
+    }
+
+    /// Bytes free now.
+    fn available(&self) -> u64 {
+        *self.available.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 

@@ -10,12 +10,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lanbus_bridge::{HostBridge, HostedFunction, RemoteFunction};
-use lanbus_nbd::{BlockDevice, DeviceError, Errno};
+use lanbus_nbd::{BlockDevice, BlockQueue, DeviceError, Errno, Reaped};
 use lanbus_nvme::backing::{BackingTime, Timed};
 use lanbus_nvme::pcie::{attach, FunctionStats, NvmeFunction};
 use lanbus_nvme::{
-    Backing, CompletionMode, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking,
-    HostRegion, NvmeDriver, RamBacking,
+    Backing, CompletionMode, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking, Finished,
+    HostRegion, IoStream, NvmeDriver, RamBacking,
 };
 
 use crate::{parse_size, Error, Result};
@@ -76,6 +76,78 @@ impl BlockDevice for NvmeBlock {
     }
     fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> core::result::Result<(), DeviceError> {
         self.drv.write_zeroes_at(offset, len, may_trim).map_err(nbd_error)
+    }
+    fn queue(&self) -> Option<Box<dyn BlockQueue + '_>> {
+        let stream = self.drv.stream()?;
+        Some(Box::new(NvmeQueue { stream, finished: Vec::new() }))
+    }
+}
+
+/// An NBD connection's requests in flight on a queue pair of the driver's reserved for it.
+struct NvmeQueue<'d> {
+    stream: IoStream<'d>,
+    finished: Vec<Finished<'d>>,
+}
+
+impl NvmeQueue<'_> {
+    /// `Ok(false)` when the request must wait for room (queue entries or DMA memory) that
+    /// requests in flight will free.
+    fn submitted(&self, r: core::result::Result<(), DriverError>) -> core::result::Result<bool, DeviceError> {
+        match r {
+            Ok(()) => Ok(true),
+            Err(DriverError::OutOfDmaMemory(_)) if self.stream.in_flight() > 0 => Ok(false),
+            Err(e) => Err(nbd_error(e)),
+        }
+    }
+}
+
+impl BlockQueue for NvmeQueue<'_> {
+    fn max_request_bytes(&self) -> usize {
+        self.stream.max_request_bytes()
+    }
+    fn in_flight(&self) -> usize {
+        self.stream.in_flight()
+    }
+    fn submit_read(&mut self, tag: u64, offset: u64, len: usize) -> core::result::Result<bool, DeviceError> {
+        if !self.stream.room_for(len) {
+            return Ok(false);
+        }
+        let r = self.stream.submit_read(tag, offset, len);
+        self.submitted(r)
+    }
+    fn submit_write(
+        &mut self,
+        tag: u64,
+        offset: u64,
+        data: &[u8],
+        fua: bool,
+    ) -> core::result::Result<bool, DeviceError> {
+        if !self.stream.room_for(data.len()) {
+            return Ok(false);
+        }
+        let r = self.stream.submit_write(tag, offset, data, fua);
+        self.submitted(r)
+    }
+    fn start(&mut self) -> core::result::Result<(), DeviceError> {
+        self.stream.ring().map_err(nbd_error)
+    }
+    fn reap(&mut self, done: &mut dyn FnMut(u64, Reaped<'_>)) -> core::result::Result<usize, DeviceError> {
+        let n = self.stream.reap(&mut self.finished).map_err(nbd_error)?;
+        for f in self.finished.drain(..) {
+            let tag = f.tag;
+            match f.result {
+                Ok(()) => {
+                    if let Err(e) = f.lend(&mut |data| done(tag, Ok(data))) {
+                        done(tag, Err(nbd_error(e)));
+                    }
+                }
+                Err(ref e) => done(tag, Err(nbd_error(e.clone()))),
+            }
+        }
+        Ok(n)
+    }
+    fn wait(&mut self, timeout: Duration) {
+        self.stream.wait(timeout);
     }
 }
 
@@ -175,7 +247,9 @@ pub const COMPLETION: CompletionMode = CompletionMode::Poll;
 /// The driver settings the daemons use.
 pub fn driver_config() -> DriverConfig {
     DriverConfig {
-        io_queues: 4,
+        // The first pair serves the plain calls; each of the others can be one NBD
+        // connection's own (`NvmeDriver::stream`).
+        io_queues: 8,
         io_timeout: Duration::from_secs(10),
         max_inflight_bytes: 2 << 20,
         completion: COMPLETION,

@@ -1,0 +1,370 @@
+//! A device with queues of its own (`BlockDevice::queue`): one thread serves all of a
+//! connection's requests, which finish in any order, wait when the queue is full, and fall back
+//! to the plain calls when the queue does not take them; nothing is lost when the client
+//! disconnects, leaves with requests in flight, or sends a request in pieces.
+
+mod common;
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use lanbus_nbd::proto::*;
+use lanbus_nbd::{BlockDevice, BlockQueue, Client, DeviceError, Errno, Export, MemDevice, Reaped, Stream};
+use rand::{Rng, RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Bytes of the region whose reads and writes the queue fails.
+const BAD: std::ops::Range<u64> = (7 << 20)..(7 << 20) + 4096;
+
+/// A RAM device that hands out up to `queues` queues, each taking requests of up to 64 KiB
+/// with room for `room` at once, finishing them in a seeded random order a few at a time.
+struct QueuedMem {
+    mem: MemDevice,
+    queues: AtomicUsize,
+    room: usize,
+    /// Most requests any queue held at once, and requests the queues finished.
+    most_in_flight: AtomicUsize,
+    finished: AtomicU64,
+    /// Queues dropped with requests still in flight (must stay 0).
+    dropped_busy: AtomicUsize,
+    seed: AtomicU64,
+}
+
+impl QueuedMem {
+    fn new(size: u64, queues: usize, room: usize) -> QueuedMem {
+        QueuedMem {
+            mem: MemDevice::new(size),
+            queues: AtomicUsize::new(queues),
+            room,
+            most_in_flight: AtomicUsize::new(0),
+            finished: AtomicU64::new(0),
+            dropped_busy: AtomicUsize::new(0),
+            seed: AtomicU64::new(1),
+        }
+    }
+}
+
+enum Op {
+    Read { offset: u64, len: usize },
+    Write { offset: u64, data: Vec<u8> },
+}
+
+struct MemQueue<'a> {
+    dev: &'a QueuedMem,
+    rng: ChaCha8Rng,
+    submitted: Vec<(u64, Op)>,
+    started: Vec<(u64, Op)>,
+}
+
+impl BlockQueue for MemQueue<'_> {
+    fn max_request_bytes(&self) -> usize {
+        64 << 10
+    }
+    fn in_flight(&self) -> usize {
+        self.submitted.len() + self.started.len()
+    }
+    fn submit_read(&mut self, tag: u64, offset: u64, len: usize) -> Result<bool, DeviceError> {
+        self.submit(tag, Op::Read { offset, len })
+    }
+    fn submit_write(&mut self, tag: u64, offset: u64, data: &[u8], _fua: bool) -> Result<bool, DeviceError> {
+        self.submit(tag, Op::Write { offset, data: data.to_vec() })
+    }
+    fn start(&mut self) -> Result<(), DeviceError> {
+        self.started.append(&mut self.submitted);
+        Ok(())
+    }
+    fn reap(&mut self, done: &mut dyn FnMut(u64, Reaped<'_>)) -> Result<usize, DeviceError> {
+        // Only started requests finish, a few at a time, in any order.
+        let n = self.rng.random_range(0..=3).min(self.started.len());
+        for _ in 0..n {
+            let i = self.rng.random_range(0..self.started.len());
+            let (tag, op) = self.started.swap_remove(i);
+            let bad = |offset: u64| BAD.contains(&offset);
+            match op {
+                Op::Read { offset, .. } | Op::Write { offset, .. } if bad(offset) => {
+                    done(tag, Err(DeviceError::Device { errno: Errno::Io, message: "bad block".into() }))
+                }
+                Op::Read { offset, len } => {
+                    let mut buf = vec![0u8; len];
+                    self.dev.mem.read_at(offset, &mut buf).unwrap();
+                    // Lent in odd pieces, as a device's DMA buffers might be.
+                    let pieces: Vec<&[u8]> = buf.chunks(3000).collect();
+                    done(tag, Ok(&pieces));
+                }
+                Op::Write { offset, data } => {
+                    self.dev.mem.write_at(offset, &data, false).unwrap();
+                    done(tag, Ok(&[]));
+                }
+            }
+            self.dev.finished.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(n)
+    }
+    fn wait(&mut self, _timeout: Duration) {
+        if !self.started.is_empty() {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+impl MemQueue<'_> {
+    fn submit(&mut self, tag: u64, op: Op) -> Result<bool, DeviceError> {
+        if self.in_flight() >= self.dev.room {
+            return Ok(false);
+        }
+        assert!(
+            !self.submitted.iter().chain(&self.started).any(|(t, _)| *t == tag),
+            "tag {tag} submitted twice"
+        );
+        self.submitted.push((tag, op));
+        self.dev.most_in_flight.fetch_max(self.in_flight(), Ordering::Relaxed);
+        Ok(true)
+    }
+}
+
+impl Drop for MemQueue<'_> {
+    fn drop(&mut self) {
+        if self.in_flight() > 0 {
+            self.dev.dropped_busy.fetch_add(1, Ordering::Relaxed);
+        }
+        self.dev.queues.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl BlockDevice for QueuedMem {
+    fn size_bytes(&self) -> u64 {
+        self.mem.size_bytes()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        self.mem.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
+        self.mem.write_at(offset, data, fua)
+    }
+    fn flush(&self) -> Result<(), DeviceError> {
+        self.mem.flush()
+    }
+    fn queue(&self) -> Option<Box<dyn BlockQueue + '_>> {
+        self.queues.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).ok()?;
+        let seed = self.seed.fetch_add(1, Ordering::Relaxed);
+        Some(Box::new(MemQueue {
+            dev: self,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            submitted: Vec::new(),
+            started: Vec::new(),
+        }))
+    }
+}
+
+fn start(dev: &Arc<QueuedMem>, tag: &str) -> TestServer {
+    TestServer::start(tag, vec![Export::new("export", dev.clone() as Arc<dyn BlockDevice>)])
+}
+
+/// Runs `f` on a thread of its own and fails the test if it takes more than 60 seconds (a
+/// request the server lost would otherwise hang it).
+fn bounded<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(60)).expect("the client got every reply in time")
+}
+
+#[test]
+fn requests_on_queues_and_plain_ones_match_a_model() {
+    const CONNS: u64 = 4;
+    const REGION: u64 = 1 << 20;
+    // Two queues for four connections: two are served by the queue, two by workers.
+    let dev = Arc::new(QueuedMem::new(8 << 20, 2, 6));
+    let srv = start(&dev, "queue-model");
+    let socket = srv.socket.clone();
+    let models = bounded(move || {
+        let threads: Vec<_> = (0..CONNS)
+            .map(|i| {
+                let socket = socket.clone();
+                std::thread::spawn(move || {
+                    let mut rng = ChaCha8Rng::seed_from_u64(100 + i);
+                    let mut c = Client::connect_unix(&socket, "export").unwrap();
+                    let base = REGION * i;
+                    let mut model = vec![0u8; REGION as usize];
+                    for round in 0..6 {
+                        // Writes to disjoint 128 KiB blocks, some larger than the queue takes.
+                        let mut blocks: Vec<u64> = (0..REGION / (128 << 10)).collect();
+                        for k in (1..blocks.len()).rev() {
+                            blocks.swap(k, rng.random_range(0..=k));
+                        }
+                        for &b in &blocks {
+                            let len = 512 * rng.random_range(1..=256usize);
+                            let mut data = vec![0u8; len];
+                            rng.fill_bytes(&mut data);
+                            let off = b * (128 << 10);
+                            model[off as usize..off as usize + len].copy_from_slice(&data);
+                            c.submit(Command::Write, 0, base + off, len as u32, &data).unwrap();
+                        }
+                        if round % 2 == 1 {
+                            // A flush among writes in flight waits for nothing and breaks nothing.
+                            c.submit(Command::Flush, 0, 0, 0, &[]).unwrap();
+                        }
+                        while c.in_flight() > 0 {
+                            assert_eq!(c.complete().unwrap().error, 0);
+                        }
+                        let mut expect = HashMap::new();
+                        for _ in 0..24 {
+                            let len = 512 * rng.random_range(1..=200u64);
+                            let off = 512 * rng.random_range(0..(REGION - len) / 512);
+                            let h = c.submit(Command::Read, 0, base + off, len as u32, &[]).unwrap();
+                            expect.insert(h, model[off as usize..(off + len) as usize].to_vec());
+                        }
+                        while c.in_flight() > 0 {
+                            let d = c.complete().unwrap();
+                            assert_eq!(d.error, 0);
+                            assert!(expect.remove(&d.handle).unwrap() == d.data, "read mismatch");
+                        }
+                    }
+                    c.disconnect().unwrap();
+                    model
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect::<Vec<_>>()
+    });
+    for (i, model) in models.into_iter().enumerate() {
+        assert!(read_all(&*dev, REGION * i as u64, REGION as usize) == model, "connection {i}'s region");
+    }
+    wait_for("connections to close", || srv.server.stats().connections_active == 0);
+    let most = dev.most_in_flight.load(Ordering::Relaxed);
+    assert!(most > 1 && most <= 6, "the queues held several requests, never more than their room: {most}");
+    assert!(dev.finished.load(Ordering::Relaxed) > 0);
+    assert_eq!(dev.dropped_busy.load(Ordering::Relaxed), 0, "every queue ended empty");
+    assert_eq!(dev.queues.load(Ordering::Relaxed), 2, "every queue went back");
+    let s = srv.server.stats();
+    assert_eq!(s.requests_write, CONNS * 6 * 8);
+    assert_eq!(s.requests_read, CONNS * 6 * 24);
+    assert_eq!(s.protocol_disconnects + s.device_errors + s.requests_refused, 0, "{s:?}");
+}
+
+#[test]
+fn errors_refusals_and_other_commands_keep_their_replies_apart() {
+    let dev = Arc::new(QueuedMem::new(8 << 20, 1, 4));
+    let srv = start(&dev, "queue-errors");
+    let socket = srv.socket.clone();
+    bounded(move || {
+        let mut c = Client::connect_unix(&socket, "export").unwrap();
+        let mut want = HashMap::new();
+        c.write(0, &[9; 4096], false).unwrap();
+        want.insert(c.submit(Command::Read, 0, BAD.start, 4096, &[]).unwrap(), Errno::Io.as_u32());
+        want.insert(c.submit(Command::Write, 0, BAD.start, 512, &[1; 512]).unwrap(), Errno::Io.as_u32());
+        // Out of range and misaligned: refused before any queue sees them.
+        want.insert(c.submit(Command::Read, 0, 8 << 20, 512, &[]).unwrap(), Errno::Inval.as_u32());
+        want.insert(c.submit(Command::Read, 0, 100, 512, &[]).unwrap(), Errno::Inval.as_u32());
+        want.insert(c.submit(Command::WriteZeroes, 0, 1 << 20, 8192, &[]).unwrap(), 0);
+        want.insert(c.submit(Command::Trim, 0, 2 << 20, 8192, &[]).unwrap(), 0);
+        want.insert(c.submit(Command::Read, 0, 4096, 200 << 10, &[]).unwrap(), 0);
+        for _ in 0..8 {
+            want.insert(c.submit(Command::Read, 0, 0, 4096, &[]).unwrap(), 0);
+        }
+        while c.in_flight() > 0 {
+            let d = c.complete().unwrap();
+            assert_eq!(Some(d.error), want.remove(&d.handle), "handle {}", d.handle);
+            if d.error == 0 && d.data.len() == 4096 {
+                assert!(d.data == vec![9; 4096]);
+            }
+        }
+        assert!(want.is_empty());
+        c.disconnect().unwrap();
+    });
+    wait_for("the connection to close", || srv.server.stats().connections_active == 0);
+    let s = srv.server.stats();
+    assert_eq!((s.device_errors, s.requests_refused), (2, 2), "{s:?}");
+    assert_eq!(dev.dropped_busy.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn writes_before_a_disconnect_or_a_hang_up_are_all_applied() {
+    let dev = Arc::new(QueuedMem::new(8 << 20, 1, 8));
+    let srv = start(&dev, "queue-leave");
+    let socket = srv.socket.clone();
+    bounded(move || {
+        // NBD_CMD_DISC right behind 32 writes: the server answers none of them after it, but
+        // applies every one before it closes.
+        let mut c = Client::connect_unix(&socket, "export").unwrap();
+        for i in 0..32u64 {
+            c.submit(Command::Write, 0, i * 4096, 4096, &[i as u8 + 1; 4096]).unwrap();
+        }
+        c.submit(Command::Disc, 0, 0, 0, &[]).unwrap();
+        // A client that hangs up with writes in flight: NBD promises nothing of the writes it
+        // got no reply for, but each block is written whole or not at all, and nothing stays
+        // in the queue.
+        let mut c = Client::connect_unix(&socket, "export").unwrap();
+        for i in 32..64u64 {
+            c.submit(Command::Write, 0, i * 4096, 4096, &[i as u8 + 1; 4096]).unwrap();
+        }
+        drop(c);
+    });
+    wait_for("both connections to close", || srv.server.stats().connections_active == 0);
+    for i in 0..64u64 {
+        let block = read_all(&*dev, i * 4096, 4096);
+        let whole = block == vec![i as u8 + 1; 4096];
+        assert!(
+            whole || (i >= 32 && block == vec![0; 4096]),
+            "block {i} written before the disconnect, or whole"
+        );
+    }
+    assert_eq!(dev.dropped_busy.load(Ordering::Relaxed), 0, "nothing was left in a queue");
+}
+
+#[test]
+fn a_request_sent_in_pieces_waits_for_its_last_byte() {
+    let dev = Arc::new(QueuedMem::new(8 << 20, 1, 8));
+    let srv = start(&dev, "queue-pieces");
+    let socket = srv.socket.clone();
+    bounded(move || {
+        let raw = UnixStream::connect(&socket).unwrap();
+        let c = Client::handshake(Stream::Unix(raw.try_clone().unwrap()), "export").unwrap();
+        drop(c);
+        let mut w = raw.try_clone().unwrap();
+        let mut r = raw;
+        let header = |command, handle, offset: u64, length: u32| {
+            RequestHeader { flags: 0, command, handle, offset, length }.emit()
+        };
+        // A read in flight, then a write whose header and payload come in pieces.
+        w.write_all(&header(Command::Read, 1, 0, 4096)).unwrap();
+        let mut write = header(Command::Write, 2, 8192, 8192).to_vec();
+        write.extend_from_slice(&[0x5A; 8192]);
+        let mut pending: VecDeque<&[u8]> = write.chunks(1000).collect();
+        while let Some(piece) = pending.pop_front() {
+            w.write_all(piece).unwrap();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // Both answered: the read with its 4 KiB, the write with its header only.
+        let mut got = HashMap::new();
+        for _ in 0..2 {
+            let mut hb = [0u8; SimpleReply::LEN];
+            r.read_exact(&mut hb).unwrap();
+            let reply = SimpleReply::parse(&hb).unwrap();
+            assert_eq!(reply.error, 0);
+            if reply.handle == 1 {
+                let mut data = vec![0u8; 4096];
+                r.read_exact(&mut data).unwrap();
+            }
+            got.insert(reply.handle, ());
+        }
+        assert_eq!(got.len(), 2);
+        w.write_all(&header(Command::Disc, 3, 0, 0)).unwrap();
+    });
+    wait_for("the connection to close", || srv.server.stats().connections_active == 0);
+    assert!(read_all(&*dev, 8192, 8192) == vec![0x5A; 8192]);
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(10), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
