@@ -89,7 +89,18 @@ struct NvmeQueue<'d> {
     finished: Vec<Finished<'d>>,
 }
 
+/// Bytes an NBD connection keeps in flight on its queue pair: more large requests at once gain
+/// nothing once the fabric is busy, and their buffers only push each other out of the caches.
+const QUEUE_INFLIGHT_BYTES: usize = 4 << 20;
+
 impl NvmeQueue<'_> {
+    /// Whether a request of `len` bytes may go in now: the queue has entries for it, and the
+    /// bytes in flight stay within [`QUEUE_INFLIGHT_BYTES`] (a request alone always may).
+    fn room_for(&self, len: usize) -> bool {
+        let s = &self.stream;
+        s.room_for(len) && (s.in_flight() == 0 || s.in_flight_bytes() + len <= QUEUE_INFLIGHT_BYTES)
+    }
+
     /// `Ok(false)` when the request must wait for room (queue entries or DMA memory) that
     /// requests in flight will free.
     fn submitted(&self, r: core::result::Result<(), DriverError>) -> core::result::Result<bool, DeviceError> {
@@ -109,7 +120,7 @@ impl BlockQueue for NvmeQueue<'_> {
         self.stream.in_flight()
     }
     fn submit_read(&mut self, tag: u64, offset: u64, len: usize) -> core::result::Result<bool, DeviceError> {
-        if !self.stream.room_for(len) {
+        if !self.room_for(len) {
             return Ok(false);
         }
         let r = self.stream.submit_read(tag, offset, len);
@@ -122,7 +133,7 @@ impl BlockQueue for NvmeQueue<'_> {
         data: &[u8],
         fua: bool,
     ) -> core::result::Result<bool, DeviceError> {
-        if !self.stream.room_for(data.len()) {
+        if !self.room_for(data.len()) {
             return Ok(false);
         }
         let r = self.stream.submit_write(tag, offset, data, fua);

@@ -69,13 +69,14 @@ fn requests_in_flight_together_move_the_right_bytes() {
                 asked.insert(100 + i, (offset as usize, len));
             }
             assert_eq!(s.in_flight(), 16);
+            assert_eq!(s.in_flight_bytes(), asked.values().map(|&(_, len)| len).sum::<usize>());
             s.ring().unwrap();
             for f in reap_all(&mut s, 16) {
                 assert!(f.result.is_ok(), "{:?}", f.result);
                 let (offset, len) = asked[&f.tag];
                 assert!(lent(&f) == model[offset..offset + len], "round {round}: read {offset}+{len}");
             }
-            assert_eq!(s.in_flight(), 0);
+            assert_eq!((s.in_flight(), s.in_flight_bytes()), (0, 0));
         }
         drop(s);
         drop(d);

@@ -133,6 +133,11 @@ impl<'d> IoStream<'d> {
         self.requests.len()
     }
 
+    /// Bytes of the requests in flight.
+    pub fn in_flight_bytes(&self) -> usize {
+        self.requests.values().map(|r| r.len).sum()
+    }
+
     /// Submits a read of `len` bytes at byte `offset` (both multiples of the block size) under
     /// `tag`, which must not be in flight already. Its entries go out at the next
     /// [`IoStream::ring`].
