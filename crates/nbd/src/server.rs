@@ -3,8 +3,9 @@
 //! Layer: the I/O driver around the pure protocol code ([`crate::proto`], [`crate::handshake`]).
 //!
 //! Thread model: one accept thread per listener; per connection, a thread that runs the
-//! handshake, then a small pool of worker threads (scoped to the connection) as leader and
-//! followers: the worker holding the socket's read side reads one request, hands the read side to
+//! handshake. When the device gives the connection a queue of its own ([`BlockDevice::queue`]),
+//! that thread alone then serves every request (`pipeline.rs`). Otherwise a small pool of worker
+//! threads (scoped to the connection) serves them as leader and followers: the worker holding the socket's read side reads one request, hands the read side to
 //! the next idle worker and runs the request itself, so a request never waits for a thread
 //! hand-off (one wake-up less per request than a reader feeding a pool). Workers call the
 //! [`BlockDevice`] and write each simple reply, whole, under the connection's writer lock, so
@@ -407,7 +408,8 @@ impl ServerBuilder {
         self
     }
 
-    /// Worker threads per connection, i.e. requests executed in parallel per connection (default 4).
+    /// Worker threads per connection, i.e. requests executed in parallel per connection (default
+    /// 4), for devices without a queue per connection ([`BlockDevice::queue`]).
     pub fn workers_per_connection(mut self, n: usize) -> Self {
         self.config.workers_per_connection = n.max(1);
         self
