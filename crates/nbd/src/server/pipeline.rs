@@ -16,7 +16,7 @@ use std::io::{self, Read};
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
-use super::{bump, reply_header, Conn, ConnError, Ended, ExportLimits, Job};
+use super::{bump, reply_header, Conn, ConnError, Ended, ExportLimits, Job, KEEP_BUFFER_BYTES};
 use crate::device::{BlockQueue, Reaped};
 use crate::proto::{Action, Command, RequestHeader};
 
@@ -199,9 +199,13 @@ impl Conn<'_> {
                         break;
                     }
                 }
-                // Its payload is in the device's memory now: the buffer serves the next one.
+                // Its payload is in the device's memory now: the buffer serves the next one (as
+                // long as it is: a read into it overwrites every byte, so a buffer at least as
+                // long is not zeroed again), unless it is larger than typical requests need.
                 spare = std::mem::take(&mut job.payload);
-                spare.clear();
+                if spare.capacity() > KEEP_BUFFER_BYTES {
+                    spare = Vec::new();
+                }
             }
             self.start(queue);
             if !progress {
