@@ -79,6 +79,9 @@ fn requests_in_flight_together_move_the_right_bytes() {
             assert_eq!((s.in_flight(), s.in_flight_bytes()), (0, 0));
         }
         drop(s);
+        // The stage counters see the stream's requests (the driver's time, the writes' copies).
+        assert!(d.stats().io_ns.load(Ordering::Relaxed) > 0);
+        assert!(d.stats().copy_ns.load(Ordering::Relaxed) > 0);
         drop(d);
         assert_eq!(l.region().pages_in_use(), 0, "every DMA buffer freed");
     }
@@ -191,4 +194,30 @@ fn a_request_that_times_out_quarantines_its_buffers() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(d.stats().stray_completions.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn a_large_write_starts_piece_by_piece_and_small_ones_wait_for_the_ring() {
+    // Write data in the memory buffer: a write goes in pieces of `pipelined_write_bytes`.
+    let cfg = ControllerConfig { cmb_bytes: 16 * MIB, ..ControllerConfig::default() };
+    let l = LocalNvme::new(controller(512, 32 * MIB, cfg), 8192, ProcessMode::Thread);
+    let d = l.driver(DriverConfig { io_queues: 2, ..DriverConfig::default() }).unwrap();
+    let mut s = d.stream().unwrap();
+    // A 4 KiB write waits for the doorbell.
+    s.submit_write(1, 0, &pattern(1, 4096), false).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let mut out = Vec::new();
+    s.reap(&mut out).unwrap();
+    assert!(out.is_empty(), "a small write went before the ring");
+    // A 1 MiB write's pieces start as their data is in: all of it is written without a ring.
+    let big = pattern(2, 1 << 20);
+    s.submit_write(2, MIB, &big, false).unwrap();
+    let done = reap_all(&mut s, 2);
+    assert_eq!(done.len(), 2, "the big write's last doorbell announced the small one too");
+    assert!(done.iter().all(|f| f.result.is_ok()));
+    drop(done);
+    s.submit_read(3, MIB, 1 << 20).unwrap();
+    s.ring().unwrap();
+    let done = reap_all(&mut s, 1);
+    assert!(lent(&done[0]) == big);
 }

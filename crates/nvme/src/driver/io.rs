@@ -91,7 +91,7 @@ impl NvmeDriver {
 
     /// Command size of a write: [`DriverConfig::pipelined_write_bytes`](super::DriverConfig)
     /// when write data goes into the memory buffer, else as for a read.
-    fn write_chunk_bytes(&self) -> usize {
+    pub(super) fn write_chunk_bytes(&self) -> usize {
         let chunk = self.chunk_bytes();
         let lba = self.identity.lba_size as usize;
         match self.cfg.pipelined_write_bytes {

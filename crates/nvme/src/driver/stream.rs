@@ -22,6 +22,9 @@ use super::{lock, DriverError, NvmeDriver, Pending, QueuePair, Result};
 use crate::command::{Completion, CQE_LEN, SQE_LEN};
 use crate::controller::reg;
 
+/// A write piece of at least this many bytes is started as soon as its data is copied.
+const START_AT_ONCE_BYTES: usize = 64 << 10;
+
 /// One request of a stream, finished: its tag, its outcome and, for a read, its data where it
 /// lies in DMA memory until this is dropped.
 pub struct Finished<'d> {
@@ -66,6 +69,8 @@ struct Request<'d> {
     read: bool,
     pieces: Vec<Option<(DmaBuf<'d>, usize)>>,
     error: Option<DriverError>,
+    /// When it was submitted: its time until reaped counts as the driver's (`io_ns`).
+    started: Instant,
 }
 
 /// A queue pair reserved for one client, with any number of requests in flight. Not shared
@@ -117,9 +122,12 @@ impl<'d> IoStream<'d> {
         self.drv.window_bytes()
     }
 
-    /// Commands a request of `len` bytes takes (a transfer is split at MDTS).
+    /// Commands a request of `len` bytes takes at most (a transfer is split at MDTS, a write
+    /// into the memory buffer finer: see [`DriverConfig::pipelined_write_bytes`]).
+    ///
+    /// [`DriverConfig::pipelined_write_bytes`]: super::DriverConfig::pipelined_write_bytes
     pub fn commands_for(&self, len: usize) -> usize {
-        len.div_ceil(self.drv.chunk_bytes()).max(1)
+        len.div_ceil(self.drv.write_chunk_bytes().min(self.drv.chunk_bytes())).max(1)
     }
 
     /// Whether a request of `len` bytes fits in the queue now, besides what is in flight.
@@ -146,7 +154,9 @@ impl<'d> IoStream<'d> {
     }
 
     /// Submits a write of `data` at byte `offset` (both multiples of the block size) under
-    /// `tag`. The data is copied into DMA memory (or the controller's memory buffer) now.
+    /// `tag`. The data is copied into DMA memory (or the controller's memory buffer) now; the
+    /// pieces of a write of 64 KiB or more start as their data is in (the rest at the next
+    /// [`IoStream::ring`]).
     pub fn submit_write(&mut self, tag: u64, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.submit(tag, offset, data.len(), Some(data), fua)
     }
@@ -169,8 +179,9 @@ impl<'d> IoStream<'d> {
                 self.qid
             )));
         }
+        let started = Instant::now();
         let lba = offset / bs as u64;
-        let chunk = drv.chunk_bytes();
+        let chunk = if data.is_some() { drv.write_chunk_bytes() } else { drv.chunk_bytes() };
         // Build every command first: a request goes in whole or not at all.
         let mut cmds = Vec::with_capacity(len.div_ceil(chunk));
         for at in (0..len).step_by(chunk) {
@@ -181,14 +192,29 @@ impl<'d> IoStream<'d> {
         let deadline = Instant::now() + drv.cfg.io_timeout;
         let pieces = cmds.len();
         let mut request =
-            Request { left: pieces, len, read: data.is_none(), pieces: Vec::new(), error: None };
+            Request { left: pieces, len, read: data.is_none(), pieces: Vec::new(), error: None, started };
         request.pieces.resize_with(pieces, || None);
         for (piece, (at, mut cmd)) in cmds.into_iter().enumerate() {
             let staged = match (data, &cmd.data) {
-                (Some(d), Some(buf)) => drv.put(buf.addr, &d[at..(at + chunk).min(len)]),
+                (Some(d), Some(buf)) => {
+                    let copy = Instant::now();
+                    let r = drv.put(buf.addr, &d[at..(at + chunk).min(len)]);
+                    // Statistics counter: Relaxed, nothing is ordered by it.
+                    drv.stats.copy_ns.fetch_add(copy.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    r
+                }
                 _ => Ok(()),
             }
-            .and_then(|()| self.stage(&mut q, &mut cmd));
+            .and_then(|()| self.stage(&mut q, &mut cmd))
+            .and_then(|()| {
+                // A large write's piece starts at once: the controller writes it to its store
+                // while the next piece's data is copied, rather than waiting for all of them.
+                if data.is_some() && chunk.min(len) >= START_AT_ONCE_BYTES {
+                    drv.bar.write32(reg::sq_tail(q.qid), q.sq_tail)?;
+                    self.staged = 0;
+                }
+                Ok(())
+            });
             if let Err(e) = staged {
                 if piece == 0 {
                     return Err(e);
@@ -308,6 +334,8 @@ impl<'d> IoStream<'d> {
             return;
         }
         let Some(req) = self.requests.remove(&tag) else { return };
+        // Statistics counter: Relaxed, nothing is ordered by it.
+        self.drv.stats.io_ns.fetch_add(req.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let (result, data) = match req.error {
             Some(e) => (Err(e), Vec::new()),
             None => (Ok(()), req.pieces.into_iter().flatten().collect()),
