@@ -266,18 +266,7 @@ fn many_requests_in_flight_on_several_connections_match_a_model() {
                     }
                     assert_eq!(ok, 24);
                     // Then reads in flight, checked against the model whatever order they return.
-                    let mut expect = std::collections::HashMap::new();
-                    for _ in 0..16 {
-                        let off = 512 * rng.random_range(0..(REGION - 65536) / 512);
-                        let len = 512 * rng.random_range(1..=128u64);
-                        let h = c.submit(Command::Read, 0, base + off, len as u32, &[]).unwrap();
-                        expect.insert(h, model[off as usize..(off + len) as usize].to_vec());
-                    }
-                    while c.in_flight() > 0 {
-                        let d = c.complete().unwrap();
-                        assert_eq!(d.error, 0);
-                        assert!(expect.remove(&d.handle).unwrap() == d.data, "read mismatch");
-                    }
+                    reads_match_model(&mut c, &mut rng, base, &model, 16, 128);
                 }
                 c.flush().unwrap();
                 c.disconnect().unwrap();

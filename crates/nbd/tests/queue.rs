@@ -213,18 +213,7 @@ fn requests_on_queues_and_plain_ones_match_a_model() {
                         while c.in_flight() > 0 {
                             assert_eq!(c.complete().unwrap().error, 0);
                         }
-                        let mut expect = HashMap::new();
-                        for _ in 0..24 {
-                            let len = 512 * rng.random_range(1..=200u64);
-                            let off = 512 * rng.random_range(0..(REGION - len) / 512);
-                            let h = c.submit(Command::Read, 0, base + off, len as u32, &[]).unwrap();
-                            expect.insert(h, model[off as usize..(off + len) as usize].to_vec());
-                        }
-                        while c.in_flight() > 0 {
-                            let d = c.complete().unwrap();
-                            assert_eq!(d.error, 0);
-                            assert!(expect.remove(&d.handle).unwrap() == d.data, "read mismatch");
-                        }
+                        reads_match_model(&mut c, &mut rng, base, &model, 24, 200);
                     }
                     c.disconnect().unwrap();
                     model

@@ -144,6 +144,30 @@ impl QueuePair {
     fn free_slots(&self) -> u32 {
         self.entries - 1 - (self.sq_tail + self.entries - self.sq_head) % self.entries
     }
+
+    /// The completion entry at the completion queue's head, if the controller has written it
+    /// (its phase tag is the current one).
+    fn peek_completion(&self, mem: &dyn DmaMemory) -> Result<Option<Completion>> {
+        let mut b = [0u8; CQE_LEN];
+        mem.read(self.cq_base + u64::from(self.cq_head) * CQE_LEN as u64, &mut b)?;
+        let c = Completion::parse(&b);
+        Ok((c.phase == self.phase).then_some(c))
+    }
+
+    /// Takes the entry at the completion queue's head if it has been written: advances the head
+    /// (flipping the phase at the wrap) and the submission queue head it reports.
+    fn next_completion(&mut self, mem: &dyn DmaMemory) -> Result<Option<Completion>> {
+        let Some(c) = self.peek_completion(mem)? else { return Ok(None) };
+        self.cq_head += 1;
+        if self.cq_head == self.entries {
+            self.cq_head = 0;
+            self.phase = !self.phase;
+        }
+        if u32::from(c.sq_head) < self.entries {
+            self.sq_head = u32::from(c.sq_head);
+        }
+        Ok(Some(c))
+    }
 }
 
 /// One command of a request with the memory it owns until it completes.
@@ -560,22 +584,8 @@ impl NvmeDriver {
             }
             // Reap everything posted.
             let mut reaped = 0;
-            loop {
-                let mut b = [0u8; CQE_LEN];
-                self.mem.read(q.cq_base + u64::from(q.cq_head) * CQE_LEN as u64, &mut b)?;
-                let c = Completion::parse(&b);
-                if c.phase != q.phase {
-                    break;
-                }
-                q.cq_head += 1;
-                if q.cq_head == q.entries {
-                    q.cq_head = 0;
-                    q.phase = !q.phase;
-                }
+            while let Some(c) = q.next_completion(&*self.mem)? {
                 reaped += 1;
-                if u32::from(c.sq_head) < q.entries {
-                    q.sq_head = u32::from(c.sq_head);
-                }
                 match inflight.iter().position(|&(cid, _)| cid == c.cid) {
                     Some(i) if c.sq_id == q.qid => {
                         let (_, index) = inflight.swap_remove(i);

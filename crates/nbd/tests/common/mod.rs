@@ -168,3 +168,29 @@ pub fn read_all(dev: &dyn BlockDevice, offset: u64, len: usize) -> Vec<u8> {
 pub fn exists(p: &Path) -> bool {
     p.exists()
 }
+
+/// Submits `count` reads of 1 to `max_blocks` 512-byte blocks at random places of the region of
+/// `model.len()` bytes from `base`, all in flight at once, and checks each reply against `model`
+/// in whatever order they come back.
+pub fn reads_match_model(
+    c: &mut lanbus_nbd::Client,
+    rng: &mut impl rand::Rng,
+    base: u64,
+    model: &[u8],
+    count: usize,
+    max_blocks: u64,
+) {
+    let region = model.len() as u64;
+    let mut expect = std::collections::HashMap::new();
+    for _ in 0..count {
+        let len = 512 * rng.random_range(1..=max_blocks);
+        let off = 512 * rng.random_range(0..(region - len) / 512);
+        let h = c.submit(lanbus_nbd::proto::Command::Read, 0, base + off, len as u32, &[]).unwrap();
+        expect.insert(h, model[off as usize..(off + len) as usize].to_vec());
+    }
+    while c.in_flight() > 0 {
+        let d = c.complete().unwrap();
+        assert_eq!(d.error, 0);
+        assert!(expect.remove(&d.handle).unwrap() == d.data, "read mismatch");
+    }
+}

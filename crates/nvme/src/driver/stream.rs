@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use super::memory::DmaBuf;
 use super::{lock, DriverError, NvmeDriver, Pending, QueuePair, Result};
-use crate::command::{Completion, CQE_LEN, SQE_LEN};
+use crate::command::{Completion, SQE_LEN};
 use crate::controller::reg;
 
 /// A write piece of at least this many bytes is started as soon as its data is copied.
@@ -261,22 +261,8 @@ impl<'d> IoStream<'d> {
         let before = out.len();
         let mut q = lock(&drv.io[self.index]);
         let mut reaped = 0;
-        loop {
-            let mut b = [0u8; CQE_LEN];
-            drv.mem.read(q.cq_base + u64::from(q.cq_head) * CQE_LEN as u64, &mut b)?;
-            let c = Completion::parse(&b);
-            if c.phase != q.phase {
-                break;
-            }
-            q.cq_head += 1;
-            if q.cq_head == q.entries {
-                q.cq_head = 0;
-                q.phase = !q.phase;
-            }
+        while let Some(c) = q.next_completion(&*drv.mem)? {
             reaped += 1;
-            if u32::from(c.sq_head) < q.entries {
-                q.sq_head = u32::from(c.sq_head);
-            }
             match self.commands.remove(&c.cid).filter(|_| c.sq_id == q.qid) {
                 Some(cmd) => self.complete(cmd, Some(c), out),
                 // Statistics counter: Relaxed, nothing is ordered by it.
@@ -375,12 +361,8 @@ impl<'d> IoStream<'d> {
 
     /// Whether the entry at the completion queue's head has been written.
     fn arrived(&self) -> bool {
-        let q = lock(&self.drv.io[self.index]);
-        let mut b = [0u8; CQE_LEN];
-        match self.drv.mem.read(q.cq_base + u64::from(q.cq_head) * CQE_LEN as u64, &mut b) {
-            Ok(()) => Completion::parse(&b).phase == q.phase,
-            Err(_) => true,
-        }
+        // A failed read ends the wait too: the next reap reports the error.
+        lock(&self.drv.io[self.index]).peek_completion(&*self.drv.mem).map_or(true, |c| c.is_some())
     }
 }
 
