@@ -205,16 +205,7 @@ impl<'d> IoStream<'d> {
                 }
                 _ => Ok(()),
             }
-            .and_then(|()| self.stage(&mut q, &mut cmd))
-            .and_then(|()| {
-                // A large write's piece starts at once: the controller writes it to its store
-                // while the next piece's data is copied, rather than waiting for all of them.
-                if data.is_some() && chunk.min(len) >= START_AT_ONCE_BYTES {
-                    drv.bar.write32(reg::sq_tail(q.qid), q.sq_tail)?;
-                    self.staged = 0;
-                }
-                Ok(())
-            });
+            .and_then(|()| self.stage(&mut q, &mut cmd));
             if let Err(e) = staged {
                 if piece == 0 {
                     return Err(e);
@@ -224,8 +215,21 @@ impl<'d> IoStream<'d> {
                 request.error = Some(e);
                 break;
             }
-            let Pending { sqe, data, lists, .. } = cmd;
-            self.commands.insert(sqe.cid, InFlight { tag, piece, opcode: sqe.opcode, data, lists, deadline });
+            // In the queue now: the command and its buffers are kept until it completes or
+            // times out, whatever happens next.
+            let Pending { sqe, data: buf, lists, .. } = cmd;
+            self.commands
+                .insert(sqe.cid, InFlight { tag, piece, opcode: sqe.opcode, data: buf, lists, deadline });
+            // A large write's piece starts at once: the controller writes it to its store while
+            // the next piece's data is copied, rather than waiting for all of them.
+            if data.is_some() && chunk.min(len) >= START_AT_ONCE_BYTES {
+                if let Err(e) = drv.bar.write32(reg::sq_tail(q.qid), q.sq_tail) {
+                    request.left = piece + 1;
+                    request.error = Some(e.into());
+                    break;
+                }
+                self.staged = 0;
+            }
         }
         self.requests.insert(tag, request);
         Ok(())
