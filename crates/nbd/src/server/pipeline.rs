@@ -187,7 +187,6 @@ impl Conn<'_> {
                         }
                     }
                 };
-                progress = true;
                 match self.enqueue(queue, &job, next_tag) {
                     Enqueued::Queued(q) => {
                         queued.insert(next_tag, q);
@@ -195,10 +194,13 @@ impl Conn<'_> {
                     }
                     Enqueued::Answered => {}
                     Enqueued::NoRoom => {
+                        // Not progress: the device has to finish something first (retrying
+                        // at once would only spin).
                         waiting = Some(job);
                         break;
                     }
                 }
+                progress = true;
                 // Its payload is in the device's memory now: the buffer serves the next one (as
                 // long as it is: a read into it overwrites every byte, so a buffer at least as
                 // long is not zeroed again), unless it is larger than typical requests need.
