@@ -279,13 +279,17 @@ fn writes_before_a_disconnect_or_a_hang_up_are_all_applied() {
     let srv = start(&dev, "queue-leave");
     let socket = srv.socket.clone();
     bounded(move || {
-        // NBD_CMD_DISC right behind 32 writes: the server answers none of them after it, but
-        // applies every one before it closes.
+        // NBD_CMD_DISC right behind 32 writes: the server applies and answers every one before
+        // it closes (the client reads the replies and then the end of the stream).
         let mut c = Client::connect_unix(&socket, "export").unwrap();
         for i in 0..32u64 {
             c.submit(Command::Write, 0, i * 4096, 4096, &[i as u8 + 1; 4096]).unwrap();
         }
         c.submit(Command::Disc, 0, 0, 0, &[]).unwrap();
+        while c.in_flight() > 0 {
+            assert_eq!(c.complete().unwrap().error, 0);
+        }
+        assert!(c.complete().is_err(), "the server closed the connection");
         // A client that hangs up with writes in flight: NBD promises nothing of the writes it
         // got no reply for, but each block is written whole or not at all, and nothing stays
         // in the queue.
@@ -301,7 +305,8 @@ fn writes_before_a_disconnect_or_a_hang_up_are_all_applied() {
         let whole = block == vec![i as u8 + 1; 4096];
         assert!(
             whole || (i >= 32 && block == vec![0; 4096]),
-            "block {i} written before the disconnect, or whole"
+            "block {i} written before the disconnect, or whole: {}",
+            block[0]
         );
     }
     assert_eq!(dev.dropped_busy.load(Ordering::Relaxed), 0, "nothing was left in a queue");
