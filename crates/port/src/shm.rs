@@ -361,9 +361,11 @@ mod tests {
         assert_eq!(a.send_frames(&[&[7u8; 60]]).unwrap(), 1);
         // The connector waits for the creator to hand over the memory, which the creator does in
         // any port call: open b on another thread while a polls.
-        // A creator asleep on its readiness descriptor wakes for the connecting peer.
-        let opener = std::thread::spawn(move || ShmPort::open(&spec).unwrap());
+        // A creator asleep on its readiness descriptor wakes for the connecting peer. It arms
+        // first: arming hands the memory over to a peer that connected already, and the creator
+        // then sleeps with nothing left to wake it for.
         assert!(a.arm_readiness());
+        let opener = std::thread::spawn(move || ShmPort::open(&spec).unwrap());
         let mut pfd = libc::pollfd { fd: a.readiness_fd().unwrap(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one live pollfd.
         assert_eq!(unsafe { libc::poll(&mut pfd, 1, 10_000) }, 1, "peer never connected");
