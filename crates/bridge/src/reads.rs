@@ -36,8 +36,9 @@ use crate::hosted::OpId;
 /// The largest read request a function may be programmed with (PCIe's maximum).
 const MRRS_MAX: usize = 4096;
 
-/// Prefetched reads kept unclaimed at most (the oldest goes first).
-const PREFETCH_MAX: usize = 16;
+/// Prefetched reads kept unclaimed at most (the oldest goes first): a drive names reads for
+/// the commands queued behind the one that waits, up to 24 of them, and its own.
+const PREFETCH_MAX: usize = 64;
 
 /// One function's DMA reads. See the module docs.
 pub(crate) struct Reads {

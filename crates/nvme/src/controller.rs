@@ -368,6 +368,22 @@ struct CmbView<'a> {
 /// Staged bytes kept at most: enough for several queues' commands waiting on their data.
 const MAX_STAGED_BYTES: usize = 16 << 20;
 
+/// Commands behind one that waits for its data that posted processing checks ahead (see
+/// `Controller::look_ahead`), and the reads and bytes it names for them at most.
+const LOOKAHEAD_COMMANDS: usize = 16;
+const LOOKAHEAD_READS: usize = 24;
+const LOOKAHEAD_BYTES: usize = 2 << 20;
+
+/// Whether posted processing may run a command now (see `Controller::may_run_posted`).
+enum Posted {
+    /// Yes: all it reads is here (or it fails before reading).
+    Run,
+    /// Not yet: the reads (address, length) it waits for were named for prefetching.
+    Wait(Vec<(u64, usize)>),
+    /// No: it is for the full run.
+    No,
+}
+
 /// What a [`CmbView`] access across the buffer's edge fails with.
 const CMB_EDGE: &str = "an access straddles the controller memory buffer's edge";
 
@@ -720,17 +736,17 @@ impl Controller {
     /// those). What it read is staged for the command's run; what is not here yet is named for
     /// prefetching, and the command waits for it (a later call, or the full run, goes on from
     /// what was staged). A command that will fail before any transfer qualifies too.
-    fn may_run_posted(&mut self, sqe: &Sqe, mem: &mut CmbView<'_>) -> bool {
+    fn may_run_posted(&mut self, sqe: &Sqe, mem: &mut CmbView<'_>) -> Posted {
         let lba = self.cfg.lba_size as usize;
         let (data, len, reads_data) = match decode_io(sqe) {
-            Err(_) => return true,
+            Err(_) => return Posted::Run,
             Ok(IoCommand::ReadWrite { fua: false, write, blocks, data, .. }) => {
                 (data, blocks as usize * lba, write)
             }
-            Ok(_) => return false,
+            Ok(_) => return Posted::No,
         };
         if len > self.mdts_bytes() {
-            return true;
+            return Posted::Run;
         }
         let (mut runs, mut lists) = (std::mem::take(&mut self.runs), std::mem::take(&mut self.lists));
         let mut probe = Probe { mem, staged: &mut self.staged, missing: Vec::new() };
@@ -747,12 +763,41 @@ impl Controller {
         let missing = std::mem::take(&mut probe.missing);
         (self.runs, self.lists) = (runs, lists);
         if !missing.is_empty() {
-            for (a, n) in missing {
+            for &(a, n) in &missing {
                 mem.prefetch(a, n);
             }
-            return false;
+            return Posted::Wait(missing);
         }
-        ok
+        if ok {
+            Posted::Run
+        } else {
+            Posted::No
+        }
+    }
+
+    /// Posted processing stopped at a command waiting for its data: checks the read and write
+    /// commands fetched behind it (`entries`) the same way, so that what they read is staged as
+    /// it arrives and what has not come is named now, and their round trips overlap the first
+    /// one's instead of following it. The host leaves a command's PRP list and a write's data
+    /// alone until its completion, so what is read ahead stays true. It stops at the first other
+    /// command and names at most [`LOOKAHEAD_READS`] reads of [`LOOKAHEAD_BYTES`] in all.
+    fn look_ahead(&mut self, entries: &[u8], mem: &mut CmbView<'_>) {
+        let (mut reads, mut bytes) = (0, 0);
+        for raw in entries.chunks_exact(SQE_LEN).take(LOOKAHEAD_COMMANDS) {
+            let mut b = [0u8; SQE_LEN];
+            b.copy_from_slice(raw);
+            let sqe = Sqe::parse(&b);
+            if !matches!(decode_io(&sqe), Ok(IoCommand::ReadWrite { fua: false, .. })) {
+                break;
+            }
+            if let Posted::Wait(missing) = self.may_run_posted(&sqe, mem) {
+                reads += missing.len();
+                bytes += missing.iter().map(|&(_, n)| n).sum::<usize>();
+            }
+            if reads >= LOOKAHEAD_READS || bytes >= LOOKAHEAD_BYTES {
+                break;
+            }
+        }
     }
 
     fn fatal(&mut self) {
@@ -815,8 +860,16 @@ impl Controller {
             let mut b = [0u8; SQE_LEN];
             b.copy_from_slice(raw);
             let sqe = Sqe::parse(&b);
-            if posted_only && !self.may_run_posted(&sqe, mem) {
-                break;
+            if posted_only {
+                match self.may_run_posted(&sqe, mem) {
+                    Posted::Run => {}
+                    Posted::Wait(_) => {
+                        let rest = (ran + 1) * SQE_LEN;
+                        self.look_ahead(&fetch[rest..], mem);
+                        break;
+                    }
+                    Posted::No => break,
+                }
             }
             ran += 1;
             head = (head + 1) % sq.entries;

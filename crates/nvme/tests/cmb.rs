@@ -324,6 +324,77 @@ impl lanbus_nvme::HostMemory for Recording<'_> {
     }
 }
 
+/// Writes queued together with their data in host memory: the one that waits for its data has
+/// the data of those behind it named too, so their round trips overlap; data that arrives for a
+/// later one is kept, and once the first one's comes, all run in one call, each page read once.
+/// A command other than a read or write stops the look ahead.
+#[test]
+fn posted_processing_names_the_data_of_the_writes_behind_a_waiting_one() {
+    use lanbus_nvme::command::{Sqe, SQE_LEN};
+    use lanbus_nvme::driver::HostRegion;
+    let (iocq, iosq, data) = (IOCQ, HOST + 0x3000, HOST + 0x10000);
+    let mem = HostRegion::new(HOST, 64);
+    let mut c = controller(512, MIB, ControllerConfig::default());
+    let mut irqs = with_io_queues(&mut c, &mem, 16, iosq);
+    let write = |cid: u16, opcode| Sqe {
+        opcode,
+        cid,
+        nsid: 1,
+        prp1: data + (u64::from(cid) << 12),
+        cdw: [u32::from(cid) * 8, 0, 7, 0, 0, 0],
+        ..Sqe::default()
+    };
+    let payload = pattern(6, 8 << 12);
+    lanbus_nvme::HostMemory::write(&mut &mem, data, &payload).unwrap();
+    for cid in 0..8u16 {
+        let at = iosq + u64::from(cid) * SQE_LEN as u64;
+        lanbus_nvme::HostMemory::write(&mut &mem, at, &write(cid, nvm_opcode::WRITE).to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::sq_tail(1), &8u32.to_le_bytes()).unwrap();
+    let entries = (iosq, 8 * SQE_LEN);
+    let pages: Vec<(u64, usize)> = (0..8).map(|i| (data + (i << 12), 4096)).collect();
+
+    let mut rec = Recording::new(&mem, true, vec![entries]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, pages, "every write's data is named at once");
+    // The later half arrives first: kept, and only the rest named again.
+    let mut rec = Recording::new(&mem, true, pages[4..].to_vec());
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, pages[..4]);
+    let mut rec = Recording::new(&mem, true, pages[..4].to_vec());
+    irqs.0 = 0;
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 8);
+    assert_eq!(irqs.0, 1, "one interrupt for the eight");
+    assert!(rec.prefetches.is_empty());
+    assert!(!c.has_work());
+    let done = completions(&mem, iocq, 8);
+    assert!(done.iter().enumerate().all(|(i, &(cid, ok))| usize::from(cid) == i && ok), "{done:?}");
+    let mut rec = Recording::new(&mem, false, Vec::new());
+    let reads: Vec<Sqe> = (0..8u16).map(|cid| write(cid, nvm_opcode::READ)).collect();
+    for (i, s) in reads.iter().enumerate() {
+        let mut s = *s;
+        s.prp1 = data + 0x10000 + ((i as u64) << 12);
+        lanbus_nvme::HostMemory::write(&mut &mem, iosq + ((8 + i) * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::cq_head(1), &8u32.to_le_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(1), &0u32.to_le_bytes()).unwrap();
+    while c.process(&mut rec, &mut irqs) > 0 {}
+    let mut back = vec![0u8; 8 << 12];
+    lanbus_nvme::HostMemory::read(&mut &mem, data + 0x10000, &mut back).unwrap();
+    assert!(back == payload, "the eight writes read back");
+
+    // A write, a flush and a write: only the first write's data is named.
+    let cmds = [write(1, nvm_opcode::WRITE), write(2, nvm_opcode::FLUSH), write(3, nvm_opcode::WRITE)];
+    for (i, s) in cmds.iter().enumerate() {
+        lanbus_nvme::HostMemory::write(&mut &mem, iosq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::cq_head(1), &0u32.to_le_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(1), &3u32.to_le_bytes()).unwrap();
+    let mut rec = Recording::new(&mem, true, vec![(iosq, 3 * SQE_LEN)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, [pages[1]]);
+}
+
 /// Without the buffer, posted processing runs nothing but names the read of the queue's new
 /// entries, which is exactly the first read the full run makes.
 #[test]
@@ -440,8 +511,9 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0x5000, &mut back).unwrap();
     assert!(back == payload, "the second write's data read back");
 
-    // A 12 KiB write and a 12 KiB read, each with a PRP list in host memory: the list is named
-    // first, then the write's three pages; each piece is read once.
+    // A 12 KiB write and a 12 KiB read, each with a PRP list in host memory: the lists are named
+    // first (the read's too, behind the waiting write), then the write's three pages; each piece
+    // is read once.
     let (wlist, rlist) = (HOST + 0x5000, HOST + 0x5800);
     let entries_of = |pages: [u64; 2]| -> Vec<u8> { pages.iter().flat_map(|a| a.to_le_bytes()).collect() };
     lanbus_nvme::HostMemory::write(&mut &mem, wlist, &entries_of([data + 0xc000, data + 0xe000])).unwrap();
@@ -470,19 +542,17 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
     let pages = [(data + 0x6000, 4096), (data + 0xc000, 4096), (data + 0xe000, 4096)];
     let mut rec = Recording::new(&mem, true, vec![entries]);
     assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
-    assert_eq!(rec.prefetches, [(wlist, 16)]);
-    let mut rec = Recording::new(&mem, true, vec![(wlist, 16)]);
+    assert_eq!(rec.prefetches, [(wlist, 16), (rlist, 16)]);
+    let mut rec = Recording::new(&mem, true, vec![(wlist, 16), (rlist, 16)]);
     assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
-    assert_eq!(rec.prefetches, pages);
+    assert_eq!(rec.prefetches, pages, "the read's list is here: it waits for nothing more");
     // Two of the three pages: still waiting, and nothing read is read again.
     let mut rec = Recording::new(&mem, true, pages[..2].to_vec());
     assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
     assert_eq!(rec.prefetches, [pages[2]]);
     let mut rec = Recording::new(&mem, true, vec![pages[2]]);
-    assert_eq!(c.process_posted(&mut rec, &mut irqs), 1, "the write runs; the read's list is not here");
-    assert_eq!(rec.prefetches, [(rlist, 16)]);
-    let mut rec = Recording::new(&mem, true, vec![(rlist, 16)]);
-    assert_eq!(c.process_posted(&mut rec, &mut irqs), 1);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 2, "the write runs, and the read from its staged list");
+    assert!(rec.prefetches.is_empty());
     assert!(!c.has_work());
     let mut back = vec![0u8; 12 << 10];
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0x9000, &mut back[..4096]).unwrap();
