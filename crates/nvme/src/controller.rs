@@ -723,7 +723,14 @@ impl Controller {
                 break;
             }
             let qid = 1 + (self.next_sq + i) % (n - 1);
-            done += self.run_sq(qid, mem, irq, posted_only);
+            let mut ran = self.run_sq(qid, mem, irq, posted_only);
+            done += ran;
+            // Posted processing that ran all it had fetched goes on with the entries rung
+            // meanwhile: their fetch is named here, not left to a thread that would wait for it.
+            while posted_only && ran > 0 && self.enabled() && !self.fetched.iter().any(|&(q, ..)| q == qid) {
+                ran = self.run_sq(qid, mem, irq, true);
+                done += ran;
+            }
         }
         self.next_sq = (self.next_sq + 1) % (n - 1);
         done

@@ -329,7 +329,7 @@ impl lanbus_nvme::HostMemory for Recording<'_> {
 /// later one is kept, and once the first one's comes, all run in one call, each page read once.
 /// A command other than a read or write stops the look ahead.
 #[test]
-fn posted_processing_names_the_data_of_the_writes_behind_a_waiting_one() {
+fn posted_processing_names_the_data_behind_a_waiting_write_and_the_entries_rung_meanwhile() {
     use lanbus_nvme::command::{Sqe, SQE_LEN};
     use lanbus_nvme::driver::HostRegion;
     let (iocq, iosq, data) = (IOCQ, HOST + 0x3000, HOST + 0x10000);
@@ -383,14 +383,36 @@ fn posted_processing_names_the_data_of_the_writes_behind_a_waiting_one() {
     lanbus_nvme::HostMemory::read(&mut &mem, data + 0x10000, &mut back).unwrap();
     assert!(back == payload, "the eight writes read back");
 
-    // A write, a flush and a write: only the first write's data is named.
-    let cmds = [write(1, nvm_opcode::WRITE), write(2, nvm_opcode::FLUSH), write(3, nvm_opcode::WRITE)];
+    // Two writes wait for their data while two reads are rung behind them: once the writes
+    // ran, the reads' entries are named for fetching here, not left to the full run.
+    let cmds = [write(1, nvm_opcode::WRITE), write(2, nvm_opcode::WRITE)];
     for (i, s) in cmds.iter().enumerate() {
         lanbus_nvme::HostMemory::write(&mut &mem, iosq + (i * SQE_LEN) as u64, &s.to_bytes()).unwrap();
     }
     c.bar0_write(reg::cq_head(1), &0u32.to_le_bytes()).unwrap();
-    c.bar0_write(reg::sq_tail(1), &3u32.to_le_bytes()).unwrap();
-    let mut rec = Recording::new(&mem, true, vec![(iosq, 3 * SQE_LEN)]);
+    c.bar0_write(reg::sq_tail(1), &2u32.to_le_bytes()).unwrap();
+    let mut rec = Recording::new(&mem, true, vec![(iosq, 2 * SQE_LEN)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
+    assert_eq!(rec.prefetches, pages[1..3]);
+    for (i, s) in reads[..2].iter().enumerate() {
+        lanbus_nvme::HostMemory::write(&mut &mem, iosq + ((2 + i) * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::sq_tail(1), &4u32.to_le_bytes()).unwrap();
+    let mut rec = Recording::new(&mem, true, pages[1..3].to_vec());
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 2);
+    assert_eq!(rec.prefetches, [(iosq + 2 * SQE_LEN as u64, 2 * SQE_LEN)]);
+    let mut rec = Recording::new(&mem, true, vec![(iosq + 2 * SQE_LEN as u64, 2 * SQE_LEN)]);
+    assert_eq!(c.process_posted(&mut rec, &mut irqs), 2);
+    assert!(!c.has_work());
+
+    // A write, a flush and a write: only the first write's data is named.
+    let cmds = [write(1, nvm_opcode::WRITE), write(2, nvm_opcode::FLUSH), write(3, nvm_opcode::WRITE)];
+    for (i, s) in cmds.iter().enumerate() {
+        lanbus_nvme::HostMemory::write(&mut &mem, iosq + ((4 + i) * SQE_LEN) as u64, &s.to_bytes()).unwrap();
+    }
+    c.bar0_write(reg::cq_head(1), &4u32.to_le_bytes()).unwrap();
+    c.bar0_write(reg::sq_tail(1), &7u32.to_le_bytes()).unwrap();
+    let mut rec = Recording::new(&mem, true, vec![(iosq + 4 * SQE_LEN as u64, 3 * SQE_LEN)]);
     assert_eq!(c.process_posted(&mut rec, &mut irqs), 0);
     assert_eq!(rec.prefetches, [pages[1]]);
 }
