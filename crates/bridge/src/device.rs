@@ -547,8 +547,13 @@ impl DevHandler {
             return;
         }
         let prefetched = st.reads.prefetch_ready();
-        // The worker pumps the freed tag and collects the read (a partial completion needs
-        // nothing of it).
+        if st.reads.tag_freed() {
+            // The freed tag goes to the read that waits for one from here: waking the worker for
+            // it would cost a context switch per piece, and would have it run the model (with
+            // its blocking reads) while the receive thread's prefetches are on their way.
+            self.pump_reads(&mut st, session, out);
+        }
+        // The worker collects a read it waits for (a partial completion needs nothing of it).
         if st.reads.changed() {
             f.notify_reads(st);
         } else {
@@ -556,6 +561,19 @@ impl DevHandler {
         }
         if prefetched {
             self.run_prefetched(f, session, out);
+        }
+    }
+
+    /// Sends the read requests of a blocking function that wait for tags, as far as tags are
+    /// free, from the receive thread.
+    fn pump_reads(&self, st: &mut FnState, session: (Option<MacAddr>, u16), out: &mut dyn Outbox) {
+        let Some(sender) = self.shared.sender.get() else { return };
+        let mut batch = TlpOut::default();
+        st.reads.pump(session.0, st.bdf, Instant::now(), |host, tlp| batch.push(host, session.1, tlp));
+        if self.shared.run_to_completion && sender.is_drained() {
+            batch.drain(|peer, channel, bytes| out.send(peer, channel, bytes));
+        } else {
+            batch.send_via(sender);
         }
     }
 
@@ -911,6 +929,7 @@ fn worker(index: usize, shared: Arc<Shared>, sender: Sender) {
     let mut idle_runs = 0u32;
     // Whether the model had work left after its last run (read under its lock, then).
     let mut wants_run = true;
+    let mut leave_model;
     loop {
         let spin_until = Instant::now() + crate::spin_budget();
         {
@@ -951,10 +970,20 @@ fn worker(index: usize, shared: Arc<Shared>, sender: Sender) {
                     break;
                 }
             }
+            // Woken by nothing but a deadline or a read while the receive thread's prefetches
+            // are on their way: the work they are for is the receive thread's when they land
+            // (run here, the model would read them again, blocking, and drop them).
+            leave_model = !st.kicked && st.inbox.is_empty() && st.reads.prefetch_in_flight();
             st.kicked = false;
         }
         // Lock order: model, then state (the receive thread only tries the model's lock).
         let mut m = lock(model);
+        if leave_model {
+            path.pump();
+            drop(m);
+            idle_runs = idle_runs.saturating_add(1);
+            continue;
+        }
         let inbox: Vec<(MacAddr, u16, Tlp)> = lock(&f.state).inbox.drain(..).collect();
         for (peer, channel, tlp) in inbox {
             let (_, replies) =

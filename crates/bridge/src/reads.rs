@@ -61,6 +61,8 @@ pub(crate) struct Reads {
     prefetched: Vec<(u64, usize, OpId)>,
     /// Dropped prefetches still in flight: their results are thrown away when they end.
     discarded: HashSet<OpId>,
+    /// A tag a queued request needs was freed since the last `pump` (see [`Reads::tag_freed`]).
+    tag_freed: bool,
 }
 
 impl Reads {
@@ -77,6 +79,7 @@ impl Reads {
             awaiting: None,
             prefetched: Vec::new(),
             discarded: HashSet::new(),
+            tag_freed: false,
         }
     }
 
@@ -231,6 +234,7 @@ impl Reads {
                 send(host, &tlp);
             }
         }
+        self.tag_freed = false;
         self.collect();
     }
 
@@ -247,10 +251,16 @@ impl Reads {
         // says so in `end`): a wake-up per completion of a long read would cost the worker a
         // context switch per 4 KiB.
         if self.requester.requests_in_flight() < before && self.requester.queued_requests() > 0 {
-            self.changed = true;
+            self.tag_freed = true;
         }
         self.collect();
         true
+    }
+
+    /// Whether a tag was freed that a queued request waits for, and no `pump` sent it yet. The
+    /// receive thread pumps it at once, so the worker need not wake for it.
+    pub(crate) fn tag_freed(&self) -> bool {
+        self.tag_freed
     }
 
     /// Fails the reads whose completions are overdue and ends the quarantines that are over.
@@ -331,11 +341,11 @@ impl Reads {
     /// Whether a tag a waiting request needs was freed, or a read ended, since the last
     /// `take_changed`.
     pub(crate) fn changed(&self) -> bool {
-        self.changed
+        self.changed || self.tag_freed
     }
 
     pub(crate) fn take_changed(&mut self) -> bool {
-        std::mem::take(&mut self.changed)
+        std::mem::take(&mut self.changed) | std::mem::take(&mut self.tag_freed)
     }
 }
 

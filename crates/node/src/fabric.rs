@@ -137,10 +137,11 @@ mod real_clients {
         ok
     }
 
-    fn fio_verify(uri: &str, dir: &Path, bs: &str) {
+    fn fio_verify(uri: &str, dir: &Path, bs: &str, iodepth: u32) {
         let out = Command::new("fio")
             .args(["--name=verify", "--ioengine=nbd", "--rw=randwrite", "--verify=crc32c", "--do_verify=1"])
-            .args(["--verify_fatal=1", "--size=8M", "--iodepth=1", "--numjobs=1"])
+            .args(["--verify_fatal=1", "--size=8M", "--numjobs=1"])
+            .arg(format!("--iodepth={iodepth}"))
             .arg(format!("--bs={bs}"))
             .arg(format!("--uri={uri}"))
             .current_dir(dir)
@@ -165,10 +166,39 @@ mod real_clients {
             )
         };
         let r = std::panic::catch_unwind(|| {
-            fio_verify(&e.uri, &e.dir, "4k");
-            fio_verify(&e.uri, &e.dir, "128k");
+            fio_verify(&e.uri, &e.dir, "4k", 1);
+            fio_verify(&e.uri, &e.dir, "128k", 1);
         });
         assert!(r.is_ok(), "{}", diag(&e));
+        let rt = e.fabric.host.runtime_stats();
+        assert!(rt.transport.retransmitted_frames > 0, "the wire lost frames and the transport resent them");
+    }
+
+    /// The same with the driver's queues and write data in host memory (the drive reads each
+    /// command and each write's data across the fabric, several at once) and many requests in
+    /// flight.
+    #[test]
+    fn fio_verify_at_depth_with_the_queues_in_host_memory_over_a_lossy_wire() {
+        if !have("fio", "--version") {
+            return;
+        }
+        let ctrl = controller(&NvmeBacking::Ram(32 << 20), 512).unwrap();
+        let (host_port, device_port) = SimFabric::sim_ports(0.005, 5).unwrap();
+        let dcfg = DriverConfig { use_cmb: false, ..driver_config() };
+        let e =
+            export_fabric("fio-hostmem", SimFabric::over_with(ctrl, host_port, device_port, dcfg).unwrap());
+        let r = std::panic::catch_unwind(|| {
+            fio_verify(&e.uri, &e.dir, "4k", 16);
+            fio_verify(&e.uri, &e.dir, "128k", 16);
+        });
+        assert!(
+            r.is_ok(),
+            "host bridge {:?}, controller {:?}",
+            e.fabric.host.stats(),
+            e.fabric.controller_stats.get()
+        );
+        let (c, _) = e.fabric.controller_stats.get();
+        assert!(c.sq_fetches > 0, "the drive fetched its commands from host memory: {c:?}");
         let rt = e.fabric.host.runtime_stats();
         assert!(rt.transport.retransmitted_frames > 0, "the wire lost frames and the transport resent them");
     }
@@ -213,8 +243,8 @@ mod real_clients {
         };
         let ctrl = controller(&NvmeBacking::Ram(64 << 20), 512).unwrap();
         let e = export_fabric("afxdp", SimFabric::over(ctrl, a, b).unwrap());
-        fio_verify(&e.uri, &e.dir, "4k");
-        fio_verify(&e.uri, &e.dir, "128k");
+        fio_verify(&e.uri, &e.dir, "4k", 1);
+        fio_verify(&e.uri, &e.dir, "128k", 1);
         qemu_img_round_trip(&e);
         assert!(e.fabric.host.runtime_stats().port.rx_frames > 1000);
     }
