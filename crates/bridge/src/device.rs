@@ -978,9 +978,14 @@ fn worker(index: usize, shared: Arc<Shared>, sender: Sender) {
         }
         // Lock order: model, then state (the receive thread only tries the model's lock).
         let mut m = lock(model);
-        if leave_model {
+        if leave_model && !lock(&f.state).reads.prefetch_ready() {
             path.pump();
             drop(m);
+            // A prefetch that landed while this thread held the model could not run on the
+            // receive thread (it only tries the lock): it is this thread's to run, at once.
+            let mut st = lock(&f.state);
+            st.kicked |= st.reads.prefetch_ready();
+            drop(st);
             idle_runs = idle_runs.saturating_add(1);
             continue;
         }
