@@ -929,10 +929,9 @@ fn worker(index: usize, shared: Arc<Shared>, sender: Sender) {
     let mut idle_runs = 0u32;
     // Whether the model had work left after its last run (read under its lock, then).
     let mut wants_run = true;
-    let mut leave_model;
     loop {
         let spin_until = Instant::now() + crate::spin_budget();
-        {
+        let leave_model = {
             let mut st = lock(&f.state);
             loop {
                 if st.stop {
@@ -973,9 +972,10 @@ fn worker(index: usize, shared: Arc<Shared>, sender: Sender) {
             // Woken by nothing but a deadline or a read while the receive thread's prefetches
             // are on their way: the work they are for is the receive thread's when they land
             // (run here, the model would read them again, blocking, and drop them).
-            leave_model = !st.kicked && st.inbox.is_empty() && st.reads.prefetch_in_flight();
+            let leave = !st.kicked && st.inbox.is_empty() && st.reads.prefetch_in_flight();
             st.kicked = false;
-        }
+            leave
+        };
         // Lock order: model, then state (the receive thread only tries the model's lock).
         let mut m = lock(model);
         if leave_model && !lock(&f.state).reads.prefetch_ready() {

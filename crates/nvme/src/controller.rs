@@ -380,8 +380,8 @@ const LOOKAHEAD_BYTES: usize = 1 << 20;
 enum Posted {
     /// Yes: all it reads is here (or it fails before reading).
     Run,
-    /// Not yet: the reads (address, length) it waits for were named for prefetching.
-    Wait(Vec<(u64, usize)>),
+    /// Not yet: the reads it waits for (this many) were named for prefetching.
+    Wait(usize),
     /// No: it is for the full run.
     No,
 }
@@ -775,7 +775,7 @@ impl Controller {
             for &(a, n) in &missing {
                 mem.prefetch(a, n);
             }
-            return Posted::Wait(missing);
+            return Posted::Wait(missing.len());
         }
         if ok {
             Posted::Run
@@ -806,8 +806,8 @@ impl Controller {
                 }
                 _ => break,
             }
-            if let Posted::Wait(missing) = self.may_run_posted(&sqe, mem) {
-                reads += missing.len();
+            if let Posted::Wait(named) = self.may_run_posted(&sqe, mem) {
+                reads += named;
             }
             if reads >= LOOKAHEAD_READS || bytes >= LOOKAHEAD_BYTES {
                 break;
