@@ -56,6 +56,9 @@ struct Shared {
     /// The engine holds records no flush has handed to the transport yet (written under the
     /// engine's lock): a turn with nothing to send then takes no lock.
     unsent: AtomicBool,
+    /// `finished` holds requests (written under its lock): a poll that finds none takes no
+    /// lock.
+    any_finished: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -73,6 +76,10 @@ impl Shared {
         while let Some(c) = engine.poll_completion() {
             finished.insert(c.id, c.outcome);
             any = true;
+        }
+        if any {
+            // Release pairs with the Acquire in `take_finished_into`.
+            self.any_finished.store(true, Ordering::Release);
         }
         // Read under the lock: a waiter counts itself before it releases the lock to sleep.
         let sleepers = self.sleepers.load(Ordering::Relaxed);
@@ -162,6 +169,7 @@ impl MsgNode {
             done: Condvar::new(),
             sleepers: AtomicUsize::new(0),
             unsent: AtomicBool::new(false),
+            any_finished: AtomicBool::new(false),
         });
         let handler = MsgHandler { shared: shared.clone() };
         let runtime = Runtime::start(port, runtime, Box::new(handler)).map_err(MsgError::Start)?;
@@ -267,10 +275,12 @@ impl MsgNode {
     /// Appends every finished request not yet waited for or taken to `out` (a caller that
     /// polls reuses one vector: no allocation per poll).
     pub fn take_finished_into(&self, out: &mut Vec<(RequestId, Outcome)>) {
-        let mut finished = lock(&self.shared.finished);
-        if !finished.is_empty() {
-            out.extend(finished.drain());
+        if !self.shared.any_finished.load(Ordering::Acquire) {
+            return;
         }
+        let mut finished = lock(&self.shared.finished);
+        out.extend(finished.drain());
+        self.shared.any_finished.store(false, Ordering::Relaxed);
     }
 
     /// The outcome of request `id` if it finished (taken: a second call says `None`).

@@ -297,6 +297,12 @@ impl Sender {
     /// Wakes the thread that runs the handler, so that it calls [`Handler::poll`] soon even if
     /// no frame arrives.
     pub fn wake_handler(&self) {
+        // In caller mode the user's own thread runs the next turn, and the helper thread
+        // sleeps on a timer: nothing waits on a waker (each wake is a locked instruction on
+        // the path of every message the caller starts).
+        if self.shared.mode == ThreadMode::Caller {
+            return;
+        }
         // Run to completion waits on the TX waker, the pipeline's RX thread on the RX one.
         self.shared.tx_waker.wake();
         self.shared.rx_waker.wake();
@@ -540,7 +546,15 @@ struct Worker {
     published_idle: bool,
     /// When the thread, spinning, last yielded its core.
     last_yield: Instant,
+    /// The wall clock less the runtime's clock, ns, and when it was read (see
+    /// [`Worker::rx_burst`]).
+    real_offset: Option<(u64, Instant)>,
 }
+
+/// How long [`Worker::rx_burst`] converts port stamps with one reading of the wall clock's
+/// offset from the runtime's clock. Between two readings the two clocks drift apart only as fast
+/// as NTP slews the wall clock (at most 500 ppm: half a microsecond in this time).
+const REAL_OFFSET_FOR: Duration = Duration::from_millis(1);
 
 impl Worker {
     fn new(
@@ -587,6 +601,7 @@ impl Worker {
             last_publish: now,
             published_idle: false,
             last_yield: now,
+            real_offset: None,
         }
     }
 
@@ -606,17 +621,27 @@ impl Worker {
     /// interface flap, a full socket buffer): they are reported once a second and retried.
     fn rx_burst(&mut self, now: Instant, on_frame: &mut dyn FnMut(Instant, &[u8])) -> usize {
         let burst = self.burst;
-        // The port's stamps are wall-clock time: read it once per burst, when a stamp comes.
-        let mut real_now = None;
+        // The port's stamps are wall-clock time. The wall clock is read when a stamp comes and
+        // the last reading of its offset is older than `REAL_OFFSET_FOR`: a clock read is a good
+        // part of the turn that takes a message.
+        let mut real_offset = self.real_offset;
         let r = self.with_port(|p| {
             p.rx_burst_stamped(burst, &mut |frame, stamp| {
                 let arrived = stamp.map_or(now, |s| {
-                    let real = *real_now.get_or_insert_with(lanbus_port::realtime_ns);
-                    arrival(now, real, s)
+                    let offset = match real_offset {
+                        Some((offset, at)) if now - at < REAL_OFFSET_FOR => offset,
+                        _ => {
+                            let offset = lanbus_port::realtime_ns().wrapping_sub(now.as_nanos());
+                            real_offset = Some((offset, now));
+                            offset
+                        }
+                    };
+                    arrival(now, now.as_nanos().wrapping_add(offset), s)
                 });
                 on_frame(arrived, frame)
             })
         });
+        self.real_offset = real_offset;
         self.count_port_result(r)
     }
 
@@ -823,14 +848,18 @@ impl Rtc {
                 handler.on_message(m, &mut Direct { tx, backlog: &mut *backlog, now });
             });
         });
-        if deadline.is_some_and(|t| t <= now) {
+        let timed_out = deadline.is_some_and(|t| t <= now);
+        if timed_out {
             endpoint.handle_timeout(now);
         }
         work += deliver_rtc(endpoint, &mut **handler, backlog, now);
         work += handler.poll(&mut Direct { tx: endpoint.send_half_mut(), backlog: &mut *backlog, now });
         // Acquire pairs with `posted_work`; a queue the transport left messages in is looked
         // at again whatever the flag says.
-        let posted = shared.posted.swap(false, Ordering::Acquire) || *left_queued;
+        // Loaded before it is swapped: most turns find it clear, and a load costs no locked
+        // instruction.
+        let posted = (shared.posted.load(Ordering::Relaxed) && shared.posted.swap(false, Ordering::Acquire))
+            || *left_queued;
         if posted {
             let requests: Vec<Control> = lock(&shared.control_tx).drain(..).collect();
             for c in requests {
@@ -847,8 +876,9 @@ impl Rtc {
         // receiving and handling came first, and a stale stamp would count them as the
         // fabric's delay (rate control reads it) and shorten the hold an ACK reports. A turn
         // that did nothing yet is a few dozen nanoseconds old: its start will do (a clock read
-        // is a good part of an empty turn, whose length is how late a frame is seen).
-        let sent_at = if work == 0 { now } else { worker.clock.now() };
+        // is a good part of an empty turn, whose length is how late a frame is seen), and so
+        // will it for a turn with nothing to send (the one that takes a message, mostly).
+        let sent_at = if work == 0 || !endpoint.may_transmit(now) { now } else { worker.clock.now() };
         let sent = worker.transmit(endpoint, sent_at);
         if sent > 0 {
             endpoint.frames_left(worker.clock.now());
@@ -858,9 +888,15 @@ impl Rtc {
         if worker.publish_due(now, work == 0) {
             *lock(&shared.tx_counters) = endpoint.counters();
         }
-        // Release pairs with the Acquire in `wait_idle`.
-        shared.idle.store(idle, Ordering::Release);
-        *deadline = endpoint.poll_timeout();
+        // Release pairs with the Acquire in `wait_idle`. Stored only when it changes: other
+        // threads read the line, and a turn that stores into it every time takes it from them.
+        if shared.idle.load(Ordering::Relaxed) != idle {
+            shared.idle.store(idle, Ordering::Release);
+        }
+        // A turn that received, sent, queued and fired nothing left every timer as it was.
+        if work > 0 || timed_out || posted {
+            *deadline = endpoint.poll_timeout();
+        }
         (now, work)
     }
 }

@@ -151,6 +151,12 @@ impl Endpoint {
         n
     }
 
+    /// See [`SendHalf::may_transmit`].
+    #[must_use]
+    pub fn may_transmit(&self, now: Instant) -> bool {
+        self.tx.may_transmit(now)
+    }
+
     /// [`Endpoint::poll_transmit`] without the copy; see [`SendHalf::poll_transmit_ref`].
     #[must_use]
     pub fn poll_transmit_ref(&mut self, now: Instant) -> Option<FrameRef> {

@@ -786,6 +786,18 @@ impl SendHalf {
         Some(len)
     }
 
+    /// Whether [`SendHalf::poll_transmit_ref`] could write a frame at `now` or a little later
+    /// (pacing aside): an ACK or probe is queued, a heartbeat is due or a channel has a frame its
+    /// window lets go. A caller that stamps frames with a fresh clock reading reads the clock only
+    /// when this says so.
+    #[must_use]
+    pub fn may_transmit(&self, now: Instant) -> bool {
+        !self.acks.is_empty()
+            || self.probes_pending > 0
+            || self.next_heartbeat.is_some_and(|t| t <= now)
+            || self.channels.iter().any(|c| c.has_sendable(self.window))
+    }
+
     /// [`SendHalf::poll_transmit`] without the copy: the next frame is written where it lies (a
     /// DATA frame in the copy its channel keeps until it is acknowledged, an ACK or heartbeat in
     /// a buffer of this half's own) and [`SendHalf::frame`] gives its bytes. A reference stays

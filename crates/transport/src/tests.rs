@@ -1439,3 +1439,44 @@ fn a_due_ack_is_not_stranded_when_its_carrier_does_not_go() {
     }
     assert_eq!(a.send_half().queued_frames(B, 3), 0, "the four requests are acknowledged: {to_a:?}");
 }
+
+#[test]
+fn may_transmit_says_when_a_frame_could_go() {
+    let mut a = Endpoint::new(p2p(), A, Instant::ZERO);
+    let mut b = Endpoint::new(p2p(), B, Instant::ZERO);
+    assert!(!a.may_transmit(at_us(0)), "nothing queued");
+    a.send(at_us(0), B, 0, b"request").unwrap();
+    assert!(a.may_transmit(at_us(0)), "a message queued");
+    let frames = drain(&mut a, at_us(0));
+    assert!(!a.may_transmit(at_us(0)), "everything sent");
+    for f in &frames {
+        b.handle_frame(at_us(1), f);
+    }
+    assert_eq!(b.poll_message().unwrap().data, b"request");
+    // The ACK waits for its delay, then is due.
+    assert!(!b.may_transmit(at_us(1)));
+    let mut t = 1;
+    while !b.may_transmit(at_us(t)) {
+        t += 1;
+        b.handle_timeout(at_us(t));
+        assert!(t < 1_000_000, "no ACK came due");
+    }
+    assert!(b.poll_transmit_ref(at_us(t)).is_some(), "the ACK");
+    b.frames_left(at_us(t));
+    assert!(!b.may_transmit(at_us(t)));
+    // Whenever it says no, nothing goes: over a run with a lost frame, timers and all.
+    a.send(at_us(t), B, 0, b"lost").unwrap();
+    let _ = drain(&mut a, at_us(t));
+    for step in 0..20_000u64 {
+        let now = at_us(t + step * 10);
+        a.handle_timeout(now);
+        let may = a.may_transmit(now);
+        let sent = a.poll_transmit_ref(now).is_some();
+        assert!(may || !sent, "a frame went at {now:?} though none could");
+        a.frames_left(now);
+        if sent {
+            return;
+        }
+    }
+    panic!("the lost frame never went again");
+}
