@@ -842,6 +842,7 @@ impl Rtc {
         let Rtc { worker, endpoint, handler, backlog, left_queued, deadline } = self;
         let shared = worker.shared.clone();
         let now = worker.clock.now();
+        let queued_before = endpoint.messages_queued();
         // Messages go to the handler straight from the port's buffer where order allows.
         let mut work = worker.rx_burst(now, &mut |arrived, frame| {
             endpoint.handle_frame_delivering_at(now, arrived, frame, &mut |m, tx| {
@@ -893,8 +894,9 @@ impl Rtc {
         if shared.idle.load(Ordering::Relaxed) != idle {
             shared.idle.store(idle, Ordering::Release);
         }
-        // A turn that received, sent, queued and fired nothing left every timer as it was.
-        if work > 0 || timed_out || posted {
+        // A turn that received, sent, queued and fired nothing left every timer as it was (a
+        // handler that queued a message but counted no work is caught by the transport's count).
+        if work > 0 || timed_out || posted || endpoint.messages_queued() != queued_before {
             *deadline = endpoint.poll_timeout();
         }
         (now, work)

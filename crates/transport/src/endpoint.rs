@@ -151,6 +151,12 @@ impl Endpoint {
         n
     }
 
+    /// See [`SendHalf::messages_queued`].
+    #[must_use]
+    pub fn messages_queued(&self) -> u64 {
+        self.tx.messages_queued()
+    }
+
     /// See [`SendHalf::may_transmit`].
     #[must_use]
     pub fn may_transmit(&self, now: Instant) -> bool {

@@ -307,6 +307,13 @@ impl SendHalf {
         self.counters
     }
 
+    /// How many messages were queued so far (the `messages_sent` counter, without copying the
+    /// rest): a caller that skips work when nothing changed compares it before and after.
+    #[must_use]
+    pub fn messages_queued(&self) -> u64 {
+        self.counters.messages_sent
+    }
+
     /// Changes the group stamped on every frame from now on (heartbeats announce it at once).
     pub fn set_group(&mut self, group: u16, now: Instant) {
         self.group = group;
