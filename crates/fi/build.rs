@@ -6,6 +6,9 @@ use std::path::Path;
 
 fn main() {
     println!("cargo:rerun-if-changed=c/provider.c");
+    // Installing libfabric-dev after a first build must bring the provider in: cargo looks at the
+    // header again (and, while it is missing, runs this script on every build).
+    println!("cargo:rerun-if-changed=/usr/include/rdma/fabric.h");
     println!("cargo:rustc-check-cfg=cfg(libfabric)");
     if !Path::new("/usr/include/rdma/fabric.h").exists() {
         println!(

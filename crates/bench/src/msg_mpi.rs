@@ -104,6 +104,26 @@ fn provider_dir(given: Option<&Path>, scratch: &Path) -> anyhow::Result<PathBuf>
     )
 }
 
+/// Asks libfabric itself (`fi_info -p lanbus`, Debian package libfabric-bin, where installed)
+/// whether the provider in `dir` loads. A library built before libfabric-dev was installed has
+/// no entry point; Open MPI would then only say that no pml component could be opened.
+fn check_provider(dir: &Path) -> anyhow::Result<()> {
+    let out = match Command::new("fi_info").args(["-p", "lanbus"]).env("FI_PROVIDER_PATH", dir).output() {
+        Ok(out) => out,
+        Err(_) => return Ok(()),
+    };
+    if !out.status.success() {
+        bail!(
+            "libfabric does not load the lanbus provider in {} (`fi_info -p lanbus`: {}); a library \
+             built before libfabric-dev was installed has no provider in it: rebuild it \
+             (cargo build --release -p lanbus-fi, or scripts/install-fi-provider)",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
 impl Mpi {
     /// Builds the program with `mpicc` and finds the provider.
     pub fn prepare(dir: &Path, provider: Option<&Path>) -> anyhow::Result<Mpi> {
@@ -126,7 +146,9 @@ impl Mpi {
              # under HOST as its host name.\nhost=$1; shift\nexec ip netns exec \"$host\" unshare --uts sh -c \"hostname $host; exec $*\"\n",
         )?;
         std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
-        Ok(Mpi { dir: dir.to_path_buf(), program, provider: provider_dir(provider, dir)?, agent })
+        let provider = provider_dir(provider, dir)?;
+        check_provider(&provider)?;
+        Ok(Mpi { dir: dir.to_path_buf(), program, provider, agent })
     }
 
     /// Runs one job over `transport`; a job that does not finish within `limit` is an error.
