@@ -1,20 +1,22 @@
 //! CRC-32C (Castagnoli polynomial 0x1EDC6F41, reflected, initial value and final XOR 0xFFFFFFFF)
 //! of frames, with one 4-byte field read as zeros (the field that will hold the sum).
 //!
-//! Runs of [`FOLD_MIN_LEN`] bytes and more (frames of 70 bytes and more: the sum starts at the
-//! source MAC) are folded here with 512-bit carry-less multiplies (VPCLMULQDQ) where the CPU has
-//! them; shorter runs and other CPUs go to the `crc_fast` crate. The reason is latency, not
+//! Runs long enough are folded here with carry-less multiplies where the CPU has them: 512-bit
+//! ones (AVX-512 VPCLMULQDQ) from [`FOLD_MIN_LEN`] bytes on (frames of 70 bytes and more: the sum
+//! starts at the source MAC), 256-bit ones (AVX2 VPCLMULQDQ) from [`FOLD_256_MIN_LEN`] bytes on.
+//! Shorter runs and other CPUs go to the `crc_fast` crate. The reason is latency, not
 //! throughput: a frame is summed right before it is sent and right
 //! after it arrives, so the time of one sum is on every round trip. `crc_fast` folds 384-byte
 //! blocks and finishes what is left one 8-byte `crc32` instruction at a time, three cycles each,
 //! one after another; the 1068 summed bytes of a 1 KiB message's frame leave 300 over. Here four
-//! 64-byte accumulators take 256 bytes per step, one accumulator then takes 64-byte steps and
-//! a 128-bit one 16-byte steps, and only the last 0-15 bytes go through `crc32`, so the chain of
-//! dependent instructions stays short. Runs of 64 to 255 bytes (a 64 B message's frame, small
-//! NVMe commands) start with the one 64-byte accumulator, which beats `crc_fast` for them too
-//! (`docs/wire.md` has the timings). This is the one place outside the rings, ports and DMA
-//! memory with `unsafe` code: SIMD intrinsics, in the `fold` module, behind a run-time check of
-//! the CPU's features.
+//! accumulators (of 64 bytes, or of 32) take 256 or 128 bytes per step, one accumulator then
+//! takes 64- or 32-byte steps and a 128-bit one 16-byte steps, and only the last 0-15 bytes go
+//! through `crc32`, so the chain of dependent instructions stays short. With 512-bit registers,
+//! runs of 64 to 255 bytes (a 64 B message's frame, small NVMe commands) start with the one
+//! 64-byte accumulator, which beats `crc_fast` for them too; with 256-bit ones `crc_fast` is as
+//! fast up to about 250 bytes (`docs/wire.md` has the timings). This is the one place outside the
+//! rings, ports and DMA memory with `unsafe` code: SIMD intrinsics, in the `fold` module, behind a
+//! run-time check of the CPU's features.
 //!
 //! How folding works (the method of Intel's "Fast CRC Computation for Generic Polynomials Using
 //! PCLMULQDQ"): read the message as a polynomial over GF(2), first bit highest. The CRC is that
@@ -29,8 +31,13 @@
 
 use crc_fast::CrcAlgorithm;
 
-/// The shortest run folded here: one 64-byte accumulator (from 256 bytes on, four).
+/// The shortest run folded here with 512-bit registers: one 64-byte accumulator (from 256 bytes
+/// on, four).
 pub(crate) const FOLD_MIN_LEN: usize = 64;
+
+/// The shortest run folded here with 256-bit registers: shorter ones are as fast through
+/// `crc_fast`.
+pub(crate) const FOLD_256_MIN_LEN: usize = 256;
 
 /// CRC-32C of `data` with the four bytes at `field` (`field + 4 <= 64`) read as zeros.
 pub(crate) fn crc32c_zero_field(data: &[u8], field: usize) -> u32 {
@@ -74,23 +81,57 @@ mod fold {
     use core::arch::x86_64::*;
     use std::sync::OnceLock;
 
-    /// Whether this CPU has what [`crc32c`] is compiled for (looked up once).
-    pub(super) fn available() -> bool {
-        static HAVE: OnceLock<bool> = OnceLock::new();
-        *HAVE.get_or_init(|| {
-            is_x86_feature_detected!("avx512f")
+    /// The widest folding this CPU can run.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(super) enum Width {
+        /// 512-bit registers: AVX-512 (F, BW, VL) with VPCLMULQDQ.
+        Zmm,
+        /// 256-bit registers: AVX2 with VPCLMULQDQ.
+        Ymm,
+    }
+
+    /// The widest folding this CPU has what it needs for (looked up once), if any.
+    pub(super) fn width() -> Option<Width> {
+        static WIDTH: OnceLock<Option<Width>> = OnceLock::new();
+        *WIDTH.get_or_init(|| {
+            let base = is_x86_feature_detected!("vpclmulqdq")
+                && is_x86_feature_detected!("pclmulqdq")
+                && is_x86_feature_detected!("sse4.2");
+            if base
+                && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("vpclmulqdq")
-                && is_x86_feature_detected!("pclmulqdq")
-                && is_x86_feature_detected!("sse4.2")
+            {
+                Some(Width::Zmm)
+            } else if base && is_x86_feature_detected!("avx2") {
+                Some(Width::Ymm)
+            } else {
+                None
+            }
         })
     }
 
     /// [`crc32c`] where the CPU has what it needs and `data` is long enough, else `None`.
     pub(super) fn crc32c_if_available(data: &[u8], keep: u64) -> Option<u32> {
-        // SAFETY: `available` checked every CPU feature `crc32c` is compiled for.
-        (data.len() >= super::FOLD_MIN_LEN && available()).then(|| unsafe { crc32c(data, keep) })
+        folded(width()?, data, keep)
+    }
+
+    /// The CRC folded with registers of `with`, if `data` is long enough for it; `with` must
+    /// be this CPU's [`width`] or narrower.
+    fn folded(with: Width, data: &[u8], keep: u64) -> Option<u32> {
+        match with {
+            // SAFETY: `width` found every CPU feature each function is compiled for.
+            Width::Zmm => (data.len() >= super::FOLD_MIN_LEN).then(|| unsafe { crc32c(data, keep) }),
+            Width::Ymm => (data.len() >= super::FOLD_256_MIN_LEN).then(|| unsafe { crc32c_256(data, keep) }),
+        }
+    }
+
+    /// [`folded`] for the tests, which try every width this CPU can run.
+    #[cfg(test)]
+    pub(super) fn crc32c_with(with: Width, data: &[u8], keep: u64) -> Option<u32> {
+        let cpu = width();
+        assert!(cpu == Some(Width::Zmm) || cpu == Some(with), "this CPU cannot fold with {with:?}");
+        folded(with, data, keep)
     }
 
     /// P(x) in normal bit order (bit i: the coefficient of x^i), with its x^32 term.
@@ -123,6 +164,7 @@ mod fold {
     const BY_2048: (u64, u64) = fold_keys(2048);
     const BY_1536: (u64, u64) = fold_keys(1536);
     const BY_1024: (u64, u64) = fold_keys(1024);
+    const BY_768: (u64, u64) = fold_keys(768);
     const BY_512: (u64, u64) = fold_keys(512);
     const BY_384: (u64, u64) = fold_keys(384);
     const BY_256: (u64, u64) = fold_keys(256);
@@ -145,8 +187,9 @@ mod fold {
         _mm512_ternarylogic_epi64::<0x96>(first, last, next)
     }
 
+    /// `acc` folded 16 bytes ahead (or as far as `k` says), XORed into `next`.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,vpclmulqdq,pclmulqdq,sse4.2")]
+    #[target_feature(enable = "pclmulqdq,sse4.2")]
     fn fold128(acc: __m128i, k: (u64, u64), next: __m128i) -> __m128i {
         let keys = _mm_set_epi64x(k.1 as i64, k.0 as i64);
         let first = _mm_clmulepi64_si128::<0x00>(acc, keys);
@@ -167,7 +210,7 @@ mod fold {
     /// `keep` are clear read as zeros.
     ///
     /// # Safety
-    /// The CPU must have the features [`available`] checks.
+    /// The CPU must have the features [`width`] checks for [`Width::Zmm`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,vpclmulqdq,pclmulqdq,sse4.2")]
     pub(super) unsafe fn crc32c(data: &[u8], keep: u64) -> u32 {
         assert!(data.len() >= super::FOLD_MIN_LEN);
@@ -223,8 +266,15 @@ mod fold {
         );
         let f01 = _mm_xor_si128(_mm512_extracti32x4_epi32::<0>(f), _mm512_extracti32x4_epi32::<1>(f));
         let f23 = _mm_xor_si128(_mm512_extracti32x4_epi32::<2>(f), _mm512_extracti32x4_epi32::<3>(acc));
-        let mut lane = _mm_xor_si128(f01, f23);
-        while at + 16 <= len {
+        let lane = _mm_xor_si128(f01, f23);
+        finish(data, at, lane)
+    }
+
+    /// The CRC from `lane`, the data folded so far, and the bytes of `data` from `at` on.
+    #[inline]
+    #[target_feature(enable = "pclmulqdq,sse4.2")]
+    fn finish(data: &[u8], mut at: usize, mut lane: __m128i) -> u32 {
+        while at + 16 <= data.len() {
             let bytes: &[u8; 16] = data[at..at + 16].try_into().expect("16 bytes");
             // SAFETY: reads the 16 bytes `bytes` refers to; no alignment needed.
             let next = unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) };
@@ -249,6 +299,80 @@ mod fold {
         }
         !c
     }
+
+    /// The same keys in the two lanes of a 256-bit register.
+    #[inline]
+    #[target_feature(enable = "avx2,vpclmulqdq,pclmulqdq,sse4.2")]
+    fn keys2(k: (u64, u64)) -> __m256i {
+        let (a, b) = (k.0 as i64, k.1 as i64);
+        _mm256_set_epi64x(b, a, b, a)
+    }
+
+    /// Both lanes of `acc` folded ahead by the keys' distance, XORed into `next`.
+    #[inline]
+    #[target_feature(enable = "avx2,vpclmulqdq,pclmulqdq,sse4.2")]
+    fn fold256(acc: __m256i, keys: __m256i, next: __m256i) -> __m256i {
+        let first = _mm256_clmulepi64_epi128::<0x00>(acc, keys);
+        let last = _mm256_clmulepi64_epi128::<0x11>(acc, keys);
+        _mm256_xor_si256(_mm256_xor_si256(first, last), next)
+    }
+
+    /// 32 bytes from `data` at `at` (`at + 32 <= data.len()`).
+    #[inline]
+    #[target_feature(enable = "avx2,vpclmulqdq,pclmulqdq,sse4.2")]
+    fn load32(data: &[u8], at: usize) -> __m256i {
+        let bytes: &[u8; 32] = data[at..at + 32].try_into().expect("32 bytes");
+        // SAFETY: reads 32 bytes from a reference to 32 bytes; no alignment needed.
+        unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) }
+    }
+
+    /// [`crc32c`] with 256-bit registers, for `data` of at least [`super::FOLD_256_MIN_LEN`] bytes.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, VPCLMULQDQ, PCLMULQDQ and SSE4.2.
+    #[target_feature(enable = "avx2,vpclmulqdq,pclmulqdq,sse4.2")]
+    pub(super) unsafe fn crc32c_256(data: &[u8], keep: u64) -> u32 {
+        assert!(data.len() >= super::FOLD_256_MIN_LEN);
+        let len = data.len();
+        // The first 64 bytes with the masked-off ones zeroed (AVX2 has no masked byte load) and
+        // the initial value 0xFFFFFFFF in the first four.
+        let mut head: [u8; 64] = data[..64].try_into().expect("64 bytes");
+        let mut clear = !keep;
+        while clear != 0 {
+            head[clear.trailing_zeros() as usize] = 0;
+            clear &= clear - 1;
+        }
+        for b in &mut head[..4] {
+            *b ^= 0xFF;
+        }
+        let mut a0 = load32(&head, 0);
+        let mut a1 = load32(&head, 32);
+        let mut a2 = load32(data, 64);
+        let mut a3 = load32(data, 96);
+        let mut at = 128;
+        let k = keys2(BY_1024);
+        while at + 128 <= len {
+            a0 = fold256(a0, k, load32(data, at));
+            a1 = fold256(a1, k, load32(data, at + 32));
+            a2 = fold256(a2, k, load32(data, at + 64));
+            a3 = fold256(a3, k, load32(data, at + 96));
+            at += 128;
+        }
+        // Four accumulators into one, side by side: a0 96 bytes ahead, a1 64, a2 32, onto a3.
+        let zero = _mm256_setzero_si256();
+        let x = fold256(a0, keys2(BY_768), a3);
+        let y = fold256(a1, keys2(BY_512), zero);
+        let x = fold256(a2, keys2(BY_256), x);
+        let mut acc = _mm256_xor_si256(x, y);
+        let k = keys2(BY_256);
+        while at + 32 <= len {
+            acc = fold256(acc, k, load32(data, at));
+            at += 32;
+        }
+        // Two lanes into one: the first 16 bytes ahead onto the second.
+        let lane = fold128(_mm256_castsi256_si128(acc), BY_128, _mm256_extracti128_si256::<1>(acc));
+        finish(data, at, lane)
+    }
 }
 
 #[cfg(test)]
@@ -269,6 +393,32 @@ mod tests {
         !crc
     }
 
+    /// Every folding this CPU can run (512-bit ones can also run 256-bit).
+    #[cfg(target_arch = "x86_64")]
+    fn fold_widths() -> Vec<fold::Width> {
+        let widths = match fold::width() {
+            Some(fold::Width::Zmm) => vec![fold::Width::Zmm, fold::Width::Ymm],
+            Some(fold::Width::Ymm) => vec![fold::Width::Ymm],
+            None => vec![],
+        };
+        if widths.is_empty() {
+            eprintln!("folding skipped: this CPU lacks VPCLMULQDQ with AVX2 or AVX-512");
+        }
+        widths
+    }
+
+    /// The CRC of `d` (with the field at `field` zeroed) through every folding this CPU can run
+    /// that takes runs as long, each checked against `expect`.
+    fn check_every_width(d: &[u8], field: Option<usize>, expect: u32) {
+        #[cfg(target_arch = "x86_64")]
+        for width in fold_widths() {
+            let keep = field.map_or(u64::MAX, |f| !(0xF_u64 << f));
+            if let Some(crc) = fold::crc32c_with(width, d, keep) {
+                assert_eq!(crc, expect, "folded with {width:?}, {} bytes, field {field:?}", d.len());
+            }
+        }
+    }
+
     /// `len` bytes that look random: the top byte of a Fibonacci hash of each index.
     fn bytes(len: usize, seed: u64) -> Vec<u8> {
         (0..len as u64).map(|i| ((i ^ seed << 20).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8).collect()
@@ -285,14 +435,14 @@ mod tests {
             let data = bytes(len + 64, len as u64);
             for shift in [0, 1, 7, 33] {
                 let d = &data[shift..shift + len];
-                assert_eq!(crc32c(d), bitwise(d, None), "len {len}, shift {shift}");
+                let expect = bitwise(d, None);
+                assert_eq!(crc32c(d), expect, "len {len}, shift {shift}");
+                check_every_width(d, None, expect);
                 let field = 34;
                 if len >= field + 4 {
-                    assert_eq!(
-                        crc32c_zero_field(d, field),
-                        bitwise(d, Some(field)),
-                        "len {len}, shift {shift}"
-                    );
+                    let expect = bitwise(d, Some(field));
+                    assert_eq!(crc32c_zero_field(d, field), expect, "len {len}, shift {shift}");
+                    check_every_width(d, Some(field), expect);
                 }
             }
         }
@@ -305,11 +455,7 @@ mod tests {
         {
             let d = bytes(len, 3 * len as u64);
             assert_eq!(portable_zero_field(&d, 34), bitwise(&d, Some(34)), "portable, len {len}");
-            #[cfg(target_arch = "x86_64")]
-            match fold::crc32c_if_available(&d, !(0xF_u64 << 34)) {
-                Some(crc) => assert_eq!(crc, bitwise(&d, Some(34)), "folded, len {len}"),
-                None => eprintln!("folding skipped: this CPU lacks AVX-512 VPCLMULQDQ"),
-            }
+            check_every_width(&d, Some(34), bitwise(&d, Some(34)));
         }
     }
 
@@ -318,7 +464,9 @@ mod tests {
         for len in [60, 64, 78, 255, 256, 300, 1068] {
             let d = bytes(len, 7);
             for field in 0..=(60.min(len - 4)) {
-                assert_eq!(crc32c_zero_field(&d, field), bitwise(&d, Some(field)), "len {len} field {field}");
+                let expect = bitwise(&d, Some(field));
+                assert_eq!(crc32c_zero_field(&d, field), expect, "len {len} field {field}");
+                check_every_width(&d, Some(field), expect);
             }
         }
     }
@@ -328,11 +476,13 @@ mod tests {
         fn folding_agrees_with_crc_fast(data in proptest::collection::vec(any::<u8>(), 0..3000), field in 0usize..=60) {
             let expect = crc_fast::checksum(CrcAlgorithm::Crc32Iscsi, &data) as u32;
             prop_assert_eq!(crc32c(&data), expect);
+            check_every_width(&data, None, expect);
             if data.len() >= field + 4 {
                 let mut zeroed = data.clone();
                 zeroed[field..field + 4].fill(0);
                 let expect = crc_fast::checksum(CrcAlgorithm::Crc32Iscsi, &zeroed) as u32;
                 prop_assert_eq!(crc32c_zero_field(&data, field), expect);
+                check_every_width(&data, Some(field), expect);
             }
         }
     }
