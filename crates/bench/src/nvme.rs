@@ -20,7 +20,7 @@
 //! (writeback cache, no O_DIRECT, for both). Every row runs the same fio job. Metrics `mb_per_s`
 //! and `iops`, with `block_size`, `rw`, (lanbus rows) the driver's `completion` mode and (rows over
 //! the veth) its `mtu`, 9000 by default (the drive's TLPs carry up to 4 KiB; `--mtu 1500,9000`
-//! runs those rows at each); each the median of the runs (`--runs`, 3 of 2 s, or 1 of 1 s with
+//! runs those rows at each, `--peer-mtu` sets the peer's apart); each the median of the runs (`--runs`, 3 of 2 s, or 1 of 1 s with
 //! `--quick`), which go in turns: every row once, then every row again; at 4 KiB also `p99_us`, the 99th
 //! percentile of fio's completion latency. After each port's rows, its floor: `raw:PORT`
 //! (`mb_per_s_one_way`), the bare port's one-way bandwidth in frames of the link's MTU, the same
@@ -109,6 +109,13 @@ pub struct NvmeBenchArgs {
     /// takes up to 65000 here.
     #[arg(long, value_delimiter = ',', default_value = "9000")]
     mtu: Vec<u32>,
+    /// MTUs of the veth for the `peer:nbd-tcp` row alone (comma-separated; default the same as
+    /// `--mtu`): the kernel's TCP path at its usual MTUs while the lanbus rows also run at their
+    /// best, e.g. `--mtu 9000,65000 --peer-mtu 9000`. A lanbus row's `ratio_vs_nbd_tcp` compares
+    /// it with the peer at the same MTU, or, where the peer did not run at that MTU, with the peer
+    /// at each MTU it ran at; each ratio names the peer's MTU (`peer_mtu`).
+    #[arg(long, value_delimiter = ',')]
+    peer_mtu: Vec<u32>,
     /// fio I/O depths to measure (comma-separated); the paper's is 1. Deeper queues show how the
     /// fabric scales with outstanding I/O (the driver's queue pairs, the fabric's channels).
     #[arg(long, value_delimiter = ',', default_value = "1")]
@@ -121,6 +128,22 @@ pub struct NvmeBenchArgs {
 }
 
 impl NvmeBenchArgs {
+    /// Every MTU the veth is set to: `--mtu`, then those of `--peer-mtu` not among them.
+    fn mtus(&self) -> Vec<u32> {
+        let mut all = self.mtu.clone();
+        all.extend(self.peer_mtu.iter().filter(|m| !self.mtu.contains(m)));
+        all
+    }
+
+    /// Whether row `name`, which crosses the veth, runs with the veth at `mtu`.
+    fn runs_at(&self, name: &str, mtu: u32) -> bool {
+        if name == "peer:nbd-tcp" && !self.peer_mtu.is_empty() {
+            self.peer_mtu.contains(&mtu)
+        } else {
+            self.mtu.contains(&mtu)
+        }
+    }
+
     /// The fio directions to measure (`--rw`, default both).
     fn directions(&self) -> impl Iterator<Item = &'static str> + '_ {
         ["randread", "randwrite"]
@@ -413,7 +436,7 @@ pub fn run(args: NvmeBenchArgs) -> anyhow::Result<()> {
             if let Some(j) = row.params.get("numjobs").and_then(|v| v.as_u64()).filter(|&j| j != 1) {
                 name.push_str(&format!(" {j} jobs"));
             }
-            if args.mtu.len() > 1 {
+            if args.mtus().len() > 1 {
                 if let Some(m) = row.params.get("mtu").and_then(|v| v.as_u64()) {
                     name.push_str(&format!(" MTU {m}"));
                 }
@@ -496,8 +519,8 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         "--numjobs: 1 to {MAX_JOBS} jobs"
     );
     anyhow::ensure!(
-        !args.mtu.is_empty() && args.mtu.iter().all(|m| (576..=65_000).contains(m)),
-        "--mtu: MTUs of 576 to 65000"
+        !args.mtu.is_empty() && args.mtu.iter().chain(&args.peer_mtu).all(|m| (576..=65_000).contains(m)),
+        "--mtu and --peer-mtu: MTUs of 576 to 65000"
     );
     let size = args.size_mib << 20;
     let want = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
@@ -545,8 +568,9 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     let mut missing: Vec<String> = Vec::new();
     // Runs go in turns: every row (at every MTU) once, then again; a figure is the median of its
     // runs, so a drift of the machine's speed spreads over all rows alike.
+    let mtus = args.mtus();
     for run in 1..=runs {
-        for (m, &mtu) in args.mtu.iter().enumerate() {
+        for (m, &mtu) in mtus.iter().enumerate() {
             if let Some(v) = &veth {
                 v.set_mtu(mtu as usize).with_context(|| format!("setting the veth's MTU to {mtu}"))?;
             }
@@ -562,7 +586,7 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             for (name, cmb) in settings {
                 let crosses = veth.is_some() && VETH_ROWS.contains(&name);
                 // Rows without the veth do not depend on its MTU: once per run.
-                if !crosses && m > 0 {
+                if (!crosses && m > 0) || (crosses && !args.runs_at(name, mtu)) {
                     continue;
                 }
                 let mtu = crosses.then_some(mtu);
@@ -735,25 +759,31 @@ fn measure_row(
     Ok(())
 }
 
-/// Each lanbus row's bandwidth against `peer:nbd-tcp`'s at the same direction, block size, depth,
-/// jobs and MTU (`ratio_vs_nbd_tcp`), when that row was measured.
+/// Each lanbus row's bandwidth against `peer:nbd-tcp`'s at the same direction, block size, depth
+/// and jobs (`ratio_vs_nbd_tcp`, with the peer's `peer_mtu`): the peer at the row's own MTU where
+/// it ran there, else the peer at each MTU it ran at (`--peer-mtu`).
 fn ratios_vs_nbd_tcp(report: &mut Report) {
-    let key = |r: &Row| {
-        let p = |k: &str| r.params.get(k).cloned();
-        (p("rw"), p("block_size"), p("iodepth"), p("numjobs"), p("mtu"))
-    };
+    let param = |r: &Row, k: &str| r.params.get(k).cloned();
+    let key = |r: &Row| (param(r, "rw"), param(r, "block_size"), param(r, "iodepth"), param(r, "numjobs"));
     let peer: Vec<_> = report
         .rows
         .iter()
         .filter(|r| r.name == "peer:nbd-tcp" && r.metric == "mb_per_s")
-        .map(|r| (key(r), r.value))
+        .map(|r| (key(r), param(r, "mtu"), r.value))
         .collect();
     let mut ratios = Vec::new();
     for r in report.rows.iter().filter(|r| !r.name.starts_with("peer:") && r.metric == "mb_per_s") {
-        if let Some((_, base)) = peer.iter().find(|(k, _)| *k == key(r)) {
+        let (k, mtu) = (key(r), param(r, "mtu"));
+        let same: Vec<_> = peer.iter().filter(|(pk, _, _)| *pk == k).collect();
+        // The peer at the row's own MTU where it ran there, else at each MTU it ran at.
+        let at_mtu: Vec<_> = same.iter().filter(|(_, pm, _)| *pm == mtu).copied().collect();
+        for (_, peer_mtu, base) in if at_mtu.is_empty() { same } else { at_mtu } {
             let mut row = Row::new(r.name.clone(), "ratio_vs_nbd_tcp", r.value / base);
             for (k, v) in &r.params {
                 row = row.with(k, v.clone());
+            }
+            if let Some(m) = peer_mtu {
+                row = row.with("peer_mtu", m.clone());
             }
             ratios.push(row);
         }
@@ -808,4 +838,75 @@ pub(crate) fn raw_one_way(kind: &str, veth: Option<&VethPair>, seconds: f64) -> 
     stop.store(true, Ordering::Relaxed);
     let _ = sender.join();
     Ok(bytes as f64 * 8.0 / elapsed / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(mtu: &[u32], peer_mtu: &[u32]) -> NvmeBenchArgs {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: NvmeBenchArgs,
+        }
+        let mut a = Cli::parse_from(["nvme"]).a;
+        (a.mtu, a.peer_mtu) = (mtu.to_vec(), peer_mtu.to_vec());
+        a
+    }
+
+    fn mbs(name: &str, mtu: u32, value: f64) -> Row {
+        Row::new(name, "mb_per_s", value)
+            .with("rw", "randread")
+            .with("block_size", 1_048_576u64)
+            .with("iodepth", 1u32)
+            .with("numjobs", 1u32)
+            .with("mtu", mtu)
+    }
+
+    /// (row's MTU, peer's MTU, ratio) of every ratio row.
+    fn ratios(rows: Vec<Row>) -> Vec<(u64, u64, f64)> {
+        let mut report = Report::new("nvme");
+        report.rows = rows;
+        ratios_vs_nbd_tcp(&mut report);
+        let mtu = |r: &Row, k: &str| r.params[k].as_u64().expect("an MTU");
+        report
+            .rows
+            .iter()
+            .filter(|r| r.metric == "ratio_vs_nbd_tcp")
+            .map(|r| (mtu(r, "mtu"), mtu(r, "peer_mtu"), r.value))
+            .collect()
+    }
+
+    #[test]
+    fn the_peer_runs_at_its_own_mtus() {
+        let a = args(&[9000, 65000], &[1500, 9000]);
+        assert_eq!(a.mtus(), [9000, 65000, 1500]);
+        assert!(a.runs_at("afpacket", 65000) && !a.runs_at("afpacket", 1500));
+        assert!(a.runs_at("peer:nbd-tcp", 1500) && !a.runs_at("peer:nbd-tcp", 65000));
+        let same = args(&[1500, 9000], &[]);
+        assert_eq!(same.mtus(), [1500, 9000]);
+        assert!(same.runs_at("peer:nbd-tcp", 1500) && same.runs_at("afpacket", 9000));
+    }
+
+    #[test]
+    fn a_row_is_compared_with_the_peer_at_its_mtu_else_at_each_of_the_peers() {
+        let rows = vec![
+            mbs("peer:nbd-tcp", 9000, 800.0),
+            mbs("afpacket", 9000, 400.0),
+            mbs("afpacket", 65000, 1000.0),
+        ];
+        assert_eq!(ratios(rows), [(9000, 9000, 0.5), (65000, 9000, 1.25)]);
+        let rows = vec![
+            mbs("peer:nbd-tcp", 1500, 500.0),
+            mbs("peer:nbd-tcp", 9000, 800.0),
+            mbs("afpacket", 9000, 400.0),
+            mbs("afpacket", 65000, 1000.0),
+        ];
+        assert_eq!(ratios(rows), [(9000, 9000, 0.5), (65000, 1500, 2.0), (65000, 9000, 1.25)]);
+        // Another size or direction is never compared.
+        let other = mbs("peer:nbd-tcp", 9000, 800.0).with("rw", "randwrite");
+        assert!(ratios(vec![other, mbs("afpacket", 9000, 400.0)]).is_empty());
+    }
 }

@@ -1,6 +1,6 @@
-//! `lanbus bench nvme` with several MTUs and runs in turns (root, fio): every row that crosses
-//! the veth is measured at each MTU, its floor too, and the figures name their MTU. Without root
-//! or fio it skips and says why.
+//! `lanbus bench nvme` with several MTUs and runs in turns (root, fio, qemu-nbd): every lanbus row
+//! that crosses the veth is measured at each MTU, its floor too, the TCP peer at its own MTU, and
+//! the figures name their MTUs. Without root, fio or qemu-nbd it skips and says why.
 
 use std::process::Command;
 
@@ -14,12 +14,17 @@ fn rows_over_the_veth_are_measured_at_every_mtu() {
         eprintln!("skipped: needs fio (Debian package fio; .ci/run installs it)");
         return;
     }
+    if Command::new("qemu-nbd").arg("--version").output().is_err() {
+        eprintln!("skipped: needs qemu-nbd (Debian package qemu-utils; .ci/run installs it)");
+        return;
+    }
     let dir = std::env::temp_dir().join(format!("lanbus-bench-nvme-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("nvme.json");
     let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
-        .args(["bench", "nvme", "--quick", "--runs", "2", "--only", "afpacket", "--block-sizes", "4k"])
-        .args(["--rw", "randread", "--size-mib", "16", "--mtu", "1500,9000", "--json"])
+        .args(["bench", "nvme", "--quick", "--runs", "2", "--only", "afpacket,peer:nbd-tcp"])
+        .args(["--block-sizes", "4k", "--rw", "randread", "--size-mib", "16"])
+        .args(["--mtu", "1500,9000", "--peer-mtu", "9000", "--json"])
         .arg(&json)
         .arg("--png")
         .arg(dir.join("plot"))
@@ -35,6 +40,18 @@ fn rows_over_the_veth_are_measured_at_every_mtu() {
         };
         assert!(find("afpacket", "mb_per_s"), "afpacket at MTU {mtu}: {v}");
         assert!(find("raw:afpacket", "mb_per_s_one_way"), "the floor at MTU {mtu}: {v}");
+        assert_eq!(find("peer:nbd-tcp", "mb_per_s"), mtu == 9000, "the peer at MTU {mtu} alone: {v}");
+        // Both lanbus rows are compared with the peer at its one MTU.
+        let ratio = rows.iter().find(|r| {
+            r["name"] == "afpacket"
+                && r["metric"] == "ratio_vs_nbd_tcp"
+                && r["mtu"] == mtu
+                && r["peer_mtu"] == 9000
+        });
+        assert!(
+            ratio.and_then(|r| r["value"].as_f64()).is_some_and(|x| x > 0.0),
+            "the ratio at MTU {mtu}: {v}"
+        );
     }
     // Each lanbus point splits its time into stages; the fabric's wait is never empty.
     let stage = |name: &str| {
@@ -51,4 +68,5 @@ fn rows_over_the_veth_are_measured_at_every_mtu() {
     }
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("run 2/2: afpacket (MTU 9000)"), "{stderr}");
+    assert!(!stderr.contains("peer:nbd-tcp (MTU 1500)"), "{stderr}");
 }
