@@ -524,6 +524,10 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     );
     let size = args.size_mib << 20;
     let want = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
+    anyhow::ensure!(
+        args.peer_mtu.is_empty() || want("peer:nbd-tcp"),
+        "--peer-mtu sets the MTUs of the peer:nbd-tcp row, which --only leaves out"
+    );
     let names: Vec<&str> = if args.block_sizes.is_empty() {
         BLOCK_SIZES.to_vec()
     } else {

@@ -70,3 +70,18 @@ fn rows_over_the_veth_are_measured_at_every_mtu() {
     assert!(stderr.contains("run 2/2: afpacket (MTU 9000)"), "{stderr}");
     assert!(!stderr.contains("peer:nbd-tcp (MTU 1500)"), "{stderr}");
 }
+
+#[test]
+fn a_peer_mtu_without_the_peer_is_refused() {
+    if Command::new("fio").arg("--version").output().is_err() {
+        eprintln!("skipped: needs fio (Debian package fio; .ci/run installs it)");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
+        .args(["bench", "nvme", "--quick", "--only", "afpacket", "--peer-mtu", "1500"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--peer-mtu sets the MTUs of the peer:nbd-tcp row"), "{stderr}");
+}
