@@ -118,8 +118,12 @@ const TX_FRAMES: usize = 256;
 const RX_BLOCKS: usize = 16;
 /// Smallest receive block.
 const RX_BLOCK_MIN_BYTES: usize = 1 << 18;
-/// Bytes a TPACKET_V2 receive ring aims for (64 to 1024 slots).
+/// Bytes a TPACKET_V2 receive ring aims for (within [`RX_V2_MIN_SLOTS`] to 1024 slots).
 const RX_V2_BYTES: usize = 4 << 20;
+/// Fewest slots of a TPACKET_V2 receive ring: twice the transport's default window (128 frames),
+/// so that a receiver a scheduling slice late does not drop a sender's window of the largest
+/// frames (at MTU 65000 a slot takes 128 KiB and the bytes alone would give 32 slots).
+const RX_V2_MIN_SLOTS: usize = 256;
 
 /// How to open an [`AfPacketPort`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -690,7 +694,8 @@ impl AfPacketPort {
                 // A TCP/IP stack's slots hold coalesced 64 KiB segments but mostly carry single
                 // segments: enough of them that a window of those does not overflow the ring.
                 let budget = if config.all_ethertypes { 16 * RX_V2_BYTES } else { RX_V2_BYTES };
-                let frames = ((budget / frame).clamp(64, 1024) / (block / frame)).max(1) * (block / frame);
+                let frames = ((budget / frame).clamp(RX_V2_MIN_SLOTS, 1024) / (block / frame)).max(1)
+                    * (block / frame);
                 // The kernel reads only the first four fields for TPACKET_V2.
                 let req = libc::tpacket_req3 {
                     tp_block_size: block as u32,

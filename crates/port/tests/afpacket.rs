@@ -285,3 +285,20 @@ fn borrowed_frames_leave_in_order_between_ring_bursts() {
     assert_eq!(recv_n(&mut b, 1, 5 * SECOND), vec![good]);
     assert_eq!(a.counters().tx_dropped, 2);
 }
+
+#[test]
+fn a_window_of_the_largest_frames_waits_whole_in_the_receive_ring() {
+    let Some(pair) = pair_or_skip("a_window_of_the_largest_frames_waits_whole_in_the_receive_ring") else {
+        return;
+    };
+    pair.set_mtu(65000).unwrap();
+    let mut a = open_in(&pair.a, RxVersion::V2);
+    let mut b = open_in(&pair.b, RxVersion::V2);
+    // Twice the transport's default window of 64 KB frames, sent while the receiver does not
+    // poll (a receiving thread a scheduling slice late): the ring holds them all.
+    let frames: Vec<Vec<u8>> = (0..256).map(|s| frame(b.mac(), a.mac(), s, 65000)).collect();
+    send_all(&mut a, &frames, 5 * SECOND);
+    let got = recv_n(&mut b, frames.len(), 5 * SECOND);
+    assert_eq!(got.len(), frames.len(), "{:?}, kernel drops {}", b.counters(), b.kernel_drops());
+    assert!(got == frames, "frames changed or reordered");
+}
