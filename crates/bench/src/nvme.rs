@@ -1,15 +1,16 @@
 //! `lanbus bench nvme`: the paper's Fig. 6. fio (`--ioengine=nbd`, random read and random write,
-//! numjobs=1, iodepth=1, block sizes 4 KiB .. 1 MiB; `--iodepth` and `--numjobs` for deeper
-//! queues and several connections, whose figures are the jobs' sum) against the NVMe namespace exported over NBD:
+//! numjobs=1, iodepth=1, block sizes 4 KiB .. 1 MiB; `--iodepth` and `--numjobs` for deeper queues
+//! and several connections, whose figures are the jobs' sum) against the NVMe namespace exported
+//! over NBD:
 //!
 //! - `local`: the controller model in-process (driver and controller joined directly, the
 //!   controller on its own thread as on the device bridge), behind the NBD server: no fabric;
 //! - `peer:qemu-nbd`: qemu-nbd serving the same backing file on a local Unix socket (no network:
 //!   the reference without any link);
 //! - `peer:nbd-tcp`: the socket path a user would otherwise deploy: qemu-nbd in one network
-//!   namespace serving the same backing file over TCP, fio in the other, across the same veth
-//!   at the same MTU as the lanbus rows (root). Every lanbus row's `ratio_vs_nbd_tcp` compares
-//!   it with this row;
+//!   namespace serving the same backing file over TCP, fio in the other, across the same veth at
+//!   the same MTU as the lanbus rows, or at its own (`--peer-mtu`) (root). Every lanbus row's
+//!   `ratio_vs_nbd_tcp` compares it with this row;
 //! - `sim`: the whole fabric (device bridge, transport, host bridge, driver) over the in-process
 //!   simulated wire;
 //! - `udp`, `afpacket`, `afxdp`: the fabric over real ports: over a veth pair between two network
@@ -19,29 +20,30 @@
 //! exists): the lanbus rows' controller reads and writes it with pread/pwrite, as qemu-nbd does
 //! (writeback cache, no O_DIRECT, for both). Every row runs the same fio job. Metrics `mb_per_s`
 //! and `iops`, with `block_size`, `rw`, (lanbus rows) the driver's `completion` mode and (rows over
-//! the veth) its `mtu`, 9000 by default (the drive's TLPs carry up to 4 KiB; `--mtu 1500,9000`
-//! runs those rows at each, `--peer-mtu` sets the peer's apart); each the median of the runs (`--runs`, 3 of 2 s, or 1 of 1 s with
-//! `--quick`), which go in turns: every row once, then every row again; at 4 KiB also `p99_us`, the 99th
-//! percentile of fio's completion latency. After each port's rows, its floor: `raw:PORT`
-//! (`mb_per_s_one_way`), the bare port's one-way bandwidth in frames of the link's MTU, the same
-//! ports opened the same way with nothing above them. Every figure also carries the CPU it cost,
-//! in seconds per GB moved: `client_cpu_s_per_gb` (fio, from its own accounting) and
-//! `server_cpu_s_per_gb` (qemu-nbd for the peers; for the lanbus rows this process, which holds
-//! both bridges, the driver, the controller and the NBD server: both ends of the link). Each after an unmeasured warm-up run per
-//! direction with blocks twice the largest measured (see [`warm_up`]). A PNG per direction (MB/s
-//! against block size) next to the JSON. At depth 1 each lanbus row also splits a request's time
-//! (with one job) into stages (`stage_us`, microseconds per request, from counters the NBD server, the driver
-//! and the backing store keep): `client_and_socket` (fio and the Unix socket: fio's time per
-//! request less the server's stages), `nbd_payload` (reading a WRITE's data from the socket),
-//! `driver_copy` (the driver copying data between the request and DMA memory: for a write into
-//! the drive's memory buffer, across the fabric), `fabric_and_device` (the driver waiting for its
-//! commands: bridges, transport, port and controller, less the backing store), `backing`
-//! (pread/pwrite of the backing file) and `nbd_reply` (sending the reply, a READ's data
-//! included). The stages overlap a little (a reply is read while it is sent), so the first is
-//! clamped at zero. `--cmb on,off` measures each lanbus row with the driver's queues, PRP lists
-//! and write data in the drive's Controller Memory Buffer and in host memory (the `cmb`
-//! parameter; both compare with the same `peer:nbd-tcp` figures). With `LANBUS_BENCH_DEBUG` set in the environment, each fabric
-//! row ends by printing its bridges' and transports' counters (retransmissions, RTTs, DMA).
+//! the veth) its `mtu`, 9000 by default (the drive's TLPs carry up to 4 KiB; `--mtu 1500,9000` runs
+//! those rows at each, `--peer-mtu` sets the peer's apart); each the median of the runs (`--runs`,
+//! 3 of 2 s, or 1 of 1 s with `--quick`), which go in turns: every row once, then every row again;
+//! at 4 KiB also `p99_us`, the 99th percentile of fio's completion latency. After each port's rows,
+//! its floor: `raw:PORT` (`mb_per_s_one_way`), the bare port's one-way bandwidth in frames of the
+//! link's MTU, the same ports opened the same way with nothing above them. Every figure also
+//! carries the CPU it cost, in seconds per GB moved: `client_cpu_s_per_gb` (fio, from its own
+//! accounting) and `server_cpu_s_per_gb` (qemu-nbd for the peers; for the lanbus rows this process,
+//! which holds both bridges, the driver, the controller and the NBD server: both ends of the link).
+//! Each after an unmeasured warm-up run per direction with blocks twice the largest measured (see
+//! [`warm_up`]). A PNG per direction (MB/s against block size) next to the JSON. At depth 1 each
+//! lanbus row also splits a request's time (with one job) into stages (`stage_us`, microseconds per
+//! request, from counters the NBD server, the driver and the backing store keep):
+//! `client_and_socket` (fio and the Unix socket: fio's time per request less the server's stages),
+//! `nbd_payload` (reading a WRITE's data from the socket), `driver_copy` (the driver copying data
+//! between the request and DMA memory: for a write into the drive's memory buffer, across the
+//! fabric), `fabric_and_device` (the driver waiting for its commands: bridges, transport, port and
+//! controller, less the backing store), `backing` (pread/pwrite of the backing file) and
+//! `nbd_reply` (sending the reply, a READ's data included). The stages overlap a little (a reply is
+//! read while it is sent), so the first is clamped at zero. `--cmb on,off` measures each lanbus row
+//! with the driver's queues, PRP lists and write data in the drive's Controller Memory Buffer and
+//! in host memory (the `cmb` parameter; both compare with the same `peer:nbd-tcp` figures). With
+//! `LANBUS_BENCH_DEBUG` set in the environment, each fabric row ends by printing its bridges' and
+//! transports' counters (retransmissions, RTTs, DMA).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
