@@ -21,7 +21,8 @@
 //!
 //! Progress is manual: reading the completion queue moves the records, through the daemon's
 //! rings (daemon mode) or through the port itself, whose runtime runs its turns on the reading
-//! thread (direct mode; a helper thread runs them when nobody has read for a millisecond).
+//! thread (direct mode; a helper thread runs them when nobody has read for a millisecond, and
+//! looks in less often, every 16 ms at most, while the reads go on).
 //!
 //! The engine works in the application's own memory, which libfabric lends the provider until
 //! an operation's completion: a rendezvous send goes out from the send buffer (straight into

@@ -10,7 +10,9 @@
 //!   through [`Runtime::poll`] (a process that polls a completion queue anyway, as an MPI rank
 //!   does, then needs no second thread and no wake-up between the two); a helper thread runs them
 //!   whenever the user has not for a millisecond, so the peer's frames, ACKs and timers are
-//!   served while the user computes.
+//!   served while the user computes. The helper looks less often while the user keeps polling
+//!   (every [`CALLER_LAPSE_MAX`] at most): each look is a timer's wake-up, which on a loaded
+//!   machine takes a core from the user.
 //! - **Pipeline** (Software ExpEther's design): a TX thread owns the [`SendHalf`] (segmentation,
 //!   window, pacing, retransmission, ACK and heartbeat transmission) and an RX thread owns the
 //!   [`ReceiveHalf`] (ordering, ACK generation, delivery to the handler, peer table). The RX
@@ -63,6 +65,32 @@ pub enum ThreadMode {
 /// In [`ThreadMode::Caller`], how long the user may leave the node unpolled before the helper
 /// thread runs its turns.
 pub const CALLER_LAPSE: Duration = Duration::from_millis(1);
+
+/// In [`ThreadMode::Caller`], the longest the helper thread sleeps between two looks. Each look
+/// that finds the user polling doubles the sleep, up to this; the first that finds the user
+/// away brings it back to [`CALLER_LAPSE`]. So a user that polls all the time is interrupted
+/// about sixty times a second instead of a thousand (on two busy cores each wake-up stalled a
+/// message by tens of microseconds), and a user that stops leaves the node unserved for at most
+/// this long, well inside the transport's liveness limits (heartbeats are 100 ms apart).
+pub const CALLER_LAPSE_MAX: Duration = Duration::from_millis(16);
+
+/// When caller mode's helper thread looks next (see [`CALLER_LAPSE_MAX`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LapseSchedule {
+    sleep: Duration,
+}
+
+impl LapseSchedule {
+    fn new() -> LapseSchedule {
+        LapseSchedule { sleep: CALLER_LAPSE }
+    }
+
+    /// How long to sleep before the next look, given whether this look found the user polling.
+    fn after_look(&mut self, user_polled: bool) -> Duration {
+        self.sleep = if user_polled { (self.sleep * 2).min(CALLER_LAPSE_MAX) } else { CALLER_LAPSE };
+        self.sleep
+    }
+}
 
 /// How an idle thread waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -509,6 +537,8 @@ impl Runtime {
         self.shared.tx_waker.wake();
         self.shared.rx_waker.wake();
         for t in self.threads.drain(..) {
+            // Caller mode's helper sleeps parked: end its sleep at once.
+            t.thread().unpark();
             let _ = t.join();
         }
     }
@@ -940,13 +970,21 @@ impl Transmit for SendHalf {
     }
 }
 
-/// Caller mode's helper thread: every [`CALLER_LAPSE`], if the user ran no turn since the last
-/// look, runs turns until there is no work left.
+/// Caller mode's helper thread: at each look (see [`LapseSchedule`]), if the user ran no turn for
+/// [`CALLER_LAPSE`], runs turns until there is no work left.
 fn serve_lapses(rtc: &Mutex<Rtc>, last: &AtomicU64, shared: &Shared, clock: MonotonicClock) {
+    let mut schedule = LapseSchedule::new();
+    let mut sleep = CALLER_LAPSE;
     while !shared.stop.load(Ordering::Acquire) {
-        std::thread::sleep(CALLER_LAPSE);
+        // Parked, not asleep: stopping the runtime unparks it (an early return only looks early).
+        std::thread::park_timeout(sleep);
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
         let idle_for = clock.now().as_nanos().saturating_sub(last.load(Ordering::Relaxed));
-        if idle_for < CALLER_LAPSE.as_nanos() as u64 {
+        let user_polled = idle_for < CALLER_LAPSE.as_nanos() as u64;
+        sleep = schedule.after_look(user_polled);
+        if user_polled {
             continue;
         }
         let mut rtc = lock(rtc);

@@ -384,3 +384,43 @@ fn a_port_stamp_becomes_the_arrival_on_the_runtime_clock() {
     assert_eq!(crate::arrival(now, 3_000_000_000, 1_000_000_000), now);
     assert_eq!(crate::arrival(now, 1_900_000_000, 1_000_000_000), Instant::ZERO);
 }
+
+#[test]
+fn caller_mode_helper_looks_less_often_while_the_user_polls_and_at_once_again_when_it_stops() {
+    let mut s = LapseSchedule::new();
+    let busy: Vec<Duration> = (0..8).map(|_| s.after_look(true)).collect();
+    let ms = Duration::from_millis;
+    assert_eq!(busy, [ms(2), ms(4), ms(8), ms(16), ms(16), ms(16), ms(16), ms(16)]);
+    assert_eq!(busy.iter().max(), Some(&CALLER_LAPSE_MAX));
+    // The user stopped: the next look is a lapse away, and so is every one after while it stays away.
+    assert_eq!(s.after_look(false), CALLER_LAPSE);
+    assert_eq!(s.after_look(false), CALLER_LAPSE);
+    assert_eq!(s.after_look(true), ms(2));
+}
+
+/// A user that polls for a while and then stops: the helper, backed off to its longest sleep,
+/// serves the node within that sleep.
+#[test]
+fn caller_mode_helper_takes_over_after_a_busy_user_stops() {
+    let (pa, pb) = mem_pair(0);
+    let (ta, ra) = mpsc::channel();
+    let (tb, _rb) = mpsc::channel();
+    let a =
+        Runtime::start(Box::new(pa), config(ThreadMode::Caller), Box::new(Forward { to: ta, echo: false }))
+            .unwrap();
+    let b =
+        Runtime::start(Box::new(pb), config(ThreadMode::Caller), Box::new(Forward { to: tb, echo: true }))
+            .unwrap();
+    // Both users poll long enough for their helpers to back off all the way.
+    let until = std::time::Instant::now() + CALLER_LAPSE_MAX * 4;
+    while std::time::Instant::now() < until {
+        a.poll();
+        b.poll();
+    }
+    // Now nobody polls: the helpers alone carry the echo.
+    for i in 0..20u32 {
+        a.sender().send(b.local_mac(), 7, &payload(i));
+        let (_, _, data) = ra.recv_timeout(Duration::from_secs(10)).expect("echo");
+        assert_eq!(data, payload(i));
+    }
+}
