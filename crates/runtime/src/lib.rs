@@ -974,16 +974,15 @@ impl Transmit for SendHalf {
 /// [`CALLER_LAPSE`], runs turns until there is no work left.
 fn serve_lapses(rtc: &Mutex<Rtc>, last: &AtomicU64, shared: &Shared, clock: MonotonicClock) {
     let mut schedule = LapseSchedule::new();
-    let mut sleep = CALLER_LAPSE;
     while !shared.stop.load(Ordering::Acquire) {
         // Parked, not asleep: stopping the runtime unparks it (an early return only looks early).
-        std::thread::park_timeout(sleep);
+        std::thread::park_timeout(schedule.sleep);
         if shared.stop.load(Ordering::Acquire) {
             break;
         }
         let idle_for = clock.now().as_nanos().saturating_sub(last.load(Ordering::Relaxed));
         let user_polled = idle_for < CALLER_LAPSE.as_nanos() as u64;
-        sleep = schedule.after_look(user_polled);
+        schedule.after_look(user_polled);
         if user_polled {
             continue;
         }
