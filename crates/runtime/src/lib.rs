@@ -69,9 +69,9 @@ pub const CALLER_LAPSE: Duration = Duration::from_millis(1);
 /// In [`ThreadMode::Caller`], the longest the helper thread sleeps between two looks. Each look
 /// that finds the user polling doubles the sleep, up to this; the first that finds the user
 /// away brings it back to [`CALLER_LAPSE`]. So a user that polls all the time is interrupted
-/// about sixty times a second instead of a thousand (on two busy cores each wake-up stalled a
-/// message by tens of microseconds), and a user that stops leaves the node unserved for at most
-/// this long, well inside the transport's liveness limits (heartbeats are 100 ms apart).
+/// about sixty times a second instead of a thousand (on two busy cores each wake-up stalled the
+/// round trip under way by about 100 µs), and a user that stops leaves the node unserved for at
+/// most this long, well inside the transport's liveness limits (heartbeats are 100 ms apart).
 pub const CALLER_LAPSE_MAX: Duration = Duration::from_millis(16);
 
 /// When caller mode's helper thread looks next (see [`CALLER_LAPSE_MAX`]).
