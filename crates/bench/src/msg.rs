@@ -326,7 +326,7 @@ fn lanbus_row(
 ) -> anyhow::Result<Measured> {
     let (pa, pb) = super::port_pair(kind, Some(veth))?;
     let rc = |name: &str, threads: ThreadMode| {
-        let mut c = lanbus_node::config::runtime_config(name, threads);
+        let mut c = lanbus_node::config::msg_runtime_config(name, threads);
         // Two endpoints that know each other's address: no discovery needed.
         c.transport.heartbeat.enabled = false;
         c

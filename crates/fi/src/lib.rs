@@ -283,7 +283,7 @@ impl Endpoint {
                 let port = lanbus_port::open(spec).map_err(|e| format!("opening port {spec}: {e}"))?;
                 // The rank's own thread moves its messages as it polls the completion queue:
                 // no second thread to wake, nor to share the cores with.
-                let rc = lanbus_node::config::runtime_config("fi", lanbus_runtime::ThreadMode::Caller);
+                let rc = lanbus_node::config::msg_runtime_config("fi", lanbus_runtime::ThreadMode::Caller);
                 Link::Direct(MsgNode::start(port, 1, rc, cfg).map_err(|e| e.to_string())?)
             }
         };

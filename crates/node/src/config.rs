@@ -40,6 +40,20 @@ pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
     c
 }
 
+/// Settings of a messaging node whose engine moves its own messages (direct mode: the libfabric
+/// provider's ranks, `bench msg`'s engine rows): [`runtime_config`] with a send queue of two
+/// windows. The engine hands the transport a record only while the queue has room and keeps the
+/// rest itself, so a deeper queue only lets the copies into frames run further ahead of the
+/// wire: with 1024 frames (9 MiB at MTU 9000) a stream's frames were written long before they
+/// left and came back to the checksum and the kernel from memory instead of the cache
+/// (`docs/measurements/2026-11-30-send-queue.md`). A daemon keeps the default: what does not fit
+/// its queue is copied into its backlog.
+pub fn msg_runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
+    let mut c = runtime_config(name, threads);
+    c.transport.send_queue_frames = 2 * c.transport.window_frames as usize;
+    c
+}
+
 /// Settings of a messaging daemon's node (`lanbus msgd`): [`runtime_config`] on one
 /// run-to-completion thread, with a longer hold of a lone frame's ACK. A message through two
 /// daemons is answered only after two more hand-offs between polling threads than in direct mode
