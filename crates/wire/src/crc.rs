@@ -48,7 +48,7 @@ pub(crate) fn crc32c_zero_field(data: &[u8], field: usize) -> u32 {
     );
     // The bytes of the first 64 to keep: all but the field.
     #[cfg(target_arch = "x86_64")]
-    if let Some(crc) = fold::crc32c_if_available(data, !(0xF_u64 << field)) {
+    if let Some(crc) = fold::crc32c_if_available(data, !(0xF_u64 << field), INITIAL) {
         return crc;
     }
     portable_zero_field(data, field)
@@ -69,10 +69,26 @@ fn portable_zero_field(data: &[u8], field: usize) -> u32 {
 /// CRC-32C of `data`.
 pub(crate) fn crc32c(data: &[u8]) -> u32 {
     #[cfg(target_arch = "x86_64")]
-    if let Some(crc) = fold::crc32c_if_available(data, u64::MAX) {
+    if let Some(crc) = fold::crc32c_if_available(data, u64::MAX, INITIAL) {
         return crc;
     }
     crc_fast::checksum(CrcAlgorithm::Crc32Iscsi, data) as u32
+}
+
+/// The CRC register's value before the first byte.
+const INITIAL: u32 = 0xFFFF_FFFF;
+
+/// CRC-32C of `a` followed by `b`, read where each lies: the register `a` leaves is where the
+/// folding of `b` starts (a sender's headers, then a body it lends).
+pub(crate) fn crc32c_two(a: &[u8], b: &[u8]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(crc) = fold::crc32c_if_available(b, u64::MAX, !crc32c(a)) {
+        return crc;
+    }
+    let mut digest = crc_fast::Digest::new(CrcAlgorithm::Crc32Iscsi);
+    digest.update(a);
+    digest.update(b);
+    digest.finalize() as u32
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -112,26 +128,29 @@ mod fold {
     }
 
     /// [`crc32c`] where the CPU has what it needs and `data` is long enough, else `None`.
-    pub(super) fn crc32c_if_available(data: &[u8], keep: u64) -> Option<u32> {
-        folded(width()?, data, keep)
+    /// `init` is the register's value before `data` (`super::INITIAL` to start a sum).
+    pub(super) fn crc32c_if_available(data: &[u8], keep: u64, init: u32) -> Option<u32> {
+        folded(width()?, data, keep, init)
     }
 
     /// The CRC folded with registers of `with`, if `data` is long enough for it; `with` must
     /// be this CPU's [`width`] or narrower.
-    fn folded(with: Width, data: &[u8], keep: u64) -> Option<u32> {
+    fn folded(with: Width, data: &[u8], keep: u64, init: u32) -> Option<u32> {
         match with {
             // SAFETY: `width` found every CPU feature each function is compiled for.
-            Width::Zmm => (data.len() >= super::FOLD_MIN_LEN).then(|| unsafe { crc32c(data, keep) }),
-            Width::Ymm => (data.len() >= super::FOLD_256_MIN_LEN).then(|| unsafe { crc32c_256(data, keep) }),
+            Width::Zmm => (data.len() >= super::FOLD_MIN_LEN).then(|| unsafe { crc32c(data, keep, init) }),
+            Width::Ymm => {
+                (data.len() >= super::FOLD_256_MIN_LEN).then(|| unsafe { crc32c_256(data, keep, init) })
+            }
         }
     }
 
     /// [`folded`] for the tests, which try every width this CPU can run.
     #[cfg(test)]
-    pub(super) fn crc32c_with(with: Width, data: &[u8], keep: u64) -> Option<u32> {
+    pub(super) fn crc32c_with(with: Width, data: &[u8], keep: u64, init: u32) -> Option<u32> {
         let cpu = width();
         assert!(cpu == Some(Width::Zmm) || cpu == Some(with), "this CPU cannot fold with {with:?}");
-        folded(with, data, keep)
+        folded(with, data, keep, init)
     }
 
     /// P(x) in normal bit order (bit i: the coefficient of x^i), with its x^32 term.
@@ -207,19 +226,19 @@ mod fold {
     }
 
     /// CRC-32C of `data` (at least 64 bytes), with the bytes of the first 64 whose bits in
-    /// `keep` are clear read as zeros.
+    /// `keep` are clear read as zeros, the register starting at `init`.
     ///
     /// # Safety
     /// The CPU must have the features [`width`] checks for [`Width::Zmm`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,vpclmulqdq,pclmulqdq,sse4.2")]
-    pub(super) unsafe fn crc32c(data: &[u8], keep: u64) -> u32 {
+    pub(super) unsafe fn crc32c(data: &[u8], keep: u64, init: u32) -> u32 {
         assert!(data.len() >= super::FOLD_MIN_LEN);
         let len = data.len();
         let first: &[u8; 64] = data[..64].try_into().expect("64 bytes");
         // SAFETY: reads the 64 bytes `first` refers to (masked-off bytes are not read at all).
         let first = unsafe { _mm512_maskz_loadu_epi8(keep, first.as_ptr().cast()) };
-        // The initial value 0xFFFFFFFF goes into the first four bytes.
-        let first = _mm512_xor_si512(first, _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, 0xFFFF_FFFF));
+        // The register's initial value goes into the first four bytes.
+        let first = _mm512_xor_si512(first, _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, i64::from(init)));
         let (mut acc, mut at) = if len >= 256 {
             let mut a0 = first;
             let mut a1 = load64(data, 64);
@@ -331,19 +350,19 @@ mod fold {
     /// # Safety
     /// The CPU must have AVX2, VPCLMULQDQ, PCLMULQDQ and SSE4.2.
     #[target_feature(enable = "avx2,vpclmulqdq,pclmulqdq,sse4.2")]
-    pub(super) unsafe fn crc32c_256(data: &[u8], keep: u64) -> u32 {
+    pub(super) unsafe fn crc32c_256(data: &[u8], keep: u64, init: u32) -> u32 {
         assert!(data.len() >= super::FOLD_256_MIN_LEN);
         let len = data.len();
         // The first 64 bytes with the masked-off ones zeroed (AVX2 has no masked byte load) and
-        // the initial value 0xFFFFFFFF in the first four.
+        // the register's initial value in the first four.
         let mut head: [u8; 64] = data[..64].try_into().expect("64 bytes");
         let mut clear = !keep;
         while clear != 0 {
             head[clear.trailing_zeros() as usize] = 0;
             clear &= clear - 1;
         }
-        for b in &mut head[..4] {
-            *b ^= 0xFF;
+        for (b, i) in head[..4].iter_mut().zip(init.to_le_bytes()) {
+            *b ^= i;
         }
         let mut a0 = load32(&head, 0);
         let mut a1 = load32(&head, 32);
@@ -413,7 +432,7 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         for width in fold_widths() {
             let keep = field.map_or(u64::MAX, |f| !(0xF_u64 << f));
-            if let Some(crc) = fold::crc32c_with(width, d, keep) {
+            if let Some(crc) = fold::crc32c_with(width, d, keep, INITIAL) {
                 assert_eq!(crc, expect, "folded with {width:?}, {} bytes, field {field:?}", d.len());
             }
         }
@@ -422,6 +441,21 @@ mod tests {
     /// `len` bytes that look random: the top byte of a Fibonacci hash of each index.
     fn bytes(len: usize, seed: u64) -> Vec<u8> {
         (0..len as u64).map(|i| ((i ^ seed << 20).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8).collect()
+    }
+
+    #[test]
+    fn a_sum_run_from_one_piece_into_another_is_the_sum_of_both() {
+        let d = bytes(70_000, 5);
+        for (split, end) in [(0, 10), (30, 94), (30, 300), (44, 9044), (1, 65_000), (500, 70_000), (64, 64)] {
+            let (a, b) = d[..end].split_at(split);
+            assert_eq!(crc32c_two(a, b), crc32c(&d[..end]), "{split} + {}", end - split);
+            #[cfg(target_arch = "x86_64")]
+            for width in fold_widths() {
+                if let Some(crc) = fold::crc32c_with(width, b, u64::MAX, !crc32c(a)) {
+                    assert_eq!(crc, crc32c(&d[..end]), "folded with {width:?}, {split} + {}", end - split);
+                }
+            }
+        }
     }
 
     #[test]

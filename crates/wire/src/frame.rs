@@ -500,6 +500,20 @@ pub fn fill_checksum(frame: &mut [u8]) {
     frame[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].copy_from_slice(&crc.to_be_bytes());
 }
 
+/// [`fill_checksum`] for a frame that lies in two pieces: `head` (at least the two headers) and
+/// then `body`, the rest of its payload, which is read once and not moved (a sender's memory
+/// lent to the transport). The sum is the one over the whole frame, run from the one piece into
+/// the other.
+pub fn fill_checksum_parts(head: &mut [u8], body: &[u8]) {
+    if body.is_empty() {
+        return fill_checksum(head);
+    }
+    head[ETHERNET_HEADER_LEN + field::FLAGS] |= FLAG_CHECKSUM;
+    head[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].fill(0);
+    let crc = crate::crc::crc32c_two(&head[CHECKSUM_START..], body);
+    head[CHECKSUM_FRAME_OFFSET..CHECKSUM_FRAME_OFFSET + 4].copy_from_slice(&crc.to_be_bytes());
+}
+
 /// Whether a whole frame (exactly header + payload, without padding) carries a correct checksum.
 pub fn verify_checksum(frame: &[u8]) -> bool {
     if frame.len() < CHECKSUM_FRAME_OFFSET + 4 {
@@ -960,6 +974,23 @@ mod tests {
     }
 
     #[test]
+    fn checksum_of_a_frame_in_two_pieces_is_the_whole_frames() {
+        let mut whole = whole_frame();
+        whole.extend((0..9000u32).map(|i| (i * 7 + i / 251) as u8));
+        let mut expected = whole.clone();
+        fill_checksum(&mut expected);
+        // Every split from just after the headers on, the lent piece long and short.
+        for split in [CHECKSUM_FRAME_OFFSET + 4, whole_frame().len(), 100, 1000, whole.len() - 1, whole.len()]
+        {
+            let mut head = whole[..split].to_vec();
+            fill_checksum_parts(&mut head, &whole[split..]);
+            head.extend_from_slice(&whole[split..]);
+            assert_eq!(head, expected, "split at {split}");
+            assert!(verify_checksum(&head));
+        }
+    }
+
+    #[test]
     fn checksum_fixture_from_an_independent_encoder() {
         // An ACK frame (02:4c:42:00:00:02 -> ...:01, group 7, channel 3, ack 0xffffffff, echo 1000,
         // epochs 0x0a0b0c0d and 0x01020304) encoded by a separate Python script (a bitwise
@@ -1070,6 +1101,21 @@ mod tests {
             let n = bytes.len().min(SACK_MAX_FRAMES / 8);
             proptest::prop_assert!(bytes[..n].starts_with(s.as_bytes()));
             proptest::prop_assert!(bytes[s.as_bytes().len()..n].iter().all(|&b| b == 0));
+        }
+
+        #[test]
+        fn checksum_in_two_pieces_is_the_whole_frames(
+            body in proptest::collection::vec(proptest::num::u8::ANY, 0..3000),
+            cut in 0usize..3000,
+        ) {
+            let mut whole = whole_frame();
+            whole.extend_from_slice(&body);
+            let split = (CHECKSUM_FRAME_OFFSET + 4 + cut).min(whole.len());
+            let mut expected = whole.clone();
+            fill_checksum(&mut expected);
+            let mut head = whole[..split].to_vec();
+            fill_checksum_parts(&mut head, &whole[split..]);
+            proptest::prop_assert_eq!(&head[..], &expected[..split]);
         }
 
         #[test]
