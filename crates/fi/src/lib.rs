@@ -118,15 +118,20 @@ struct Op {
 /// Application memory lent to the engine for the length of one operation. libfabric's contract
 /// makes a send's or receive's buffer the provider's until the operation completes; the engine
 /// drops this when it finishes the operation (completed, failed or cancelled), before the
-/// completion is reported, and never touches the memory after.
+/// completion is reported, and never touches the memory after. A rendezvous send's memory is
+/// lent on to the transport, whose frames read it until they are acknowledged; the send
+/// completes only after the last of them has let go.
 pub struct Lent {
     ptr: *mut u8,
     len: usize,
 }
 
 // SAFETY: the memory is the provider's until the operation completes (libfabric's contract);
-// the endpoint's lock serializes every access to it.
+// the endpoint's lock serializes every write to it (a receive's), and a send's is only read.
 unsafe impl Send for Lent {}
+// SAFETY: shared references only read (`SendBuf::bytes`), and a send's memory is not written
+// by anyone while it is lent; a receive's is written only through `&mut` (`RecvBuf`).
+unsafe impl Sync for Lent {}
 
 impl Lent {
     /// Lends `len` bytes at `ptr`.

@@ -1,6 +1,7 @@
 //! The engine: one endpoint's sends, receives, matching and rendezvous state.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use lanbus_wire::MacAddr;
 
@@ -46,19 +47,13 @@ impl Default for Config {
 const SPARE_RECORDS: usize = 8;
 
 /// Memory a send reads its message from, lent to the engine until the send completes (a
-/// rendezvous message goes out from it, a chunk at a time, once the receiver asks for it).
-/// `Vec<u8>` is one; a layer whose caller keeps ownership of the message (libfabric's) lends
-/// the caller's memory instead of copying it.
-pub trait SendBuf: Send + 'static {
-    /// The message.
-    fn bytes(&self) -> &[u8];
-}
-
-impl SendBuf for Vec<u8> {
-    fn bytes(&self) -> &[u8] {
-        self
-    }
-}
+/// rendezvous message goes out from it, a chunk at a time, once the receiver asks for it; with
+/// [`Engine::transmit_lending`] the transport's frames read it too, until they are
+/// acknowledged). `Vec<u8>` is one; a layer whose caller keeps ownership of the message
+/// (libfabric's) lends the caller's memory instead of copying it. It is the transport's
+/// [`Lend`](lanbus_transport::Lend): read only, from any thread, while lent.
+pub use lanbus_transport::Lend as SendBuf;
+use lanbus_transport::LentSlice;
 
 /// Memory a receive's bytes land in, lent to the engine until the receive completes: what
 /// arrives is written straight there (no buffer of the engine's own, no copy afterwards).
@@ -298,17 +293,34 @@ struct Posted {
 struct Announced {
     id: RequestId,
     dest: Addr,
-    data: Box<dyn SendBuf>,
+    data: Arc<dyn SendBuf>,
 }
 
 /// A rendezvous send whose DATA is going out.
 struct Stream {
     id: RequestId,
     dest: Addr,
-    data: Box<dyn SendBuf>,
+    data: Arc<dyn SendBuf>,
     recv_id: u32,
     granted: usize,
     offset: usize,
+}
+
+/// A rendezvous send waiting for the transport to let go of its memory.
+struct Lending {
+    id: RequestId,
+    dest: Addr,
+    data: Arc<dyn SendBuf>,
+    outcome: Outcome,
+}
+
+/// A record [`Engine::transmit_lending`] hands on.
+pub enum Out<'a> {
+    /// A record in pieces, to send as one message (copied where it goes).
+    Parts(&'a [&'a [u8]]),
+    /// A DATA record: its header, then bytes of the message being sent, lent (the transport
+    /// may read them where they are until it lets go of the slice).
+    Lent(&'a [u8], LentSlice),
 }
 
 /// A rendezvous receive whose DATA is coming in.
@@ -336,6 +348,9 @@ pub struct Engine {
     claimed: HashMap<u64, Result<Unexpected, Failure>>,
     announced: HashMap<u32, Announced>,
     streams: VecDeque<Stream>,
+    /// Rendezvous sends whose last DATA went out lent ([`Engine::transmit_lending`]): each
+    /// completes, with the outcome kept here, once the transport has let go of its memory.
+    lending: Vec<Lending>,
     incoming: HashMap<u32, Incoming>,
     control: VecDeque<Outgoing>,
     /// Buffers of records handed on, kept for the next ones (no allocation per message).
@@ -360,6 +375,7 @@ impl Engine {
             claimed: HashMap::new(),
             announced: HashMap::new(),
             streams: VecDeque::new(),
+            lending: Vec::new(),
             incoming: HashMap::new(),
             control: VecDeque::new(),
             spare: Vec::new(),
@@ -426,7 +442,7 @@ impl Engine {
         let send_id = self.wire_id();
         let len = data.bytes().len() as u64;
         self.record(dest, Record::Rts { context, tag, len, send_id });
-        self.announced.insert(send_id, Announced { id, dest, data: Box::new(data) });
+        self.announced.insert(send_id, Announced { id, dest, data: Arc::new(data) });
         id
     }
 
@@ -694,7 +710,8 @@ impl Engine {
     /// transport cannot take it now, keep it and offer it again before anything else.
     pub fn poll_transmit(&mut self) -> Option<Outgoing> {
         let mut taken = None;
-        self.transmit_one(&mut |dest, parts| {
+        self.transmit_one(false, &mut |dest, out| {
+            let Out::Parts(parts) = out else { unreachable!("nothing is lent") };
             taken = Some(Outgoing { dest, bytes: parts.concat() });
             true
         });
@@ -708,16 +725,55 @@ impl Engine {
     /// first in line.
     pub fn transmit(&mut self, out: &mut dyn FnMut(MacAddr, &[&[u8]]) -> bool) -> usize {
         let mut n = 0;
-        while self.transmit_one(out) == Some(true) {
+        let mut out = |dest, o: Out<'_>| {
+            let Out::Parts(parts) = o else { unreachable!("nothing is lent") };
+            out(dest, parts)
+        };
+        while self.transmit_one(false, &mut out) == Some(true) {
             n += 1;
         }
         n
     }
 
-    /// Offers the next record to `out`: `None` when there is none, else whether `out` took it.
-    fn transmit_one(&mut self, out: &mut dyn FnMut(MacAddr, &[&[u8]]) -> bool) -> Option<bool> {
+    /// As [`Engine::transmit`], but a DATA record's bytes are lent to `out` ([`Out::Lent`])
+    /// rather than offered for copying, and a rendezvous send completes only once `out`'s side
+    /// has let go of every slice of its message (the engine holds the last reference to it
+    /// again); each call first completes the sends that are let go. The transport's frames then
+    /// read the message where the sender keeps it: one copy of each byte fewer. While sends
+    /// wait for that ([`Engine::has_lent`]), the caller calls this on every turn.
+    pub fn transmit_lending(&mut self, out: &mut dyn FnMut(MacAddr, Out<'_>) -> bool) -> usize {
+        self.reap_lent();
+        let mut n = 0;
+        while self.transmit_one(true, out) == Some(true) {
+            n += 1;
+        }
+        n
+    }
+
+    /// Completes the sends whose memory nobody but the engine holds any more.
+    fn reap_lent(&mut self) {
+        let mut i = 0;
+        while i < self.lending.len() {
+            if Arc::strong_count(&self.lending[i].data) == 1 {
+                let l = self.lending.swap_remove(i);
+                self.complete(l.id, l.outcome);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Whether rendezvous sends wait for the transport to let go of their memory
+    /// ([`Engine::transmit_lending`]).
+    pub fn has_lent(&self) -> bool {
+        !self.lending.is_empty()
+    }
+
+    /// Offers the next record to `out` (a DATA record lent if `lend`): `None` when there is
+    /// none, else whether `out` took it.
+    fn transmit_one(&mut self, lend: bool, out: &mut dyn FnMut(MacAddr, Out<'_>) -> bool) -> Option<bool> {
         if let Some(o) = self.control.front() {
-            let took = out(o.dest, &[&o.bytes]);
+            let took = out(o.dest, Out::Parts(&[&o.bytes]));
             if took {
                 let o = self.control.pop_front().expect("front");
                 if self.spare.len() < SPARE_RECORDS {
@@ -731,12 +787,21 @@ impl Engine {
         let mut head = Vec::with_capacity(DATA_HEADER);
         Record::Data { recv_id: s.recv_id, offset: s.offset as u64, data: &[] }
             .emit(Route { src: self.me.id, dst: s.dest.id }, &mut head);
-        if !out(s.dest.mac, &[&head, &s.data.bytes()[s.offset..s.offset + n]]) {
+        let range = s.offset..s.offset + n;
+        let took = if lend {
+            out(s.dest.mac, Out::Lent(&head, LentSlice::new(Arc::clone(&s.data), range)))
+        } else {
+            out(s.dest.mac, Out::Parts(&[&head, &s.data.bytes()[range]]))
+        };
+        if !took {
             return Some(false);
         }
         s.offset += n;
         let s = self.streams.pop_front().expect("front");
-        if s.offset == s.granted {
+        if s.offset == s.granted && lend {
+            // The last of its bytes went out lent: complete once they are let go.
+            self.lending.push(Lending { id: s.id, dest: s.dest, data: s.data, outcome: Outcome::Sent });
+        } else if s.offset == s.granted {
             // The last of its bytes went out: the sender's memory is free again.
             self.complete(s.id, Outcome::Sent);
         } else {
@@ -791,6 +856,11 @@ impl Engine {
             }
             keep
         });
+        // Their memory may still be lent: they fail once it is let go (the caller has the
+        // transport drop what it queued for a peer that is gone).
+        for l in self.lending.iter_mut().filter(|l| gone(l.dest)) {
+            l.outcome = Outcome::Failed(why);
+        }
         self.incoming.retain(|_, i| {
             let keep = !gone(i.status.source);
             if !keep {
@@ -1104,6 +1174,74 @@ mod tests {
         assert!(matches!(c.outcome, Outcome::Received { ref data, truncated: true, .. } if data == b"abcd"));
         let n = e.counters();
         assert_eq!((n.bad_records, n.misrouted, n.stray), (1, 1, 5));
+    }
+
+    /// Hands `from`'s records to `to`, DATA lent: the lent slices are kept in `held` (as a
+    /// transport's unacknowledged frames would) and their bytes delivered at once.
+    fn pump_lending(from: &mut Engine, to: &mut Engine, held: &mut Vec<LentSlice>) -> usize {
+        let src = from.addr().mac;
+        let mut records = Vec::new();
+        let n = from.transmit_lending(&mut |_, out| {
+            match out {
+                Out::Parts(parts) => records.push(parts.concat()),
+                Out::Lent(head, body) => {
+                    records.push([head, body.bytes()].concat());
+                    held.push(body);
+                }
+            }
+            true
+        });
+        for r in &records {
+            to.handle_message(src, r);
+        }
+        n
+    }
+
+    #[test]
+    fn a_lent_rendezvous_send_completes_once_its_memory_is_let_go() {
+        let (a, b) = (addr(1, 1), addr(2, 1));
+        let cfg = Config { eager_limit: 10, data_chunk: 100 };
+        let (mut ea, mut eb) = (Engine::new(a, cfg.clone()), Engine::new(b, cfg));
+        let r = eb.post_recv(Match::any_tag(Source::Any, 0), 1000);
+        let s = ea.send(b, 0, 1, bytes(250, 9));
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            pump_lending(&mut ea, &mut eb, &mut held);
+            pump_lending(&mut eb, &mut ea, &mut Vec::new());
+        }
+        assert_eq!(held.len(), 3, "250 bytes in DATA of 100");
+        assert!(
+            matches!(eb.poll_completion(), Some(Completion { id, outcome: Outcome::Received { ref data, .. } }) if id == r && *data == bytes(250, 9))
+        );
+        // Every record went, but the transport still holds the memory: not complete yet.
+        assert!(!ea.has_records() && ea.has_lent());
+        pump_lending(&mut ea, &mut eb, &mut held);
+        assert!(ea.poll_completion().is_none());
+        held.pop();
+        pump_lending(&mut ea, &mut eb, &mut held);
+        assert!(ea.poll_completion().is_none(), "two slices still held");
+        held.clear();
+        pump_lending(&mut ea, &mut eb, &mut held);
+        assert_eq!(ea.poll_completion(), Some(Completion { id: s, outcome: Outcome::Sent }));
+        assert!(!ea.has_lent());
+
+        // A peer that goes down fails the send, but only once its memory is let go.
+        let r = eb.post_recv(Match::any_tag(Source::Any, 0), 1000);
+        let s = ea.send(b, 0, 2, bytes(150, 3));
+        for _ in 0..4 {
+            pump_lending(&mut ea, &mut eb, &mut held);
+            pump_lending(&mut eb, &mut ea, &mut Vec::new());
+        }
+        assert!(matches!(eb.poll_completion(), Some(Completion { id, .. }) if id == r));
+        ea.peer_down(b.mac);
+        pump_lending(&mut ea, &mut eb, &mut held);
+        assert!(ea.poll_completion().is_none());
+        held.clear();
+        pump_lending(&mut ea, &mut eb, &mut held);
+        assert_eq!(
+            ea.poll_completion(),
+            Some(Completion { id: s, outcome: Outcome::Failed(Failure::PeerDown(b.mac)) })
+        );
     }
 
     /// Memory lent to an engine: its bytes show in `back` once the engine gives it back (drops it).

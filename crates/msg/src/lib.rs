@@ -27,8 +27,8 @@ mod engine;
 pub mod wire;
 
 pub use engine::{
-    Addr, Claim, Completion, Config, Counters, Engine, Failure, Match, Outcome, Outgoing, RecvBuf, RequestId,
-    RequestMap, SendBuf, Source, Status,
+    Addr, Claim, Completion, Config, Counters, Engine, Failure, Match, Out, Outcome, Outgoing, RecvBuf,
+    RequestId, RequestMap, SendBuf, Source, Status,
 };
 
 /// The transport channel messaging records ride.

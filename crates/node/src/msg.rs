@@ -11,7 +11,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use lanbus_msg::{
-    Addr, Claim, Config, Engine, Match, Outcome, RecvBuf, RequestId, RequestMap, SendBuf, Status, MSG_CHANNEL,
+    Addr, Claim, Config, Engine, Match, Out, Outcome, RecvBuf, RequestId, RequestMap, SendBuf, Status,
+    MSG_CHANNEL,
 };
 use lanbus_port::Port;
 use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
@@ -89,18 +90,23 @@ impl Shared {
         }
     }
 
-    /// Sends what the engine has while the transport has room (a rendezvous message's
-    /// DATA is copied once, from the sender's memory into the transport's frames) and settles
-    /// what finished; returns the records sent.
+    /// Sends what the engine has while the transport has room (a rendezvous message's DATA is
+    /// lent to the transport, whose frames read it from the sender's memory where the outbox
+    /// can, and copied once into them where it cannot) and settles what finished; returns the
+    /// records sent.
     fn flush(&self, out: &mut dyn Outbox) -> usize {
         self.flush_locked(&mut lock(&self.engine), out)
     }
 
     /// [`Shared::flush`] with the engine's lock held.
     fn flush_locked(&self, engine: &mut Engine, out: &mut dyn Outbox) -> usize {
-        let n = engine.transmit(&mut |dest, parts| out.try_send_parts(dest, MSG_CHANNEL, parts));
+        let n = engine.transmit_lending(&mut |dest, record| match record {
+            Out::Parts(parts) => out.try_send_parts(dest, MSG_CHANNEL, parts),
+            Out::Lent(head, body) => out.try_send_lent(dest, MSG_CHANNEL, head, body),
+        });
         self.settle(engine);
-        self.unsent.store(engine.has_records(), Ordering::Relaxed);
+        // Sends whose memory is lent complete on a later flush: keep the turns coming.
+        self.unsent.store(engine.has_records() || engine.has_lent(), Ordering::Relaxed);
         n
     }
 }
@@ -124,6 +130,9 @@ impl Handler for MsgHandler {
             Event::PeerDown { peer } | Event::PeerRestarted { peer, .. } => {
                 let mut engine = lock(&self.shared.engine);
                 engine.peer_down(*peer);
+                // What is queued for it would be sent for ever, and may read memory lent by
+                // sends that can complete (failed) only once it is let go.
+                out.abandon(*peer);
                 self.shared.flush_locked(&mut engine, out);
             }
             _ => {}

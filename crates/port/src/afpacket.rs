@@ -980,6 +980,90 @@ impl AfPacketPort {
         }
     }
 
+    /// The ring-less socket, if frames may go through it now: frames waiting in the ring must
+    /// leave first, or the other socket would overtake them.
+    fn borrowing_socket(&self) -> Option<libc::c_int> {
+        match &self.single {
+            Some((fd, _)) if !self.ring_waits() => Some(fd.as_raw_fd()),
+            _ => None,
+        }
+    }
+
+    /// Sends `count` frames through `fd`, up to 32 a `sendmmsg`; frame `i` is `piece(i)`'s two
+    /// pieces one after the other. A frame of a wrong length, or one the device's full queue
+    /// refuses, is counted as dropped, as a wire would lose it. Returns `count`.
+    fn send_gathered<'a>(
+        &mut self,
+        fd: libc::c_int,
+        count: usize,
+        piece: impl Fn(usize) -> [&'a [u8]; 2],
+    ) -> Result<usize> {
+        const CHUNK: usize = 32;
+        let capacity = self.frame_capacity();
+        let mut next = 0;
+        while next < count {
+            // SAFETY: iovec and mmsghdr are plain old data; all-zero is valid (null pointers,
+            // zero lengths).
+            let mut iov: [[libc::iovec; 2]; CHUNK] = unsafe { core::mem::zeroed() };
+            let mut lens = [0usize; CHUNK];
+            let mut pieces = [0usize; CHUNK];
+            let mut n = 0;
+            while next < count && n < CHUNK {
+                let frame = piece(next);
+                next += 1;
+                let len = frame[0].len() + frame[1].len();
+                if !(HEADER_LEN..=capacity).contains(&len) {
+                    self.counters.tx_dropped += 1;
+                    continue;
+                }
+                for (v, p) in iov[n].iter_mut().zip(frame.iter().filter(|p| !p.is_empty())) {
+                    // The kernel only reads through iov_base (sendmmsg's data is const in effect).
+                    *v = libc::iovec { iov_base: p.as_ptr() as *mut libc::c_void, iov_len: p.len() };
+                    pieces[n] += 1;
+                }
+                lens[n] = len;
+                n += 1;
+            }
+            // SAFETY: as above.
+            let mut msgs: [libc::mmsghdr; CHUNK] = unsafe { core::mem::zeroed() };
+            for ((m, v), &k) in msgs.iter_mut().zip(iov.iter_mut()).zip(&pieces).take(n) {
+                m.msg_hdr.msg_iov = v.as_mut_ptr();
+                m.msg_hdr.msg_iovlen = k;
+            }
+            let mut done = 0;
+            while done < n {
+                // SAFETY: msgs[done..n] are initialised headers whose iovecs point into frames
+                // the caller lends for the call; the socket is bound, so no address.
+                let rc = unsafe {
+                    libc::sendmmsg(
+                        fd,
+                        msgs.as_mut_ptr().add(done),
+                        (n - done) as libc::c_uint,
+                        libc::MSG_DONTWAIT,
+                    )
+                };
+                if rc > 0 {
+                    let sent = rc as usize;
+                    self.counters.tx_frames += sent as u64;
+                    self.counters.tx_bytes += lens[done..done + sent].iter().sum::<usize>() as u64;
+                    done += sent;
+                    continue;
+                }
+                match std::io::Error::last_os_error().raw_os_error() {
+                    Some(libc::EINTR) => {}
+                    Some(libc::ENETDOWN | libc::ENXIO) => return Err(self.went_down()),
+                    _ => {
+                        // Device queue full (or gone): the frame is lost, as on a wire; the
+                        // transport resends it.
+                        self.counters.tx_dropped += 1;
+                        done += 1;
+                    }
+                }
+            }
+        }
+        Ok(count)
+    }
+
     fn went_down(&self) -> PortError {
         PortError::Unavailable {
             spec: format!("afpacket:{}", self.ifname),
@@ -1220,75 +1304,24 @@ impl Port for AfPacketPort {
     /// is copied into the ring and then, on a veth, once more by the kernel (the ring's pages
     /// cannot be handed to a local receiver); this way it is copied once.
     fn tx_borrowed(&mut self, frames: &[&[u8]]) -> Result<usize> {
-        const CHUNK: usize = 32;
-        // Frames waiting in the ring must leave first: the other socket would overtake them.
-        let fd = match &self.single {
-            Some((fd, _)) if !self.ring_waits() => fd.as_raw_fd(),
-            _ => return self.send_frames(frames),
-        };
-        let capacity = self.frame_capacity();
+        let Some(fd) = self.borrowing_socket() else { return self.send_frames(frames) };
         if let [frame] = frames {
             // A lone frame (a small message's usual burst): send(2), no message headers.
-            self.send_lone(fd, frame, capacity)?;
+            self.send_lone(fd, frame, self.frame_capacity())?;
             return Ok(1);
         }
-        let mut next = 0;
-        while next < frames.len() {
-            // SAFETY: iovec and mmsghdr are plain old data; all-zero is valid (null pointers,
-            // zero lengths).
-            let mut iov: [libc::iovec; CHUNK] = unsafe { core::mem::zeroed() };
-            let mut lens = [0usize; CHUNK];
-            let mut n = 0;
-            while next < frames.len() && n < CHUNK {
-                let frame = frames[next];
-                next += 1;
-                if !(HEADER_LEN..=capacity).contains(&frame.len()) {
-                    self.counters.tx_dropped += 1;
-                    continue;
-                }
-                // The kernel only reads through iov_base (sendmmsg's data is const in effect).
-                iov[n] = libc::iovec { iov_base: frame.as_ptr() as *mut libc::c_void, iov_len: frame.len() };
-                lens[n] = frame.len();
-                n += 1;
-            }
-            // SAFETY: as above.
-            let mut msgs: [libc::mmsghdr; CHUNK] = unsafe { core::mem::zeroed() };
-            for (m, v) in msgs.iter_mut().zip(iov.iter_mut()).take(n) {
-                m.msg_hdr.msg_iov = v;
-                m.msg_hdr.msg_iovlen = 1;
-            }
-            let mut done = 0;
-            while done < n {
-                // SAFETY: msgs[done..n] are initialised headers whose single iovecs point into
-                // frames the caller lends for the call; the socket is bound, so no address.
-                let rc = unsafe {
-                    libc::sendmmsg(
-                        fd,
-                        msgs.as_mut_ptr().add(done),
-                        (n - done) as libc::c_uint,
-                        libc::MSG_DONTWAIT,
-                    )
-                };
-                if rc > 0 {
-                    let sent = rc as usize;
-                    self.counters.tx_frames += sent as u64;
-                    self.counters.tx_bytes += lens[done..done + sent].iter().sum::<usize>() as u64;
-                    done += sent;
-                    continue;
-                }
-                match std::io::Error::last_os_error().raw_os_error() {
-                    Some(libc::EINTR) => {}
-                    Some(libc::ENETDOWN | libc::ENXIO) => return Err(self.went_down()),
-                    _ => {
-                        // Device queue full (or gone): the frame is lost, as on a wire; the
-                        // transport resends it.
-                        self.counters.tx_dropped += 1;
-                        done += 1;
-                    }
-                }
-            }
+        self.send_gathered(fd, frames.len(), |i| [frames[i], &[]])
+    }
+
+    /// As [`Port::tx_borrowed`], each frame gathered from its two pieces by the kernel as it
+    /// copies it (two iovecs a message).
+    fn tx_borrowed_parts(&mut self, frames: &[[&[u8]; 2]]) -> Result<usize> {
+        let Some(fd) = self.borrowing_socket() else { return crate::copy_parts(self, frames) };
+        if let [[frame, []]] = frames {
+            self.send_lone(fd, frame, self.frame_capacity())?;
+            return Ok(1);
         }
-        Ok(frames.len())
+        self.send_gathered(fd, frames.len(), |i| frames[i])
     }
 
     fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {

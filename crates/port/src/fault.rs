@@ -91,6 +91,16 @@ impl<P: Port> FaultyPort<P> {
     pub fn inner(&self) -> &P {
         &self.inner
     }
+
+    /// Whether the next frame sent is lost (counted as dropped if so).
+    fn lose_one(&mut self) -> bool {
+        let lost = self.config.tx_loss > 0.0 && self.rng.random_bool(self.config.tx_loss);
+        if lost {
+            // Relaxed: a statistic.
+            self.counters.tx_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        lost
+    }
 }
 
 impl<P: Port> Port for FaultyPort<P> {
@@ -138,20 +148,17 @@ impl<P: Port> Port for FaultyPort<P> {
         if !self.inner.borrows_frames() {
             return self.send_frames(frames);
         }
-        let (rng, loss, counters) = (&mut self.rng, self.config.tx_loss, &self.counters);
-        let kept: Vec<&[u8]> = frames
-            .iter()
-            .copied()
-            .filter(|_| {
-                let lost = loss > 0.0 && rng.random_bool(loss);
-                if lost {
-                    // Relaxed: a statistic.
-                    counters.tx_dropped.fetch_add(1, Ordering::Relaxed);
-                }
-                !lost
-            })
-            .collect();
+        let kept: Vec<&[u8]> = frames.iter().copied().filter(|_| !self.lose_one()).collect();
         self.inner.tx_borrowed(&kept)?;
+        Ok(frames.len())
+    }
+
+    fn tx_borrowed_parts(&mut self, frames: &[[&[u8]; 2]]) -> Result<usize> {
+        if !self.inner.borrows_frames() {
+            return crate::copy_parts(self, frames);
+        }
+        let kept: Vec<[&[u8]; 2]> = frames.iter().copied().filter(|_| !self.lose_one()).collect();
+        self.inner.tx_borrowed_parts(&kept)?;
         Ok(frames.len())
     }
 

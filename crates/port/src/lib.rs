@@ -158,6 +158,14 @@ pub trait Port: Send {
         self.send_frames(frames)
     }
 
+    /// [`Port::tx_borrowed`] for frames that each lie in two pieces, the first followed by the
+    /// second (a transport's headers and then a message's body where its sender keeps it; the
+    /// second piece is often empty). A port that borrows frames gathers the pieces as it sends;
+    /// the default copies them into its buffers through [`Port::tx_burst`].
+    fn tx_borrowed_parts(&mut self, frames: &[[&[u8]; 2]]) -> Result<usize> {
+        copy_parts(self, frames)
+    }
+
     /// Blocks until a frame may be waiting to be received or `timeout` passes (`None`: no limit).
     /// Spurious wake-ups are allowed; a missed wake-up is not.
     fn wait(&mut self, timeout: Option<Duration>) -> Result<()>;
@@ -228,6 +236,23 @@ pub trait Port: Send {
     }
 }
 
+/// Sends frames in two pieces each through `port`'s [`Port::tx_burst`], joining each frame's
+/// pieces in the port's buffer; returns how many frames the port took. A frame longer than
+/// [`Port::frame_capacity`] is skipped (it is not counted in the return value).
+pub fn copy_parts<P: Port + ?Sized>(port: &mut P, frames: &[[&[u8]; 2]]) -> Result<usize> {
+    let mut next = 0;
+    port.tx_burst(frames.len(), &mut |buf: &mut [u8]| loop {
+        let [head, body] = frames.get(next)?;
+        next += 1;
+        let len = head.len() + body.len();
+        if len <= buf.len() {
+            buf[..head.len()].copy_from_slice(head);
+            buf[head.len()..len].copy_from_slice(body);
+            return Some(len);
+        }
+    })
+}
+
 /// How to segment a frame handed to [`Port::tx_gso`] (the fields of a `virtio_net_hdr`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Gso {
@@ -271,6 +296,9 @@ impl<P: Port + ?Sized> Port for Box<P> {
     }
     fn tx_borrowed(&mut self, frames: &[&[u8]]) -> Result<usize> {
         (**self).tx_borrowed(frames)
+    }
+    fn tx_borrowed_parts(&mut self, frames: &[[&[u8]; 2]]) -> Result<usize> {
+        (**self).tx_borrowed_parts(frames)
     }
     fn tx_gso(&mut self, frame: &[u8], gso: Gso) -> Result<bool> {
         (**self).tx_gso(frame, gso)

@@ -287,6 +287,37 @@ fn borrowed_frames_leave_in_order_between_ring_bursts() {
 }
 
 #[test]
+fn frames_in_two_pieces_arrive_joined() {
+    let Some(pair) = pair_or_skip("frames_in_two_pieces_arrive_joined") else {
+        return;
+    };
+    let mut a = open_in(&pair.a, RxVersion::V2);
+    let mut b = open_in(&pair.b, RxVersion::V2);
+    // Each frame cut in two at a different place (the second piece empty too, and a lone
+    // frame of each kind); bursts past one sendmmsg's 32.
+    let mut seq = 0u32;
+    for burst in [1u32, 1, 5, 40] {
+        let frames: Vec<Vec<u8>> =
+            (seq..seq + burst).map(|s| frame(b.mac(), a.mac(), s, len_for(s, 1500))).collect();
+        let parts: Vec<[&[u8]; 2]> = frames
+            .iter()
+            .enumerate()
+            .map(|(i, f)| f.split_at(if i % 4 == 3 { f.len() } else { 14 + (i * 37) % (f.len() - 14) }))
+            .map(|(h, t)| [h, t])
+            .collect();
+        assert_eq!(a.tx_borrowed_parts(&parts).unwrap(), frames.len());
+        assert_eq!(recv_n(&mut b, frames.len(), 5 * SECOND), frames, "burst of {burst} joined and in order");
+        seq += burst;
+    }
+    // A frame too long in its two pieces is dropped and counted; the rest go.
+    let good = frame(b.mac(), a.mac(), seq, 100);
+    let big = vec![0u8; a.frame_capacity()];
+    assert_eq!(a.tx_borrowed_parts(&[[&big, &[0u8; 1]], [&good[..20], &good[20..]]]).unwrap(), 2);
+    assert_eq!(recv_n(&mut b, 1, 5 * SECOND), vec![good]);
+    assert_eq!(a.counters().tx_dropped, 1);
+}
+
+#[test]
 fn a_window_of_the_largest_frames_waits_whole_in_the_receive_ring() {
     let Some(pair) = pair_or_skip("a_window_of_the_largest_frames_waits_whole_in_the_receive_ring") else {
         return;

@@ -42,8 +42,8 @@ use std::time::Duration;
 
 use lanbus_port::{Port, PortCounters};
 use lanbus_transport::{
-    Config, Counters, Endpoint, Event, Feedback, FrameRef, Message, MessageSource, ReceiveHalf, SendError,
-    SendHalf,
+    Config, Counters, Endpoint, Event, Feedback, FrameRef, LentSlice, Message, MessageSource, ReceiveHalf,
+    SendError, SendHalf,
 };
 use lanbus_wire::{Clock, Instant, MacAddr, MonotonicClock};
 
@@ -169,6 +169,19 @@ pub trait Outbox {
         self.send(peer, channel, &parts.concat());
         true
     }
+
+    /// Queues the message of `head` followed by `body` for `peer` on `channel` if the transport
+    /// has room for it now, as [`try_send_parts`](Self::try_send_parts) does, but without copying
+    /// `body` where the outbox can: the transport's frames then read it where it lies, and hold
+    /// a reference to it until they are acknowledged or dropped. The default copies it.
+    fn try_send_lent(&mut self, peer: MacAddr, channel: u16, head: &[u8], body: LentSlice) -> bool {
+        self.try_send_parts(peer, channel, &[head, body.bytes()])
+    }
+
+    /// Drops every message queued or in flight to `peer` (a peer that went down, whose messages
+    /// nobody waits for any more) and starts its channels afresh, as when it restarts. Frames
+    /// holding lent memory let go of it. The default does nothing.
+    fn abandon(&mut self, _peer: MacAddr) {}
 
     /// Queues the message whose bytes `data` appends itself for `peer` on `channel`, as
     /// [`send`](Self::send) does: bytes that live elsewhere (memory behind locks) are copied
@@ -693,7 +706,7 @@ impl Worker {
         let Some(first) = from.poll_ref(now) else { return 0 };
         let second = if self.burst > 1 { from.poll_ref(now) } else { None };
         let Some(second) = second else {
-            let r = self.with_port(|p| p.tx_borrowed(&[from.frame(first)]));
+            let r = self.with_port(|p| p.tx_borrowed_parts(&[from.frame(first)]));
             self.count_port_result(r);
             return 1;
         };
@@ -705,11 +718,11 @@ impl Worker {
             refs[n] = at;
             n += 1;
         }
-        let mut frames: [&[u8]; BORROWED_BURST] = [&[]; BORROWED_BURST];
+        let mut frames: [[&[u8]; 2]; BORROWED_BURST] = [[&[], &[]]; BORROWED_BURST];
         for (frame, at) in frames.iter_mut().zip(&refs[..n]) {
             *frame = from.frame(*at);
         }
-        let r = self.with_port(|p| p.tx_borrowed(&frames[..n]));
+        let r = self.with_port(|p| p.tx_borrowed_parts(&frames[..n]));
         self.count_port_result(r);
         // Written, so gone for the transport whatever the port did: one it could not send is
         // lost as on a wire, and sent again.
@@ -942,8 +955,8 @@ trait Transmit {
     fn poll_into(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize>;
     /// The next frame, written where it lies.
     fn poll_ref(&mut self, now: Instant) -> Option<FrameRef>;
-    /// A frame `poll_ref` wrote.
-    fn frame(&self, at: FrameRef) -> &[u8];
+    /// A frame `poll_ref` wrote, in two pieces (see [`SendHalf::frame`]).
+    fn frame(&self, at: FrameRef) -> [&[u8]; 2];
 }
 
 impl Transmit for Endpoint {
@@ -953,7 +966,7 @@ impl Transmit for Endpoint {
     fn poll_ref(&mut self, now: Instant) -> Option<FrameRef> {
         self.poll_transmit_ref(now)
     }
-    fn frame(&self, at: FrameRef) -> &[u8] {
+    fn frame(&self, at: FrameRef) -> [&[u8]; 2] {
         Endpoint::frame(self, at)
     }
 }
@@ -965,7 +978,7 @@ impl Transmit for SendHalf {
     fn poll_ref(&mut self, now: Instant) -> Option<FrameRef> {
         self.poll_transmit_ref(now)
     }
-    fn frame(&self, at: FrameRef) -> &[u8] {
+    fn frame(&self, at: FrameRef) -> [&[u8]; 2] {
         SendHalf::frame(self, at)
     }
 }
@@ -1057,6 +1070,25 @@ impl Outbox for Direct<'_> {
             let n = data.len();
             data.append_to(&mut v, 0, n);
             self.backlog.push_back(Outgoing { peer, channel, data: v });
+        }
+    }
+
+    fn abandon(&mut self, peer: MacAddr) {
+        self.tx.abandon_peer(peer);
+        self.backlog.retain(|o| o.peer != peer);
+    }
+
+    fn try_send_lent(&mut self, peer: MacAddr, channel: u16, head: &[u8], body: LentSlice) -> bool {
+        if !self.backlog.is_empty() {
+            return false;
+        }
+        match self.tx.send_lent(self.now, peer, channel, head, body) {
+            Ok(()) => true,
+            Err(SendError::QueueFull) => false,
+            Err(e) => {
+                tracing::warn!("dropping a message for {peer} on channel {channel}: {e}");
+                true
+            }
         }
     }
 

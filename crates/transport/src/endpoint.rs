@@ -73,6 +73,23 @@ impl Endpoint {
         self.tx.send_parts(now, peer, channel, parts)
     }
 
+    /// Queues a message whose body stays in lent memory; see [`SendHalf::send_lent`].
+    pub fn send_lent(
+        &mut self,
+        now: Instant,
+        peer: MacAddr,
+        channel: u16,
+        head: &[u8],
+        body: crate::LentSlice,
+    ) -> Result<(), SendError> {
+        self.tx.send_lent(now, peer, channel, head, body)
+    }
+
+    /// Gives up on `peer`; see [`SendHalf::abandon_peer`].
+    pub fn abandon_peer(&mut self, peer: MacAddr) {
+        self.tx.abandon_peer(peer);
+    }
+
     /// Queues a message whose bytes `data` appends itself; see [`SendHalf::send_from`].
     pub fn send_from(
         &mut self,
@@ -175,7 +192,7 @@ impl Endpoint {
 
     /// The bytes of a frame [`Endpoint::poll_transmit_ref`] wrote; see [`SendHalf::frame`].
     #[must_use]
-    pub fn frame(&self, at: FrameRef) -> &[u8] {
+    pub fn frame(&self, at: FrameRef) -> [&[u8]; 2] {
         self.tx.frame(at)
     }
 

@@ -14,8 +14,14 @@
 //! so it goes again before anything new. `inflight_bytes` counts the frames of `frames[..next]`
 //! with neither mark. A timeout clears every mark (the receiver may have let go of what it held)
 //! and goes back like Go-Back-N; sending in order then skips frames acknowledged meanwhile.
+//!
+//! A frame may end in lent bytes (`bodies[i]`, parallel to `frames`): a message queued with
+//! [`SendHalf::send_lent`] keeps its payload where its sender has it, and each frame holds its
+//! headers and a slice of that memory (a reference to it, released when the frame is
+//! acknowledged or dropped). Nothing is packed after lent bytes.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use lanbus_wire::ethernet::{EtherType, EthernetFrame, EthernetRepr, HEADER_LEN as ETH_LEN};
 use lanbus_wire::frame::{
@@ -87,6 +93,8 @@ struct TxChannel {
     peer: MacAddr,
     channel: u16,
     frames: VecDeque<Vec<u8>>,
+    /// The lent bytes each frame ends with, if any (see the module's docs), parallel to `frames`.
+    bodies: VecDeque<Option<LentSlice>>,
     /// Selective repeat's marks of each frame ([`SACKED`], [`LOST`]), parallel to `frames`.
     marks: VecDeque<u8>,
     /// Frames marked [`LOST`].
@@ -121,6 +129,11 @@ struct TxChannel {
 }
 
 impl TxChannel {
+    /// Bytes of frame `i`, lent ones included.
+    fn frame_len(&self, i: usize) -> usize {
+        self.frames[i].len() + self.bodies[i].as_ref().map_or(0, LentSlice::len)
+    }
+
     /// The frame to send next, if any: the oldest frame marked lost, else the next in order
     /// within the window.
     fn candidate(&self, window: usize) -> Option<usize> {
@@ -132,7 +145,7 @@ impl TxChannel {
 
     fn has_sendable(&self, window: usize) -> bool {
         self.candidate(window)
-            .is_some_and(|i| self.rate.window_allows(self.inflight_bytes, self.frames[i].len()))
+            .is_some_and(|i| self.rate.window_allows(self.inflight_bytes, self.frame_len(i)))
     }
 
     /// Moves `next` past frames the receiver already holds (after a go-back).
@@ -160,7 +173,7 @@ impl TxChannel {
             if m & LOST != 0 {
                 self.lost -= 1;
             } else if i < self.next {
-                self.inflight_bytes -= self.frames[i].len();
+                self.inflight_bytes -= self.frame_len(i);
             }
             self.marks[i] = SACKED;
         }
@@ -184,7 +197,7 @@ impl TxChannel {
             if i < self.next && m & LOST == 0 && enough && later {
                 self.marks[i] |= LOST;
                 self.lost += 1;
-                self.inflight_bytes -= self.frames[i].len();
+                self.inflight_bytes -= self.frame_len(i);
                 found += 1;
             }
         }
@@ -359,6 +372,7 @@ impl SendHalf {
                     peer,
                     channel,
                     frames: VecDeque::new(),
+                    bodies: VecDeque::new(),
                     marks: VecDeque::new(),
                     lost: 0,
                     base: Seq(self.config.initial_sequence),
@@ -433,7 +447,9 @@ impl SendHalf {
 
         // Room left in the last queued (unsealed) frame.
         let tail_room = match ch.frames.back() {
-            Some(f) if pack && ch.frames.len() > ch.high => max_payload - (f.len() - ETH_LEN - LB_LEN),
+            Some(f) if pack && ch.frames.len() > ch.high && ch.bodies.back().is_some_and(Option::is_none) => {
+                max_payload - (f.len() - ETH_LEN - LB_LEN)
+            }
             _ => 0,
         };
         let whole = RECORD_HEADER_LEN + len;
@@ -471,9 +487,70 @@ impl SendHalf {
             start_frame(&mut f, local, ch.peer, ch.channel, seq);
             append_record(&mut f, flags, data, off, n);
             ch.frames.push_back(f);
+            ch.bodies.push_back(None);
             ch.marks.push_back(0);
             off += n;
             first = false;
+        }
+        self.counters.messages_sent += 1;
+        self.counters.bytes_sent += len as u64;
+        Ok(())
+    }
+
+    /// Queues one message made of `head` and then `body`, whose bytes stay where their sender
+    /// keeps them: `head` is copied into the first frame, and each frame then ends in a slice of
+    /// `body`, which it holds until the frame is acknowledged (or dropped with its peer's
+    /// channels). The sender learns that the transport let go of its memory when it holds the
+    /// last reference to it again. Nothing is packed before or after such a message; as
+    /// [`SendHalf::send`] otherwise.
+    pub fn send_lent(
+        &mut self,
+        _now: Instant,
+        peer: MacAddr,
+        channel: u16,
+        head: &[u8],
+        body: LentSlice,
+    ) -> Result<(), SendError> {
+        let len = head.len() + body.len();
+        if len > MAX_MESSAGE_LEN {
+            return Err(SendError::TooLarge { len });
+        }
+        if peer.is_multicast() {
+            return Err(SendError::NotUnicast(peer));
+        }
+        let max_fragment = self.config.max_payload() - RECORD_HEADER_LEN;
+        let local = self.local;
+        let limit = self.config.send_queue_frames.max(1);
+        let ci = self.channel_index(peer, channel);
+        let ch = &mut self.channels[ci];
+        if ch.frames.len() + len.div_ceil(max_fragment).max(1) > limit {
+            return Err(SendError::QueueFull);
+        }
+        let mut off = 0;
+        while off < len || off == 0 {
+            let n = (len - off).min(max_fragment);
+            let mut flags = if off == 0 { RECORD_FIRST } else { 0 };
+            if off + n == len {
+                flags |= RECORD_LAST;
+            }
+            let seq = ch.base + ch.frames.len() as u32;
+            let mut f = self.pool.pop().unwrap_or_default();
+            start_frame(&mut f, local, ch.peer, ch.channel, seq);
+            // The part of `head` in this fragment is copied, the part of `body` lent.
+            let copied = head.len().saturating_sub(off).min(n);
+            push_record_header(&mut f, flags, n);
+            f.extend_from_slice(&head[off.min(head.len())..][..copied]);
+            let lent_at = (off + copied).saturating_sub(head.len());
+            let lent = body.slice(lent_at..lent_at + (n - copied));
+            let plen = (f.len() + lent.len() - ETH_LEN - LB_LEN) as u16;
+            header_mut(&mut f).set_payload_len(plen);
+            ch.frames.push_back(f);
+            ch.bodies.push_back((!lent.is_empty()).then_some(lent));
+            ch.marks.push_back(0);
+            off += n;
+            if n == 0 {
+                break;
+            }
         }
         self.counters.messages_sent += 1;
         self.counters.bytes_sent += len as u64;
@@ -532,6 +609,15 @@ impl SendHalf {
         }
     }
 
+    /// Gives up on `peer`: whatever was queued or in flight to it is dropped (lent memory let
+    /// go of) and its channels start again at the initial sequence, as when it restarts. For a
+    /// peer that went down and whose messages nobody waits for any more; one that was only cut
+    /// off for a while and comes back with the same epoch sees the new sequence as old
+    /// duplicates until it restarts.
+    pub fn abandon_peer(&mut self, peer: MacAddr) {
+        self.restart_peer(peer);
+    }
+
     /// `peer` restarted: whatever was queued or in flight to it, and the ACKs owed it, are
     /// dropped, and its channels start again at the initial sequence.
     fn restart_peer(&mut self, peer: MacAddr) {
@@ -541,6 +627,7 @@ impl SendHalf {
                 f.clear();
                 f
             }));
+            ch.bodies.clear();
             ch.marks.clear();
             ch.lost = 0;
             ch.base = initial;
@@ -666,12 +753,15 @@ impl SendHalf {
             return;
         }
         for i in 0..advance {
-            if let Some(f) = ch.frames.pop_front() {
+            if !ch.frames.is_empty() {
+                let len = ch.frame_len(0);
+                let f = ch.frames.pop_front().expect("not empty");
+                ch.bodies.pop_front();
                 let m = ch.marks.pop_front().unwrap_or(0);
                 if m & LOST != 0 {
                     ch.lost -= 1;
                 } else if i < ch.next && m & SACKED == 0 {
-                    ch.inflight_bytes -= f.len();
+                    ch.inflight_bytes -= len;
                 }
                 self.pool.push(f);
             }
@@ -783,9 +873,10 @@ impl SendHalf {
             buf.len()
         );
         let at = self.poll_transmit_ref(now)?;
-        let frame = self.frame(at);
-        let len = frame.len();
-        buf[..len].copy_from_slice(frame);
+        let [head, body] = self.frame(at);
+        let len = head.len() + body.len();
+        buf[..head.len()].copy_from_slice(head);
+        buf[head.len()..len].copy_from_slice(body);
         if let FrameAt::Scratch(_) = at.0 {
             // Copied out: the buffer is free again.
             self.scratch_used -= 1;
@@ -864,15 +955,20 @@ impl SendHalf {
         None
     }
 
-    /// The bytes of a frame [`SendHalf::poll_transmit_ref`] wrote; empty for a reference made
-    /// stale by a later call (see there), which a port drops as too short.
+    /// The bytes of a frame [`SendHalf::poll_transmit_ref`] wrote, in two pieces: the frame is
+    /// the first followed by the second, which is empty unless the frame ends in lent bytes
+    /// ([`SendHalf::send_lent`]). Both are empty for a reference made stale by a later call
+    /// (see there), which a port drops as too short.
     #[must_use]
-    pub fn frame(&self, at: FrameRef) -> &[u8] {
+    pub fn frame(&self, at: FrameRef) -> [&[u8]; 2] {
         match at.0 {
-            FrameAt::Stored { ci, index } => {
-                self.channels.get(ci).and_then(|c| c.frames.get(index)).map_or(&[], |f| &f[..])
-            }
-            FrameAt::Scratch(i) => self.scratch.get(i).map_or(&[], |(buf, len)| &buf[..*len]),
+            FrameAt::Stored { ci, index } => match self.channels.get(ci) {
+                Some(c) if index < c.frames.len() => {
+                    [&c.frames[index][..], c.bodies[index].as_ref().map_or(&[], LentSlice::bytes)]
+                }
+                _ => [&[], &[]],
+            },
+            FrameAt::Scratch(i) => [self.scratch.get(i).map_or(&[], |(buf, len)| &buf[..*len]), &[]],
         }
     }
 
@@ -970,10 +1066,11 @@ impl SendHalf {
         h.set_echo(echo_field);
         h.set_hold_us(hold);
         h.set_flags(flags);
+        let body = ch.bodies[index].as_ref().map_or(&[][..], LentSlice::bytes);
         if checksum {
-            frame::fill_checksum(frame);
+            frame::fill_checksum_parts(frame, body);
         }
-        frame.len()
+        frame.len() + body.len()
     }
 
     /// The channel whose DATA frame can carry ACK `a` now instead of an ACK frame of its own, with
@@ -1111,6 +1208,64 @@ pub trait MessageSource {
     fn append_to(&mut self, f: &mut Vec<u8>, at: usize, n: usize);
 }
 
+/// Memory a sender lends the transport until it lets go (see [`SendHalf::send_lent`]): read
+/// only, from whichever thread transmits, for as long as a reference to it is held.
+pub trait Lend: Send + Sync + 'static {
+    /// The bytes lent.
+    fn bytes(&self) -> &[u8];
+}
+
+impl Lend for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// A range of lent memory, holding a reference to it.
+#[derive(Clone)]
+pub struct LentSlice {
+    owner: Arc<dyn Lend>,
+    start: usize,
+    end: usize,
+}
+
+impl LentSlice {
+    /// The bytes `range` of `owner`'s. Panics if `range` is not inside them.
+    pub fn new(owner: Arc<dyn Lend>, range: std::ops::Range<usize>) -> LentSlice {
+        assert!(
+            range.start <= range.end && range.end <= owner.bytes().len(),
+            "lent range {range:?} outside {} bytes",
+            owner.bytes().len()
+        );
+        LentSlice { owner, start: range.start, end: range.end }
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.owner.bytes()[self.start..self.end]
+    }
+
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    /// The part `range` of this slice (relative to it), sharing the reference.
+    fn slice(&self, range: std::ops::Range<usize>) -> LentSlice {
+        assert!(range.start <= range.end && range.end <= self.len());
+        LentSlice {
+            owner: Arc::clone(&self.owner),
+            start: self.start + range.start,
+            end: self.start + range.end,
+        }
+    }
+}
+
 /// A message in pieces, read as one run of bytes.
 struct Parts<'a>(&'a [&'a [u8]]);
 
@@ -1136,13 +1291,18 @@ impl MessageSource for Parts<'_> {
     }
 }
 
+/// Appends the header of a record of `n` bytes (lanbus_wire::frame::MessageRecord's), written in
+/// place: this runs once per message, and extend_from_slice avoids zero-filling bytes about to be
+/// overwritten.
+fn push_record_header(f: &mut Vec<u8>, flags: u8, n: usize) {
+    let [n0, n1] = (n as u16).to_be_bytes();
+    f.extend_from_slice(&[n0, n1, flags, 0]);
+}
+
 /// Appends a record of the message's bytes `at..at + n` to a frame and updates its payload
 /// length.
 fn append_record(f: &mut Vec<u8>, flags: u8, data: &mut dyn MessageSource, at: usize, n: usize) {
-    // The record header of lanbus_wire::frame::MessageRecord, written in place: this runs once
-    // per message, and extend_from_slice avoids zero-filling bytes about to be overwritten.
-    let [n0, n1] = (n as u16).to_be_bytes();
-    f.extend_from_slice(&[n0, n1, flags, 0]);
+    push_record_header(f, flags, n);
     data.append_to(f, at, n);
     let plen = (f.len() - ETH_LEN - LB_LEN) as u16;
     header_mut(f).set_payload_len(plen);

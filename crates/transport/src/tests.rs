@@ -799,7 +799,7 @@ fn a_frame_sent_again_carries_no_ack_from_its_first_transmission() {
     // The answer carries the request's ACK; the wire loses it.
     a.send(at_us(2), B, 0, b"answer").unwrap();
     let at = a.poll_transmit_ref(at_us(2)).expect("the answer");
-    let first = a.frame(at).to_vec();
+    let first = a.frame(at).concat();
     assert!(a.poll_transmit_ref(at_us(2)).is_none());
     a.frames_left(at_us(2));
     let h = header(&first);
@@ -810,7 +810,7 @@ fn a_frame_sent_again_carries_no_ack_from_its_first_transmission() {
         t += 100;
         a.handle_timeout(at_us(t));
         if let Some(at) = a.poll_transmit_ref(at_us(t)) {
-            break a.frame(at).to_vec();
+            break a.frame(at).concat();
         }
         assert!(t < 1_000_000, "no retransmission");
     };
@@ -1479,4 +1479,81 @@ fn may_transmit_says_when_a_frame_could_go() {
         }
     }
     panic!("the lost frame never went again");
+}
+
+/// Messages whose bodies stay in lent memory arrive whole and in order among copied ones, over
+/// loss, reordering and corruption; the transport holds the memory until the last frame that
+/// reads it is acknowledged, and then lets go of it.
+#[test]
+fn lent_messages_arrive_whole_and_are_let_go_once_acknowledged() {
+    use std::sync::Arc;
+
+    use crate::{Lend, LentSlice};
+
+    for (seed, config) in [(1, p2p()), (2, gbn()), (3, p2p())] {
+        let faults = Faults { loss: 0.05, reorder: 0.05, corrupt: 0.01, ..Faults::default() };
+        let mut p = Pair::endpoints(config.clone(), faults, seed);
+        let owner: Arc<dyn Lend> = Arc::new(test_message(seed, 200_000));
+        let mut expected = Vec::new();
+        let mut queued = 0;
+        let mut at = 0;
+        // Lent messages of every size from empty to the largest, each with a head of its own,
+        // and a small copied message after each (nothing may be packed behind lent bytes).
+        let sizes = [0, 1, 900, config.max_payload(), 9000, 40_000, 65_000];
+        for (i, &n) in sizes.iter().cycle().take(30).enumerate() {
+            let n = n.min(owner.bytes().len() - at);
+            let head = [i as u8; 12];
+            let body = LentSlice::new(Arc::clone(&owner), at..at + n);
+            let small = test_message(i as u64, 30);
+            loop {
+                match p.a.send_lent(p.now, B, 0, &head, body.clone()) {
+                    Ok(()) => break,
+                    Err(SendError::QueueFull) => assert!(p.step(), "stalled with a full queue"),
+                    Err(e) => panic!("send_lent: {e}"),
+                }
+            }
+            expected.push([&head[..], &owner.bytes()[at..at + n]].concat());
+            while p.a.send(p.now, B, 0, &small) == Err(SendError::QueueFull) {
+                assert!(p.step(), "stalled with a full queue");
+            }
+            expected.push(small);
+            at = (at + n) % 100_000;
+            queued += 2;
+        }
+        assert!(Arc::strong_count(&owner) > 1, "queued frames hold the memory");
+        assert!(p.run_until_idle(at_us(60_000_000)), "seed {seed}: not all acknowledged");
+        let got: Vec<Vec<u8>> = p.at_b.iter().map(|(_, _, m)| m.clone()).collect();
+        assert_eq!(got.len(), queued);
+        assert!(got == expected, "seed {seed}: messages differ");
+        assert!(p.wire.lost > 0 && p.wire.corrupted > 0, "the faults were exercised");
+        assert_eq!(Arc::strong_count(&owner), 1, "every frame let go of the lent memory");
+    }
+}
+
+/// A frame with lent bytes is handed out in two pieces that make the frame a copy would give.
+#[test]
+fn a_lent_frame_in_place_is_the_copied_frame() {
+    use std::sync::Arc;
+
+    use crate::{Lend, LentSlice};
+
+    let owner: Arc<dyn Lend> = Arc::new(test_message(7, 5000));
+    let mut copied = Endpoint::new(p2p(), A, Instant::ZERO);
+    let mut lent = Endpoint::new(p2p(), A, Instant::ZERO);
+    copied.send_parts(Instant::ZERO, B, 0, &[b"head", owner.bytes()]).unwrap();
+    lent.send_lent(Instant::ZERO, B, 0, b"head", LentSlice::new(Arc::clone(&owner), 0..5000)).unwrap();
+    let want = drain(&mut copied, at_us(1));
+    let mut got = Vec::new();
+    while let Some(at) = lent.poll_transmit_ref(at_us(1)) {
+        let [head, body] = lent.frame(at);
+        assert!(!body.is_empty(), "the body stays lent");
+        got.push([head, body].concat());
+    }
+    assert_eq!(got, want);
+    assert!(got.len() > 1);
+    assert_eq!(Arc::strong_count(&owner), 1 + got.len(), "each unacknowledged frame holds the memory");
+    // Giving up on the peer drops its frames, and with them the references.
+    lent.abandon_peer(B);
+    assert_eq!(Arc::strong_count(&owner), 1);
+    assert!(lent.poll_transmit_ref(at_us(2)).is_none(), "nothing is left to send to it");
 }

@@ -228,7 +228,7 @@ impl Node for BorrowedNode {
                 let Some(at) = self.endpoint.poll_transmit_ref(now) else { break };
                 refs.push(at);
             }
-            self.ready.extend(refs.iter().map(|&at| self.endpoint.frame(at).to_vec()));
+            self.ready.extend(refs.iter().map(|&at| self.endpoint.frame(at).concat()));
             if !refs.is_empty() {
                 self.endpoint.frames_left(now);
             }
