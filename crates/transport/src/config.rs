@@ -178,6 +178,13 @@ impl Config {
         self.mtu.clamp(64, 65_535) - lanbus_wire::frame::HEADER_LEN
     }
 
+    /// The longest message that travels in a single frame of its own (its record alone in the
+    /// payload). A receiver takes such a message straight from the frame; a longer one is
+    /// reassembled from its fragments in a buffer first.
+    pub fn max_single_frame_message(&self) -> usize {
+        self.max_payload() - lanbus_wire::frame::RECORD_HEADER_LEN
+    }
+
     /// Bytes of the largest Ethernet frame this endpoint writes: the size of the buffer
     /// `poll_transmit` needs.
     pub fn frame_capacity(&self) -> usize {
