@@ -355,6 +355,9 @@ pub struct Engine {
     control: VecDeque<Outgoing>,
     /// Buffers of records handed on, kept for the next ones (no allocation per message).
     spare: Vec<Vec<u8>>,
+    /// Where each DATA record's header is written before it is handed on with its slice of
+    /// the message (one frame's worth of bytes a record: kept, not allocated each time).
+    data_head: Vec<u8>,
     done: VecDeque<Completion>,
     matches: u64,
     counters: Counters,
@@ -379,6 +382,7 @@ impl Engine {
             incoming: HashMap::new(),
             control: VecDeque::new(),
             spare: Vec::new(),
+            data_head: Vec::with_capacity(DATA_HEADER),
             done: VecDeque::new(),
             matches: 0,
             counters: Counters::default(),
@@ -784,14 +788,15 @@ impl Engine {
         }
         let s = self.streams.front_mut()?;
         let n = self.cfg.data_chunk.min(s.granted - s.offset);
-        let mut head = Vec::with_capacity(DATA_HEADER);
+        let head = &mut self.data_head;
+        head.clear();
         Record::Data { recv_id: s.recv_id, offset: s.offset as u64, data: &[] }
-            .emit(Route { src: self.me.id, dst: s.dest.id }, &mut head);
+            .emit(Route { src: self.me.id, dst: s.dest.id }, head);
         let range = s.offset..s.offset + n;
         let took = if lend {
-            out(s.dest.mac, Out::Lent(&head, LentSlice::new(Arc::clone(&s.data), range)))
+            out(s.dest.mac, Out::Lent(head, LentSlice::new(Arc::clone(&s.data), range)))
         } else {
-            out(s.dest.mac, Out::Parts(&[&head, &s.data.bytes()[range]]))
+            out(s.dest.mac, Out::Parts(&[head, &s.data.bytes()[range]]))
         };
         if !took {
             return Some(false);
