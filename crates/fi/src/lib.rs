@@ -25,8 +25,9 @@
 //! looks in less often, every 16 ms at most, while the reads go on).
 //!
 //! The engine works in the application's own memory, which libfabric lends the provider until
-//! an operation's completion: a rendezvous send goes out from the send buffer (straight into
-//! the transport's frames in direct mode, into the ring to the daemon in daemon mode) and a
+//! an operation's completion: a rendezvous send goes out from the send buffer (in direct mode
+//! the transport's frames read it there until their ACK, and the send completes after the last;
+//! in daemon mode it is copied into the ring to the daemon) and a
 //! receive's bytes land in its buffer as they arrive (from the port's frames, or from the ring).
 //! Injects, and sends without a context, are copied at once (their buffer is the application's
 //! again when the call returns).

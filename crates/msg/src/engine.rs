@@ -435,8 +435,9 @@ impl Engine {
 
     /// Sends `data` to `dest` in `context` with `tag`. Completes with [`Outcome::Sent`] once
     /// the data is handed on (at once for an eager message or one to this engine itself; for
-    /// rendezvous, once the receiver asked for it and the last DATA record went out): until
-    /// then the engine reads from `data`.
+    /// rendezvous, once the receiver asked for it and the last DATA record went out, or with
+    /// [`Engine::transmit_lending`] once the transport let go of the last): until then the
+    /// engine (and the transport it lends `data` to) reads from `data`.
     pub fn send(&mut self, dest: Addr, context: u32, tag: u64, data: impl SendBuf) -> RequestId {
         if let Some(id) = self.send_eager(dest, context, tag, data.bytes()) {
             return id;
