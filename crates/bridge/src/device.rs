@@ -309,7 +309,11 @@ impl BlockingFn {
             path.me = st.bdf;
             path.set_ready(st.reads.take_ready_prefetches());
         }
-        self.hosted.run_posted(path);
+        let mut direct = direct;
+        match direct.as_deref_mut() {
+            Some(out) => self.hosted.run_posted(&mut DirectPath { path: &mut *path, out }),
+            None => self.hosted.run_posted(path),
+        };
         path.set_ready(Vec::new());
         let (prefetches, mrrs) = path.take_prefetches();
         let mut awaiting_prefetch = false;
@@ -328,6 +332,48 @@ impl BlockingFn {
             None => path.out.send_via(sender),
         }
         self.hosted.wants_run() && !awaiting_prefetch
+    }
+}
+
+/// A blocking function's [`InlinePath`] while nothing of its worker's waits to be sent: its DMA
+/// writes go into the transport straight from the function's buffer
+/// ([`InlinePath::write_direct`]), everything else through the path.
+struct DirectPath<'a> {
+    path: &'a mut InlinePath,
+    out: &'a mut dyn Outbox,
+}
+
+impl Path for DirectPath<'_> {
+    fn start_read(&mut self, address: u64, len: usize) -> OpId {
+        self.path.start_read(address, len)
+    }
+
+    fn start_reads(&mut self, reads: &[(u64, usize)]) -> Vec<OpId> {
+        self.path.start_reads(reads)
+    }
+
+    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError> {
+        self.path.write_direct(&mut *self.out, address, data)
+    }
+
+    fn poll_read(&mut self) -> Option<(OpId, Result<Vec<u8>, DmaError>)> {
+        self.path.poll_read()
+    }
+
+    fn wait_read(&mut self, op: OpId) -> Result<Vec<u8>, DmaError> {
+        self.path.wait_read(op)
+    }
+
+    fn set_limits(&mut self, mps: usize, mrrs: usize) {
+        self.path.set_limits(mps, mrrs);
+    }
+
+    fn prefetch(&mut self, address: u64, len: usize) {
+        self.path.prefetch(address, len);
+    }
+
+    fn read_ready(&mut self, address: u64, len: usize) -> Option<Vec<u8>> {
+        self.path.read_ready(address, len)
     }
 }
 

@@ -17,7 +17,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lanbus_runtime::Sender;
+use lanbus_runtime::{Outbox, Sender};
+use lanbus_transport::MessageSource;
 use lanbus_wire::MacAddr;
 
 use crate::counters::{bump, Counters};
@@ -130,6 +131,44 @@ pub(crate) fn append_mem_write(
     bytes.extend_from_slice(data);
     bytes.resize(start + header + payload, 0);
     header + payload
+}
+
+/// A memory write TLP as the transport takes it ([`Outbox::send_from`]): its header, then its
+/// payload (`at` zero bytes, `data`, zeros to the last DW) appended to the transport's frame
+/// straight from the function's buffer.
+struct MemWriteSource<'a> {
+    header: &'a [u8],
+    /// Zero bytes in the payload before `data` (up to the first byte enabled).
+    at: usize,
+    data: &'a [u8],
+    /// The payload's length, whole DWs.
+    payload: usize,
+}
+
+impl MessageSource for MemWriteSource<'_> {
+    fn len(&self) -> usize {
+        self.header.len() + self.payload
+    }
+
+    fn append_to(&mut self, f: &mut Vec<u8>, at: usize, n: usize) {
+        let end = at + n;
+        let h = self.header.len();
+        let (data_start, data_end) = (h + self.at, h + self.at + self.data.len());
+        let mut pos = at;
+        if pos < h.min(end) {
+            f.extend_from_slice(&self.header[pos..h.min(end)]);
+            pos = h.min(end);
+        }
+        if pos < data_start.min(end) {
+            f.resize(f.len() + data_start.min(end) - pos, 0);
+            pos = data_start.min(end);
+        }
+        if pos < data_end.min(end) {
+            f.extend_from_slice(&self.data[pos - data_start..data_end.min(end) - data_start]);
+            pos = data_end.min(end);
+        }
+        f.resize(f.len() + (end - pos), 0);
+    }
 }
 
 /// TLPs of one [`send_mem_writes`] handed to the runtime at a time (16 KiB at a 4 KiB max payload
@@ -250,6 +289,41 @@ impl InlinePath {
         self.reads.fail_all(DmaError::HostUnreachable);
     }
 
+    /// A posted write as [`Path::write`] makes it, sent straight to `out`: what waits in the
+    /// arena goes first (a function's TLPs leave in the order it made them), then each TLP's
+    /// header and payload are appended to the transport's frame from `data`, so each byte is
+    /// copied once on its way out instead of twice (into the arena, then into the frame).
+    pub(crate) fn write_direct(
+        &mut self,
+        out: &mut dyn Outbox,
+        address: u64,
+        data: &[u8],
+    ) -> Result<(), DmaError> {
+        self.out.drain(|peer, channel, bytes| out.send(peer, channel, bytes));
+        let Some(host) = self.host else {
+            bump(&self.counters.dma_writes_dropped);
+            return Err(DmaError::HostUnreachable);
+        };
+        let chunks = split(address, data.len(), self.mps)
+            .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))?;
+        bump(&self.counters.dma_writes);
+        let mut header = [0u8; 16];
+        for c in &chunks {
+            let shape = c.shape();
+            let mut tlp = Tlp::mem_write(self.me, shape.address, shape.first_be, shape.last_be, Vec::new());
+            tlp.length_dw = shape.length_dw;
+            let h = tlp.emit_header(&mut header);
+            let mut source = MemWriteSource {
+                header: &header[..h],
+                at: (c.address & 3) as usize,
+                data: &data[c.offset..c.offset + c.len],
+                payload: usize::from(shape.length_dw) * 4,
+            };
+            out.send_from(host, self.channel, &mut source);
+        }
+        Ok(())
+    }
+
     /// The earliest deadline of a read not yet ended, or the end of a tag's quarantine.
     pub(crate) fn next_deadline(&mut self) -> Option<Instant> {
         self.reads.next_deadline()
@@ -346,7 +420,90 @@ mod tests {
         }
     }
 
+    /// An outbox that records each message, taking a [`MessageSource`]'s bytes in pieces of
+    /// `piece` bytes, as the transport does across frames.
+    struct Recording {
+        piece: usize,
+        sent: Vec<(MacAddr, u16, Vec<u8>)>,
+    }
+
+    impl Outbox for Recording {
+        fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
+            self.sent.push((peer, channel, data.to_vec()));
+        }
+
+        fn send_from(&mut self, peer: MacAddr, channel: u16, data: &mut dyn MessageSource) {
+            let mut v = Vec::new();
+            let mut at = 0;
+            while at < data.len() {
+                let n = self.piece.min(data.len() - at);
+                data.append_to(&mut v, at, n);
+                at += n;
+            }
+            self.sent.push((peer, channel, v));
+        }
+    }
+
+    /// What `write_direct` sends for a write of `data` at `address`, a read's TLP having waited in
+    /// the arena before it; `None` when the write was refused.
+    fn direct_writes(
+        address: u64,
+        data: &[u8],
+        mps: usize,
+        piece: usize,
+    ) -> Option<Vec<(MacAddr, u16, Vec<u8>)>> {
+        let host = MacAddr([2, 0, 0, 0, 0, 9]);
+        let me = Bdf::new(3, 0, 1).unwrap();
+        let mut path = InlinePath::new(me, Arc::default(), Duration::from_secs(1), 8, mps, 512);
+        (path.host, path.channel) = (Some(host), 7);
+        let read = Tlp::mem_read(me, lanbus_pcie::Tag::new(1).unwrap(), 0x8000, 4, 0xf, 0xf);
+        path.out.push(host, 7, &read);
+        let mut out = Recording { piece, sent: Vec::new() };
+        let got = path.write_direct(&mut out, address, data);
+        let (first, rest) = out.sent.split_first()?;
+        assert_eq!(first, &(host, 7, read.encode().unwrap()), "the arena's TLP first");
+        got.is_ok().then(|| rest.to_vec())
+    }
+
+    #[test]
+    fn direct_writes_send_exactly_what_write_requests_builds() {
+        let me = Bdf::new(3, 0, 1).unwrap();
+        let host = MacAddr([2, 0, 0, 0, 0, 9]);
+        let data: Vec<u8> = (0..9000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for (mps, piece) in [(128, 1), (256, 7), (512, 64), (4096, 1500)] {
+            for (address, len) in [(0x1000u64, 4096usize), (0x1_0000_0003, 1), (0x2ffd, 700), (0xfe, 9000)] {
+                let want = write_requests(me, address, &data[..len], mps).unwrap();
+                let want: Vec<_> = want.iter().map(|t| (host, 7u16, t.encode().unwrap())).collect();
+                let got = direct_writes(address, &data[..len], mps, piece);
+                assert_eq!(got, Some(want), "mps {mps} piece {piece} address {address:#x} len {len}");
+            }
+        }
+        // A write across the top of the address space is refused, after what waited was sent.
+        assert_eq!(direct_writes(u64::MAX - 3, &data[..64], 128, 64), None);
+    }
+
     proptest::proptest! {
+        #[test]
+        fn direct_writes_match_write_requests_for_any_address_length_mps_and_frame_piece(
+            address in proptest::prop_oneof![0u64..0x3000, (u32::MAX as u64 - 0x2000)..(u32::MAX as u64 + 0x2000), (u64::MAX - 0x3000)..u64::MAX],
+            len in 0usize..9000,
+            mps_log in 7u32..=12,
+            piece in 1usize..5000,
+        ) {
+            let mps = 1usize << mps_log;
+            let host = MacAddr([2, 0, 0, 0, 0, 9]);
+            let me = Bdf::new(3, 0, 1).unwrap();
+            let data: Vec<u8> = (0..len as u32).map(|i| (i * 13 + 5) as u8).collect();
+            let got = direct_writes(address, &data, mps, piece);
+            match write_requests(me, address, &data, mps) {
+                Ok(tlps) => {
+                    let want: Vec<_> = tlps.iter().map(|t| (host, 7u16, t.encode().unwrap())).collect();
+                    proptest::prop_assert_eq!(got, Some(want));
+                }
+                Err(_) => proptest::prop_assert_eq!(got, None),
+            }
+        }
+
         #[test]
         fn push_mem_write_matches_write_requests_for_any_address_length_and_mps(
             address in proptest::prop_oneof![0u64..0x3000, (u32::MAX as u64 - 0x2000)..(u32::MAX as u64 + 0x2000), (u64::MAX - 0x3000)..u64::MAX],
