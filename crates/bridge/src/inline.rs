@@ -25,7 +25,7 @@ use crate::counters::{bump, Counters};
 use crate::hosted::{OpId, Path};
 use crate::reads::Reads;
 use lanbus_pcie::device::DmaError;
-use lanbus_pcie::request::{split, RequestShape};
+use lanbus_pcie::request::{split, Chunk, RequestShape};
 use lanbus_pcie::{Bdf, CplStatus, Error, Tlp};
 
 /// Encoded TLPs waiting to be handed to the runtime, in one byte arena reused from call to call.
@@ -289,6 +289,20 @@ impl InlinePath {
         self.reads.fail_all(DmaError::HostUnreachable);
     }
 
+    /// The host and the TLPs (as chunks of the data) of a posted write of `len` bytes at
+    /// `address`, counted; an error (counted) when there is no host or the range cannot be
+    /// written.
+    fn write_chunks(&self, address: u64, len: usize) -> Result<(MacAddr, Vec<Chunk>), DmaError> {
+        let Some(host) = self.host else {
+            bump(&self.counters.dma_writes_dropped);
+            return Err(DmaError::HostUnreachable);
+        };
+        let chunks =
+            split(address, len, self.mps).map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))?;
+        bump(&self.counters.dma_writes);
+        Ok((host, chunks))
+    }
+
     /// A posted write as [`Path::write`] makes it, sent straight to `out`: what waits in the
     /// arena goes first (a function's TLPs leave in the order it made them), then each TLP's
     /// header and payload are appended to the transport's frame from `data`, so each byte is
@@ -300,13 +314,7 @@ impl InlinePath {
         data: &[u8],
     ) -> Result<(), DmaError> {
         self.out.drain(|peer, channel, bytes| out.send(peer, channel, bytes));
-        let Some(host) = self.host else {
-            bump(&self.counters.dma_writes_dropped);
-            return Err(DmaError::HostUnreachable);
-        };
-        let chunks = split(address, data.len(), self.mps)
-            .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))?;
-        bump(&self.counters.dma_writes);
+        let (host, chunks) = self.write_chunks(address, data.len())?;
         let mut header = [0u8; 16];
         for c in &chunks {
             let shape = c.shape();
@@ -339,13 +347,7 @@ impl Path for InlinePath {
     }
 
     fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DmaError> {
-        let Some(host) = self.host else {
-            bump(&self.counters.dma_writes_dropped);
-            return Err(DmaError::HostUnreachable);
-        };
-        let chunks = split(address, data.len(), self.mps)
-            .map_err(|_| DmaError::Completion(CplStatus::UnsupportedRequest))?;
-        bump(&self.counters.dma_writes);
+        let (host, chunks) = self.write_chunks(address, data.len())?;
         // What `write_requests` builds, encoded straight from `data` (no copy, no allocation per
         // TLP).
         for c in &chunks {
