@@ -236,7 +236,62 @@ pub struct Stats {
 struct Outgoing {
     peer: MacAddr,
     channel: u16,
-    data: Vec<u8>,
+    data: Body,
+}
+
+/// A queued message's bytes: its own, or a head of its own, bytes it shares with the thread
+/// that queued it and zeros (see [`Sender::send_shared`]).
+enum Body {
+    Owned(Vec<u8>),
+    Shared { head: Vec<u8>, body: LentSlice, zeros: usize },
+}
+
+impl From<Vec<u8>> for Body {
+    fn from(v: Vec<u8>) -> Body {
+        Body::Owned(v)
+    }
+}
+
+/// A shared message as the transport reads it: `head`, `body`, then `zeros` zero bytes.
+struct Gathered<'a> {
+    head: &'a [u8],
+    body: &'a [u8],
+    zeros: usize,
+}
+
+impl MessageSource for Gathered<'_> {
+    fn len(&self) -> usize {
+        self.head.len() + self.body.len() + self.zeros
+    }
+
+    fn append_to(&mut self, f: &mut Vec<u8>, at: usize, n: usize) {
+        let end = at + n;
+        let (h, b) = (self.head.len(), self.head.len() + self.body.len());
+        let mut pos = at;
+        if pos < h.min(end) {
+            f.extend_from_slice(&self.head[pos..h.min(end)]);
+            pos = h.min(end);
+        }
+        if pos < b.min(end) {
+            f.extend_from_slice(&self.body[pos - h..b.min(end) - h]);
+            pos = b.min(end);
+        }
+        f.resize(f.len() + (end - pos), 0);
+    }
+}
+
+impl Outgoing {
+    /// Hands the message to the transport; false if its queue is full (the message was not
+    /// read and stays queued).
+    fn send_to(&self, tx: &mut SendHalf, now: Instant) -> bool {
+        match &self.data {
+            Body::Owned(v) => tx.send(now, self.peer, self.channel, v).is_ok(),
+            Body::Shared { head, body, zeros } => {
+                let mut g = Gathered { head, body: body.bytes(), zeros: *zeros };
+                tx.send_from(now, self.peer, self.channel, &mut g).is_ok()
+            }
+        }
+    }
 }
 
 enum Control {
@@ -280,7 +335,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Shared {
     fn push_outgoing(&self, peer: MacAddr, channel: u16, data: &[u8]) {
-        lock(&self.outgoing).push_back(Outgoing { peer, channel, data: data.to_vec() });
+        lock(&self.outgoing).push_back(Outgoing { peer, channel, data: data.to_vec().into() });
         self.posted_work();
     }
 
@@ -320,7 +375,31 @@ impl Sender {
     pub fn send_owned(&self, peer: MacAddr, channel: u16, messages: impl IntoIterator<Item = Vec<u8>>) {
         let mut q = lock(&self.shared.outgoing);
         let before = q.len();
-        q.extend(messages.into_iter().map(|data| Outgoing { peer, channel, data }));
+        q.extend(messages.into_iter().map(|data| Outgoing { peer, channel, data: data.into() }));
+        let any = q.len() > before;
+        drop(q);
+        if any {
+            self.shared.posted_work();
+        }
+    }
+
+    /// Queues messages for `peer` on `channel`, in order, under one lock and with at most one
+    /// wake-up, each made of a head of its own, then bytes shared with the caller, then zero
+    /// bytes: `(head, body, zeros)`. The sending thread copies the shared bytes straight into
+    /// the transport's frames and lets go of each `body` once its message is in them.
+    pub fn send_shared(
+        &self,
+        peer: MacAddr,
+        channel: u16,
+        messages: impl IntoIterator<Item = (Vec<u8>, LentSlice, usize)>,
+    ) {
+        let mut q = lock(&self.shared.outgoing);
+        let before = q.len();
+        q.extend(messages.into_iter().map(|(head, body, zeros)| Outgoing {
+            peer,
+            channel,
+            data: Body::Shared { head, body, zeros },
+        }));
         let any = q.len() > before;
         drop(q);
         if any {
@@ -912,8 +991,7 @@ impl Rtc {
                 }
             }
         }
-        let (fed, left) =
-            feed(backlog, &shared, posted, |o| endpoint.send(now, o.peer, o.channel, &o.data).is_ok());
+        let (fed, left) = feed(backlog, &shared, posted, |o| o.send_to(endpoint.send_half_mut(), now));
         work += fed;
         *left_queued = left;
         // Frames are stamped when they are written, not when this turn began: the turn's
@@ -1044,13 +1122,13 @@ struct Direct<'a> {
 impl Outbox for Direct<'_> {
     fn send(&mut self, peer: MacAddr, channel: u16, data: &[u8]) {
         if !self.backlog.is_empty() || self.tx.send(self.now, peer, channel, data).is_err() {
-            self.backlog.push_back(Outgoing { peer, channel, data: data.to_vec() });
+            self.backlog.push_back(Outgoing { peer, channel, data: data.to_vec().into() });
         }
     }
 
     fn send_parts(&mut self, peer: MacAddr, channel: u16, parts: &[&[u8]]) {
         if !self.try_send_parts(peer, channel, parts) {
-            self.backlog.push_back(Outgoing { peer, channel, data: parts.concat() });
+            self.backlog.push_back(Outgoing { peer, channel, data: parts.concat().into() });
         }
     }
 
@@ -1069,7 +1147,7 @@ impl Outbox for Direct<'_> {
             let mut v = Vec::with_capacity(data.len());
             let n = data.len();
             data.append_to(&mut v, 0, n);
-            self.backlog.push_back(Outgoing { peer, channel, data: v });
+            self.backlog.push_back(Outgoing { peer, channel, data: v.into() });
         }
     }
 
@@ -1170,8 +1248,7 @@ impl PipeTx {
                 self.half.handle_timeout(now);
             }
             let half = &mut self.half;
-            work +=
-                feed(&mut backlog, &shared, true, |o| half.send(now, o.peer, o.channel, &o.data).is_ok()).0;
+            work += feed(&mut backlog, &shared, true, |o| o.send_to(half, now)).0;
             let half = &mut self.half;
             // Stamped when written, as in the run-to-completion loop.
             let sent_at = self.worker.clock.now();
@@ -1247,7 +1324,7 @@ impl Shared {
         let mut q = lock(&self.outgoing);
         for r in &replies.items {
             let data = replies.bytes[r.start..r.start + r.len].to_vec();
-            q.push_back(Outgoing { peer: r.peer, channel: r.channel, data });
+            q.push_back(Outgoing { peer: r.peer, channel: r.channel, data: data.into() });
         }
         drop(q);
         replies.clear();

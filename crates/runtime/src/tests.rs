@@ -302,6 +302,47 @@ fn send_all_delivers_a_batch_in_order_in_both_modes() {
     }
 }
 
+#[test]
+fn shared_messages_arrive_whole_in_order_with_owned_ones_and_are_let_go() {
+    for mode in [ThreadMode::RunToCompletion, ThreadMode::Pipeline] {
+        let (a, b, rb) = forward_pair(mode, 7);
+        let buffer: Arc<Vec<u8>> = Arc::new((0..40_000u32).map(|i| (i * 7 + i / 251) as u8).collect());
+        for round in 0..12usize {
+            // Heads, slices and zero tails of every size, some empty, owned messages between.
+            let shared: Vec<(Vec<u8>, usize, usize, usize)> = (0..4)
+                .map(|i| {
+                    let k = round * 4 + i;
+                    (vec![k as u8; k % 5 * 9], k * 613 % 30_000, (k * 2_741) % 9_000, k % 3 * 3)
+                })
+                .collect();
+            let want: Vec<Vec<u8>> = shared
+                .iter()
+                .map(|(head, start, len, zeros)| {
+                    [head.as_slice(), &buffer[*start..start + len], &vec![0; *zeros]].concat()
+                })
+                .collect();
+            a.sender().send_owned(b.local_mac(), 2, [payload(round as u32)]);
+            let lent = Arc::clone(&buffer) as Arc<dyn lanbus_transport::Lend>;
+            a.sender().send_shared(
+                b.local_mac(),
+                2,
+                shared.into_iter().map(|(head, start, len, zeros)| {
+                    (head, LentSlice::new(Arc::clone(&lent), start..start + len), zeros)
+                }),
+            );
+            let (_, _, first) = rb.recv_timeout(Duration::from_secs(10)).expect("delivered");
+            assert_eq!(first, payload(round as u32), "{mode:?}: round {round}");
+            for (i, want) in want.iter().enumerate() {
+                let (_, channel, data) = rb.recv_timeout(Duration::from_secs(10)).expect("delivered");
+                assert_eq!(channel, 2);
+                assert_eq!(&data, want, "{mode:?}: round {round} shared message {i}");
+            }
+        }
+        assert!(a.wait_idle(Duration::from_secs(10)));
+        assert_eq!(Arc::strong_count(&buffer), 1, "{mode:?}: the shared bytes are still held");
+    }
+}
+
 /// Replies to every message and, from `poll`, sends what another thread left in `pending`; every
 /// message it hands to its outbox carries the order it was handed in.
 struct Stamping {

@@ -1255,8 +1255,9 @@ impl LentSlice {
         self.start == self.end
     }
 
-    /// The part `range` of this slice (relative to it), sharing the reference.
-    fn slice(&self, range: std::ops::Range<usize>) -> LentSlice {
+    /// The part `range` of this slice (relative to it), sharing the reference. Panics if
+    /// `range` is not inside it.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> LentSlice {
         assert!(range.start <= range.end && range.end <= self.len());
         LentSlice {
             owner: Arc::clone(&self.owner),
