@@ -24,11 +24,11 @@ use std::time::{Duration, Instant};
 
 use lanbus_port::Port;
 use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
-use lanbus_transport::{Event, Message, MessageSource, Role};
+use lanbus_transport::{Event, LentSlice, Message, MessageSource, Role};
 use lanbus_wire::MacAddr;
 
 use crate::counters::bump;
-use crate::inline::send_mem_writes;
+use crate::inline::{send_mem_writes, send_mem_writes_shared};
 use crate::region::{DmaRegion, Domains, RegionMap};
 use crate::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
 use lanbus_pcie::config::{
@@ -627,6 +627,13 @@ impl Shared {
         send_mem_writes(&sender, mac, channel, HOST_BDF, address, data, self.config.mps)
             .map_err(|e| BridgeError::BadRequest(e.to_string()))
     }
+
+    fn mmio_write_shared(&self, bdf: Bdf, address: u64, data: &LentSlice) -> BridgeResult<()> {
+        let (mac, channel) = self.mac_of(bdf)?;
+        let sender = self.sender()?;
+        send_mem_writes_shared(&sender, mac, channel, HOST_BDF, address, data, self.config.mps)
+            .map_err(|e| BridgeError::BadRequest(e.to_string()))
+    }
 }
 
 /// The receive side: serves device DMA, routes completions, never waits for a user.
@@ -1035,6 +1042,13 @@ impl HostBridge {
     /// Writes `data` to `bdf`'s memory space at `address` (posted, split by MPS).
     pub fn mmio_write(&self, bdf: Bdf, address: u64, data: &[u8]) -> BridgeResult<()> {
         self.shared.mmio_write(bdf, address, data)
+    }
+
+    /// [`HostBridge::mmio_write`] of bytes the caller shares: the runtime's thread copies them
+    /// straight into the transport's frames (the caller's thread copies nothing) and lets go of
+    /// `data` once they are in. Writes from one thread stay in order with its other writes.
+    pub fn mmio_write_shared(&self, bdf: Bdf, address: u64, data: &LentSlice) -> BridgeResult<()> {
+        self.shared.mmio_write_shared(bdf, address, data)
     }
 
     /// Reads a little-endian 32-bit register.

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lanbus_runtime::{Outbox, Sender};
-use lanbus_transport::MessageSource;
+use lanbus_transport::{LentSlice, MessageSource};
 use lanbus_wire::MacAddr;
 
 use crate::counters::{bump, Counters};
@@ -119,18 +119,26 @@ pub(crate) fn append_mem_write(
     at: usize,
     data: &[u8],
 ) -> usize {
-    let mut tlp = Tlp::mem_write(me, shape.address, shape.first_be, shape.last_be, Vec::new());
-    tlp.length_dw = shape.length_dw;
     let start = bytes.len();
     let payload = usize::from(shape.length_dw) * 4;
-    let header = tlp.header_len();
-    bytes.reserve(header + payload);
-    bytes.resize(start + header, 0);
-    tlp.emit_header(&mut bytes[start..]);
+    let header = append_mem_write_header(bytes, me, shape, payload);
     bytes.resize(start + header + at, 0);
     bytes.extend_from_slice(data);
     bytes.resize(start + header + payload, 0);
     header + payload
+}
+
+/// Appends to `bytes` the header of a memory write by `me` with `shape`, reserving room for
+/// `room` bytes after it. Returns the header's length.
+fn append_mem_write_header(bytes: &mut Vec<u8>, me: Bdf, shape: &RequestShape, room: usize) -> usize {
+    let mut tlp = Tlp::mem_write(me, shape.address, shape.first_be, shape.last_be, Vec::new());
+    tlp.length_dw = shape.length_dw;
+    let start = bytes.len();
+    let header = tlp.header_len();
+    bytes.reserve(header + room);
+    bytes.resize(start + header, 0);
+    tlp.emit_header(&mut bytes[start..]);
+    header
 }
 
 /// A memory write TLP as the transport takes it ([`Outbox::send_from`]): its header, then its
@@ -201,6 +209,42 @@ pub(crate) fn send_mem_writes(
     }
     sender.send_owned(peer, channel, batch);
     Ok(())
+}
+
+/// [`send_mem_writes`] for data the caller shares rather than lends for the call: each TLP's
+/// header goes to the runtime with its slice of `data`, which the runtime's thread copies
+/// straight into the transport's frames (one copy of each byte in user space, on that thread).
+pub(crate) fn send_mem_writes_shared(
+    sender: &Sender,
+    peer: MacAddr,
+    channel: u16,
+    me: Bdf,
+    address: u64,
+    data: &LentSlice,
+    mps: usize,
+) -> Result<(), Error> {
+    let chunks = split(address, data.len(), mps)?;
+    let mut batch = Vec::with_capacity(WRITE_BATCH);
+    for c in &chunks {
+        batch.push(shared_mem_write(me, c, data));
+        if batch.len() == WRITE_BATCH {
+            sender.send_shared(peer, channel, batch.drain(..));
+        }
+    }
+    sender.send_shared(peer, channel, batch);
+    Ok(())
+}
+
+/// The memory write TLP of piece `c` of `data` by `me`, as [`Sender::send_shared`] takes it: its
+/// header and the `at` zero bytes up to the first byte enabled, its slice of `data`, and the
+/// zeros to its last DW.
+fn shared_mem_write(me: Bdf, c: &Chunk, data: &LentSlice) -> (Vec<u8>, LentSlice, usize) {
+    let shape = c.shape();
+    let (at, payload) = ((c.address & 3) as usize, usize::from(shape.length_dw) * 4);
+    let mut head = Vec::new();
+    let header = append_mem_write_header(&mut head, me, &shape, 0);
+    head.resize(header + at, 0);
+    (head, data.slice(c.offset..c.offset + c.len), payload - at - c.len)
 }
 
 /// The fabric path of an inline function.
@@ -503,6 +547,35 @@ mod tests {
                     proptest::prop_assert_eq!(got, Some(want));
                 }
                 Err(_) => proptest::prop_assert_eq!(got, None),
+            }
+        }
+
+        #[test]
+        fn shared_mem_writes_match_write_requests_for_any_address_length_and_mps(
+            address in proptest::prop_oneof![0u64..0x3000, (u32::MAX as u64 - 0x2000)..(u32::MAX as u64 + 0x2000), (u64::MAX - 0x3000)..u64::MAX],
+            skip in 0usize..64,
+            len in 0usize..9000,
+            mps_log in 7u32..=12,
+        ) {
+            let mps = 1usize << mps_log;
+            let me = Bdf::new(3, 0, 1).unwrap();
+            // The data a slice of a larger buffer, as a pipelined write's pieces are.
+            let buffer: Arc<Vec<u8>> = Arc::new((0..(skip + len + 17) as u32).map(|i| (i * 13 + 5) as u8).collect());
+            let data = LentSlice::new(buffer.clone(), skip..skip + len);
+            match (write_requests(me, address, &buffer[skip..skip + len], mps), split(address, len, mps)) {
+                (Ok(tlps), Ok(chunks)) => {
+                    let got: Vec<Vec<u8>> = chunks
+                        .iter()
+                        .map(|c| {
+                            let (head, body, zeros) = shared_mem_write(me, c, &data);
+                            [head.as_slice(), body.bytes(), &vec![0; zeros]].concat()
+                        })
+                        .collect();
+                    let want: Vec<Vec<u8>> = tlps.iter().map(|t| t.encode().unwrap()).collect();
+                    proptest::prop_assert_eq!(got, want);
+                }
+                (Err(_), Err(_)) => {}
+                (w, c) => proptest::prop_assert!(false, "write_requests {:?}, split {:?}", w.is_ok(), c.is_ok()),
             }
         }
 

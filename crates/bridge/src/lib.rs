@@ -59,6 +59,8 @@ pub use host::{
     HostBridge, HostBridgeConfig, HostBridgeStats, HostEvent, RemoteBar, RemoteFunction, RemoteMsix,
 };
 pub use hosted::HostedFunction;
+/// Bytes shared with the bridge's thread ([`HostBridge::mmio_write_shared`]).
+pub use lanbus_transport::{Lend, LentSlice};
 pub use local::LocalBus;
 pub use region::{DmaBuffer, DmaRegion};
 

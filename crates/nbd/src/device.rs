@@ -189,6 +189,19 @@ pub trait BlockQueue {
     /// as for [`BlockQueue::submit_read`].
     fn submit_write(&mut self, tag: u64, offset: u64, data: &[u8], fua: bool) -> Result<bool, DeviceError>;
 
+    /// [`BlockQueue::submit_write`] of a buffer the caller shares: a queue whose writes leave
+    /// from another thread may hold `data` until they have (the caller takes it back for its next
+    /// request once it is the only holder again) instead of copying it now. The default copies.
+    fn submit_write_shared(
+        &mut self,
+        tag: u64,
+        offset: u64,
+        data: &std::sync::Arc<Vec<u8>>,
+        fua: bool,
+    ) -> Result<bool, DeviceError> {
+        self.submit_write(tag, offset, data, fua)
+    }
+
     /// Starts every request submitted since the last call.
     fn start(&mut self) -> Result<(), DeviceError>;
 

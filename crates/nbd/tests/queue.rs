@@ -1,7 +1,9 @@
 //! A device with queues of its own (`BlockDevice::queue`): one thread serves all of a
 //! connection's requests, which finish in any order, wait when the queue is full, and fall back
 //! to the plain calls when the queue does not take them; nothing is lost when the client
-//! disconnects, leaves with requests in flight, or sends a request in pieces.
+//! disconnects, leaves with requests in flight, or sends a request in pieces. Half the writes
+//! the queue takes hold their payload until they finish and a while after: the server never
+//! reuses a buffer the queue still holds.
 
 mod common;
 
@@ -50,8 +52,19 @@ impl QueuedMem {
 }
 
 enum Op {
-    Read { offset: u64, len: usize },
-    Write { offset: u64, data: Vec<u8> },
+    Read {
+        offset: u64,
+        len: usize,
+    },
+    Write {
+        offset: u64,
+        data: Vec<u8>,
+    },
+    /// A write whose payload the queue holds rather than copies, read only when it finishes.
+    Shared {
+        offset: u64,
+        data: Arc<Vec<u8>>,
+    },
 }
 
 struct MemQueue<'a> {
@@ -59,6 +72,9 @@ struct MemQueue<'a> {
     rng: ChaCha8Rng,
     submitted: Vec<(u64, Op)>,
     started: Vec<(u64, Op)>,
+    /// Shared payloads still held a while after their writes finished (as a thread that sends
+    /// them may hold them after the device has them).
+    lingering: VecDeque<Arc<Vec<u8>>>,
 }
 
 impl BlockQueue for MemQueue<'_> {
@@ -74,6 +90,19 @@ impl BlockQueue for MemQueue<'_> {
     fn submit_write(&mut self, tag: u64, offset: u64, data: &[u8], _fua: bool) -> Result<bool, DeviceError> {
         self.submit(tag, Op::Write { offset, data: data.to_vec() })
     }
+    fn submit_write_shared(
+        &mut self,
+        tag: u64,
+        offset: u64,
+        data: &Arc<Vec<u8>>,
+        fua: bool,
+    ) -> Result<bool, DeviceError> {
+        // Every other tag copies, so both kinds of buffer are in use at once.
+        if tag.is_multiple_of(2) {
+            return self.submit_write(tag, offset, data, fua);
+        }
+        self.submit(tag, Op::Shared { offset, data: Arc::clone(data) })
+    }
     fn start(&mut self) -> Result<(), DeviceError> {
         self.started.append(&mut self.submitted);
         Ok(())
@@ -86,7 +115,9 @@ impl BlockQueue for MemQueue<'_> {
             let (tag, op) = self.started.swap_remove(i);
             let bad = |offset: u64| BAD.contains(&offset);
             match op {
-                Op::Read { offset, .. } | Op::Write { offset, .. } if bad(offset) => {
+                Op::Read { offset, .. } | Op::Write { offset, .. } | Op::Shared { offset, .. }
+                    if bad(offset) =>
+                {
                     done(tag, Err(DeviceError::Device { errno: Errno::Io, message: "bad block".into() }))
                 }
                 Op::Read { offset, len } => {
@@ -99,6 +130,14 @@ impl BlockQueue for MemQueue<'_> {
                 Op::Write { offset, data } => {
                     self.dev.mem.write_at(offset, &data, false).unwrap();
                     done(tag, Ok(&[]));
+                }
+                Op::Shared { offset, data } => {
+                    self.dev.mem.write_at(offset, &data, false).unwrap();
+                    done(tag, Ok(&[]));
+                    self.lingering.push_back(data);
+                    if self.lingering.len() > 3 {
+                        self.lingering.pop_front();
+                    }
                 }
             }
             self.dev.finished.fetch_add(1, Ordering::Relaxed);
@@ -157,6 +196,7 @@ impl BlockDevice for QueuedMem {
             rng: ChaCha8Rng::seed_from_u64(seed),
             submitted: Vec::new(),
             started: Vec::new(),
+            lingering: VecDeque::new(),
         }))
     }
 }

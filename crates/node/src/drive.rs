@@ -139,6 +139,19 @@ impl BlockQueue for NvmeQueue<'_> {
         let r = self.stream.submit_write(tag, offset, data, fua);
         self.submitted(r)
     }
+    fn submit_write_shared(
+        &mut self,
+        tag: u64,
+        offset: u64,
+        data: &Arc<Vec<u8>>,
+        fua: bool,
+    ) -> core::result::Result<bool, DeviceError> {
+        if !self.room_for(data.len()) {
+            return Ok(false);
+        }
+        let r = self.stream.submit_write_shared(tag, offset, data, fua);
+        self.submitted(r)
+    }
     fn start(&mut self) -> core::result::Result<(), DeviceError> {
         self.stream.ring().map_err(nbd_error)
     }

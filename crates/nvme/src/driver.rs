@@ -68,6 +68,21 @@ pub trait Bar: Send + Sync {
         let _ = (bir, data);
         Err(BusError::Unsupported { addr: offset })
     }
+    /// [`Bar::write_bar`] of `data[range]`, bytes the caller shares: a BAR whose writes leave
+    /// from another thread copies them there (holding `data` until then) instead of on the
+    /// caller's. The default writes them here.
+    fn write_bar_shared(
+        &self,
+        bir: u8,
+        offset: u64,
+        data: &Arc<Vec<u8>>,
+        range: std::ops::Range<usize>,
+    ) -> Result<(), BusError> {
+        match data.get(range) {
+            Some(bytes) => self.write_bar(bir, offset, bytes),
+            None => Err(BusError::Unsupported { addr: offset }),
+        }
+    }
 }
 
 /// Host memory the device may DMA to: the driver allocates its queues, PRP lists and data
@@ -367,6 +382,21 @@ impl NvmeDriver {
 
     /// Writes `data` at bus address `addr`: through the BAR when it lies in the controller
     /// memory buffer, else into host memory.
+    /// [`NvmeDriver::put`] of `data[range]`, bytes the caller shares (see
+    /// [`Bar::write_bar_shared`]).
+    fn put_shared(&self, addr: u64, data: &Arc<Vec<u8>>, range: std::ops::Range<usize>) -> Result<()> {
+        match &self.cmb {
+            Some(c) if c.contains(addr) => {
+                self.bar.write_bar_shared(c.bir, c.bar_offset + (addr - c.base), data, range)?
+            }
+            _ => match data.get(range) {
+                Some(bytes) => self.put(addr, bytes)?,
+                None => return Err(DriverError::InvalidArgument("a write's range outside its data".into())),
+            },
+        }
+        Ok(())
+    }
+
     fn put(&self, addr: u64, data: &[u8]) -> Result<()> {
         match &self.cmb {
             Some(c) if c.contains(addr) => self.bar.write_bar(c.bir, c.bar_offset + (addr - c.base), data)?,

@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lanbus_bridge::{BridgeError, DmaRegion, EventFd, HostBridge, HostedFunction, RemoteFunction};
+use lanbus_bridge::{Lend, LentSlice};
 use lanbus_pcie::blocking::{BlockingDevice, HostAccess};
 use lanbus_pcie::config::{Bar as PciBar, BarKind, ConfigSpec, MsixSpec};
 use lanbus_pcie::device::{CompleterAbort, DmaError};
@@ -269,6 +270,21 @@ impl Bar for RemoteBar0 {
         let base = self.bar_address(bir).ok_or(BusError::Unsupported { addr: offset })?;
         let addr = base.checked_add(offset).ok_or(BusError::Unsupported { addr: offset })?;
         self.bridge.mmio_write(self.bdf, addr, data).map_err(|e| bridge_error(e, addr))
+    }
+    fn write_bar_shared(
+        &self,
+        bir: u8,
+        offset: u64,
+        data: &Arc<Vec<u8>>,
+        range: std::ops::Range<usize>,
+    ) -> Result<(), BusError> {
+        let base = self.bar_address(bir).ok_or(BusError::Unsupported { addr: offset })?;
+        let addr = base.checked_add(offset).ok_or(BusError::Unsupported { addr: offset })?;
+        if range.start > range.end || range.end > data.len() {
+            return Err(BusError::Unsupported { addr });
+        }
+        let bytes = LentSlice::new(Arc::clone(data) as Arc<dyn Lend>, range);
+        self.bridge.mmio_write_shared(self.bdf, addr, &bytes).map_err(|e| bridge_error(e, addr))
     }
 }
 

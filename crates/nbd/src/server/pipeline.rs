@@ -14,6 +14,7 @@
 use std::collections::HashMap;
 use std::io::{self, Read};
 use std::os::fd::RawFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{bump, reply_header, Conn, ConnError, Ended, ExportLimits, Job, KEEP_BUFFER_BYTES};
@@ -110,6 +111,25 @@ impl Read for Inbox {
     }
 }
 
+/// A payload buffer the queue has let go of, if any (an empty one if not); the others it has
+/// let go of are freed, the ones it still holds stay.
+fn reclaim(lent: &mut Vec<Arc<Vec<u8>>>) -> Vec<u8> {
+    let mut found = Vec::new();
+    let mut i = 0;
+    while i < lent.len() {
+        if Arc::strong_count(&lent[i]) > 1 {
+            i += 1;
+            continue;
+        }
+        if let Ok(buffer) = Arc::try_unwrap(lent.swap_remove(i)) {
+            if found.capacity() == 0 {
+                found = buffer;
+            }
+        }
+    }
+    found
+}
+
 /// A request on the queue: what its reply needs.
 struct Queued {
     handle: u64,
@@ -134,6 +154,8 @@ impl Conn<'_> {
         let mut queued: HashMap<u64, Queued> = HashMap::new();
         let mut next_tag = 0u64;
         let mut spare = Vec::new();
+        // Write payloads the queue still holds (see `BlockQueue::submit_write_shared`).
+        let mut lent: Vec<Arc<Vec<u8>>> = Vec::new();
         loop {
             // Answer what finished.
             let reaped = queue.reap(&mut |tag, result| {
@@ -187,7 +209,7 @@ impl Conn<'_> {
                         }
                     }
                 };
-                match self.enqueue(queue, &job, next_tag) {
+                match self.enqueue(queue, &mut job, next_tag, &mut lent) {
                     Enqueued::Queued(q) => {
                         queued.insert(next_tag, q);
                         next_tag += 1;
@@ -205,6 +227,9 @@ impl Conn<'_> {
                 // long as it is: a read into it overwrites every byte, so a buffer at least as
                 // long is not zeroed again), unless it is larger than typical requests need.
                 spare = std::mem::take(&mut job.payload);
+                if spare.capacity() == 0 {
+                    spare = reclaim(&mut lent);
+                }
                 if spare.capacity() > KEEP_BUFFER_BYTES {
                     spare = Vec::new();
                 }
@@ -225,14 +250,28 @@ impl Conn<'_> {
 
     /// Submits a read or write to `queue` under `tag`, or runs any other request here and
     /// answers it.
-    fn enqueue(&self, queue: &mut dyn BlockQueue, job: &Job, tag: u64) -> Enqueued {
+    fn enqueue(
+        &self,
+        queue: &mut dyn BlockQueue,
+        job: &mut Job,
+        tag: u64,
+        lent: &mut Vec<Arc<Vec<u8>>>,
+    ) -> Enqueued {
         let fits = |len: u32| len as usize <= queue.max_request_bytes();
         let (submitted, length, read) = match job.action {
             Action::Read { offset, length } if fits(length) => {
                 (queue.submit_read(tag, offset, length as usize), length, true)
             }
             Action::Write { offset, length, fua } if fits(length) => {
-                (queue.submit_write(tag, offset, &job.payload, fua), length, false)
+                let payload = Arc::new(std::mem::take(&mut job.payload));
+                let submitted = queue.submit_write_shared(tag, offset, &payload, fua);
+                // A queue that kept no hold (it copied, had no room, or failed) hands the
+                // payload back to the job; one that holds it gives it back later (`reclaim`).
+                match Arc::try_unwrap(payload) {
+                    Ok(payload) => job.payload = payload,
+                    Err(held) => lent.push(held),
+                }
+                (submitted, length, false)
             }
             _ => {
                 // In order: what was submitted before this starts first.

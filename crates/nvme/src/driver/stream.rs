@@ -15,6 +15,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::memory::DmaBuf;
@@ -158,10 +159,31 @@ impl<'d> IoStream<'d> {
     /// pieces of a write of 64 KiB or more start as their data is in (the rest at the next
     /// [`IoStream::ring`]).
     pub fn submit_write(&mut self, tag: u64, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.submit(tag, offset, data.len(), Some(data), fua)
+        self.submit(tag, offset, data.len(), Some(WriteData::Borrowed(data)), fua)
     }
 
-    fn submit(&mut self, tag: u64, offset: u64, len: usize, data: Option<&[u8]>, fua: bool) -> Result<()> {
+    /// [`IoStream::submit_write`] of bytes the caller shares: where they go into the
+    /// controller's memory buffer, the bridge's thread copies them into the fabric's frames
+    /// (holding `data` until then) instead of this one. The caller may take `data` back once
+    /// it is the only holder again.
+    pub fn submit_write_shared(
+        &mut self,
+        tag: u64,
+        offset: u64,
+        data: &Arc<Vec<u8>>,
+        fua: bool,
+    ) -> Result<()> {
+        self.submit(tag, offset, data.len(), Some(WriteData::Shared(data)), fua)
+    }
+
+    fn submit(
+        &mut self,
+        tag: u64,
+        offset: u64,
+        len: usize,
+        data: Option<WriteData<'_>>,
+        fua: bool,
+    ) -> Result<()> {
         let drv = self.drv;
         let bs = drv.identity.lba_size as usize;
         if len == 0 || !offset.is_multiple_of(bs as u64) || !len.is_multiple_of(bs) {
@@ -198,7 +220,11 @@ impl<'d> IoStream<'d> {
             let staged = match (data, &cmd.data) {
                 (Some(d), Some(buf)) => {
                     let copy = Instant::now();
-                    let r = drv.put(buf.addr, &d[at..(at + chunk).min(len)]);
+                    let range = at..(at + chunk).min(len);
+                    let r = match d {
+                        WriteData::Borrowed(d) => drv.put(buf.addr, &d[range]),
+                        WriteData::Shared(d) => drv.put_shared(buf.addr, d, range),
+                    };
                     // Statistics counter: Relaxed, nothing is ordered by it.
                     drv.stats.copy_ns.fetch_add(copy.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     r
@@ -394,4 +420,11 @@ impl Drop for IoStream<'_> {
         // Release: the pair's state is published by its lock, the flag hands it back.
         self.drv.reserved[self.index].store(false, Ordering::Release);
     }
+}
+
+/// A write's data as its caller hands it over.
+#[derive(Clone, Copy)]
+enum WriteData<'a> {
+    Borrowed(&'a [u8]),
+    Shared(&'a Arc<Vec<u8>>),
 }
