@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lanbus_runtime::{Outbox, Sender};
-use lanbus_transport::{LentSlice, MessageSource};
+use lanbus_transport::{Gathered, LentSlice};
 use lanbus_wire::MacAddr;
 
 use crate::counters::{bump, Counters};
@@ -139,44 +139,6 @@ fn append_mem_write_header(bytes: &mut Vec<u8>, me: Bdf, shape: &RequestShape, r
     bytes.resize(start + header, 0);
     tlp.emit_header(&mut bytes[start..]);
     header
-}
-
-/// A memory write TLP as the transport takes it ([`Outbox::send_from`]): its header, then its
-/// payload (`at` zero bytes, `data`, zeros to the last DW) appended to the transport's frame
-/// straight from the function's buffer.
-struct MemWriteSource<'a> {
-    header: &'a [u8],
-    /// Zero bytes in the payload before `data` (up to the first byte enabled).
-    at: usize,
-    data: &'a [u8],
-    /// The payload's length, whole DWs.
-    payload: usize,
-}
-
-impl MessageSource for MemWriteSource<'_> {
-    fn len(&self) -> usize {
-        self.header.len() + self.payload
-    }
-
-    fn append_to(&mut self, f: &mut Vec<u8>, at: usize, n: usize) {
-        let end = at + n;
-        let h = self.header.len();
-        let (data_start, data_end) = (h + self.at, h + self.at + self.data.len());
-        let mut pos = at;
-        if pos < h.min(end) {
-            f.extend_from_slice(&self.header[pos..h.min(end)]);
-            pos = h.min(end);
-        }
-        if pos < data_start.min(end) {
-            f.resize(f.len() + data_start.min(end) - pos, 0);
-            pos = data_start.min(end);
-        }
-        if pos < data_end.min(end) {
-            f.extend_from_slice(&self.data[pos - data_start..data_end.min(end) - data_start]);
-            pos = data_end.min(end);
-        }
-        f.resize(f.len() + (end - pos), 0);
-    }
 }
 
 /// TLPs of one [`send_mem_writes`] handed to the runtime at a time (16 KiB at a 4 KiB max payload
@@ -365,11 +327,13 @@ impl InlinePath {
             let mut tlp = Tlp::mem_write(self.me, shape.address, shape.first_be, shape.last_be, Vec::new());
             tlp.length_dw = shape.length_dw;
             let h = tlp.emit_header(&mut header);
-            let mut source = MemWriteSource {
-                header: &header[..h],
-                at: (c.address & 3) as usize,
-                data: &data[c.offset..c.offset + c.len],
-                payload: usize::from(shape.length_dw) * 4,
+            // The payload: zero bytes up to the first byte enabled, the data, zeros to the last DW.
+            let at = (c.address & 3) as usize;
+            let mut source = Gathered {
+                head: &header[..h],
+                gap: at,
+                body: &data[c.offset..c.offset + c.len],
+                tail: usize::from(shape.length_dw) * 4 - at - c.len,
             };
             out.send_from(host, self.channel, &mut source);
         }
@@ -438,6 +402,7 @@ impl Path for InlinePath {
 mod tests {
     use super::*;
     use lanbus_pcie::request::write_requests;
+    use lanbus_transport::MessageSource;
 
     #[test]
     fn writes_encode_exactly_what_write_requests_builds() {

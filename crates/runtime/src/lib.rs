@@ -42,8 +42,8 @@ use std::time::Duration;
 
 use lanbus_port::{Port, PortCounters};
 use lanbus_transport::{
-    Config, Counters, Endpoint, Event, Feedback, FrameRef, LentSlice, Message, MessageSource, ReceiveHalf,
-    SendError, SendHalf,
+    Config, Counters, Endpoint, Event, Feedback, FrameRef, Gathered, LentSlice, Message, MessageSource,
+    ReceiveHalf, SendError, SendHalf,
 };
 use lanbus_wire::{Clock, Instant, MacAddr, MonotonicClock};
 
@@ -252,34 +252,6 @@ impl From<Vec<u8>> for Body {
     }
 }
 
-/// A shared message as the transport reads it: `head`, `body`, then `zeros` zero bytes.
-struct Gathered<'a> {
-    head: &'a [u8],
-    body: &'a [u8],
-    zeros: usize,
-}
-
-impl MessageSource for Gathered<'_> {
-    fn len(&self) -> usize {
-        self.head.len() + self.body.len() + self.zeros
-    }
-
-    fn append_to(&mut self, f: &mut Vec<u8>, at: usize, n: usize) {
-        let end = at + n;
-        let (h, b) = (self.head.len(), self.head.len() + self.body.len());
-        let mut pos = at;
-        if pos < h.min(end) {
-            f.extend_from_slice(&self.head[pos..h.min(end)]);
-            pos = h.min(end);
-        }
-        if pos < b.min(end) {
-            f.extend_from_slice(&self.body[pos - h..b.min(end) - h]);
-            pos = b.min(end);
-        }
-        f.resize(f.len() + (end - pos), 0);
-    }
-}
-
 impl Outgoing {
     /// Hands the message to the transport; false if its queue is full (the message was not
     /// read and stays queued).
@@ -287,7 +259,7 @@ impl Outgoing {
         match &self.data {
             Body::Owned(v) => tx.send(now, self.peer, self.channel, v).is_ok(),
             Body::Shared { head, body, zeros } => {
-                let mut g = Gathered { head, body: body.bytes(), zeros: *zeros };
+                let mut g = Gathered { head, gap: 0, body: body.bytes(), tail: *zeros };
                 tx.send_from(now, self.peer, self.channel, &mut g).is_ok()
             }
         }

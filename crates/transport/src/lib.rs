@@ -126,7 +126,7 @@ pub use counters::Counters;
 pub use endpoint::Endpoint;
 pub use lanbus_wire::frame::{Role, Sack};
 pub use recv::{Message, ReceiveHalf};
-pub use send::{FrameRef, Lend, LentSlice, MessageSource, SendHalf};
+pub use send::{FrameRef, Gathered, Lend, LentSlice, MessageSource, SendHalf};
 pub use seq::Seq;
 
 /// Why [`Endpoint::send`] refused a message. Nothing was queued in either case.

@@ -1267,6 +1267,46 @@ impl LentSlice {
     }
 }
 
+/// A message of `head`, `gap` zero bytes, `body` and `tail` zero bytes, read as one run of bytes
+/// without building it (a memory write TLP's header, the bytes before the first one it enables,
+/// its data and the rest of its last DW, say).
+pub struct Gathered<'a> {
+    /// The first bytes.
+    pub head: &'a [u8],
+    /// Zero bytes after `head`.
+    pub gap: usize,
+    /// The bytes after those.
+    pub body: &'a [u8],
+    /// Zero bytes at the end.
+    pub tail: usize,
+}
+
+impl MessageSource for Gathered<'_> {
+    fn len(&self) -> usize {
+        self.head.len() + self.gap + self.body.len() + self.tail
+    }
+
+    fn append_to(&mut self, f: &mut Vec<u8>, at: usize, n: usize) {
+        let end = at + n;
+        let h = self.head.len();
+        let (body_start, body_end) = (h + self.gap, h + self.gap + self.body.len());
+        let mut pos = at;
+        if pos < h.min(end) {
+            f.extend_from_slice(&self.head[pos..h.min(end)]);
+            pos = h.min(end);
+        }
+        if pos < body_start.min(end) {
+            f.resize(f.len() + body_start.min(end) - pos, 0);
+            pos = body_start.min(end);
+        }
+        if pos < body_end.min(end) {
+            f.extend_from_slice(&self.body[pos - body_start..body_end.min(end) - body_start]);
+            pos = body_end.min(end);
+        }
+        f.resize(f.len() + (end - pos), 0);
+    }
+}
+
 /// A message in pieces, read as one run of bytes.
 struct Parts<'a>(&'a [&'a [u8]]);
 

@@ -1557,3 +1557,28 @@ fn a_lent_frame_in_place_is_the_copied_frame() {
     assert_eq!(Arc::strong_count(&owner), 1);
     assert!(lent.poll_transmit_ref(at_us(2)).is_none(), "nothing is left to send to it");
 }
+
+proptest::proptest! {
+    /// A gathered message read in pieces of any size is its four parts put together.
+    #[test]
+    fn a_gathered_message_reads_as_its_parts_in_any_pieces(
+        head in proptest::collection::vec(proptest::num::u8::ANY, 0..40),
+        gap in 0usize..8,
+        body in proptest::collection::vec(proptest::num::u8::ANY, 0..300),
+        tail in 0usize..8,
+        piece in 1usize..64,
+    ) {
+        use crate::MessageSource;
+        let mut g = crate::Gathered { head: &head, gap, body: &body, tail };
+        let want = [head.as_slice(), &vec![0; gap], &body, &vec![0; tail]].concat();
+        proptest::prop_assert_eq!(g.len(), want.len());
+        let mut got = vec![0xEE];
+        let mut at = 0;
+        while at < want.len() {
+            let n = piece.min(want.len() - at);
+            g.append_to(&mut got, at, n);
+            at += n;
+        }
+        proptest::prop_assert_eq!(&got[1..], &want[..]);
+    }
+}
