@@ -304,7 +304,7 @@ fn fio_verify(uri: &str, dir: &Path) -> anyhow::Result<Option<Vec<(String, f64)>
     }
     let mut rows = Vec::new();
     println!("fio (--ioengine=nbd --verify=crc32c):");
-    for bs in ["4k", "128k"] {
+    for bs in ["4k", "128k", "1m"] {
         let out = Command::new("fio")
             .args(["--name=demo", "--ioengine=nbd", "--rw=randwrite", "--verify=crc32c", "--do_verify=1"])
             .args(["--verify_fatal=1", "--size=8M", "--iodepth=1", "--output-format=json"])

@@ -867,6 +867,20 @@ impl Conn<'_> {
         limits: &ExportLimits,
         spare: &mut Vec<u8>,
     ) -> Result<Option<Job>, Result<Ended, ConnError>> {
+        match self.next_header(reader, limits)? {
+            Some((handle, action)) => self.read_payload(reader, handle, action, spare).map(Some).map_err(Err),
+            None => Ok(None),
+        }
+    }
+
+    /// Reads the next request's header: `Ok(Some((handle, action)))` to run (a write's payload
+    /// still to be read), `Ok(None)` when it was refused and answered already (its payload
+    /// read and dropped), `Err` as for [`Conn::next_request`].
+    fn next_header(
+        &self,
+        reader: &mut impl Read,
+        limits: &ExportLimits,
+    ) -> Result<Option<(u64, Action)>, Result<Ended, ConnError>> {
         let mut hb = [0u8; RequestHeader::LEN];
         if self.broken.load(Ordering::Relaxed) {
             return Err(Err(ConnError::Io(io::Error::new(io::ErrorKind::BrokenPipe, "reply failed"))));
@@ -894,17 +908,28 @@ impl Conn<'_> {
         if let Some(c) = counter {
             bump(c, 1);
         }
-        let action = match check_request(&header, limits) {
-            Ok(a) => a,
+        match check_request(&header, limits) {
+            Ok(Action::Disconnect) => Err(Ok(Ended::Disconnected)),
+            Ok(action) => Ok(Some((header.handle, action))),
             Err(errno) => {
                 bump(&self.counters.requests_refused, 1);
                 discard(reader, header.payload_len()).map_err(Err)?;
                 self.send(&reply_header(header.handle, errno.as_u32())).map_err(Err)?;
-                return Ok(None);
+                Ok(None)
             }
-        };
+        }
+    }
+
+    /// Takes the budget a request read by [`Conn::next_header`] needs and reads its payload
+    /// (a write's) into `spare`'s memory.
+    fn read_payload(
+        &self,
+        reader: &mut impl Read,
+        handle: u64,
+        action: Action,
+        spare: &mut Vec<u8>,
+    ) -> Result<Job, ConnError> {
         let (budget_bytes, payload) = match action {
-            Action::Disconnect => return Err(Ok(Ended::Disconnected)),
             Action::Read { length, .. } => {
                 self.budget.take(u64::from(length));
                 (u64::from(length), Vec::new())
@@ -919,13 +944,13 @@ impl Conn<'_> {
                 bump(&self.counters.payload_ns, start.elapsed().as_nanos() as u64);
                 if let Err(e) = read {
                     self.budget.give(u64::from(length));
-                    return Err(Err(e));
+                    return Err(e);
                 }
                 (u64::from(length), payload)
             }
             _ => (0, Vec::new()),
         };
-        Ok(Some(Job { handle: header.handle, action, payload, budget_bytes }))
+        Ok(Job { handle, action, payload, budget_bytes })
     }
 
     fn send(&self, bytes: &[u8]) -> Result<(), ConnError> {

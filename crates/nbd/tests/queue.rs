@@ -35,6 +35,11 @@ struct QueuedMem {
     /// Queues dropped with requests still in flight (must stay 0).
     dropped_busy: AtomicUsize,
     seed: AtomicU64,
+    /// What the queues say of writes taken in pieces (`BlockQueue::write_piece_bytes`).
+    write_piece: Option<usize>,
+    /// Writes the queues took, and the largest.
+    writes: AtomicUsize,
+    largest_write: AtomicUsize,
 }
 
 impl QueuedMem {
@@ -47,6 +52,9 @@ impl QueuedMem {
             finished: AtomicU64::new(0),
             dropped_busy: AtomicUsize::new(0),
             seed: AtomicU64::new(1),
+            write_piece: None,
+            writes: AtomicUsize::new(0),
+            largest_write: AtomicUsize::new(0),
         }
     }
 }
@@ -102,6 +110,9 @@ impl BlockQueue for MemQueue<'_> {
             return self.submit_write(tag, offset, data, fua);
         }
         self.submit(tag, Op::Shared { offset, data: Arc::clone(data) })
+    }
+    fn write_piece_bytes(&self) -> Option<usize> {
+        self.dev.write_piece
     }
     fn start(&mut self) -> Result<(), DeviceError> {
         self.started.append(&mut self.submitted);
@@ -160,9 +171,21 @@ impl MemQueue<'_> {
             !self.submitted.iter().chain(&self.started).any(|(t, _)| *t == tag),
             "tag {tag} submitted twice"
         );
+        if let Op::Write { data, .. } = &op {
+            self.dev.note_write(data.len());
+        } else if let Op::Shared { data, .. } = &op {
+            self.dev.note_write(data.len());
+        }
         self.submitted.push((tag, op));
         self.dev.most_in_flight.fetch_max(self.in_flight(), Ordering::Relaxed);
         Ok(true)
+    }
+}
+
+impl QueuedMem {
+    fn note_write(&self, len: usize) {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        self.largest_write.fetch_max(len, Ordering::Relaxed);
     }
 }
 
@@ -275,6 +298,64 @@ fn requests_on_queues_and_plain_ones_match_a_model() {
     assert_eq!(s.requests_write, CONNS * 6 * 8);
     assert_eq!(s.requests_read, CONNS * 6 * 24);
     assert_eq!(s.protocol_disconnects + s.device_errors + s.requests_refused, 0, "{s:?}");
+}
+
+#[test]
+fn writes_longer_than_a_piece_go_in_pieces_and_are_answered_once() {
+    const REGION: u64 = 2 << 20;
+    const PIECE: usize = 16 << 10;
+    // Room for four pieces: a long write waits for room in the middle of its payload.
+    let mut dev = QueuedMem::new(8 << 20, 1, 4);
+    dev.write_piece = Some(PIECE);
+    let dev = Arc::new(dev);
+    let srv = start(&dev, "queue-stream");
+    let socket = srv.socket.clone();
+    let (model, long) = bounded(move || {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut c = Client::connect_unix(&socket, "export").unwrap();
+        let mut model = vec![0u8; REGION as usize];
+        let mut long = 0;
+        for round in 0..8 {
+            // Writes to disjoint 256 KiB blocks, from one block to 256 KiB (beyond what the
+            // queue takes whole), with reads among them; one write a round whose second piece
+            // fails: its answer is an error, and its payload is still read to its end.
+            let mut want = HashMap::new();
+            for b in 0..REGION / (256 << 10) {
+                let len = 512 * rng.random_range(1..=512usize);
+                long += usize::from(len > PIECE);
+                let mut data = vec![0u8; len];
+                rng.fill_bytes(&mut data);
+                let off = b * (256 << 10);
+                model[off as usize..off as usize + len].copy_from_slice(&data);
+                want.insert(c.submit(Command::Write, 0, off, len as u32, &data).unwrap(), 0);
+                if b == round {
+                    let h = c
+                        .submit(Command::Write, 0, BAD.start - PIECE as u64, 64 << 10, &[3; 64 << 10])
+                        .unwrap();
+                    want.insert(h, Errno::Io.as_u32());
+                }
+                let at = 512 * rng.random_range(0..(REGION - 4096) / 512);
+                let h = c.submit(Command::Read, 0, (4 << 20) + at, 4096, &[]).unwrap();
+                want.insert(h, 0);
+            }
+            while c.in_flight() > 0 {
+                let d = c.complete().unwrap();
+                assert_eq!(want.remove(&d.handle), Some(d.error), "one answer for handle {}", d.handle);
+            }
+            assert!(want.is_empty());
+            reads_match_model(&mut c, &mut rng, 0, &model, 16, 512);
+        }
+        c.disconnect().unwrap();
+        (model, long)
+    });
+    wait_for("the connection to close", || srv.server.stats().connections_active == 0);
+    assert!(read_all(&*dev, 0, REGION as usize) == model);
+    assert_eq!(dev.largest_write.load(Ordering::Relaxed), PIECE, "no write went to the queue whole");
+    assert!(dev.writes.load(Ordering::Relaxed) > 8 * 8 + long, "long writes went in several pieces");
+    assert_eq!(dev.dropped_busy.load(Ordering::Relaxed), 0, "every queue ended empty");
+    let s = srv.server.stats();
+    assert_eq!(s.requests_write, 8 * 9);
+    assert_eq!((s.device_errors, s.protocol_disconnects), (8, 0), "{s:?}");
 }
 
 #[test]

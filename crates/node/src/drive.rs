@@ -152,6 +152,9 @@ impl BlockQueue for NvmeQueue<'_> {
         let r = self.stream.submit_write_shared(tag, offset, data, fua);
         self.submitted(r)
     }
+    fn write_piece_bytes(&self) -> Option<usize> {
+        self.stream.write_piece_bytes()
+    }
     fn start(&mut self) -> core::result::Result<(), DeviceError> {
         self.stream.ring().map_err(nbd_error)
     }

@@ -9,9 +9,14 @@
 //! that finished and answers it. It waits on the device only while nothing else is to be done,
 //! and on the socket only when nothing is in flight (looking without sleeping for a few tens of
 //! microseconds first: at depth one the next request follows the reply closely, and a wake-up
-//! costs more than the look on these shared cores). Requests the queue does not take (flush,
-//! trim, write zeroes, larger than the queue's limit) run the plain way, on this thread, in the
-//! order they came.
+//! costs more than the look on these shared cores). A request is taken as soon as its header is
+//! in: a write's payload follows it on the wire, and one longer than the inbox would otherwise
+//! wait for every request in flight to finish. Where the queue stores writes sooner in pieces
+//! ([`BlockQueue::write_piece_bytes`]), a longer write's payload is read a piece at a time and
+//! each piece submitted as soon as it is in, so the device works on the first while the rest
+//! still arrives; the write is answered once all its pieces are. Requests the queue does not
+//! take (flush, trim, write zeroes, larger than the queue's limit) run the plain way, on this
+//! thread, in the order they came.
 
 use std::collections::HashMap;
 use std::io::{self, Read};
@@ -20,8 +25,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{bump, reply_header, Conn, ConnError, Ended, ExportLimits, Job, KEEP_BUFFER_BYTES};
-use crate::device::{BlockQueue, Reaped};
-use crate::proto::{Action, Command, RequestHeader};
+use crate::device::{BlockQueue, DeviceError, Reaped};
+use crate::proto::{Action, RequestHeader};
 
 /// Longest wait on the device while requests are in flight before the socket is looked at
 /// again (a request that arrives meanwhile waits at most this long to be submitted).
@@ -41,6 +46,10 @@ const SOCKET_SPIN: Duration = Duration::from_micros(30);
 
 /// Room for many requests' headers (and small writes) per `recv`.
 const INBOX_BYTES: usize = 256 << 10;
+
+/// A read of at least this much into the caller's memory, with nothing buffered, goes straight
+/// from the socket (a payload is not copied through the inbox).
+const DIRECT_READ_BYTES: usize = 128 << 10;
 
 impl Inbox {
     /// Reads from `fd` (which the caller keeps open for the inbox's life), starting with the
@@ -64,35 +73,38 @@ impl Inbox {
             self.buf.copy_within(self.start..self.end, 0);
             (self.start, self.end) = (0, self.end - self.start);
         }
-        if wait {
-            // A client at depth one sends its next request soon after its reply: look for it
-            // without sleeping for a little while, which saves the wake-up.
-            let until = Instant::now() + SOCKET_SPIN;
-            while Instant::now() < until {
-                match recv(self.fd, &mut self.buf[self.end..], false) {
-                    Ok(n) => {
-                        self.end += n;
-                        return Ok(n);
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
-                    Err(e) => return Err(e),
-                }
-            }
-        }
-        let n = recv(self.fd, &mut self.buf[self.end..], wait)?;
+        let n = if wait {
+            recv_soon(self.fd, &mut self.buf[self.end..])?
+        } else {
+            recv(self.fd, &mut self.buf[self.end..], false)?
+        };
         self.end += n;
         Ok(n)
     }
 
-    /// Whether a whole request (header and, for a write, its payload) is buffered, and the
-    /// bytes of its payload: `None` when not, or when the header is not one (the reader then
-    /// finds out).
-    fn whole_request(&self) -> Option<u64> {
-        let b = self.buffered();
-        let h = RequestHeader::parse(b.get(..RequestHeader::LEN)?).ok()?;
-        let payload = if h.command == Command::Write { u64::from(h.length) } else { 0 };
-        ((b.len() - RequestHeader::LEN) as u64 >= payload).then_some(u64::from(h.length))
+    /// The payload length of the next request, once its header is buffered (`None` before,
+    /// or when the header is not one: the reader then finds out). A write's payload may still
+    /// be on its way: the client sends it right behind the header, and reading it without
+    /// waiting for the requests in flight keeps the device busy (a payload longer than the
+    /// inbox never is here whole).
+    fn next_length(&self) -> Option<u64> {
+        let h = RequestHeader::parse(self.buffered().get(..RequestHeader::LEN)?).ok()?;
+        Some(u64::from(h.length))
     }
+}
+
+/// `recv(2)` of what fits in `buf`, waiting for something to arrive. A client sends its next
+/// request (or the rest of a payload) soon after the last: look for it without sleeping for a
+/// little while first, which saves the wake-up.
+fn recv_soon(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    let until = Instant::now() + SOCKET_SPIN;
+    while Instant::now() < until {
+        match recv(fd, buf, false) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+            r => return r,
+        }
+    }
+    recv(fd, buf, true)
 }
 
 /// `recv(2)` of what fits in `buf`; without `wait`, `MSG_DONTWAIT`.
@@ -117,8 +129,8 @@ impl Read for Inbox {
     /// Blocks until some bytes are here (a large read goes straight from the socket).
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
         if self.start == self.end {
-            if out.len() >= self.buf.len() {
-                return recv(self.fd, out, true);
+            if out.len() >= DIRECT_READ_BYTES {
+                return recv_soon(self.fd, out);
             }
             if self.fill(true)? == 0 {
                 return Ok(0);
@@ -131,23 +143,28 @@ impl Read for Inbox {
     }
 }
 
-/// A payload buffer the queue has let go of, if any (an empty one if not); the others it has
-/// let go of are freed, the ones it still holds stay.
+/// A payload buffer the queue has let go of, if any (an empty one if not).
 fn reclaim(lent: &mut Vec<Arc<Vec<u8>>>) -> Vec<u8> {
-    let mut found = Vec::new();
-    let mut i = 0;
-    while i < lent.len() {
-        if Arc::strong_count(&lent[i]) > 1 {
-            i += 1;
-            continue;
-        }
-        if let Ok(buffer) = Arc::try_unwrap(lent.swap_remove(i)) {
-            if found.capacity() == 0 {
-                found = buffer;
-            }
-        }
+    // Only this thread clones the buffers: one the queue let go of stays let go of.
+    match lent.iter().position(|b| Arc::strong_count(b) == 1) {
+        Some(i) => Arc::try_unwrap(lent.swap_remove(i)).unwrap_or_default(),
+        None => Vec::new(),
     }
-    found
+}
+
+/// Payload buffers kept for the next requests once the queue lets go of them (more are freed).
+const KEEP_BUFFERS: usize = 8;
+
+/// Keeps `payload` in `lent` until the queue lets go of it, for [`reclaim`] to find; frees
+/// buffers let go of beyond [`KEEP_BUFFERS`].
+fn keep(lent: &mut Vec<Arc<Vec<u8>>>, payload: Arc<Vec<u8>>) {
+    lent.push(payload);
+    let mut free = 0;
+    lent.retain(|b| {
+        let keep = Arc::strong_count(b) > 1 || free < KEEP_BUFFERS;
+        free += usize::from(Arc::strong_count(b) == 1);
+        keep
+    });
 }
 
 /// A request on the queue: what its reply needs.
@@ -157,6 +174,45 @@ struct Queued {
     length: u32,
     read: bool,
     started: Instant,
+    /// The streamed write (its key in [`Book::streamed`]) this is a piece of, if any: the
+    /// write is answered once all its pieces are.
+    whole: Option<u64>,
+}
+
+/// A write that went to the queue in pieces.
+struct Streamed {
+    /// The request as its answer needs it (`whole` unset).
+    request: Queued,
+    /// Pieces on the queue and not yet reaped.
+    left: usize,
+    /// Every piece is on the queue (or was refused): once none is left, the write is answered.
+    complete: bool,
+    /// The first piece that failed, for the answer.
+    error: Option<DeviceError>,
+}
+
+/// Where a piece of a streamed write goes: at `offset`, `len` bytes (the last piece may be
+/// shorter), with `fua` as the write asked.
+#[derive(Clone, Copy)]
+struct Piece {
+    offset: u64,
+    len: usize,
+    fua: bool,
+}
+
+/// What the connection has on the queue.
+#[derive(Default)]
+struct Book {
+    queued: HashMap<u64, Queued>,
+    streamed: HashMap<u64, Streamed>,
+    next_tag: u64,
+}
+
+impl Book {
+    fn tag(&mut self) -> u64 {
+        self.next_tag += 1;
+        self.next_tag - 1
+    }
 }
 
 impl Conn<'_> {
@@ -171,25 +227,13 @@ impl Conn<'_> {
         let mut ended: Option<Result<Ended, ConnError>> = None;
         // A request the queue had no room for yet.
         let mut waiting: Option<Job> = None;
-        let mut queued: HashMap<u64, Queued> = HashMap::new();
-        let mut next_tag = 0u64;
+        let mut book = Book::default();
         let mut spare = Vec::new();
         // Write payloads the queue still holds (see `BlockQueue::submit_write_shared`).
         let mut lent: Vec<Arc<Vec<u8>>> = Vec::new();
         loop {
             // Answer what finished.
-            let reaped = queue.reap(&mut |tag, result| {
-                let Some(q) = queued.remove(&tag) else { return };
-                self.answer(&q, result);
-                self.budget.give(q.budget_bytes);
-            });
-            let mut progress = match reaped {
-                Ok(n) => n > 0,
-                Err(e) => {
-                    tracing::warn!("reaping queued requests failed: {e}");
-                    false
-                }
-            };
+            let mut progress = self.reap(queue, &mut book) > 0;
             if ended.is_some() && waiting.is_none() && queue.in_flight() == 0 {
                 break;
             }
@@ -199,12 +243,12 @@ impl Conn<'_> {
                 let mut job = match waiting.take() {
                     Some(job) => job,
                     None => {
-                        match inbox.whole_request() {
-                            // The budget is what lets `next_request` go on without waiting.
+                        match inbox.next_length() {
+                            // The budget is what lets the request go on without waiting.
                             Some(len) if len <= self.budget.available() => {}
                             Some(_) if queue.in_flight() > 0 => break,
                             Some(_) => {}
-                            // Nothing in flight: wait for the client (in `next_request`).
+                            // Nothing in flight: wait for the client (in `next_header`).
                             None if queue.in_flight() == 0 => {}
                             None if !looked => {
                                 looked = true;
@@ -213,26 +257,53 @@ impl Conn<'_> {
                                 match inbox.fill(false) {
                                     Ok(n) if n > 0 => continue,
                                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                                    // The end of the stream or an error: `next_request` says which.
+                                    // The end of the stream or an error: `next_header` says which.
                                     _ => {}
                                 }
                             }
                             None => break,
                         }
-                        match self.next_request(&mut inbox, limits, &mut spare) {
-                            Ok(Some(job)) => job,
+                        let (handle, action) = match self.next_header(&mut inbox, limits) {
+                            Ok(Some(request)) => request,
                             Ok(None) => continue,
                             Err(end) => {
                                 ended = Some(end);
                                 break;
                             }
+                        };
+                        let piece = queue.write_piece_bytes().filter(|&p| p <= queue.max_request_bytes());
+                        let read = match (action, piece) {
+                            (Action::Write { offset, length, fua }, Some(piece))
+                                if length as usize > piece =>
+                            {
+                                let write = Queued {
+                                    handle,
+                                    budget_bytes: length.into(),
+                                    length,
+                                    read: false,
+                                    started: Instant::now(),
+                                    whole: None,
+                                };
+                                let (to, lent) = (Piece { offset, len: piece, fua }, &mut lent);
+                                self.stream_write(&mut inbox, queue, &mut book, lent, write, to)
+                            }
+                            _ => self.read_payload(&mut inbox, handle, action, &mut spare).map(Some),
+                        };
+                        progress = true;
+                        match read {
+                            Ok(Some(job)) => job,
+                            Ok(None) => continue,
+                            Err(e) => {
+                                ended = Some(Err(e));
+                                break;
+                            }
                         }
                     }
                 };
-                match self.enqueue(queue, &mut job, next_tag, &mut lent) {
+                let tag = book.tag();
+                match self.enqueue(queue, &mut job, tag, &mut lent) {
                     Enqueued::Queued(q) => {
-                        queued.insert(next_tag, q);
-                        next_tag += 1;
+                        book.queued.insert(tag, q);
                     }
                     Enqueued::Answered => {}
                     Enqueued::NoRoom => {
@@ -262,6 +333,145 @@ impl Conn<'_> {
         ended.unwrap_or(Ok(Ended::Disconnected))
     }
 
+    /// Answers every request on the queue that finished (a streamed write once all its pieces
+    /// have); returns how many pieces finished.
+    fn reap(&self, queue: &mut dyn BlockQueue, book: &mut Book) -> usize {
+        let Book { queued, streamed, .. } = book;
+        let reaped = queue.reap(&mut |tag, result| {
+            let Some(q) = queued.remove(&tag) else { return };
+            let Some(key) = q.whole else {
+                self.answer(&q, result);
+                self.budget.give(q.budget_bytes);
+                return;
+            };
+            let Some(s) = streamed.get_mut(&key) else { return };
+            s.left -= 1;
+            if let Err(e) = result {
+                s.error.get_or_insert(e);
+            }
+            if s.complete && s.left == 0 {
+                if let Some(s) = streamed.remove(&key) {
+                    self.answer_streamed(s);
+                }
+            }
+        });
+        reaped.unwrap_or_else(|e| {
+            tracing::warn!("reaping queued requests failed: {e}");
+            0
+        })
+    }
+
+    fn answer_streamed(&self, s: Streamed) {
+        match s.error {
+            Some(e) => self.answer(&s.request, Err(e)),
+            None => self.answer(&s.request, Ok(&[])),
+        }
+        self.budget.give(s.request.budget_bytes);
+    }
+
+    /// Reads the payload of `write` (its header read already) piece by piece (`to` says where
+    /// it goes and how long a piece is) and submits each piece as soon as it is in, started at
+    /// once: the device stores one while the next still comes in, where a whole payload would
+    /// be read before the device saw any of it. The write is answered once every piece is
+    /// reaped; a piece the queue refuses fails it (the rest of its payload is still read, and
+    /// dropped). `Err` when the payload cannot be read: the connection ends (the pieces on the
+    /// queue still finish).
+    fn stream_write(
+        &self,
+        inbox: &mut Inbox,
+        queue: &mut dyn BlockQueue,
+        book: &mut Book,
+        lent: &mut Vec<Arc<Vec<u8>>>,
+        write: Queued,
+        to: Piece,
+    ) -> Result<Option<Job>, ConnError> {
+        let (length, piece) = (write.length as usize, to.len);
+        self.budget.take(write.budget_bytes);
+        let key = book.tag();
+        book.streamed.insert(key, Streamed { request: write, left: 0, complete: false, error: None });
+        let mut at = 0;
+        let mut read = Ok(());
+        while at < length {
+            let n = piece.min(length - at);
+            let mut buf = reclaim(lent);
+            buf.resize(n, 0);
+            let start = Instant::now();
+            read = super::read_full(inbox, &mut buf, "a WRITE payload");
+            bump(&self.counters.payload_ns, start.elapsed().as_nanos() as u64);
+            if read.is_err() {
+                break;
+            }
+            let Some(s) = book.streamed.get_mut(&key) else { break };
+            if at == 0 {
+                // The device's time starts with the first piece (reading it is the payload's).
+                s.request.started = Instant::now();
+            }
+            if s.error.is_none() {
+                let to = Piece { offset: to.offset + at as u64, len: n, fua: to.fua };
+                self.submit_piece(queue, book, lent, key, to, buf);
+            }
+            at += n;
+        }
+        let Some(s) = book.streamed.get_mut(&key) else { return read.map(|()| None) };
+        s.complete = true;
+        if s.left == 0 {
+            if let Some(s) = book.streamed.remove(&key) {
+                if read.is_ok() {
+                    self.answer_streamed(s);
+                } else {
+                    self.budget.give(s.request.budget_bytes);
+                }
+            }
+        }
+        read.map(|()| None)
+    }
+
+    /// Submits `buf`, piece `to` of streamed write `key`, and starts it, waiting for room on
+    /// the queue if it has none; a piece it refuses for want of room when nothing is in flight
+    /// is written the plain way.
+    fn submit_piece(
+        &self,
+        queue: &mut dyn BlockQueue,
+        book: &mut Book,
+        lent: &mut Vec<Arc<Vec<u8>>>,
+        key: u64,
+        to: Piece,
+        buf: Vec<u8>,
+    ) {
+        let Piece { offset, fua, .. } = to;
+        let tag = book.tag();
+        let payload = Arc::new(buf);
+        loop {
+            let submitted = queue.submit_write_shared(tag, offset, &payload, fua);
+            let error = match submitted {
+                Ok(true) => {
+                    let Some(s) = book.streamed.get_mut(&key) else { break };
+                    s.left += 1;
+                    let piece = Queued { whole: Some(key), ..s.request };
+                    book.queued.insert(tag, piece);
+                    self.start(queue);
+                    break;
+                }
+                Ok(false) if queue.in_flight() > 0 => {
+                    if self.reap(queue, book) == 0 {
+                        queue.wait(DEVICE_WAIT);
+                    }
+                    continue;
+                }
+                Ok(false) => self.device.write_at(offset, &payload, fua).err(),
+                Err(e) => Some(e),
+            };
+            if let Some(e) = error {
+                bump(&self.counters.device_errors, 1);
+                if let Some(s) = book.streamed.get_mut(&key) {
+                    s.error.get_or_insert(e);
+                }
+            }
+            break;
+        }
+        keep(lent, payload);
+    }
+
     fn start(&self, queue: &mut dyn BlockQueue) {
         if let Err(e) = queue.start() {
             tracing::warn!("starting queued requests failed: {e}");
@@ -289,7 +499,7 @@ impl Conn<'_> {
                 // payload back to the job; one that holds it gives it back later (`reclaim`).
                 match Arc::try_unwrap(payload) {
                     Ok(payload) => job.payload = payload,
-                    Err(held) => lent.push(held),
+                    Err(held) => keep(lent, held),
                 }
                 (submitted, length, false)
             }
@@ -307,6 +517,7 @@ impl Conn<'_> {
                 length,
                 read,
                 started: Instant::now(),
+                whole: None,
             }),
             // No room, and nothing in flight to make any: the plain way.
             Ok(false) if queue.in_flight() == 0 => {

@@ -131,6 +131,18 @@ impl<'d> IoStream<'d> {
         len.div_ceil(self.drv.write_chunk_bytes().min(self.drv.chunk_bytes())).max(1)
     }
 
+    /// The command size of a write split finer than MDTS (its data goes into the memory
+    /// buffer: see [`DriverConfig::pipelined_write_bytes`]), if writes are: a caller that has a
+    /// larger write's data as it arrives can submit it in pieces of this size, each started at
+    /// once, and the controller stores one while the next is still on its way. `None` when a
+    /// write's commands are as large as MDTS allows.
+    ///
+    /// [`DriverConfig::pipelined_write_bytes`]: super::DriverConfig::pipelined_write_bytes
+    pub fn write_piece_bytes(&self) -> Option<usize> {
+        let piece = self.drv.write_chunk_bytes();
+        (piece < self.drv.chunk_bytes()).then_some(piece)
+    }
+
     /// Whether a request of `len` bytes fits in the queue now, besides what is in flight.
     pub fn room_for(&self, len: usize) -> bool {
         let q = lock(&self.drv.io[self.index]);
