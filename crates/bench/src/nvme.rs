@@ -39,7 +39,9 @@
 //! fabric), `fabric_and_device` (the driver waiting for its commands: bridges, transport, port and
 //! controller, less the backing store), `backing` (pread/pwrite of the backing file) and
 //! `nbd_reply` (sending the reply, a READ's data included). The stages overlap a little (a reply is
-//! read while it is sent), so the first is clamped at zero. `--cmb on,off` measures each lanbus row
+//! read while it is sent), so the first is clamped at zero. A write the NBD server gives the drive
+//! in pieces as its payload arrives (into the memory buffer, above 256 KiB) overlaps more: the
+//! driver's and the drive's stages start while its later pieces are still read from the socket. `--cmb on,off` measures each lanbus row
 //! with the driver's queues, PRP lists and write data in the drive's Controller Memory Buffer and
 //! in host memory (the `cmb` parameter; both compare with the same `peer:nbd-tcp` figures). With
 //! `LANBUS_BENCH_DEBUG` set in the environment, each fabric row ends by printing its bridges' and

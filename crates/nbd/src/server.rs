@@ -320,7 +320,8 @@ pub struct Stats {
     pub device_errors: u64,
     /// Nanoseconds spent reading WRITE payloads from clients.
     pub payload_ns: u64,
-    /// Nanoseconds spent in the device's reads and writes.
+    /// Nanoseconds spent in the device's reads and writes (for a write given to a queue in
+    /// pieces, from the end of its payload to its last piece finishing).
     pub device_ns: u64,
     /// Nanoseconds spent sending replies (READ data included).
     pub reply_ns: u64,

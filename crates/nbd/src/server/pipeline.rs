@@ -402,10 +402,6 @@ impl Conn<'_> {
                 break;
             }
             let Some(s) = book.streamed.get_mut(&key) else { break };
-            if at == 0 {
-                // The device's time starts with the first piece (reading it is the payload's).
-                s.request.started = Instant::now();
-            }
             if s.error.is_none() {
                 let to = Piece { offset: to.offset + at as u64, len: n, fua: to.fua };
                 self.submit_piece(queue, book, lent, key, to, buf);
@@ -414,6 +410,8 @@ impl Conn<'_> {
         }
         let Some(s) = book.streamed.get_mut(&key) else { return read.map(|()| None) };
         s.complete = true;
+        // The device's time (`device_ns`) is what the write waits for once its payload is in.
+        s.request.started = Instant::now();
         if s.left == 0 {
             if let Some(s) = book.streamed.remove(&key) {
                 if read.is_ok() {

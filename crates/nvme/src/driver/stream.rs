@@ -70,7 +70,7 @@ struct Request<'d> {
     read: bool,
     pieces: Vec<Option<(DmaBuf<'d>, usize)>>,
     error: Option<DriverError>,
-    /// When it was submitted: its time until reaped counts as the driver's (`io_ns`).
+    /// When it was submitted.
     started: Instant,
 }
 
@@ -86,6 +86,9 @@ pub struct IoStream<'d> {
     staged: usize,
     commands: HashMap<u16, InFlight<'d>>,
     requests: HashMap<u64, Request<'d>>,
+    /// Since when a request has been in flight: the stream's time counts as the driver's
+    /// (`io_ns`) while one is, once however many overlap.
+    busy_since: Option<Instant>,
 }
 
 impl NvmeDriver {
@@ -109,6 +112,7 @@ impl NvmeDriver {
                     staged: 0,
                     commands: HashMap::new(),
                     requests: HashMap::new(),
+                    busy_since: None,
                 });
             }
         }
@@ -269,6 +273,7 @@ impl<'d> IoStream<'d> {
                 self.staged = 0;
             }
         }
+        self.busy_since.get_or_insert(request.started);
         self.requests.insert(tag, request);
         Ok(())
     }
@@ -362,8 +367,10 @@ impl<'d> IoStream<'d> {
             return;
         }
         let Some(req) = self.requests.remove(&tag) else { return };
-        // Statistics counter: Relaxed, nothing is ordered by it.
-        self.drv.stats.io_ns.fetch_add(req.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if let Some(since) = self.busy_since.take_if(|_| self.requests.is_empty()) {
+            // Statistics counter: Relaxed, nothing is ordered by it.
+            self.drv.stats.io_ns.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
         let (result, data) = match req.error {
             Some(e) => (Err(e), Vec::new()),
             None => (Ok(()), req.pieces.into_iter().flatten().collect()),

@@ -195,7 +195,8 @@ pub struct DriverStats {
     /// device might still write to them).
     pub quarantined_pages: AtomicU64,
     /// Nanoseconds spent in reads and writes, from building their commands to the last
-    /// completion with the data copied out.
+    /// completion with the data copied out (for a stream's requests: time with at least one
+    /// in flight, counted once however many overlap).
     pub io_ns: AtomicU64,
     /// Nanoseconds of those spent copying data between the caller's buffers and DMA memory.
     pub copy_ns: AtomicU64,
