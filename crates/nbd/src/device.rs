@@ -205,8 +205,8 @@ pub trait BlockQueue {
     /// The piece size of a write submitted as its data arrives, if the device stores writes
     /// sooner that way: a write longer than this may be submitted in pieces of this size, each
     /// a request of its own and started at once, while the rest of its data still comes in
-    /// (a device that stores one piece while the next crosses the bus). `None` (the default):
-    /// whole writes.
+    /// (a device that stores one piece while the next crosses the bus). `None` (the default),
+    /// or 0: whole writes.
     fn write_piece_bytes(&self) -> Option<usize> {
         None
     }

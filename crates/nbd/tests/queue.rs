@@ -359,6 +359,23 @@ fn writes_longer_than_a_piece_go_in_pieces_and_are_answered_once() {
 }
 
 #[test]
+fn a_piece_size_of_zero_means_whole_writes() {
+    let mut dev = QueuedMem::new(8 << 20, 1, 4);
+    dev.write_piece = Some(0);
+    let dev = Arc::new(dev);
+    let srv = start(&dev, "queue-piece-zero");
+    let socket = srv.socket.clone();
+    bounded(move || {
+        let mut c = Client::connect_unix(&socket, "export").unwrap();
+        c.write(0, &[7; 32 << 10], false).unwrap();
+        c.disconnect().unwrap();
+    });
+    wait_for("the connection to close", || srv.server.stats().connections_active == 0);
+    assert!(read_all(&*dev, 0, 32 << 10) == vec![7; 32 << 10]);
+    assert_eq!(dev.largest_write.load(Ordering::Relaxed), 32 << 10, "the write went whole");
+}
+
+#[test]
 fn errors_refusals_and_other_commands_keep_their_replies_apart() {
     let dev = Arc::new(QueuedMem::new(8 << 20, 1, 4));
     let srv = start(&dev, "queue-errors");

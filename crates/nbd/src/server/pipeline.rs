@@ -271,7 +271,8 @@ impl Conn<'_> {
                                 break;
                             }
                         };
-                        let piece = queue.write_piece_bytes().filter(|&p| p <= queue.max_request_bytes());
+                        let piece =
+                            queue.write_piece_bytes().filter(|&p| p > 0 && p <= queue.max_request_bytes());
                         let read = match (action, piece) {
                             (Action::Write { offset, length, fua }, Some(piece))
                                 if length as usize > piece =>
@@ -284,8 +285,9 @@ impl Conn<'_> {
                                     started: Instant::now(),
                                     whole: None,
                                 };
-                                let (to, lent) = (Piece { offset, len: piece, fua }, &mut lent);
-                                self.stream_write(&mut inbox, queue, &mut book, lent, write, to)
+                                let to = Piece { offset, len: piece, fua };
+                                self.stream_write(&mut inbox, queue, &mut book, &mut lent, write, to)
+                                    .map(|()| None)
                             }
                             _ => self.read_payload(&mut inbox, handle, action, &mut spare).map(Some),
                         };
@@ -384,7 +386,7 @@ impl Conn<'_> {
         lent: &mut Vec<Arc<Vec<u8>>>,
         write: Queued,
         to: Piece,
-    ) -> Result<Option<Job>, ConnError> {
+    ) -> Result<(), ConnError> {
         let (length, piece) = (write.length as usize, to.len);
         self.budget.take(write.budget_bytes);
         let key = book.tag();
@@ -408,7 +410,7 @@ impl Conn<'_> {
             }
             at += n;
         }
-        let Some(s) = book.streamed.get_mut(&key) else { return read.map(|()| None) };
+        let Some(s) = book.streamed.get_mut(&key) else { return read };
         s.complete = true;
         // The device's time (`device_ns`) is what the write waits for once its payload is in.
         s.request.started = Instant::now();
@@ -421,7 +423,7 @@ impl Conn<'_> {
                 }
             }
         }
-        read.map(|()| None)
+        read
     }
 
     /// Submits `buf`, piece `to` of streamed write `key`, and starts it, waiting for room on
