@@ -15,7 +15,7 @@
 //! user makes ends with data, an error status, [`BridgeError::DeviceGone`] or
 //! [`BridgeError::Timeout`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, RwLock};
@@ -184,6 +184,9 @@ pub struct HostBridgeStats {
     pub tlps_received: u64,
     /// Memory reads from devices served from regions.
     pub dma_reads_served: u64,
+    /// Memory reads from devices served in a later turn of the runtime's loop than the one
+    /// that received them (a device asked for more than a turn serves).
+    pub dma_reads_deferred: u64,
     /// Memory writes from devices applied to regions.
     pub dma_writes_applied: u64,
     /// Device memory reads outside every region (answered UR).
@@ -214,6 +217,7 @@ pub struct HostBridgeStats {
 struct Counters {
     tlps_received: AtomicU64,
     dma_reads_served: AtomicU64,
+    dma_reads_deferred: AtomicU64,
     dma_writes_applied: AtomicU64,
     unknown_address_reads: AtomicU64,
     unknown_address_writes: AtomicU64,
@@ -643,7 +647,27 @@ struct HostHandler {
     scratch: Vec<u8>,
     /// The buffers completions for device reads are built in (reused).
     completions: CompletionScratch,
+    /// Device reads waiting for a later turn of the runtime's loop (peer, channel, request),
+    /// oldest first: see [`SERVE_PER_TURN`].
+    deferred: VecDeque<(MacAddr, u16, Tlp)>,
+    /// Bytes of device reads served in this turn.
+    served: usize,
 }
+
+/// Bytes of device reads the host serves in one turn of its runtime's loop; the rest wait for
+/// the next turns (oldest first), whose frames leave between them. A device reads a whole
+/// transfer at once (a 1 MiB write's data is 256 read requests in one frame), and the runtime
+/// transmits only when a turn's messages are handled: served in one go, every completion was
+/// copied into frames and checksummed before the first left, while the device, which checks
+/// and stores each as it comes, waited (its first completion came about halfway through the
+/// read). In turns, the device works on the first frames while the host builds the next.
+/// 128 KiB: two 64 KB frames a turn; 64 KiB was no faster, and each turn costs a system call.
+const SERVE_PER_TURN: usize = 128 * 1024;
+
+/// Device reads kept waiting at most; a device that asks for more than this is served at once
+/// (as it would be without turns), so that requests from a peer cannot grow the queue without
+/// bound.
+const DEFERRED_MAX: usize = 4096;
 
 impl HostHandler {
     fn send(&mut self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
@@ -656,6 +680,68 @@ impl HostHandler {
     fn ur(&mut self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
         bump(&self.shared.counters.ur_sent);
         self.send(out, peer, channel, &ur_completion(HOST_BDF, tlp.requester_id(), tlp.tag));
+    }
+
+    /// Serves device read `tlp` from `peer` on `channel` from the regions: its completions, or
+    /// UR.
+    fn serve_read(&mut self, out: &mut dyn Outbox, peer: MacAddr, channel: u16, tlp: &Tlp) {
+        let sh = self.shared.clone();
+        let c = &sh.counters;
+        let Header::Mem(h) = &tlp.header else { return };
+        let shape = RequestShape::of_memory(h, tlp.length_dw);
+        let (first, len) = shape.byte_range();
+        let want = h.address.saturating_add(first);
+        let domains = sh.regions.read().unwrap_or_else(|e| e.into_inner());
+        let regions = domains.of(h.requester_id);
+        if regions.find(want, (len as u64).max(1)).is_none() {
+            drop(domains);
+            bump(&c.unknown_address_reads);
+            self.ur(out, peer, channel, tlp);
+            return;
+        }
+        self.served += len;
+        let HostHandler { scratch, completions, .. } = self;
+        // The usual read: each completion's payload copied once, from the region
+        // straight into the transport's frame.
+        if let Ok(pieces) = read_completion_headers(tlp, HOST_BDF, sh.config.mps, sh.config.rcb) {
+            if !pieces.is_empty() {
+                for (cpl, address, n) in &pieces {
+                    scratch.resize(cpl.header_len(), 0);
+                    let h = cpl.emit_header(scratch);
+                    let mut source = FromRegion {
+                        header: &scratch[..h],
+                        regions,
+                        want: (want, len as u64),
+                        address: *address,
+                        len: *n,
+                    };
+                    out.send_from(peer, channel, &mut source);
+                }
+                drop(domains);
+                bump(&c.dma_reads_served);
+                return;
+            }
+        }
+        let served = each_completion_for_read(
+            tlp,
+            HOST_BDF,
+            sh.config.mps,
+            sh.config.rcb,
+            completions,
+            |a, buf| regions.read_dws(want, len as u64, a, buf).ok_or(()),
+            |cpl, payload| {
+                // The header here, the payload straight from the region's copy: each
+                // byte is copied once more, into the transport.
+                scratch.resize(cpl.header_len(), 0);
+                let n = cpl.emit_header(scratch);
+                out.send_parts(peer, channel, &[&scratch[..n], payload]);
+            },
+        );
+        drop(domains);
+        match served {
+            Ok(()) => bump(&c.dma_reads_served),
+            Err(_) => self.ur(out, peer, channel, tlp),
+        }
     }
 
     fn complete(&self, peer: MacAddr, tlp: &Tlp, out: &mut dyn Outbox) {
@@ -751,6 +837,25 @@ impl MessageSource for FromRegion<'_> {
 }
 
 impl Handler for HostHandler {
+    /// Serves the device reads that wait for their turn (see [`SERVE_PER_TURN`]); the turn ends
+    /// here.
+    fn poll(&mut self, out: &mut dyn Outbox) -> usize {
+        let mut n = 0;
+        while self.served < SERVE_PER_TURN {
+            let Some((peer, channel, tlp)) = self.deferred.pop_front() else { break };
+            n += 1;
+            // A device that went or came back on a new channel meanwhile gets nothing.
+            let current = lock(&self.shared.state).devices.get(&peer).is_some_and(|d| d.channel == channel);
+            if current {
+                self.serve_read(out, peer, channel, &tlp);
+            } else {
+                bump(&self.shared.counters.foreign);
+            }
+        }
+        self.served = 0;
+        n
+    }
+
     fn on_message(&mut self, m: Message<'_>, out: &mut dyn Outbox) {
         let sh = self.shared.clone();
         let c = &sh.counters;
@@ -777,60 +882,14 @@ impl Handler for HostHandler {
         }
         match (&tlp.kind, &tlp.header) {
             (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp, out),
-            (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(h)) => {
-                let shape = RequestShape::of_memory(h, tlp.length_dw);
-                let (first, len) = shape.byte_range();
-                let want = h.address.saturating_add(first);
-                let domains = sh.regions.read().unwrap_or_else(|e| e.into_inner());
-                let regions = domains.of(h.requester_id);
-                if regions.find(want, (len as u64).max(1)).is_none() {
-                    drop(domains);
-                    bump(&c.unknown_address_reads);
-                    self.ur(out, m.peer, m.channel, &tlp);
+            (TlpKind::MRd32 | TlpKind::MRd64, Header::Mem(_)) => {
+                let busy = !self.deferred.is_empty() || self.served >= SERVE_PER_TURN;
+                if busy && self.deferred.len() < DEFERRED_MAX {
+                    bump(&c.dma_reads_deferred);
+                    self.deferred.push_back((m.peer, m.channel, tlp));
                     return;
                 }
-                let HostHandler { scratch, completions, .. } = self;
-                // The usual read: each completion's payload copied once, from the region
-                // straight into the transport's frame.
-                if let Ok(pieces) = read_completion_headers(&tlp, HOST_BDF, sh.config.mps, sh.config.rcb) {
-                    if !pieces.is_empty() {
-                        for (cpl, address, n) in &pieces {
-                            scratch.resize(cpl.header_len(), 0);
-                            let h = cpl.emit_header(scratch);
-                            let mut source = FromRegion {
-                                header: &scratch[..h],
-                                regions,
-                                want: (want, len as u64),
-                                address: *address,
-                                len: *n,
-                            };
-                            out.send_from(m.peer, m.channel, &mut source);
-                        }
-                        drop(domains);
-                        bump(&c.dma_reads_served);
-                        return;
-                    }
-                }
-                let served = each_completion_for_read(
-                    &tlp,
-                    HOST_BDF,
-                    sh.config.mps,
-                    sh.config.rcb,
-                    completions,
-                    |a, buf| regions.read_dws(want, len as u64, a, buf).ok_or(()),
-                    |cpl, payload| {
-                        // The header here, the payload straight from the region's copy: each
-                        // byte is copied once more, into the transport.
-                        scratch.resize(cpl.header_len(), 0);
-                        let n = cpl.emit_header(scratch);
-                        out.send_parts(m.peer, m.channel, &[&scratch[..n], payload]);
-                    },
-                );
-                drop(domains);
-                match served {
-                    Ok(()) => bump(&c.dma_reads_served),
-                    Err(_) => self.ur(out, m.peer, m.channel, &tlp),
-                }
+                self.serve_read(out, m.peer, m.channel, &tlp);
             }
             (TlpKind::MWr32 | TlpKind::MWr64, Header::Mem(h)) => {
                 let shape = RequestShape::of_memory(h, tlp.length_dw);
@@ -950,6 +1009,8 @@ impl HostBridge {
                 shared: shared.clone(),
                 scratch: Vec::new(),
                 completions: CompletionScratch::default(),
+                deferred: VecDeque::new(),
+                served: 0,
             }),
         )
         .map_err(|e| BridgeError::Start(e.to_string()))?;
@@ -1157,6 +1218,7 @@ impl HostBridge {
         HostBridgeStats {
             tlps_received: g(&c.tlps_received),
             dma_reads_served: g(&c.dma_reads_served),
+            dma_reads_deferred: g(&c.dma_reads_deferred),
             dma_writes_applied: g(&c.dma_writes_applied),
             unknown_address_reads: g(&c.unknown_address_reads),
             unknown_address_writes: g(&c.unknown_address_writes),

@@ -521,6 +521,44 @@ fn many_small_transfers(mode: ThreadMode, mps: usize, count: u64) {
     assert_eq!(dst.read_vec(0, 16384), data);
 }
 
+/// A device that asks for 1 MiB at once (256 reads of 4 KiB in flight, as a storage
+/// controller reads a write's data) is served in parts over several turns of the host's loop,
+/// oldest read first, and every byte arrives where it belongs, over a lossy wire.
+fn large_reads_at_once(mode: ThreadMode) {
+    let engine = vec![HostedFunction::model(DmaEngine::with_outstanding_reads(256)).unwrap()];
+    // Reads of 4 KiB: 32 of them, a little over one frame of requests, ask for a turn's share.
+    let mut hc = host_config(mode, 8);
+    (hc.mps, hc.mrrs) = (4096, 4096);
+    let (h, d) = over_sim(mode, 0.01, 15, hc, engine);
+    let f = one_device(&h);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(15);
+    let src: Vec<u8> = (0..4 << 20).map(|_| rng.random()).collect();
+    h.add_region(SRC, DmaBuffer::from_vec(src.clone())).unwrap();
+    let dst = DmaBuffer::new(2 << 20);
+    h.add_region(DST, dst.clone()).unwrap();
+    for (n, len) in [1usize << 20, 2 << 20, 512 << 10, 1 << 20].into_iter().enumerate() {
+        let off = rng.random_range(0..(4 << 20) - len) / 4 * 4;
+        dst.with(|b| b.fill(0));
+        let status = transfer(&h, &f, SRC + off as u64, DST, len as u32, n as u64 + 1);
+        assert_eq!(status & (regs::STATUS_DONE | regs::STATUS_ERROR), regs::STATUS_DONE, "transfer {n}");
+        assert_eq!(
+            checksum(&dst.read_vec(0, len)),
+            checksum(&src[off..off + len]),
+            "transfer {n} of {len} bytes"
+        );
+    }
+    let hs = h.stats();
+    assert!(hs.dma_reads_deferred > 0, "no read waited for a later turn: {hs:?}");
+    assert_eq!((hs.unknown_address_reads, hs.timeouts), (0, 0));
+    assert_eq!(d.stats().dma_read_failures, 0);
+}
+
+#[test]
+fn a_device_reading_a_megabyte_at_once_is_served_in_turns() {
+    large_reads_at_once(ThreadMode::RunToCompletion);
+    large_reads_at_once(ThreadMode::Pipeline);
+}
+
 #[test]
 fn many_small_transfers_in_a_row() {
     let count = std::env::var("TRANSFERS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);

@@ -848,6 +848,11 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
                 b.dma_reads_served,
             ),
             c(
+                "bridge_dma_reads_deferred_total",
+                "Device DMA reads served in a later turn than they arrived (a large read in parts).",
+                b.dma_reads_deferred,
+            ),
+            c(
                 "bridge_dma_writes_applied_total",
                 "Device DMA writes applied to host memory.",
                 b.dma_writes_applied,

@@ -16,8 +16,9 @@
 //! Vector 0 is raised at the end of every transfer, after its last write (ordering: posted
 //! writes stay in order, so the data is in host memory when the interrupt arrives).
 //!
-//! Invariants: at most [`MAX_OUTSTANDING_READS`] reads of at most [`CHUNK_LEN`] bytes (never
-//! crossing 4 KiB) are in flight; a result for a read the engine did not issue, or of the wrong
+//! Invariants: at most [`MAX_OUTSTANDING_READS`] reads (or the number
+//! [`DmaEngine::with_outstanding_reads`] set) of at most [`CHUNK_LEN`] bytes (never crossing 4
+//! KiB) are in flight; a result for a read the engine did not issue, or of the wrong
 //! length, fails the transfer (ERROR) instead of corrupting memory.
 
 use std::collections::BTreeMap;
@@ -85,8 +86,10 @@ struct Transfer {
 }
 
 /// The DMA engine.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct DmaEngine {
+    /// Reads in flight at most.
+    outstanding: usize,
     src: u64,
     dst: u64,
     len: u32,
@@ -95,10 +98,30 @@ pub struct DmaEngine {
     transfer: Option<Transfer>,
 }
 
+impl Default for DmaEngine {
+    fn default() -> Self {
+        DmaEngine::new()
+    }
+}
+
 impl DmaEngine {
-    /// An idle engine.
+    /// An idle engine with [`MAX_OUTSTANDING_READS`] reads in flight at most.
     pub fn new() -> DmaEngine {
-        DmaEngine::default()
+        DmaEngine::with_outstanding_reads(MAX_OUTSTANDING_READS)
+    }
+
+    /// An idle engine with up to `reads` (at least 1) reads in flight: with 256, a 1 MiB
+    /// transfer asks for all its data at once, as a storage controller does.
+    pub fn with_outstanding_reads(reads: usize) -> DmaEngine {
+        DmaEngine {
+            outstanding: reads.max(1),
+            src: 0,
+            dst: 0,
+            len: 0,
+            status: 0,
+            completed: 0,
+            transfer: None,
+        }
     }
 
     /// The status register.
@@ -160,7 +183,7 @@ impl DmaEngine {
     /// Issues reads up to the limit, and finishes the transfer when nothing is left.
     fn pump(&mut self, io: &mut DeviceIo) {
         let Some(t) = self.transfer.as_mut() else { return };
-        while !t.failed && t.inflight.len() < MAX_OUTSTANDING_READS {
+        while !t.failed && t.inflight.len() < self.outstanding {
             let Some(c) = t.todo.pop() else { break };
             let id = io.dma_read(c.address, c.len);
             t.inflight.insert(id, c);
