@@ -746,9 +746,8 @@ impl Worker {
     }
 
     /// Sends one burst of the transport's frames; returns how many it wrote. A port that
-    /// borrows frames gets them where the transport keeps them (ACKs in its own buffers), in
-    /// system calls of at most [`BURST_BYTES`]; any other port gets them copied into its
-    /// buffers.
+    /// borrows frames gets them where the transport keeps them (ACKs in its own buffers); any
+    /// other port gets them copied into its buffers.
     fn transmit(&mut self, from: &mut impl Transmit, now: Instant) -> usize {
         if !self.borrows {
             return self.tx_burst(&mut |buf| from.poll_into(now, buf));
@@ -756,45 +755,29 @@ impl Worker {
         // Most turns have nothing to send, and most that send (small messages) send one frame:
         // neither fills an array.
         let Some(first) = from.poll_ref(now) else { return 0 };
-        let limit = self.burst.min(BORROWED_BURST);
-        let (mut head, mut sent) = (Some(first), 0);
-        while let Some(at) = head.take() {
-            let mut bytes = frame_bytes(from.frame(at));
-            let second = if sent + 1 < limit && bytes < BURST_BYTES { from.poll_ref(now) } else { None };
-            let Some(second) = second else {
-                let r = self.with_port(|p| p.tx_borrowed_parts(&[from.frame(at)]));
-                self.count_port_result(r);
-                sent += 1;
-                if sent < limit && bytes >= BURST_BYTES {
-                    head = from.poll_ref(now);
-                }
-                continue;
-            };
-            let mut refs = [at; BORROWED_BURST];
-            refs[1] = second;
-            bytes += frame_bytes(from.frame(second));
-            let mut n = 2;
-            while sent + n < limit && bytes < BURST_BYTES {
-                let Some(at) = from.poll_ref(now) else { break };
-                refs[n] = at;
-                bytes += frame_bytes(from.frame(at));
-                n += 1;
-            }
-            let mut frames: [[&[u8]; 2]; BORROWED_BURST] = [[&[], &[]]; BORROWED_BURST];
-            for (frame, at) in frames.iter_mut().zip(&refs[..n]) {
-                *frame = from.frame(*at);
-            }
-            let r = self.with_port(|p| p.tx_borrowed_parts(&frames[..n]));
+        let second = if self.burst > 1 { from.poll_ref(now) } else { None };
+        let Some(second) = second else {
+            let r = self.with_port(|p| p.tx_borrowed_parts(&[from.frame(first)]));
             self.count_port_result(r);
-            // Written, so gone for the transport whatever the port did: one it could not send
-            // is lost as on a wire, and sent again.
-            sent += n;
-            // A burst cut short by its bytes: the next one goes in this turn too.
-            if sent < limit && bytes >= BURST_BYTES {
-                head = from.poll_ref(now);
-            }
+            return 1;
+        };
+        let mut refs = [first; BORROWED_BURST];
+        refs[1] = second;
+        let mut n = 2;
+        while n < self.burst.min(BORROWED_BURST) {
+            let Some(at) = from.poll_ref(now) else { break };
+            refs[n] = at;
+            n += 1;
         }
-        sent
+        let mut frames: [[&[u8]; 2]; BORROWED_BURST] = [[&[], &[]]; BORROWED_BURST];
+        for (frame, at) in frames.iter_mut().zip(&refs[..n]) {
+            *frame = from.frame(*at);
+        }
+        let r = self.with_port(|p| p.tx_borrowed_parts(&frames[..n]));
+        self.count_port_result(r);
+        // Written, so gone for the transport whatever the port did: one it could not send is
+        // lost as on a wire, and sent again.
+        n
     }
 
     fn count_port_result(&mut self, r: lanbus_port::Result<usize>) -> usize {
@@ -1015,19 +998,6 @@ impl Rtc {
 
 /// The most frames one burst hands a port that borrows them.
 const BORROWED_BURST: usize = 32;
-
-/// Bytes of frames one system call hands a port that borrows them, at most (a longer frame goes
-/// alone). The transport checksums a frame when it hands it over, and the port's system call
-/// copies a burst's frames to the wire one after another: with 64 KB frames a burst of 32 was
-/// 2 MB checksummed before its first byte left, while the receiver, which checks and stores each
-/// frame as it comes, waited. In bursts of 128 KiB its first frames are on their way while the
-/// next are checksummed. Frames of a few KB still go 32 a call.
-const BURST_BYTES: usize = 128 * 1024;
-
-/// A frame's length from its two pieces (see [`SendHalf::frame`]).
-fn frame_bytes(frame: [&[u8]; 2]) -> usize {
-    frame[0].len() + frame[1].len()
-}
 
 /// What a runtime thread transmits from: a whole endpoint or a pipeline's sending half.
 trait Transmit {

@@ -18,9 +18,7 @@ struct Queue {
     ready: Condvar,
 }
 
-/// One end of an in-memory link; every `drop_every`-th frame it sends is lost. With `bursts`,
-/// it takes the transport's frames where they lie (as a raw socket does) and notes each
-/// system call's frames (their lengths).
+/// One end of an in-memory link; every `drop_every`-th frame it sends is lost.
 struct MemPort {
     mac: MacAddr,
     rx: Arc<Queue>,
@@ -28,36 +26,21 @@ struct MemPort {
     drop_every: u64,
     sent: u64,
     counters: PortCounters,
-    mtu: usize,
-    bursts: Option<Arc<Mutex<Vec<Vec<usize>>>>>,
 }
 
 fn mem_pair(drop_every: u64) -> (MemPort, MemPort) {
     let (q1, q2) = (Arc::new(Queue::default()), Arc::new(Queue::default()));
-    let end = |n, rx, tx| MemPort {
-        mac: MacAddr::local(n),
-        rx,
-        tx,
+    let a = MemPort {
+        mac: MacAddr::local(1),
+        rx: q1.clone(),
+        tx: q2.clone(),
         drop_every,
         sent: 0,
         counters: Default::default(),
-        mtu: 1500,
-        bursts: None,
     };
-    (end(1, q1.clone(), q2.clone()), end(2, q2, q1))
-}
-
-impl MemPort {
-    /// Sends `frame` as the wire would (or loses it).
-    fn put(&mut self, frame: Vec<u8>) {
-        self.sent += 1;
-        self.counters.tx_frames += 1;
-        if self.drop_every != 0 && self.sent.is_multiple_of(self.drop_every) {
-            return;
-        }
-        lock(&self.tx.frames).push_back(frame);
-        self.tx.ready.notify_one();
-    }
+    let b =
+        MemPort { mac: MacAddr::local(2), rx: q2, tx: q1, drop_every, sent: 0, counters: Default::default() };
+    (a, b)
 }
 
 impl Port for MemPort {
@@ -81,24 +64,16 @@ impl Port for MemPort {
         let mut n = 0;
         while n < max {
             let Some(len) = fill(&mut buf) else { break };
+            self.sent += 1;
             n += 1;
-            self.put(buf[..len].to_vec());
+            self.counters.tx_frames += 1;
+            if self.drop_every != 0 && self.sent.is_multiple_of(self.drop_every) {
+                continue;
+            }
+            lock(&self.tx.frames).push_back(buf[..len].to_vec());
+            self.tx.ready.notify_one();
         }
         Ok(n)
-    }
-
-    fn borrows_frames(&self) -> bool {
-        self.bursts.is_some()
-    }
-
-    fn tx_borrowed_parts(&mut self, frames: &[[&[u8]; 2]]) -> lanbus_port::Result<usize> {
-        if let Some(b) = &self.bursts {
-            lock(b).push(frames.iter().map(|[a, b]| a.len() + b.len()).collect());
-        }
-        for [a, b] in frames {
-            self.put([*a, *b].concat());
-        }
-        Ok(frames.len())
     }
 
     fn wait(&mut self, timeout: Option<Duration>) -> lanbus_port::Result<()> {
@@ -110,7 +85,7 @@ impl Port for MemPort {
     }
 
     fn mtu(&self) -> usize {
-        self.mtu
+        1500
     }
 
     fn mac(&self) -> MacAddr {
@@ -303,45 +278,6 @@ fn the_group_is_the_vlan_of_a_vlan_port() {
     cfg.transport.group = 5000;
     let (tc, _) = mpsc::channel();
     assert!(Runtime::start(port(3), cfg, Box::new(Forward { to: tc, echo: false })).is_err());
-}
-
-#[test]
-fn large_frames_leave_a_few_a_system_call_and_small_ones_many() {
-    for mtu in [65_000, 1500] {
-        let (mut pa, pb) = mem_pair(0);
-        let bursts = Arc::new(Mutex::new(Vec::new()));
-        (pa.mtu, pa.bursts) = (mtu, Some(bursts.clone()));
-        let mut cfg = config(ThreadMode::RunToCompletion);
-        cfg.transport.mtu = mtu;
-        let (ta, _) = mpsc::channel();
-        let (tb, rb) = mpsc::channel();
-        let a = Runtime::start(Box::new(pa), cfg.clone(), Box::new(Forward { to: ta, echo: false })).unwrap();
-        let b = Runtime::start(Box::new(pb), cfg, Box::new(Forward { to: tb, echo: false })).unwrap();
-        // 2 MiB queued at once: a frame's worth of messages each.
-        let len = mtu - 100;
-        let batch: Vec<Vec<u8>> = (0..(2 << 20) / len as u32)
-            .map(|i| (0..len).map(|k| (i as usize * 31 + k) as u8).collect())
-            .collect();
-        a.sender().send_all(b.local_mac(), 4, batch.iter().map(|m| m.as_slice()));
-        for (i, want) in batch.iter().enumerate() {
-            let (_, _, data) = rb.recv_timeout(Duration::from_secs(10)).expect("delivered");
-            assert_eq!(&data, want, "MTU {mtu}: message {i}");
-        }
-        let bursts = lock(&bursts).clone();
-        let frames = |b: &Vec<usize>| b.len();
-        let largest = bursts.iter().map(frames).max().unwrap_or(0);
-        for b in &bursts {
-            // A call's frames stop once they reach the cap: all but the last below it.
-            let before_last: usize = b[..b.len() - 1].iter().sum();
-            assert!(before_last < BURST_BYTES, "MTU {mtu}: a call of {b:?}");
-        }
-        if mtu > 9000 {
-            // 64 KB frames: two or three a call, not the 32 a call takes of small ones.
-            assert!((2..=3).contains(&largest), "MTU {mtu}: {largest} frames in a call");
-        } else {
-            assert!(largest > 8, "MTU {mtu}: small frames go many a call: {largest}");
-        }
-    }
 }
 
 #[test]
