@@ -523,10 +523,10 @@ fn many_small_transfers(mode: ThreadMode, mps: usize, count: u64) {
 
 /// A device that asks for 1 MiB at once (256 reads of 4 KiB in flight, as a storage
 /// controller reads a write's data) is served in parts over several turns of the host's loop,
-/// oldest read first, and every byte arrives where it belongs, over a lossy wire.
+/// and every byte arrives where it belongs, over a lossy wire.
 fn large_reads_at_once(mode: ThreadMode) {
     let engine = vec![HostedFunction::model(DmaEngine::with_outstanding_reads(256)).unwrap()];
-    // Reads of 4 KiB: 32 of them, a little over one frame of requests, ask for a turn's share.
+    // Reads of 4 KiB: 32 of them (under a kilobyte of requests) ask for a turn's share.
     let mut hc = host_config(mode, 8);
     (hc.mps, hc.mrrs) = (4096, 4096);
     let (h, d) = over_sim(mode, 0.01, 15, hc, engine);
