@@ -41,7 +41,27 @@
 //! `nbd_reply` (sending the reply, a READ's data included). The stages overlap a little (a reply is
 //! read while it is sent), so the first is clamped at zero. A write the NBD server gives the drive
 //! in pieces as its payload arrives (into the memory buffer, above 256 KiB) overlaps more: the
-//! driver's and the drive's stages start while its later pieces are still read from the socket. `--cmb on,off` measures each lanbus row
+//! driver's and the drive's stages start while its later pieces are still read from the socket.
+//! Every lanbus row also counts the passes its data makes through memory (`copies_per_byte`, at
+//! every depth: bytes copied per byte the NBD server moved, from byte counters kept where the
+//! data crosses from one part to the next), per stage in the order a write's data passes them:
+//! `socket` (fio's copy into or out of the Unix socket and the server's, two per byte),
+//! `driver` (the driver's copies into and out of its DMA memory in host memory), `into_frames`
+//! (the transports copying messages into frames, both nodes; bytes lent to the frames are not
+//! copied), `port` (the kernel's copies of every frame sent and received, both nodes, headers
+//! and acknowledgements included: a frame sent is copied once into the kernel and received once
+//! out of it), `out_of_frames` (the transports' copies while delivering, and the bridges'
+//! copies of received payloads: a device's writes into host memory, read completions into
+//! their read's buffer, requests queued for the drive's worker), `controller` (the host's
+//! writes into the memory buffer, a command's data into the controller's buffer where it is not
+//! written from where it lay, its copies out of and into the memory buffer; in the `local`
+//! row, whose controller reaches host memory by plain copies, its writes to host memory too)
+//! and `backing` (pread/pwrite, each a copy to or from the page cache), and `all` for their
+//! sum. The frames' checksums read each frame byte the
+//! ports copy once more, on each side. The TCP peer's passes are not counted: by construction
+//! they are fio's copy into the socket, qemu-nbd's out of it and its pwrite (reads the other
+//! way), three per byte (segments cross the veth without a copy).
+//! `--cmb on,off` measures each lanbus row
 //! with the driver's queues, PRP lists and write data in the drive's Controller Memory Buffer and
 //! in host memory (the `cmb` parameter; both compare with the same `peer:nbd-tcp` figures). With
 //! `LANBUS_BENCH_DEBUG` set in the environment, each fabric row ends by printing its bridges' and
@@ -192,7 +212,9 @@ struct Timing {
     backing: Arc<lanbus_nvme::backing::BackingTime>,
 }
 
-/// The time counters of a lanbus row at one moment (nanoseconds, and NBD requests served).
+/// The time counters of a lanbus row at one moment (nanoseconds, and NBD requests served), and
+/// its byte counters: the data the NBD server moved and the bytes copied at each of
+/// [`COPY_STAGES`].
 #[derive(Debug, Clone, Copy, Default)]
 struct Stamps {
     requests: u64,
@@ -202,7 +224,14 @@ struct Stamps {
     io_ns: u64,
     copy_ns: u64,
     backing_ns: u64,
+    data_bytes: u64,
+    copied: [u64; 7],
 }
+
+/// Where a lanbus row copies its bytes (`copies_per_byte` rows), in the order a write's data
+/// passes them; see the module's documentation.
+const COPY_STAGES: [&str; 7] =
+    ["socket", "driver", "into_frames", "port", "out_of_frames", "controller", "backing"];
 
 /// The stages a request's time is split into (`stage_us` rows), in the order a read passes them.
 const STAGES: [&str; 6] =
@@ -218,6 +247,31 @@ impl Holder {
         let d = t.driver.stats();
         // Relaxed: statistics, read as a snapshot.
         let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let data_bytes = n.bytes_read + n.bytes_written;
+        // The fabric's nodes: what their transports copied into and out of frames, and what
+        // their ports handed to the kernel and took from it.
+        let (mut into_frames, mut port, mut out_of_frames) = (0, 0, 0);
+        let controller = match self {
+            Holder::Fabric(_, f, _) => {
+                let nodes = std::iter::once(f.host.runtime_stats())
+                    .chain(f.device.as_ref().map(|d| d.runtime_stats()));
+                for r in nodes {
+                    let c = r.transport;
+                    into_frames += c.bytes_sent.saturating_sub(c.bytes_lent);
+                    port += r.port.tx_bytes + r.port.rx_bytes;
+                    out_of_frames += c.bytes_copied_on_delivery;
+                }
+                out_of_frames += f.host.stats().payload_bytes_copied;
+                out_of_frames += f.device.as_ref().map_or(0, |d| d.stats().payload_bytes_copied);
+                f.controller_stats.get().0.bytes_copied
+            }
+            Holder::Local(_, nvme, _) => {
+                // In-process DMA: the controller's writes to host memory are copies too.
+                let c = nvme.controller().stats();
+                c.bytes_copied + c.bytes_read
+            }
+            Holder::Qemu(_) => 0,
+        };
         Some(Stamps {
             requests: n.requests_read + n.requests_write,
             payload_ns: n.payload_ns,
@@ -226,11 +280,28 @@ impl Holder {
             io_ns: get(&d.io_ns),
             copy_ns: get(&d.copy_ns),
             backing_ns: t.backing.read_ns() + t.backing.write_ns(),
+            data_bytes,
+            copied: [
+                2 * data_bytes,
+                get(&d.copy_bytes),
+                into_frames,
+                port,
+                out_of_frames,
+                controller,
+                t.backing.bytes(),
+            ],
         })
     }
 }
 
 impl Stamps {
+    /// Bytes copied per byte of the client's data at each of [`COPY_STAGES`] between `self` and
+    /// the later `after`.
+    fn copies_per_byte(&self, after: &Stamps) -> Option<[f64; 7]> {
+        let data = after.data_bytes.checked_sub(self.data_bytes).filter(|&n| n > 0)? as f64;
+        Some(std::array::from_fn(|i| after.copied[i].saturating_sub(self.copied[i]) as f64 / data))
+    }
+
     /// Microseconds per request in each of [`STAGES`] between `self` and the later `after`, for
     /// requests of `total_us` each (fio's time per request at depth 1).
     fn per_request(&self, after: &Stamps, total_us: f64) -> Option<[f64; 6]> {
@@ -511,6 +582,8 @@ struct Samples {
     server_cpu: Vec<f64>,
     /// Per stage of [`STAGES`], microseconds per request.
     stages: [Vec<f64>; 6],
+    /// Per stage of [`COPY_STAGES`], bytes copied per byte of data.
+    copies: [Vec<f64>; 7],
 }
 
 fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
@@ -639,6 +712,16 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
         figures.extend(median(&s.client_cpu).map(|c| ("client_cpu_s_per_gb", c)));
         figures.extend(median(&s.server_cpu).map(|c| ("server_cpu_s_per_gb", c)));
         let stages = STAGES.iter().zip(&s.stages).filter_map(|(stage, v)| median(v).map(|m| (*stage, m)));
+        let stages = stages.map(|(stage, m)| ("stage_us", stage, m));
+        // Copies: each stage's median, and the median of the runs' totals.
+        let totals: Vec<f64> =
+            (0..s.copies[0].len()).map(|run| s.copies.iter().map(|v| v[run]).sum()).collect();
+        let copies = COPY_STAGES
+            .iter()
+            .zip(&s.copies)
+            .filter_map(|(stage, v)| median(v).map(|m| (*stage, m)))
+            .chain(median(&totals).map(|m| ("all", m)))
+            .map(|(stage, m)| ("copies_per_byte", stage, m));
         for (metric, value) in figures {
             let mut row = Row::new(p.name, metric, value)
                 .with("rw", p.rw)
@@ -656,12 +739,13 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             }
             report.push(row);
         }
-        for (stage, value) in stages {
-            let mut row = Row::new(p.name, "stage_us", value)
+        for (metric, stage, value) in stages.chain(copies) {
+            let mut row = Row::new(p.name, metric, value)
                 .with("stage", stage)
                 .with("rw", p.rw)
                 .with("block_size", p.block)
-                .with("iodepth", p.depth);
+                .with("iodepth", p.depth)
+                .with("numjobs", p.jobs);
             if let Some(mtu) = p.mtu {
                 row = row.with("mtu", mtu);
             }
@@ -746,6 +830,11 @@ fn measure_row(
             let served_gb = gb * (runtime as f64 + FIO_RAMP_S) / runtime as f64;
             if let (Some(b), Some(a)) = (before, cpu_seconds(server_pid)) {
                 s.server_cpu.push((a - b) / served_gb);
+            }
+            if let Some(per) = stamps.zip(holder.stamps()).and_then(|(b, a)| b.copies_per_byte(&a)) {
+                for (v, samples) in per.into_iter().zip(s.copies.iter_mut()) {
+                    samples.push(v);
+                }
             }
             // The stages are per request of one request at a time.
             if depth == 1 && jobs == 1 && r.iops > 0.0 {

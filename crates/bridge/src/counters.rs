@@ -4,8 +4,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Adds one to a statistics counter.
 pub(crate) fn bump(c: &AtomicU64) {
+    add(c, 1);
+}
+
+/// Adds `n` to a statistics counter.
+pub(crate) fn add(c: &AtomicU64, n: usize) {
     // Relaxed: a statistics counter orders nothing.
-    c.fetch_add(1, Ordering::Relaxed);
+    c.fetch_add(n as u64, Ordering::Relaxed);
 }
 
 /// The device bridge's counters (see [`crate::DeviceBridgeStats`] for what each counts).
@@ -26,4 +31,5 @@ pub(crate) struct Counters {
     pub(crate) served_inline: AtomicU64,
     pub(crate) prefetched_reads: AtomicU64,
     pub(crate) prefetches_used: AtomicU64,
+    pub(crate) payload_bytes_copied: AtomicU64,
 }

@@ -56,7 +56,7 @@ use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender, ThreadMode
 use lanbus_transport::{Event, Message, Role};
 use lanbus_wire::MacAddr;
 
-use crate::counters::{bump, Counters};
+use crate::counters::{add, bump, Counters};
 use crate::hosted::{decode_table, decodes, serve, Hosted, HostedFunction, OpId, Path};
 use crate::inline::{send_mem_writes, InlinePath, TlpOut};
 use crate::reads::Reads;
@@ -133,6 +133,10 @@ pub struct DeviceBridgeStats {
     /// Of those, the reads then used (on the receive thread or by the worker) instead of
     /// reading again.
     pub prefetches_used: u64,
+    /// Payload bytes copied out of received TLPs: DMA read completions into their read's
+    /// buffer, and requests that wait for a blocking function's worker (those served on the
+    /// receive thread are handed to the function in the frame).
+    pub payload_bytes_copied: u64,
 }
 
 /// Who we serve.
@@ -559,6 +563,7 @@ impl DevHandler {
         }
         let Incoming { peer, channel, mut tlp, payload, .. } = req;
         tlp.data = payload.to_vec();
+        add(&self.shared.counters.payload_bytes_copied, payload.len());
         st.inbox.push_back((peer, channel, tlp));
         f.notify(st);
     }
@@ -1259,6 +1264,7 @@ impl DeviceBridge {
             served_inline: g(&c.served_inline),
             prefetched_reads: g(&c.prefetched_reads),
             prefetches_used: g(&c.prefetches_used),
+            payload_bytes_copied: g(&c.payload_bytes_copied),
         }
     }
 

@@ -27,7 +27,7 @@ use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig, Sender};
 use lanbus_transport::{Event, LentSlice, Message, MessageSource, Role};
 use lanbus_wire::MacAddr;
 
-use crate::counters::bump;
+use crate::counters::{add, bump};
 use crate::inline::{send_mem_writes, send_mem_writes_shared};
 use crate::region::{DmaRegion, Domains, RegionMap};
 use crate::{lock, ur_completion, ur_for_raw, BridgeError, BridgeResult, EventFd};
@@ -189,6 +189,9 @@ pub struct HostBridgeStats {
     pub dma_reads_deferred: u64,
     /// Memory writes from devices applied to regions.
     pub dma_writes_applied: u64,
+    /// Payload bytes copied out of received TLPs: device memory writes into regions, and the
+    /// data of completions.
+    pub payload_bytes_copied: u64,
     /// Device memory reads outside every region (answered UR).
     pub unknown_address_reads: u64,
     /// Device memory writes outside every region and the MSI-X window (dropped).
@@ -219,6 +222,7 @@ struct Counters {
     dma_reads_served: AtomicU64,
     dma_reads_deferred: AtomicU64,
     dma_writes_applied: AtomicU64,
+    payload_bytes_copied: AtomicU64,
     unknown_address_reads: AtomicU64,
     unknown_address_writes: AtomicU64,
     ur_sent: AtomicU64,
@@ -879,6 +883,7 @@ impl Handler for HostHandler {
         };
         if tlp.kind.is_completion() {
             tlp.data = payload.to_vec();
+            add(&c.payload_bytes_copied, payload.len());
         }
         match (&tlp.kind, &tlp.header) {
             (TlpKind::Cpl | TlpKind::CplD, _) => self.complete(m.peer, &tlp, out),
@@ -909,6 +914,7 @@ impl Handler for HostHandler {
                     Some((r, off)) => {
                         r.write(off, bytes);
                         bump(&c.dma_writes_applied);
+                        add(&c.payload_bytes_copied, bytes.len());
                     }
                     None => bump(&c.unknown_address_writes),
                 }
@@ -1220,6 +1226,7 @@ impl HostBridge {
             dma_reads_served: g(&c.dma_reads_served),
             dma_reads_deferred: g(&c.dma_reads_deferred),
             dma_writes_applied: g(&c.dma_writes_applied),
+            payload_bytes_copied: g(&c.payload_bytes_copied),
             unknown_address_reads: g(&c.unknown_address_reads),
             unknown_address_writes: g(&c.unknown_address_writes),
             ur_sent: g(&c.ur_sent),

@@ -30,7 +30,7 @@ use lanbus_pcie::requester::{Requester, RequesterEvent, TransactionMap};
 use lanbus_pcie::{Bdf, CplStatus, Error, Tlp};
 use lanbus_wire::MacAddr;
 
-use crate::counters::{bump, Counters};
+use crate::counters::{add, bump, Counters};
 use crate::hosted::OpId;
 
 /// The largest read request a function may be programmed with (PCIe's maximum).
@@ -247,6 +247,8 @@ impl Reads {
         if self.requester.handle_completion_payload(self.at(now), tlp, payload).is_err() {
             return false;
         }
+        // Copied into the read's buffer.
+        add(&self.counters.payload_bytes_copied, payload.len());
         // A freed tag matters to the worker only if a request waits for one (a read that ends
         // says so in `end`): a wake-up per completion of a long read would cost the worker a
         // context switch per 4 KiB.

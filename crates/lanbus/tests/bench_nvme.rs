@@ -85,3 +85,60 @@ fn a_peer_mtu_without_the_peer_is_refused() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--peer-mtu sets the MTUs of the peer:nbd-tcp row"), "{stderr}");
 }
+
+/// Every lanbus row counts the copies its data makes where it crosses from one part to the next
+/// (no root: the simulated wire and the in-process drive). A 64 KiB write with the queues and
+/// data in host memory: fio's copy into the socket and the server's out of it, the driver's into
+/// its DMA memory, the backing file's; over the fabric also the frames built from host memory,
+/// the port's copies each way and the completions taken out of frames; in process the
+/// controller's copy out of host memory instead.
+#[test]
+fn copies_are_counted_where_the_data_crosses() {
+    if Command::new("fio").arg("--version").output().is_err() {
+        eprintln!("skipped: needs fio (Debian package fio; .ci/run installs it)");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("lanbus-bench-nvme-copies-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("nvme.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
+        .args(["bench", "nvme", "--quick", "--only", "local,sim", "--cmb", "off"])
+        .args(["--block-sizes", "64k", "--rw", "randwrite", "--size-mib", "16", "--json"])
+        .arg(&json)
+        .arg("--png")
+        .arg(dir.join("plot"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    let copies = |row: &str, stage: &str| {
+        rows.iter()
+            .find(|r| r["name"] == row && r["metric"] == "copies_per_byte" && r["stage"] == stage)
+            .and_then(|r| r["value"].as_f64())
+            .unwrap_or_else(|| panic!("no {stage} copies in {row}: {v}"))
+    };
+    let about = |x: f64, want: f64| (x - want).abs() < 0.05;
+    for row in ["local", "sim"] {
+        assert_eq!(copies(row, "socket"), 2.0, "{row}");
+        // Queue entries ride along with the data.
+        assert!(about(copies(row, "driver"), 1.0), "{row}: {}", copies(row, "driver"));
+        assert!(about(copies(row, "backing"), 1.0), "{row}: {}", copies(row, "backing"));
+        let stages = ["socket", "driver", "into_frames", "port", "out_of_frames", "controller", "backing"];
+        let sum: f64 = stages.iter().map(|s| copies(row, s)).sum();
+        assert!(about(copies(row, "all"), sum), "{row}: all {} against {sum}", copies(row, "all"));
+    }
+    assert!(about(copies("local", "controller"), 1.0), "{}", copies("local", "controller"));
+    for stage in ["into_frames", "port", "out_of_frames"] {
+        assert_eq!(copies("local", stage), 0.0, "{stage}");
+    }
+    // Over the fabric: frames built from host memory (once: a frame sent again is not built
+    // again), copied into and out of the port (headers, acknowledgements and frames sent again
+    // too), the completions taken out of frames (put together first where they span frames);
+    // the drive writes what it read ahead where it lies.
+    assert!(about(copies("sim", "into_frames"), 1.0), "{}", copies("sim", "into_frames"));
+    assert!((2.0..4.0).contains(&copies("sim", "port")), "{}", copies("sim", "port"));
+    assert!((0.99..3.5).contains(&copies("sim", "out_of_frames")), "{}", copies("sim", "out_of_frames"));
+    assert!(copies("sim", "controller") < 0.05, "{}", copies("sim", "controller"));
+}

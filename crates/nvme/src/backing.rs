@@ -137,11 +137,13 @@ impl Backing for FileBacking {
     }
 }
 
-/// Time a backing store spent in reads and writes, nanoseconds (see [`Timed`]).
+/// Time a backing store spent in reads and writes, nanoseconds, and the bytes they moved (see
+/// [`Timed`]).
 #[derive(Debug, Default)]
 pub struct BackingTime {
     read_ns: AtomicU64,
     write_ns: AtomicU64,
+    bytes: AtomicU64,
 }
 
 impl BackingTime {
@@ -155,6 +157,18 @@ impl BackingTime {
     pub fn write_ns(&self) -> u64 {
         // Relaxed: as above.
         self.write_ns.load(Ordering::Relaxed)
+    }
+
+    /// Bytes read and written so far (each copied once between the caller's buffer and the
+    /// store: for a file, by the kernel, to or from its page cache).
+    pub fn bytes(&self) -> u64 {
+        // Relaxed: as above.
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    fn moved(&self, n: usize) {
+        // Relaxed: a statistic.
+        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
     }
 }
 
@@ -186,10 +200,12 @@ impl<B: Backing> Backing for Timed<B> {
         self.inner.len()
     }
     fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        timed(&self.time.read_ns, || self.inner.read_at(offset, buf))
+        let n = buf.len();
+        timed(&self.time.read_ns, || self.inner.read_at(offset, buf)).inspect(|()| self.time.moved(n))
     }
     fn write_at(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
         timed(&self.time.write_ns, || self.inner.write_at(offset, data))
+            .inspect(|()| self.time.moved(data.len()))
     }
     fn flush(&mut self) -> io::Result<()> {
         self.inner.flush()
@@ -236,7 +252,9 @@ mod tests {
         assert_eq!(b, [7; 4096]);
         assert_eq!(t.len(), 8192);
         assert!(time.read_ns() > 0 && time.write_ns() > 0);
+        assert_eq!(time.bytes(), 8192);
         assert!(t.read_at(8000, &mut b).is_err(), "errors pass through");
+        assert_eq!(time.bytes(), 8192, "a failed read moved nothing");
     }
 
     #[test]

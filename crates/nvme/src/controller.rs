@@ -265,6 +265,12 @@ pub struct ControllerStats {
     /// Write commands whose data went to the namespace from where it lay on the device's side
     /// (the memory buffer, or read ahead for the command), without a copy.
     pub writes_in_place: u64,
+    /// Bytes the controller copied: the host's writes into its memory buffer, a command's data
+    /// into the controller's own buffer (from host memory, the memory buffer or what was read
+    /// ahead for it; not a write's data taken where it lay), its DMA writes into the memory
+    /// buffer, and data read ahead for a command out of the memory buffer or a read's own. Its
+    /// DMA writes to host memory are the bus's to count.
+    pub bytes_copied: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -363,6 +369,9 @@ struct CmbView<'a> {
     cmb: &'a mut [u8],
     base: Option<u64>,
     host: &'a mut dyn HostMemory,
+    /// Bytes copied out of and into the buffer for staging and DMA writes (see
+    /// [`ControllerStats::bytes_copied`]).
+    copied: u64,
 }
 
 /// Staged bytes kept at most: enough for several queues' commands waiting on their data.
@@ -416,7 +425,10 @@ impl HostMemory for CmbView<'_> {
     }
     fn read_owned(&mut self, addr: u64, len: usize) -> Result<Vec<u8>, BusError> {
         match self.locate(addr, len)? {
-            Some(at) => Ok(self.cmb[at..at + len].to_vec()),
+            Some(at) => {
+                self.copied += len as u64;
+                Ok(self.cmb[at..at + len].to_vec())
+            }
             None => self.host.read_owned(addr, len),
         }
     }
@@ -424,6 +436,7 @@ impl HostMemory for CmbView<'_> {
         match self.locate(addr, data.len())? {
             Some(at) => {
                 self.cmb[at..at + data.len()].copy_from_slice(data);
+                self.copied += data.len() as u64;
                 Ok(())
             }
             None => self.host.write(addr, data),
@@ -505,6 +518,7 @@ impl HostMemory for Probe<'_, '_> {
             Ok(()) => {
                 if !matches!(self.mem.locate(addr, buf.len()), Ok(Some(_))) {
                     self.staged.insert((addr, buf.len()), buf.to_vec());
+                    self.mem.copied += buf.len() as u64;
                 }
                 Ok(())
             }
@@ -706,8 +720,9 @@ impl Controller {
         posted_only: bool,
     ) -> usize {
         let mut cmb = std::mem::take(&mut self.cmb);
-        let mut view = CmbView { cmb: &mut cmb, base: self.cmb_base(), host: mem };
+        let mut view = CmbView { cmb: &mut cmb, base: self.cmb_base(), host: mem, copied: 0 };
         let done = self.process_queues(&mut view, irq, posted_only);
+        self.stats.bytes_copied += view.copied;
         self.cmb = cmb;
         done
     }
@@ -1012,6 +1027,7 @@ impl Controller {
             let r = if to_host {
                 mem.write(addr, &self.data[at..at + n])
             } else {
+                self.stats.bytes_copied += n as u64;
                 mem.read(addr, &mut self.data[at..at + n])
             };
             if let Err(e) = r {

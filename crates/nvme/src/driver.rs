@@ -400,7 +400,11 @@ impl NvmeDriver {
     fn put(&self, addr: u64, data: &[u8]) -> Result<()> {
         match &self.cmb {
             Some(c) if c.contains(addr) => self.bar.write_bar(c.bir, c.bar_offset + (addr - c.base), data)?,
-            _ => self.mem.write(addr, data)?,
+            _ => {
+                self.mem.write(addr, data)?;
+                // Statistics counter: Relaxed, nothing is ordered by it.
+                self.stats.copy_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+            }
         }
         Ok(())
     }

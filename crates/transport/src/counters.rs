@@ -76,10 +76,19 @@ pub struct Counters {
     pub messages_sent: u64,
     /// Bytes in them.
     pub bytes_sent: u64,
+    /// Bytes among them that stayed in their sender's memory, lent to the frames (see
+    /// [`SendHalf::send_lent`]); the rest were copied into the frames.
+    ///
+    /// [`SendHalf::send_lent`]: crate::SendHalf::send_lent
+    pub bytes_lent: u64,
     /// Messages received in order and made available to `poll_message`.
     pub messages_delivered: u64,
     /// Bytes in them.
     pub bytes_delivered: u64,
+    /// Bytes the receiving side copied to deliver them: messages that could not be lent from
+    /// their frame, a message in several frames once more as it is put together, and frames
+    /// held past a hole (selective repeat) once more.
+    pub bytes_copied_on_delivery: u64,
     /// RTT samples taken.
     pub rtt_samples: u64,
     /// Smallest RTT sample, ns (0 before the first).
@@ -180,8 +189,10 @@ impl Counters {
             drop_too_many_channels,
             messages_sent,
             bytes_sent,
+            bytes_lent,
             messages_delivered,
             bytes_delivered,
+            bytes_copied_on_delivery,
             rtt_samples,
             rate_decreases
         );

@@ -646,6 +646,7 @@ impl ReceiveHalf {
         let mut buf = self.held_pool.pop().unwrap_or_default();
         buf.clear();
         buf.extend_from_slice(payload);
+        self.counters.bytes_copied_on_delivery += buf.len() as u64;
         self.held_bytes += buf.len();
         let held = &mut self.channels[ci].held;
         if held.len() <= ahead {
@@ -754,6 +755,7 @@ impl ReceiveHalf {
         let bulk_base = self.arena.len();
         if all_whole {
             self.arena.extend_from_slice(payload);
+            self.counters.bytes_copied_on_delivery += payload.len() as u64;
         }
         let mut off = 0;
         while off < payload.len() {
@@ -767,20 +769,24 @@ impl ReceiveHalf {
                 (true, true) => {
                     let at = self.arena.len();
                     self.arena.extend_from_slice(&payload[data]);
+                    self.counters.bytes_copied_on_delivery += n as u64;
                     Some((at, n))
                 }
                 (true, false) => {
                     ch.partial.clear();
                     ch.partial.extend_from_slice(&payload[data]);
+                    self.counters.bytes_copied_on_delivery += n as u64;
                     ch.in_partial = true;
                     None
                 }
                 (false, last) => {
                     ch.partial.extend_from_slice(&payload[data]);
+                    self.counters.bytes_copied_on_delivery += n as u64;
                     last.then(|| {
                         ch.in_partial = false;
                         let at = self.arena.len();
                         self.arena.extend_from_slice(&ch.partial);
+                        self.counters.bytes_copied_on_delivery += ch.partial.len() as u64;
                         (at, ch.partial.len())
                     })
                 }

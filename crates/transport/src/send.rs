@@ -554,6 +554,7 @@ impl SendHalf {
         }
         self.counters.messages_sent += 1;
         self.counters.bytes_sent += len as u64;
+        self.counters.bytes_lent += body.len() as u64;
         Ok(())
     }
 

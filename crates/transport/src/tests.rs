@@ -3,7 +3,9 @@
 use core::time::Duration;
 
 use lanbus_wire::ethernet::{EtherType, EthernetFrame, EthernetRepr, HEADER_LEN as ETH_LEN};
-use lanbus_wire::frame::{self, Kind, Packet, Repr, Sack, FLAG_ECHO, FLAG_SACK, HEADER_LEN as LB_LEN};
+use lanbus_wire::frame::{
+    self, Kind, Packet, Repr, Sack, FLAG_ECHO, FLAG_SACK, HEADER_LEN as LB_LEN, RECORD_HEADER_LEN,
+};
 use lanbus_wire::{Instant, MacAddr};
 
 use crate::testutil::{test_message, Dir, Faults, Node, Pair, SplitNode};
@@ -1556,6 +1558,45 @@ fn a_lent_frame_in_place_is_the_copied_frame() {
     lent.abandon_peer(B);
     assert_eq!(Arc::strong_count(&owner), 1);
     assert!(lent.poll_transmit_ref(at_us(2)).is_none(), "nothing is left to send to it");
+}
+
+/// The counters say which bytes were copied: into frames (all but the lent ones) and out of
+/// them (a message lent from its frame costs nothing; one in the arena once; one put together
+/// from several frames twice).
+#[test]
+fn the_counters_tell_copied_bytes_from_lent_ones() {
+    use std::sync::Arc;
+
+    use crate::{Lend, LentSlice};
+
+    let owner: Arc<dyn Lend> = Arc::new(test_message(3, 5000));
+    let mut a = Endpoint::new(p2p(), A, Instant::ZERO);
+    let mut b = Endpoint::new(p2p(), B, Instant::ZERO);
+    a.send_lent(Instant::ZERO, B, 0, b"head", LentSlice::new(Arc::clone(&owner), 0..5000)).unwrap();
+    a.send(Instant::ZERO, B, 1, &[7; 100]).unwrap();
+    let c = a.counters();
+    assert_eq!((c.bytes_sent, c.bytes_lent), (5104, 5000));
+
+    // The large message spans frames: copied as each piece arrives, then once more whole.
+    let mut lent = 0;
+    for f in drain(&mut a, at_us(1)) {
+        b.handle_frame_delivering(at_us(2), &f, &mut |m, _| lent += m.data.len());
+    }
+    let mut arena = 0;
+    while let Some(m) = b.poll_message() {
+        arena += m.data.len();
+    }
+    assert_eq!((lent, arena), (100, 5004), "the small message lent, the large one put together");
+    assert_eq!(b.counters().bytes_delivered, 5104);
+    assert_eq!(b.counters().bytes_copied_on_delivery, 2 * 5004);
+
+    // Without lending, a frame of whole messages is copied once, records' headers and all.
+    a.send(at_us(3), B, 1, &[8; 100]).unwrap();
+    for f in drain(&mut a, at_us(3)) {
+        b.handle_frame(at_us(4), &f);
+    }
+    assert_eq!(b.poll_message().map(|m| m.data.len()), Some(100));
+    assert_eq!(b.counters().bytes_copied_on_delivery, 2 * 5004 + 100 + RECORD_HEADER_LEN as u64);
 }
 
 proptest::proptest! {

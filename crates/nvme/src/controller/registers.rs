@@ -54,6 +54,7 @@ impl Controller {
     pub fn cmb_write(&mut self, offset: u64, data: &[u8]) -> Result<(), BusError> {
         let at = self.cmb_range(offset, data.len())?;
         self.cmb[at..at + data.len()].copy_from_slice(data);
+        self.stats.bytes_copied += data.len() as u64;
         Ok(())
     }
 

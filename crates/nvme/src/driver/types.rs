@@ -200,4 +200,8 @@ pub struct DriverStats {
     pub io_ns: AtomicU64,
     /// Nanoseconds of those spent copying data between the caller's buffers and DMA memory.
     pub copy_ns: AtomicU64,
+    /// Bytes the driver copied into and out of its DMA memory in host memory (data, queue
+    /// entries); not those it wrote to the drive's memory buffer, which go into the fabric's
+    /// frames, nor those it lent (a read's data handed out where it landed).
+    pub copy_bytes: AtomicU64,
 }
