@@ -107,6 +107,9 @@ impl DmaMemory for HostRegion {
     fn lend(&self, runs: &[(u64, usize)], f: &mut dyn FnMut(&[&[u8]])) -> Result<(), BusError> {
         let mut pages = Vec::new();
         let mut spans = Vec::new();
+        // The highest page locked: a page above it is new without a search (the usual case:
+        // a buffer's pages in rising order).
+        let mut highest = None;
         for &(addr, len) in runs {
             let end = addr.checked_add(len as u64).ok_or(BusError::Unsupported { addr })?;
             if addr < self.base || end > self.base + self.len_bytes() {
@@ -120,10 +123,13 @@ impl DmaMemory for HostRegion {
                 let n = left.min(REGION_PAGE - off);
                 // Runs of one request are distinct buffers, so a page comes once; a page met
                 // again (overlapping runs) reuses its guard instead of locking it twice.
-                let held = match pages.iter().position(|&(p, _)| p == page) {
+                let seen = highest.is_some_and(|h| page <= h);
+                let found = if seen { pages.iter().position(|&(p, _)| p == page) } else { None };
+                let held = match found {
                     Some(i) => i,
                     None => {
                         pages.push((page, lock(&self.pages[page])));
+                        highest = highest.max(Some(page));
                         pages.len() - 1
                     }
                 };
