@@ -42,25 +42,24 @@
 //! read while it is sent), so the first is clamped at zero. A write the NBD server gives the drive
 //! in pieces as its payload arrives (into the memory buffer, above 256 KiB) overlaps more: the
 //! driver's and the drive's stages start while its later pieces are still read from the socket.
-//! Every lanbus row also counts the passes its data makes through memory (`copies_per_byte`, at
-//! every depth: bytes copied per byte the NBD server moved, from byte counters kept where the
-//! data crosses from one part to the next), per stage in the order a write's data passes them:
-//! `socket` (fio's copy into or out of the Unix socket and the server's, two per byte),
-//! `driver` (the driver's copies into and out of its DMA memory in host memory), `into_frames`
-//! (the transports copying messages into frames, both nodes; bytes lent to the frames are not
-//! copied), `port` (the kernel's copies of every frame sent and received, both nodes, headers
-//! and acknowledgements included: a frame sent is copied once into the kernel and received once
-//! out of it), `out_of_frames` (the transports' copies while delivering, and the bridges'
-//! copies of received payloads: a device's writes into host memory, read completions into
-//! their read's buffer, requests queued for the drive's worker), `controller` (the host's
-//! writes into the memory buffer, a command's data into the controller's buffer where it is not
-//! written from where it lay, its copies out of and into the memory buffer; in the `local`
-//! row, whose controller reaches host memory by plain copies, its writes to host memory too)
-//! and `backing` (pread/pwrite, each a copy to or from the page cache), and `all` for their
-//! sum. The frames' checksums read each frame byte the
-//! ports copy once more, on each side. The TCP peer's passes are not counted: by construction
-//! they are fio's copy into the socket, qemu-nbd's out of it and its pwrite (reads the other
-//! way), three per byte (segments cross the veth without a copy).
+//! Every lanbus row also counts the copies of its data (`copies_per_byte`, at every depth: bytes
+//! copied per byte the NBD server moved, from byte counters kept where the data crosses from one
+//! part to the next), per stage in the order a write's data passes them: `socket` (fio's copy
+//! into or out of the Unix socket and the server's, two per byte), `driver` (the driver's copies
+//! into and out of its DMA memory in host memory), `into_frames` (the transports copying messages
+//! into frames, both nodes; bytes lent to the frames are not copied), `port` (the kernel's copies
+//! of every frame sent and received, both nodes, headers and acknowledgements included: into its
+//! buffer on sending, into the receiver's ring on receiving), `out_of_frames` (the
+//! transports' copies while delivering, and the bridges' copies of received payloads: a device's
+//! writes into host memory, read completions into their read's buffer, requests queued for the
+//! drive's worker), `controller` (the host's writes into the memory buffer, a command's data into
+//! the controller's buffer where it is not written from where it lay, its copies out of and into
+//! the memory buffer; in the `local` row, whose controller reaches host memory by plain copies,
+//! its writes to host memory too) and `backing` (pread/pwrite, each a copy to or from the page
+//! cache), and `all` for their sum. The frames' checksums read each byte the ports copy once more
+//! on each side. The TCP peer's copies are not counted: by construction they are fio's copy into
+//! the socket, qemu-nbd's out of it and its pwrite (reads the other way), three per byte (its
+//! segments cross the veth without a copy).
 //! `--cmb on,off` measures each lanbus row
 //! with the driver's queues, PRP lists and write data in the drive's Controller Memory Buffer and
 //! in host memory (the `cmb` parameter; both compare with the same `peer:nbd-tcp` figures). With
