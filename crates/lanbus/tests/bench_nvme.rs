@@ -2,7 +2,28 @@
 //! that crosses the veth is measured at each MTU, its floor too, the TCP peer at its own MTU, and
 //! the figures name their MTUs. Without root, fio or qemu-nbd it skips and says why.
 
-use std::process::Command;
+use std::process::{Command, Output};
+
+/// Runs `lanbus bench nvme` with `args` in a scratch directory (`name`), writing its JSON there;
+/// the command's output and the report.
+fn bench(name: &str, args: &[&str]) -> (Output, serde_json::Value) {
+    let dir = std::env::temp_dir().join(format!("lanbus-bench-nvme-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("nvme.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
+        .args(["bench", "nvme"])
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .arg("--png")
+        .arg(dir.join("plot"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    (out, v)
+}
 
 #[test]
 fn rows_over_the_veth_are_measured_at_every_mtu() {
@@ -18,21 +39,9 @@ fn rows_over_the_veth_are_measured_at_every_mtu() {
         eprintln!("skipped: needs qemu-nbd (Debian package qemu-utils; .ci/run installs it)");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("lanbus-bench-nvme-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("nvme.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
-        .args(["bench", "nvme", "--quick", "--runs", "2", "--only", "afpacket,peer:nbd-tcp"])
-        .args(["--block-sizes", "4k", "--rw", "randread", "--size-mib", "16"])
-        .args(["--mtu", "1500,9000", "--peer-mtu", "9000", "--json"])
-        .arg(&json)
-        .arg("--png")
-        .arg(dir.join("plot"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
+    let args = "--quick --runs 2 --only afpacket,peer:nbd-tcp --block-sizes 4k --rw randread \
+                --size-mib 16 --mtu 1500,9000 --peer-mtu 9000";
+    let (out, v) = bench("mtus", &args.split_whitespace().collect::<Vec<_>>());
     let rows = v["rows"].as_array().unwrap();
     for mtu in [1500, 9000] {
         let find = |name: &str, metric: &str| {
@@ -98,20 +107,8 @@ fn copies_are_counted_where_the_data_crosses() {
         eprintln!("skipped: needs fio (Debian package fio; .ci/run installs it)");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("lanbus-bench-nvme-copies-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("nvme.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
-        .args(["bench", "nvme", "--quick", "--only", "local,sim", "--cmb", "off"])
-        .args(["--block-sizes", "64k", "--rw", "randwrite", "--size-mib", "16", "--json"])
-        .arg(&json)
-        .arg("--png")
-        .arg(dir.join("plot"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
+    let args = "--quick --only local,sim --cmb off --block-sizes 64k --rw randwrite --size-mib 16";
+    let (_, v) = bench("copies", &args.split_whitespace().collect::<Vec<_>>());
     let rows = v["rows"].as_array().unwrap();
     let copies = |row: &str, stage: &str| {
         rows.iter()
