@@ -268,8 +268,9 @@ pub struct ControllerStats {
     /// Bytes the controller copied: the host's writes into its memory buffer, a command's data
     /// into the controller's own buffer (from host memory, the memory buffer or what was read
     /// ahead for it; not a write's data taken where it lay), its DMA writes into the memory
-    /// buffer, and data read ahead for a command out of the memory buffer or a read's own. Its
-    /// DMA writes to host memory are the bus's to count.
+    /// buffer, and what it reads ahead for a command, where it keeps a copy (from the memory
+    /// buffer, or of a list it read to check the command). Its DMA writes to host memory are the
+    /// bus's to count.
     pub bytes_copied: u64,
 }
 
@@ -1027,8 +1028,11 @@ impl Controller {
             let r = if to_host {
                 mem.write(addr, &self.data[at..at + n])
             } else {
-                self.stats.bytes_copied += n as u64;
-                mem.read(addr, &mut self.data[at..at + n])
+                let r = mem.read(addr, &mut self.data[at..at + n]);
+                if r.is_ok() {
+                    self.stats.bytes_copied += n as u64;
+                }
+                r
             };
             if let Err(e) = r {
                 self.stats.dma_errors += 1;
