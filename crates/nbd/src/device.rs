@@ -202,6 +202,25 @@ pub trait BlockQueue {
         self.submit_write(tag, offset, data, fua)
     }
 
+    /// Submits a write of `len` bytes at `offset` whose data `fill` puts straight where the
+    /// device reads it (no copy of the caller's): `fill` is called with the device's memory as
+    /// slices, in order, one or more times until the `len` bytes are in (each call fills all
+    /// its slices), and returns `false` when the data cannot be had (the write then fails).
+    /// The bytes `fill` was not called for are the caller's to dispose of. `Some(Ok(false))`
+    /// as for [`BlockQueue::submit_read`], without calling `fill`; `None` (the default) when the
+    /// queue does not take writes this way: use [`BlockQueue::submit_write`].
+    fn submit_write_filled(
+        &mut self,
+        tag: u64,
+        offset: u64,
+        len: usize,
+        fua: bool,
+        fill: &mut dyn FnMut(&mut [&mut [u8]]) -> bool,
+    ) -> Option<Result<bool, DeviceError>> {
+        let _ = (tag, offset, len, fua, fill);
+        None
+    }
+
     /// The piece size of a write submitted as its data arrives, if the device stores writes
     /// sooner that way: a write longer than this may be submitted in pieces of this size, each
     /// a request of its own and started at once, while the rest of its data still comes in

@@ -40,6 +40,10 @@ struct QueuedMem {
     /// Writes the queues took, and the largest.
     writes: AtomicUsize,
     largest_write: AtomicUsize,
+    /// Whether the queues take writes whose payload the server reads straight into their
+    /// memory (`BlockQueue::submit_write_filled`), and how many they took so.
+    fill: bool,
+    filled: AtomicUsize,
 }
 
 impl QueuedMem {
@@ -55,6 +59,8 @@ impl QueuedMem {
             write_piece: None,
             writes: AtomicUsize::new(0),
             largest_write: AtomicUsize::new(0),
+            fill: false,
+            filled: AtomicUsize::new(0),
         }
     }
 }
@@ -110,6 +116,43 @@ impl BlockQueue for MemQueue<'_> {
             return self.submit_write(tag, offset, data, fua);
         }
         self.submit(tag, Op::Shared { offset, data: Arc::clone(data) })
+    }
+    fn submit_write_filled(
+        &mut self,
+        tag: u64,
+        offset: u64,
+        len: usize,
+        _fua: bool,
+        fill: &mut dyn FnMut(&mut [&mut [u8]]) -> bool,
+    ) -> Option<Result<bool, DeviceError>> {
+        if !self.dev.fill {
+            return None;
+        }
+        if self.in_flight() >= self.dev.room {
+            return Some(Ok(false));
+        }
+        let failed = || DeviceError::Device { errno: Errno::Io, message: "bad block".into() };
+        // A write at the bad block fails before its payload is asked for; one that ends in it
+        // fails after its first part is in (the server reads and drops the rest).
+        if BAD.contains(&offset) {
+            return Some(Err(failed()));
+        }
+        let mut data = vec![0u8; len];
+        let (first, second) = data.split_at_mut(len / 2);
+        // Slices of odd sizes, as pages of a device's memory might be.
+        let mut slices: Vec<&mut [u8]> = first.chunks_mut(3000).collect();
+        if !fill(&mut slices) {
+            return Some(Err(failed()));
+        }
+        if offset + len as u64 > BAD.start && offset < BAD.end {
+            return Some(Err(failed()));
+        }
+        let mut slices: Vec<&mut [u8]> = second.chunks_mut(5000).collect();
+        if !fill(&mut slices) {
+            return Some(Err(failed()));
+        }
+        self.dev.filled.fetch_add(1, Ordering::Relaxed);
+        Some(self.submit(tag, Op::Write { offset, data }))
     }
     fn write_piece_bytes(&self) -> Option<usize> {
         self.dev.write_piece
@@ -298,6 +341,61 @@ fn requests_on_queues_and_plain_ones_match_a_model() {
     assert_eq!(s.requests_write, CONNS * 6 * 8);
     assert_eq!(s.requests_read, CONNS * 6 * 24);
     assert_eq!(s.protocol_disconnects + s.device_errors + s.requests_refused, 0, "{s:?}");
+}
+
+#[test]
+fn writes_read_straight_into_the_queue_match_a_model() {
+    const REGION: u64 = 2 << 20;
+    let mut dev = QueuedMem::new(8 << 20, 1, 4);
+    dev.fill = true;
+    let dev = Arc::new(dev);
+    let srv = start(&dev, "queue-fill");
+    let socket = srv.socket.clone();
+    let model = bounded(move || {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut c = Client::connect_unix(&socket, "export").unwrap();
+        let mut model = vec![0u8; REGION as usize];
+        for round in 0..6 {
+            // Writes to disjoint 128 KiB blocks, from one block to 128 KiB (beyond what the
+            // inbox holds, and beyond what the queue takes whole), reads among them; two a
+            // round the queue fails, one before and one after it asked for part of the
+            // payload: their answers are errors, and the requests behind them stand.
+            let mut want = HashMap::new();
+            for b in 0..REGION / (128 << 10) {
+                let len = 512 * rng.random_range(1..=256usize);
+                let mut data = vec![0u8; len];
+                rng.fill_bytes(&mut data);
+                let off = b * (128 << 10);
+                model[off as usize..off as usize + len].copy_from_slice(&data);
+                want.insert(c.submit(Command::Write, 0, off, len as u32, &data).unwrap(), 0);
+                if b == round {
+                    for at in [BAD.start, BAD.start - 8192] {
+                        let h = c.submit(Command::Write, 0, at, 16384, &[3; 16384]).unwrap();
+                        want.insert(h, Errno::Io.as_u32());
+                    }
+                }
+                let at = 512 * rng.random_range(0..(REGION - 4096) / 512);
+                want.insert(c.submit(Command::Read, 0, (4 << 20) + at, 4096, &[]).unwrap(), 0);
+            }
+            while c.in_flight() > 0 {
+                let d = c.complete().unwrap();
+                assert_eq!(want.remove(&d.handle), Some(d.error), "one answer for handle {}", d.handle);
+            }
+            assert!(want.is_empty());
+            reads_match_model(&mut c, &mut rng, 0, &model, 16, 256);
+        }
+        c.disconnect().unwrap();
+        model
+    });
+    wait_for("the connection to close", || srv.server.stats().connections_active == 0);
+    assert!(read_all(&*dev, 0, REGION as usize) == model);
+    let filled = dev.filled.load(Ordering::Relaxed);
+    // Those longer than the queue takes (64 KiB) go the plain way.
+    assert!(filled > 6 * 16 / 4, "most writes were read straight into the queue: {filled}");
+    assert_eq!(dev.dropped_busy.load(Ordering::Relaxed), 0, "every queue ended empty");
+    let s = srv.server.stats();
+    assert_eq!(s.requests_write, 6 * 18);
+    assert_eq!((s.device_errors, s.protocol_disconnects), (12, 0), "{s:?}");
 }
 
 #[test]

@@ -152,6 +152,23 @@ impl BlockQueue for NvmeQueue<'_> {
         let r = self.stream.submit_write_shared(tag, offset, data, fua);
         self.submitted(r)
     }
+    fn submit_write_filled(
+        &mut self,
+        tag: u64,
+        offset: u64,
+        len: usize,
+        fua: bool,
+        fill: &mut dyn FnMut(&mut [&mut [u8]]) -> bool,
+    ) -> Option<core::result::Result<bool, DeviceError>> {
+        if !self.stream.writes_in_place() {
+            return None;
+        }
+        if !self.room_for(len) {
+            return Some(Ok(false));
+        }
+        let r = self.stream.submit_write_filled(tag, offset, len, fua, fill)?;
+        Some(self.submitted(r))
+    }
     fn write_piece_bytes(&self) -> Option<usize> {
         self.stream.write_piece_bytes()
     }

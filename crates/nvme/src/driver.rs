@@ -117,6 +117,13 @@ pub trait DmaMemory: Send + Sync {
         f(&[&buf]);
         Ok(())
     }
+    /// Whether [`DmaMemory::lend_mut`] lends the memory itself (no copy): the driver then lets
+    /// a writer put a write's data straight into its DMA buffer
+    /// ([`IoStream::submit_write_filled`]). The default
+    /// says no, as its `lend_mut` copies.
+    fn lends_in_place(&self) -> bool {
+        false
+    }
     /// Lends the `len` bytes at `addr` to `f` to write in place, as slices of the memory itself
     /// held still for the call, in order. The run is wholly the caller's: what `f` leaves alone
     /// may be left as it was or overwritten. The default lends a zeroed buffer and writes all of

@@ -14,9 +14,11 @@
 //! wait for every request in flight to finish. Where the queue stores writes sooner in pieces
 //! ([`BlockQueue::write_piece_bytes`]), a longer write's payload is read a piece at a time and
 //! each piece submitted as soon as it is in, so the device works on the first while the rest
-//! still arrives; the write is answered once all its pieces are. Requests the queue does not
-//! take (flush, trim, write zeroes, larger than the queue's limit) run the plain way, on this
-//! thread, in the order they came.
+//! still arrives; the write is answered once all its pieces are. Where the queue takes a
+//! write's data in its own memory ([`BlockQueue::submit_write_filled`]), the payload is read
+//! from the socket straight there: no buffer of the connection's and no second copy. Requests
+//! the queue does not take (flush, trim, write zeroes, larger than the queue's limit) run the
+//! plain way, on this thread, in the order they came.
 
 use std::collections::HashMap;
 use std::io::{self, Read};
@@ -26,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use super::{bump, reply_header, Conn, ConnError, Ended, ExportLimits, Job, KEEP_BUFFER_BYTES};
 use crate::device::{BlockQueue, DeviceError, Reaped};
-use crate::proto::{Action, RequestHeader};
+use crate::proto::{Action, Errno, RequestHeader};
 
 /// Longest wait on the device while requests are in flight before the socket is looked at
 /// again (a request that arrives meanwhile waits at most this long to be submitted).
@@ -97,14 +99,55 @@ impl Inbox {
 /// request (or the rest of a payload) soon after the last: look for it without sleeping for a
 /// little while first, which saves the wake-up.
 fn recv_soon(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    soon(|wait| recv(fd, buf, wait))
+}
+
+/// Calls `recv` without waiting (`false`) until something has arrived or
+/// [`SOCKET_SPIN`] has passed, then once waiting (`true`).
+fn soon(mut recv: impl FnMut(bool) -> io::Result<usize>) -> io::Result<usize> {
     let until = Instant::now() + SOCKET_SPIN;
     while Instant::now() < until {
-        match recv(fd, buf, false) {
+        match recv(false) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
             r => return r,
         }
     }
-    recv(fd, buf, true)
+    recv(true)
+}
+
+/// Most buffers one `recvmsg(2)` fills (Linux's `UIO_MAXIOV`).
+const MAX_IOVECS: usize = 1024;
+
+/// `recvmsg(2)` into `slices` in order, the first from byte `skip` on; without `wait`,
+/// `MSG_DONTWAIT`.
+#[allow(unsafe_code)] // one recvmsg(2) into the caller's buffers: the standard library has no vectored recv with flags
+fn recv_slices(fd: RawFd, slices: &mut [&mut [u8]], skip: usize, wait: bool) -> io::Result<usize> {
+    let mut iov: Vec<libc::iovec> = slices
+        .iter_mut()
+        .take(MAX_IOVECS)
+        .enumerate()
+        .map(|(i, s)| {
+            let s = if i == 0 { &mut s[skip..] } else { &mut s[..] };
+            libc::iovec { iov_base: s.as_mut_ptr().cast(), iov_len: s.len() }
+        })
+        .collect();
+    // SAFETY: a zeroed msghdr is a valid empty one.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len();
+    let flags = if wait { 0 } else { libc::MSG_DONTWAIT };
+    loop {
+        // SAFETY: every iovec names a part of a slice the caller lends mutably for the call;
+        // `msg` points at them and at nothing else; `fd` is the connection's socket.
+        let n = unsafe { libc::recvmsg(fd, &mut msg, flags) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
 }
 
 /// `recv(2)` of what fits in `buf`; without `wait`, `MSG_DONTWAIT`.
@@ -121,6 +164,47 @@ fn recv(fd: RawFd, buf: &mut [u8], wait: bool) -> io::Result<usize> {
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
             return Err(e);
+        }
+    }
+}
+
+impl Inbox {
+    /// Fills every byte of `slices`, in order: what is buffered first, then the rest straight
+    /// from the socket when it is large (not through the buffer), else through the buffer.
+    /// `Err(UnexpectedEof)` when the client closes first.
+    fn read_slices(&mut self, slices: &mut [&mut [u8]]) -> io::Result<()> {
+        let (mut i, mut at) = (0, 0);
+        loop {
+            while i < slices.len() && at == slices[i].len() {
+                (i, at) = (i + 1, 0);
+            }
+            let Some(slice) = slices.get_mut(i) else { return Ok(()) };
+            if self.start < self.end {
+                let n = (self.end - self.start).min(slice.len() - at);
+                slice[at..at + n].copy_from_slice(&self.buf[self.start..self.start + n]);
+                self.start += n;
+                at += n;
+                continue;
+            }
+            let rest = slices[i..].iter().map(|s| s.len()).sum::<usize>() - at;
+            let n = if rest >= DIRECT_READ_BYTES {
+                let n = soon(|wait| recv_slices(self.fd, &mut slices[i..], at, wait))?;
+                let mut left = n;
+                while left > 0 {
+                    let step = left.min(slices[i].len() - at);
+                    at += step;
+                    left -= step;
+                    if at == slices[i].len() && left > 0 {
+                        (i, at) = (i + 1, 0);
+                    }
+                }
+                n
+            } else {
+                self.fill(true)?
+            };
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
         }
     }
 }
@@ -197,6 +281,16 @@ struct Streamed {
 struct Piece {
     offset: u64,
     len: usize,
+    fua: bool,
+}
+
+/// A write whose payload goes straight into the device's memory (see
+/// [`Conn::write_filled`]): its handle and what its header asks.
+#[derive(Clone, Copy)]
+struct Filled {
+    handle: u64,
+    offset: u64,
+    length: u32,
     fua: bool,
 }
 
@@ -288,6 +382,16 @@ impl Conn<'_> {
                                 let to = Piece { offset, len: piece, fua };
                                 self.stream_write(&mut inbox, queue, &mut book, &mut lent, write, to)
                                     .map(|()| None)
+                            }
+                            (Action::Write { offset, length, fua }, _) => {
+                                let write = Filled { handle, offset, length, fua };
+                                match self.write_filled(&mut inbox, queue, &mut book, write) {
+                                    Ok(true) => Ok(None),
+                                    Ok(false) => {
+                                        self.read_payload(&mut inbox, handle, action, &mut spare).map(Some)
+                                    }
+                                    Err(e) => Err(e),
+                                }
                             }
                             _ => self.read_payload(&mut inbox, handle, action, &mut spare).map(Some),
                         };
@@ -424,6 +528,74 @@ impl Conn<'_> {
             }
         }
         read
+    }
+
+    /// Offers `write` (its header read, its payload next on the wire) to a queue that reads a
+    /// write's payload straight into the device's memory ([`BlockQueue::submit_write_filled`]):
+    /// one copy, from the socket, where the plain way copies it into a buffer and the device
+    /// copies it again. `Ok(true)` when it was taken (it is on the queue, or answered with the
+    /// queue's error); `Ok(false)` when the queue does not take writes so, or has no room (the
+    /// payload is still unread); `Err` when the payload cannot be read (the connection ends).
+    fn write_filled(
+        &self,
+        inbox: &mut Inbox,
+        queue: &mut dyn BlockQueue,
+        book: &mut Book,
+        write: Filled,
+    ) -> Result<bool, ConnError> {
+        let Filled { handle, offset, length, fua } = write;
+        let len = length as usize;
+        if len > queue.max_request_bytes() {
+            return Ok(false);
+        }
+        let tag = book.tag();
+        let (mut read, mut failed, mut payload_ns) = (0, None, 0);
+        let submitted = queue.submit_write_filled(tag, offset, len, fua, &mut |slices| {
+            let start = Instant::now();
+            let r = inbox.read_slices(slices);
+            payload_ns += start.elapsed().as_nanos() as u64;
+            match r {
+                Ok(()) => read += slices.iter().map(|s| s.len()).sum::<usize>(),
+                Err(e) => failed = Some(e),
+            }
+            failed.is_none()
+        });
+        bump(&self.counters.payload_ns, payload_ns);
+        match (submitted, failed) {
+            (None, _) | (Some(Ok(false)), None) if read == 0 => return Ok(false),
+            (_, Some(e)) => {
+                // What the queue took of it still finishes, unanswered: the connection ends.
+                return Err(match e.kind() {
+                    io::ErrorKind::UnexpectedEof => ConnError::Truncated("a WRITE payload"),
+                    _ => ConnError::Io(e),
+                });
+            }
+            (Some(Ok(true)), None) => {
+                self.budget.take(length.into());
+                let request = Queued {
+                    handle,
+                    budget_bytes: length.into(),
+                    length,
+                    read: false,
+                    started: Instant::now(),
+                    whole: None,
+                };
+                book.queued.insert(tag, request);
+            }
+            (Some(Err(e)), None) => {
+                bump(&self.counters.device_errors, 1);
+                let _ = self.send(&reply_header(handle, e.errno().as_u32()));
+            }
+            (None | Some(Ok(false)), None) => {
+                // Part of the payload taken without the write: a queue that broke its word.
+                bump(&self.counters.device_errors, 1);
+                let _ = self.send(&reply_header(handle, Errno::Io.as_u32()));
+            }
+        }
+        // A write the queue stopped partway leaves the rest of its payload on the wire.
+        let mut rest = vec![0u8; len - read];
+        super::read_full(inbox, &mut rest, "a WRITE payload")?;
+        Ok(true)
     }
 
     /// Submits `buf`, piece `to` of streamed write `key`, and starts it, waiting for room on
@@ -581,4 +753,48 @@ enum Enqueued {
     Answered,
     /// The queue has no room for it until requests in flight finish.
     NoRoom,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+
+    /// Slices of odd sizes over `buf`, as pages of a device's memory might be.
+    fn slices(buf: &mut [u8]) -> Vec<&mut [u8]> {
+        let mut out = Vec::new();
+        let mut rest = buf;
+        for size in [1, 4095, 3000, 70_000].into_iter().cycle() {
+            if rest.is_empty() {
+                break;
+            }
+            let (head, tail) = rest.split_at_mut(size.min(rest.len()));
+            out.push(head);
+            rest = tail;
+        }
+        out
+    }
+
+    #[test]
+    fn slices_fill_from_the_buffer_then_the_socket() {
+        let data: Vec<u8> = (0..700_000u32).map(|i| (i % 251) as u8).collect();
+        for (buffered, size) in [(0, 700_000), (1000, 700_000), (0, 5000), (3000, 4000), (50_000, 300_000)] {
+            let (mut tx, rx) = UnixStream::pair().unwrap();
+            let mut inbox = Inbox::new(rx.as_raw_fd(), &data[..buffered]);
+            let sent = data[buffered..size].to_vec();
+            // More than the socket holds: the writer blocks until the reader takes it.
+            let writer = std::thread::spawn(move || tx.write_all(&sent).map(|()| tx));
+            let mut got = vec![0u8; size];
+            inbox.read_slices(&mut slices(&mut got)).unwrap();
+            assert!(got == data[..size], "{buffered} buffered, {size} in all");
+            let tx = writer.join().unwrap().unwrap();
+            // The client closes before the next payload is whole.
+            drop(tx);
+            let err = inbox.read_slices(&mut slices(&mut vec![0u8; 200_000])).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        }
+    }
 }

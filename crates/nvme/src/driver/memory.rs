@@ -143,6 +143,10 @@ impl DmaMemory for HostRegion {
         Ok(())
     }
 
+    fn lends_in_place(&self) -> bool {
+        true
+    }
+
     /// Locks the run's pages in order (held for the call, like [`lend`](DmaMemory::lend)) and
     /// lends them for writing where they lie.
     fn lend_mut(&self, addr: u64, len: usize, f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<(), BusError> {

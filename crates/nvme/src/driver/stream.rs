@@ -192,12 +192,41 @@ impl<'d> IoStream<'d> {
         self.submit(tag, offset, data.len(), Some(WriteData::Shared(data)), fua)
     }
 
+    /// Whether [`IoStream::submit_write_filled`] takes writes: their data goes into host
+    /// memory (not the controller's memory buffer) that the driver can lend in place.
+    pub fn writes_in_place(&self) -> bool {
+        self.drv.mem.lends_in_place() && !self.drv.cmb.as_ref().is_some_and(|c| c.write_data)
+    }
+
+    /// Submits a write of `len` bytes at byte `offset` (both multiples of the block size)
+    /// under `tag` whose data `fill` puts straight into the DMA buffers: it is called once per
+    /// command, in order, with that command's buffer as slices of the memory itself, and
+    /// returns `false` when it could not fill them (the write stops there: its commands so far
+    /// finish it, with an error; before the first, nothing is submitted). The caller's data is
+    /// not copied again: the controller reads it where `fill` put it. A command of 64 KiB or
+    /// more starts as soon as it is filled. `None` when the stream does not take writes this
+    /// way ([`IoStream::writes_in_place`]); `fill` is not called when this returns an error
+    /// before the first command (a bad range, no room).
+    pub fn submit_write_filled(
+        &mut self,
+        tag: u64,
+        offset: u64,
+        len: usize,
+        fua: bool,
+        fill: &mut dyn FnMut(&mut [&mut [u8]]) -> bool,
+    ) -> Option<Result<()>> {
+        if !self.writes_in_place() {
+            return None;
+        }
+        Some(self.submit(tag, offset, len, Some(WriteData::Filled(fill)), fua))
+    }
+
     fn submit(
         &mut self,
         tag: u64,
         offset: u64,
         len: usize,
-        data: Option<WriteData<'_>>,
+        mut data: Option<WriteData<'_>>,
         fua: bool,
     ) -> Result<()> {
         let drv = self.drv;
@@ -226,28 +255,31 @@ impl<'d> IoStream<'d> {
             let n = chunk.min(len - at);
             cmds.push((at, drv.rw_command_unfilled(data.is_some(), lba + (at / bs) as u64, n, fua)?));
         }
-        let mut q = lock(&drv.io[self.index]);
-        let deadline = Instant::now() + drv.cfg.io_timeout;
         let pieces = cmds.len();
         let mut request =
             Request { left: pieces, len, read: data.is_none(), pieces: Vec::new(), error: None, started };
         request.pieces.resize_with(pieces, || None);
         for (piece, (at, mut cmd)) in cmds.into_iter().enumerate() {
-            let staged = match (data, &cmd.data) {
+            let staged = match (&mut data, &cmd.data) {
                 (Some(d), Some(buf)) => {
                     let copy = Instant::now();
                     let range = at..(at + chunk).min(len);
                     let r = match d {
                         WriteData::Borrowed(d) => drv.put(buf.addr, &d[range]),
                         WriteData::Shared(d) => drv.put_shared(buf.addr, d, range),
+                        WriteData::Filled(fill) => fill_in_place(drv, buf.addr, range.len(), fill),
                     };
-                    // Statistics counter: Relaxed, nothing is ordered by it.
-                    drv.stats.copy_ns.fetch_add(copy.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    if !matches!(d, WriteData::Filled(_)) {
+                        // Statistics counter: Relaxed, nothing is ordered by it.
+                        drv.stats.copy_ns.fetch_add(copy.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    }
                     r
                 }
                 _ => Ok(()),
-            }
-            .and_then(|()| self.stage(&mut q, &mut cmd));
+            };
+            // The queue's lock only once the data is in: a caller's `fill` may wait for it.
+            let mut q = lock(&drv.io[self.index]);
+            let staged = staged.and_then(|()| self.stage(&mut q, &mut cmd));
             if let Err(e) = staged {
                 if piece == 0 {
                     return Err(e);
@@ -260,6 +292,7 @@ impl<'d> IoStream<'d> {
             // In the queue now: the command and its buffers are kept until it completes or
             // times out, whatever happens next.
             let Pending { sqe, data: buf, lists, .. } = cmd;
+            let deadline = Instant::now() + drv.cfg.io_timeout;
             self.commands
                 .insert(sqe.cid, InFlight { tag, piece, opcode: sqe.opcode, data: buf, lists, deadline });
             // A large write's piece starts at once: the controller writes it to its store while
@@ -442,8 +475,24 @@ impl Drop for IoStream<'_> {
 }
 
 /// A write's data as its caller hands it over.
-#[derive(Clone, Copy)]
 enum WriteData<'a> {
     Borrowed(&'a [u8]),
     Shared(&'a Arc<Vec<u8>>),
+    /// Put into the DMA buffers by the caller (see [`IoStream::submit_write_filled`]).
+    Filled(&'a mut dyn FnMut(&mut [&mut [u8]]) -> bool),
+}
+
+/// Lends the `len` bytes of DMA memory at `addr` to `fill` to write in place.
+fn fill_in_place(
+    drv: &NvmeDriver,
+    addr: u64,
+    len: usize,
+    fill: &mut dyn FnMut(&mut [&mut [u8]]) -> bool,
+) -> Result<()> {
+    let mut filled = false;
+    drv.mem.lend_mut(addr, len, &mut |slices| filled = fill(slices))?;
+    match filled {
+        true => Ok(()),
+        false => Err(DriverError::InvalidArgument("a write's data did not come".into())),
+    }
 }
