@@ -221,3 +221,80 @@ fn a_large_write_starts_piece_by_piece_and_small_ones_wait_for_the_ring() {
     let done = reap_all(&mut s, 1);
     assert!(lent(&done[0]) == big);
 }
+
+/// A `fill` for `IoStream::submit_write_filled` that puts `data` into the slices it is lent,
+/// in order, records how many bytes each call took, and fails its call number `fail_at`.
+fn filler<'a>(
+    data: &'a [u8],
+    calls: &'a mut Vec<usize>,
+    fail_at: Option<usize>,
+) -> impl FnMut(&mut [&mut [u8]]) -> bool + 'a {
+    let mut at = 0;
+    move |slices| {
+        if fail_at == Some(calls.len()) {
+            calls.push(0);
+            return false;
+        }
+        let n: usize = slices.iter().map(|s| s.len()).sum();
+        for s in slices.iter_mut() {
+            let len = s.len();
+            s.copy_from_slice(&data[at..at + len]);
+            at += len;
+        }
+        calls.push(n);
+        true
+    }
+}
+
+#[test]
+fn a_write_filled_in_place_goes_in_pieces_and_stops_where_its_data_does() {
+    // Data in host memory: the caller puts it into the DMA buffers, a piece at a time.
+    let l = LocalNvme::new(controller(512, 8 * MIB, ControllerConfig::default()), 8192, ProcessMode::Thread);
+    let d = l.driver(DriverConfig { io_queues: 2, ..DriverConfig::default() }).unwrap();
+    let mut s = d.stream().unwrap();
+    assert!(s.writes_in_place());
+    let big = pattern(4, 1 << 20);
+    let mut calls = Vec::new();
+    s.submit_write_filled(1, MIB, 1 << 20, false, &mut filler(&big, &mut calls, None)).unwrap().unwrap();
+    assert_eq!(calls, [256 << 10; 4], "one call per piece of `pipelined_write_bytes`");
+    let done = reap_all(&mut s, 1);
+    assert!(done[0].result.is_ok(), "{:?}", done[0].result);
+    drop(done);
+    let copied = d.stats().copy_bytes.load(Ordering::Relaxed);
+    assert!(copied < 4096, "the driver copied no data, only queue entries: {copied}");
+    // The data stops after the first piece: that piece is written, the write fails, and the
+    // pieces after it are never submitted.
+    let other = pattern(5, 1 << 20);
+    calls.clear();
+    s.submit_write_filled(2, MIB, 1 << 20, false, &mut filler(&other, &mut calls, Some(1))).unwrap().unwrap();
+    assert_eq!(calls, [256 << 10, 0]);
+    let done = reap_all(&mut s, 1);
+    assert!(done[0].result.is_err(), "the write whose data stopped failed");
+    drop(done);
+    // No data at all: nothing submitted.
+    calls.clear();
+    let r = s.submit_write_filled(3, 0, 8192, false, &mut filler(&other, &mut calls, Some(0))).unwrap();
+    assert!(r.is_err() && s.in_flight() == 0, "{r:?}");
+    // A bad range: refused before any data is asked for.
+    calls.clear();
+    let r = s.submit_write_filled(4, 8 * MIB, 4096, false, &mut filler(&other, &mut calls, None)).unwrap();
+    assert!(r.is_err() && calls.is_empty(), "{r:?}");
+    s.submit_read(5, MIB, 1 << 20).unwrap();
+    s.ring().unwrap();
+    let done = reap_all(&mut s, 1);
+    let mut want = other[..256 << 10].to_vec();
+    want.extend_from_slice(&big[256 << 10..]);
+    assert!(lent(&done[0]) == want, "the first piece of the stopped write, the rest of the first");
+    drop(done);
+    drop(s);
+    drop(d);
+    assert_eq!(l.region().pages_in_use(), 0, "every DMA buffer freed");
+
+    // Write data in the memory buffer: not taken this way.
+    let cfg = ControllerConfig { cmb_bytes: 16 * MIB, ..ControllerConfig::default() };
+    let l = LocalNvme::new(controller(512, 8 * MIB, cfg), 8192, ProcessMode::Thread);
+    let d = l.driver(DriverConfig { io_queues: 2, ..DriverConfig::default() }).unwrap();
+    let mut s = d.stream().unwrap();
+    assert!(!s.writes_in_place());
+    assert!(s.submit_write_filled(1, 0, 4096, false, &mut |_| true).is_none());
+}

@@ -102,6 +102,19 @@ impl NvmeDriver {
         }
     }
 
+    /// Command size of a write whose data its caller puts into DMA memory as it arrives
+    /// ([`IoStream::submit_write_filled`](super::IoStream::submit_write_filled)):
+    /// [`DriverConfig::pipelined_write_bytes`](super::DriverConfig), so that the controller
+    /// fetches one piece while the next still arrives.
+    pub(super) fn filled_chunk_bytes(&self) -> usize {
+        let chunk = self.chunk_bytes();
+        let lba = self.identity.lba_size as usize;
+        match self.cfg.pipelined_write_bytes {
+            0 => chunk,
+            n => (n / lba * lba).clamp(lba, chunk),
+        }
+    }
+
     pub(super) fn chunk_bytes(&self) -> usize {
         let lba = self.identity.lba_size as usize;
         self.identity.max_transfer_bytes.min(65536 * lba) / lba * lba

@@ -132,7 +132,8 @@ impl<'d> IoStream<'d> {
     ///
     /// [`DriverConfig::pipelined_write_bytes`]: super::DriverConfig::pipelined_write_bytes
     pub fn commands_for(&self, len: usize) -> usize {
-        len.div_ceil(self.drv.write_chunk_bytes().min(self.drv.chunk_bytes())).max(1)
+        let drv = self.drv;
+        len.div_ceil(drv.write_chunk_bytes().min(drv.chunk_bytes()).min(drv.filled_chunk_bytes())).max(1)
     }
 
     /// The command size of a write split finer than MDTS (its data goes into the memory
@@ -203,8 +204,10 @@ impl<'d> IoStream<'d> {
     /// command, in order, with that command's buffer as slices of the memory itself, and
     /// returns `false` when it could not fill them (the write stops there: its commands so far
     /// finish it, with an error; before the first, nothing is submitted). The caller's data is
-    /// not copied again: the controller reads it where `fill` put it. A command of 64 KiB or
-    /// more starts as soon as it is filled. `None` when the stream does not take writes this
+    /// not copied again: the controller reads it where `fill` put it. The commands are of
+    /// [`DriverConfig::pipelined_write_bytes`](super::DriverConfig::pipelined_write_bytes) at
+    /// most, and one of 64 KiB or more starts as soon as it is filled: the controller fetches
+    /// it while the caller still receives the next. `None` when the stream does not take writes this
     /// way ([`IoStream::writes_in_place`]); `fill` is not called when this returns an error
     /// before the first command (a bad range, no room).
     pub fn submit_write_filled(
@@ -248,7 +251,11 @@ impl<'d> IoStream<'d> {
         }
         let started = Instant::now();
         let lba = offset / bs as u64;
-        let chunk = if data.is_some() { drv.write_chunk_bytes() } else { drv.chunk_bytes() };
+        let chunk = match &data {
+            Some(WriteData::Filled(_)) => drv.filled_chunk_bytes(),
+            Some(_) => drv.write_chunk_bytes(),
+            None => drv.chunk_bytes(),
+        };
         // Build every command first: a request goes in whole or not at all.
         let mut cmds = Vec::with_capacity(len.div_ceil(chunk));
         for at in (0..len).step_by(chunk) {
