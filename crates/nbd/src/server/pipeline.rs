@@ -533,9 +533,11 @@ impl Conn<'_> {
     /// Offers `write` (its header read, its payload next on the wire) to a queue that reads a
     /// write's payload straight into the device's memory ([`BlockQueue::submit_write_filled`]):
     /// one copy, from the socket, where the plain way copies it into a buffer and the device
-    /// copies it again. `Ok(true)` when it was taken (it is on the queue, or answered with the
-    /// queue's error); `Ok(false)` when the queue does not take writes so, or has no room (the
-    /// payload is still unread); `Err` when the payload cannot be read (the connection ends).
+    /// copies it again. A queue without room is waited for while it has requests in flight.
+    /// `Ok(true)` when it was taken (it is on the queue, or answered with the queue's error);
+    /// `Ok(false)` when the queue does not take writes so, or has no room with nothing in flight
+    /// (the payload is still unread); `Err` when the payload cannot be read (the connection
+    /// ends).
     fn write_filled(
         &self,
         inbox: &mut Inbox,
@@ -550,7 +552,7 @@ impl Conn<'_> {
         }
         let tag = book.tag();
         let (mut read, mut failed, mut payload_ns) = (0, None, 0);
-        let submitted = queue.submit_write_filled(tag, offset, len, fua, &mut |slices| {
+        let mut fill = |slices: &mut [&mut [u8]]| {
             let start = Instant::now();
             let r = inbox.read_slices(slices);
             payload_ns += start.elapsed().as_nanos() as u64;
@@ -559,7 +561,21 @@ impl Conn<'_> {
                 Err(e) => failed = Some(e),
             }
             failed.is_none()
-        });
+        };
+        let submitted = loop {
+            match queue.submit_write_filled(tag, offset, len, fua, &mut fill) {
+                // No room until requests in flight finish: wait for them here, the payload
+                // left on the wire (reading it into a buffer of the connection's would only
+                // copy it once more, and nothing behind it can be read before it anyway).
+                Some(Ok(false)) if queue.in_flight() > 0 => {
+                    self.start(queue);
+                    if self.reap(queue, book) == 0 {
+                        queue.wait(DEVICE_WAIT);
+                    }
+                }
+                submitted => break submitted,
+            }
+        };
         bump(&self.counters.payload_ns, payload_ns);
         match (submitted, failed) {
             (None, _) | (Some(Ok(false)), None) if read == 0 => return Ok(false),
