@@ -342,6 +342,11 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
             c("bridge_prefetches_used_total", "Prefetched DMA reads used.", b.prefetches_used),
             c("bridge_foreign_requests_total", "Requests from hosts not ours.", b.foreign_requests),
             c("bridge_host_changes_total", "Times the bridge took up or lost its host.", b.host_changes),
+            c(
+                "bridge_payload_bytes_copied_total",
+                "Payload bytes the bridge copied out of received TLPs or into completions.",
+                b.payload_bytes_copied,
+            ),
         ]);
         out.push(Sample::gauge("group", "The group the I/O box serves.", f64::from(bridge.group())));
         out.push(Sample::gauge(
@@ -359,6 +364,11 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
                     "nvme_error_completions_total",
                     "NVMe commands completed with an error.",
                     n.error_completions,
+                ),
+                c(
+                    "nvme_bytes_copied_total",
+                    "Bytes the drive copied: host writes into its memory buffer, a command's data into its own buffer.",
+                    n.bytes_copied,
                 ),
             ]);
         }
@@ -860,7 +870,20 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
             c("bridge_interrupts_total", "MSI-X interrupts delivered.", b.interrupts),
             c("bridge_completion_timeouts_total", "Requests that timed out.", b.timeouts),
             c("bridge_device_gone_total", "Requests failed because their device went.", b.device_gone),
+            c(
+                "bridge_payload_bytes_copied_total",
+                "Payload bytes the bridge copied: device writes into host memory, completions of device reads.",
+                b.payload_bytes_copied,
+            ),
         ]);
+        if let Some(e) = lock().as_ref() {
+            let s = e.driver.stats();
+            out.push(c(
+                "nvme_driver_bytes_copied_total",
+                "Bytes the NVMe driver copied into and out of its DMA memory.",
+                s.copy_bytes.load(Ordering::Relaxed),
+            ));
+        }
         out.push(Sample::gauge("devices", "Remote functions enumerated.", host.devices().len() as f64));
         out.push(Sample::gauge(
             "exported",

@@ -156,6 +156,15 @@ fn host_restart_keeps_flushed_data_and_device_loss_unexports() {
     assert!(first.contains("# TYPE lanbus_frames_sent_total counter"), "{first}");
     assert_eq!(value(&first, "lanbus_group"), 9.0);
     let writes = value(&first, "lanbus_nvme_io_commands_total");
+    // The bytes each part copied: the drive's data crossed the port, and the transport sent
+    // at least what it lent.
+    assert!(value(&first, "lanbus_port_tx_bytes_total") > 0.0, "{first}");
+    let (sent, lent) =
+        (value(&first, "lanbus_message_bytes_sent_total"), value(&first, "lanbus_message_bytes_lent_total"));
+    assert!(sent > 0.0 && sent >= lent, "{first}");
+    for series in ["lanbus_bridge_payload_bytes_copied_total", "lanbus_nvme_bytes_copied_total"] {
+        value(&first, series);
+    }
     assert!(st["metrics"]["lanbus_nvme_io_commands_total"].as_f64().unwrap() >= 3.0, "{st}");
 
     // The host restarts on the same port (same MAC, a new session): the data is there.

@@ -88,9 +88,22 @@ pub fn runtime_samples(stats: &Stats, out: &mut Vec<Sample>) {
         c("peer_restarts_total", "Peers seen coming back with a new epoch.", t.peer_restarts),
         c("rate_decreases_total", "Rate cuts by rate control (delay above target, timeouts).", t.rate_decreases),
         c("messages_sent_total", "Messages queued for sending.", t.messages_sent),
+        c("message_bytes_sent_total", "Bytes of the messages queued for sending.", t.bytes_sent),
+        c(
+            "message_bytes_lent_total",
+            "Bytes of sent messages the frames pointed at where their sender kept them (not copied into frames).",
+            t.bytes_lent,
+        ),
+        c(
+            "bytes_copied_on_delivery_total",
+            "Bytes the transport copied while delivering (put together from several frames, held past a hole).",
+            t.bytes_copied_on_delivery,
+        ),
         c("messages_delivered_total", "Messages delivered in order.", t.messages_delivered),
         c("port_rx_frames_total", "Frames the port received.", stats.port.rx_frames),
         c("port_tx_frames_total", "Frames the port sent.", stats.port.tx_frames),
+        c("port_rx_bytes_total", "Bytes of the frames the port received.", stats.port.rx_bytes),
+        c("port_tx_bytes_total", "Bytes of the frames the port sent.", stats.port.tx_bytes),
         c("port_rx_dropped_total", "Frames the port dropped on receive.", stats.port.rx_dropped),
         c(
             "port_rx_filtered_total",
