@@ -853,10 +853,15 @@ struct Conn<'a> {
 }
 
 fn read_full(r: &mut impl Read, buf: &mut [u8], what: &'static str) -> Result<(), ConnError> {
-    r.read_exact(buf).map_err(|e| match e.kind() {
+    r.read_exact(buf).map_err(|e| read_error(e, what))
+}
+
+/// The connection's error when reading `what` failed with `e`.
+fn read_error(e: io::Error, what: &'static str) -> ConnError {
+    match e.kind() {
         io::ErrorKind::UnexpectedEof => ConnError::Truncated(what),
         _ => ConnError::Io(e),
-    })
+    }
 }
 
 impl Conn<'_> {

@@ -263,6 +263,20 @@ struct Queued {
     whole: Option<u64>,
 }
 
+impl Queued {
+    /// A write of `length` bytes, starting now, whole.
+    fn write(handle: u64, length: u32) -> Queued {
+        Queued {
+            handle,
+            budget_bytes: length.into(),
+            length,
+            read: false,
+            started: Instant::now(),
+            whole: None,
+        }
+    }
+}
+
 /// A write that went to the queue in pieces.
 struct Streamed {
     /// The request as its answer needs it (`whole` unset).
@@ -371,14 +385,7 @@ impl Conn<'_> {
                             (Action::Write { offset, length, fua }, Some(piece))
                                 if length as usize > piece =>
                             {
-                                let write = Queued {
-                                    handle,
-                                    budget_bytes: length.into(),
-                                    length,
-                                    read: false,
-                                    started: Instant::now(),
-                                    whole: None,
-                                };
+                                let write = Queued::write(handle, length);
                                 let to = Piece { offset, len: piece, fua };
                                 self.stream_write(&mut inbox, queue, &mut book, &mut lent, write, to)
                                     .map(|()| None)
@@ -581,22 +588,11 @@ impl Conn<'_> {
             (None, _) | (Some(Ok(false)), None) if read == 0 => return Ok(false),
             (_, Some(e)) => {
                 // What the queue took of it still finishes, unanswered: the connection ends.
-                return Err(match e.kind() {
-                    io::ErrorKind::UnexpectedEof => ConnError::Truncated("a WRITE payload"),
-                    _ => ConnError::Io(e),
-                });
+                return Err(super::read_error(e, "a WRITE payload"));
             }
             (Some(Ok(true)), None) => {
                 self.budget.take(length.into());
-                let request = Queued {
-                    handle,
-                    budget_bytes: length.into(),
-                    length,
-                    read: false,
-                    started: Instant::now(),
-                    whole: None,
-                };
-                book.queued.insert(tag, request);
+                book.queued.insert(tag, Queued::write(handle, length));
             }
             (Some(Err(e)), None) => {
                 bump(&self.counters.device_errors, 1);
