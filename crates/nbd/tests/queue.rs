@@ -44,6 +44,8 @@ struct QueuedMem {
     /// memory (`BlockQueue::submit_write_filled`), and how many they took so.
     fill: bool,
     filled: AtomicUsize,
+    /// Whether the queues ask `fill` for more bytes than a write's payload (a broken queue).
+    greedy: bool,
 }
 
 impl QueuedMem {
@@ -61,6 +63,7 @@ impl QueuedMem {
             largest_write: AtomicUsize::new(0),
             fill: false,
             filled: AtomicUsize::new(0),
+            greedy: false,
         }
     }
 }
@@ -136,6 +139,13 @@ impl BlockQueue for MemQueue<'_> {
         // fails after its first part is in (the server reads and drops the rest).
         if BAD.contains(&offset) {
             return Some(Err(failed()));
+        }
+        if self.dev.greedy {
+            let mut more = vec![0u8; len + 512];
+            return Some(match fill(&mut [&mut more[..]]) {
+                true => self.submit(tag, Op::Write { offset, data: more }),
+                false => Err(failed()),
+            });
         }
         let mut data = vec![0u8; len];
         let (first, second) = data.split_at_mut(len / 2);
@@ -400,6 +410,26 @@ fn writes_read_straight_into_the_queue_match_a_model() {
     let s = srv.server.stats();
     assert_eq!(s.requests_write, 6 * 18);
     assert_eq!((s.device_errors, s.protocol_disconnects), (12, 0), "{s:?}");
+}
+
+#[test]
+fn a_queue_that_asks_for_more_than_a_payload_gets_none_of_the_next_request() {
+    let mut dev = QueuedMem::new(8 << 20, 1, 2);
+    (dev.fill, dev.greedy) = (true, true);
+    let dev = Arc::new(dev);
+    let srv = start(&dev, "queue-greedy");
+    let socket = srv.socket.clone();
+    bounded(move || {
+        // The write's payload and the read's header right behind it: the server does not read
+        // the header as payload, and ends the connection rather than go on out of step.
+        let mut c = Client::connect_unix(&socket, "export").unwrap();
+        c.submit(Command::Write, 0, 0, 4096, &[5; 4096]).unwrap();
+        c.submit(Command::Read, 0, 0, 4096, &[]).unwrap();
+        assert!(c.complete().is_err(), "the connection ended");
+    });
+    wait_for("the connection to close", || srv.server.stats().connections_active == 0);
+    assert_eq!(dev.writes.load(Ordering::Relaxed), 0, "nothing was written");
+    assert!(read_all(&*dev, 0, 4096) == vec![0; 4096]);
 }
 
 #[test]

@@ -560,11 +560,21 @@ impl Conn<'_> {
         let tag = book.tag();
         let (mut read, mut failed, mut payload_ns) = (0, None, 0);
         let mut fill = |slices: &mut [&mut [u8]]| {
+            let n = slices.iter().map(|s| s.len()).sum::<usize>();
+            if read + n > len {
+                // Bytes beyond the payload are the next request's: never read them here.
+                let e = io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "a queue asked for more than a WRITE payload",
+                );
+                failed = Some(e);
+                return false;
+            }
             let start = Instant::now();
             let r = inbox.read_slices(slices);
             payload_ns += start.elapsed().as_nanos() as u64;
             match r {
-                Ok(()) => read += slices.iter().map(|s| s.len()).sum::<usize>(),
+                Ok(()) => read += n,
                 Err(e) => failed = Some(e),
             }
             failed.is_none()
