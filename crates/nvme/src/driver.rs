@@ -119,8 +119,7 @@ pub trait DmaMemory: Send + Sync {
     }
     /// Whether [`DmaMemory::lend_mut`] lends the memory itself (no copy): the driver then lets
     /// a writer put a write's data straight into its DMA buffer
-    /// ([`IoStream::submit_write_filled`]). The default
-    /// says no, as its `lend_mut` copies.
+    /// ([`IoStream::submit_write_filled`]). The default says no, as its `lend_mut` copies.
     fn lends_in_place(&self) -> bool {
         false
     }

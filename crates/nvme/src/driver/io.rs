@@ -89,24 +89,20 @@ impl NvmeDriver {
         (self.cfg.max_inflight_bytes / chunk).max(1) * chunk
     }
 
-    /// Command size of a write: [`DriverConfig::pipelined_write_bytes`](super::DriverConfig)
-    /// when write data goes into the memory buffer, else as for a read.
+    /// Command size of a write: [`NvmeDriver::pipelined_chunk_bytes`] when write data goes
+    /// into the memory buffer, else as for a read.
     pub(super) fn write_chunk_bytes(&self) -> usize {
-        let chunk = self.chunk_bytes();
-        let lba = self.identity.lba_size as usize;
-        match self.cfg.pipelined_write_bytes {
-            n if n > 0 && self.cmb.as_ref().is_some_and(|c| c.write_data) => {
-                (n / lba * lba).clamp(lba, chunk)
-            }
-            _ => chunk,
+        match self.cmb.as_ref().is_some_and(|c| c.write_data) {
+            true => self.pipelined_chunk_bytes(),
+            false => self.chunk_bytes(),
         }
     }
 
-    /// Command size of a write whose data its caller puts into DMA memory as it arrives
-    /// ([`IoStream::submit_write_filled`](super::IoStream::submit_write_filled)):
-    /// [`DriverConfig::pipelined_write_bytes`](super::DriverConfig), so that the controller
-    /// fetches one piece while the next still arrives.
-    pub(super) fn filled_chunk_bytes(&self) -> usize {
+    /// Command size of a write sent as its data arrives (into the memory buffer, or filled in
+    /// place by [`IoStream::submit_write_filled`](super::IoStream::submit_write_filled)):
+    /// [`DriverConfig::pipelined_write_bytes`](super::DriverConfig) in whole blocks, at most
+    /// MDTS; 0 keeps MDTS.
+    pub(super) fn pipelined_chunk_bytes(&self) -> usize {
         let chunk = self.chunk_bytes();
         let lba = self.identity.lba_size as usize;
         match self.cfg.pipelined_write_bytes {

@@ -128,12 +128,12 @@ impl<'d> IoStream<'d> {
     }
 
     /// Commands a request of `len` bytes takes at most (a transfer is split at MDTS, a write
-    /// into the memory buffer finer: see [`DriverConfig::pipelined_write_bytes`]).
+    /// sent as its data arrives finer: see [`DriverConfig::pipelined_write_bytes`]).
     ///
     /// [`DriverConfig::pipelined_write_bytes`]: super::DriverConfig::pipelined_write_bytes
     pub fn commands_for(&self, len: usize) -> usize {
-        let drv = self.drv;
-        len.div_ceil(drv.write_chunk_bytes().min(drv.chunk_bytes()).min(drv.filled_chunk_bytes())).max(1)
+        // The smallest command of any request (`pipelined_chunk_bytes` never exceeds MDTS).
+        len.div_ceil(self.drv.pipelined_chunk_bytes()).max(1)
     }
 
     /// The command size of a write split finer than MDTS (its data goes into the memory
@@ -207,9 +207,9 @@ impl<'d> IoStream<'d> {
     /// not copied again: the controller reads it where `fill` put it. The commands are of
     /// [`DriverConfig::pipelined_write_bytes`](super::DriverConfig::pipelined_write_bytes) at
     /// most, and one of 64 KiB or more starts as soon as it is filled: the controller fetches
-    /// it while the caller still receives the next. `None` when the stream does not take writes this
-    /// way ([`IoStream::writes_in_place`]); `fill` is not called when this returns an error
-    /// before the first command (a bad range, no room).
+    /// it while the caller still receives the next. `None` when the stream does not take
+    /// writes this way ([`IoStream::writes_in_place`]); `fill` is not called when this returns
+    /// an error before the first command (a bad range, no room).
     pub fn submit_write_filled(
         &mut self,
         tag: u64,
@@ -252,7 +252,7 @@ impl<'d> IoStream<'d> {
         let started = Instant::now();
         let lba = offset / bs as u64;
         let chunk = match &data {
-            Some(WriteData::Filled(_)) => drv.filled_chunk_bytes(),
+            Some(WriteData::Filled(_)) => drv.pipelined_chunk_bytes(),
             Some(_) => drv.write_chunk_bytes(),
             None => drv.chunk_bytes(),
         };

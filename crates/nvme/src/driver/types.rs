@@ -52,9 +52,10 @@ pub struct DriverConfig {
     /// write is split into commands of this size, each submitted as soon as its data is posted,
     /// so the controller writes one to its store while the next still crosses the bus. 0 keeps
     /// commands as large as MDTS allows. Data in host memory is split so only when its caller
-    /// puts it there as it arrives ([`IoStream::submit_write_filled`](super::IoStream::submit_write_filled)): the
-    /// controller fetches one piece while the next arrives. Data already whole in host memory is
-    /// not split (smaller commands would only add round trips).
+    /// puts it there as it arrives
+    /// ([`IoStream::submit_write_filled`](super::IoStream::submit_write_filled)): the controller
+    /// fetches one piece while the next arrives. Data already whole in host memory is not split
+    /// (smaller commands would only add round trips).
     pub pipelined_write_bytes: usize,
     /// Describe a buffer of more than two memory pages with one SGL Data Block descriptor when
     /// the controller takes SGLs (Identify Controller SGLS), instead of PRPs whose list the
