@@ -410,4 +410,43 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn export_specs() {
+        assert_eq!("nbd:/tmp/a.sock".parse::<ExportSpec>().unwrap(), ExportSpec::Unix("/tmp/a.sock".into()));
+        assert_eq!(
+            "nbd:tcp:127.0.0.1:10809".parse::<ExportSpec>().unwrap(),
+            ExportSpec::Tcp("127.0.0.1:10809".parse().unwrap())
+        );
+        assert!("nbd:".parse::<ExportSpec>().is_err());
+        assert!("tcp:1.2.3.4:5".parse::<ExportSpec>().is_err());
+        assert!("nbd:tcp:nothing".parse::<ExportSpec>().is_err());
+    }
+
+    #[test]
+    fn config_files() {
+        let d: DeviceFile =
+            toml::from_str("port = \"udp:127.0.0.1:7000\"\ngroup = 7\nnvme = \"ram=64M\"\nlba_size = 4096\n")
+                .unwrap();
+        assert_eq!((d.group, d.lba_size, d.nvme.as_deref()), (Some(7), Some(4096), Some("ram=64M")));
+        assert!(toml::from_str::<DeviceFile>("colour = 1\n").is_err());
+        let h: HostFile = toml::from_str("port = \"x\"\nexport = \"nbd:/tmp/s\"\n").unwrap();
+        assert_eq!(h.export.unwrap().into_vec(), ["nbd:/tmp/s"]);
+        let h: HostFile = toml::from_str("port = \"x\"\nexport = [\"nbd:/tmp/s\", \"tap:lb0\"]\n").unwrap();
+        assert_eq!(h.export.unwrap().into_vec(), ["nbd:/tmp/s", "tap:lb0"]);
+    }
+
+    #[test]
+    fn backings() {
+        assert_eq!(
+            "ram=1M".parse::<crate::drive::NvmeBacking>().unwrap(),
+            crate::drive::NvmeBacking::Ram(1 << 20)
+        );
+        assert_eq!(
+            "file=/x,size=2G".parse::<crate::drive::NvmeBacking>().unwrap(),
+            crate::drive::NvmeBacking::File { path: "/x".into(), size: Some(2 << 30) }
+        );
+        assert!("disk=/x".parse::<crate::drive::NvmeBacking>().is_err());
+        assert!("ram=1M,size=2".parse::<crate::drive::NvmeBacking>().is_err());
+    }
 }
