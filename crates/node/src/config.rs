@@ -183,6 +183,42 @@ pub struct HostFile {
     pub metrics: Option<String>,
 }
 
+/// The messaging daemon's configuration file (TOML; every key optional, the command line wins).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MsgdFile {
+    /// The port spec.
+    pub port: Option<String>,
+    /// The Unix socket processes attach at.
+    pub socket: Option<PathBuf>,
+    /// The fabric group.
+    pub group: Option<u16>,
+}
+
+/// The stack server's configuration file (TOML; every key optional, the command line wins).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StackdFile {
+    /// The port spec (afpacket:IFACE).
+    pub port: Option<String>,
+    /// The stack's IPv4 address and prefix length.
+    pub ip: Option<String>,
+    /// The IPv4 default route.
+    pub gateway: Option<std::net::Ipv4Addr>,
+    /// An IPv6 address and prefix length.
+    pub ip6: Option<String>,
+    /// The IPv6 default route.
+    pub gateway6: Option<std::net::Ipv6Addr>,
+    /// The Unix socket programs attach at.
+    pub socket: Option<PathBuf>,
+    /// The control socket.
+    pub control: Option<PathBuf>,
+    /// Bytes of each TCP connection's receive and send buffers.
+    pub tcp_buffer: Option<usize>,
+    /// Seconds a connection waits for a silent peer.
+    pub tcp_timeout: Option<u64>,
+}
+
 /// One export spec or several, in a host's file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(untagged)]
@@ -448,5 +484,21 @@ mod tests {
         );
         assert!("disk=/x".parse::<crate::drive::NvmeBacking>().is_err());
         assert!("ram=1M,size=2".parse::<crate::drive::NvmeBacking>().is_err());
+    }
+
+    #[test]
+    fn the_example_configs_describe_the_daemons() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../dist/config");
+        let read = |name: &str| std::fs::read_to_string(format!("{dir}/{name}")).unwrap();
+        let d: DeviceFile = toml::from_str(&read("device.toml")).unwrap();
+        assert!(d.port.is_some() && d.nvme.unwrap().parse::<crate::drive::NvmeBacking>().is_ok());
+        let h: HostFile = toml::from_str(&read("host.toml")).unwrap();
+        for spec in h.export.unwrap().into_vec() {
+            spec.parse::<ExportSpec>().unwrap();
+        }
+        let m: MsgdFile = toml::from_str(&read("msgd.toml")).unwrap();
+        assert!(m.port.is_some());
+        let s: StackdFile = toml::from_str(&read("stackd.toml")).unwrap();
+        assert!(s.ip.is_some() && s.port.is_some());
     }
 }
