@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand};
 
 /// mimalloc instead of glibc's malloc: the fabric's threads allocate TLPs and frames on one
 /// thread and free them on another, which glibc serves by growing and trimming per-thread arenas
-/// (page faults and an arena lock on every large transfer; `docs/measurements/2026-11-21-nvme.md`).
+/// (page faults and an arena lock on every large transfer).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
