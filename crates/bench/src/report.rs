@@ -49,17 +49,21 @@ pub struct Machine {
 }
 
 impl Machine {
-    /// Reads this machine's description.
+    /// Reads this machine's description. The CPUs are the machine's, from /proc/cpuinfo: a bench
+    /// that pinned its threads (`ring`, `vring`) has fewer in its affinity mask.
     pub fn this() -> Self {
-        let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        let model = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("model name"))
-                    .and_then(|l| l.split_once(':'))
-                    .map(|(_, m)| m.trim().to_string())
-            })
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let listed = cpuinfo.lines().filter(|l| l.starts_with("processor")).count();
+        let cpus = if listed > 0 {
+            listed
+        } else {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        };
+        let model = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, m)| m.trim().to_string())
             .unwrap_or_else(|| "unknown".to_string());
         Machine { cpus, model }
     }
