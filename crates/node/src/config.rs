@@ -22,7 +22,7 @@ pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
     // when written, and a short rise that does not stand for half a round trip (a thread or the
     // kernel's softirq work waiting for a core) is not a queue. So it stays out of the way on
     // loaded hosts (the drive at depth 32, four streams beside a CPU hog) and cuts the drops of a
-    // real bottleneck (`docs/measurements/2026-11-27-rate-control-on.md`).
+    // real bottleneck (`docs/performance.md`, "Four pairs on one switch").
     c.transport.rate.enabled = true;
     // A peer is down after 1 s with no frame from it (10 heartbeat intervals), not 300 ms: an idle
     // peer is heard only through its heartbeats, and on a loaded machine a starved thread can
@@ -46,7 +46,7 @@ pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
 /// rest itself, so a deeper queue only lets the copies into frames run further ahead of the
 /// wire: with 1024 frames (9 MiB at MTU 9000) a stream's frames were written long before they
 /// left and came back to the checksum and the kernel from memory instead of the cache
-/// (`docs/measurements/2026-11-30-send-queue.md`). A daemon keeps the default: what does not fit
+/// (`docs/performance.md`, "Messages and MPI"). A daemon keeps the default: what does not fit
 /// its queue is copied into its backlog.
 pub fn msg_runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
     let mut c = runtime_config(name, threads);
@@ -75,8 +75,7 @@ pub fn host_config(group: u16, name: &str, threads: ThreadMode) -> HostBridgeCon
         runtime: runtime_config(name, threads),
         completion_timeout: Duration::from_secs(2),
         // The largest payload PCIe allows (the drive supports it): a software bridge pays per
-        // TLP, not per byte, so a 1 MiB transfer is 256 TLPs instead of 4,096 at 256 bytes
-        // (`docs/measurements/2026-11-21-nvme.md`).
+        // TLP, not per byte, so a 1 MiB transfer is 256 TLPs instead of 4,096 at 256 bytes.
         mps: 4096,
         mrrs: 4096,
         ..HostBridgeConfig::default()
