@@ -504,10 +504,8 @@ impl UdpPort {
         for i in 0..want {
             // SAFETY: slot i spans [i*stride, (i+1)*stride) inside rx_buf (BATCH slots), so the
             // payload area starting HEADER_LEN into it and `mtu` long is in bounds.
-            iovs[i] = libc::iovec {
-                iov_base: unsafe { base.add(i * self.stride + HEADER_LEN) } as *mut libc::c_void,
-                iov_len: self.mtu,
-            };
+            let payload = unsafe { base.add(i * self.stride + HEADER_LEN) };
+            iovs[i] = libc::iovec { iov_base: payload.cast(), iov_len: self.mtu };
             let h = &mut hdrs[i];
             h.msg_len = 0;
             h.msg_hdr.msg_name = &mut self.rx_names[i] as *mut _ as *mut libc::c_void;
@@ -556,10 +554,8 @@ impl UdpPort {
             for i in 0..n {
                 let p = &mut self.pending[self.pending_head + i];
                 // SAFETY: p.slot < BATCH and p.len <= mtu, so the payload lies inside tx_buf.
-                iovs[i] = libc::iovec {
-                    iov_base: unsafe { base.add(p.slot * self.stride + HEADER_LEN) } as *mut libc::c_void,
-                    iov_len: p.len,
-                };
+                let payload = unsafe { base.add(p.slot * self.stride + HEADER_LEN) };
+                iovs[i] = libc::iovec { iov_base: payload.cast(), iov_len: p.len };
                 let h = &mut hdrs[i];
                 h.msg_hdr.msg_name = &mut p.to.storage as *mut _ as *mut libc::c_void;
                 h.msg_hdr.msg_namelen = p.to.len;

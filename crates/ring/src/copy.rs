@@ -67,7 +67,7 @@ pub unsafe fn copy_bytes(mode: CopyMode, dst: *mut u8, src: *const u8, len: usiz
 unsafe fn copy_nt(dst: *mut u8, src: *const u8, len: usize) {
     use core::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     let head = dst.align_offset(16).min(len);
-    // SAFETY (whole block): all offsets stay below `len`, inside both ranges; the middle loop writes
+    // SAFETY: (the whole block) all offsets stay below `len`, inside both ranges; the middle loop writes
     // 16-byte aligned addresses (`dst + head` is aligned) as _mm_stream_si128 requires; SSE2 is
     // baseline on x86-64; the caller fences before publishing.
     unsafe {

@@ -140,6 +140,7 @@ mod fold {
             // SAFETY: `width` found every CPU feature each function is compiled for.
             Width::Zmm => (data.len() >= super::FOLD_MIN_LEN).then(|| unsafe { crc32c(data, keep, init) }),
             Width::Ymm => {
+                // SAFETY: as above: `width` found the features `crc32c_256` is compiled for.
                 (data.len() >= super::FOLD_256_MIN_LEN).then(|| unsafe { crc32c_256(data, keep, init) })
             }
         }
