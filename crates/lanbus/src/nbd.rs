@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
-use lanbus_nbd::{BlockDevice, Export, FileDevice, MemDevice, Server};
+use lanbus_block::{BlockDevice, FileDevice, MemDevice};
+use lanbus_nbd::{Export, Server};
 
 /// NBD tools.
 #[derive(Debug, Subcommand)]
