@@ -11,12 +11,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lanbus_block::{BlockDevice, BlockQueue, DeviceError, Reaped};
+use lanbus_bridge::dma::HostRegion;
 use lanbus_bridge::{HostBridge, HostedFunction, RemoteFunction};
 use lanbus_nvme::backing::{BackingTime, Timed};
 use lanbus_nvme::pcie::{attach, FunctionStats, NvmeFunction};
 use lanbus_nvme::{
     Backing, CompletionMode, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking, Finished,
-    HostRegion, IoStream, NvmeDriver, RamBacking, Status,
+    IoStream, NvmeDriver, RamBacking, Status,
 };
 
 use crate::{parse_size, Error, Result};

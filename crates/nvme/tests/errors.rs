@@ -4,10 +4,11 @@
 mod common;
 use common::*;
 
+use lanbus_bridge::dma::BusError;
 use lanbus_nvme::command::{admin_opcode as a, feature, nvm_opcode as n, Completion, Sqe};
 use lanbus_nvme::controller::{reg, BAR0_SIZE, MSIX_TABLE_OFFSET};
 use lanbus_nvme::local::ProcessMode;
-use lanbus_nvme::{BusError, DriverConfig, DriverError, NvmeDriver, Status};
+use lanbus_nvme::{DriverConfig, DriverError, NvmeDriver, Status};
 use std::time::Duration;
 
 fn admin(d: &NvmeDriver, sqe: Sqe) -> Completion {

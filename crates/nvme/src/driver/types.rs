@@ -6,8 +6,9 @@
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
+use lanbus_bridge::dma::BusError;
+
 use crate::status::Status;
-use crate::BusError;
 
 /// How the driver learns of completions. Every CQ has interrupts enabled (IEN) either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
