@@ -1,8 +1,8 @@
 //! [`FileDevice`]: a regular file or a host block device through `pread`/`pwrite`.
 //!
 //! Layer: a device below the storage interface. Invariants: `flush` and FUA are `fdatasync`; a
-//! read-only device never opens its file for writing; OS errors come back whole as
-//! [`DeviceError::Io`].
+//! read-only device never writes to its file (and [`FileDevice::open`] opens it without write
+//! access); OS errors come back whole as [`DeviceError::Io`].
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
