@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use lanbus_nbd::{BlockDevice, Client, Export, FileDevice, MemDevice, Server};
+use lanbus_block::{BlockDevice, FileDevice, MemDevice};
+use lanbus_nbd::{Client, Export, Server};
 
 use super::interrupt::{KillOnDrop, ScratchDir};
 use super::report::{median, Report, Row};

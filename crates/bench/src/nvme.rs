@@ -72,7 +72,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use lanbus_nbd::{BlockDevice, Export, FileDevice, Server};
+use lanbus_block::{BlockDevice, FileDevice};
+use lanbus_nbd::{Export, Server};
 
 use super::interrupt::{KillOnDrop, ScratchDir};
 use lanbus_node::process::end_with_parent;

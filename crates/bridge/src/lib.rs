@@ -32,12 +32,16 @@
 //! - [`device`]: [`DeviceBridge`] and [`HostedFunction`].
 //! - [`host`]: [`HostBridge`], [`RemoteFunction`], interrupts and events.
 //! - [`region`]: [`DmaRegion`] and [`DmaBuffer`], host memory that devices may reach.
+//! - [`dma`]: what the user-space drivers over a host bridge share: DMA memory
+//!   ([`dma::DmaMemory`], [`dma::HostRegion`]), interrupt waits ([`dma::InterruptWait`]) and bus
+//!   errors ([`dma::BusError`]).
 //! - [`local`]: [`LocalBus`], the same functions driven in-process with no fabric (the ceiling).
 
 #![deny(missing_docs)]
 
 mod counters;
 pub mod device;
+pub mod dma;
 mod eventfd;
 pub mod host;
 mod hosted;

@@ -2,11 +2,12 @@
 //! (`--ioengine=nbd`), `qemu-img`, `qemu-io`, QEMU, `nbdinfo` and the kernel's `nbd-client` can use
 //! it, over a Unix socket or TCP.
 //!
-//! Layers, bottom up: [`proto`] (wire format and per-request checks: pure functions over bytes,
-//! fuzzed), [`handshake`] (the fixed newstyle negotiation over any reader and writer), [`device`]
-//! (the [`BlockDevice`] trait the server calls, with RAM and file implementations), [`server`]
-//! (sockets, threads, shutdown, counters) and [`client`] (a small blocking client for tests, demos
-//! and benchmarks).
+//! Layers, bottom up: the block device it exports (`lanbus_block::BlockDevice`, with RAM and file
+//! implementations there; [`Errno::of`] is what a client is told of a device's failure),
+//! [`proto`] (wire format and per-request checks: pure functions over bytes, fuzzed),
+//! [`handshake`] (the fixed newstyle negotiation over any reader and writer), [`server`] (sockets,
+//! threads, shutdown, counters) and [`client`] (a small blocking client for tests, demos and
+//! benchmarks).
 //!
 //! Spec: the NBD protocol, NetworkBlockDevice/nbd `doc/proto.md`: fixed newstyle handshake with
 //! `NO_ZEROES`; options `EXPORT_NAME`, `LIST`, `INFO`, `GO` (`NBD_INFO_EXPORT`, `NAME`,
@@ -16,7 +17,8 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use lanbus_nbd::{Client, Export, MemDevice, Server};
+//! use lanbus_block::MemDevice;
+//! use lanbus_nbd::{Client, Export, Server};
 //!
 //! let dir = std::env::temp_dir().join(format!("nbd-doc-{}", std::process::id()));
 //! std::fs::create_dir_all(&dir).unwrap();
@@ -39,13 +41,11 @@
 #![deny(missing_docs)]
 
 pub mod client;
-pub mod device;
 pub mod handshake;
 pub mod proto;
 pub mod server;
 
 pub use client::{Client, ClientError, Completion};
-pub use device::{BlockDevice, BlockQueue, DeviceError, FileDevice, MemDevice, Reaped};
 #[cfg(any(test, fuzzing))]
 pub use handshake::fuzz_handshake;
 pub use proto::Errno;
@@ -65,5 +65,5 @@ pub enum Error {
     Io(#[from] std::io::Error),
     /// Flushing an export's device failed at shutdown.
     #[error("flushing export {0:?} failed: {1}")]
-    Flush(String, DeviceError),
+    Flush(String, lanbus_block::DeviceError),
 }

@@ -13,6 +13,8 @@
 
 use core::fmt;
 
+use lanbus_block::DeviceError;
+
 /// `NBDMAGIC`: first 8 bytes the server sends.
 pub const NBD_MAGIC: u64 = 0x4e42_444d_4147_4943;
 /// `IHAVEOPT`: newstyle magic, also the prefix of every client option.
@@ -159,6 +161,29 @@ impl Errno {
             95 => Errno::NotSup,
             108 => Errno::Shutdown,
             _ => Errno::Inval,
+        }
+    }
+}
+
+impl Errno {
+    /// What the client is told of a device's failure: the errno NBD defines for it, or `EIO`
+    /// when none fits (an OS error's own errno where NBD has it).
+    pub fn of(e: &DeviceError) -> Errno {
+        match e {
+            DeviceError::OutOfRange { .. }
+            | DeviceError::Misaligned { .. }
+            | DeviceError::InvalidArgument(_) => Errno::Inval,
+            DeviceError::ReadOnly => Errno::Perm,
+            DeviceError::NoSpace => Errno::NoSpc,
+            DeviceError::NoMemory(_) => Errno::NoMem,
+            DeviceError::Unsupported(_) => Errno::NotSup,
+            DeviceError::Io(e) => match e.raw_os_error() {
+                Some(28) => Errno::NoSpc,
+                Some(1) | Some(30) => Errno::Perm, // EPERM, EROFS
+                Some(12) => Errno::NoMem,
+                _ => Errno::Io,
+            },
+            _ => Errno::Io,
         }
     }
 }
@@ -708,6 +733,30 @@ mod tests {
         0x25, 0x60, 0x95, 0x13, 0x00, 0x01, 0x00, 0x00, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0, 0,
         0, 0, 0, 0, 0x20, 0x00, 0x00, 0x00, 0x10, 0x00,
     ];
+
+    #[test]
+    fn device_errors_map_to_the_errnos_nbd_defines() {
+        let io = |n| DeviceError::Io(std::io::Error::from_raw_os_error(n));
+        let cases = [
+            (DeviceError::OutOfRange { offset: 0, len: 1, size: 0 }, Errno::Inval),
+            (DeviceError::Misaligned { offset: 1, len: 1, block: 512 }, Errno::Inval),
+            (DeviceError::InvalidArgument("field".into()), Errno::Inval),
+            (DeviceError::ReadOnly, Errno::Perm),
+            (DeviceError::NoSpace, Errno::NoSpc),
+            (DeviceError::NoMemory("pages".into()), Errno::NoMem),
+            (DeviceError::Unsupported("trim".into()), Errno::NotSup),
+            (DeviceError::TimedOut("read".into()), Errno::Io),
+            (DeviceError::Failed("media".into()), Errno::Io),
+            (io(28), Errno::NoSpc),
+            (io(30), Errno::Perm),
+            (io(12), Errno::NoMem),
+            (io(5), Errno::Io),
+            (DeviceError::Io(std::io::ErrorKind::UnexpectedEof.into()), Errno::Io),
+        ];
+        for (e, want) in cases {
+            assert_eq!(Errno::of(&e), want, "{e}");
+        }
+    }
 
     fn limits() -> ExportLimits {
         ExportLimits { size_bytes: 1 << 20, min_block: 512, max_payload: MAX_PAYLOAD_BYTES, read_only: false }

@@ -36,7 +36,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::device::BlockDevice;
+use lanbus_block::BlockDevice;
 
 mod pipeline;
 use crate::handshake::{negotiate, ExportInfo, HandshakeError, Outcome};
@@ -1042,7 +1042,7 @@ impl Conn<'_> {
             Err(e) => {
                 bump(&c.device_errors, 1);
                 let started = std::time::Instant::now();
-                let _ = self.send(&reply_header(job.handle, e.errno().as_u32()));
+                let _ = self.send(&reply_header(job.handle, Errno::of(&e).as_u32()));
                 bump(&c.reply_ns, started.elapsed().as_nanos() as u64);
             }
         }
@@ -1091,7 +1091,7 @@ impl Conn<'_> {
             Ok(()) => 0,
             Err(e) => {
                 bump(&c.device_errors, 1);
-                e.errno().as_u32()
+                Errno::of(&e).as_u32()
             }
         };
         out.clear();

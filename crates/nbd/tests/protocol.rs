@@ -11,8 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
+use lanbus_block::{BlockDevice, DeviceError, MemDevice};
 use lanbus_nbd::proto::*;
-use lanbus_nbd::{BlockDevice, Client, ClientError, Errno, Export, MemDevice, Stream};
+use lanbus_nbd::{Client, ClientError, Errno, Export, Stream};
 use rand::{Rng, RngCore, SeedableRng};
 
 fn raw(srv: &TestServer) -> UnixStream {
@@ -454,7 +455,7 @@ impl BlockDevice for LendingDevice {
     fn size_bytes(&self) -> u64 {
         self.inner.size_bytes()
     }
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), lanbus_nbd::DeviceError> {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
         self.inner.read_at(offset, buf)
     }
     fn read_lent(
@@ -462,12 +463,12 @@ impl BlockDevice for LendingDevice {
         offset: u64,
         len: usize,
         reply: &mut dyn FnMut(&[&[u8]]),
-    ) -> Option<Result<(), lanbus_nbd::DeviceError>> {
+    ) -> Option<Result<(), DeviceError>> {
         if len < 4096 {
             return None;
         }
         if offset == self.fail_at {
-            return Some(Err(lanbus_nbd::DeviceError::Device { errno: Errno::Io, message: "failed".into() }));
+            return Some(Err(DeviceError::Failed("failed".into())));
         }
         let mut buf = vec![0u8; len];
         if let Err(e) = self.inner.read_at(offset, &mut buf) {
@@ -480,10 +481,10 @@ impl BlockDevice for LendingDevice {
         reply(&pieces);
         Some(Ok(()))
     }
-    fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), lanbus_nbd::DeviceError> {
+    fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
         self.inner.write_at(offset, data, fua)
     }
-    fn flush(&self) -> Result<(), lanbus_nbd::DeviceError> {
+    fn flush(&self) -> Result<(), DeviceError> {
         self.inner.flush()
     }
 }

@@ -15,8 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use lanbus_block::{BlockDevice, BlockQueue, DeviceError, MemDevice, Reaped};
 use lanbus_nbd::proto::*;
-use lanbus_nbd::{BlockDevice, BlockQueue, Client, DeviceError, Errno, Export, MemDevice, Reaped, Stream};
+use lanbus_nbd::{Client, Errno, Export, Stream};
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -134,7 +135,7 @@ impl BlockQueue for MemQueue<'_> {
         if self.in_flight() >= self.dev.room {
             return Some(Ok(false));
         }
-        let failed = || DeviceError::Device { errno: Errno::Io, message: "bad block".into() };
+        let failed = || DeviceError::Failed("bad block".into());
         // A write at the bad block fails before its payload is asked for; one that ends in it
         // fails after its first part is in (the server reads and drops the rest).
         if BAD.contains(&offset) {
@@ -182,7 +183,7 @@ impl BlockQueue for MemQueue<'_> {
                 Op::Read { offset, .. } | Op::Write { offset, .. } | Op::Shared { offset, .. }
                     if bad(offset) =>
                 {
-                    done(tag, Err(DeviceError::Device { errno: Errno::Io, message: "bad block".into() }))
+                    done(tag, Err(DeviceError::Failed("bad block".into())))
                 }
                 Op::Read { offset, len } => {
                     let mut buf = vec![0u8; len];

@@ -7,7 +7,8 @@ use std::process::Command;
 use std::sync::Arc;
 
 use common::*;
-use lanbus_nbd::{BlockDevice, Client, Export, FileDevice, MemDevice};
+use lanbus_block::{BlockDevice, FileDevice, MemDevice};
+use lanbus_nbd::{Client, Export};
 use rand::{RngCore, SeedableRng};
 
 #[test]

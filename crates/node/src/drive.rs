@@ -1,7 +1,8 @@
 //! The remote NVMe drive: the controller model as a device bridge's function, the user-space
-//! driver on a host bridge, and the namespace as an NBD [`BlockDevice`].
+//! driver on a host bridge, and the namespace as a [`BlockDevice`] (for the NBD server and the
+//! vhost-user-blk backend).
 //!
-//! Layer: assembly, above `lanbus_nvme::pcie`, `lanbus_bridge` and `lanbus_nbd`. The daemons,
+//! Layer: assembly, above `lanbus_nvme::pcie`, `lanbus_bridge` and `lanbus_block`. The daemons,
 //! `lanbus demo`, `lanbus bench nvme` and the real-client tests all build the drive through the
 //! functions here, so they measure and test the same path.
 
@@ -9,13 +10,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use lanbus_block::{BlockDevice, BlockQueue, DeviceError, Reaped};
+use lanbus_bridge::dma::HostRegion;
 use lanbus_bridge::{HostBridge, HostedFunction, RemoteFunction};
-use lanbus_nbd::{BlockDevice, BlockQueue, DeviceError, Errno, Reaped};
 use lanbus_nvme::backing::{BackingTime, Timed};
 use lanbus_nvme::pcie::{attach, FunctionStats, NvmeFunction};
 use lanbus_nvme::{
     Backing, CompletionMode, Controller, ControllerConfig, DriverConfig, DriverError, FileBacking, Finished,
-    HostRegion, IoStream, NvmeDriver, RamBacking,
+    IoStream, NvmeDriver, RamBacking, Status,
 };
 
 use crate::{parse_size, Error, Result};
@@ -25,7 +27,7 @@ pub const DMA_REGION_BASE: u64 = 0x10_0000_0000;
 /// Pages (4 KiB) of that region: 64 MiB, room for many NBD requests of the driver's window.
 pub const DMA_REGION_PAGES: usize = 16 * 1024;
 
-/// The namespace of an NVMe driver as an NBD block device.
+/// The namespace of an NVMe driver as a block device.
 pub struct NvmeBlock {
     drv: Arc<NvmeDriver>,
 }
@@ -37,14 +39,30 @@ impl NvmeBlock {
     }
 }
 
-fn nbd_error(e: DriverError) -> DeviceError {
-    let errno = match e.errno() {
-        22 => Errno::Inval,
-        12 => Errno::NoMem,
-        95 => Errno::NotSup,
-        _ => Errno::Io,
+/// What a driver's failure is to a block device's user: a command the controller refused as
+/// invalid (LBA Out of Range, Invalid Field in Command, Invalid Namespace or Format) or an argument
+/// the driver refused is [`DeviceError::InvalidArgument`]; exhausted DMA memory is
+/// [`DeviceError::NoMemory`]; a missing feature [`DeviceError::Unsupported`]; a wait that ran out
+/// [`DeviceError::TimedOut`]; every other status, bus error or controller failure
+/// [`DeviceError::Failed`]. The message keeps the NVMe status.
+fn block_error(e: DriverError) -> DeviceError {
+    let refused = |s: &Status| {
+        [Status::LBA_OUT_OF_RANGE, Status::INVALID_FIELD, Status::INVALID_NAMESPACE]
+            .into_iter()
+            .any(|c| s.same_code(c))
     };
-    DeviceError::Device { errno, message: e.to_string() }
+    match e {
+        DriverError::InvalidArgument(why) => DeviceError::InvalidArgument(why),
+        DriverError::Status { ref status, .. } if refused(status) => {
+            DeviceError::InvalidArgument(e.to_string())
+        }
+        DriverError::OutOfDmaMemory(pages) => {
+            DeviceError::NoMemory(format!("no room for {pages} contiguous DMA pages"))
+        }
+        DriverError::Unsupported(what) => DeviceError::Unsupported(format!("the controller: {what}")),
+        DriverError::Timeout(what) => DeviceError::TimedOut(format!("waiting for {what}")),
+        e => DeviceError::Failed(e.to_string()),
+    }
 }
 
 impl BlockDevice for NvmeBlock {
@@ -55,7 +73,7 @@ impl BlockDevice for NvmeBlock {
         self.drv.block_size()
     }
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> core::result::Result<(), DeviceError> {
-        self.drv.read_at(offset, buf).map_err(nbd_error)
+        self.drv.read_at(offset, buf).map_err(block_error)
     }
     fn read_lent(
         &self,
@@ -63,19 +81,19 @@ impl BlockDevice for NvmeBlock {
         len: usize,
         reply: &mut dyn FnMut(&[&[u8]]),
     ) -> Option<core::result::Result<(), DeviceError>> {
-        self.drv.read_lent(offset, len, reply).map(|r| r.map_err(nbd_error))
+        self.drv.read_lent(offset, len, reply).map(|r| r.map_err(block_error))
     }
     fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> core::result::Result<(), DeviceError> {
-        self.drv.write_at(offset, data, fua).map_err(nbd_error)
+        self.drv.write_at(offset, data, fua).map_err(block_error)
     }
     fn flush(&self) -> core::result::Result<(), DeviceError> {
-        self.drv.flush().map_err(nbd_error)
+        self.drv.flush().map_err(block_error)
     }
     fn trim(&self, offset: u64, len: u64) -> core::result::Result<(), DeviceError> {
-        self.drv.trim_at(offset, len).map_err(nbd_error)
+        self.drv.trim_at(offset, len).map_err(block_error)
     }
     fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> core::result::Result<(), DeviceError> {
-        self.drv.write_zeroes_at(offset, len, may_trim).map_err(nbd_error)
+        self.drv.write_zeroes_at(offset, len, may_trim).map_err(block_error)
     }
     fn queue(&self) -> Option<Box<dyn BlockQueue + '_>> {
         let stream = self.drv.stream()?;
@@ -83,7 +101,7 @@ impl BlockDevice for NvmeBlock {
     }
 }
 
-/// An NBD connection's requests in flight on a queue pair of the driver's reserved for it.
+/// A connection's requests in flight on a queue pair of the driver's reserved for it.
 struct NvmeQueue<'d> {
     stream: IoStream<'d>,
     finished: Vec<Finished<'d>>,
@@ -107,7 +125,7 @@ impl NvmeQueue<'_> {
         match r {
             Ok(()) => Ok(true),
             Err(DriverError::OutOfDmaMemory(_)) if self.stream.in_flight() > 0 => Ok(false),
-            Err(e) => Err(nbd_error(e)),
+            Err(e) => Err(block_error(e)),
         }
     }
 }
@@ -173,19 +191,19 @@ impl BlockQueue for NvmeQueue<'_> {
         self.stream.write_piece_bytes()
     }
     fn start(&mut self) -> core::result::Result<(), DeviceError> {
-        self.stream.ring().map_err(nbd_error)
+        self.stream.ring().map_err(block_error)
     }
     fn reap(&mut self, done: &mut dyn FnMut(u64, Reaped<'_>)) -> core::result::Result<usize, DeviceError> {
-        let n = self.stream.reap(&mut self.finished).map_err(nbd_error)?;
+        let n = self.stream.reap(&mut self.finished).map_err(block_error)?;
         for f in self.finished.drain(..) {
             let tag = f.tag;
             match f.result {
                 Ok(()) => {
                     if let Err(e) = f.lend(&mut |data| done(tag, Ok(data))) {
-                        done(tag, Err(nbd_error(e)));
+                        done(tag, Err(block_error(e)));
                     }
                 }
-                Err(ref e) => done(tag, Err(nbd_error(e.clone()))),
+                Err(ref e) => done(tag, Err(block_error(e.clone()))),
             }
         }
         Ok(n)
@@ -331,4 +349,26 @@ pub fn start_driver_with(
 /// Whether `f` is an NVMe controller.
 pub fn is_nvme(f: &RemoteFunction) -> bool {
     f.class_code == 0x01_08_02
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_errors_become_the_block_errors_that_say_what_went_wrong() {
+        let status = |status| DriverError::Status { status, opcode: 0x02, qid: 1 };
+        let e = block_error(status(Status::LBA_OUT_OF_RANGE));
+        assert!(matches!(&e, DeviceError::InvalidArgument(m) if m.contains("LBA Out of Range")), "{e}");
+        assert!(matches!(block_error(status(Status::INVALID_FIELD)), DeviceError::InvalidArgument(_)));
+        assert!(matches!(block_error(status(Status::INVALID_NAMESPACE)), DeviceError::InvalidArgument(_)));
+        let e = block_error(status(Status::WRITE_FAULT));
+        assert!(matches!(&e, DeviceError::Failed(m) if m.contains("Write Fault")), "{e}");
+        let e = block_error(DriverError::InvalidArgument("misaligned".into()));
+        assert!(matches!(e, DeviceError::InvalidArgument(_)));
+        assert!(matches!(block_error(DriverError::OutOfDmaMemory(4)), DeviceError::NoMemory(_)));
+        assert!(matches!(block_error(DriverError::Unsupported("DSM".into())), DeviceError::Unsupported(_)));
+        assert!(matches!(block_error(DriverError::Timeout("a read".into())), DeviceError::TimedOut(_)));
+        assert!(matches!(block_error(DriverError::ControllerFatal), DeviceError::Failed(_)));
+    }
 }

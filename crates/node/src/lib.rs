@@ -1,14 +1,14 @@
 //! A lanbus node as a library: the pieces that make a host or an I/O box out of the bridges, the
 //! device models and the frontends, so a program can run one without the `lanbus` command line.
 //!
-//! Layer: assembly, above `lanbus-bridge`, `lanbus-nvme` and `lanbus-nbd`; the `lanbus` binary's
-//! daemons, `lanbus demo` and `lanbus bench` are built on it.
+//! Layer: assembly, above `lanbus-bridge`, `lanbus-nvme`, `lanbus-block` and `lanbus-nbd`; the
+//! `lanbus` binary's daemons, `lanbus demo` and `lanbus bench` are built on it.
 //!
 //! - [`config`]: the runtime and bridge settings every node uses, and the daemons' files.
 //! - [`control`]: a daemon's control socket, its server and its client.
 //! - [`device`]: the I/O box: a device bridge with its drive, NIC and DMA engine.
 //! - [`drive`]: the remote NVMe drive: the controller model as a device bridge's function, the
-//!   driver on a host bridge, the namespace as an NBD block device.
+//!   driver on a host bridge, the namespace as a block device (for NBD and vhost-user-blk).
 //! - [`fabric`]: a host and an I/O box in one process over a simulated wire or two real ports.
 //! - [`host`]: the host: a host bridge that exports its group's drive and NIC as they come and go.
 //! - [`lspci`]: remote functions described like `lspci -v`.

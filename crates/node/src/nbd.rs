@@ -11,7 +11,8 @@ use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use lanbus_nbd::{BlockDevice, Export, FileDevice, MemDevice, Server, Stats};
+use lanbus_block::{BlockDevice, FileDevice, MemDevice};
+use lanbus_nbd::{Export, Server, Stats};
 
 use crate::{Error, Result};
 

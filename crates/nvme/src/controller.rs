@@ -46,12 +46,14 @@ mod registers;
 
 use std::collections::HashMap;
 
+use lanbus_bridge::dma::BusError;
+
 use crate::backing::Backing;
 use crate::command::{decode_io, Completion, DataPtr, IoCommand, Sqe, CQE_LEN, SQE_LEN};
 use crate::prp::{self, Run};
 use crate::sgl;
 use crate::status::Status;
-use crate::{BusError, HostMemory, InterruptSink};
+use crate::{HostMemory, InterruptSink};
 
 /// Register offsets in BAR0 (1.4 section 3.1, Figure 78).
 pub mod reg {

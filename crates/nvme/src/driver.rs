@@ -1,8 +1,9 @@
 //! The user-space NVMe driver (host side; runs over the host bridge). It reaches the controller's
 //! BAR0 through [`Bar`] (MMIO read/write TLPs through the host bridge, or direct calls in
 //! [`crate::local`]), keeps its queues, PRP lists and data buffers in [`DmaMemory`] (host memory
-//! regions the device may DMA to, with their bus addresses), and learns of completions from MSI-X
-//! interrupts ([`InterruptWait`]) or by polling the completion queues ([`CompletionMode`]).
+//! regions the device may DMA to, with their bus addresses: `lanbus_bridge::dma`), and learns of
+//! completions from MSI-X interrupts ([`InterruptWait`]) or by polling the completion queues
+//! ([`CompletionMode`]).
 //!
 //! Initialization follows NVMe base specification 1.4 section 7.6.1 [2.0: 3.5.1]: disable and
 //! wait for CSTS.RDY = 0 (bounded by CAP.TO), admin queues (AQA, ASQ, ACQ), enable and wait for
@@ -22,10 +23,10 @@
 //! Every error carries the NVMe status (type, code and the specification's name) or says which
 //! wait timed out.
 //!
-//! This file holds the traits the driver runs over, initialization, the admin commands it sends,
-//! the submission and completion engine and shutdown; the settings, error, identity and counter
-//! types are in `types.rs`, the host DMA memory (and [`HostRegion`]) in `memory.rs`, the block
-//! I/O methods in `io.rs`, the streams in `stream.rs`.
+//! This file holds the [`Bar`] trait the driver runs over, initialization, the admin commands it
+//! sends, the submission and completion engine and shutdown; the settings, error, identity and
+//! counter types are in `types.rs`, the driver's buffers (in host DMA memory or the controller
+//! memory buffer) in `memory.rs`, the block I/O methods in `io.rs`, the streams in `stream.rs`.
 
 mod io;
 mod memory;
@@ -36,7 +37,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-pub use memory::{HostRegion, REGION_PAGE};
 pub use stream::{Finished, IoStream};
 pub use types::{CmbUse, CompletionMode, DriverConfig, DriverError, DriverStats, Identity};
 
@@ -44,8 +44,8 @@ use crate::command::{admin_opcode, feature, Completion, Sqe, CQE_LEN, SQE_LEN};
 use crate::controller::{cc, cmb, csts, reg};
 use crate::prp;
 use crate::status::Status;
-use crate::BusError;
-use memory::{alloc_queue_pair, CmbMemory, DmaBuf, PageMap};
+use lanbus_bridge::dma::{BusError, DmaMemory, InterruptWait, PageMap, REGION_PAGE};
+use memory::{alloc_queue_pair, CmbMemory, DmaBuf};
 
 /// MMIO access to the controller's BAR0, at byte offsets from its start.
 pub trait Bar: Send + Sync {
@@ -83,63 +83,6 @@ pub trait Bar: Send + Sync {
             None => Err(BusError::Unsupported { addr: offset }),
         }
     }
-}
-
-/// Host memory the device may DMA to: the driver allocates its queues, PRP lists and data
-/// buffers here and addresses them by bus address.
-///
-/// Contract for implementers: `alloc` returns page-aligned, physically (bus-) contiguous memory;
-/// `read` of up to 64 bytes at an aligned address sees a device write of that range all at once
-/// (so a completion entry is never seen half written).
-pub trait DmaMemory: Send + Sync {
-    /// Page size of the allocator (the driver uses it as the NVMe memory page size; 4096).
-    fn page_size(&self) -> usize {
-        4096
-    }
-    /// Allocates `pages` contiguous pages (contents unspecified: the driver writes what it
-    /// needs, and zeroes completion queues itself); `None` when the region is exhausted.
-    fn alloc(&self, pages: usize) -> Option<u64>;
-    /// Frees what `alloc` returned.
-    fn free(&self, addr: u64, pages: usize);
-    /// Reads host memory at a bus address.
-    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), BusError>;
-    /// Writes host memory at a bus address.
-    fn write(&self, addr: u64, data: &[u8]) -> Result<(), BusError>;
-    /// Lends the bytes of `runs` (bus address, length), in order, to `f` as slices of the
-    /// memory itself, held still for the call. The default copies them into a buffer first.
-    fn lend(&self, runs: &[(u64, usize)], f: &mut dyn FnMut(&[&[u8]])) -> Result<(), BusError> {
-        let mut buf = vec![0u8; runs.iter().map(|r| r.1).sum()];
-        let mut at = 0;
-        for &(addr, len) in runs {
-            self.read(addr, &mut buf[at..at + len])?;
-            at += len;
-        }
-        f(&[&buf]);
-        Ok(())
-    }
-    /// Whether [`DmaMemory::lend_mut`] lends the memory itself (no copy): the driver then lets
-    /// a writer put a write's data straight into its DMA buffer
-    /// ([`IoStream::submit_write_filled`]). The default says no, as its `lend_mut` copies.
-    fn lends_in_place(&self) -> bool {
-        false
-    }
-    /// Lends the `len` bytes at `addr` to `f` to write in place, as slices of the memory itself
-    /// held still for the call, in order. The run is wholly the caller's: what `f` leaves alone
-    /// may be left as it was or overwritten. The default lends a zeroed buffer and writes all of
-    /// it back.
-    fn lend_mut(&self, addr: u64, len: usize, f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<(), BusError> {
-        let mut buf = vec![0u8; len];
-        f(&mut [&mut buf]);
-        self.write(addr, &buf)
-    }
-}
-
-/// Waiting for MSI-X interrupts, with eventfd semantics: a signal that arrives while nobody waits
-/// is remembered, so checking a queue and then waiting loses nothing.
-pub trait InterruptWait: Send + Sync {
-    /// Blocks until `vector` has fired since the last successful wait on it (then consumes the
-    /// event and returns true) or `timeout` passes (false).
-    fn wait_vector(&self, vector: u16, timeout: Duration) -> bool;
 }
 
 type Result<T, E = DriverError> = std::result::Result<T, E>;

@@ -19,8 +19,9 @@
 //!   the device bridge implements with memory read/write TLPs.
 //! - [`command`]: the pure decoder of 64-byte submission queue entries and the completion queue
 //!   entry codec (`command::fuzz_command`, built for the fuzzer and the unit tests, is the fuzz target's body).
-//! - [`driver`]: the host-side driver over [`driver::Bar`], [`driver::DmaMemory`] and
-//!   [`driver::InterruptWait`].
+//! - [`driver`]: the host-side driver over [`driver::Bar`], and the DMA memory and interrupt waits
+//!   of `lanbus_bridge::dma` ([`lanbus_bridge::dma::DmaMemory`],
+//!   [`lanbus_bridge::dma::InterruptWait`]), which the virtio-net driver shares.
 //! - [`local`]: the in-process join (no fabric): the `local` row of `lanbus bench nvme`.
 //! - [`pcie`]: the controller as a function of the device bridge, and the driver over the host
 //!   bridge (the fabric join).
@@ -61,40 +62,14 @@ pub use backing::{Backing, FileBacking, RamBacking};
 pub use command::fuzz_command;
 pub use command::{Completion, Sqe};
 pub use controller::{Controller, ControllerConfig, ControllerStats, PciInfo};
-pub use driver::{
-    Bar, CompletionMode, DmaMemory, DriverConfig, DriverError, Finished, HostRegion, InterruptWait, IoStream,
-    NvmeDriver,
-};
+pub use driver::{Bar, CompletionMode, DriverConfig, DriverError, Finished, IoStream, NvmeDriver};
 pub use status::Status;
 
-/// Why a bus transaction failed: a DMA toward the host (device side) or an MMIO access to BAR0
-/// (host side). The bridges map their PCIe outcomes onto these.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum BusError {
-    /// A non-posted request got no completion in time (PCIe completion timeout).
-    #[error("completion timeout")]
-    Timeout,
-    /// The completer answered Unsupported Request (no memory at that address).
-    #[error("unsupported request (no target at address {addr:#x})")]
-    Unsupported {
-        /// The address that was not claimed.
-        addr: u64,
-    },
-    /// The completer answered Completer Abort, or the access size or alignment is not allowed.
-    #[error("access rejected: {0}")]
-    Rejected(&'static str),
-    /// The link or the peer is down.
-    #[error("link down: {0}")]
-    Down(String),
-    /// Where nothing may wait (a bridge's receive thread), a read whose data is not here yet.
-    #[error("the data is not here yet and this caller may not wait for it")]
-    NotReady,
-}
+use lanbus_bridge::dma::BusError;
 
 /// DMA toward host memory, as the controller model sees it. The device bridge implements it with
 /// memory read requests (waiting for their completions) and posted memory writes; the in-process
-/// join implements it over a [`driver::HostRegion`].
+/// join implements it over a [`lanbus_bridge::dma::HostRegion`].
 ///
 /// Contract for implementers: `read` fills the whole buffer or fails; `write` applies the whole
 /// buffer or fails; a write of up to 64 bytes is seen by the host all at once (a completion queue

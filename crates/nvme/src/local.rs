@@ -15,9 +15,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use lanbus_bridge::dma::{BusError, DmaMemory, HostRegion, InterruptWait};
+
 use crate::controller::{cmb, reg, Controller};
-use crate::driver::{Bar, DmaMemory, DriverConfig, DriverError, HostRegion, InterruptWait, NvmeDriver};
-use crate::{BusError, InterruptSink};
+use crate::driver::{Bar, DriverConfig, DriverError, NvmeDriver};
+use crate::InterruptSink;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())

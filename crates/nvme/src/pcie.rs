@@ -14,8 +14,9 @@
 //!   completion entry and interrupt is a TLP (with the memory buffer in use, commands, lists and
 //!   write data arrive as the host's posted writes to BAR2 instead of being fetched).
 //! - Host side, [`attach`]: the driver's [`Bar`] is MMIO through the host bridge at the BAR0
-//!   address enumeration assigned (and at BAR2's for the memory buffer), its [`DmaMemory`] is a
-//!   [`HostRegion`] lent to the bridge as a [`DmaRegion`] at the region's bus address, and its
+//!   address enumeration assigned (and at BAR2's for the memory buffer), its [`DmaMemory`](lanbus_bridge::dma::DmaMemory) is a
+//!   [`HostRegion`] lent to the bridge as a [`DmaRegion`](lanbus_bridge::DmaRegion) (through
+//!   [`RegionView`]) at the region's bus address, and its
 //!   [`InterruptWait`] waits on the bridge's MSI-X eventfds (one per vector).
 //!
 //! Invariants: bus failures become [`BusError`]s (a gone device is [`BusError::Down`], so the
@@ -25,7 +26,8 @@ use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lanbus_bridge::{BridgeError, DmaRegion, EventFd, HostBridge, HostedFunction, RemoteFunction};
+use lanbus_bridge::dma::{bridge_error, BusError, HostRegion, InterruptWait, RegionView};
+use lanbus_bridge::{BridgeError, EventFd, HostBridge, HostedFunction, RemoteFunction};
 use lanbus_bridge::{Lend, LentSlice};
 use lanbus_pcie::blocking::{BlockingDevice, HostAccess};
 use lanbus_pcie::config::{Bar as PciBar, BarKind, ConfigSpec, MsixSpec};
@@ -34,8 +36,8 @@ use lanbus_pcie::{Bdf, CplStatus};
 
 use crate::controller::cmb::BIR as CMB_BIR;
 use crate::controller::{ControllerStats, PciInfo, PCI_CLASS};
-use crate::driver::{Bar, DmaMemory, DriverConfig, DriverError, HostRegion, InterruptWait, NvmeDriver};
-use crate::{BusError, Controller, HostMemory, InterruptSink};
+use crate::driver::{Bar, DriverConfig, DriverError, NvmeDriver};
+use crate::{Controller, HostMemory, InterruptSink};
 
 /// A snapshot of a hosted controller's counters, readable from other threads (the device
 /// daemon's status): refreshed after every batch of work and every rejected BAR access.
@@ -215,17 +217,6 @@ impl BlockingDevice for NvmeFunction {
     }
 }
 
-/// What a failed bridge request is to a driver (the NVMe driver's, and the NIC driver's).
-pub fn bridge_error(e: BridgeError, addr: u64) -> BusError {
-    match e {
-        BridgeError::Timeout(_) => BusError::Timeout,
-        BridgeError::Completion(CplStatus::UnsupportedRequest) => BusError::Unsupported { addr },
-        BridgeError::Completion(_) => BusError::Rejected("the device answered Completer Abort"),
-        BridgeError::BadRequest(_) => BusError::Rejected("request the bridge cannot build"),
-        other => BusError::Down(other.to_string()),
-    }
-}
-
 /// BAR0 of a remote NVMe function, through the host bridge.
 pub struct RemoteBar0 {
     bridge: Arc<HostBridge>,
@@ -285,29 +276,6 @@ impl Bar for RemoteBar0 {
         }
         let bytes = LentSlice::new(Arc::clone(data) as Arc<dyn Lend>, range);
         self.bridge.mmio_write_shared(self.bdf, addr, &bytes).map_err(|e| bridge_error(e, addr))
-    }
-}
-
-/// A [`HostRegion`] lent to a host bridge: device reads and writes at `base + offset` land in it.
-pub struct RegionView(pub Arc<HostRegion>);
-
-impl DmaRegion for RegionView {
-    fn len(&self) -> u64 {
-        self.0.len_bytes()
-    }
-    fn read(&self, offset: u64, buf: &mut [u8]) {
-        // The bridge keeps accesses inside the region; a failure would leave zeroes.
-        if DmaMemory::read(&*self.0, self.0.base() + offset, buf).is_err() {
-            buf.fill(0);
-        }
-    }
-    fn write(&self, offset: u64, data: &[u8]) {
-        let _ = DmaMemory::write(&*self.0, self.0.base() + offset, data);
-    }
-    fn append(&self, offset: u64, len: usize, out: &mut Vec<u8>) {
-        if self.0.read_append(self.0.base() + offset, len, out).is_err() {
-            out.resize(out.len() + len, 0);
-        }
     }
 }
 

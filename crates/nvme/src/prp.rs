@@ -157,7 +157,7 @@ pub fn build(addr: u64, len: usize, page: usize, list_pages: &[u64]) -> PrpPlan 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::BusError;
+    use lanbus_bridge::dma::BusError;
     use std::collections::HashMap;
 
     /// Sparse host memory in 4 KiB pages.

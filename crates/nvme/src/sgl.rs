@@ -173,7 +173,7 @@ pub fn fuzz_walk(data: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::BusError;
+    use lanbus_bridge::dma::BusError;
     use std::collections::HashMap;
 
     /// Sparse host memory, byte by byte.

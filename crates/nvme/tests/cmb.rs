@@ -140,13 +140,13 @@ fn a_transfer_straddling_the_buffer_edge_is_invalid_cmb_use() {
 }
 
 /// Host memory that must only be written (what `process_posted` may touch).
-struct WriteOnly<'a>(&'a lanbus_nvme::driver::HostRegion);
+struct WriteOnly<'a>(&'a lanbus_bridge::dma::HostRegion);
 
 impl lanbus_nvme::HostMemory for WriteOnly<'_> {
-    fn read(&mut self, addr: u64, _: &mut [u8]) -> Result<(), lanbus_nvme::BusError> {
+    fn read(&mut self, addr: u64, _: &mut [u8]) -> Result<(), lanbus_bridge::dma::BusError> {
         panic!("process_posted read host memory at {addr:#x}");
     }
-    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), lanbus_nvme::BusError> {
+    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), lanbus_bridge::dma::BusError> {
         let mut region = self.0;
         lanbus_nvme::HostMemory::write(&mut region, addr, data)
     }
@@ -162,8 +162,8 @@ impl lanbus_nvme::InterruptSink for Irqs {
 
 #[test]
 fn posted_processing_runs_what_reads_no_host_memory_and_leaves_the_rest() {
+    use lanbus_bridge::dma::HostRegion;
     use lanbus_nvme::command::{Sqe, SQE_LEN};
-    use lanbus_nvme::driver::HostRegion;
     const CMB_AT: u64 = 0xfe00_0000;
     let (iocq, data) = (IOCQ, HOST + 0x10000);
     let mem = HostRegion::new(HOST, 64);
@@ -236,7 +236,7 @@ const IOCQ: u64 = HOST + 0x2000;
 /// neither runs nor prefetches them (they read host memory).
 fn with_io_queues(
     c: &mut lanbus_nvme::Controller,
-    mem: &lanbus_nvme::driver::HostRegion,
+    mem: &lanbus_bridge::dma::HostRegion,
     cq_entries: u32,
     sq_base: u64,
 ) -> Irqs {
@@ -272,7 +272,7 @@ fn with_io_queues(
 }
 
 /// The first `n` entries of the completion queue at `cq`.
-fn cqes(mem: &lanbus_nvme::driver::HostRegion, cq: u64, n: usize) -> Vec<lanbus_nvme::Completion> {
+fn cqes(mem: &lanbus_bridge::dma::HostRegion, cq: u64, n: usize) -> Vec<lanbus_nvme::Completion> {
     use lanbus_nvme::command::{Completion, CQE_LEN};
     (0..n)
         .map(|i| {
@@ -284,14 +284,14 @@ fn cqes(mem: &lanbus_nvme::driver::HostRegion, cq: u64, n: usize) -> Vec<lanbus_
 }
 
 /// (command id, success) of the first `n` entries of the completion queue at `cq`.
-fn completions(mem: &lanbus_nvme::driver::HostRegion, cq: u64, n: usize) -> Vec<(u16, bool)> {
+fn completions(mem: &lanbus_bridge::dma::HostRegion, cq: u64, n: usize) -> Vec<(u16, bool)> {
     cqes(mem, cq, n).iter().map(|c| (c.cid, c.status.is_success())).collect()
 }
 
 /// Host memory that records the reads and prefetches made of it. Where nothing may wait
 /// (`posted`), only the ranges in `ready` (prefetches that ended) can be read, once each.
 struct Recording<'a> {
-    mem: &'a lanbus_nvme::driver::HostRegion,
+    mem: &'a lanbus_bridge::dma::HostRegion,
     posted: bool,
     ready: Vec<(u64, usize)>,
     reads: Vec<(u64, usize)>,
@@ -299,23 +299,23 @@ struct Recording<'a> {
 }
 
 impl<'a> Recording<'a> {
-    fn new(mem: &'a lanbus_nvme::driver::HostRegion, posted: bool, ready: Vec<(u64, usize)>) -> Self {
+    fn new(mem: &'a lanbus_bridge::dma::HostRegion, posted: bool, ready: Vec<(u64, usize)>) -> Self {
         Recording { mem, posted, ready, reads: Vec::new(), prefetches: Vec::new() }
     }
 }
 
 impl lanbus_nvme::HostMemory for Recording<'_> {
-    fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), lanbus_nvme::BusError> {
+    fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), lanbus_bridge::dma::BusError> {
         if self.posted {
             let i = self.ready.iter().position(|&r| r == (addr, buf.len()));
-            let Some(i) = i else { return Err(lanbus_nvme::BusError::NotReady) };
+            let Some(i) = i else { return Err(lanbus_bridge::dma::BusError::NotReady) };
             self.ready.remove(i);
         }
         self.reads.push((addr, buf.len()));
         let mut region = self.mem;
         lanbus_nvme::HostMemory::read(&mut region, addr, buf)
     }
-    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), lanbus_nvme::BusError> {
+    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), lanbus_bridge::dma::BusError> {
         let mut region = self.mem;
         lanbus_nvme::HostMemory::write(&mut region, addr, data)
     }
@@ -330,8 +330,8 @@ impl lanbus_nvme::HostMemory for Recording<'_> {
 /// A command other than a read or write stops the look ahead.
 #[test]
 fn posted_processing_names_the_data_behind_a_waiting_write_and_the_entries_rung_meanwhile() {
+    use lanbus_bridge::dma::HostRegion;
     use lanbus_nvme::command::{Sqe, SQE_LEN};
-    use lanbus_nvme::driver::HostRegion;
     let (iocq, iosq, data) = (IOCQ, HOST + 0x3000, HOST + 0x10000);
     let mem = HostRegion::new(HOST, 64);
     let mut c = controller(512, MIB, ControllerConfig::default());
@@ -421,8 +421,8 @@ fn posted_processing_names_the_data_behind_a_waiting_write_and_the_entries_rung_
 /// entries, which is exactly the first read the full run makes.
 #[test]
 fn posted_processing_prefetches_the_new_entries_of_a_queue_in_host_memory() {
+    use lanbus_bridge::dma::HostRegion;
     use lanbus_nvme::command::{Sqe, SQE_LEN};
-    use lanbus_nvme::driver::HostRegion;
     let (iosq, data) = (HOST + 0x3000, HOST + 0x10000);
     let mem = HostRegion::new(HOST, 64);
     for cmb_bytes in [0, 64 << 10] {
@@ -460,8 +460,8 @@ fn posted_processing_prefetches_the_new_entries_of_a_queue_in_host_memory() {
 /// on from the entries already fetched, reading only that data.
 #[test]
 fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fetching_again() {
+    use lanbus_bridge::dma::HostRegion;
     use lanbus_nvme::command::{Sqe, SQE_LEN};
-    use lanbus_nvme::driver::HostRegion;
     let (iocq, iosq, data) = (IOCQ, HOST + 0x3000, HOST + 0x10000);
     let mem = HostRegion::new(HOST, 64);
     let mut c = controller(512, MIB, ControllerConfig::default());
@@ -625,8 +625,8 @@ fn posted_processing_runs_prefetched_commands_and_the_worker_goes_on_without_fet
 /// Segment in host memory is fetched first, as a PRP list is.
 #[test]
 fn posted_processing_runs_sgl_commands_without_a_list_round_trip() {
+    use lanbus_bridge::dma::HostRegion;
     use lanbus_nvme::command::{Sqe, SQE_LEN};
-    use lanbus_nvme::driver::HostRegion;
     use lanbus_nvme::sgl;
     let (iocq, iosq, data) = (IOCQ, HOST + 0x3000, HOST + 0x10000);
     let mem = HostRegion::new(HOST, 64);
@@ -685,8 +685,8 @@ fn posted_processing_runs_sgl_commands_without_a_list_round_trip() {
 /// without fetching its entry or its data again.
 #[test]
 fn posted_processing_keeps_each_queues_fetched_command_apart() {
+    use lanbus_bridge::dma::HostRegion;
     use lanbus_nvme::command::{admin_opcode, Sqe, SQE_LEN};
-    use lanbus_nvme::driver::HostRegion;
     let (iosq1, iosq2, data) = (HOST + 0x3000, HOST + 0x4000, HOST + 0x10000);
     let mem = HostRegion::new(HOST, 64);
     let mut c = controller(512, MIB, ControllerConfig::default());

@@ -6,9 +6,9 @@
 //! and a read of up to 256 KiB through PRP lists of pages in any order land every byte where
 //! they point.
 
+use lanbus_bridge::dma::{DmaMemory, HostRegion};
 use lanbus_nvme::command::{admin_opcode as a, nvm_opcode as n, Completion, Sqe, CQE_LEN, SQE_LEN};
 use lanbus_nvme::controller::reg;
-use lanbus_nvme::driver::{DmaMemory, HostRegion};
 use lanbus_nvme::{Controller, ControllerConfig, InterruptSink, RamBacking};
 use proptest::prelude::*;
 

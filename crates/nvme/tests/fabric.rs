@@ -5,9 +5,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lanbus_bridge::dma::HostRegion;
 use lanbus_bridge::{DeviceBridge, DeviceBridgeConfig, HostBridge, HostBridgeConfig};
 use lanbus_nvme::pcie::{attach, NvmeFunction};
-use lanbus_nvme::{Backing, Controller, ControllerConfig, DriverConfig, HostRegion, RamBacking};
+use lanbus_nvme::{Backing, Controller, ControllerConfig, DriverConfig, RamBacking};
 use lanbus_port::{SimWire, SimWireConfig};
 use lanbus_runtime::RuntimeConfig;
 use lanbus_wire::{Clock, MacAddr, MonotonicClock};

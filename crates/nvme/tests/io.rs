@@ -5,8 +5,8 @@
 mod common;
 use common::*;
 
+use lanbus_bridge::dma::DmaMemory;
 use lanbus_nvme::command::{nvm_opcode, Sqe};
-use lanbus_nvme::driver::DmaMemory;
 use lanbus_nvme::local::{LocalNvme, ProcessMode};
 use lanbus_nvme::status::Status;
 use lanbus_nvme::{prp, CompletionMode, ControllerConfig, DriverConfig, FileBacking};
@@ -446,6 +446,6 @@ fn thread_safety_of_the_public_types() {
     fn send_sync<T: Send + Sync>() {}
     send::<lanbus_nvme::Controller>();
     send_sync::<lanbus_nvme::NvmeDriver>();
-    send_sync::<lanbus_nvme::HostRegion>();
+    send_sync::<lanbus_bridge::dma::HostRegion>();
     send_sync::<lanbus_nvme::local::LocalNvme>();
 }

@@ -16,7 +16,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use lanbus_nbd::{BlockDevice, DeviceError};
+use lanbus_block::{BlockDevice, DeviceError};
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
@@ -231,6 +231,8 @@ enum Outcome {
     Unsupp(String),
 }
 
+/// The virtio-blk status of a device's failure: `VIRTIO_BLK_S_UNSUPP` for an operation the device
+/// does not support, `VIRTIO_BLK_S_IOERR` for everything else (virtio-blk has no finer status).
 fn device_outcome(e: DeviceError) -> Outcome {
     match e {
         DeviceError::Unsupported(what) => Outcome::Unsupp(what.to_string()),
@@ -443,7 +445,7 @@ pub fn fuzz_request(data: &[u8]) {
     }
     let Ok(mem) = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0x1000), 64 << 10)]) else { return };
     let _ = mem.write_slice(&rest[..rest.len().min(64 << 10)], GuestAddress(0x1000));
-    let dev = lanbus_nbd::MemDevice::new(1 << 20);
+    let dev = lanbus_block::MemDevice::new(1 << 20);
     let info = DeviceInfo {
         size_bytes: 1 << 20,
         block_size: 512,
@@ -459,7 +461,7 @@ pub fn fuzz_request(data: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lanbus_nbd::MemDevice;
+    use lanbus_block::MemDevice;
     use vm_memory::GuestMemoryMmap;
 
     const MEM_BASE: u64 = 0x1000;

@@ -7,11 +7,11 @@
 //!   -device vhost-user-blk-pci,chardev=c0,num-queues=2 ...
 //! ```
 //!
-//! Layer: frontend, beside the NBD server; it depends on `lanbus-nbd` only for the
-//! [`BlockDevice`] trait. [`serve_blk`] listens on a Unix socket and serves one frontend at a time
-//! on its own threads (an accept thread, the vhost-user message thread, one thread per queue);
-//! when a frontend disconnects, or sends something the protocol does not allow, its connection
-//! ends and the next one gets a fresh device, so QEMU's `reconnect=` can start over against it.
+//! Layer: frontend, beside the NBD server; both serve a `lanbus-block` [`BlockDevice`].
+//! [`serve_blk`] listens on a Unix socket and serves one frontend at a time on its own threads (an
+//! accept thread, the vhost-user message thread, one thread per queue); when a frontend
+//! disconnects, or sends something the protocol does not allow, its connection ends and the next
+//! one gets a fresh device, so QEMU's `reconnect=` can start over against it.
 //! The vhost-user protocol is the rust-vmm crates' (`vhost`, `vhost-user-backend`); the
 //! virtio-blk requests are [`blk`]'s.
 //!
@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use lanbus_nbd::BlockDevice;
+use lanbus_block::BlockDevice;
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserBackend, VhostUserDaemon, VringRwLock};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};

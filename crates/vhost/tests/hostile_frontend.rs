@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lanbus_nbd::MemDevice;
+use lanbus_block::MemDevice;
 use lanbus_vhost::{serve_blk, BlkOptions, BlkServer};
 use rand::{Rng, SeedableRng};
 use vhost::vhost_user::message::VhostUserConfigFlags;

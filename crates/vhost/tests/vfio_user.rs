@@ -17,11 +17,12 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lanbus_bridge::dma::{BusError, DmaMemory, InterruptWait};
 use lanbus_bridge::host::RemoteFunction;
 use lanbus_bridge::{DeviceBridge, DeviceBridgeConfig, EventFd, HostBridge, HostBridgeConfig};
-use lanbus_nvme::driver::{Bar, DmaMemory, InterruptWait};
+use lanbus_nvme::driver::Bar;
 use lanbus_nvme::pcie::NvmeFunction;
-use lanbus_nvme::{BusError, Controller, ControllerConfig, DriverConfig, NvmeDriver, RamBacking};
+use lanbus_nvme::{Controller, ControllerConfig, DriverConfig, NvmeDriver, RamBacking};
 use lanbus_port::{SimWire, SimWireConfig};
 use lanbus_runtime::RuntimeConfig;
 use lanbus_vhost::vfio_user::{irq, region};

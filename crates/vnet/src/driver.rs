@@ -20,8 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use lanbus_nvme::driver::{DmaMemory, InterruptWait};
-use lanbus_nvme::BusError;
+use lanbus_bridge::dma::{BusError, DmaMemory, InterruptWait};
 
 use crate::virtq::{AVAIL_F_NO_INTERRUPT, DESC_F_WRITE, MAX_SIZE};
 use crate::{common, feature, status, MAX_BUFFER, NET_HDR_LEN, RX_QUEUE, TX_QUEUE};

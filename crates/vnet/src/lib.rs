@@ -1,6 +1,7 @@
 //! The remote NIC: a virtio-net network card in the I/O box that a host uses over the fabric.
 //!
-//! Layering, as for the NVMe drive (`lanbus_nvme`):
+//! Layering, as for the NVMe drive (`lanbus_nvme`), over the same DMA memory and interrupt waits
+//! (`lanbus_bridge::dma`):
 //!
 //! ```text
 //!   host:   TAP lanbus0 ── NetDriver ── MMIO (common/notify/ISR/device config in BAR0) ── HostRegion

@@ -6,8 +6,7 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use lanbus_nvme::driver::{DmaMemory, InterruptWait};
-use lanbus_nvme::{BusError, HostRegion};
+use lanbus_bridge::dma::{BusError, DmaMemory, HostRegion, InterruptWait};
 use lanbus_pcie::device::{DeviceIo, DeviceModel, DmaError, DmaId, HostRequest, IoOp};
 use lanbus_pcie::CplStatus;
 

@@ -11,10 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use lanbus_bridge::dma::{bridge_error, BusError, HostRegion, InterruptWait, RegionView};
 use lanbus_bridge::{BridgeError, EventFd, HostBridge, HostedFunction, RemoteFunction};
-use lanbus_nvme::driver::InterruptWait;
-use lanbus_nvme::pcie::{bridge_error, RegionView};
-use lanbus_nvme::{BusError, HostRegion};
 use lanbus_pcie::config::cap_id;
 use lanbus_pcie::Bdf;
 

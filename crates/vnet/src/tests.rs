@@ -154,7 +154,7 @@ fn a_driver_without_version_1_is_refused() {
 fn a_hostile_available_index_breaks_the_device_not_the_box() {
     let (nic, drv) = nic(8);
     let [_, (_, tx_avail, _)] = drv.queue_areas();
-    lanbus_nvme::driver::DmaMemory::write(nic.memory(), tx_avail + 2, &500u16.to_le_bytes()).unwrap();
+    lanbus_bridge::dma::DmaMemory::write(nic.memory(), tx_avail + 2, &500u16.to_le_bytes()).unwrap();
     // Notified with the same wild index.
     let v = u32::from(crate::TX_QUEUE) | 500 << 16;
     nic.bar_write(
@@ -185,10 +185,10 @@ fn a_looping_chain_breaks_the_device() {
         d[8..12].copy_from_slice(&64u32.to_le_bytes());
         d[12..14].copy_from_slice(&1u16.to_le_bytes());
         d[14..16].copy_from_slice(&next.to_le_bytes());
-        lanbus_nvme::driver::DmaMemory::write(mem, desc + 16 * i, &d).unwrap();
+        lanbus_bridge::dma::DmaMemory::write(mem, desc + 16 * i, &d).unwrap();
     }
-    lanbus_nvme::driver::DmaMemory::write(mem, avail + 4, &0u16.to_le_bytes()).unwrap();
-    lanbus_nvme::driver::DmaMemory::write(mem, avail + 2, &1u16.to_le_bytes()).unwrap();
+    lanbus_bridge::dma::DmaMemory::write(mem, avail + 4, &0u16.to_le_bytes()).unwrap();
+    lanbus_bridge::dma::DmaMemory::write(mem, avail + 2, &1u16.to_le_bytes()).unwrap();
     let v = u32::from(crate::TX_QUEUE) | 1 << 16;
     nic.bar_write(layout::NOTIFY + u64::from(layout::NOTIFY_MULTIPLIER), &v.to_le_bytes());
     assert_ne!(drv.device_status().unwrap() & status::NEEDS_RESET, 0);

@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{bump, reply_header, Conn, ConnError, Ended, ExportLimits, Job, KEEP_BUFFER_BYTES};
-use crate::device::{BlockQueue, DeviceError, Reaped};
 use crate::proto::{Action, Errno, RequestHeader};
+use lanbus_block::{BlockQueue, DeviceError, Reaped};
 
 /// Longest wait on the device while requests are in flight before the socket is looked at
 /// again (a request that arrives meanwhile waits at most this long to be submitted).
@@ -606,7 +606,7 @@ impl Conn<'_> {
             }
             (Some(Err(e)), None) => {
                 bump(&self.counters.device_errors, 1);
-                let _ = self.send(&reply_header(handle, e.errno().as_u32()));
+                let _ = self.send(&reply_header(handle, Errno::of(&e).as_u32()));
             }
             (None | Some(Ok(false)), None) => {
                 // Part of the payload taken without the write: a queue that broke its word.
@@ -721,7 +721,7 @@ impl Conn<'_> {
             Ok(false) => Enqueued::NoRoom,
             Err(e) => {
                 bump(&self.counters.device_errors, 1);
-                let _ = self.send(&reply_header(job.handle, e.errno().as_u32()));
+                let _ = self.send(&reply_header(job.handle, Errno::of(&e).as_u32()));
                 self.budget.give(job.budget_bytes);
                 Enqueued::Answered
             }
@@ -760,7 +760,7 @@ impl Conn<'_> {
             }
             Err(e) => {
                 bump(&c.device_errors, 1);
-                let _ = self.send(&reply_header(q.handle, e.errno().as_u32()));
+                let _ = self.send(&reply_header(q.handle, Errno::of(&e).as_u32()));
             }
         }
         bump(&c.reply_ns, start.elapsed().as_nanos() as u64);

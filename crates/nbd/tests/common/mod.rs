@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use lanbus_nbd::{BlockDevice, DeviceError, Export, MemDevice, Server};
+use lanbus_block::{BlockDevice, DeviceError, MemDevice};
+use lanbus_nbd::{Export, Server};
 
 /// A scratch directory removed on drop.
 pub struct Scratch(pub PathBuf);

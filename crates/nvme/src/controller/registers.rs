@@ -12,8 +12,9 @@
 //!
 //! None of this does DMA: doorbells only make work pending for [`Controller::process`].
 
+use lanbus_bridge::dma::BusError;
+
 use super::{cc, cmb, csts, reg, Controller, Cq, Sq, DEFAULT_FEATURES, MSIX_TABLE_OFFSET};
-use crate::BusError;
 
 impl Controller {
     /// CAP (1.4 section 3.1.1).

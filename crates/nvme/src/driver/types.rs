@@ -1,13 +1,14 @@
 //! The driver's value types (host side): its settings ([`DriverConfig`], [`CompletionMode`]), its
-//! error ([`DriverError`], with the errno a block-device client is given), what Identify reported
+//! error ([`DriverError`], which carries the NVMe status), what Identify reported
 //! ([`Identity`]), what it keeps in the controller's memory buffer ([`CmbUse`]) and its counters
 //! ([`DriverStats`]). All of them are public as `lanbus_nvme::driver::*`.
 
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
+use lanbus_bridge::dma::BusError;
+
 use crate::status::Status;
-use crate::BusError;
 
 /// How the driver learns of completions. Every CQ has interrupts enabled (IEN) either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,34 +115,6 @@ pub enum DriverError {
     /// The caller passed a bad argument (out of range, misaligned, wrong length).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-}
-
-impl DriverError {
-    /// The POSIX errno that best describes the failure to a block-device client (NBD replies,
-    /// for example): `EINVAL` for bad arguments and out-of-range or invalid-field statuses,
-    /// `ETIMEDOUT` for timeouts, `ENOMEM` for exhausted DMA memory, `ENOTSUP` for missing
-    /// features, `EIO` for everything else.
-    pub fn errno(&self) -> i32 {
-        const EIO: i32 = 5;
-        const ENOMEM: i32 = 12;
-        const EINVAL: i32 = 22;
-        const ENOTSUP: i32 = 95;
-        const ETIMEDOUT: i32 = 110;
-        match self {
-            DriverError::InvalidArgument(_) => EINVAL,
-            DriverError::Status { status, .. }
-                if status.same_code(Status::LBA_OUT_OF_RANGE)
-                    || status.same_code(Status::INVALID_FIELD)
-                    || status.same_code(Status::INVALID_NAMESPACE) =>
-            {
-                EINVAL
-            }
-            DriverError::Timeout(_) => ETIMEDOUT,
-            DriverError::OutOfDmaMemory(_) => ENOMEM,
-            DriverError::Unsupported(_) => ENOTSUP,
-            _ => EIO,
-        }
-    }
 }
 
 /// What Identify said about the controller and namespace 1.
