@@ -891,9 +891,10 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> 
     // SAFETY: the program's iovec array of `n` entries.
     let iovs = unsafe { std::slice::from_raw_parts(iov, n.max(0) as usize) };
     match iovs.iter().find(|v| v.iov_len > 0) {
-        // SAFETY: the program's buffer.
         Some(v) => {
-            sock_read(&s, unsafe { std::slice::from_raw_parts_mut(v.iov_base.cast(), v.iov_len) }, 0, None)
+            // SAFETY: the program's buffer of `iov_len` bytes, which readv lets us fill.
+            let buf = unsafe { std::slice::from_raw_parts_mut(v.iov_base.cast(), v.iov_len) };
+            sock_read(&s, buf, 0, None)
         }
         None => 0,
     }
