@@ -57,7 +57,7 @@ pub struct DeviceArgs {
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
     #[arg(long)]
-    port: Option<String>,
+    port: Option<lanbus_port::PortSpec>,
     /// The group whose host this I/O box serves.
     #[arg(long)]
     group: Option<u16>,
@@ -105,7 +105,7 @@ pub struct HostArgs {
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
     #[arg(long)]
-    port: Option<String>,
+    port: Option<lanbus_port::PortSpec>,
     /// Our group: we use the devices that announce it.
     #[arg(long)]
     group: Option<u16>,
@@ -306,7 +306,7 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
         functions.push(HostedFunction::model(DmaEngine::new())?);
     }
     let metrics_listener = bind_metrics(args.metrics, file.metrics.as_deref())?;
-    let port = lanbus_port::open(&port_spec)?;
+    let port = port_spec.open()?;
     let listener = bind_control(&control)?;
     let config = config::device_config(group, &name, args.mode.into());
     let bridge = DeviceBridge::start(port, config, functions)?;
@@ -824,7 +824,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
         Some(ExportSpec::VhostUserNet(path)) => Some(NicTarget::Vhost(path.clone())),
         _ => None,
     };
-    let port = lanbus_port::open(&port_spec)?;
+    let port = port_spec.open()?;
     let listener = bind_control(&control)?;
     let host = Arc::new(HostBridge::start(port, config::host_config(group, &name, args.mode.into()))?);
     let events = host.subscribe();

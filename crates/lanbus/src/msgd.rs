@@ -13,7 +13,7 @@ use lanbus_node::process::Blocked;
 pub struct MsgdArgs {
     /// The port (see PORT SPECS in `lanbus --help`).
     #[arg(long)]
-    port: String,
+    port: lanbus_port::PortSpec,
     /// The Unix socket processes attach at. Root, this daemon's user and members of its group
     /// may attach (checked with SO_PEERCRED).
     #[arg(long, default_value = "/tmp/lanbus-msgd.sock")]
@@ -26,7 +26,7 @@ pub struct MsgdArgs {
 /// Runs the daemon until SIGINT or SIGTERM.
 pub fn run(args: MsgdArgs) -> anyhow::Result<()> {
     let signals = Blocked::termination().context("blocking SIGINT and SIGTERM")?;
-    let port = lanbus_port::open(&args.port)?;
+    let port = args.port.open()?;
     let mut rc = lanbus_node::config::msgd_runtime_config("msgd");
     rc.transport.group = args.group;
     let daemon = MsgDaemon::start(port, &args.socket, rc)

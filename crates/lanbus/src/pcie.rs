@@ -40,7 +40,7 @@ pub fn runtime_for(mode: ThreadMode, name: &str) -> RuntimeConfig {
 pub struct LspciArgs {
     /// The port to reach the device bridges through (see `lanbus --help` for specs).
     #[arg(long)]
-    port: String,
+    port: lanbus_port::PortSpec,
     /// Our group: only device bridges of this group are listed.
     #[arg(long, default_value_t = 0)]
     group: u16,
@@ -54,7 +54,7 @@ pub struct LspciArgs {
 
 /// Runs `lanbus lspci`.
 pub fn lspci(args: LspciArgs) -> anyhow::Result<()> {
-    let port = lanbus_port::open(&args.port).with_context(|| format!("opening {}", args.port))?;
+    let port = args.port.open().with_context(|| format!("opening {}", args.port))?;
     let config = HostBridgeConfig {
         group: args.group,
         name: "lanbus-lspci".into(),

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use lanbus_node::process::Blocked;
+use lanbus_port::afpacket::AfPacketConfig;
+use lanbus_port::{PortKind, PortSpec};
 use lanbus_stack::client::StackClient;
 use lanbus_stack::server::{Server, ServerConfig, ServerStatus};
 use lanbus_stack::CopyUnit;
@@ -26,7 +28,7 @@ pub struct StackdArgs {
     /// The port: afpacket:IFACE (the server adds ethertypes=all). The interface must have no
     /// kernel IP address: the kernel would answer the stack's TCP segments with resets.
     #[arg(long)]
-    port: String,
+    port: lanbus_port::PortSpec,
     /// The stack's address and prefix length, e.g. 10.0.0.1/24.
     #[arg(long)]
     ip: String,
@@ -90,15 +92,18 @@ fn parse_cidr6(s: &str) -> anyhow::Result<(Ipv6Addr, u8)> {
 }
 
 /// The port spec stackd opens: afpacket with every EtherType.
-fn stack_port_spec(spec: &str) -> anyhow::Result<String> {
-    let kind = spec.split(':').next().unwrap_or("");
-    match kind {
-        "afpacket" if spec.contains("ethertypes=") => Ok(spec.to_string()),
-        "afpacket" => Ok(format!("{spec},ethertypes=all")),
-        "afxdp" => bail!(
+fn stack_port_spec(spec: &PortSpec) -> anyhow::Result<PortSpec> {
+    match &spec.kind {
+        PortKind::AfPacket(config) => {
+            let config = AfPacketConfig { all_ethertypes: true, ..config.clone() };
+            Ok(PortSpec { kind: PortKind::AfPacket(config), ..spec.clone() })
+        }
+        PortKind::AfXdp { .. } => bail!(
             "{spec}: the afxdp port's XDP program passes only lanbus frames to the socket; use afpacket:IFACE"
         ),
-        "udp" | "shm" | "sim" => bail!("{spec}: a TCP/IP stack needs raw Ethernet; use afpacket:IFACE"),
+        PortKind::Udp(_) | PortKind::Shm { .. } | PortKind::Sim => {
+            bail!("{spec}: a TCP/IP stack needs raw Ethernet; use afpacket:IFACE")
+        }
         _ => bail!("{spec}: use afpacket:IFACE"),
     }
 }
@@ -138,7 +143,7 @@ pub fn stackd(args: StackdArgs) -> anyhow::Result<()> {
     let signals = Blocked::termination().context("blocking SIGINT and SIGTERM")?;
     let (ip, prefix) = parse_cidr(&args.ip)?;
     let spec = stack_port_spec(&args.port)?;
-    let port = lanbus_port::open(&spec)?;
+    let port = spec.open()?;
     let mac = port.mac();
     let mtu = port.mtu();
     let mut config = ServerConfig::new(ip, prefix, &args.socket);
@@ -388,12 +393,10 @@ mod tests {
         assert!(parse_cidr6("10.0.0.1/24").is_err());
         assert!(parse_cidr("10.0.0.1/33").is_err());
         assert!(parse_cidr("0.0.0.0/8").is_err());
-        assert_eq!(stack_port_spec("afpacket:veth0").unwrap(), "afpacket:veth0,ethertypes=all");
-        assert_eq!(
-            stack_port_spec("afpacket:veth0,ethertypes=all").unwrap(),
-            "afpacket:veth0,ethertypes=all"
-        );
-        assert!(stack_port_spec("udp:127.0.0.1:7000").is_err());
-        assert!(stack_port_spec("afxdp:veth0").is_err());
+        let stack = |s: &str| stack_port_spec(&s.parse().unwrap()).map(|s| s.to_string());
+        assert_eq!(stack("afpacket:veth0").unwrap(), "afpacket:veth0,ethertypes=all");
+        assert_eq!(stack("afpacket:veth0,ethertypes=all").unwrap(), "afpacket:veth0,ethertypes=all");
+        assert!(stack("udp:127.0.0.1:7000").is_err());
+        assert!(stack("afxdp:veth0").is_err());
     }
 }

@@ -29,11 +29,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The I/O box: one NVMe drive of 64 MiB in RAM.
     let ctrl = controller(&NvmeBacking::Ram(64 << 20), 512)?;
     let (function, _stats) = nvme_function(ctrl)?;
-    let port = lanbus_port::open(&format!("udp:127.0.0.1:{box_port},peer=127.0.0.1:{host_port}"))?;
+    let port = format!("udp:127.0.0.1:{box_port},peer=127.0.0.1:{host_port}")
+        .parse::<lanbus_port::PortSpec>()
+        .and_then(|s| s.open())?;
     let io_box = DeviceBridge::start(port, device_config(GROUP, "example-iobox", mode), vec![function])?;
 
     // The host: enumerate the group's devices and start the driver on the NVMe controller.
-    let port = lanbus_port::open(&format!("udp:127.0.0.1:{host_port},peer=127.0.0.1:{box_port}"))?;
+    let port = format!("udp:127.0.0.1:{host_port},peer=127.0.0.1:{box_port}")
+        .parse::<lanbus_port::PortSpec>()
+        .and_then(|s| s.open())?;
     let host = Arc::new(HostBridge::start(port, host_config(GROUP, "example-host", mode))?);
     let found = host.wait_devices(1, Duration::from_secs(10));
     let f = found.iter().find(|f| is_nvme(f)).ok_or("no NVMe controller appeared in 10 s")?;

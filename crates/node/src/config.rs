@@ -99,7 +99,7 @@ pub fn device_config(group: u16, name: &str, threads: ThreadMode) -> DeviceBridg
 #[serde(deny_unknown_fields)]
 pub struct DeviceFile {
     /// The port spec.
-    pub port: Option<String>,
+    pub port: Option<lanbus_port::PortSpec>,
     /// The group whose host the I/O box serves.
     pub group: Option<u16>,
     /// The NVMe drive's blocks ([`crate::drive::NvmeBacking`]).
@@ -170,7 +170,7 @@ impl DeviceState {
 #[serde(deny_unknown_fields)]
 pub struct HostFile {
     /// The port spec.
-    pub port: Option<String>,
+    pub port: Option<lanbus_port::PortSpec>,
     /// The group whose devices the host uses.
     pub group: Option<u16>,
     /// What is exported ([`ExportSpec`]): one spec or a list.
@@ -352,6 +352,16 @@ mod tests {
         std::fs::write(&p, "configured_group = 9\ncurrent_group = 70000\n").unwrap();
         assert!(matches!(DeviceState::resume(&p, 9), Err(Error::Config { .. })));
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_port_is_parsed_from_the_config_file() {
+        let file: HostFile = toml::from_str("port = \"udp:127.0.0.1:7000,peer=127.0.0.1:7001\"").unwrap();
+        let port = file.port.unwrap();
+        assert!(matches!(port.kind, lanbus_port::PortKind::Udp(_)));
+        assert_eq!(port.to_string(), "udp:127.0.0.1:7000,peer=127.0.0.1:7001");
+        let e = toml::from_str::<DeviceFile>("port = \"afxdp:eth0:q\"").unwrap_err().to_string();
+        assert!(e.contains("not a receive queue number"), "{e}");
     }
 
     #[test]

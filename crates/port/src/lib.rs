@@ -43,7 +43,7 @@ pub mod vlan;
 pub use hub::{Hub, HubConfig, HubPort, HubStats};
 pub use layer::Layer;
 pub use sim::{SimPort, SimWire, SimWireConfig, SimWireStats};
-pub use spec::{open, SPEC_HELP};
+pub use spec::{LossSpec, PortKind, PortSpec, SPEC_HELP};
 
 /// What a port counts. Counters only grow; read them with [`Port::counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -105,8 +105,18 @@ fn a_gibibyte_without_heartbeats_is_never_taken_for_a_dead_peer() {
     };
     pair.set_mtu(9000).unwrap();
     let (sa, sb) = (format!("afpacket:{}", pair.a.ifname), format!("afpacket:{}", pair.b.ifname));
-    let a = pair.a.netns.run(move || lanbus_port::open(&sa)).unwrap().unwrap();
-    let b = pair.b.netns.run(move || lanbus_port::open(&sb)).unwrap().unwrap();
+    let a = pair
+        .a
+        .netns
+        .run(move || sa.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+        .unwrap()
+        .unwrap();
+    let b = pair
+        .b
+        .netns
+        .run(move || sb.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+        .unwrap()
+        .unwrap();
     let (a_mac, b_mac) = (a.mac(), b.mac());
     // A peer is down after 3 silent heartbeat intervals of 10 ms: 30 ms without a frame.
     let mut transport = Config { mtu: 65_535, ..Config::default() };
