@@ -91,9 +91,21 @@ const KINDS: &str = "sim, udp, afpacket, afxdp, shm, dpdk";
 
 /// A parsed port spec: which port, with which options; see [`SPEC_HELP`] for the text form.
 ///
-/// Built by parsing (`"udp:127.0.0.1:7000,peer=127.0.0.1:7001".parse::<PortSpec>()`), or by hand;
-/// `Display` writes the canonical text form. [`PortSpec::open`] opens the port, checking a spec
-/// built by hand as the parser would.
+/// Built by parsing, or by hand; `Display` writes the canonical text form. [`PortSpec::open`]
+/// opens the port, checking a spec built by hand as the parser would.
+///
+/// ```
+/// use lanbus_port::{PortKind, PortSpec};
+///
+/// let spec: PortSpec = " udp:127.0.0.1:7000, peer=127.0.0.1:7001, loss=0.01 ".parse()?;
+/// let PortKind::Udp(udp) = &spec.kind else { unreachable!() };
+/// assert_eq!(udp.peers.len(), 1);
+/// assert_eq!(spec.to_string(), "udp:127.0.0.1:7000,peer=127.0.0.1:7001,loss=0.01");
+/// assert_eq!(spec.to_string().parse::<PortSpec>()?, spec);
+/// let bad = "afxdp:eth0:q".parse::<PortSpec>().unwrap_err().to_string();
+/// assert!(bad.contains("queue \"q\" is not a receive queue number"));
+/// # Ok::<(), lanbus_port::PortError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct PortSpec {
     /// The port and its own options.
@@ -622,6 +634,21 @@ mod tests {
         assert_eq!(parse("sim"), PortKind::Sim.into());
         assert_eq!(parse("  dpdk:  -l 1   --no-huge ").to_string(), "dpdk:-l 1 --no-huge");
         assert_eq!(parse("dpdk"), PortKind::Dpdk { eal_args: Vec::new() }.into());
+        // Awkward corners that still come back the same from their canonical text.
+        for text in [
+            "udp:[fe80::1%2]:7000,peer=[fe80::2%2]:7000",
+            "udp:[::ffff:1.2.3.4]:7,peer=[::ffff:1.2.3.5]:7",
+            "afpacket:eth0:1",
+            "afpacket:a=b,loss=1e-9",
+            "dpdk:a, loss=0.1 ,b\t,c",
+            "dpdk:,vlan=group",
+            "shm: /x y ,loss=0",
+            "shm:/a,,b",
+            "afxdp:e\u{85}:4294967295",
+        ] {
+            parse(text);
+            fuzz_spec(text.as_bytes());
+        }
     }
 
     #[test]
