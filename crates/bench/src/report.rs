@@ -1,8 +1,8 @@
 //! The common benchmark report: one table on the terminal, one JSON file, the same rows.
 //!
 //! Format (`docs/architecture.md`, "Measurements"):
-//! `{"bench": NAME, "lanbus": VERSION, "machine": {"cpus": N, "model": "..."}, "rows": [...]}` where
-//! each row has `name` (peers are `peer:<program>`), `metric` (unit in the name), `value` (the
+//! `{"bench": NAME, "lanbus": VERSION, "command": "lanbus bench ...", "date": "YYYY-MM-DD",
+//! "machine": {"cpus": N, "model": "..."}, "rows": [...]}` where each row has `name` (peers are `peer:<program>`), `metric` (unit in the name), `value` (the
 //! median of the runs) and the parameters that make it unique (`size_bytes`, `block_size`, `mode`...).
 
 use std::collections::BTreeMap;
@@ -49,17 +49,21 @@ pub struct Machine {
 }
 
 impl Machine {
-    /// Reads this machine's description.
+    /// Reads this machine's description. The CPUs are the machine's, from /proc/cpuinfo: a bench
+    /// that pinned its threads (`ring`, `vring`) has fewer in its affinity mask.
     pub fn this() -> Self {
-        let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        let model = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("model name"))
-                    .and_then(|l| l.split_once(':'))
-                    .map(|(_, m)| m.trim().to_string())
-            })
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let listed = cpuinfo.lines().filter(|l| l.starts_with("processor")).count();
+        let cpus = if listed > 0 {
+            listed
+        } else {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        };
+        let model = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, m)| m.trim().to_string())
             .unwrap_or_else(|| "unknown".to_string());
         Machine { cpus, model }
     }
@@ -72,6 +76,10 @@ pub struct Report {
     pub bench: String,
     /// The lanbus version that ran it (`git describe` when built from a checkout).
     pub lanbus: String,
+    /// The command line that ran it, the program shown as `lanbus` (`lanbus bench ring --runs 9`).
+    pub command: String,
+    /// The day it ran, UTC, `YYYY-MM-DD`.
+    pub date: String,
     /// Where it ran.
     pub machine: Machine,
     /// The figures.
@@ -84,7 +92,18 @@ impl Report {
         let describe = env!("LANBUS_GIT_DESCRIBE");
         let lanbus =
             if describe.is_empty() { env!("CARGO_PKG_VERSION").to_string() } else { describe.to_string() };
-        Report { bench: bench.to_string(), lanbus, machine: Machine::this(), rows: Vec::new() }
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Report {
+            bench: bench.to_string(),
+            lanbus,
+            command: command_line(std::env::args()),
+            date: utc_date(secs),
+            machine: Machine::this(),
+            rows: Vec::new(),
+        }
     }
 
     /// Adds a row.
@@ -152,6 +171,41 @@ impl Report {
     }
 }
 
+/// The command line from the process's arguments, the program shown as `lanbus`; an argument
+/// with spaces or shell characters in single quotes.
+fn command_line(args: impl Iterator<Item = String>) -> String {
+    let quoted = |a: String| {
+        let plain = !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_=.,:/@%+".contains(c));
+        if plain {
+            a
+        } else {
+            format!("'{}'", a.replace('\'', r"'\''"))
+        }
+    };
+    std::iter::once("lanbus".to_string()).chain(args.skip(1).map(quoted)).collect::<Vec<_>>().join(" ")
+}
+
+/// The UTC date `YYYY-MM-DD` of `secs` seconds after the Unix epoch.
+fn utc_date(secs: u64) -> String {
+    let (y, m, d) = civil_from_days((secs / 86_400) as i64);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// The proleptic Gregorian date of a count of days since 1970-01-01 (Howard Hinnant's
+/// `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
 /// Three significant figures, without exponent for everyday magnitudes.
 fn format_value(v: f64) -> String {
     if v == 0.0 || !v.is_finite() {
@@ -192,12 +246,35 @@ mod tests {
         r.push(Row::new("peer:rte_ring", "ns_per_elem", 1.5).with("burst", 8));
         let v: Value = serde_json::to_value(&r).unwrap();
         assert_eq!(v["bench"], "ring");
+        assert!(v["command"].as_str().unwrap().starts_with("lanbus"));
+        let date = v["date"].as_str().unwrap();
+        assert!(date.len() == 10 && date.as_bytes()[4] == b'-' && date.as_bytes()[7] == b'-', "{date}");
         assert!(v["machine"]["cpus"].as_u64().unwrap() >= 1);
         assert_eq!(v["rows"][0]["name"], "lanbus");
         assert_eq!(v["rows"][0]["burst"], 8);
         assert_eq!(v["rows"][1]["value"], 1.5);
         let table = r.table();
         assert!(table.contains("peer:rte_ring") && table.contains("burst=8") && table.contains("1.25"));
+    }
+
+    #[test]
+    fn dates_from_days() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(-1), (1969, 12, 31));
+        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+        assert_eq!(civil_from_days(11_017), (2000, 3, 1));
+        assert_eq!(utc_date(1_796_169_600), "2026-12-02");
+        assert_eq!(utc_date(1_796_169_600 - 1), "2026-12-01");
+        assert_eq!(utc_date(951_782_400), "2000-02-29");
+    }
+
+    #[test]
+    fn command_shows_lanbus() {
+        let args = ["/x/target/debug/lanbus", "bench", "nvme", "--only", "afpacket,peer:nbd-tcp", "a b"];
+        assert_eq!(
+            command_line(args.iter().map(|s| s.to_string())),
+            "lanbus bench nvme --only afpacket,peer:nbd-tcp 'a b'"
+        );
     }
 
     #[test]

@@ -76,7 +76,7 @@ pub const PCIE_CHANNELS: core::ops::Range<u16> = PCIE_CHANNEL..PCIE_CHANNEL + 0x
 /// Spinning pays only with a core to spare: the runtime threads of a busy node spin already (one
 /// in run-to-completion mode, two in pipeline mode), and a third spinner on a 2-core machine takes
 /// the core the thread bringing the news needs: on 2 cores MMIO reads got slower the longer users
-/// spun, over every port and in both thread modes (`docs/measurements/2026-11-21-pcie.md`). So:
+/// spun, over every port and in both thread modes (`docs/architecture.md`, "Threads"). So:
 /// no spin below 4 CPUs, 50 us from 4 on.
 pub(crate) fn spin_budget() -> Duration {
     static BUDGET: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();

@@ -10,16 +10,18 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use lanbus_nbd::{Client, Export, Server};
+use lanbus_nbd::Client;
 use rand::{Rng, SeedableRng};
 
-use lanbus_node::drive::{self, NvmeBacking, NvmeBlock};
+use lanbus_node::config::ExportSpec;
+use lanbus_node::device::{Device, DeviceOptions};
+use lanbus_node::drive::NvmeBacking;
 use lanbus_node::fabric::SimFabric;
+use lanbus_node::host::{Host, HostOptions};
 
 /// Arguments of `lanbus demo` (none needed).
 #[derive(Debug, Args)]
@@ -93,27 +95,34 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         Some(cpu) => println!("  threads: all on CPU {cpu} (--cpus all lets them move)\n"),
         None => println!("  threads: on any CPU\n"),
     }
-    let ctrl = drive::controller(&NvmeBacking::Ram(size), 512)?;
-    let mut fab = SimFabric::start(ctrl, a.loss, a.seed)?;
+    let dir = TempDir(std::env::temp_dir().join(format!("lanbus-demo-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0)?;
+    let socket = dir.0.join("nvme0.sock");
+    // The very I/O box and host that `lanbus device` and `lanbus host` run, on the two ends of
+    // the simulated wire.
+    let (host_port, device_port) = SimFabric::sim_ports(a.loss, a.seed)?;
+    let mut box_options = DeviceOptions::new(1, "demo-iobox");
+    box_options.nvme = Some(NvmeBacking::Ram(size));
+    let device = Device::start(device_port, box_options)?;
+    let host_options = HostOptions::new(1, "demo-host", vec![ExportSpec::Unix(socket.clone())]);
+    let host = Host::start(host_port, host_options, Box::new(|line| tracing::info!("host: {line}")))?;
+    let driver = host
+        .wait_exported(Duration::from_secs(10))
+        .context("the host did not enumerate and export the drive within 10 s")?;
     println!("enumerated through configuration TLPs ({:.0} ms):", started.elapsed().as_secs_f64() * 1e3);
-    print!("{}", lanbus_node::lspci::describe(&fab.function));
-    let id = fab.driver.identity().clone();
+    for f in host.bridge().devices() {
+        print!("{}", lanbus_node::lspci::describe(&f));
+    }
+    let id = driver.identity().clone();
     println!(
         "NVMe driver: {:?} serial {:?}, namespace {} x {} bytes, {} I/O queue pairs, MSI-X interrupts\n",
         id.model,
         id.serial,
         id.blocks,
         id.lba_size,
-        fab.driver.io_queue_count()
+        driver.io_queue_count()
     );
-
-    let dir = TempDir(std::env::temp_dir().join(format!("lanbus-demo-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0)?;
-    let socket = dir.0.join("nvme0.sock");
-    let server = Server::builder()
-        .export(Export::new("nvme0", Arc::new(NvmeBlock::new(fab.driver.clone()))).description("lanbus demo"))
-        .build()?;
-    server.serve(std::os::unix::net::UnixListener::bind(&socket)?)?;
+    drop(driver);
     let uri = format!("nbd+unix:///nvme0?socket={}", socket.display());
     println!("exported over NBD: {uri}\n");
 
@@ -134,12 +143,11 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         }
     }
 
-    let stats = server.shutdown()?;
-    fab.driver.shutdown().context("NVMe shutdown")?;
-    let h = fab.host.runtime_stats();
-    let d = fab.device.as_ref().map(|d| d.runtime_stats());
-    let hb = fab.host.stats();
-    let (cs, _) = fab.controller_stats.get();
+    let stats = host.nbd_stats().context("the drive is no longer exported")?;
+    let h = host.bridge().runtime_stats();
+    let d = device.bridge().runtime_stats();
+    let hb = host.bridge().stats();
+    let counter = |name: &str| device.samples().iter().find(|s| s.name == name).map_or(0, |s| s.value as u64);
     println!("\ncounters:");
     println!(
         "  NBD:        {} connections, {} reads, {} writes, {} flushes, {} device errors",
@@ -150,19 +158,17 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         stats.device_errors
     );
     println!(
-        "  controller: {} I/O commands, {} admin, {} MB read, {} MB written, {} errors",
-        cs.io_commands,
-        cs.admin_commands,
-        cs.bytes_read / 1_000_000,
-        cs.bytes_written / 1_000_000,
-        cs.error_completions
+        "  controller: {} I/O commands, {} MB read, {} MB written, {} errors",
+        counter("nvme_io_commands_total"),
+        counter("nvme_bytes_read_total") / 1_000_000,
+        counter("nvme_bytes_written_total") / 1_000_000,
+        counter("nvme_error_completions_total")
     );
     println!(
         "  host bridge: {} TLPs in, {} DMA reads served, {} DMA writes applied, {} MSI-X, {} completion timeouts",
         hb.tlps_received, hb.dma_reads_served, hb.dma_writes_applied, hb.interrupts, hb.timeouts
     );
-    for (who, rt) in [("host", Some(h)), ("device", d)] {
-        let Some(rt) = rt else { continue };
+    for (who, rt) in [("host", h), ("device", d)] {
         let t = rt.transport;
         println!(
             "  transport ({who}): {} frames sent, {} retransmitted ({} fast retransmits, {} tail-loss \
@@ -176,7 +182,8 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
             t.drop_out_of_order
         );
     }
-    fab.unplug();
+    host.shutdown();
+    device.shutdown()?;
     println!(
         "\nall data verified: {} MiB through the built-in client{}. {:.1} s.",
         a.size_mib,

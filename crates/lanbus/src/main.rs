@@ -9,13 +9,15 @@ mod pcie;
 mod port;
 mod sim_cmd;
 mod stack;
+mod stackd;
+mod status;
 mod tlp;
 
 use clap::{Parser, Subcommand};
 
 /// mimalloc instead of glibc's malloc: the fabric's threads allocate TLPs and frames on one
 /// thread and free them on another, which glibc serves by growing and trimming per-thread arenas
-/// (page faults and an arena lock on every large transfer; `docs/measurements/2026-11-21-nvme.md`).
+/// (page faults and an arena lock on every large transfer).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -27,13 +29,27 @@ struct Cli {
     /// (RUST_LOG, e.g. `RUST_LOG=lanbus_bridge=debug`, selects them finer and wins over -v).
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
+    /// How log lines look: `text` (coloured only when stderr is a terminal) or `json` (one
+    /// object per line, for log collectors).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
 
+/// The shape of log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines, coloured only on a terminal.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
 /// Sends the libraries' `tracing` events to stderr: warnings by default, more with `-v`/`-vv`,
-/// or exactly what `RUST_LOG` says.
-fn install_logging(verbose: u8) {
+/// or exactly what `RUST_LOG` says. Colour escapes only when stderr is a terminal, so that a log
+/// written to a file or the journal is plain text.
+fn install_logging(verbose: u8, format: LogFormat) {
     let default = match verbose {
         0 => "warn",
         1 => "info",
@@ -41,7 +57,11 @@ fn install_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
 }
 
 #[derive(Debug, Subcommand)]
@@ -77,13 +97,13 @@ enum Command {
     /// NIC as a TAP or to a VM as a vhost-user-net backend.
     Host(daemon::HostArgs),
     /// Asks a running `lanbus host` or `lanbus device` for peers, devices, queues and counters.
-    Status(daemon::StatusArgs),
+    Status(status::StatusArgs),
     /// The messaging daemon: owns the port; the node's processes attach to it over a Unix
     /// socket and shared memory to send and receive MPI-style messages, until SIGINT/SIGTERM.
     Msgd(msgd::MsgdArgs),
     /// The TCP/IP stack server: a user-level TCP/IP stack on a port; programs attach to it over
     /// a Unix socket and shared memory, until SIGINT/SIGTERM.
-    Stackd(stack::StackdArgs),
+    Stackd(stackd::StackdArgs),
     /// Programs that use a running `lanbus stackd`: send and receive over TCP like `nc`.
     #[command(subcommand)]
     Stack(stack::StackCommand),
@@ -91,7 +111,7 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    install_logging(cli.verbose);
+    install_logging(cli.verbose, cli.log_format);
     let result = match cli.command {
         Command::Bench(c) => lanbus_bench::run(c),
         Command::Tlp(c) => tlp::run(c),
@@ -103,9 +123,9 @@ fn main() -> std::process::ExitCode {
         Command::Device(a) => daemon::device(a),
         Command::DeviceCtl(a) => pcie::device_ctl(a),
         Command::Host(a) => daemon::host(a),
-        Command::Status(a) => daemon::status(a),
+        Command::Status(a) => status::run(a),
         Command::Msgd(a) => msgd::run(a),
-        Command::Stackd(a) => stack::stackd(a),
+        Command::Stackd(a) => stackd::run(a),
         Command::Stack(c) => stack::run(c),
     };
     match result {

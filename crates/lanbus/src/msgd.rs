@@ -5,37 +5,45 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use lanbus_node::config::{self, MsgdFile};
 use lanbus_node::msgd::MsgDaemon;
 use lanbus_node::process::Blocked;
 
-/// Options of `lanbus msgd`.
+/// Options of `lanbus msgd` (each may come from `--config FILE` instead; the command line wins).
 #[derive(Debug, clap::Args)]
 pub struct MsgdArgs {
+    /// A TOML file with the same keys: port, socket, group.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
     #[arg(long)]
-    port: lanbus_port::PortSpec,
-    /// The Unix socket processes attach at. Root, this daemon's user and members of its group
-    /// may attach (checked with SO_PEERCRED).
-    #[arg(long, default_value = "/tmp/lanbus-msgd.sock")]
-    socket: PathBuf,
-    /// The fabric group: daemons exchange messages only within their group.
-    #[arg(long, default_value_t = 0)]
-    group: u16,
+    port: Option<lanbus_port::PortSpec>,
+    /// The Unix socket processes attach at (default /tmp/lanbus-msgd.sock). Root, this daemon's
+    /// user and members of its group may attach (checked with SO_PEERCRED).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// The fabric group: daemons exchange messages only within their group (default 0).
+    #[arg(long)]
+    group: Option<u16>,
 }
 
 /// Runs the daemon until SIGINT or SIGTERM.
 pub fn run(args: MsgdArgs) -> anyhow::Result<()> {
+    let file: MsgdFile = config::read_toml(args.config.as_deref())?;
+    let port = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
+    let socket = args.socket.or(file.socket).unwrap_or_else(|| "/tmp/lanbus-msgd.sock".into());
+    let group = args.group.or(file.group).unwrap_or(0);
     let signals = Blocked::termination().context("blocking SIGINT and SIGTERM")?;
-    let port = args.port.open()?;
-    let mut rc = lanbus_node::config::msgd_runtime_config("msgd");
-    rc.transport.group = args.group;
-    let daemon = MsgDaemon::start(port, &args.socket, rc)
-        .with_context(|| format!("starting the daemon at {}", args.socket.display()))?;
+    let port = port.open()?;
+    let mut rc = config::msgd_runtime_config("msgd");
+    rc.transport.group = group;
+    let daemon = MsgDaemon::start(port, &socket, rc)
+        .with_context(|| format!("starting the daemon at {}", socket.display()))?;
     eprintln!(
         "lanbus msgd: node {} (group {}) serving processes at {}",
         daemon.mac(),
-        args.group,
-        args.socket.display()
+        group,
+        socket.display()
     );
     let sig = signals.wait();
     eprintln!("lanbus msgd: signal {sig}: stopping ({} processes attached)", daemon.clients());

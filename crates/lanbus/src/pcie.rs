@@ -1,16 +1,13 @@
 //! `lanbus lspci` and `lanbus device-ctl`: a host bridge that lists the remote functions of its
 //! group like `lspci -v`, and the client of a device daemon's control socket (the daemon itself,
-//! with the DMA engine and the NVMe drive, is `crate::daemon`).
+//! with the DMA engine and the NVMe drive, is [`lanbus_node::device`]).
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use lanbus_bridge::{HostBridge, HostBridgeConfig};
-use lanbus_runtime::{RuntimeConfig, ThreadMode};
+use lanbus_runtime::ThreadMode;
 
 /// Thread model on the command line.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -28,11 +25,6 @@ impl From<Mode> for ThreadMode {
             Mode::Pipeline => ThreadMode::Pipeline,
         }
     }
-}
-
-/// The runtime settings of the PCIe commands: the same as the daemons' ([`crate::fabric::runtime_config`]).
-pub fn runtime_for(mode: ThreadMode, name: &str) -> RuntimeConfig {
-    lanbus_node::config::runtime_config(name, mode)
 }
 
 /// `lanbus lspci`.
@@ -55,24 +47,8 @@ pub struct LspciArgs {
 /// Runs `lanbus lspci`.
 pub fn lspci(args: LspciArgs) -> anyhow::Result<()> {
     let port = args.port.open().with_context(|| format!("opening {}", args.port))?;
-    let config = HostBridgeConfig {
-        group: args.group,
-        name: "lanbus-lspci".into(),
-        runtime: runtime_for(args.mode.into(), "lspci"),
-        ..HostBridgeConfig::default()
-    };
-    let host = HostBridge::start(port, config)?;
     let wait = Duration::from_secs_f64(args.wait.max(0.0));
-    // Devices announce themselves every heartbeat interval; enumeration follows at once.
-    std::thread::sleep(wait.min(Duration::from_millis(300)));
-    let mut devices = host.wait_devices(1, wait.saturating_sub(Duration::from_millis(300)));
-    // Let the enumerations already under way finish.
-    let settle = std::time::Instant::now();
-    while settle.elapsed() < Duration::from_millis(300) {
-        std::thread::sleep(Duration::from_millis(50));
-        devices = host.devices();
-    }
-    host.shutdown();
+    let devices = lanbus_node::lspci::enumerate(port, args.group, wait, args.mode.into())?;
     if devices.is_empty() {
         eprintln!("no device bridge of group {} answered within {:.1} s", args.group, args.wait);
     }
@@ -102,11 +78,6 @@ pub fn device_ctl(args: DeviceCtlArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn send_control(path: &Path, line: &str) -> anyhow::Result<String> {
-    let mut s = UnixStream::connect(path).with_context(|| format!("connecting to {}", path.display()))?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    writeln!(s, "{line}")?;
-    let mut reply = String::new();
-    BufReader::new(s).read_line(&mut reply)?;
-    Ok(reply.trim().to_string())
+fn send_control(path: &std::path::Path, line: &str) -> anyhow::Result<String> {
+    Ok(lanbus_node::control::ask(path, line)?)
 }

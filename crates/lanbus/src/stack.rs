@@ -1,185 +1,17 @@
-//! `lanbus stackd`, the TCP/IP stack server, and `lanbus stack`, programs that use it (send and
-//! receive like `nc`, through the client library).
+//! `lanbus stack`: programs that use a running `lanbus stackd` (send and receive like `nc`,
+//! through the client library).
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
-use lanbus_node::process::Blocked;
-use lanbus_port::afpacket::AfPacketConfig;
-use lanbus_port::{PortKind, PortSpec};
+use anyhow::Context;
 use lanbus_stack::client::StackClient;
-use lanbus_stack::server::{Server, ServerConfig, ServerStatus};
 use lanbus_stack::CopyUnit;
-use serde_json::{json, Value};
 
 /// Where `lanbus stackd` serves programs by default.
 pub const STACK_SOCKET: &str = "/tmp/lanbus-stackd.sock";
-/// Where `lanbus stackd` answers `lanbus status` by default.
-pub const STACK_CONTROL: &str = "/tmp/lanbus-stackd.ctl";
-
-/// Options of `lanbus stackd`.
-#[derive(Debug, clap::Args)]
-pub struct StackdArgs {
-    /// The port: afpacket:IFACE (the server adds ethertypes=all). The interface must have no
-    /// kernel IP address: the kernel would answer the stack's TCP segments with resets.
-    #[arg(long)]
-    port: lanbus_port::PortSpec,
-    /// The stack's address and prefix length, e.g. 10.0.0.1/24.
-    #[arg(long)]
-    ip: String,
-    /// The default route.
-    #[arg(long)]
-    gateway: Option<Ipv4Addr>,
-    /// An IPv6 address and prefix length too, e.g. fd00::1/64 (without it the stack speaks IPv4
-    /// only).
-    #[arg(long)]
-    ip6: Option<String>,
-    /// The IPv6 default route.
-    #[arg(long, requires = "ip6")]
-    gateway6: Option<Ipv6Addr>,
-    /// The Unix socket programs attach at (root, this daemon's user and its group may).
-    #[arg(long, default_value = STACK_SOCKET)]
-    socket: PathBuf,
-    /// The control socket `lanbus status --control PATH` asks.
-    #[arg(long, default_value = STACK_CONTROL)]
-    control: PathBuf,
-    /// Bytes of each TCP connection's receive and of its send buffer. The receive window is at
-    /// most this; the port's receive ring holds 512 frames, so larger windows of single
-    /// segments can overflow it.
-    #[arg(long, default_value_t = 512 << 10)]
-    tcp_buffer: usize,
-    /// Seconds a connection waits for a silent peer (handshake or unacknowledged data) before it
-    /// fails with ETIMEDOUT.
-    #[arg(long, default_value_t = 30)]
-    tcp_timeout: u64,
-}
-
-/// Parses `A.B.C.D/LEN`.
-fn parse_cidr(s: &str) -> anyhow::Result<(Ipv4Addr, u8)> {
-    let (ip, len) =
-        s.split_once('/').with_context(|| format!("{s:?}: write ADDRESS/PREFIX, e.g. 10.0.0.1/24"))?;
-    let ip: Ipv4Addr = ip.parse().with_context(|| format!("{ip:?} is not an IPv4 address"))?;
-    let len: u8 = len
-        .parse()
-        .ok()
-        .filter(|l| (1..=32).contains(l))
-        .with_context(|| format!("/{len}: a prefix is 1 to 32"))?;
-    if ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast() {
-        bail!("{ip} cannot be a host's address");
-    }
-    Ok((ip, len))
-}
-
-/// Parses `IPV6/LEN`.
-fn parse_cidr6(s: &str) -> anyhow::Result<(Ipv6Addr, u8)> {
-    let (ip, len) =
-        s.split_once('/').with_context(|| format!("{s:?}: write ADDRESS/PREFIX, e.g. fd00::1/64"))?;
-    let ip: Ipv6Addr = ip.parse().with_context(|| format!("{ip:?} is not an IPv6 address"))?;
-    let len: u8 = len
-        .parse()
-        .ok()
-        .filter(|l| (1..=128).contains(l))
-        .with_context(|| format!("/{len}: a prefix is 1 to 128"))?;
-    if ip.is_unspecified() || ip.is_multicast() || ip.is_loopback() || ip.to_ipv4_mapped().is_some() {
-        bail!("{ip} cannot be a host's address");
-    }
-    Ok((ip, len))
-}
-
-/// The port spec stackd opens: afpacket with every EtherType.
-fn stack_port_spec(spec: &PortSpec) -> anyhow::Result<PortSpec> {
-    match &spec.kind {
-        PortKind::AfPacket(config) => {
-            let config = AfPacketConfig { all_ethertypes: true, ..config.clone() };
-            Ok(PortSpec { kind: PortKind::AfPacket(config), ..spec.clone() })
-        }
-        PortKind::AfXdp { .. } => bail!(
-            "{spec}: the afxdp port's XDP program passes only lanbus frames to the socket; use afpacket:IFACE"
-        ),
-        PortKind::Udp(_) | PortKind::Shm { .. } | PortKind::Sim => {
-            bail!("{spec}: a TCP/IP stack needs raw Ethernet; use afpacket:IFACE")
-        }
-        _ => bail!("{spec}: use afpacket:IFACE"),
-    }
-}
-
-pub(crate) fn status_json(s: &ServerStatus) -> Value {
-    let c = &s.counters;
-    json!({
-        "clients": s.clients,
-        "listening": s.listening,
-        "connections": s.connections.iter().map(|c| json!({
-            "local": c.local.map(|a| a.to_string()),
-            "remote": c.remote.map(|a| a.to_string()),
-            "state": c.state,
-            "pid": c.pid,
-        })).collect::<Vec<_>>(),
-        "counters": {
-            "clients_attached": c.clients_attached,
-            "clients_broken": c.clients_broken,
-            "clients_refused": c.clients_refused,
-            "connections_opened": c.connections_opened,
-            "connections_freed": c.connections_freed,
-            "rx_frames": c.rx_frames,
-            "tx_frames": c.tx_frames,
-            "tx_offloaded": c.tx_offloaded,
-            "rx_dropped": c.rx_dropped,
-            "tx_dropped": c.tx_dropped,
-            "bytes_from_clients": c.tx_bytes,
-            "bytes_to_clients": c.rx_bytes,
-            "zero_copy_bytes": c.zero_copy_bytes,
-            "zero_copy_moved_bytes": c.zero_copy_moved_bytes,
-        },
-    })
-}
-
-/// Runs the stack server until SIGINT or SIGTERM.
-pub fn stackd(args: StackdArgs) -> anyhow::Result<()> {
-    let signals = Blocked::termination().context("blocking SIGINT and SIGTERM")?;
-    let (ip, prefix) = parse_cidr(&args.ip)?;
-    let spec = stack_port_spec(&args.port)?;
-    let port = spec.open()?;
-    let mac = port.mac();
-    let mtu = port.mtu();
-    let mut config = ServerConfig::new(ip, prefix, &args.socket);
-    config.gateway = args.gateway;
-    config.ip6 = args.ip6.as_deref().map(parse_cidr6).transpose()?;
-    config.gateway6 = args.gateway6;
-    config.tcp_buffer_bytes = args.tcp_buffer.clamp(4096, 64 << 20);
-    config.timeout = Duration::from_secs(args.tcp_timeout.max(1));
-    let server = Arc::new(
-        Server::start(port, config)
-            .with_context(|| format!("starting the server at {}", args.socket.display()))?,
-    );
-    let control = crate::daemon::bind_control(&args.control)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let (s2, stop2) = (server.clone(), stop.clone());
-    let control_thread = std::thread::spawn(move || {
-        crate::daemon::serve_control(&control, &stop2, &|line| match line {
-            "status" | "status json" => status_json(&s2.status()).to_string(),
-            other => json!({ "error": format!("unknown command {other:?}; ask `status`") }).to_string(),
-        });
-    });
-    let v6 = args.ip6.as_deref().map(|a| format!(" and {a}")).unwrap_or_default();
-    eprintln!(
-        "lanbus stackd: {ip}/{prefix}{v6} on {spec} (MAC {mac}, MTU {mtu}); programs attach at {}, status at {}",
-        args.socket.display(),
-        args.control.display()
-    );
-    let sig = signals.wait();
-    eprintln!("lanbus stackd: signal {sig}: stopping ({} clients attached)", server.status().clients);
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let _ = control_thread.join();
-    let _ = std::fs::remove_file(&args.control);
-    drop(server);
-    eprintln!("lanbus stackd: stopped");
-    Ok(())
-}
 
 /// Programs that use a running `lanbus stackd`.
 #[derive(Debug, clap::Subcommand)]
@@ -376,27 +208,5 @@ pub fn run(cmd: StackCommand) -> anyhow::Result<()> {
             eprintln!("lanbus stack recv: from {peer}: {}", rate(got, start.elapsed()));
             Ok(())
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cidrs_and_port_specs() {
-        assert_eq!(parse_cidr("10.0.0.1/24").unwrap(), (Ipv4Addr::new(10, 0, 0, 1), 24));
-        assert!(parse_cidr("10.0.0.1").is_err());
-        assert_eq!(parse_cidr6("fd00::1/64").unwrap(), ("fd00::1".parse().unwrap(), 64));
-        assert!(parse_cidr6("fd00::1/129").is_err());
-        assert!(parse_cidr6("::1/128").is_err());
-        assert!(parse_cidr6("10.0.0.1/24").is_err());
-        assert!(parse_cidr("10.0.0.1/33").is_err());
-        assert!(parse_cidr("0.0.0.0/8").is_err());
-        let stack = |s: &str| stack_port_spec(&s.parse().unwrap()).map(|s| s.to_string());
-        assert_eq!(stack("afpacket:veth0").unwrap(), "afpacket:veth0,ethertypes=all");
-        assert_eq!(stack("afpacket:veth0,ethertypes=all").unwrap(), "afpacket:veth0,ethertypes=all");
-        assert!(stack("udp:127.0.0.1:7000").is_err());
-        assert!(stack("afxdp:veth0").is_err());
     }
 }

@@ -43,3 +43,25 @@ fn demo_refuses_bad_arguments() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--loss"));
 }
+
+/// Logs written to a file or a pipe (a daemon under systemd, `2> log`) carry no colour escapes;
+/// `--log-format json` writes one JSON object per line.
+#[test]
+fn logs_to_a_file_are_plain_text_or_json() {
+    let run = |format: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_lanbus"))
+            .args(["-v", "--log-format", format, "demo", "--size-mib", "8", "--no-fio"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{stderr}");
+        assert!(stderr.contains("host: exporting"), "the host's notices are logged: {stderr}");
+        assert!(!stderr.contains('\u{1b}'), "an escape character in a log written to a pipe: {stderr:?}");
+        stderr
+    };
+    run("text");
+    for line in run("json").lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(v["level"].is_string() && v["fields"].is_object(), "{line}");
+    }
+}

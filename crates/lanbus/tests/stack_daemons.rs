@@ -422,6 +422,83 @@ fn iperf3_bits(out: &str, what: &str) -> f64 {
     v["end"]["sum_received"]["bits_per_second"].as_f64().unwrap_or_else(|| panic!("{what}: no received rate"))
 }
 
+/// An asyncio echo server: `python3 -c ASYNCIO_ECHO IP PORT`.
+const ASYNCIO_ECHO: &str = r#"
+import asyncio, sys
+async def serve(r, w):
+    while line := await r.readline():
+        w.write(line)
+        await w.drain()
+    w.close()
+async def main():
+    s = await asyncio.start_server(serve, sys.argv[1], int(sys.argv[2]))
+    async with s:
+        await s.serve_forever()
+asyncio.run(main())
+"#;
+
+/// A selectors echo server with a non-blocking listener that accepts until EAGAIN.
+const SELECTORS_ECHO: &str = r#"
+import selectors, socket, sys
+sel = selectors.DefaultSelector()
+l = socket.socket()
+l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+l.bind((sys.argv[1], int(sys.argv[2])))
+l.listen(64)
+l.setblocking(False)
+sel.register(l, selectors.EVENT_READ)
+while True:
+    for key, _ in sel.select():
+        if key.fileobj is l:
+            while True:
+                try:
+                    c, _ = l.accept()
+                except BlockingIOError:
+                    break
+                c.setblocking(False)
+                sel.register(c, selectors.EVENT_READ)
+        else:
+            c = key.fileobj
+            try:
+                data = c.recv(4096)
+            except BlockingIOError:
+                continue
+            if data:
+                c.sendall(data)
+            else:
+                sel.unregister(c)
+                c.close()
+"#;
+
+/// Eight connections opened at once, each sends a line and waits for it back: prints `8 answers`.
+const ECHO_CLIENTS: &str = r#"
+import socket, sys, time
+addr = (sys.argv[1], int(sys.argv[2]))
+deadline = time.time() + 20
+while True:
+    try:
+        socket.create_connection(addr, timeout=5).close()
+        break
+    except OSError:
+        if time.time() > deadline:
+            raise
+        time.sleep(0.2)
+conns = [socket.create_connection(addr, timeout=10) for _ in range(8)]
+good = 0
+for i, c in enumerate(conns):
+    c.sendall(b"line %d\n" % i)
+for i, c in enumerate(conns):
+    got = b""
+    while not got.endswith(b"\n"):
+        more = c.recv(100)
+        if not more:
+            break
+        got += more
+    good += got == b"line %d\n" % i
+    c.close()
+print(good, "answers")
+"#;
+
 #[test]
 fn unmodified_programs_through_the_preload_library() {
     if let Err(skip) = check_root() {
@@ -579,6 +656,25 @@ fn unmodified_programs_through_the_preload_library() {
         assert!(std::fs::read(&served).unwrap() == page, "{url}");
     }
     drop(stack_http);
+
+    // Event-loop servers through the library: python's asyncio (non-blocking accept and reads
+    // through epoll) and a selectors loop that accepts several waiting connections in a row;
+    // Linux's clients connect eight at a time and each gets its own line back.
+    for (port, server) in [(8003u16, ASYNCIO_ECHO), (8004, SELECTORS_ECHO)] {
+        let echo = Daemon(
+            preloaded(&net, "python3")
+                .args(["-c", server, &STACK_IP.to_string(), &port.to_string()])
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let out = ok(
+            net.linux.exec("python3", &["-c", ECHO_CLIENTS, &STACK_IP.to_string(), &port.to_string()]),
+            "Linux's clients of an event-loop server through the library",
+        );
+        assert_eq!(out.trim(), "8 answers", "port {port}");
+        drop(echo);
+    }
 
     // nc through the library: 50 MiB whose sha256 matches.
     let file = net.dir.join("50M.bin");

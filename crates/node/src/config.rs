@@ -22,7 +22,7 @@ pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
     // when written, and a short rise that does not stand for half a round trip (a thread or the
     // kernel's softirq work waiting for a core) is not a queue. So it stays out of the way on
     // loaded hosts (the drive at depth 32, four streams beside a CPU hog) and cuts the drops of a
-    // real bottleneck (`docs/measurements/2026-11-27-rate-control-on.md`).
+    // real bottleneck (`docs/performance.md`, "Four pairs on one switch").
     c.transport.rate.enabled = true;
     // A peer is down after 1 s with no frame from it (10 heartbeat intervals), not 300 ms: an idle
     // peer is heard only through its heartbeats, and on a loaded machine a starved thread can
@@ -46,7 +46,7 @@ pub fn runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
 /// rest itself, so a deeper queue only lets the copies into frames run further ahead of the
 /// wire: with 1024 frames (9 MiB at MTU 9000) a stream's frames were written long before they
 /// left and came back to the checksum and the kernel from memory instead of the cache
-/// (`docs/measurements/2026-11-30-send-queue.md`). A daemon keeps the default: what does not fit
+/// (`docs/performance.md`, "Messages and MPI"). A daemon keeps the default: what does not fit
 /// its queue is copied into its backlog.
 pub fn msg_runtime_config(name: &str, threads: ThreadMode) -> RuntimeConfig {
     let mut c = runtime_config(name, threads);
@@ -75,8 +75,7 @@ pub fn host_config(group: u16, name: &str, threads: ThreadMode) -> HostBridgeCon
         runtime: runtime_config(name, threads),
         completion_timeout: Duration::from_secs(2),
         // The largest payload PCIe allows (the drive supports it): a software bridge pays per
-        // TLP, not per byte, so a 1 MiB transfer is 256 TLPs instead of 4,096 at 256 bytes
-        // (`docs/measurements/2026-11-21-nvme.md`).
+        // TLP, not per byte, so a 1 MiB transfer is 256 TLPs instead of 4,096 at 256 bytes.
         mps: 4096,
         mrrs: 4096,
         ..HostBridgeConfig::default()
@@ -181,6 +180,42 @@ pub struct HostFile {
     pub name: Option<String>,
     /// Where the counters are served in the Prometheus text format.
     pub metrics: Option<String>,
+}
+
+/// The messaging daemon's configuration file (TOML; every key optional, the command line wins).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MsgdFile {
+    /// The port spec.
+    pub port: Option<lanbus_port::PortSpec>,
+    /// The Unix socket processes attach at.
+    pub socket: Option<PathBuf>,
+    /// The fabric group.
+    pub group: Option<u16>,
+}
+
+/// The stack server's configuration file (TOML; every key optional, the command line wins).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StackdFile {
+    /// The port spec (afpacket:IFACE).
+    pub port: Option<lanbus_port::PortSpec>,
+    /// The stack's IPv4 address and prefix length.
+    pub ip: Option<String>,
+    /// The IPv4 default route.
+    pub gateway: Option<std::net::Ipv4Addr>,
+    /// An IPv6 address and prefix length.
+    pub ip6: Option<String>,
+    /// The IPv6 default route.
+    pub gateway6: Option<std::net::Ipv6Addr>,
+    /// The Unix socket programs attach at.
+    pub socket: Option<PathBuf>,
+    /// The control socket.
+    pub control: Option<PathBuf>,
+    /// Bytes of each TCP connection's receive and send buffers.
+    pub tcp_buffer: Option<usize>,
+    /// Seconds a connection waits for a silent peer.
+    pub tcp_timeout: Option<u64>,
 }
 
 /// One export spec or several, in a host's file.
@@ -419,5 +454,60 @@ mod tests {
                 Err(e) => proptest::prop_assert!(e.to_string().contains("dev.state")),
             }
         }
+    }
+
+    #[test]
+    fn export_specs() {
+        assert_eq!("nbd:/tmp/a.sock".parse::<ExportSpec>().unwrap(), ExportSpec::Unix("/tmp/a.sock".into()));
+        assert_eq!(
+            "nbd:tcp:127.0.0.1:10809".parse::<ExportSpec>().unwrap(),
+            ExportSpec::Tcp("127.0.0.1:10809".parse().unwrap())
+        );
+        assert!("nbd:".parse::<ExportSpec>().is_err());
+        assert!("tcp:1.2.3.4:5".parse::<ExportSpec>().is_err());
+        assert!("nbd:tcp:nothing".parse::<ExportSpec>().is_err());
+    }
+
+    #[test]
+    fn config_files() {
+        let d: DeviceFile =
+            toml::from_str("port = \"udp:127.0.0.1:7000\"\ngroup = 7\nnvme = \"ram=64M\"\nlba_size = 4096\n")
+                .unwrap();
+        assert_eq!((d.group, d.lba_size, d.nvme.as_deref()), (Some(7), Some(4096), Some("ram=64M")));
+        assert!(toml::from_str::<DeviceFile>("colour = 1\n").is_err());
+        let h: HostFile = toml::from_str("port = \"sim\"\nexport = \"nbd:/tmp/s\"\n").unwrap();
+        assert_eq!(h.export.unwrap().into_vec(), ["nbd:/tmp/s"]);
+        let h: HostFile = toml::from_str("port = \"sim\"\nexport = [\"nbd:/tmp/s\", \"tap:lb0\"]\n").unwrap();
+        assert_eq!(h.export.unwrap().into_vec(), ["nbd:/tmp/s", "tap:lb0"]);
+    }
+
+    #[test]
+    fn backings() {
+        assert_eq!(
+            "ram=1M".parse::<crate::drive::NvmeBacking>().unwrap(),
+            crate::drive::NvmeBacking::Ram(1 << 20)
+        );
+        assert_eq!(
+            "file=/x,size=2G".parse::<crate::drive::NvmeBacking>().unwrap(),
+            crate::drive::NvmeBacking::File { path: "/x".into(), size: Some(2 << 30) }
+        );
+        assert!("disk=/x".parse::<crate::drive::NvmeBacking>().is_err());
+        assert!("ram=1M,size=2".parse::<crate::drive::NvmeBacking>().is_err());
+    }
+
+    #[test]
+    fn the_example_configs_describe_the_daemons() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../dist/config");
+        let read = |name: &str| std::fs::read_to_string(format!("{dir}/{name}")).unwrap();
+        let d: DeviceFile = toml::from_str(&read("device.toml")).unwrap();
+        assert!(d.port.is_some() && d.nvme.unwrap().parse::<crate::drive::NvmeBacking>().is_ok());
+        let h: HostFile = toml::from_str(&read("host.toml")).unwrap();
+        for spec in h.export.unwrap().into_vec() {
+            spec.parse::<ExportSpec>().unwrap();
+        }
+        let m: MsgdFile = toml::from_str(&read("msgd.toml")).unwrap();
+        assert!(m.port.is_some());
+        let s: StackdFile = toml::from_str(&read("stackd.toml")).unwrap();
+        assert!(s.ip.is_some() && s.port.is_some());
     }
 }

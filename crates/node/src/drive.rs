@@ -233,6 +233,17 @@ impl std::str::FromStr for NvmeBacking {
     }
 }
 
+impl std::fmt::Display for NvmeBacking {
+    /// The spec's own form: `file=PATH[,size=BYTES]` or `ram=BYTES`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NvmeBacking::File { path, size: Some(n) } => write!(f, "file={},size={n}", path.display()),
+            NvmeBacking::File { path, size: None } => write!(f, "file={}", path.display()),
+            NvmeBacking::Ram(n) => write!(f, "ram={n}"),
+        }
+    }
+}
+
 /// Size of the controller's memory buffer (BAR2): the driver puts its submission queues, PRP
 /// lists and write data there (8 requests of the driver's 2 MiB window), so commands and write
 /// data reach the drive with posted writes rather than by the drive reading them.

@@ -5,16 +5,21 @@
 //! daemons, `lanbus demo` and `lanbus bench` are built on it.
 //!
 //! - [`config`]: the runtime and bridge settings every node uses, and the daemons' files.
+//! - [`control`]: a daemon's control socket, its server and its client.
+//! - [`device`]: the I/O box: a device bridge with its drive, NIC and DMA engine.
 //! - [`drive`]: the remote NVMe drive: the controller model as a device bridge's function, the
 //!   driver on a host bridge, the namespace as an NBD block device.
 //! - [`fabric`]: a host and an I/O box in one process over a simulated wire or two real ports.
+//! - [`host`]: the host: a host bridge that exports its group's drive and NIC as they come and go.
 //! - [`lspci`]: remote functions described like `lspci -v`.
 //! - [`metrics`]: a daemon's counters in the Prometheus text format, served over HTTP.
 //! - [`msg`]: a messaging endpoint (the MPI engine) over a runtime on a port it owns.
 //! - [`msgd`]: the messaging daemon that owns the port, and the processes that attach to it
 //!   over shared memory.
+//! - [`nbd`]: an NBD server of a local file or RAM disk.
 //! - [`nic`]: the remote NIC (a virtio-net function whose wire is a TAP in the I/O box).
 //! - [`process`]: a daemon's signals and helper processes that end with it.
+//! - [`stackd`]: the TCP/IP stack server on its port, with its control socket.
 //!
 //! A remote drive over the simulated wire, written and read back through the NVMe driver
 //! (`examples/remote_drive.rs` exports it over NBD too):
@@ -41,14 +46,19 @@ use std::time::Duration;
 use lanbus_pcie::Bdf;
 
 pub mod config;
+pub mod control;
+pub mod device;
 pub mod drive;
 pub mod fabric;
+pub mod host;
 pub mod lspci;
 pub mod metrics;
 pub mod msg;
 pub mod msgd;
+pub mod nbd;
 pub mod nic;
 pub mod process;
+pub mod stackd;
 
 /// What went wrong assembling or running a node.
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +105,23 @@ pub enum Error {
     /// No device appeared on the host bridge in time.
     #[error("the host bridge enumerated nothing in {0:?}")]
     NoDevice(Duration),
+    /// A system call on a file, socket or thread failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// A socket or interface another daemon holds.
+    #[error("{0}")]
+    InUse(String),
+    /// An export (NBD, vhost-user, vfio-user, TAP) could not be set up.
+    #[error("{0}")]
+    Export(String),
+    /// The TCP/IP stack server did not start.
+    #[error("starting the stack server: {0}")]
+    Stack(String),
 }
 
 /// Result of the assembly.

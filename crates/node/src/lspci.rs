@@ -1,9 +1,41 @@
 //! Remote PCIe functions described the way `lspci -v` describes local ones.
 //!
-//! Layer: assembly (text for `lanbus lspci`, `lanbus status` and the daemons' logs).
+//! Layer: assembly (text for `lanbus lspci`, `lanbus status` and the daemons' logs, and the
+//! short-lived host bridge `lanbus lspci` enumerates with).
 
-use lanbus_bridge::RemoteFunction;
+use std::time::Duration;
+
+use lanbus_bridge::{HostBridge, RemoteFunction};
 use lanbus_pcie::config::{cap_id, BarKind};
+use lanbus_port::Port;
+use lanbus_runtime::ThreadMode;
+
+/// Enumerates the remote functions of `group` reachable through `port`: a host bridge of its
+/// own listens for `wait` (device bridges announce themselves every heartbeat interval and are
+/// enumerated at once), lets the enumerations under way finish, and stops.
+pub fn enumerate(
+    port: Box<dyn Port>,
+    group: u16,
+    wait: Duration,
+    threads: ThreadMode,
+) -> crate::Result<Vec<RemoteFunction>> {
+    let config = lanbus_bridge::HostBridgeConfig {
+        group,
+        name: "lanbus-lspci".into(),
+        runtime: crate::config::runtime_config("lspci", threads),
+        ..lanbus_bridge::HostBridgeConfig::default()
+    };
+    let host = HostBridge::start(port, config)?;
+    std::thread::sleep(wait.min(Duration::from_millis(300)));
+    let mut devices = host.wait_devices(1, wait.saturating_sub(Duration::from_millis(300)));
+    let settle = std::time::Instant::now();
+    while settle.elapsed() < Duration::from_millis(300) {
+        std::thread::sleep(Duration::from_millis(50));
+        devices = host.devices();
+    }
+    host.shutdown();
+    Ok(devices)
+}
 
 /// One function as `lspci -v` would show it.
 pub fn describe(f: &RemoteFunction) -> String {

@@ -1,18 +1,24 @@
 //! A daemon's counters in the Prometheus text exposition format (version 0.0.4), served over
 //! HTTP on a local address (`--metrics ADDR`) and read by `lanbus status` as the same numbers.
 //!
-//! Layer: assembly. The daemons collect [`Sample`]s from their bridge, runtime and device
-//! counters; [`render`] writes them (one `# HELP` and `# TYPE` per metric name, names prefixed
+//! Layer: assembly. Every table of the daemons' counters is written here once: the runtime's
+//! (transport and port), each bridge's, the drive's and the NIC's, as [`Sample`]s; [`render`] writes them (one `# HELP` and `# TYPE` per metric name, names prefixed
 //! `lanbus_`); [`serve`] answers `GET /metrics` (anything else gets 404, a request that is not
 //! HTTP gets 400) until its stop flag is set. Requests come from the network: a slow or broken
 //! client costs one bounded read, never the daemon.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Duration;
 
+use lanbus_bridge::{DeviceBridge, HostBridge};
+use lanbus_nvme::pcie::FunctionStats;
 use lanbus_runtime::Stats;
+use lanbus_vnet::driver::NetDriver;
+use lanbus_vnet::NetStats;
 
 /// Whether a metric only grows or may go either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,6 +134,116 @@ pub fn runtime_samples(stats: &Stats, out: &mut Vec<Sample>) {
     ));
 }
 
+/// A device bridge's counters and state.
+pub fn device_bridge_samples(bridge: &DeviceBridge, out: &mut Vec<Sample>) {
+    let b = bridge.stats();
+    let c = Sample::counter;
+    out.extend([
+        c("bridge_tlps_received_total", "TLPs the device bridge received.", b.tlps_received),
+        c("bridge_dma_reads_total", "DMA reads the functions issued.", b.dma_reads),
+        c("bridge_dma_read_failures_total", "DMA reads that failed.", b.dma_read_failures),
+        c("bridge_dma_writes_total", "DMA writes the functions issued.", b.dma_writes),
+        c(
+            "bridge_prefetched_reads_total",
+            "DMA reads started before a function's work asked for them (an NVMe command, its PRP list, a write's data).",
+            b.prefetched_reads,
+        ),
+        c("bridge_prefetches_used_total", "Prefetched DMA reads used.", b.prefetches_used),
+        c("bridge_foreign_requests_total", "Requests from hosts not ours.", b.foreign_requests),
+        c("bridge_host_changes_total", "Times the bridge took up or lost its host.", b.host_changes),
+        c(
+            "bridge_payload_bytes_copied_total",
+            "Payload bytes the bridge copied out of received TLPs or into completions.",
+            b.payload_bytes_copied,
+        ),
+    ]);
+    out.push(Sample::gauge("group", "The group the I/O box serves.", f64::from(bridge.group())));
+    out.push(Sample::gauge(
+        "host_present",
+        "1 while a host of the group is served.",
+        f64::from(u8::from(bridge.host().is_some())),
+    ));
+}
+
+/// A host bridge's counters.
+pub fn host_bridge_samples(bridge: &HostBridge, out: &mut Vec<Sample>) {
+    let b = bridge.stats();
+    let c = Sample::counter;
+    out.extend([
+        c("bridge_tlps_received_total", "TLPs the host bridge received.", b.tlps_received),
+        c("bridge_dma_reads_served_total", "Device DMA reads served from host memory.", b.dma_reads_served),
+        c(
+            "bridge_dma_reads_deferred_total",
+            "Device DMA reads served in a later turn than they arrived (a large read in parts).",
+            b.dma_reads_deferred,
+        ),
+        c(
+            "bridge_dma_writes_applied_total",
+            "Device DMA writes applied to host memory.",
+            b.dma_writes_applied,
+        ),
+        c("bridge_interrupts_total", "MSI-X interrupts delivered.", b.interrupts),
+        c("bridge_completion_timeouts_total", "Requests that timed out.", b.timeouts),
+        c("bridge_device_gone_total", "Requests failed because their device went.", b.device_gone),
+        c(
+            "bridge_payload_bytes_copied_total",
+            "Payload bytes the bridge copied: device writes into host memory, completions of device reads.",
+            b.payload_bytes_copied,
+        ),
+    ]);
+    out.push(Sample::gauge("devices", "Remote functions enumerated.", bridge.devices().len() as f64));
+}
+
+/// The NVMe controller's counters, in the I/O box.
+pub fn nvme_samples(stats: &FunctionStats, out: &mut Vec<Sample>) {
+    let (n, _) = stats.get();
+    let c = Sample::counter;
+    out.extend([
+        c("nvme_io_commands_total", "NVMe I/O commands the drive ran.", n.io_commands),
+        c("nvme_bytes_read_total", "Bytes the drive read for hosts.", n.bytes_read),
+        c("nvme_bytes_written_total", "Bytes the drive wrote for hosts.", n.bytes_written),
+        c("nvme_error_completions_total", "NVMe commands completed with an error.", n.error_completions),
+        c(
+            "nvme_bytes_copied_total",
+            "Bytes the drive copied: host writes into its memory buffer, a command's data into its own buffer.",
+            n.bytes_copied,
+        ),
+    ]);
+}
+
+/// The virtio-net function's counters, in the I/O box.
+pub fn nic_device_samples(stats: &NetStats, out: &mut Vec<Sample>) {
+    let v = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let c = Sample::counter;
+    out.extend([
+        c("nic_tx_frames_total", "Frames the host sent out through the NIC.", v(&stats.tx_frames)),
+        c("nic_tx_bytes_total", "Bytes the host sent out through the NIC.", v(&stats.tx_bytes)),
+        c("nic_rx_frames_total", "Frames the NIC received for the host.", v(&stats.rx_frames)),
+        c("nic_rx_bytes_total", "Bytes the NIC received for the host.", v(&stats.rx_bytes)),
+        c("nic_rx_dropped_total", "Frames dropped: the host took none.", v(&stats.rx_dropped)),
+        c("nic_rx_too_big_total", "Frames larger than the host's buffers.", v(&stats.rx_too_big)),
+        c("nic_broken_total", "Times the host's driver broke a queue.", v(&stats.broken)),
+    ]);
+}
+
+/// The remote NIC's driver counters, on the host.
+pub fn nic_driver_samples(driver: &NetDriver, out: &mut Vec<Sample>) {
+    let s = driver.stats();
+    let v = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let c = Sample::counter;
+    out.extend([
+        c("nic_tx_frames_total", "Frames sent through the remote NIC.", v(&s.tx_frames)),
+        c("nic_tx_bytes_total", "Bytes sent through the remote NIC.", v(&s.tx_bytes)),
+        c("nic_rx_frames_total", "Frames received through the remote NIC.", v(&s.rx_frames)),
+        c("nic_rx_bytes_total", "Bytes received through the remote NIC.", v(&s.rx_bytes)),
+    ]);
+}
+
+/// The samples as one JSON object (series name: value), as `lanbus status` shows them.
+pub fn json(samples: &[Sample]) -> serde_json::Value {
+    serde_json::Value::Object(samples.iter().map(|s| (s.series(), serde_json::json!(s.value))).collect())
+}
+
 /// Writes `samples` in the text exposition format.
 pub fn render(samples: &[Sample]) -> String {
     let mut out = String::new();
@@ -144,6 +260,55 @@ pub fn render(samples: &[Sample]) -> String {
         out += &format!("{} {}\n", s.series(), s.value);
     }
     out
+}
+
+/// What gives a daemon's samples at each request.
+pub type Collect = dyn Fn() -> Vec<Sample> + Send + Sync;
+
+/// The metrics endpoint served on a thread of its own until stopped or dropped.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl MetricsServer {
+    /// Binds `addr` (before anything else starts, so that a taken address fails early).
+    pub fn bind(addr: SocketAddr) -> crate::Result<TcpListener> {
+        TcpListener::bind(addr)
+            .map_err(|e| crate::Error::Io { what: format!("binding the metrics address {addr}"), source: e })
+    }
+
+    /// Serves `GET /metrics` on `listener` with what `collect` gives at each request.
+    pub fn start(listener: TcpListener, collect: Arc<Collect>) -> crate::Result<MetricsServer> {
+        let io = |what: &str| {
+            let what = what.to_string();
+            move |source| crate::Error::Io { what, source }
+        };
+        let addr = listener.local_addr().map_err(io("the metrics address"))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("lanbus-metrics".into())
+            .spawn(move || serve(&listener, &flag, &*collect))
+            .map_err(io("starting the metrics thread"))?;
+        Ok(MetricsServer { addr, stop, thread: Some(thread) })
+    }
+
+    /// The address served.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        // Relaxed: the flag only asks the loop to end; the join orders the rest.
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Serves `GET /metrics` on `listener` with what `collect` gives at each request, until `stop`.

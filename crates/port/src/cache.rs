@@ -5,7 +5,7 @@
 //! for the line to come across. Asking for all of them at once, before the frame is parsed, lets
 //! the misses overlap. On a busy echo server, 64 B messages over `afpacket`, this shortens both
 //! the transport's checksum of an arriving frame (which reads every byte) and the look at the next
-//! receive slot's status after a frame (`docs/measurements/2026-11-21-transport.md` has the figures).
+//! receive slot's status after a frame.
 
 /// Asks for every 64-byte cache line of `bytes` to be brought in (a hint: no fault, no wait).
 #[inline]

@@ -28,7 +28,7 @@
 //! slots its cached head says are free: the transfer of those lines from the consumer's core then
 //! overlaps the producer's other work instead of stalling its next stores one round trip per line.
 //! With `lanbus bench ring` (DPDK's two-core method) this cuts the cost per element at bursts 8 and
-//! 32 when the producer stays ahead of the consumer (`docs/measurements/2026-11-21-rings.md` has the figures).
+//! 32 when the producer stays ahead of the consumer (`docs/performance.md`, "Rings", has the figures).
 
 use std::sync::Arc;
 

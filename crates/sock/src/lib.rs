@@ -34,7 +34,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
@@ -99,6 +99,68 @@ fn io_fail<T: From<i8>>(e: &std::io::Error) -> T {
     })
 }
 
+/// A socket's state behind a mutex that knows which thread holds it, so that a path that would
+/// take it a second time on the same thread (and deadlock in the futex) is caught: in debug
+/// builds by an assertion, and in every build by the structure of the calls, each of which takes
+/// the lock once per look and drops it before waiting or calling back into the library.
+struct StateLock {
+    state: Mutex<State>,
+    /// The id of the thread holding `state` (0: none).
+    owner: AtomicU64,
+}
+
+struct StateGuard<'a> {
+    guard: MutexGuard<'a, State>,
+    owner: &'a AtomicU64,
+}
+
+/// A number for this thread, never 0.
+fn thread_number() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local!(static ME: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
+    ME.with(|n| *n)
+}
+
+impl StateLock {
+    fn new(state: State) -> StateLock {
+        StateLock { state: Mutex::new(state), owner: AtomicU64::new(0) }
+    }
+
+    fn lock(&self) -> StateGuard<'_> {
+        let me = thread_number();
+        // Relaxed: only this thread ever stores its own number, so reading it back needs no order.
+        debug_assert_ne!(
+            self.owner.load(Ordering::Relaxed),
+            me,
+            "liblanbus_sock: a socket's state locked twice on one thread"
+        );
+        let guard = lock(&self.state);
+        // Relaxed: the mutex orders everything the guard protects; this is a debugging aid.
+        self.owner.store(me, Ordering::Relaxed);
+        StateGuard { guard, owner: &self.owner }
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        // Relaxed: as in `lock`; cleared while the mutex is still held.
+        self.owner.store(0, Ordering::Relaxed);
+    }
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.guard
+    }
+}
+
 enum State {
     /// Made, not yet bound or connected.
     Fresh {
@@ -115,7 +177,7 @@ enum State {
 }
 
 struct Sock {
-    state: Mutex<State>,
+    state: StateLock,
     /// `AF_INET` or `AF_INET6`: how addresses are shown to the program.
     domain: c_int,
     nonblock: AtomicBool,
@@ -210,7 +272,7 @@ impl Sock {
     fn sync(&self) {
         let _g = lock(&self.sync);
         self.pending.store(false, Ordering::Release);
-        let ready = match &*lock(&self.state) {
+        let ready = match &*self.state.lock() {
             State::Fresh { .. } => false,
             State::Listening(l) => l.ready(),
             State::Connected(s) => s.readiness().1,
@@ -259,7 +321,7 @@ fn new_sock(domain: c_int, stream: bool, flags: c_int) -> c_int {
         return fail(libc::EMFILE);
     }
     let sock = Arc::new(Sock {
-        state: Mutex::new(State::Fresh { stream, bound: None, opts: Vec::new() }),
+        state: StateLock::new(State::Fresh { stream, bound: None, opts: Vec::new() }),
         domain,
         nonblock: AtomicBool::new(flags & libc::SOCK_NONBLOCK != 0),
         signal,
@@ -441,7 +503,7 @@ pub unsafe extern "C" fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) 
     }
     // SAFETY: the program's address and length.
     let Some(a) = (unsafe { addr_in(addr, len) }) else { return fail(libc::EINVAL) };
-    let mut st = lock(&sock.state);
+    let mut st = sock.state.lock();
     let State::Fresh { stream, bound, opts } = &mut *st else { return fail(libc::EINVAL) };
     if a.ip().is_loopback() {
         let (stream, opts) = (*stream, std::mem::take(opts));
@@ -481,7 +543,7 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
     if let Err(e) = usable(&sock) {
         return fail(e);
     }
-    let mut st = lock(&sock.state);
+    let mut st = sock.state.lock();
     let State::Fresh { stream: true, bound, .. } = &*st else { return fail(libc::EOPNOTSUPP) };
     let port = bound.map_or(0, |b| b.port());
     let client = match client() {
@@ -513,30 +575,22 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
         return fail(e);
     }
     let nonblock = sock.nonblock.load(Ordering::Relaxed);
-    let result = {
-        let st = lock(&sock.state);
-        let State::Listening(l) = &*st else { return fail(libc::EINVAL) };
-        if nonblock && !l.ready() {
-            drop(st);
+    // The state lock is taken once per look and never held across a wait: a blocking accept
+    // lets another thread close the listener meanwhile.
+    let result = loop {
+        let st = sock.state.lock();
+        let State::Listening(l) = &*st else {
+            return fail(libc::EINVAL);
+        };
+        if l.ready() {
+            break l.accept_timeout(Some(Duration::ZERO));
+        }
+        drop(st);
+        if nonblock {
             sock.sync();
             return fail(libc::EAGAIN);
         }
-        // A blocking accept waits without holding the socket's state: another thread may close it.
-        if !nonblock {
-            drop(st);
-            loop {
-                let st = lock(&sock.state);
-                let State::Listening(l) = &*st else { return fail(libc::EBADF) };
-                if l.ready() {
-                    break;
-                }
-                drop(st);
-                wait_readable(sock.signal);
-            }
-        }
-        let st = lock(&sock.state);
-        let State::Listening(l) = &*st else { return fail(libc::EBADF) };
-        l.accept_timeout(Some(Duration::ZERO))
+        wait_readable(sock.signal);
     };
     sock.sync();
     match result {
@@ -547,7 +601,7 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
             }
             let new = sock_of(nfd).expect("just made");
             let h = stream.handle();
-            *lock(&new.state) = State::Connected(stream);
+            *new.state.lock() = State::Connected(stream);
             new.register(h);
             new.sync();
             // SAFETY: the program's address buffer.
@@ -583,7 +637,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     }
     // SAFETY: the program's address.
     let Some(to) = (unsafe { addr_in(addr, len) }) else { return fail(libc::EAFNOSUPPORT) };
-    let mut st = lock(&sock.state);
+    let mut st = sock.state.lock();
     match &mut *st {
         State::Fresh { stream, opts, .. } => {
             if to.ip().is_loopback() {
@@ -641,7 +695,7 @@ fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut Socket
     }
     let nonblock = sock.nonblock.load(Ordering::Relaxed) || flags & libc::MSG_DONTWAIT != 0;
     let result = loop {
-        let mut st = lock(&sock.state);
+        let mut st = sock.state.lock();
         let r = match &mut *st {
             State::Connected(s) => {
                 let (_, ready) = s.readiness();
@@ -681,7 +735,7 @@ fn sock_write(sock: &Sock, buf: &[u8], to: Option<SocketAddr>) -> ssize_t {
     if let Err(e) = usable(sock) {
         return fail(e);
     }
-    let mut st = lock(&sock.state);
+    let mut st = sock.state.lock();
     match &mut *st {
         State::Connected(s) => match std::io::Write::write(s, buf) {
             Ok(n) => n as ssize_t,
@@ -925,7 +979,7 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
         // SAFETY: passing through.
         return unsafe { real!(shutdown: fn(c_int, c_int) -> c_int)(fd, how) };
     };
-    let st = lock(&s.state);
+    let st = s.state.lock();
     match &*st {
         State::Connected(c) if how == libc::SHUT_WR || how == libc::SHUT_RDWR => match c.shutdown_write() {
             Ok(()) => 0,
@@ -952,7 +1006,7 @@ pub unsafe extern "C" fn setsockopt(
             )
         };
     };
-    if let State::Fresh { opts, .. } = &mut *lock(&s.state) {
+    if let State::Fresh { opts, .. } = &mut *s.state.lock() {
         if !val.is_null() {
             // SAFETY: the program's option of `len` bytes.
             opts.push((
@@ -984,7 +1038,7 @@ pub unsafe extern "C" fn getsockopt(
     if val.is_null() || len.is_null() {
         return fail(libc::EFAULT);
     }
-    let stream = !matches!(&*lock(&s.state), State::Udp { .. } | State::Fresh { stream: false, .. });
+    let stream = !matches!(&*s.state.lock(), State::Udp { .. } | State::Fresh { stream: false, .. });
     let value: c_int = match (level, name) {
         (libc::SOL_SOCKET, libc::SO_TYPE) => {
             if stream {
@@ -1018,7 +1072,7 @@ pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut s
             real!(getsockname: fn(c_int, *mut sockaddr, *mut socklen_t) -> c_int)(fd, addr, len)
         };
     };
-    let a = match &*lock(&s.state) {
+    let a = match &*s.state.lock() {
         State::Fresh { bound, .. } => bound.unwrap_or(nowhere(s.domain)),
         State::Listening(l) => l.local_addr(),
         State::Connected(c) => c.local_addr(),
@@ -1037,7 +1091,7 @@ pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut s
             real!(getpeername: fn(c_int, *mut sockaddr, *mut socklen_t) -> c_int)(fd, addr, len)
         };
     };
-    let a = match &*lock(&s.state) {
+    let a = match &*s.state.lock() {
         State::Connected(c) => c.peer_addr(),
         State::Udp { peer: Some(p), .. } => *p,
         _ => return fail(libc::ENOTCONN),
@@ -1102,7 +1156,7 @@ pub unsafe extern "C" fn ioctl(fd: c_int, request: libc::c_ulong, arg: *mut c_vo
             0
         }
         libc::FIONREAD => {
-            let n = match &*lock(&s.state) {
+            let n = match &*s.state.lock() {
                 State::Connected(c) => c.readiness().0,
                 _ => 0,
             };
