@@ -128,14 +128,22 @@ pub fn port_pair(
     match (kind, veth) {
         ("udp", None) => {
             let (pa, pb) = (free_udp_port()?, free_udp_port()?);
-            let a = lanbus_port::open(&format!("udp:127.0.0.1:{pa},peer=127.0.0.1:{pb}"))?;
-            let b = lanbus_port::open(&format!("udp:127.0.0.1:{pb},peer=127.0.0.1:{pa}"))?;
+            let a = format!("udp:127.0.0.1:{pa},peer=127.0.0.1:{pb}")
+                .parse::<lanbus_port::PortSpec>()
+                .and_then(|s| s.open())?;
+            let b = format!("udp:127.0.0.1:{pb},peer=127.0.0.1:{pa}")
+                .parse::<lanbus_port::PortSpec>()
+                .and_then(|s| s.open())?;
             Ok((a, b))
         }
         (_, Some(v)) => {
             let (sa, sb) = port_specs(kind, v)?;
-            let a = v.a.netns.run(move || lanbus_port::open(&sa).map_err(|e| e.to_string()))?;
-            let b = v.b.netns.run(move || lanbus_port::open(&sb).map_err(|e| e.to_string()))?;
+            let a = v.a.netns.run(move || {
+                sa.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()).map_err(|e| e.to_string())
+            })?;
+            let b = v.b.netns.run(move || {
+                sb.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()).map_err(|e| e.to_string())
+            })?;
             Ok((a.map_err(anyhow::Error::msg)?, b.map_err(anyhow::Error::msg)?))
         }
         _ => anyhow::bail!("{kind} needs a veth pair between two namespaces (root)"),

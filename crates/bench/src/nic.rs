@@ -178,8 +178,12 @@ impl Net {
             a.push_str(",ethertypes=all");
             b.push_str(",ethertypes=all");
         }
-        let a = self.veth.a.netns.run(move || lanbus_port::open(&a).map_err(|e| e.to_string()))?;
-        let b = self.veth.b.netns.run(move || lanbus_port::open(&b).map_err(|e| e.to_string()))?;
+        let a = self.veth.a.netns.run(move || {
+            a.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()).map_err(|e| e.to_string())
+        })?;
+        let b = self.veth.b.netns.run(move || {
+            b.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()).map_err(|e| e.to_string())
+        })?;
         let (a, b) = (a.map_err(anyhow::Error::msg)?, b.map_err(anyhow::Error::msg)?);
         let tunnel = Tunnel::start(&self.veth.a.netns, "lanbus0", a, &self.veth.b.netns, "nic0", b)?;
         ok(self.veth.b.netns.ip(&["link", "set", "nic0", "master", "br0", "up"]), "TAP into the bridge")?;

@@ -37,7 +37,7 @@ fn open_afxdp(end: &VethEnd) -> Box<dyn Port> {
     let spec = format!("afxdp:{}", end.ifname);
     let s = spec.clone();
     end.netns
-        .run(move || lanbus_port::open(&s).map_err(|e| e.to_string()))
+        .run(move || s.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()).map_err(|e| e.to_string()))
         .expect("a thread in the namespace")
         .unwrap_or_else(|e| panic!("open {spec}: {e}"))
 }

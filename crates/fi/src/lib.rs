@@ -286,7 +286,10 @@ impl Endpoint {
                 Link::Daemon(Box::new(client))
             }
             Mode::Direct(spec) => {
-                let port = lanbus_port::open(spec).map_err(|e| format!("opening port {spec}: {e}"))?;
+                let port = spec
+                    .parse::<lanbus_port::PortSpec>()
+                    .and_then(|s| s.open())
+                    .map_err(|e| format!("opening port {spec}: {e}"))?;
                 // The rank's own thread moves its messages as it polls the completion queue:
                 // no second thread to wake, nor to share the cores with.
                 let rc = lanbus_node::config::msg_runtime_config("fi", lanbus_runtime::ThreadMode::Caller);

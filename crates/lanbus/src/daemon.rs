@@ -28,7 +28,7 @@ pub struct DeviceArgs {
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
     #[arg(long)]
-    port: Option<String>,
+    port: Option<lanbus_port::PortSpec>,
     /// The group whose host this I/O box serves.
     #[arg(long)]
     group: Option<u16>,
@@ -76,7 +76,7 @@ pub struct HostArgs {
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
     #[arg(long)]
-    port: Option<String>,
+    port: Option<lanbus_port::PortSpec>,
     /// Our group: we use the devices that announce it.
     #[arg(long)]
     group: Option<u16>,
@@ -147,7 +147,7 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     // Before any thread starts, so that every thread inherits the blocked mask.
     let signals = lanbus_node::process::Blocked::termination()?;
     let metrics = bind_metrics(args.metrics, file.metrics.as_deref())?;
-    let port = lanbus_port::open(&port_spec)?;
+    let port = port_spec.open()?;
     let listener = control::bind(&control)?;
     let device = Arc::new(Device::start(port, options)?);
     let group = device.group();
@@ -197,7 +197,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
         signal_hook::flag::register(sig, stop.clone()).context("installing signal handlers")?;
     }
     let metrics = bind_metrics(args.metrics, file.metrics.as_deref())?;
-    let port = lanbus_port::open(&port_spec)?;
+    let port = port_spec.open()?;
     let listener = control::bind(&control)?;
     let host = Arc::new(Host::start(port, options, Box::new(|line| eprintln!("lanbus host: {line}")))?);
     eprintln!(

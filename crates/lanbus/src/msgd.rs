@@ -17,7 +17,7 @@ pub struct MsgdArgs {
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
     #[arg(long)]
-    port: Option<String>,
+    port: Option<lanbus_port::PortSpec>,
     /// The Unix socket processes attach at (default /tmp/lanbus-msgd.sock). Root, this daemon's
     /// user and members of its group may attach (checked with SO_PEERCRED).
     #[arg(long)]
@@ -34,7 +34,7 @@ pub fn run(args: MsgdArgs) -> anyhow::Result<()> {
     let socket = args.socket.or(file.socket).unwrap_or_else(|| "/tmp/lanbus-msgd.sock".into());
     let group = args.group.or(file.group).unwrap_or(0);
     let signals = Blocked::termination().context("blocking SIGINT and SIGTERM")?;
-    let port = lanbus_port::open(&port)?;
+    let port = port.open()?;
     let mut rc = config::msgd_runtime_config("msgd");
     rc.transport.group = group;
     let daemon = MsgDaemon::start(port, &socket, rc)

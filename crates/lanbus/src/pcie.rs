@@ -32,7 +32,7 @@ impl From<Mode> for ThreadMode {
 pub struct LspciArgs {
     /// The port to reach the device bridges through (see `lanbus --help` for specs).
     #[arg(long)]
-    port: String,
+    port: lanbus_port::PortSpec,
     /// Our group: only device bridges of this group are listed.
     #[arg(long, default_value_t = 0)]
     group: u16,
@@ -46,7 +46,7 @@ pub struct LspciArgs {
 
 /// Runs `lanbus lspci`.
 pub fn lspci(args: LspciArgs) -> anyhow::Result<()> {
-    let port = lanbus_port::open(&args.port).with_context(|| format!("opening {}", args.port))?;
+    let port = args.port.open().with_context(|| format!("opening {}", args.port))?;
     let wait = Duration::from_secs_f64(args.wait.max(0.0));
     let devices = lanbus_node::lspci::enumerate(port, args.group, wait, args.mode.into())?;
     if devices.is_empty() {

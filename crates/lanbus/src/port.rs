@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use clap::Subcommand;
-use lanbus_port::{Port, PortCounters};
+use lanbus_port::{Port, PortCounters, PortSpec};
 
 /// Port tools.
 #[derive(Debug, Subcommand)]
@@ -12,7 +12,7 @@ pub enum PortCommand {
     #[command(after_help = lanbus_port::SPEC_HELP)]
     Check {
         /// The port spec (see below), e.g. udp:127.0.0.1:7000,peer=127.0.0.1:7001 or afpacket:eth1.
-        spec: String,
+        spec: PortSpec,
         /// Receive for this many seconds before printing the counters (shows whether lanbus
         /// frames arrive, and how many were dropped as malformed).
         #[arg(long, default_value_t = 0.0)]
@@ -27,13 +27,13 @@ pub fn run(command: PortCommand) -> anyhow::Result<()> {
     }
 }
 
-fn check(spec: &str, listen_secs: f64) -> anyhow::Result<()> {
+fn check(spec: &PortSpec, listen_secs: f64) -> anyhow::Result<()> {
     anyhow::ensure!(
         listen_secs.is_finite() && (0.0..=86_400.0).contains(&listen_secs),
         "--listen takes seconds between 0 and 86400"
     );
     // The error names the spec and says what is missing; nothing to add.
-    let mut port = lanbus_port::open(spec)?;
+    let mut port = spec.open()?;
     println!("port      {spec}");
     println!("mac       {}", port.mac());
     println!("mtu       {} bytes of payload (frames up to {} bytes)", port.mtu(), port.frame_capacity());

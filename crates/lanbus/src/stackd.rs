@@ -25,7 +25,7 @@ pub struct StackdArgs {
     /// The port: afpacket:IFACE (the server adds ethertypes=all). The interface must have no
     /// kernel IP address: the kernel would answer the stack's TCP segments with resets.
     #[arg(long)]
-    port: Option<String>,
+    port: Option<lanbus_port::PortSpec>,
     /// The stack's address and prefix length, e.g. 10.0.0.1/24.
     #[arg(long)]
     ip: Option<String>,

@@ -27,7 +27,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The I/O box: one NVMe drive of 64 MiB in RAM.
     let mut options = DeviceOptions::new(GROUP, "example-iobox");
     options.nvme = Some(NvmeBacking::Ram(64 << 20));
-    let port = lanbus_port::open(&format!("udp:127.0.0.1:{box_port},peer=127.0.0.1:{host_port}"))?;
+    let port = format!("udp:127.0.0.1:{box_port},peer=127.0.0.1:{host_port}")
+        .parse::<lanbus_port::PortSpec>()?
+        .open()?;
     let io_box = Device::start(port, options)?;
 
     // The host: exports its group's drive over NBD as soon as it is enumerated.
@@ -35,7 +37,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(&dir)?;
     let socket = dir.join("nvme0.sock");
     let options = HostOptions::new(GROUP, "example-host", vec![ExportSpec::Unix(socket.clone())]);
-    let port = lanbus_port::open(&format!("udp:127.0.0.1:{host_port},peer=127.0.0.1:{box_port}"))?;
+    let port = format!("udp:127.0.0.1:{host_port},peer=127.0.0.1:{box_port}")
+        .parse::<lanbus_port::PortSpec>()?
+        .open()?;
     let host = Host::start(port, options, Box::new(|line| eprintln!("host: {line}")))?;
     host.wait_exported(Duration::from_secs(10)).ok_or("the drive was not exported within 10 s")?;
     for f in host.bridge().devices() {

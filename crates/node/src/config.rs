@@ -98,7 +98,7 @@ pub fn device_config(group: u16, name: &str, threads: ThreadMode) -> DeviceBridg
 #[serde(deny_unknown_fields)]
 pub struct DeviceFile {
     /// The port spec.
-    pub port: Option<String>,
+    pub port: Option<lanbus_port::PortSpec>,
     /// The group whose host the I/O box serves.
     pub group: Option<u16>,
     /// The NVMe drive's blocks ([`crate::drive::NvmeBacking`]).
@@ -169,7 +169,7 @@ impl DeviceState {
 #[serde(deny_unknown_fields)]
 pub struct HostFile {
     /// The port spec.
-    pub port: Option<String>,
+    pub port: Option<lanbus_port::PortSpec>,
     /// The group whose devices the host uses.
     pub group: Option<u16>,
     /// What is exported ([`ExportSpec`]): one spec or a list.
@@ -187,7 +187,7 @@ pub struct HostFile {
 #[serde(deny_unknown_fields)]
 pub struct MsgdFile {
     /// The port spec.
-    pub port: Option<String>,
+    pub port: Option<lanbus_port::PortSpec>,
     /// The Unix socket processes attach at.
     pub socket: Option<PathBuf>,
     /// The fabric group.
@@ -199,7 +199,7 @@ pub struct MsgdFile {
 #[serde(deny_unknown_fields)]
 pub struct StackdFile {
     /// The port spec (afpacket:IFACE).
-    pub port: Option<String>,
+    pub port: Option<lanbus_port::PortSpec>,
     /// The stack's IPv4 address and prefix length.
     pub ip: Option<String>,
     /// The IPv4 default route.
@@ -390,6 +390,16 @@ mod tests {
     }
 
     #[test]
+    fn the_port_is_parsed_from_the_config_file() {
+        let file: HostFile = toml::from_str("port = \"udp:127.0.0.1:7000,peer=127.0.0.1:7001\"").unwrap();
+        let port = file.port.unwrap();
+        assert!(matches!(port.kind, lanbus_port::PortKind::Udp(_)));
+        assert_eq!(port.to_string(), "udp:127.0.0.1:7000,peer=127.0.0.1:7001");
+        let e = toml::from_str::<DeviceFile>("port = \"afxdp:eth0:q\"").unwrap_err().to_string();
+        assert!(e.contains("not a receive queue number"), "{e}");
+    }
+
+    #[test]
     fn vhost_user_blk_export_specs() {
         let parse = |s: &str| s.parse::<ExportSpec>();
         assert_eq!(
@@ -465,9 +475,9 @@ mod tests {
                 .unwrap();
         assert_eq!((d.group, d.lba_size, d.nvme.as_deref()), (Some(7), Some(4096), Some("ram=64M")));
         assert!(toml::from_str::<DeviceFile>("colour = 1\n").is_err());
-        let h: HostFile = toml::from_str("port = \"x\"\nexport = \"nbd:/tmp/s\"\n").unwrap();
+        let h: HostFile = toml::from_str("port = \"sim\"\nexport = \"nbd:/tmp/s\"\n").unwrap();
         assert_eq!(h.export.unwrap().into_vec(), ["nbd:/tmp/s"]);
-        let h: HostFile = toml::from_str("port = \"x\"\nexport = [\"nbd:/tmp/s\", \"tap:lb0\"]\n").unwrap();
+        let h: HostFile = toml::from_str("port = \"sim\"\nexport = [\"nbd:/tmp/s\", \"tap:lb0\"]\n").unwrap();
         assert_eq!(h.export.unwrap().into_vec(), ["nbd:/tmp/s", "tap:lb0"]);
     }
 

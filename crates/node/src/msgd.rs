@@ -829,8 +829,14 @@ mod tests {
         let (pa, pb) = (0..20)
             .find_map(|_| {
                 let (p, q) = (free_port(), free_port());
-                let pa = lanbus_port::open(&format!("udp:127.0.0.1:{p},peer=127.0.0.1:{q}")).ok()?;
-                let pb = lanbus_port::open(&format!("udp:127.0.0.1:{q},peer=127.0.0.1:{p}")).ok()?;
+                let pa = format!("udp:127.0.0.1:{p},peer=127.0.0.1:{q}")
+                    .parse::<lanbus_port::PortSpec>()
+                    .and_then(|s| s.open())
+                    .ok()?;
+                let pb = format!("udp:127.0.0.1:{q},peer=127.0.0.1:{p}")
+                    .parse::<lanbus_port::PortSpec>()
+                    .and_then(|s| s.open())
+                    .ok()?;
                 Some((pa, pb))
             })
             .expect("two free UDP ports on loopback");

@@ -7,6 +7,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use lanbus_port::afpacket::AfPacketConfig;
+use lanbus_port::{PortKind, PortSpec};
 use lanbus_stack::server::{Server, ServerConfig, ServerStatus};
 use serde_json::{json, Value};
 
@@ -23,15 +25,16 @@ pub struct StackDaemon {
 
 /// The port spec a stack server opens: an afpacket port that receives every EtherType (the
 /// stack speaks ARP, IPv4 and IPv6, not only lanbus frames).
-pub fn port_spec(spec: &str) -> Result<String> {
-    let kind = spec.split(':').next().unwrap_or("");
-    match kind {
-        "afpacket" if spec.contains("ethertypes=") => Ok(spec.to_string()),
-        "afpacket" => Ok(format!("{spec},ethertypes=all")),
-        "afxdp" => Err(Error::BadSpec(format!(
+pub fn port_spec(spec: &PortSpec) -> Result<PortSpec> {
+    match &spec.kind {
+        PortKind::AfPacket(config) => {
+            let config = AfPacketConfig { all_ethertypes: true, ..config.clone() };
+            Ok(PortSpec { kind: PortKind::AfPacket(config), ..spec.clone() })
+        }
+        PortKind::AfXdp { .. } => Err(Error::BadSpec(format!(
             "{spec}: the afxdp port's XDP program passes only lanbus frames to the socket; use afpacket:IFACE"
         ))),
-        "udp" | "shm" | "sim" => {
+        PortKind::Udp(_) | PortKind::Shm { .. } | PortKind::Sim => {
             Err(Error::BadSpec(format!("{spec}: a TCP/IP stack needs raw Ethernet; use afpacket:IFACE")))
         }
         _ => Err(Error::BadSpec(format!("{spec}: use afpacket:IFACE"))),
@@ -41,8 +44,8 @@ pub fn port_spec(spec: &str) -> Result<String> {
 impl StackDaemon {
     /// Opens the port of `spec` (see [`port_spec`]), starts the server with `config` and serves
     /// its status at `control`.
-    pub fn start(spec: &str, config: ServerConfig, control: &Path) -> Result<StackDaemon> {
-        let port = lanbus_port::open(&port_spec(spec)?)?;
+    pub fn start(spec: &PortSpec, config: ServerConfig, control: &Path) -> Result<StackDaemon> {
+        let port = port_spec(spec)?.open()?;
         let (mac, mtu) = (port.mac(), port.mtu());
         let at = config.socket.display().to_string();
         let server =
@@ -116,10 +119,11 @@ pub fn status_json(s: &ServerStatus) -> Value {
 mod tests {
     #[test]
     fn stack_ports_are_afpacket_with_every_ethertype() {
-        assert_eq!(super::port_spec("afpacket:veth0").unwrap(), "afpacket:veth0,ethertypes=all");
-        assert_eq!(super::port_spec("afpacket:v,ethertypes=all").unwrap(), "afpacket:v,ethertypes=all");
-        for bad in ["afxdp:veth0", "udp:127.0.0.1:1", "sim", "nothing"] {
-            assert!(super::port_spec(bad).is_err(), "{bad}");
+        let stack = |s: &str| super::port_spec(&s.parse().unwrap()).map(|s| s.to_string());
+        assert_eq!(stack("afpacket:veth0").unwrap(), "afpacket:veth0,ethertypes=all");
+        assert_eq!(stack("afpacket:v,ethertypes=all").unwrap(), "afpacket:v,ethertypes=all");
+        for bad in ["afxdp:veth0", "udp:127.0.0.1:1", "sim", "dpdk"] {
+            assert!(stack(bad).is_err(), "{bad}");
         }
     }
 }

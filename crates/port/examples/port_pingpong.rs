@@ -102,8 +102,18 @@ fn main() {
     for (name, spec_a, spec_b) in configs {
         for busy in [true, false] {
             let (sa, sb) = (spec_a.clone(), spec_b.clone());
-            let a = pair.a.netns.run(move || lanbus_port::open(&sa)).unwrap().unwrap();
-            let b = pair.b.netns.run(move || lanbus_port::open(&sb)).unwrap().unwrap();
+            let a = pair
+                .a
+                .netns
+                .run(move || sa.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+                .unwrap()
+                .unwrap();
+            let b = pair
+                .b
+                .netns
+                .run(move || sb.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+                .unwrap()
+                .unwrap();
             let (p50, p99) = pingpong(a, b, busy, rounds, payload);
             let mode = if busy { "busy" } else { "blocking" };
             println!("{name:<16} {mode:<9} {p50:>9.1} {p99:>9.1}");

@@ -94,8 +94,18 @@ fn main() {
             let mut rates = Vec::with_capacity(RUNS);
             for _ in 0..RUNS {
                 let (sa, sb) = (spec_a.clone(), spec_b.clone());
-                let a = pair.a.netns.run(move || lanbus_port::open(&sa)).unwrap().unwrap();
-                let b = pair.b.netns.run(move || lanbus_port::open(&sb)).unwrap().unwrap();
+                let a = pair
+                    .a
+                    .netns
+                    .run(move || sa.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+                    .unwrap()
+                    .unwrap();
+                let b = pair
+                    .b
+                    .netns
+                    .run(move || sb.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+                    .unwrap()
+                    .unwrap();
                 // Same bytes on the wire: the udp port's IP and UDP headers stand in for 28 of them.
                 let len = if *name == "udp" { size - 28 } else { size };
                 rates.push(one_way(a, b, len, secs));

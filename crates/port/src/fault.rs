@@ -12,11 +12,9 @@
 //! port's [`PortCounters`] (`rx_dropped`, `tx_dropped`) and in a [`FaultCounters`] handle that
 //! stays readable after the port is moved into a runtime.
 
-use core::time::Duration;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use lanbus_wire::MacAddr;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -103,9 +101,23 @@ impl<P: Port> FaultyPort<P> {
     }
 }
 
-impl<P: Port> Port for FaultyPort<P> {
+// Only the data path is overridden: loss on receive and on transmit (every transmit method that
+// forwards by default, so that no frame reaches the inner port without its draw), and the counters
+// that add the injected drops.
+// Everything else forwards to the inner port (see `crate::layer`).
+impl<P: Port> crate::Layer for FaultyPort<P> {
+    type Inner = P;
+
+    fn inner(&self) -> &P {
+        &self.inner
+    }
+
+    fn inner_mut(&mut self) -> &mut P {
+        &mut self.inner
+    }
+
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
-        self.rx_burst_stamped(max, &mut |frame, _| on_frame(frame))
+        Port::rx_burst_stamped(self, max, &mut |frame, _| on_frame(frame))
     }
 
     fn rx_burst_stamped(
@@ -140,13 +152,9 @@ impl<P: Port> Port for FaultyPort<P> {
         })
     }
 
-    fn borrows_frames(&self) -> bool {
-        self.inner.borrows_frames()
-    }
-
     fn tx_borrowed(&mut self, frames: &[&[u8]]) -> Result<usize> {
         if !self.inner.borrows_frames() {
-            return self.send_frames(frames);
+            return crate::copy_frames(self, frames);
         }
         let kept: Vec<&[u8]> = frames.iter().copied().filter(|_| !self.lose_one()).collect();
         self.inner.tx_borrowed(&kept)?;
@@ -162,32 +170,9 @@ impl<P: Port> Port for FaultyPort<P> {
         Ok(frames.len())
     }
 
-    fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
-        self.inner.wait(timeout)
-    }
-
-    fn mtu(&self) -> usize {
-        self.inner.mtu()
-    }
-
-    fn frame_capacity(&self) -> usize {
-        self.inner.frame_capacity()
-    }
-
-    fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
-        self.inner.readiness_fd()
-    }
-
-    fn arm_readiness(&mut self) -> bool {
-        self.inner.arm_readiness()
-    }
-
-    fn disarm_readiness(&mut self) {
-        self.inner.disarm_readiness()
-    }
-
-    fn mac(&self) -> MacAddr {
-        self.inner.mac()
+    /// Refused: the caller cuts the segment into frames itself, each of which then draws its loss.
+    fn tx_gso(&mut self, _frame: &[u8], _gso: crate::Gso) -> Result<bool> {
+        Ok(false)
     }
 
     fn counters(&self) -> PortCounters {
@@ -196,15 +181,13 @@ impl<P: Port> Port for FaultyPort<P> {
         c.tx_dropped += self.counters.tx_dropped();
         c
     }
-
-    fn vlan(&self) -> Option<crate::vlan::VlanId> {
-        self.inner.vlan()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use core::time::Duration;
+    use lanbus_wire::MacAddr;
     use std::collections::VecDeque;
 
     /// A loopback port: what it transmits it receives.

@@ -32,6 +32,7 @@ pub mod csum;
 pub mod dpdk;
 pub mod fault;
 pub mod hub;
+pub mod layer;
 pub mod netns;
 pub mod shm;
 pub mod sim;
@@ -40,8 +41,9 @@ pub mod udp;
 pub mod vlan;
 
 pub use hub::{Hub, HubConfig, HubPort, HubStats};
+pub use layer::Layer;
 pub use sim::{SimPort, SimWire, SimWireConfig, SimWireStats};
-pub use spec::{open, SPEC_HELP};
+pub use spec::{LossSpec, PortKind, PortSpec, SPEC_HELP};
 
 /// What a port counts. Counters only grow; read them with [`Port::counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -224,16 +226,23 @@ pub trait Port: Send {
     /// Returns how many frames the port took; a frame longer than [`Port::frame_capacity`] is
     /// skipped (it is not counted in the return value).
     fn send_frames(&mut self, frames: &[&[u8]]) -> Result<usize> {
-        let mut next = 0;
-        self.tx_burst(frames.len(), &mut |buf: &mut [u8]| loop {
-            let frame = frames.get(next)?;
-            next += 1;
-            if frame.len() <= buf.len() {
-                buf[..frame.len()].copy_from_slice(frame);
-                return Some(frame.len());
-            }
-        })
+        copy_frames(self, frames)
     }
+}
+
+/// Sends whole frames through `port`'s [`Port::tx_burst`], copying each into the port's buffer
+/// (what [`Port::send_frames`] does by default); returns how many frames the port took. A frame
+/// longer than [`Port::frame_capacity`] is skipped (it is not counted in the return value).
+pub fn copy_frames<P: Port + ?Sized>(port: &mut P, frames: &[&[u8]]) -> Result<usize> {
+    let mut next = 0;
+    port.tx_burst(frames.len(), &mut |buf: &mut [u8]| loop {
+        let frame = frames.get(next)?;
+        next += 1;
+        if frame.len() <= buf.len() {
+            buf[..frame.len()].copy_from_slice(frame);
+            return Some(frame.len());
+        }
+    })
 }
 
 /// Sends frames in two pieces each through `port`'s [`Port::tx_burst`], joining each frame's
@@ -268,57 +277,13 @@ pub struct Gso {
     pub ipv6: bool,
 }
 
-impl<P: Port + ?Sized> Port for Box<P> {
-    fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
-        (**self).rx_burst(max, on_frame)
+// A box is a layer that changes nothing: every method forwards to the boxed port.
+impl<P: Port + ?Sized> Layer for Box<P> {
+    type Inner = P;
+    fn inner(&self) -> &P {
+        self
     }
-    fn rx_burst_stamped(
-        &mut self,
-        max: usize,
-        on_frame: &mut dyn FnMut(&[u8], Option<u64>),
-    ) -> Result<usize> {
-        (**self).rx_burst_stamped(max, on_frame)
-    }
-    fn tx_burst(&mut self, max: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize> {
-        (**self).tx_burst(max, fill)
-    }
-    fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
-        (**self).wait(timeout)
-    }
-    fn mtu(&self) -> usize {
-        (**self).mtu()
-    }
-    fn frame_capacity(&self) -> usize {
-        (**self).frame_capacity()
-    }
-    fn borrows_frames(&self) -> bool {
-        (**self).borrows_frames()
-    }
-    fn tx_borrowed(&mut self, frames: &[&[u8]]) -> Result<usize> {
-        (**self).tx_borrowed(frames)
-    }
-    fn tx_borrowed_parts(&mut self, frames: &[[&[u8]; 2]]) -> Result<usize> {
-        (**self).tx_borrowed_parts(frames)
-    }
-    fn tx_gso(&mut self, frame: &[u8], gso: Gso) -> Result<bool> {
-        (**self).tx_gso(frame, gso)
-    }
-    fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
-        (**self).readiness_fd()
-    }
-    fn arm_readiness(&mut self) -> bool {
-        (**self).arm_readiness()
-    }
-    fn disarm_readiness(&mut self) {
-        (**self).disarm_readiness()
-    }
-    fn mac(&self) -> MacAddr {
-        (**self).mac()
-    }
-    fn counters(&self) -> PortCounters {
-        (**self).counters()
-    }
-    fn vlan(&self) -> Option<vlan::VlanId> {
-        (**self).vlan()
+    fn inner_mut(&mut self) -> &mut P {
+        self
     }
 }

@@ -16,11 +16,8 @@
 //! the afpacket port puts it back into the frame, so this wrapper sees the same bytes on every
 //! port. Groups above 4094 have no VLAN ID: [`VlanId::set`] refuses them.
 
-use core::time::Duration;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
-
-use lanbus_wire::MacAddr;
 
 use crate::{Port, PortCounters, Result};
 
@@ -89,17 +86,17 @@ pub fn insert_tag(buf: &mut [u8], len: usize, vid: u16) -> usize {
 }
 
 /// A port whose frames carry the node's group as their 802.1Q VLAN ID.
-pub struct VlanPort {
-    inner: Box<dyn Port>,
+pub struct VlanPort<P: Port = Box<dyn Port>> {
+    inner: P,
     vid: VlanId,
     counters: Arc<VlanCounters>,
     /// A received frame without its tag.
     scratch: Vec<u8>,
 }
 
-impl VlanPort {
+impl<P: Port> VlanPort<P> {
     /// Wraps `inner`, starting in VLAN 0 until the runtime sets the group.
-    pub fn new(inner: Box<dyn Port>) -> VlanPort {
+    pub fn new(inner: P) -> VlanPort<P> {
         VlanPort { inner, vid: VlanId::default(), counters: Arc::default(), scratch: Vec::new() }
     }
 
@@ -114,9 +111,25 @@ impl VlanPort {
     }
 }
 
-impl Port for VlanPort {
+// Overridden: the tag comes off on receive and goes on in `tx_burst` (through which every transmit
+// path copies: `REWRITES_TX`), the MTU and frame capacity lose the tag's bytes,
+// and the counters add the filtered frames. Everything else forwards (see `crate::layer`).
+impl<P: Port> crate::Layer for VlanPort<P> {
+    type Inner = P;
+
+    /// Every frame gets its tag in the inner port's buffer.
+    const REWRITES_TX: bool = true;
+
+    fn inner(&self) -> &P {
+        &self.inner
+    }
+
+    fn inner_mut(&mut self) -> &mut P {
+        &mut self.inner
+    }
+
     fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> Result<usize> {
-        self.rx_burst_stamped(max, &mut |f, _| on_frame(f))
+        Port::rx_burst_stamped(self, max, &mut |f, _| on_frame(f))
     }
 
     fn rx_burst_stamped(
@@ -157,28 +170,12 @@ impl Port for VlanPort {
         })
     }
 
-    fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
-        self.inner.wait(timeout)
-    }
-
     fn mtu(&self) -> usize {
         self.inner.mtu() - TAG_LEN
     }
 
-    fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
-        self.inner.readiness_fd()
-    }
-
-    fn arm_readiness(&mut self) -> bool {
-        self.inner.arm_readiness()
-    }
-
-    fn disarm_readiness(&mut self) {
-        self.inner.disarm_readiness()
-    }
-
-    fn mac(&self) -> MacAddr {
-        self.inner.mac()
+    fn frame_capacity(&self) -> usize {
+        self.inner.frame_capacity() - TAG_LEN
     }
 
     fn counters(&self) -> PortCounters {
@@ -196,6 +193,7 @@ impl Port for VlanPort {
 mod tests {
     use super::*;
     use crate::{Hub, HubConfig};
+    use lanbus_wire::MacAddr;
     use proptest::prelude::*;
 
     fn mac(n: u8) -> MacAddr {

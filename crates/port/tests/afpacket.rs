@@ -140,15 +140,30 @@ fn clear_errors_without_privileges_or_a_usable_interface() {
     assert!(err.to_string().contains("CAP_NET_RAW") && err.to_string().contains("root"), "{err}");
 
     let spec = "afpacket:lbnosuchif9".to_string();
-    let err = pair.a.netns.run(move || lanbus_port::open(&spec).map(|_| ())).unwrap().unwrap_err();
+    let err = pair
+        .a
+        .netns
+        .run(move || spec.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()).map(|_| ()))
+        .unwrap()
+        .unwrap_err();
     assert!(err.to_string().contains("no interface named"), "{err}");
 
     pair.a.netns.ip(&["link", "set", &pair.a.ifname, "down"]).unwrap();
     let spec = format!("afpacket:{}", pair.a.ifname);
-    let err = pair.a.netns.run(move || lanbus_port::open(&spec).map(|_| ())).unwrap().unwrap_err();
+    let err = pair
+        .a
+        .netns
+        .run(move || spec.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()).map(|_| ()))
+        .unwrap()
+        .unwrap_err();
     assert!(err.to_string().contains("is down") && err.to_string().contains("ip link set"), "{err}");
 
-    let err = pair.a.netns.run(|| lanbus_port::open("afpacket:lo").map(|_| ())).unwrap().unwrap_err();
+    let err = pair
+        .a
+        .netns
+        .run(|| "afpacket:lo".parse::<lanbus_port::PortSpec>().and_then(|s| s.open()).map(|_| ()))
+        .unwrap()
+        .unwrap_err();
     assert!(err.to_string().contains("not an Ethernet interface"), "{err}");
 }
 

@@ -240,8 +240,18 @@ fn udp_broadcast_address_reaches_a_port_bound_to_any() {
     let a_mac = MacAddr::local(0x00aa_0001);
     let spec_a = format!("udp:0.0.0.0:7100,mac={a_mac},learn");
     let spec_b = format!("udp:{}:7100,peer={a_mac}@{}:7100,bcast=10.77.0.255:7100", pair.b.ipv4, pair.a.ipv4);
-    let mut a = pair.a.netns.run(move || lanbus_port::open(&spec_a)).unwrap().unwrap();
-    let mut b = pair.b.netns.run(move || lanbus_port::open(&spec_b)).unwrap().unwrap();
+    let mut a = pair
+        .a
+        .netns
+        .run(move || spec_a.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+        .unwrap()
+        .unwrap();
+    let mut b = pair
+        .b
+        .netns
+        .run(move || spec_b.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+        .unwrap()
+        .unwrap();
     assert_eq!(a.mac(), a_mac);
     let hello = frame(MacAddr::BROADCAST, b.mac(), 1, 80);
     send_all(&mut *b, std::slice::from_ref(&hello), SECOND);

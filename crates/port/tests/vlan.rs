@@ -63,7 +63,9 @@ fn switch(n: usize) -> Switch {
 
 fn open(ns: &Netns, spec: &str) -> Box<dyn Port> {
     let spec = spec.to_string();
-    ns.run(move || lanbus_port::open(&spec)).unwrap().unwrap_or_else(|e| panic!("{e}"))
+    ns.run(move || spec.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn send(p: &mut dyn Port, f: &[u8]) {

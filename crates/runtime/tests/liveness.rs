@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lanbus_port::netns::VethPair;
-use lanbus_port::{Port, PortCounters, Result as PortResult};
+use lanbus_port::{Port, Result as PortResult};
 use lanbus_runtime::{Handler, Outbox, Runtime, RuntimeConfig};
 use lanbus_transport::{Config, Event, Message};
 use lanbus_wire::ethernet::HEADER_LEN as ETH_LEN;
@@ -31,16 +31,17 @@ fn is_heartbeat(frame: &[u8]) -> bool {
         && Kind::from(frame[ETH_LEN + 1]) == Kind::Heartbeat
 }
 
-impl Port for Muffled {
-    fn rx_burst(&mut self, max: usize, on_frame: &mut dyn FnMut(&[u8])) -> PortResult<usize> {
-        self.inner.rx_burst(max, on_frame)
+// Only the transmit path is Muffled's; everything else forwards to the inner port.
+impl lanbus_port::Layer for Muffled {
+    type Inner = Box<dyn Port>;
+    /// Heartbeats are dropped in `tx_burst`, so every frame sent must pass through it.
+    const REWRITES_TX: bool = true;
+
+    fn inner(&self) -> &Box<dyn Port> {
+        &self.inner
     }
-    fn rx_burst_stamped(
-        &mut self,
-        max: usize,
-        on_frame: &mut dyn FnMut(&[u8], Option<u64>),
-    ) -> PortResult<usize> {
-        self.inner.rx_burst_stamped(max, on_frame)
+    fn inner_mut(&mut self) -> &mut Box<dyn Port> {
+        &mut self.inner
     }
     fn tx_burst(
         &mut self,
@@ -48,33 +49,12 @@ impl Port for Muffled {
         fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
     ) -> PortResult<usize> {
         let muffled = self.muffled.load(Ordering::Relaxed);
-        self.inner.tx_burst(max, &mut |buf| loop {
+        Port::tx_burst(&mut self.inner, max, &mut |buf| loop {
             let len = fill(buf)?;
             if !(muffled && is_heartbeat(&buf[..len])) {
                 return Some(len);
             }
         })
-    }
-    fn wait(&mut self, timeout: Option<Duration>) -> PortResult<()> {
-        self.inner.wait(timeout)
-    }
-    fn mtu(&self) -> usize {
-        self.inner.mtu()
-    }
-    fn readiness_fd(&self) -> Option<std::os::fd::RawFd> {
-        self.inner.readiness_fd()
-    }
-    fn arm_readiness(&mut self) -> bool {
-        self.inner.arm_readiness()
-    }
-    fn disarm_readiness(&mut self) {
-        self.inner.disarm_readiness()
-    }
-    fn mac(&self) -> MacAddr {
-        self.inner.mac()
-    }
-    fn counters(&self) -> PortCounters {
-        self.inner.counters()
     }
 }
 
@@ -125,8 +105,18 @@ fn a_gibibyte_without_heartbeats_is_never_taken_for_a_dead_peer() {
     };
     pair.set_mtu(9000).unwrap();
     let (sa, sb) = (format!("afpacket:{}", pair.a.ifname), format!("afpacket:{}", pair.b.ifname));
-    let a = pair.a.netns.run(move || lanbus_port::open(&sa)).unwrap().unwrap();
-    let b = pair.b.netns.run(move || lanbus_port::open(&sb)).unwrap().unwrap();
+    let a = pair
+        .a
+        .netns
+        .run(move || sa.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+        .unwrap()
+        .unwrap();
+    let b = pair
+        .b
+        .netns
+        .run(move || sb.parse::<lanbus_port::PortSpec>().and_then(|s| s.open()))
+        .unwrap()
+        .unwrap();
     let (a_mac, b_mac) = (a.mac(), b.mac());
     // A peer is down after 3 silent heartbeat intervals of 10 ms: 30 ms without a frame.
     let mut transport = Config { mtu: 65_535, ..Config::default() };

@@ -253,8 +253,8 @@ fn udp_loopback_junk_datagrams_are_counted_and_dropped() {
 /// Opens `a_spec` in namespace a and `b_spec` in namespace b.
 fn open_pair(pair: &VethPair, a_spec: &str, b_spec: &str) -> (Box<dyn Port>, Box<dyn Port>) {
     let (a_spec, b_spec) = (a_spec.to_string(), b_spec.to_string());
-    let a = pair.a.netns.run(move || lanbus_port::open(&a_spec)).unwrap();
-    let b = pair.b.netns.run(move || lanbus_port::open(&b_spec)).unwrap();
+    let a = pair.a.netns.run(move || a_spec.parse::<lanbus_port::PortSpec>().and_then(|s| s.open())).unwrap();
+    let b = pair.b.netns.run(move || b_spec.parse::<lanbus_port::PortSpec>().and_then(|s| s.open())).unwrap();
     (a.unwrap_or_else(|e| panic!("{e}")), b.unwrap_or_else(|e| panic!("{e}")))
 }
 

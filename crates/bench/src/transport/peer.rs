@@ -12,7 +12,7 @@ use super::*;
 pub struct PeerArgs {
     /// The port spec to open.
     #[arg(long)]
-    port: String,
+    port: lanbus_port::PortSpec,
     /// The other side's MAC address.
     #[arg(long)]
     peer: String,
@@ -84,7 +84,7 @@ pub(super) fn index_of(data: &[u8]) -> Option<u64> {
 /// Runs one side; the server roles run until stdin closes.
 pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     let peer: MacAddr = args.peer.parse().map_err(|e| anyhow!("--peer {:?}: {e:?}", args.peer))?;
-    let port = lanbus_port::open(&args.port)?;
+    let port = args.port.open()?;
     match args.role {
         Role::RawEcho => return raw_echo(port, args.polling),
         Role::RawPing => return raw_ping(port, peer, &args),
