@@ -57,38 +57,6 @@ pub struct StackdArgs {
     tcp_timeout: Option<u64>,
 }
 
-/// Parses `A.B.C.D/LEN`.
-fn parse_cidr(s: &str) -> anyhow::Result<(Ipv4Addr, u8)> {
-    let (ip, len) =
-        s.split_once('/').with_context(|| format!("{s:?}: write ADDRESS/PREFIX, e.g. 10.0.0.1/24"))?;
-    let ip: Ipv4Addr = ip.parse().with_context(|| format!("{ip:?} is not an IPv4 address"))?;
-    let len: u8 = len
-        .parse()
-        .ok()
-        .filter(|l| (1..=32).contains(l))
-        .with_context(|| format!("/{len}: a prefix is 1 to 32"))?;
-    if ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast() {
-        bail!("{ip} cannot be a host's address");
-    }
-    Ok((ip, len))
-}
-
-/// Parses `IPV6/LEN`.
-fn parse_cidr6(s: &str) -> anyhow::Result<(Ipv6Addr, u8)> {
-    let (ip, len) =
-        s.split_once('/').with_context(|| format!("{s:?}: write ADDRESS/PREFIX, e.g. fd00::1/64"))?;
-    let ip: Ipv6Addr = ip.parse().with_context(|| format!("{ip:?} is not an IPv6 address"))?;
-    let len: u8 = len
-        .parse()
-        .ok()
-        .filter(|l| (1..=128).contains(l))
-        .with_context(|| format!("/{len}: a prefix is 1 to 128"))?;
-    if ip.is_unspecified() || ip.is_multicast() || ip.is_loopback() || ip.to_ipv4_mapped().is_some() {
-        bail!("{ip} cannot be a host's address");
-    }
-    Ok((ip, len))
-}
-
 /// Runs the stack server until SIGINT or SIGTERM.
 pub fn run(args: StackdArgs) -> anyhow::Result<()> {
     let file: StackdFile = config::read_toml(args.config.as_deref())?;
@@ -103,10 +71,10 @@ pub fn run(args: StackdArgs) -> anyhow::Result<()> {
     let socket = args.socket.or(file.socket).unwrap_or_else(|| STACK_SOCKET.into());
     let control = args.control.or(file.control).unwrap_or_else(|| STACK_CONTROL.into());
     let signals = Blocked::termination().context("blocking SIGINT and SIGTERM")?;
-    let (addr, prefix) = parse_cidr(&ip)?;
+    let (addr, prefix) = stackd::host_address_v4(&ip)?;
     let mut config = ServerConfig::new(addr, prefix, &socket);
     config.gateway = args.gateway.or(file.gateway);
-    config.ip6 = ip6.as_deref().map(parse_cidr6).transpose()?;
+    config.ip6 = ip6.as_deref().map(stackd::host_address_v6).transpose()?;
     config.gateway6 = gateway6;
     config.tcp_buffer_bytes = args.tcp_buffer.or(file.tcp_buffer).unwrap_or(512 << 10).clamp(4096, 64 << 20);
     config.timeout = Duration::from_secs(args.tcp_timeout.or(file.tcp_timeout).unwrap_or(30).max(1));
@@ -128,21 +96,4 @@ pub fn run(args: StackdArgs) -> anyhow::Result<()> {
     daemon.stop();
     eprintln!("lanbus stackd: stopped");
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cidrs() {
-        assert_eq!(parse_cidr("10.0.0.1/24").unwrap(), (Ipv4Addr::new(10, 0, 0, 1), 24));
-        assert!(parse_cidr("10.0.0.1").is_err());
-        assert_eq!(parse_cidr6("fd00::1/64").unwrap(), ("fd00::1".parse().unwrap(), 64));
-        assert!(parse_cidr6("fd00::1/129").is_err());
-        assert!(parse_cidr6("::1/128").is_err());
-        assert!(parse_cidr6("10.0.0.1/24").is_err());
-        assert!(parse_cidr("10.0.0.1/33").is_err());
-        assert!(parse_cidr("0.0.0.0/8").is_err());
-    }
 }

@@ -4,6 +4,7 @@
 //! the client library or `liblanbus_sock.so`); the control socket answers `status` with the
 //! server's clients, connections and counters as one JSON object.
 
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -39,6 +40,41 @@ pub fn port_spec(spec: &PortSpec) -> Result<PortSpec> {
         }
         _ => Err(Error::BadSpec(format!("{spec}: use afpacket:IFACE"))),
     }
+}
+
+/// Parses a stack's IPv4 address with its prefix length, `A.B.C.D/LEN`, refusing addresses no
+/// host may have.
+pub fn host_address_v4(s: &str) -> Result<(Ipv4Addr, u8)> {
+    let (ip, len) = split_cidr(s, "10.0.0.1/24")?;
+    let ip: Ipv4Addr = ip.parse().map_err(|_| Error::BadSpec(format!("{ip:?} is not an IPv4 address")))?;
+    let len = prefix(len, 32)?;
+    if ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast() {
+        return Err(Error::BadSpec(format!("{ip} cannot be a host's address")));
+    }
+    Ok((ip, len))
+}
+
+/// Parses a stack's IPv6 address with its prefix length, `IPV6/LEN`, refusing addresses no host
+/// may have.
+pub fn host_address_v6(s: &str) -> Result<(Ipv6Addr, u8)> {
+    let (ip, len) = split_cidr(s, "fd00::1/64")?;
+    let ip: Ipv6Addr = ip.parse().map_err(|_| Error::BadSpec(format!("{ip:?} is not an IPv6 address")))?;
+    let len = prefix(len, 128)?;
+    if ip.is_unspecified() || ip.is_multicast() || ip.is_loopback() || ip.to_ipv4_mapped().is_some() {
+        return Err(Error::BadSpec(format!("{ip} cannot be a host's address")));
+    }
+    Ok((ip, len))
+}
+
+fn split_cidr<'a>(s: &'a str, example: &str) -> Result<(&'a str, &'a str)> {
+    s.split_once('/').ok_or_else(|| Error::BadSpec(format!("{s:?}: write ADDRESS/PREFIX, e.g. {example}")))
+}
+
+fn prefix(len: &str, max: u8) -> Result<u8> {
+    len.parse()
+        .ok()
+        .filter(|l| (1..=max).contains(l))
+        .ok_or_else(|| Error::BadSpec(format!("/{len}: a prefix is 1 to {max}")))
 }
 
 impl StackDaemon {
@@ -124,6 +160,19 @@ mod tests {
         assert_eq!(stack("afpacket:v,ethertypes=all").unwrap(), "afpacket:v,ethertypes=all");
         for bad in ["afxdp:veth0", "udp:127.0.0.1:1", "sim", "dpdk"] {
             assert!(stack(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn host_addresses() {
+        use super::{host_address_v4 as v4, host_address_v6 as v6};
+        assert_eq!(v4("10.0.0.1/24").unwrap(), (std::net::Ipv4Addr::new(10, 0, 0, 1), 24));
+        assert_eq!(v6("fd00::1/64").unwrap(), ("fd00::1".parse().unwrap(), 64));
+        for bad in ["10.0.0.1", "10.0.0.1/33", "0.0.0.0/8", "224.0.0.1/4", "x/24", "10.0.0.1/"] {
+            assert!(v4(bad).is_err(), "{bad}");
+        }
+        for bad in ["fd00::1/129", "::1/128", "10.0.0.1/24", "::ffff:10.0.0.1/96", "fd00::1"] {
+            assert!(v6(bad).is_err(), "{bad}");
         }
     }
 }
