@@ -19,11 +19,13 @@ use lanbus_node::device::{Device, DeviceOptions};
 use lanbus_node::host::{Host, HostOptions};
 use lanbus_node::metrics::MetricsServer;
 
+use crate::keys;
+
 /// `lanbus device` options (each may come from `--config FILE` instead; the command line wins).
 #[derive(Debug, Args)]
 pub struct DeviceArgs {
     /// A TOML file with the same keys: port, group, nvme, nic, lba_size, control, name, state,
-    /// metrics.
+    /// metrics, key, encrypt.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -65,13 +67,15 @@ pub struct DeviceArgs {
     /// Name announced in heartbeats.
     #[arg(long)]
     name: Option<String>,
+    #[command(flatten)]
+    keys: crate::keys::KeyArgs,
 }
 
 /// `lanbus host` options (each may come from `--config FILE` instead; the command line wins).
 #[derive(Debug, Args)]
 pub struct HostArgs {
     /// A TOML file with the same keys: port, group, export (one spec or a list), control, name,
-    /// metrics.
+    /// metrics, key, encrypt.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -105,6 +109,8 @@ pub struct HostArgs {
     /// Name announced in heartbeats.
     #[arg(long)]
     name: Option<String>,
+    #[command(flatten)]
+    keys: crate::keys::KeyArgs,
 }
 
 /// The metrics address (the command line's, else the file's), bound now.
@@ -147,7 +153,9 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     // Before any thread starts, so that every thread inherits the blocked mask.
     let signals = lanbus_node::process::Blocked::termination()?;
     let metrics = bind_metrics(args.metrics, file.metrics.as_deref())?;
-    let port = port_spec.open()?;
+    let keyed = keys::keyed(&args.keys, file.key, file.encrypt, "lanbus device")?;
+    let port = keys::wrap(keyed.as_ref(), port_spec.open()?);
+    options.security = keyed.as_ref().and_then(|k| k.view());
     let listener = control::bind(&control)?;
     let device = Arc::new(Device::start(port, options)?);
     let group = device.group();
@@ -197,7 +205,9 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
         signal_hook::flag::register(sig, stop.clone()).context("installing signal handlers")?;
     }
     let metrics = bind_metrics(args.metrics, file.metrics.as_deref())?;
-    let port = port_spec.open()?;
+    let keyed = keys::keyed(&args.keys, file.key, file.encrypt, "lanbus host")?;
+    let port = keys::wrap(keyed.as_ref(), port_spec.open()?);
+    options.security = keyed.as_ref().and_then(|k| k.view());
     let listener = control::bind(&control)?;
     let host = Arc::new(Host::start(port, options, Box::new(|line| eprintln!("lanbus host: {line}")))?);
     eprintln!(

@@ -22,6 +22,7 @@ use lanbus_node::device::{Device, DeviceOptions};
 use lanbus_node::drive::NvmeBacking;
 use lanbus_node::fabric::SimFabric;
 use lanbus_node::host::{Host, HostOptions};
+use lanbus_node::security::Keyed;
 
 /// Arguments of `lanbus demo` (none needed).
 #[derive(Debug, Args)]
@@ -91,6 +92,10 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         a.seed
     );
     println!("  host:    host bridge, user-space NVMe driver, NBD server on a Unix socket");
+    // A key of this run only: both ends prove it in a handshake and seal every frame under it.
+    let ring = lanbus_secure::KeyRing::new(lanbus_secure::FabricKey::generate(), []);
+    let (box_keys, host_keys) = (Keyed::in_memory(ring.clone(), false), Keyed::in_memory(ring, false));
+    println!("  key:     {} (a random key of this run)", box_keys.describe());
     match pinned {
         Some(cpu) => println!("  threads: all on CPU {cpu} (--cpus all lets them move)\n"),
         None => println!("  threads: on any CPU\n"),
@@ -101,10 +106,13 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
     // The very I/O box and host that `lanbus device` and `lanbus host` run, on the two ends of
     // the simulated wire.
     let (host_port, device_port) = SimFabric::sim_ports(a.loss, a.seed)?;
+    let (host_port, device_port) = (host_keys.wrap(host_port), box_keys.wrap(device_port));
     let mut box_options = DeviceOptions::new(1, "demo-iobox");
     box_options.nvme = Some(NvmeBacking::Ram(size));
+    box_options.security = box_keys.view();
     let device = Device::start(device_port, box_options)?;
-    let host_options = HostOptions::new(1, "demo-host", vec![ExportSpec::Unix(socket.clone())]);
+    let mut host_options = HostOptions::new(1, "demo-host", vec![ExportSpec::Unix(socket.clone())]);
+    host_options.security = host_keys.view();
     let host = Host::start(host_port, host_options, Box::new(|line| tracing::info!("host: {line}")))?;
     let driver = host
         .wait_exported(Duration::from_secs(10))
@@ -181,6 +189,18 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
             t.frames_held,
             t.drop_out_of_order
         );
+    }
+    for (who, keys) in [("host", &host_keys), ("device", &box_keys)] {
+        if let Some(r) = keys.view().map(|v| v.report()) {
+            let c = r.counters;
+            println!(
+                "  fabric key ({who}): {} frames sealed, {} opened, {} sessions, {} refused",
+                c.sealed,
+                c.opened,
+                c.sessions_established,
+                c.rejected.total()
+            );
+        }
     }
     host.shutdown();
     device.shutdown()?;

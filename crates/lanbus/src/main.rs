@@ -3,6 +3,7 @@
 
 mod daemon;
 mod demo;
+mod keys;
 mod msgd;
 mod nbd;
 mod pcie;
@@ -107,6 +108,10 @@ enum Command {
     /// Programs that use a running `lanbus stackd`: send and receive over TCP like `nc`.
     #[command(subcommand)]
     Stack(stack::StackCommand),
+    /// Makes a fabric key file for `--key` (mode 0600), or rotates the keys in one: --add a new
+    /// key, --send under it once every member holds it, --drop the old one; after each step send
+    /// SIGHUP to the daemons that use the file.
+    Keygen(keys::KeygenArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -126,6 +131,7 @@ fn main() -> std::process::ExitCode {
         Command::Status(a) => status::run(a),
         Command::Msgd(a) => msgd::run(a),
         Command::Stackd(a) => stackd::run(a),
+        Command::Keygen(a) => keys::keygen(a),
         Command::Stack(c) => stack::run(c),
     };
     match result {

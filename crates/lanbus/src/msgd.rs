@@ -12,7 +12,7 @@ use lanbus_node::process::Blocked;
 /// Options of `lanbus msgd` (each may come from `--config FILE` instead; the command line wins).
 #[derive(Debug, clap::Args)]
 pub struct MsgdArgs {
-    /// A TOML file with the same keys: port, socket, group.
+    /// A TOML file with the same keys: port, socket, group, key, encrypt.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -25,6 +25,8 @@ pub struct MsgdArgs {
     /// The fabric group: daemons exchange messages only within their group (default 0).
     #[arg(long)]
     group: Option<u16>,
+    #[command(flatten)]
+    keys: crate::keys::KeyArgs,
 }
 
 /// Runs the daemon until SIGINT or SIGTERM.
@@ -34,7 +36,8 @@ pub fn run(args: MsgdArgs) -> anyhow::Result<()> {
     let socket = args.socket.or(file.socket).unwrap_or_else(|| "/tmp/lanbus-msgd.sock".into());
     let group = args.group.or(file.group).unwrap_or(0);
     let signals = Blocked::termination().context("blocking SIGINT and SIGTERM")?;
-    let port = port.open()?;
+    let keyed = crate::keys::keyed(&args.keys, file.key, file.encrypt, "lanbus msgd")?;
+    let port = crate::keys::wrap(keyed.as_ref(), port.open()?);
     let mut rc = config::msgd_runtime_config("msgd");
     rc.transport.group = group;
     let daemon = MsgDaemon::start(port, &socket, rc)

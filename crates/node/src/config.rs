@@ -115,6 +115,10 @@ pub struct DeviceFile {
     pub state: Option<PathBuf>,
     /// Where the counters are served in the Prometheus text format.
     pub metrics: Option<String>,
+    /// The fabric key file (`lanbus keygen`): frames are sealed and peers must prove the key.
+    pub key: Option<PathBuf>,
+    /// Encrypt payloads too (with `key`).
+    pub encrypt: Option<bool>,
 }
 
 /// What an I/O box keeps across its daemon's restarts: the group it was configured with and the
@@ -180,6 +184,10 @@ pub struct HostFile {
     pub name: Option<String>,
     /// Where the counters are served in the Prometheus text format.
     pub metrics: Option<String>,
+    /// The fabric key file (`lanbus keygen`): frames are sealed and peers must prove the key.
+    pub key: Option<PathBuf>,
+    /// Encrypt payloads too (with `key`).
+    pub encrypt: Option<bool>,
 }
 
 /// The messaging daemon's configuration file (TOML; every key optional, the command line wins).
@@ -192,6 +200,10 @@ pub struct MsgdFile {
     pub socket: Option<PathBuf>,
     /// The fabric group.
     pub group: Option<u16>,
+    /// The fabric key file (`lanbus keygen`): frames are sealed and peers must prove the key.
+    pub key: Option<PathBuf>,
+    /// Encrypt payloads too (with `key`).
+    pub encrypt: Option<bool>,
 }
 
 /// The stack server's configuration file (TOML; every key optional, the command line wins).

@@ -44,6 +44,8 @@ pub struct DeviceOptions {
     pub threads: ThreadMode,
     /// Where a group set at run time is kept (none: not kept across a restart).
     pub state: Option<PathBuf>,
+    /// The authentication layer's report, where the port is keyed (shown in status).
+    pub security: Option<lanbus_secure::SecurityView>,
 }
 
 impl DeviceOptions {
@@ -58,6 +60,7 @@ impl DeviceOptions {
             dma_engine: false,
             threads: ThreadMode::RunToCompletion,
             state: None,
+            security: None,
         }
     }
 }
@@ -196,6 +199,7 @@ impl Device {
             "controller": self.nvme.as_ref().map(|(_, st)| controller_json(st)),
             "completion_timeouts": b.stats().dma_read_failures,
             "bridge": format!("{:?}", b.stats()),
+            "security": crate::security::status_json(self.options.security.as_ref()),
             "metrics": metrics::json(&self.samples()),
         })
     }

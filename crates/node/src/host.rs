@@ -58,12 +58,20 @@ pub struct HostOptions {
     pub threads: ThreadMode,
     /// What to export (at least one).
     pub exports: Vec<ExportSpec>,
+    /// The authentication layer's report, where the port is keyed (shown in status).
+    pub security: Option<lanbus_secure::SecurityView>,
 }
 
 impl HostOptions {
     /// A host of `group` exporting `exports`, run to completion.
     pub fn new(group: u16, name: &str, exports: Vec<ExportSpec>) -> HostOptions {
-        HostOptions { group, name: name.into(), threads: ThreadMode::RunToCompletion, exports }
+        HostOptions {
+            group,
+            name: name.into(),
+            threads: ThreadMode::RunToCompletion,
+            exports,
+            security: None,
+        }
     }
 }
 
@@ -444,6 +452,7 @@ impl Shared {
             "nic": nic_status,
             "completion_timeouts": hb.timeouts,
             "bridge": format!("{hb:?}"),
+            "security": crate::security::status_json(self.options.security.as_ref()),
             "metrics": metrics,
         })
     }

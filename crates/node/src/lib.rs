@@ -19,6 +19,7 @@
 //! - [`nbd`]: an NBD server of a local file or RAM disk.
 //! - [`nic`]: the remote NIC (a virtio-net function whose wire is a TAP in the I/O box).
 //! - [`process`]: a daemon's signals and helper processes that end with it.
+//! - [`security`]: a daemon's fabric key, the layer that seals its frames, and their status.
 //! - [`stackd`]: the TCP/IP stack server on its port, with its control socket.
 //!
 //! A remote drive over the simulated wire, written and read back through the NVMe driver
@@ -58,6 +59,7 @@ pub mod msgd;
 pub mod nbd;
 pub mod nic;
 pub mod process;
+pub mod security;
 pub mod stackd;
 
 /// What went wrong assembling or running a node.
@@ -122,6 +124,9 @@ pub enum Error {
     /// The TCP/IP stack server did not start.
     #[error("starting the stack server: {0}")]
     Stack(String),
+    /// The fabric key file cannot be used.
+    #[error(transparent)]
+    Key(#[from] lanbus_secure::KeyError),
 }
 
 /// Result of the assembly.

@@ -135,6 +135,11 @@ pub trait Layer: Send + Sized {
         Port::vlan(self.inner())
     }
 
+    /// [`Port::authenticates`]; forwards by default.
+    fn authenticates(&self) -> bool {
+        Port::authenticates(self.inner())
+    }
+
     /// [`Port::counters`]; forwards by default.
     fn counters(&self) -> PortCounters {
         Port::counters(self.inner())
@@ -193,6 +198,9 @@ impl<W: Layer> Port for W {
     }
     fn vlan(&self) -> Option<VlanId> {
         Layer::vlan(self)
+    }
+    fn authenticates(&self) -> bool {
+        Layer::authenticates(self)
     }
     fn counters(&self) -> PortCounters {
         Layer::counters(self)

@@ -213,6 +213,12 @@ pub trait Port: Send {
     /// This port's own MAC address (source of the frames it sends).
     fn mac(&self) -> MacAddr;
 
+    /// Whether every frame this port delivers was authenticated (a keyed layer verified its tag):
+    /// a transport above it then needs no checksum of its own. The default: no.
+    fn authenticates(&self) -> bool {
+        false
+    }
+
     /// Where the port carries the node's group as an 802.1Q VLAN ID ([`vlan::VlanPort`]), the
     /// handle the runtime sets it with; `None` (the default) for untagged ports.
     fn vlan(&self) -> Option<vlan::VlanId> {

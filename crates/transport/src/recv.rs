@@ -369,7 +369,7 @@ impl ReceiveHalf {
             }
             return;
         }
-        if let Kind::Unknown(_) = kind {
+        if let Kind::Unknown(_) | Kind::Handshake = kind {
             self.counters.drop_unknown_kind += 1;
             return;
         }
