@@ -1,7 +1,7 @@
 //! Where the keyed fabric's randomness comes from: the system's generator in daemons, a seeded
 //! one in the simulator and the tests, so that their runs repeat.
 
-use ring::rand::SecureRandom as _;
+use aws_lc_rs::rand::SecureRandom as _;
 
 /// A source of random bytes for nonces and session ids.
 pub trait Entropy: Send {
@@ -9,7 +9,7 @@ pub trait Entropy: Send {
     fn fill(&mut self, buf: &mut [u8]);
 }
 
-/// The operating system's generator (getrandom), through ring.
+/// The operating system's generator (getrandom), through aws-lc.
 #[derive(Debug, Default)]
 pub struct SystemEntropy;
 
@@ -23,7 +23,7 @@ impl Entropy for SystemEntropy {
 pub(crate) fn system_fill(buf: &mut [u8]) {
     // The system generator fails only where getrandom is missing, which a kernel that runs
     // lanbus has; going on with predictable bytes would be worse than stopping.
-    ring::rand::SystemRandom::new().fill(buf).expect("the system's random generator failed");
+    aws_lc_rs::rand::SystemRandom::new().fill(buf).expect("the system's random generator failed");
 }
 
 /// A generator from a seed (SplitMix64): for deterministic runs only, never for a real fabric.

@@ -25,10 +25,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use aws_lc_rs::hmac;
 use lanbus_wire::ethernet::HEADER_LEN as ETH_LEN;
 use lanbus_wire::frame::{self, Kind, FLAG_CHECKSUM, FLAG_ENCRYPTED, FLAG_SEALED, HEADER_LEN as LB_LEN};
 use lanbus_wire::{EtherType, Instant, MacAddr};
-use ring::hmac;
 
 use crate::entropy::Entropy;
 use crate::handshake::{Half, HandshakeRepr, Step, MESSAGE_LEN};
@@ -423,7 +423,7 @@ impl Guard {
 
     /// Picks up a changed key ring: sessions under keys no longer accepted end, and sessions under
     /// another key than the one now sent under are made again (they carry on until then).
-    fn refresh_keys(&mut self) {
+    fn refresh_keys(&mut self, now: Instant) {
         if self.keys.generation() == self.generation {
             return;
         }
@@ -434,10 +434,12 @@ impl Guard {
         self.broadcast_tx = None;
         let send = self.ring.send_key().id();
         let ring = self.ring.clone();
-        for peer in self.peers.values_mut() {
+        let mut again = Vec::new();
+        for (mac, peer) in self.peers.iter_mut() {
             let accepted = |s: &Session| ring.find(s.key_id).is_some();
             if peer.current.as_ref().is_some_and(|s| !accepted(s)) {
                 peer.current = None;
+                again.push(*mac);
             }
             if peer.previous.as_ref().is_some_and(|(s, _)| !accepted(s)) {
                 peer.previous = None;
@@ -449,8 +451,16 @@ impl Guard {
                 peer.initiating = None;
             }
             peer.rekey = peer.current.as_ref().is_some_and(|s| s.key_id != send);
+            if peer.rekey {
+                again.push(*mac);
+            }
         }
         self.broadcast_rx.retain(|_, b| ring.find(b.key_id).is_some());
+        // Start the new handshakes now rather than at the next frame, so that a quiet link is
+        // ready under the new key too.
+        for mac in again {
+            self.want_session(now, mac);
+        }
     }
 
     fn handshake_key(&self, id: KeyId) -> Option<&hmac::Key> {
@@ -574,7 +584,7 @@ impl Guard {
     /// again). `buf` must have [`TRAILER_LEN`] bytes of room after `len`.
     #[must_use]
     pub fn seal(&mut self, now: Instant, buf: &mut [u8], len: usize) -> Option<usize> {
-        self.refresh_keys();
+        self.refresh_keys(now);
         if len < HDR || buf.len() < len + TRAILER_LEN || buf[ETH_LEN] != frame::VERSION {
             self.counters.drop_malformed += 1;
             return None;
@@ -655,7 +665,7 @@ impl Guard {
     /// handshake message (consumed here; an answer may wait in [`Guard::poll_transmit`]).
     #[must_use]
     pub fn open<'a>(&mut self, now: Instant, frame: &'a [u8], scratch: &'a mut Vec<u8>) -> Option<&'a [u8]> {
-        self.refresh_keys();
+        self.refresh_keys(now);
         if frame.len() < HDR || frame[ETH_LEN] != frame::VERSION {
             if frame.len() >= ETH_LEN && be16(frame, 12) != EtherType::LANBUS_RAW {
                 self.counters.drop_not_lanbus += 1;
@@ -852,12 +862,22 @@ impl Guard {
                 });
                 if fits {
                     self.promote(now, src);
-                } else {
-                    // A CONFIRM for an offer already taken (by a sealed frame) or expired.
+                } else if !self.is_repeat(src, &m) {
+                    // A CONFIRM for an offer expired or never made.
                     self.reject(now, src, Reason::BadHandshake);
                 }
             }
         }
+    }
+
+    /// Whether `m` (a REPLY or CONFIRM whose tag verified) belongs to the session already made
+    /// with `src`: a copy sent again because the HELLO it answers was sent again, or a CONFIRM
+    /// after a sealed frame took the offer. Dropped without a word.
+    fn is_repeat(&self, src: MacAddr, m: &HandshakeRepr) -> bool {
+        self.peers
+            .get(&src)
+            .and_then(|p| p.current.as_ref())
+            .is_some_and(|s| s.remote_id == m.own.session && s.local_id == m.peer.session)
     }
 
     fn handle_hello(&mut self, now: Instant, src: MacAddr, m: HandshakeRepr) {
@@ -932,7 +952,9 @@ impl Guard {
                 m.peer == i.hello.own && m.key_id == i.hello.key_id && m.suite == i.hello.suite
             });
         if !fits {
-            self.reject(now, src, Reason::BadHandshake);
+            if !self.is_repeat(src, &m) {
+                self.reject(now, src, Reason::BadHandshake);
+            }
             return;
         }
         let Some(fabric_key) = self.ring.find(m.key_id).cloned() else { return };

@@ -28,8 +28,8 @@
 //! Invariants: [`HandshakeRepr::parse`] accepts any bytes without panicking; it checks lengths and
 //! codes, not tags (the caller verifies with [`HandshakeRepr::verify`]).
 
+use aws_lc_rs::hmac;
 use lanbus_wire::MacAddr;
-use ring::hmac;
 
 use crate::kdf::Suite;
 use crate::key::KeyId;

@@ -16,8 +16,8 @@
 //! Integers are big-endian. `docs/wire.md` has the same, and `tests/kdf_vectors.json` values that
 //! Python's `cryptography` package reproduces.
 
+use aws_lc_rs::{aead, hkdf, hmac};
 use lanbus_wire::MacAddr;
-use ring::{aead, hkdf, hmac};
 use zeroize::Zeroizing;
 
 use crate::key::FabricKey;

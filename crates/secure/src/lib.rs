@@ -13,7 +13,7 @@
 //! session keys (one per direction) derived with HKDF from the fabric key, both nonces and both
 //! sides' identifiers ([`kdf`]); frames sealed with AES-256-GCM (ChaCha20-Poly1305 where the CPU
 //! lacks AES instructions) under a 64-bit transmit counter per direction, with a replay window.
-//! Crypto comes from `ring`; nothing here is home-made.
+//! Crypto comes from `aws-lc-rs` (AWS-LC); nothing here is home-made.
 #![deny(missing_docs)]
 #![deny(unsafe_code)]
 
