@@ -18,6 +18,9 @@
 //!   (`OMPI_COMM_WORLD_RANK`, `PMIX_RANK` or `PMI_RANK`): a job on one machine spreads over
 //!   several daemons as if over several machines.
 //! - `LANBUS_FI_EAGER_LIMIT=BYTES`: messages up to this size go eagerly (default 32 KiB).
+//! - `LANBUS_FI_KEY=FILE` (direct mode): the fabric key file (`lanbus keygen`) the port's frames
+//!   are sealed under, as the daemons' `--key`; `LANBUS_FI_ENCRYPT=1` encrypts payloads too. In
+//!   daemon mode the daemon holds the key and the process never does.
 //!
 //! Progress is manual: reading the completion queue moves the records, through the daemon's
 //! rings (daemon mode) or through the port itself, whose runtime runs its turns on the reading
@@ -290,6 +293,15 @@ impl Endpoint {
                     .parse::<lanbus_port::PortSpec>()
                     .and_then(|s| s.open())
                     .map_err(|e| format!("opening port {spec}: {e}"))?;
+                let port = match std::env::var_os("LANBUS_FI_KEY") {
+                    Some(path) => {
+                        let encrypt = std::env::var("LANBUS_FI_ENCRYPT").is_ok_and(|v| v == "1");
+                        lanbus_node::security::Keyed::open(Path::new(&path), encrypt)
+                            .map_err(|e| format!("LANBUS_FI_KEY: {e}"))?
+                            .wrap(port)
+                    }
+                    None => port,
+                };
                 // The rank's own thread moves its messages as it polls the completion queue:
                 // no second thread to wake, nor to share the cores with.
                 let rc = lanbus_node::config::msg_runtime_config("fi", lanbus_runtime::ThreadMode::Caller);

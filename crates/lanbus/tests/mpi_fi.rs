@@ -137,12 +137,23 @@ fn build_programs(dir: &Path) {
 
 /// Starts `lanbus msgd` (in `ns` if given) and waits for its socket.
 fn msgd(ns: Option<&lanbus_port::netns::Netns>, port: &str, socket: &Path, log: &Path) -> Daemon {
+    msgd_with(ns, port, socket, log, &[])
+}
+
+/// [`msgd`] with more arguments.
+fn msgd_with(
+    ns: Option<&lanbus_port::netns::Netns>,
+    port: &str,
+    socket: &Path,
+    log: &Path,
+    extra: &[&str],
+) -> Daemon {
     let log = std::fs::File::create(log).unwrap();
     let mut cmd = match ns {
         Some(ns) => ns.command(env!("CARGO_BIN_EXE_lanbus")),
         None => Command::new(env!("CARGO_BIN_EXE_lanbus")),
     };
-    cmd.args(["msgd", "--port", port, "--socket"]).arg(socket).stdout(Stdio::null()).stderr(log);
+    cmd.args(["msgd", "--port", port, "--socket"]).arg(socket).args(extra).stdout(Stdio::null()).stderr(log);
     let d = Daemon(cmd.spawn().unwrap());
     let t = Instant::now();
     while !socket.exists() {
@@ -170,6 +181,18 @@ fn job_env(cmd: &mut Command, provider: &Path, sockets: &[PathBuf]) {
 /// `mpirun` over the lanbus provider with `ranks` ranks.
 fn mpirun(provider: &Path, sockets: &[PathBuf], ranks: usize, program: &[&str], what: &str) -> String {
     mpirun_with(provider, sockets, None, ranks, program, what)
+}
+
+/// [`mpirun_with`] in direct mode, each rank's port sealed under the key file `key`.
+fn mpirun_keyed(provider: &Path, ports: &str, key: &Path, program: &[&str]) -> Output {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--oversubscribe", "--bind-to", "none", "-np", "2"])
+        .args(["--mca", "pml", "cm", "--mca", "mtl", "ofi", "--mca", "mtl_ofi_provider_include", "lanbus"])
+        .args(["-x", "FI_PROVIDER_PATH", "-x", "FI_PROVIDER", "-x", "LANBUS_FI_PORT", "-x", "LANBUS_FI_KEY"]);
+    job_env(&mut cmd, provider, &[]);
+    cmd.env_remove("LANBUS_FI_DAEMON").env("LANBUS_FI_PORT", ports).env("LANBUS_FI_KEY", key);
+    cmd.args(program);
+    cmd.output().expect("running mpirun")
 }
 
 /// [`mpirun`]; with `ports`, in direct mode: each rank owns the port of `LANBUS_FI_PORT` at its
@@ -303,6 +326,55 @@ fn mpi_programs_in_direct_mode_each_rank_owning_its_port() {
     let py = format!("{PROGRAMS}/checks.py");
     let out = mpirun_with(&provider, &[], Some(&ports), 2, &["/usr/bin/python3", &py], "checks.py, direct");
     assert!(out.contains("python checks passed on 2 ranks"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A keyed fabric: two daemons whose frames are sealed and encrypted under a fabric key, and
+/// ranks in direct mode each sealing its own port's frames under it (`LANBUS_FI_KEY`).
+#[test]
+fn mpi_programs_over_a_keyed_fabric_in_daemon_and_direct_mode() {
+    if !tools_ready("mpi_programs_over_a_keyed_fabric_in_daemon_and_direct_mode") {
+        return;
+    }
+    let dir = scratch("keyed");
+    let provider = provider_dir(&dir);
+    build_programs(&dir);
+    let key = dir.join("fabric.key");
+    run(Command::new(env!("CARGO_BIN_EXE_lanbus")).arg("keygen").arg(&key), "lanbus keygen");
+    let key_arg = key.to_str().unwrap();
+    let link = format!("shm:{}", dir.join("link.sock").display());
+    let sockets = [dir.join("a.sock"), dir.join("b.sock")];
+    let keyed = ["--key", key_arg, "--encrypt"];
+    let a = msgd_with(None, &link, &sockets[0], &dir.join("a.log"), &keyed);
+    let b = msgd_with(None, &link, &sockets[1], &dir.join("b.log"), &keyed);
+    let checks = dir.join("checks");
+    let out = mpirun(&provider, &sockets, 2, &[checks.to_str().unwrap()], "checks.c, keyed daemons");
+    assert!(out.contains("checks passed on 2 ranks"), "{out}");
+    drop((a, b));
+    let log = std::fs::read_to_string(dir.join("a.log")).unwrap();
+    assert!(log.contains("authenticated and encrypted"), "{log}");
+
+    let free = || std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (pa, pb) = (free(), free());
+    let ports = format!("udp:127.0.0.1:{pa},peer=127.0.0.1:{pb};udp:127.0.0.1:{pb},peer=127.0.0.1:{pa}");
+    let out = mpirun_keyed(&provider, &ports, &key, &[checks.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("checks passed on 2 ranks"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The ranks do read the key: one that others may read is refused.
+    let exposed = dir.join("exposed.key");
+    std::fs::copy(&key, &exposed).unwrap();
+    std::fs::set_permissions(&exposed, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let out = mpirun_keyed(&provider, &ports, &exposed, &[checks.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a rank opened its port under a key file of mode 0644");
+    eprintln!(
+        "with an exposed key file: {}",
+        text.lines().find(|l| l.contains("LANBUS_FI_KEY")).unwrap_or("(no line)")
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -479,6 +479,58 @@ mod tests {
         assert!(a.counters().rendezvous_sent > 0);
     }
 
+    /// Over a keyed fabric, in both thread models: the handshake needs no heartbeats, and a
+    /// node that has sent nothing yet answers it.
+    #[test]
+    fn messages_flow_over_a_keyed_fabric() {
+        for (threads, udp) in [
+            (lanbus_runtime::ThreadMode::Caller, true),
+            (lanbus_runtime::ThreadMode::Caller, false),
+            (lanbus_runtime::ThreadMode::RunToCompletion, false),
+        ] {
+            let (a, b) = if udp {
+                let free = || std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+                let (pa, pb) = (free(), free());
+                let open = |x: u16, y: u16| {
+                    format!("udp:127.0.0.1:{x},peer=127.0.0.1:{y}")
+                        .parse::<lanbus_port::PortSpec>()
+                        .unwrap()
+                        .open()
+                        .unwrap()
+                };
+                (open(pa, pb), open(pb, pa))
+            } else {
+                crate::fabric::SimFabric::sim_ports(0.01, 7).unwrap()
+            };
+            let ring = lanbus_secure::KeyRing::new(lanbus_secure::FabricKey::generate(), []);
+            let (ka, kb) = (
+                crate::security::Keyed::in_memory(ring.clone(), true),
+                crate::security::Keyed::in_memory(ring, true),
+            );
+            let rc = RuntimeConfig {
+                transport: lanbus_transport::Config::point_to_point(),
+                threads,
+                ..Default::default()
+            };
+            let a = MsgNode::start(ka.wrap(a), 1, rc.clone(), Config::default()).unwrap();
+            let b = MsgNode::start(kb.wrap(b), 1, rc, Config::default()).unwrap();
+            let (ba, t) = (b.addr(), Duration::from_secs(10));
+            let echo = std::thread::spawn(move || {
+                for _ in 0..4 {
+                    let (st, data, _) = b.recv(Match::any_tag(Source::Any, 0), 1 << 20, t).unwrap();
+                    b.send(st.source, 0, st.tag, data, t).unwrap();
+                }
+            });
+            for (i, len) in [10usize, 5000, 70_000, 300_000].into_iter().enumerate() {
+                let data: Vec<u8> = (0..len).map(|j| (j * 3 + i) as u8).collect();
+                a.send(ba, 0, i as u64, data.clone(), t).unwrap();
+                let (_, back, _) = a.recv(Match::exact(Source::Only(ba), 0, i as u64), 1 << 20, t).unwrap();
+                assert!(back == data, "{threads:?}: message {i} came back intact");
+            }
+            echo.join().unwrap();
+        }
+    }
+
     #[test]
     fn waits_time_out_and_cancelled_receives_say_so() {
         let (a, _b) = pair();

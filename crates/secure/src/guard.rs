@@ -27,7 +27,9 @@ use std::time::Duration;
 
 use aws_lc_rs::hmac;
 use lanbus_wire::ethernet::HEADER_LEN as ETH_LEN;
-use lanbus_wire::frame::{self, Kind, FLAG_CHECKSUM, FLAG_ENCRYPTED, FLAG_SEALED, HEADER_LEN as LB_LEN};
+use lanbus_wire::frame::{
+    self, Kind, FLAG_BROADCAST_KEY, FLAG_CHECKSUM, FLAG_ENCRYPTED, FLAG_SEALED, HEADER_LEN as LB_LEN,
+};
 use lanbus_wire::{EtherType, Instant, MacAddr};
 
 use crate::entropy::Entropy;
@@ -81,7 +83,7 @@ pub struct Rejected {
     pub no_session: u64,
     /// Under a fabric key this node does not accept.
     pub unknown_key: u64,
-    /// A handshake message that failed its proof or did not fit a handshake in progress.
+    /// A handshake message that failed its proof (another key, or forged) or is malformed.
     pub bad_handshake: u64,
 }
 
@@ -152,6 +154,9 @@ pub struct GuardCounters {
     pub drop_malformed: u64,
     /// Frames to another node.
     pub drop_not_for_us: u64,
+    /// Handshake messages from members (their tags verified) that fit no handshake in progress:
+    /// sent again, answering one a newer handshake replaced, or replayed. Ignored.
+    pub stale_handshakes: u64,
     /// Frames refused, by reason.
     pub rejected: Rejected,
 }
@@ -541,6 +546,11 @@ impl Guard {
         let send = self.ring.send_key().clone();
         let suite = self.config.suite;
         let Some(peer) = self.peer(dst) else { return };
+        if peer.pending.as_ref().is_some_and(|p| now <= p.expires) {
+            // The peer is making a session with us: its CONFIRM (or first frame) settles it. A
+            // handshake of our own now would race it to two sessions.
+            return;
+        }
         if let Some(i) = &mut peer.initiating {
             if now < i.sent_at + i.retry {
                 return;
@@ -601,12 +611,14 @@ impl Guard {
         let dst = mac_at(buf, 0);
         self.local_epoch = be32(buf, ETH_LEN + 32);
         self.local_group = be16(buf, ETH_LEN + 4);
-        let flags = (buf[ETH_LEN + 2] & !(FLAG_CHECKSUM | FLAG_ENCRYPTED))
+        let broadcast = dst.is_multicast();
+        let flags = (buf[ETH_LEN + 2] & !(FLAG_CHECKSUM | FLAG_ENCRYPTED | FLAG_BROADCAST_KEY))
             | FLAG_SEALED
-            | if self.config.encrypt { FLAG_ENCRYPTED } else { 0 };
+            | if self.config.encrypt { FLAG_ENCRYPTED } else { 0 }
+            | if broadcast { FLAG_BROADCAST_KEY } else { 0 };
         buf[ETH_LEN + 2] = flags;
         let (id, counter);
-        let key: &SealKey = if dst.is_multicast() {
+        let key: &SealKey = if broadcast {
             let send = self.ring.send_key();
             let (group, epoch) = (self.local_group, self.local_epoch);
             let fresh = self
@@ -648,12 +660,19 @@ impl Guard {
             &s.tx
         };
         buf[ID_FIELD..ID_FIELD + 4].copy_from_slice(&id.to_be_bytes());
+        // A broadcast's tag leaves the destination out (taken as zero): see FLAG_BROADCAST_KEY.
+        if broadcast {
+            buf[..6].fill(0);
+        }
         let tag = if self.config.encrypt {
             let (head, rest) = buf.split_at_mut(HDR);
             key.seal(counter, head, &mut rest[..end - HDR])
         } else {
             key.seal(counter, &buf[..end], &mut [])
         };
+        if broadcast {
+            buf[..6].copy_from_slice(&dst.0);
+        }
         buf[end..end + 8].copy_from_slice(&counter.to_be_bytes());
         buf[end + 8..end + TRAILER_LEN].copy_from_slice(&tag);
         self.counters.sealed += 1;
@@ -710,8 +729,13 @@ impl Guard {
         let id = be32(frame, ID_FIELD);
         let epoch = be32(frame, ETH_LEN + 32);
         let encrypted = flags & FLAG_ENCRYPTED != 0;
-        if dst.is_multicast() {
+        if flags & FLAG_BROADCAST_KEY != 0 {
             return self.open_broadcast(now, src, frame, end, counter, tag, id, epoch, encrypted, scratch);
+        }
+        if dst != self.local {
+            // A broadcast sealed under a session key: not what a member sends.
+            self.reject(now, src, Reason::BadTag);
+            return None;
         }
         enum Which {
             Current,
@@ -762,7 +786,11 @@ impl Guard {
             self.reject(now, src, Reason::BadTag);
             return None;
         };
-        if epoch != session.peer_epoch {
+        if session.peer_epoch == 0 {
+            // The responder did not know its epoch when it answered; only it can seal under
+            // this session, so the first frame it seals names it.
+            session.peer_epoch = epoch;
+        } else if epoch != session.peer_epoch {
             self.reject(now, src, Reason::StaleEpoch);
             return None;
         }
@@ -813,13 +841,34 @@ impl Guard {
             self.reject(now, src, Reason::Replay);
             return None;
         }
-        let Some(out) = open_with(&rx.key, frame, end, counter, tag, encrypted, scratch) else {
+        // The tag leaves the destination out (see FLAG_BROADCAST_KEY): open a copy with it zero,
+        // then give the transport the frame as the port delivered it.
+        scratch.clear();
+        scratch.extend_from_slice(&frame[..end]);
+        scratch[..6].fill(0);
+        let opened = if encrypted {
+            scratch.extend_from_slice(&tag);
+            let (head, rest) = scratch.split_at_mut(HDR);
+            rx.key.open(counter, head, rest)
+        } else {
+            let mut t = tag;
+            rx.key.open(counter, scratch, &mut t)
+        };
+        scratch.truncate(end);
+        scratch[..6].copy_from_slice(&frame[..6]);
+        let out: Option<&'a [u8]> = if opened { Some(&scratch[..]) } else { None };
+        let Some(out) = out else {
             // Keep the window as it was: a forged frame must not move it.
             self.reject(now, src, Reason::BadTag);
             return None;
         };
         rx.window.commit(counter);
-        if self.peers.get(&src).and_then(|p| p.current.as_ref()).is_some_and(|s| s.peer_epoch != epoch) {
+        if self
+            .peers
+            .get(&src)
+            .and_then(|p| p.current.as_ref())
+            .is_some_and(|s| s.peer_epoch != 0 && s.peer_epoch != epoch)
+        {
             self.reject(now, src, Reason::StaleEpoch);
             return None;
         }
@@ -836,6 +885,7 @@ impl Guard {
         }
         peer.rekey = p.session.key_id != send;
         peer.current = Some(p.session);
+        peer.initiating = None;
         self.counters.sessions_established += 1;
         tracing::debug!("session with {src} established (responder)");
     }
@@ -862,30 +912,18 @@ impl Guard {
                 });
                 if fits {
                     self.promote(now, src);
-                } else if !self.is_repeat(src, &m) {
-                    // A CONFIRM for an offer expired or never made.
-                    self.reject(now, src, Reason::BadHandshake);
+                } else {
+                    // From a member (its tag verified), for an offer this node no longer holds:
+                    // a newer handshake replaced it, or it expired.
+                    self.counters.stale_handshakes += 1;
                 }
             }
         }
     }
 
-    /// Whether `m` (a REPLY or CONFIRM whose tag verified) belongs to the session already made
-    /// with `src`: a copy sent again because the HELLO it answers was sent again, or a CONFIRM
-    /// after a sealed frame took the offer. Dropped without a word.
-    fn is_repeat(&self, src: MacAddr, m: &HandshakeRepr) -> bool {
-        self.peers
-            .get(&src)
-            .and_then(|p| p.current.as_ref())
-            .is_some_and(|s| s.remote_id == m.own.session && s.local_id == m.peer.session)
-    }
-
     fn handle_hello(&mut self, now: Instant, src: MacAddr, m: HandshakeRepr) {
-        if self.local_epoch == 0 {
-            // This node has sent nothing yet, so it has no epoch to answer with: the initiator
-            // asks again.
-            return;
-        }
+        // A node that has sent nothing yet does not know its epoch: it answers with 0, and the
+        // initiator takes the epoch of the first frame sealed under the session (see `open`).
         let local = self.local;
         let Some(peer) = self.peer(src) else { return };
         if peer.initiating.is_some() {
@@ -952,9 +990,9 @@ impl Guard {
                 m.peer == i.hello.own && m.key_id == i.hello.key_id && m.suite == i.hello.suite
             });
         if !fits {
-            if !self.is_repeat(src, &m) {
-                self.reject(now, src, Reason::BadHandshake);
-            }
+            // From a member, answering a HELLO this node no longer waits on (sent again, or
+            // replaced by a newer handshake), or a replay.
+            self.counters.stale_handshakes += 1;
             return;
         }
         let Some(fabric_key) = self.ring.find(m.key_id).cloned() else { return };
@@ -977,6 +1015,8 @@ impl Guard {
         if let Some(old) = peer.current.take() {
             peer.previous = Some((old, now + PREVIOUS_GRACE));
         }
+        // The newest handshake wins: an offer made before this one is void.
+        peer.pending = None;
         peer.current = Some(Session {
             key_id: m.key_id,
             local_id: hello.own.session,

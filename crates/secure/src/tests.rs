@@ -261,12 +261,36 @@ fn a_broadcast_reaches_members_once() {
     assert_eq!(&b.recv(now, &hb[..n]).unwrap()[HDR..], b"heartbeat");
     assert!(b.recv(now, &hb[..n]).is_none());
     assert_eq!(b.guard.counters().rejected.replay, 1);
+    // A port that carries no Ethernet header (udp) delivers it with its own MAC as destination.
+    let (mut hb, len) = frame(a.mac, MacAddr::BROADCAST, a.epoch, Kind::Heartbeat, b"heartbeat 2");
+    let n = a.guard.seal(now, &mut hb, len).unwrap();
+    hb[..6].copy_from_slice(&b.mac.0);
+    let got = b.recv(now, &hb[..n]).unwrap();
+    assert_eq!((&got[..6], &got[HDR..]), (&b.mac.0[..], &b"heartbeat 2"[..]));
     // A heartbeat claiming another incarnation of a peer with a session is refused.
     let (mut old, len) = frame(a.mac, MacAddr::BROADCAST, 7, Kind::Heartbeat, b"heartbeat");
     let mut forger = guard(a.mac, &a.keys, true, 3);
     let n = forger.seal(now, &mut old, len).unwrap();
     // (sealed by a member's key for another epoch: its counter is older, so a replay too)
     assert!(b.recv(now, &old[..n]).is_none());
+}
+
+#[test]
+fn a_responder_that_never_sent_takes_its_epoch_from_its_first_frame() {
+    let mut a = Node::new(1, KeyRing::new(key(1), []), false);
+    let mut b = Node::new(2, KeyRing::new(key(1), []), false);
+    let now = Instant::from_nanos(5);
+    assert!(a.send(now, b.mac, b"x").is_none());
+    exchange(now, &mut a, &mut b);
+    let f = a.send(now, b.mac, b"x").unwrap();
+    assert!(b.recv(now, &f).is_some());
+    let f = b.send(now, a.mac, b"y").unwrap();
+    assert!(a.recv(now, &f).is_some());
+    // From then on the epoch is pinned: a frame sealed for another incarnation is refused.
+    let (mut other, len) = frame(b.mac, a.mac, b.epoch + 1, Kind::Data, b"z");
+    let n = b.guard.seal(now, &mut other, len).unwrap();
+    assert!(a.recv(now, &other[..n]).is_none());
+    assert_eq!(a.guard.counters().rejected.stale_epoch, 1);
 }
 
 #[test]
@@ -324,5 +348,63 @@ proptest! {
                 seen.insert(c);
             }
         }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Two members that both send from the start, their frames (handshake messages among them)
+    /// delivered in any order and some lost: once the wire is quiet and clean, frames flow both
+    /// ways under one session and none is refused.
+    #[test]
+    fn any_interleaving_settles_on_one_session(ops in proptest::collection::vec((0u8..7, any::<u16>()), 1..120), epoch_known in any::<bool>()) {
+        let mut a = Node::new(1, KeyRing::new(key(1), []), false);
+        let mut b = Node::new(2, KeyRing::new(key(1), []), false);
+        let mut now = Instant::from_nanos(1_000);
+        if epoch_known {
+            for n in [&mut a, &mut b] {
+                let (mut hb, len) = frame(n.mac, MacAddr::BROADCAST, n.epoch, Kind::Heartbeat, b"");
+                let _ = n.guard.seal(now, &mut hb, len);
+            }
+        }
+        let (mut to_b, mut to_a): (Vec<Vec<u8>>, Vec<Vec<u8>>) = (Vec::new(), Vec::new());
+        for (op, pick) in ops {
+            now += Duration::from_millis(7);
+            match op {
+                0 => to_b.extend(a.send(now, b.mac, b"from a")),
+                1 => to_a.extend(b.send(now, a.mac, b"from b")),
+                2 if !to_b.is_empty() => { let f = to_b.remove(usize::from(pick) % to_b.len()); let _ = b.recv(now, &f); }
+                3 if !to_a.is_empty() => { let f = to_a.remove(usize::from(pick) % to_a.len()); let _ = a.recv(now, &f); }
+                4 if !to_b.is_empty() => { to_b.remove(usize::from(pick) % to_b.len()); }
+                5 if !to_a.is_empty() => { to_a.remove(usize::from(pick) % to_a.len()); }
+                _ => {}
+            }
+            to_b.extend(a.outbox());
+            to_a.extend(b.outbox());
+        }
+        // The wire goes quiet and clean: in-flight frames arrive, and the nodes keep sending
+        // (the transport sends again what was not acknowledged) until both get through.
+        for f in to_b.drain(..) { let _ = b.recv(now, &f); }
+        for f in to_a.drain(..) { let _ = a.recv(now, &f); }
+        let mut through = (false, false);
+        for _ in 0..20 {
+            now += Duration::from_millis(50);
+            if let Some(f) = a.send(now, b.mac, b"a") { through.0 |= b.recv(now, &f).is_some(); }
+            if let Some(f) = b.send(now, a.mac, b"b") { through.1 |= a.recv(now, &f).is_some(); }
+            exchange(now, &mut a, &mut b);
+        }
+        prop_assert!(through.0 && through.1, "a->b {} b->a {}", through.0, through.1);
+        // From here on nothing is refused.
+        let refused = (a.guard.counters().rejected.total(), b.guard.counters().rejected.total());
+        for _ in 0..5 {
+            now += Duration::from_secs(1);
+            let f = a.send(now, b.mac, b"a").expect("a session");
+            prop_assert!(b.recv(now, &f).is_some());
+            let f = b.send(now, a.mac, b"b").expect("a session");
+            prop_assert!(a.recv(now, &f).is_some());
+            exchange(now, &mut a, &mut b);
+        }
+        prop_assert_eq!(refused, (a.guard.counters().rejected.total(), b.guard.counters().rejected.total()));
     }
 }

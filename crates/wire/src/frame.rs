@@ -61,6 +61,10 @@ pub const FLAG_SACK: u8 = 0x08;
 pub const FLAG_SEALED: u8 = 0x10;
 /// Flag (with [`FLAG_SEALED`]): the payload is encrypted, not only authenticated.
 pub const FLAG_ENCRYPTED: u8 = 0x20;
+/// Flag (with [`FLAG_SEALED`]): sealed under the sender's broadcast key (a heartbeat to its
+/// group), the destination MAC left out of the tag (ports that carry no Ethernet header, udp,
+/// rebuild it with their own address).
+pub const FLAG_BROADCAST_KEY: u8 = 0x40;
 
 /// Frames past the cumulative ACK that one [`Sack`] can report.
 pub const SACK_MAX_FRAMES: usize = 256;
