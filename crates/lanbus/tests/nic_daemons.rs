@@ -79,7 +79,11 @@ impl Net {
     }
 
     fn start_box(&self, port: &str, group: u16) -> Daemon {
-        let args: Vec<String> = [
+        self.start_box_with(port, group, &[])
+    }
+
+    fn start_box_with(&self, port: &str, group: u16, extra: &[String]) -> Daemon {
+        let mut args: Vec<String> = [
             "device",
             "--port",
             port,
@@ -92,6 +96,7 @@ impl Net {
         ]
         .map(String::from)
         .to_vec();
+        args.extend_from_slice(extra);
         let d = self.spawn(&self.io, &args, "io.log");
         wait_for("the box's TAP", || self.io.ip(&["link", "show", "nic0"]).is_ok());
         ok(self.io.ip(&["link", "set", "nic0", "master", "br0", "up"]), "TAP into the box's bridge");
@@ -99,7 +104,11 @@ impl Net {
     }
 
     fn start_host(&self, i: usize, port: &str, group: u16) -> Daemon {
-        let args: Vec<String> = [
+        self.start_host_with(i, port, group, &[])
+    }
+
+    fn start_host_with(&self, i: usize, port: &str, group: u16, extra: &[String]) -> Daemon {
+        let mut args: Vec<String> = [
             "host",
             "--port",
             port,
@@ -112,6 +121,7 @@ impl Net {
         ]
         .map(String::from)
         .to_vec();
+        args.extend_from_slice(extra);
         self.spawn(&self.hosts[i], &args, &format!("h{i}.log"))
     }
 
@@ -230,14 +240,26 @@ fn ping_iperf3_and_200_mib_cross_the_remote_nic_clean_and_lossy() {
     );
     let sum = ok(Command::new("sha256sum").arg(&file).output(), "sha256sum");
     let sum = sum.split_whitespace().next().unwrap().to_string();
-    for port in ["afpacket:eth0", "afpacket:eth0,loss=0.005"] {
-        let _io = net.start_box(port, 1);
-        let host = net.start_host(0, port, 1);
+    // The third run: a keyed fabric whose payloads are encrypted, over the lossy port.
+    let key = dir.join("fabric.key");
+    ok(Command::new(lanbus_path()).arg("keygen").arg(&key).output(), "lanbus keygen");
+    let keyed = ["--key".to_string(), key.display().to_string(), "--encrypt".to_string()];
+    for (port, extra) in [
+        ("afpacket:eth0", &[][..]),
+        ("afpacket:eth0,loss=0.005", &[][..]),
+        ("afpacket:eth0,loss=0.005", &keyed[..]),
+    ] {
+        let _io = net.start_box_with(port, 1, extra);
+        let host = net.start_host_with(0, port, 1, extra);
         net.up(0, "10.77.0.1");
         net.ping(0);
         let up = net.iperf3(0, false);
         let down = net.iperf3(0, true);
-        eprintln!("{port}: iperf3 {:.2} Gbit/s host to server, {:.2} server to host", up / 1e9, down / 1e9);
+        eprintln!(
+            "{port} {extra:?}: iperf3 {:.2} Gbit/s host to server, {:.2} server to host",
+            up / 1e9,
+            down / 1e9
+        );
         net.transfer(0, &file, &sum);
         let status = ok(
             Command::new(lanbus_path()).args(["status", "--json", "--control"]).arg(net.ctl(0)).output(),
@@ -246,6 +268,15 @@ fn ping_iperf3_and_200_mib_cross_the_remote_nic_clean_and_lossy() {
         let v: serde_json::Value = serde_json::from_str(&status).unwrap();
         assert!(v["nic"]["tx_bytes"].as_u64().unwrap() > 200 << 20, "{v}");
         assert_eq!(v["nic"]["mac"], "02:00:00:77:00:01", "the TAP has the device's MAC");
+        if !extra.is_empty() {
+            let s = &v["security"];
+            assert_eq!(
+                (&s["mode"], &s["peers"][0]["state"]),
+                (&"encrypt".into(), &"authenticated".into()),
+                "{s}"
+            );
+            assert_eq!(s["rejected"]["bad_tag"], 0, "{s}");
+        }
         drop(host);
     }
     let _ = std::fs::remove_dir_all(&dir);
