@@ -149,6 +149,12 @@ pub struct NvmeBenchArgs {
     /// Figures are the jobs' sum.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     numjobs: Vec<u32>,
+    /// The keyed fabric's settings for the rows over a fabric (comma-separated, measured in
+    /// turns): `off` (no key), `auth` (every frame authenticated under a key of this run) or
+    /// `encrypt` (and its payload encrypted). With `auth` or `encrypt`, `crypto:` rows give the
+    /// AEAD's own rate per core on 64 KiB frames.
+    #[arg(long, value_delimiter = ',', default_value = "off", value_parser = ["off", "auth", "encrypt"])]
+    security: Vec<String>,
 }
 
 impl NvmeBenchArgs {
@@ -553,6 +559,8 @@ struct RowSetting {
     name: &'static str,
     mtu: Option<u32>,
     cmb: Option<&'static str>,
+    /// The keyed fabric's setting (rows over a fabric).
+    security: Option<&'static str>,
 }
 
 /// A port's floor: the port kind and the veth's MTU (none over loopback).
@@ -570,6 +578,8 @@ struct Point {
     mtu: Option<u32>,
     /// Whether the driver used the drive's memory buffer (lanbus rows).
     cmb: Option<&'static str>,
+    /// The keyed fabric's setting (rows over a fabric).
+    security: Option<&'static str>,
 }
 
 /// A point's figures, one per run.
@@ -642,6 +652,11 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
     if cmbs.is_empty() {
         cmbs.push("on");
     }
+    let mut securities: Vec<&'static str> =
+        crate::SECURITY.into_iter().filter(|c| args.security.iter().any(|a| a == c)).collect();
+    if securities.is_empty() {
+        securities.push("off");
+    }
     let runtime = if args.quick { 1 } else { 2 };
     create_backing(dir, size)?;
     let mut points: Vec<(Point, Samples)> = Vec::new();
@@ -655,16 +670,22 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             if let Some(v) = &veth {
                 v.set_mtu(mtu as usize).with_context(|| format!("setting the veth's MTU to {mtu}"))?;
             }
-            // Each lanbus row at every `--cmb`, the peers once.
+            // Each lanbus row at every `--cmb` (and each row over a fabric at every
+            // `--security`), the peers once.
             let settings = rows.iter().flat_map(|&name| {
                 let cmb: Vec<Option<&'static str>> = if name.starts_with("peer:") {
                     vec![None]
                 } else {
                     cmbs.iter().map(|&c| Some(c)).collect()
                 };
-                cmb.into_iter().map(move |c| (name, c))
+                let security: Vec<Option<&'static str>> = if name.starts_with("peer:") || name == "local" {
+                    vec![None]
+                } else {
+                    securities.iter().map(|&s| Some(s)).collect()
+                };
+                cmb.into_iter().flat_map(move |c| security.clone().into_iter().map(move |s| (name, c, s)))
             });
-            for (name, cmb) in settings {
+            for (name, cmb, security) in settings {
                 let crosses = veth.is_some() && VETH_ROWS.contains(&name);
                 // Rows without the veth do not depend on its MTU: once per run.
                 if (!crosses && m > 0) || (crosses && !args.runs_at(name, mtu)) {
@@ -675,8 +696,11 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 if cmb == Some("off") {
                     label.push_str(" (CMB off)");
                 }
+                if let Some(s) = security.filter(|&s| s != "off") {
+                    label.push_str(&format!(" ({s})"));
+                }
                 eprintln!("bench nvme: run {run}/{runs}: {label}");
-                let row = RowSetting { name, mtu, cmb };
+                let row = RowSetting { name, mtu, cmb, security };
                 if let Err(e) =
                     measure_row(args, dir, veth.as_ref(), row, &sizes, largest, runtime, &mut points)
                 {
@@ -734,6 +758,9 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             if let Some(cmb) = p.cmb {
                 row = row.with("cmb", cmb);
             }
+            if let Some(security) = p.security {
+                row = row.with("security", security);
+            }
             if let Some(mtu) = p.mtu {
                 row = row.with("mtu", mtu);
             }
@@ -752,6 +779,9 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             if let Some(cmb) = p.cmb {
                 row = row.with("cmb", cmb);
             }
+            if let Some(security) = p.security {
+                row = row.with("security", security);
+            }
             report.push(row);
         }
     }
@@ -763,6 +793,9 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             }
             report.push(row);
         }
+    }
+    for row in crate::crypto_rows(&args.security, runs) {
+        report.push(row);
     }
     ratios_vs_nbd_tcp(&mut report);
     Ok(report)
@@ -781,7 +814,8 @@ fn measure_row(
     runtime: u64,
     points: &mut Vec<(Point, Samples)>,
 ) -> anyhow::Result<()> {
-    let RowSetting { name, mtu, cmb } = row;
+    let RowSetting { name, mtu, cmb, security } = row;
+    let keyed = |pair| crate::secured(pair, security.unwrap_or("off"));
     let dcfg = args.driver_config(cmb.unwrap_or("on"));
     // fio runs here, except across the veth for the TCP peer.
     let fio_ns = (name == "peer:nbd-tcp").then(|| veth.map(|v| &v.a.netns)).flatten();
@@ -789,8 +823,8 @@ fn measure_row(
         "local" => local(dir, dcfg)?,
         "peer:qemu-nbd" => qemu(dir)?,
         "peer:nbd-tcp" => qemu_tcp(dir, veth.context("needs a veth pair (root)")?)?,
-        "sim" => over(dir, "sim", SimFabric::sim_ports(0.0, 1)?, dcfg)?,
-        kind => over(dir, kind, super::port_pair(kind, veth)?, dcfg)?,
+        "sim" => over(dir, "sim", keyed(SimFabric::sim_ports(0.0, 1)?), dcfg)?,
+        kind => over(dir, kind, keyed(super::port_pair(kind, veth)?), dcfg)?,
     };
     // The serving side's process: qemu-nbd for the peers; this one (bridges, driver, NBD server,
     // controller) for the lanbus rows.
@@ -812,7 +846,7 @@ fn measure_row(
                     continue;
                 }
             };
-            let point = Point { name, rw, block, depth, jobs, mtu, cmb };
+            let point = Point { name, rw, block, depth, jobs, mtu, cmb, security };
             let i = match points.iter().position(|(p, _)| *p == point) {
                 Some(i) => i,
                 None => {
