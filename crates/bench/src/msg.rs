@@ -86,6 +86,12 @@ pub struct MsgArgs {
     /// libopenmpi-dev and netpipe-openmpi.
     #[arg(long)]
     mpi: bool,
+    /// The keyed fabric's settings of the engine's rows (comma-separated, measured in turns):
+    /// `off` (no key), `auth` (every frame authenticated under a key of this run) or `encrypt`
+    /// (and its payload encrypted). With `auth` or `encrypt`, `crypto:` rows give the AEAD's own
+    /// rate per core on 64 KiB frames. The Open MPI rows run without a key.
+    #[arg(long, value_delimiter = ',', default_value = "off", value_parser = ["off", "auth", "encrypt"])]
+    security: Vec<String>,
     /// Write the plots as PREFIX-latency.png and PREFIX-bandwidth.png (latency and bandwidth by
     /// size, a line per row).
     #[arg(long, default_value = "bench-msg")]
@@ -319,12 +325,13 @@ fn lanbus_row(
     veth: &VethPair,
     mode: Mode,
     protocol: Protocol,
+    security: &str,
     sizes: &[usize],
     window: Option<usize>,
     quick: bool,
     dir: &Path,
 ) -> anyhow::Result<Measured> {
-    let (pa, pb) = super::port_pair(kind, Some(veth))?;
+    let (pa, pb) = crate::secured(super::port_pair(kind, Some(veth))?, security);
     let rc = |name: &str, threads: ThreadMode| {
         let mut c = lanbus_node::config::msg_runtime_config(name, threads);
         // Two endpoints that know each other's address: no discovery needed.
@@ -577,11 +584,13 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     let largest = *args.sizes.iter().max().expect("checked");
     let n = args.sizes.len();
     // Per (port, protocol): per size, the runs' latencies and bandwidths.
-    let mut rows: Vec<(&str, Mode, Protocol)> = Vec::new();
+    let mut rows: Vec<(&str, Mode, Protocol, &str)> = Vec::new();
     for kind in &args.ports {
         for &mode in &args.modes {
             for &protocol in &args.protocols {
-                rows.push((kind.as_str(), mode, protocol));
+                for security in crate::SECURITY.into_iter().filter(|s| args.security.iter().any(|a| a == s)) {
+                    rows.push((kind.as_str(), mode, protocol, security));
+                }
             }
         }
     }
@@ -622,10 +631,10 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     let daemon = args.modes.contains(&Mode::Daemon);
     let mpi_limit = if args.quick { Duration::from_secs(60) } else { Duration::from_secs(240) };
     for r in 0..runs {
-        for (k, &(kind, mode, protocol)) in rows.iter().enumerate() {
-            let what = format!("{kind} {} {}", mode.name(), protocol.name());
+        for (k, &(kind, mode, protocol, security)) in rows.iter().enumerate() {
+            let what = format!("{kind} {} {} security {security}", mode.name(), protocol.name());
             eprintln!("bench msg: run {}/{runs}: {what}", r + 1);
-            let m = lanbus_row(kind, &veth, mode, protocol, &args.sizes, window, args.quick, &dir)
+            let m = lanbus_row(kind, &veth, mode, protocol, security, &args.sizes, window, args.quick, &dir)
                 .with_context(|| format!("{what} row"))?;
             for i in 0..n {
                 lat[k][i].extend(m.latency_us[i]);
@@ -711,6 +720,9 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_dir_all(&dir);
     let mut report = Report::new("msg");
+    for row in crate::crypto_rows(&args.security, runs) {
+        report.push(row);
+    }
     let row = |name: &str, metric: &str, v: f64, size: usize| {
         Row::new(name, metric, v).with("size_bytes", size as u64).with("mtu", args.mtu as u64)
     };
@@ -723,8 +735,10 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
         if let Some(mbs) = peer_bw {
             report.push(row("peer:NPtcp", "bw_mb_per_s", mbs, size));
         }
-        for (k, &(kind, mode, protocol)) in rows.iter().enumerate() {
-            let with = |r: Row| r.with("protocol", protocol.name()).with("mode", mode.name());
+        for (k, &(kind, mode, protocol, security)) in rows.iter().enumerate() {
+            let with = |r: Row| {
+                r.with("protocol", protocol.name()).with("mode", mode.name()).with("security", security)
+            };
             if let Some(us) = median(&lat[k][i]) {
                 report.push(with(row(kind, "latency_us", us, size)));
                 if let Some(p) = peer_lat {
@@ -781,10 +795,14 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
         }
         out
     };
-    for (k, &(kind, mode, protocol)) in rows.iter().enumerate() {
-        let direct = rows.iter().position(|&(kd, m, p)| kd == kind && m == Mode::Direct && p == protocol);
+    for (k, &(kind, mode, protocol, security)) in rows.iter().enumerate() {
+        let direct = rows
+            .iter()
+            .position(|&(kd, m, p, s)| kd == kind && m == Mode::Direct && p == protocol && s == security);
         if let (Mode::Daemon, Some(d)) = (mode, direct) {
-            let with = |r: Row| r.with("protocol", protocol.name()).with("mode", mode.name());
+            let with = |r: Row| {
+                r.with("protocol", protocol.name()).with("mode", mode.name()).with("security", security)
+            };
             ratios.extend(vs_direct(&lat[k], &lat[d], &with, kind));
         }
     }

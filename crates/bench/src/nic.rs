@@ -55,6 +55,12 @@ pub struct NicBenchArgs {
     /// Seconds of each iperf3 test.
     #[arg(long, default_value_t = 5)]
     seconds: u32,
+    /// The keyed fabric's settings of the daemons' rows (comma-separated, measured in turns):
+    /// `off` (no key), `auth` (`--key`: every frame authenticated) or `encrypt` (`--key
+    /// --encrypt`). With `auth` or `encrypt`, `crypto:` rows give the AEAD's own rate per core on
+    /// 64 KiB frames.
+    #[arg(long, value_delimiter = ',', default_value = "off", value_parser = ["off", "auth", "encrypt"])]
+    security: Vec<String>,
 }
 
 /// The server's address behind the remote NIC, and the host's.
@@ -115,9 +121,19 @@ impl Net {
     }
 
     /// Starts the I/O box and the host over `kind` and waits for the host's NIC.
-    fn start(&self, kind: &str) -> anyhow::Result<(KillOnDrop, KillOnDrop)> {
+    fn start(&self, kind: &str, security: &str) -> anyhow::Result<(KillOnDrop, KillOnDrop)> {
         let exe = std::env::current_exe().context("finding this program")?;
         let (host_spec, io_spec) = crate::port_specs(kind, &self.veth)?;
+        let mut keyed: Vec<String> = Vec::new();
+        if security != "off" {
+            let key = self.dir.join("fabric.key");
+            let _ = std::fs::remove_file(&key);
+            lanbus_secure::KeyRing::new(lanbus_secure::FabricKey::generate(), []).write(&key, false)?;
+            keyed.extend(["--key".to_string(), key.display().to_string()]);
+            if security == "encrypt" {
+                keyed.push("--encrypt".into());
+            }
+        }
         let log = |n: &str| std::fs::File::create(self.dir.join(n));
         let io = self
             .veth
@@ -126,6 +142,7 @@ impl Net {
             .command(&exe.to_string_lossy())
             .args(["device", "--port", &io_spec, "--nic", "tap=nic0", "--control"])
             .arg(self.dir.join("io.ctl"))
+            .args(&keyed)
             .stdout(Stdio::null())
             .stderr(log("io.log")?)
             .spawn()?;
@@ -145,6 +162,7 @@ impl Net {
             .command(&exe.to_string_lossy())
             .args(["host", "--port", &host_spec, "--export", "tap:lanbus0", "--control"])
             .arg(self.dir.join("host.ctl"))
+            .args(&keyed)
             .stdout(Stdio::null())
             .stderr(log("host.log")?)
             .spawn()?;
@@ -291,9 +309,23 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
         bail!("--mtu: {} is not an MTU of 576 to 65000", args.mtu);
     }
     let net = Net::build(args.mtu)?;
-    let rows: Vec<String> = std::iter::once("peer:veth".to_string())
-        .chain(ports.iter().flat_map(|p| [p.clone(), format!("tunnel:{p}")]))
-        .collect();
+    let securities: Vec<&str> =
+        crate::SECURITY.into_iter().filter(|s| args.security.iter().any(|a| a == s)).collect();
+    // A row's label: its name, and its keyed fabric's setting when it is not `off`.
+    let mut rows: Vec<String> = vec!["peer:veth".to_string()];
+    for p in &ports {
+        for s in &securities {
+            rows.push(if *s == "off" { p.clone() } else { format!("{p} {s}") });
+        }
+        rows.push(format!("tunnel:{p}"));
+    }
+    let split = |row: &str| -> (String, Option<String>) {
+        match row.split_once(' ') {
+            Some((name, s)) => (name.to_string(), Some(s.to_string())),
+            None if row.starts_with("peer:") || row.starts_with("tunnel:") => (row.to_string(), None),
+            None => (row.to_string(), Some("off".to_string())),
+        }
+    };
     let mut samples: Samples = Default::default();
     let mut raw: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     for run in 0..args.runs {
@@ -304,7 +336,8 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
             } else if let Some(kind) = row.strip_prefix("tunnel:") {
                 Path::Tunnel(net.start_tunnel(kind)?)
             } else {
-                Path::Daemons { _daemons: net.start(row)? }
+                let (kind, security) = split(row);
+                Path::Daemons { _daemons: net.start(&kind, security.as_deref().unwrap_or("off"))? }
             };
             let server = if matches!(path, Path::Direct) { DIRECT_SERVER } else { NIC_SERVER };
             for (test, streams, udp) in TESTS {
@@ -343,6 +376,9 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
         }
     }
     let mut report = Report::new("nic");
+    for row in crate::crypto_rows(&args.security, args.runs) {
+        report.push(row);
+    }
     let med = |v: &[(f64, f64, f64)], k: usize| {
         median(&v.iter().map(|s| [s.0, s.1, s.2][k]).collect::<Vec<_>>()).unwrap_or(0.0)
     };
@@ -352,16 +388,20 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
         for (test, streams, udp) in TESTS {
             let Some(v) = samples.get(&(row.clone(), test)) else { continue };
             let peer = samples.get(&("peer:veth".to_string(), test)).filter(|_| row != "peer:veth");
-            let tunnel = samples.get(&(format!("tunnel:{row}"), test));
+            let (name, security) = split(row);
+            let tunnel = samples.get(&(format!("tunnel:{name}"), test));
             // The figure (Gbit/s or packets per second) this test compares.
             let k = if udp.is_some() { 1 } else { 0 };
             let x = med(v, k);
             let mut r = if udp.is_some() {
-                Row::new(row, "pps_received", x).with("loss_percent", med(v, 2))
+                Row::new(&name, "pps_received", x).with("loss_percent", med(v, 2))
             } else {
                 points.push((f64::from(streams), x));
-                Row::new(row, "gbit_per_s", x)
+                Row::new(&name, "gbit_per_s", x)
             };
+            if let Some(s) = &security {
+                r = r.with("security", s.as_str());
+            }
             if let Some(p) = peer {
                 r = r.with("ratio_vs_veth", x / med(p, k).max(1e-9));
             }
