@@ -57,6 +57,8 @@ struct Book {
     /// Handles something arrived for since the last look (for [`StackClient::set_notify`]).
     touched: Vec<u32>,
     replies: HashMap<u32, Result<(u32, SocketAddr), i32>>,
+    /// Answers to `Fork`: fork tickets by request.
+    tickets: HashMap<u32, u64>,
     /// Connect requests waiting for their answer: the connection's state exists from the moment
     /// the answer arrives, since its data or its end may come in the same read.
     connecting: HashSet<u32>,
@@ -81,6 +83,9 @@ impl Book {
                     self.zero_copy_req.insert(handle, req);
                 }
                 self.replies.insert(req, Ok((handle, local)));
+            }
+            Msg::Ticket { req, token } => {
+                self.tickets.insert(req, token);
             }
             Msg::Failed { req, errno } => {
                 self.connecting.remove(&req);
@@ -303,6 +308,95 @@ impl StackClient {
         drop(st);
         let region = Region::from_fd(fd).map_err(|e| io::Error::other(e.to_string()))?;
         Ok(ZeroCopyStream { stream, region, tail: 0, commits: 0, unplaced: VecDeque::new(), reserved: 0 })
+    }
+
+    /// Before a `fork`: asks the server to set aside one more reference to each of this
+    /// attachment's sockets for the child, and returns the ticket's secret. The child attaches
+    /// anew and claims them with [`adopt`](Self::adopt); the parent says how the fork went with
+    /// [`forked`](Self::forked).
+    pub fn fork_ticket(&self) -> io::Result<u64> {
+        let inner = &self.inner;
+        let mut st = inner.lock();
+        st.next_req = st.next_req.wrapping_add(1);
+        let req = st.next_req;
+        inner.send_control(&mut st, &Msg::Fork { req })?;
+        loop {
+            inner.pump(&mut st);
+            if let Some(token) = st.book.tickets.remove(&req) {
+                return Ok(token);
+            }
+            if st.gone.is_some() {
+                return Err(gone_error());
+            }
+            st = inner.wait(st, SLICE);
+        }
+    }
+
+    /// After a `fork`: the child of ticket `token` is process `pid` (`None`: the fork failed,
+    /// and the ticket's references go). The server frees the ticket if that process ends
+    /// without claiming it.
+    pub fn forked(&self, token: u64, pid: Option<u32>) -> io::Result<()> {
+        let mut st = self.inner.lock();
+        self.inner.send_control(&mut st, &Msg::Forked { token, pid: pid.unwrap_or(0) })
+    }
+
+    /// In a forked child, on its own new attachment: claims ticket `token`, whose sockets this
+    /// client holds from then on; `conns` are the connections among them (their arrivals may
+    /// follow the claim at once). Returns how many sockets the ticket held; `EPERM` when it is
+    /// not this process's to claim.
+    pub fn adopt(&self, token: u64, conns: &[u32]) -> io::Result<u32> {
+        {
+            let mut st = self.inner.lock();
+            for &conn in conns {
+                st.book.conns.entry(conn).or_default();
+            }
+        }
+        let (n, _) = self.inner.request(|req| Msg::Adopt { req, token }, false)?;
+        Ok(n)
+    }
+
+    /// The connection `conn` an [`adopt`](Self::adopt) gave this client.
+    pub fn adopted_stream(&self, conn: u32, local: SocketAddr, peer: SocketAddr) -> TcpStream {
+        TcpStream { client: self.clone(), conn, local, peer, read_timeout: None }
+    }
+
+    /// The listener `handle` an [`adopt`](Self::adopt) gave this client.
+    pub fn adopted_listener(&self, handle: u32, local: SocketAddr) -> TcpListener {
+        TcpListener { client: self.clone(), handle, local }
+    }
+
+    /// The UDP socket `handle` an [`adopt`](Self::adopt) gave this client.
+    pub fn adopted_udp(&self, handle: u32, local: SocketAddr) -> UdpSocket {
+        UdpSocket { client: self.clone(), handle, local }
+    }
+
+    /// Tells the server this program waits on `handle`, a socket it may share with other
+    /// processes: a connection's or UDP socket's arrivals come here from now on, and a
+    /// listener owes this client one connection. Harmless when nothing is shared.
+    pub fn want(&self, handle: u32) -> io::Result<()> {
+        let mut st = self.inner.lock();
+        self.inner.send_control(&mut st, &Msg::Want { handle })
+    }
+
+    /// In a forked child: lets go of the parent's attachment this process inherited, without
+    /// touching its state (another thread of the parent may have held its lock at the fork, and
+    /// its rings are the parent's). Its socket is closed, so that the server sees the parent's
+    /// end when the parent goes; the rest is left as it is, for the parent's sake.
+    ///
+    /// Every stream, listener and UDP socket made through this client must be forgotten
+    /// (`std::mem::forget`) rather than dropped: dropping one would use the parent's rings.
+    pub fn abandon_in_child(self) {
+        let fds = [
+            Some(self.inner.sock.as_raw_fd()),
+            self.inner.server_bell.as_ref().map(|b| b.as_fd().as_raw_fd()),
+            self.inner.my_bell.as_ref().map(|b| b.as_fd().as_raw_fd()),
+        ];
+        for fd in fds.into_iter().flatten() {
+            // SAFETY: this process's copies of the attachment's descriptors, which nothing in
+            // this process uses again (the client is forgotten below, never dropped).
+            unsafe { libc::close(fd) };
+        }
+        std::mem::forget(self);
     }
 
     /// Sends any message as this client (tests of the server's checks).
@@ -634,6 +728,12 @@ impl TcpStream {
         self.read_timeout = timeout;
     }
 
+    /// This program waits to read: when another process shares the connection, its data comes
+    /// here from now on ([`StackClient::want`]).
+    pub fn want(&self) -> io::Result<()> {
+        self.client.want(self.conn)
+    }
+
     /// Sends FIN after the bytes already written; reads go on.
     pub fn shutdown_write(&self) -> io::Result<()> {
         let inner = &self.client.inner;
@@ -945,6 +1045,12 @@ impl TcpListener {
         self.handle
     }
 
+    /// This program waits to accept: when other processes share the listener, the next
+    /// connection nobody else asked for first comes here ([`StackClient::want`]).
+    pub fn want(&self) -> io::Result<()> {
+        self.client.want(self.handle)
+    }
+
     /// Whether `accept` would return at once.
     pub fn ready(&self) -> bool {
         let st = self.client.inner.lock();
@@ -979,6 +1085,12 @@ impl UdpSocket {
     /// The server's handle of this socket.
     pub fn handle(&self) -> u32 {
         self.handle
+    }
+
+    /// This program waits to receive: when another process shares the socket, its datagrams
+    /// come here from now on ([`StackClient::want`]).
+    pub fn want(&self) -> io::Result<()> {
+        self.client.want(self.handle)
     }
 
     /// Whether a datagram is waiting.
