@@ -17,9 +17,22 @@
 //! Semantics kept: blocking and non-blocking (`O_NONBLOCK`, `SOCK_NONBLOCK`, `FIONBIO`,
 //! `MSG_DONTWAIT`) reads give `EAGAIN`; a non-blocking `connect` completes before it returns (0);
 //! errors are Linux's (`ECONNREFUSED`, `ECONNRESET`, `EPIPE`, `ETIMEDOUT`, `EADDRINUSE`).
-//! `dup`, `dup2`, `dup3` and `F_DUPFD` share the socket. After `fork` the child must not use the
-//! parent's lanbus sockets (their shared-memory rings belong to the parent): its calls on them
-//! fail with `EBADF`; new sockets in the child attach anew. Options are accepted and, where the
+//! `dup`, `dup2`, `dup3` and `F_DUPFD` share the socket.
+//!
+//! Sockets survive `fork` as the kernel's do: the child holds every lanbus socket the parent
+//! held, and a socket ends (FIN for a connection) only when the last process holding it closes
+//! it or exits. `fork` is taken over for this: the parent first asks the server for a fork
+//! ticket, which holds one more reference to each of its sockets; the child, on its first call
+//! on a lanbus socket (any call, `close` too), attaches anew (the parent's rings stay the
+//! parent's) and claims the ticket with its secret, which only the parent and its child know. A
+//! child that never touches its lanbus sockets keeps them until it ends. A connection shared by
+//! several processes works in whichever uses it: its data goes to the process that last waited
+//! to read it (bytes that had reached a process before are that process's to read); a shared
+//! listener hands each connection to exactly one process waiting in `accept` (a process that
+//! does not accept takes none). Not inherited: zero-copy connections (not made by this
+//! library), and sockets across `exec` (the new program cannot use them; they close when the
+//! exec'd process ends or, once the child called on a lanbus socket, at the exec).
+//! Options are accepted and, where the
 //! stack has no such knob, ignored (`getsockopt` answers what Linux would for a default socket).
 //! An `AF_INET6` socket is dual-stack as Linux's are by default: it reaches IPv4 peers through
 //! IPv4-mapped addresses (`::ffff:a.b.c.d`), and a listener on `::` takes both families
@@ -32,9 +45,10 @@
 #![allow(clippy::missing_safety_doc)]
 
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
@@ -126,6 +140,19 @@ impl StateLock {
         StateLock { state: Mutex::new(state), owner: AtomicU64::new(0) }
     }
 
+    /// The state, unless another thread holds it (one that held it at a `fork` never lets go
+    /// in the child).
+    fn try_lock(&self) -> Option<StateGuard<'_>> {
+        let guard = match self.state.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        // Relaxed: as in `lock`.
+        self.owner.store(thread_number(), Ordering::Relaxed);
+        Some(StateGuard { guard, owner: &self.owner })
+    }
+
     fn lock(&self) -> StateGuard<'_> {
         let me = thread_number();
         // Relaxed: only this thread ever stores its own number, so reading it back needs no order.
@@ -177,7 +204,9 @@ enum State {
 }
 
 struct Sock {
-    state: StateLock,
+    /// Dropped only by the process that holds the socket: in a child that could not adopt it,
+    /// its objects belong to the parent's attachment and are left alone.
+    state: ManuallyDrop<StateLock>,
     /// `AF_INET` or `AF_INET6`: how addresses are shown to the program.
     domain: c_int,
     nonblock: AtomicBool,
@@ -187,11 +216,20 @@ struct Sock {
     pending: AtomicBool,
     /// Serialises recomputing the readiness.
     sync: Mutex<()>,
-    pid: u32,
+    /// The process whose attachment the socket's objects belong to.
+    pid: AtomicU32,
+    /// Other processes may hold the socket too (it went through a `fork`): waits tell the server.
+    shared: AtomicBool,
+    /// A non-blocking call told the server this process waits, and nothing arrived since.
+    wanted: AtomicBool,
 }
 
 impl Drop for Sock {
     fn drop(&mut self) {
+        if self.pid.load(Ordering::Relaxed) == std::process::id() {
+            // SAFETY: dropped once, here, and never used after.
+            unsafe { ManuallyDrop::drop(&mut self.state) };
+        }
         // SAFETY: our own descriptor, closed once.
         unsafe { real!(close: fn(c_int) -> c_int)(self.signal) };
     }
@@ -223,6 +261,11 @@ fn client() -> Result<StackClient, c_int> {
     if let Some(client) = c.as_ref().filter(|_| attached_pid() == std::process::id()) {
         return Ok(client.clone());
     }
+    if let Some(parents) = c.take() {
+        // Inherited through a fork: its socket is the parent's to close (the server sees the
+        // parent's end by it), and its state may be locked for good.
+        parents.abandon_in_child();
+    }
     let path = std::env::var_os("LANBUS_STACK_SOCKET").unwrap_or_else(|| "/tmp/lanbus-stackd.sock".into());
     let unit =
         std::env::var("LANBUS_STACK_UNIT").ok().and_then(|u| u.parse().ok()).unwrap_or(CopyUnit::DEFAULT);
@@ -233,6 +276,7 @@ fn client() -> Result<StackClient, c_int> {
     client.set_notify(|h| {
         let sock = lock(&global().by_handle).get(&h).and_then(Weak::upgrade);
         if let Some(sock) = sock {
+            sock.wanted.store(false, Ordering::Relaxed);
             sock.pending.store(true, Ordering::Release);
             signal(sock.signal, true);
         }
@@ -298,8 +342,80 @@ fn sock_of(fd: c_int) -> Option<Arc<Sock>> {
     if !is_ours(fd) {
         return None;
     }
+    adopt_inherited();
     let s = lock(&global().socks).get(&fd).cloned()?;
     Some(s)
+}
+
+impl Sock {
+    /// Before this process waits on a socket (or tells the program to): if other processes
+    /// hold it too, the server is told to send its arrivals here. A non-blocking caller says so
+    /// once until something arrives; a blocking one at each look.
+    fn should_want(&self, blocking: bool) -> bool {
+        self.shared.load(Ordering::Relaxed) && (blocking || !self.wanted.swap(true, Ordering::Relaxed))
+    }
+}
+
+/// The fork ticket this process (a child) has not claimed yet: 0 when none.
+static PENDING_TICKET: AtomicU64 = AtomicU64::new(0);
+
+/// In a forked child, on its first call on a lanbus socket: attaches anew and takes over the
+/// sockets the parent's fork ticket holds for it. A socket whose state another thread of the
+/// parent held at the fork, or all of them when the claim fails, answer `EBADF` from then on.
+fn adopt_inherited() {
+    // Acquire: pairs with the store in `fork`, made before the child runs anything else.
+    if PENDING_TICKET.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    static ADOPTING: Mutex<()> = Mutex::new(());
+    let _one = lock(&ADOPTING);
+    let token = PENDING_TICKET.swap(0, Ordering::AcqRel);
+    if token == 0 {
+        return;
+    }
+    let me = std::process::id();
+    let mut socks: Vec<Arc<Sock>> = Vec::new();
+    for s in lock(&global().socks).values() {
+        if !socks.iter().any(|x| Arc::ptr_eq(x, s)) {
+            socks.push(s.clone());
+        }
+    }
+    let conns: Vec<u32> = socks
+        .iter()
+        .filter_map(|s| match &*s.state.try_lock()? {
+            State::Connected(c) => Some(c.handle()),
+            _ => None,
+        })
+        .collect();
+    let claimed = client().ok().and_then(|c| c.adopt(token, &conns).ok().map(|_| c));
+    if claimed.is_none() {
+        eprintln!("liblanbus_sock: the sockets inherited through fork could not be taken over");
+    }
+    for sock in socks {
+        let Some(mut st) = sock.state.try_lock() else { continue };
+        let new = match (&*st, &claimed) {
+            (State::Fresh { .. }, _) => None,
+            (State::Connected(c), Some(client)) => {
+                Some(State::Connected(client.adopted_stream(c.handle(), c.local_addr(), c.peer_addr())))
+            }
+            (State::Listening(l), Some(client)) => {
+                Some(State::Listening(client.adopted_listener(l.handle(), l.local_addr())))
+            }
+            (State::Udp { sock: u, peer }, Some(client)) => {
+                Some(State::Udp { sock: client.adopted_udp(u.handle(), u.local_addr()), peer: *peer })
+            }
+            // Not taken over: the socket stays the parent's (EBADF here).
+            (_, None) => continue,
+        };
+        if let Some(new) = new {
+            // The parent's objects: dropping them would use the parent's rings.
+            std::mem::forget(std::mem::replace(&mut *st, new));
+        }
+        drop(st);
+        sock.pid.store(me, Ordering::Relaxed);
+        sock.shared.store(true, Ordering::Relaxed);
+        sock.sync();
+    }
 }
 
 /// A new placeholder descriptor and its socket.
@@ -321,13 +437,15 @@ fn new_sock(domain: c_int, stream: bool, flags: c_int) -> c_int {
         return fail(libc::EMFILE);
     }
     let sock = Arc::new(Sock {
-        state: StateLock::new(State::Fresh { stream, bound: None, opts: Vec::new() }),
+        state: ManuallyDrop::new(StateLock::new(State::Fresh { stream, bound: None, opts: Vec::new() })),
         domain,
         nonblock: AtomicBool::new(flags & libc::SOCK_NONBLOCK != 0),
         signal,
         pending: AtomicBool::new(false),
         sync: Mutex::new(()),
-        pid: std::process::id(),
+        pid: AtomicU32::new(std::process::id()),
+        shared: AtomicBool::new(false),
+        wanted: AtomicBool::new(false),
     });
     lock(&global().socks).insert(fd, sock);
     mark(fd, true);
@@ -472,7 +590,7 @@ fn to_kernel(fd: c_int, sock: &Sock, stream: bool, opts: &[(c_int, c_int, Vec<u8
 }
 
 fn usable(sock: &Sock) -> Result<(), c_int> {
-    if sock.pid != std::process::id() {
+    if sock.pid.load(Ordering::Relaxed) != std::process::id() {
         return Err(libc::EBADF);
     }
     Ok(())
@@ -584,6 +702,9 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
         };
         if l.ready() {
             break l.accept_timeout(Some(Duration::ZERO));
+        }
+        if sock.should_want(!nonblock) {
+            let _ = l.want();
         }
         drop(st);
         if nonblock {
@@ -699,6 +820,9 @@ fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut Socket
         let r = match &mut *st {
             State::Connected(s) => {
                 let (_, ready) = s.readiness();
+                if !ready && sock.should_want(!nonblock) {
+                    let _ = s.want();
+                }
                 if !ready && !nonblock {
                     drop(st);
                     wait_readable(sock.signal);
@@ -708,7 +832,11 @@ fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut Socket
                 std::io::Read::read(s, buf).map(|n| (n, None))
             }
             State::Udp { sock: u, .. } => {
-                if !u.ready() && !nonblock {
+                let ready = u.ready();
+                if !ready && sock.should_want(!nonblock) {
+                    let _ = u.want();
+                }
+                if !ready && !nonblock {
                     drop(st);
                     wait_readable(sock.signal);
                     continue;
@@ -967,6 +1095,8 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const libc::msghdr, flags: c_i
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     if is_ours(fd) {
+        // A child's close of an inherited socket lets go of the child's reference.
+        adopt_inherited();
         mark(fd, false);
         lock(&global().socks).remove(&fd);
     }
@@ -1100,6 +1230,52 @@ pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut s
     // SAFETY: the program's buffer.
     unsafe { put_addr(s.domain, a, addr, len) };
     0
+}
+
+/// The fork ticket for a child, asked for before the fork: only when this process is attached
+/// and has lanbus sockets.
+fn fork_ticket() -> Option<(StackClient, u64)> {
+    // A child that forks before calling on its inherited sockets takes them over first, so that
+    // its own child can inherit them in turn.
+    adopt_inherited();
+    if attached_pid() != std::process::id() || lock(&global().socks).is_empty() {
+        return None;
+    }
+    let client = lock(&global().client).clone()?;
+    match client.fork_ticket() {
+        Ok(token) => Some((client, token)),
+        Err(e) => {
+            eprintln!("liblanbus_sock: the child will not inherit this process's sockets: {e}");
+            None
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fork() -> libc::pid_t {
+    let ticket = fork_ticket();
+    let g = global();
+    // Held across the fork so that the child's copies are consistent (no other thread of the
+    // parent was half-way through changing them); each is taken alone everywhere else.
+    let guards = (lock(&g.client), lock(&g.socks), lock(&g.by_handle));
+    // SAFETY: plain fork(2) through libc (which runs its own handlers).
+    let pid = unsafe { real!(fork: fn() -> libc::pid_t)() };
+    drop(guards);
+    let Some((client, token)) = ticket else { return pid };
+    if pid == 0 {
+        // The parent's attachment: never dropped here (see `StackClient::abandon_in_child`).
+        std::mem::forget(client);
+        // Release: pairs with the load in `adopt_inherited`.
+        PENDING_TICKET.store(token, Ordering::Release);
+        return 0;
+    }
+    let _ = client.forked(token, u32::try_from(pid).ok().filter(|_| pid > 0));
+    if pid > 0 {
+        for s in lock(&g.socks).values() {
+            s.shared.store(true, Ordering::Relaxed);
+        }
+    }
+    pid
 }
 
 /// Shares socket `fd`'s state with a new descriptor number `nfd` (a dup of the placeholder).
