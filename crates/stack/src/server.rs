@@ -733,20 +733,27 @@ impl Core {
         match &mut client.link {
             Link::Shm { from, .. } => {
                 let mut probe = [0u8; 1];
-                match (&client.sock).read(&mut probe) {
-                    Ok(0) => return Err("closed its socket".into()),
+                // A program that writes and exits at once has its last requests in the ring
+                // when its end shows on the socket: they are served before it is let go (its
+                // last bytes are sent, its closes close), as the kernel sends what a program
+                // wrote before it exited.
+                let departed: Option<String> = match (&client.sock).read(&mut probe) {
+                    Ok(0) => Some("closed its socket".into()),
                     Ok(_) => return Err("wrote on its socket after the hello".into()),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
                     // A client that dies with replies unread resets its end: it went away, it did
                     // not break the protocol.
                     Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
-                        return Err("closed its socket with replies unread".into())
+                        Some("closed its socket with replies unread".into())
                     }
                     Err(e) => return Err(e.to_string()),
-                }
+                };
                 let mut from = from.take().expect("put back below");
                 let mut result = Ok(());
-                for _ in 0..256 {
+                // A departed client adds nothing more: its ring is read to the end (bounded by
+                // the ring's size).
+                let burst = if departed.is_some() { usize::MAX } else { 256 };
+                for _ in 0..burst {
                     let mut msg_result = Ok(());
                     match from.recv(|bytes| msg_result = self.handle_bytes(id, bytes)) {
                         Ok(true) => {
@@ -766,9 +773,11 @@ impl Core {
                 if let Some(Client { link: Link::Shm { from: slot, .. }, .. }) = self.clients.get_mut(&id) {
                     *slot = Some(from);
                 }
-                result
+                result.and(departed.map_or(Ok(()), Err))
             }
             Link::Socket { .. } => {
+                // As over shared memory: what came before the end is served first.
+                let mut departed: Option<String> = None;
                 loop {
                     let Some(client) = self.clients.get_mut(&id) else { return Ok(()) };
                     let Link::Socket { read, .. } = &mut client.link else { unreachable!() };
@@ -777,7 +786,10 @@ impl Core {
                         break;
                     }
                     match (&client.sock).read(&mut buf) {
-                        Ok(0) => return Err("closed its socket".into()),
+                        Ok(0) => {
+                            departed = Some("closed its socket".into());
+                            break;
+                        }
                         Ok(n) => {
                             read.extend_from_slice(&buf[..n]);
                             self.busy = true;
@@ -785,7 +797,8 @@ impl Core {
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                         Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
-                            return Err("closed its socket with replies unread".into())
+                            departed = Some("closed its socket with replies unread".into());
+                            break;
                         }
                         Err(e) => return Err(e.to_string()),
                     }
@@ -814,7 +827,7 @@ impl Core {
                 if let Some(Client { link: Link::Socket { read, .. }, .. }) = self.clients.get_mut(&id) {
                     *read = bytes;
                 }
-                result
+                result.and(departed.map_or(Ok(()), Err))
             }
         }
     }
