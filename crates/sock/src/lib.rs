@@ -695,6 +695,10 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
     let nonblock = sock.nonblock.load(Ordering::Relaxed);
     // The state lock is taken once per look and never held across a wait: a blocking accept
     // lets another thread close the listener meanwhile.
+    // A shared listener owes a connection per want: a blocking accept asks once (it takes the
+    // connection its want brings), lest a want left over hand a connection to a process that
+    // has stopped accepting.
+    let mut asked = false;
     let result = loop {
         let st = sock.state.lock();
         let State::Listening(l) = &*st else {
@@ -703,8 +707,9 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
         if l.ready() {
             break l.accept_timeout(Some(Duration::ZERO));
         }
-        if sock.should_want(!nonblock) {
+        if !asked && sock.should_want(!nonblock) {
             let _ = l.want();
+            asked = true;
         }
         drop(st);
         if nonblock {
