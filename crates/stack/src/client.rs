@@ -56,6 +56,9 @@ struct ConnState {
 struct Book {
     /// Handles something arrived for since the last look (for [`StackClient::set_notify`]).
     touched: Vec<u32>,
+    /// Connections whose send credit came back, or that ended, since the last look (for
+    /// [`StackClient::set_credit_notify`]).
+    credited: Vec<u32>,
     replies: HashMap<u32, Result<(u32, SocketAddr), i32>>,
     /// Answers to `Fork`: fork tickets by request.
     tickets: HashMap<u32, u64>,
@@ -105,6 +108,8 @@ impl Book {
                 }
             }
             Msg::Sent { conn, bytes } => {
+                // Send credit came back: a writer that found none may write again.
+                self.credited.push(conn);
                 if let Some(c) = self.conns.get_mut(&conn) {
                     c.in_flight = c.in_flight.saturating_sub(bytes);
                 }
@@ -123,6 +128,8 @@ impl Book {
             }
             Msg::Closed { conn, errno } => {
                 self.touched.push(conn);
+                // A write now answers the error at once.
+                self.credited.push(conn);
                 if let Some(c) = self.conns.get_mut(&conn) {
                     c.closed = Some(errno);
                     c.in_flight = 0;
@@ -156,6 +163,7 @@ type Notify = Box<dyn Fn(u32) + Send + Sync>;
 
 struct Inner {
     notify: std::sync::OnceLock<Notify>,
+    credit_notify: std::sync::OnceLock<Notify>,
     state: Mutex<State>,
     /// Signalled whenever messages were taken in, for threads waiting while another polls (the
     /// doorbell wakes one sleeper only).
@@ -234,6 +242,7 @@ impl StackClient {
         Ok(StackClient {
             inner: Arc::new(Inner {
                 notify: std::sync::OnceLock::new(),
+                credit_notify: std::sync::OnceLock::new(),
                 state: Mutex::new(state),
                 arrived: std::sync::Condvar::new(),
                 sock,
@@ -250,6 +259,13 @@ impl StackClient {
     /// stream's, listener's or UDP socket's handle when something arrives for it; once.
     pub fn set_notify(&self, notify: impl Fn(u32) + Send + Sync + 'static) {
         let _ = self.inner.notify.set(Box::new(notify));
+    }
+
+    /// Sets the function called (as the one of [`set_notify`](Self::set_notify)) with a
+    /// connection's handle when its send credit came back or it ended: a write that found no
+    /// credit may go on. Once.
+    pub fn set_credit_notify(&self, notify: impl Fn(u32) + Send + Sync + 'static) {
+        let _ = self.inner.credit_notify.set(Box::new(notify));
     }
 
     /// Starts a thread that reads the server's messages as they come, so that the notify
@@ -504,6 +520,7 @@ impl Inner {
             for (h, c) in book.conns.iter_mut() {
                 c.closed.get_or_insert(libc::ECONNRESET);
                 book.touched.push(*h);
+                book.credited.push(*h);
             }
             book.touched.extend(book.accepted.keys().copied());
         }
@@ -513,6 +530,13 @@ impl Inner {
             }
         } else {
             book.touched.clear();
+        }
+        if let Some(notify) = self.credit_notify.get() {
+            for h in book.credited.drain(..) {
+                notify(h);
+            }
+        } else {
+            book.credited.clear();
         }
         if any || gone.is_some() {
             self.arrived.notify_all();
@@ -726,6 +750,50 @@ impl TcpStream {
     /// Bounds how long `read` waits (`None`: no bound); a read that times out gives `WouldBlock`.
     pub fn set_read_timeout(&mut self, timeout: Option<Duration>) {
         self.read_timeout = timeout;
+    }
+
+    /// Whether a write would take bytes at once: send credit is left, or the connection ended
+    /// (then a write answers its error at once).
+    pub fn writable(&self) -> bool {
+        let st = self.client.inner.lock();
+        match st.book.conns.get(&self.conn) {
+            Some(c) => c.closed.is_some() || c.in_flight < SEND_CREDIT || st.gone.is_some(),
+            None => true,
+        }
+    }
+
+    /// Writes what the send credit takes now, never waiting for more: the count (perhaps short
+    /// of `buf`), or `WouldBlock` when there is no credit at all.
+    pub fn try_write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let inner = &self.client.inner;
+        let mut st = inner.lock();
+        inner.pump(&mut st);
+        let mut written = 0;
+        while written < buf.len() {
+            let c = st.book.conns.get(&self.conn).ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))?;
+            if let Some(errno) = c.closed {
+                if written > 0 {
+                    break;
+                }
+                return Err(io::Error::from_raw_os_error(if errno == 0 { libc::EPIPE } else { errno }));
+            }
+            let credit = SEND_CREDIT - c.in_flight.min(SEND_CREDIT);
+            if credit == 0 {
+                break;
+            }
+            let n = (buf.len() - written).min(credit as usize).min(inner.unit);
+            // A full ring is not a full socket: the server empties it promptly, so this waits
+            // for it (bounded) rather than answer `WouldBlock` that nothing would end.
+            inner.send_control(&mut st, &Msg::Send { conn: self.conn, data: &buf[written..written + n] })?;
+            written += n;
+            if let Some(c) = st.book.conns.get_mut(&self.conn) {
+                c.in_flight += n as u64;
+            }
+        }
+        if written == 0 && !buf.is_empty() {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        Ok(written)
     }
 
     /// This program waits to read: when another process shares the connection, its data comes
