@@ -6,17 +6,24 @@
 //! `/tmp/lanbus-stackd.sock`) unless it is bound or connected to a loopback address, which stays
 //! with the kernel; every other socket and descriptor goes to libc untouched.
 //!
-//! How descriptors stay honest: each lanbus socket is backed by a real descriptor, an eventfd,
-//! so its number is the kernel's to give and `poll`, `select` and `epoll` work across mixed
-//! descriptors without being intercepted: the eventfd is readable exactly when the socket has
-//! data, a connection to accept, a datagram, its end or an error (the client library's reader
-//! thread signals arrivals; each read re-checks), and always writable. A socket is decided at its
-//! first `bind` or `connect`: to a loopback address the placeholder is replaced (`dup2`) by a
-//! kernel socket with the options set so far.
+//! How descriptors stay honest: each lanbus socket is backed by a real descriptor, a
+//! placeholder, so its number is the kernel's to give and `poll`, `select` and `epoll` work
+//! across mixed descriptors without being intercepted. The placeholder is one end of a Unix
+//! stream socket pair whose other end is the library's. It is readable exactly when the socket
+//! has data, a connection to accept, a datagram, its end or an error (a byte waits in it from the
+//! library's end; the client library's reader thread signals arrivals; each read re-checks). It
+//! is writable exactly when a write would take bytes: while a stream has no send credit left,
+//! the library fills the placeholder's small send buffer, and when credit returns it drains it,
+//! which wakes `EPOLLOUT` waiters, level- and edge-triggered. A socket is decided at its first
+//! `bind` or `connect`: to a loopback address the placeholder is replaced (`dup2`) by a kernel
+//! socket with the options set so far.
 //!
 //! Semantics kept: blocking and non-blocking (`O_NONBLOCK`, `SOCK_NONBLOCK`, `FIONBIO`,
-//! `MSG_DONTWAIT`) reads give `EAGAIN`; a non-blocking `connect` completes before it returns (0);
-//! errors are Linux's (`ECONNREFUSED`, `ECONNRESET`, `EPIPE`, `ETIMEDOUT`, `EADDRINUSE`).
+//! `MSG_DONTWAIT`) reads give `EAGAIN`; a non-blocking write takes what the send credit allows
+//! (a short count) or gives `EAGAIN`, and a blocking one waits for credit without holding the
+//! socket (another thread may read or close it meanwhile); a non-blocking `connect` completes
+//! before it returns (0); errors are Linux's (`ECONNREFUSED`, `ECONNRESET`, `EPIPE`,
+//! `ETIMEDOUT`, `EADDRINUSE`).
 //! `dup`, `dup2`, `dup3` and `F_DUPFD` share the socket.
 //!
 //! Sockets survive `fork` as the kernel's do: the child holds every lanbus socket the parent
@@ -210,8 +217,13 @@ struct Sock {
     /// `AF_INET` or `AF_INET6`: how addresses are shown to the program.
     domain: c_int,
     nonblock: AtomicBool,
-    /// A descriptor of the placeholder eventfd of our own (the program may close its numbers).
+    /// A descriptor of the placeholder of our own (the program may close its numbers): one end
+    /// of a Unix stream socket pair.
     signal: RawFd,
+    /// The pair's other end, the library's alone.
+    peer: RawFd,
+    /// The placeholder is kept from polling writable (no send credit).
+    out_blocked: AtomicBool,
     /// Something arrived since the readiness was last computed.
     pending: AtomicBool,
     /// Serialises recomputing the readiness.
@@ -230,8 +242,11 @@ impl Drop for Sock {
             // SAFETY: dropped once, here, and never used after.
             unsafe { ManuallyDrop::drop(&mut self.state) };
         }
-        // SAFETY: our own descriptor, closed once.
-        unsafe { real!(close: fn(c_int) -> c_int)(self.signal) };
+        // SAFETY: our own descriptors, closed once.
+        unsafe {
+            real!(close: fn(c_int) -> c_int)(self.signal);
+            real!(close: fn(c_int) -> c_int)(self.peer);
+        }
     }
 }
 
@@ -278,7 +293,16 @@ fn client() -> Result<StackClient, c_int> {
         if let Some(sock) = sock {
             sock.wanted.store(false, Ordering::Relaxed);
             sock.pending.store(true, Ordering::Release);
-            signal(sock.signal, true);
+            sock.signal(true);
+        }
+    });
+    client.set_credit_notify(|h| {
+        let sock = lock(&global().by_handle).get(&h).and_then(Weak::upgrade);
+        // Credit came back (how much, this function cannot look: it runs with the client's lock
+        // held): a writer that found none tries again, and finds out.
+        // SeqCst: pairs with the store in `Sock::sync_with`.
+        if let Some(sock) = sock.filter(|s| s.out_blocked.load(Ordering::SeqCst)) {
+            sock.set_writable(true);
         }
     });
     client.spawn_reader().map_err(|_| libc::ENOMEM)?;
@@ -297,39 +321,103 @@ fn set_attached_pid(pid: u32) {
     ATTACHED_PID.store(pid, Ordering::Relaxed);
 }
 
-/// Makes the placeholder readable (`on`) or not.
-fn signal(fd: RawFd, on: bool) {
-    let mut v: u64 = 1;
-    if on {
-        // SAFETY: writes 8 bytes from a live u64 to our eventfd.
-        unsafe {
-            real!(write: fn(c_int, *const c_void, size_t) -> ssize_t)(fd, (&v as *const u64).cast(), 8)
-        };
-    } else {
-        // SAFETY: reads 8 bytes into a live u64 from our (non-blocking) eventfd.
-        unsafe { real!(read: fn(c_int, *mut c_void, size_t) -> ssize_t)(fd, (&mut v as *mut u64).cast(), 8) };
-    }
+/// Reads `fd` (non-blocking) until it has nothing more.
+fn drain(fd: RawFd) {
+    let mut buf = [0u8; 4096];
+    // SAFETY: reads into a live buffer of its length.
+    while unsafe { real!(read: fn(c_int, *mut c_void, size_t) -> ssize_t)(fd, buf.as_mut_ptr().cast(), 4096) }
+        > 0
+    {}
 }
 
 impl Sock {
-    /// Recomputes whether the placeholder should poll readable.
+    /// Makes the placeholder readable (`on`) or not: a byte from the library's end of the pair
+    /// waits in the placeholder's receive queue exactly while it should poll readable.
+    fn signal(&self, on: bool) {
+        if on {
+            let b = 1u8;
+            // SAFETY: writes one byte from a live u8 to our end (non-blocking: a full queue is
+            // readable already).
+            unsafe {
+                real!(write: fn(c_int, *const c_void, size_t) -> ssize_t)(
+                    self.peer,
+                    (&b as *const u8).cast(),
+                    1,
+                )
+            };
+        } else {
+            drain(self.signal);
+        }
+    }
+
+    /// Makes the placeholder writable (`on`) or not. The placeholder's own sends go to the
+    /// library's end and stay there: while they fill its (small) send buffer it polls not
+    /// writable, and reading them back out makes it writable, which wakes `EPOLLOUT` waiters,
+    /// level- and edge-triggered alike.
+    fn set_writable(&self, on: bool) {
+        if on {
+            drain(self.peer);
+        } else {
+            let filler = [0u8; 4096];
+            // SAFETY: writes from a live buffer of its length to our non-blocking placeholder.
+            while unsafe {
+                real!(write: fn(c_int, *const c_void, size_t) -> ssize_t)(
+                    self.signal,
+                    filler.as_ptr().cast(),
+                    4096,
+                )
+            } > 0
+            {}
+        }
+    }
+
+    /// Recomputes whether the placeholder should poll readable and writable.
     fn sync(&self) {
+        self.sync_with(false);
+    }
+
+    /// After a write found no send credit: as `sync`, but the placeholder stops polling
+    /// writable even if credit came back meanwhile, and starts again at once if so; an
+    /// edge-triggered waiter is woken by every return of room after an `EAGAIN`.
+    fn sync_blocked(&self) {
+        self.sync_with(true);
+    }
+
+    fn sync_with(&self, blocked: bool) {
         let _g = lock(&self.sync);
         self.pending.store(false, Ordering::Release);
-        let ready = match &*self.state.lock() {
-            State::Fresh { .. } => false,
-            State::Listening(l) => l.ready(),
-            State::Connected(s) => s.readiness().1,
-            State::Udp { sock, .. } => sock.ready(),
+        let (ready, writable) = match &*self.state.lock() {
+            State::Fresh { .. } => (false, true),
+            State::Listening(l) => (l.ready(), true),
+            State::Connected(s) => (s.readiness().1, s.writable()),
+            State::Udp { sock, .. } => (sock.ready(), true),
         };
         if ready {
-            signal(self.signal, true);
+            self.signal(true);
         } else {
-            signal(self.signal, false);
+            self.signal(false);
             // An arrival between the check and the drain: make it readable again.
             if self.pending.load(Ordering::Acquire) {
-                signal(self.signal, true);
+                self.signal(true);
             }
+        }
+        if !writable || blocked {
+            // SeqCst: ordered before the fill and the second look below, against the load in
+            // the notify function, which runs after the credit it reports was counted: either
+            // this second look sees the credit, or that function sees the flag and makes the
+            // placeholder writable after the fill.
+            self.out_blocked.store(true, Ordering::SeqCst);
+            self.set_writable(false);
+            let writable = match &*self.state.lock() {
+                State::Connected(s) => s.writable(),
+                _ => true,
+            };
+            if writable {
+                self.out_blocked.store(false, Ordering::SeqCst);
+                self.set_writable(true);
+            }
+        } else if self.out_blocked.swap(false, Ordering::SeqCst) {
+            self.set_writable(true);
         }
     }
 
@@ -420,20 +508,49 @@ fn adopt_inherited() {
 
 /// A new placeholder descriptor and its socket.
 fn new_sock(domain: c_int, stream: bool, flags: c_int) -> c_int {
-    let mut efd_flags = libc::EFD_NONBLOCK;
-    if flags & libc::SOCK_CLOEXEC != 0 {
-        efd_flags |= libc::EFD_CLOEXEC;
-    }
-    // SAFETY: eventfd has no memory preconditions.
-    let fd = unsafe { libc::eventfd(0, efd_flags) };
-    if fd < 0 {
+    let mut pair = [-1; 2];
+    let cloexec = if flags & libc::SOCK_CLOEXEC != 0 { libc::SOCK_CLOEXEC } else { 0 };
+    // SAFETY: socketpair writes two descriptors into the live array.
+    let rc = unsafe {
+        real!(socketpair: fn(c_int, c_int, c_int, *mut c_int) -> c_int)(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | cloexec,
+            0,
+            pair.as_mut_ptr(),
+        )
+    };
+    if rc < 0 {
         return -1;
     }
-    // SAFETY: duplicating our fresh descriptor.
-    let signal = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-    if signal < 0 || fd as usize >= MAX_FD {
+    let [fd, peer] = pair;
+    // The smallest send buffer the kernel allows: a few writes fill it (see `set_writable`).
+    let small: c_int = 1;
+    // SAFETY: an int option from a live int, on our own socket.
+    unsafe {
+        real!(setsockopt: fn(c_int, c_int, c_int, *const c_void, socklen_t) -> c_int)(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&small as *const c_int).cast(),
+            4,
+        )
+    };
+    // SAFETY: duplicating our fresh descriptors (the library's end close-on-exec too).
+    let (signal, peer) = unsafe {
+        let signal = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0);
+        let p = libc::fcntl(peer, libc::F_DUPFD_CLOEXEC, 0);
+        real!(close: fn(c_int) -> c_int)(peer);
+        (signal, p)
+    };
+    if signal < 0 || peer < 0 || fd as usize >= MAX_FD {
         // SAFETY: closing what we just made.
-        unsafe { real!(close: fn(c_int) -> c_int)(fd) };
+        unsafe {
+            for d in [fd, signal, peer] {
+                if d >= 0 {
+                    real!(close: fn(c_int) -> c_int)(d);
+                }
+            }
+        }
         return fail(libc::EMFILE);
     }
     let sock = Arc::new(Sock {
@@ -441,6 +558,8 @@ fn new_sock(domain: c_int, stream: bool, flags: c_int) -> c_int {
         domain,
         nonblock: AtomicBool::new(flags & libc::SOCK_NONBLOCK != 0),
         signal,
+        peer,
+        out_blocked: AtomicBool::new(false),
         pending: AtomicBool::new(false),
         sync: Mutex::new(()),
         pid: AtomicU32::new(std::process::id()),
@@ -745,6 +864,13 @@ pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut sockle
     unsafe { accept4(fd, addr, len, 0) }
 }
 
+/// Blocks until the placeholder polls writable (at most 100 ms: the caller looks again).
+fn wait_writable(fd: RawFd) {
+    let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+    // SAFETY: one live pollfd.
+    unsafe { libc::poll(&mut p, 1, 100) };
+}
+
 /// Blocks until the placeholder polls readable.
 fn wait_readable(fd: RawFd) {
     let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
@@ -864,15 +990,46 @@ fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut Socket
     }
 }
 
-fn sock_write(sock: &Sock, buf: &[u8], to: Option<SocketAddr>) -> ssize_t {
+/// Writes `buf` to a lanbus socket (`to`: a datagram's destination). A stream takes what its
+/// send credit allows: a non-blocking write takes that much (a short count) or answers `EAGAIN`;
+/// a blocking one waits for credit until all is written, with the socket's state unlocked
+/// meanwhile (a reader or `close` on another thread goes on).
+fn sock_write(sock: &Sock, buf: &[u8], to: Option<SocketAddr>, flags: c_int) -> ssize_t {
     if let Err(e) = usable(sock) {
         return fail(e);
     }
+    let nonblock = sock.nonblock.load(Ordering::Relaxed) || flags & libc::MSG_DONTWAIT != 0;
+    let mut written = 0;
     let mut st = sock.state.lock();
     match &mut *st {
-        State::Connected(s) => match std::io::Write::write(s, buf) {
-            Ok(n) => n as ssize_t,
-            Err(e) => io_fail(&e),
+        State::Connected(_) => loop {
+            let State::Connected(s) = &mut *st else {
+                // Closed under us by another thread (its number reused for something else).
+                return if written > 0 { written as ssize_t } else { fail(libc::EBADF) };
+            };
+            match s.try_write(&buf[written..]) {
+                Ok(n) => {
+                    written += n;
+                    if written == buf.len() || nonblock {
+                        drop(st);
+                        if written < buf.len() {
+                            // Out of credit: the placeholder stops polling writable.
+                            sock.sync_blocked();
+                        }
+                        return written as ssize_t;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    drop(st);
+                    sock.sync_blocked();
+                    if nonblock {
+                        return if written > 0 { written as ssize_t } else { fail(libc::EAGAIN) };
+                    }
+                    wait_writable(sock.signal);
+                    st = sock.state.lock();
+                }
+                Err(e) => return if written > 0 { written as ssize_t } else { io_fail(&e) },
+            }
         },
         State::Udp { sock: u, peer } => match to.or(*peer) {
             Some(to) => match u.send_to(buf, to) {
@@ -971,7 +1128,7 @@ pub unsafe extern "C" fn __recvfrom_chk(
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, count: size_t) -> ssize_t {
     match sock_of(fd) {
         // SAFETY: the program's buffer.
-        Some(s) => sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, None),
+        Some(s) => sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, None, 0),
         // SAFETY: passing through.
         None => unsafe { real!(write: fn(c_int, *const c_void, size_t) -> ssize_t)(fd, buf, count) },
     }
@@ -981,7 +1138,7 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, count: size_t) -> 
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, count: size_t, flags: c_int) -> ssize_t {
     match sock_of(fd) {
         // SAFETY: the program's buffer.
-        Some(s) => sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, None),
+        Some(s) => sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, None, flags),
         // SAFETY: passing through.
         None => unsafe {
             real!(send: fn(c_int, *const c_void, size_t, c_int) -> ssize_t)(fd, buf, count, flags)
@@ -1003,7 +1160,7 @@ pub unsafe extern "C" fn sendto(
             // SAFETY: the program's address (may be null for a connected socket).
             let to = unsafe { addr_in(addr, len) };
             // SAFETY: the program's buffer.
-            sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, to)
+            sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, to, flags)
         }
         // SAFETY: passing through.
         None => unsafe {
@@ -1046,7 +1203,7 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) ->
         // SAFETY: the program's buffers.
         all.extend_from_slice(unsafe { std::slice::from_raw_parts(v.iov_base.cast::<u8>(), v.iov_len) });
     }
-    sock_write(&s, &all, None)
+    sock_write(&s, &all, None, 0)
 }
 
 #[no_mangle]
@@ -1094,7 +1251,7 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const libc::msghdr, flags: c_i
         // SAFETY: the program's buffers.
         all.extend_from_slice(unsafe { std::slice::from_raw_parts(v.iov_base.cast::<u8>(), v.iov_len) });
     }
-    sock_write(&s, &all, to)
+    sock_write(&s, &all, to, flags)
 }
 
 #[no_mangle]
@@ -1105,7 +1262,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         mark(fd, false);
         lock(&global().socks).remove(&fd);
     }
-    // SAFETY: passing through (the placeholder eventfd, or any other descriptor).
+    // SAFETY: passing through (the placeholder, or any other descriptor).
     unsafe { real!(close: fn(c_int) -> c_int)(fd) }
 }
 
