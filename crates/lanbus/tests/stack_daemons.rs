@@ -932,3 +932,105 @@ fn forked_children_keep_their_parents_sockets() {
     drop(net.stackd);
     let _ = std::fs::remove_dir_all(&net.dir);
 }
+
+/// A non-blocking writer: sends `TOTAL` bytes, waiting in epoll (`level` or `edge`-triggered)
+/// for `EPOLLOUT` after each `EAGAIN`; then a blocking `sendall` on a second thread while the
+/// main thread reads. `python3 -c NONBLOCKING_WRITER IP PORT MODE TOTAL`; prints the stream's
+/// sha256, the `EAGAIN`s and the wake-ups, and what the reading thread got.
+const NONBLOCKING_WRITER: &str = r#"
+import hashlib, select, socket, sys, threading
+ip, port, mode, total = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+s = socket.create_connection((ip, port), timeout=20)
+s.setblocking(False)
+ep = select.epoll()
+ep.register(s.fileno(), select.EPOLLOUT | (select.EPOLLET if mode == "edge" else 0))
+h = hashlib.sha256()
+sent = eagain = wakeups = chunk = 0
+buf = b""
+while sent < total:
+    if not buf:
+        buf = (hashlib.sha256(b"%d" % chunk).digest() * 2048)[: total - sent]
+        chunk += 1
+    try:
+        n = s.send(buf)
+    except BlockingIOError:
+        eagain += 1
+        events = ep.poll(20)
+        assert events and events[0][1] & select.EPOLLOUT, "no EPOLLOUT within 20 s"
+        wakeups += 1
+        continue
+    h.update(buf[:n])
+    sent += n
+    buf = buf[n:]
+# A blocking writer on another thread must not keep this one from reading the same socket.
+s.setblocking(True)
+s.settimeout(20)
+t = threading.Thread(target=s.sendall, args=(b"\0" * (16 << 20),))
+t.start()
+line = b""
+while not line.endswith(b"\n"):
+    line += s.recv(100)
+t.join(30)
+assert not t.is_alive(), "the blocking sendall did not end"
+s.shutdown(socket.SHUT_WR)
+print(h.hexdigest(), eagain, wakeups, line.decode().strip(), flush=True)
+"#;
+
+#[test]
+fn nonblocking_writes_get_eagain_and_epollout_when_room_returns() {
+    if let Err(skip) = check_root() {
+        eprintln!("skipped: {}", skip.0);
+        return;
+    }
+    for tool in ["python3", "sha256sum"] {
+        if !have(tool) {
+            eprintln!("skipped: {tool} is not installed (scripts/setup installs it)");
+            return;
+        }
+    }
+    assert!(
+        preload_library().exists(),
+        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
+        preload_library().display()
+    );
+    let net = build('w');
+    const TOTAL: usize = 64 << 20;
+    for (mode, port) in [("level", 6301u16), ("edge", 6302)] {
+        let got = net.dir.join(format!("{mode}.bin"));
+        let file = got.clone();
+        let linux = net.linux_server(port, move |l| {
+            let (mut c, _) = l.accept().expect("the writer's connection");
+            c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            // Not reading at first: the writer runs out of room.
+            std::thread::sleep(Duration::from_millis(1500));
+            let mut stream = vec![0u8; TOTAL];
+            c.read_exact(&mut stream).expect("the non-blocking writer's bytes");
+            std::fs::write(&file, &stream).unwrap();
+            // The second phase: a line for the reading thread while the blocking writer waits
+            // for room (this side reads nothing for a while), then its bytes and the end.
+            c.write_all(b"while it writes\n").unwrap();
+            std::thread::sleep(Duration::from_millis(1000));
+            let mut rest = Vec::new();
+            c.read_to_end(&mut rest).expect("the blocking writer's bytes");
+            assert_eq!(rest.len(), 16 << 20, "the blocking sendall's bytes, exactly");
+        });
+        let out = ok(
+            preloaded(&net, "python3")
+                .args(["-c", NONBLOCKING_WRITER, &LINUX_IP.to_string(), &port.to_string(), mode])
+                .arg(TOTAL.to_string())
+                .output(),
+            "python's non-blocking writer through the library",
+        );
+        linux.join().expect("the Linux reader");
+        let fields: Vec<&str> = out.split_whitespace().collect();
+        let [digest, eagain, wakeups, ..] = fields[..] else { panic!("{mode}: {out}") };
+        assert_eq!(digest, sha256(&got), "{mode}: every byte once, in order");
+        let (eagain, wakeups): (u64, u64) = (eagain.parse().unwrap(), wakeups.parse().unwrap());
+        assert!(eagain >= 1, "{mode}: the writer never ran out of room: {out}");
+        assert_eq!(wakeups, eagain, "{mode}: each EAGAIN ended with EPOLLOUT: {out}");
+        assert!(out.contains("while it writes"), "{mode}: the reader beside a blocked writer: {out}");
+        eprintln!("{mode}-triggered writer: {eagain} EAGAIN, each ended by EPOLLOUT");
+    }
+    drop(net.stackd);
+    let _ = std::fs::remove_dir_all(&net.dir);
+}
