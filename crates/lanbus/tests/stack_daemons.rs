@@ -764,6 +764,23 @@ assert status == 0, status
 print("parent done", flush=True)
 "#;
 
+/// Connects, forks; the child execs `sleep 20` without touching the socket, the parent closes
+/// its copy, says `closed`, and ends the child when told (a line on stdin).
+/// `python3 -c FORK_THEN_EXEC IP PORT`.
+const FORK_THEN_EXEC: &str = r#"
+import os, signal, socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)
+pid = os.fork()
+if pid == 0:
+    os.execv("/bin/sleep", ["sleep", "20"])
+s.close()
+print("closed", flush=True)
+sys.stdin.readline()
+os.kill(pid, signal.SIGKILL)
+os.waitpid(pid, 0)
+print("parent done", flush=True)
+"#;
+
 /// A pre-fork server: one listener, two forked workers accepting on it, the parent closing its
 /// copy. Each worker answers a line with its number and the line, and stops at `quit`.
 /// `python3 -c PREFORK_SERVER IP PORT`; prints `listening`, then each worker's count served.
@@ -865,6 +882,30 @@ fn forked_children_keep_their_parents_sockets() {
     );
     assert!(out.contains("child done") && out.contains("parent done"), "{out}");
     linux.join().expect("the Linux side of the forked connection");
+
+    // A child that execs lets go of what it inherited at the exec: the parent's close ends the
+    // connection while the exec'd child still runs.
+    let linux = net.linux_server(6203, |l| {
+        let (mut c, _) = l.accept().expect("the forked program's connection");
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).expect("the end, while the exec'd child runs");
+        assert!(rest.is_empty(), "{rest:?}");
+    });
+    let mut forked = Daemon(
+        preloaded(&net, "python3")
+            .args(["-c", FORK_THEN_EXEC, &LINUX_IP.to_string(), "6203"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python forking and execing through the library"),
+    );
+    linux.join().expect("the Linux side of the exec'd child's connection");
+    // Only now does the child end (the parent kills it when told).
+    forked.0.stdin.take().unwrap().write_all(b"\n").unwrap();
+    let mut said = String::new();
+    forked.0.stdout.take().unwrap().read_to_string(&mut said).unwrap();
+    assert!(forked.0.wait().unwrap().success() && said.contains("parent done"), "{said}");
 
     // A pre-fork server: two workers accept on the listener they inherited, each client is
     // served once, by one of them.

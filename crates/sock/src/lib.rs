@@ -37,8 +37,9 @@
 //! to read it (bytes that had reached a process before are that process's to read); a shared
 //! listener hands each connection to exactly one process waiting in `accept` (a process that
 //! does not accept takes none). Not inherited: zero-copy connections (not made by this
-//! library), and sockets across `exec` (the new program cannot use them; they close when the
-//! exec'd process ends or, once the child called on a lanbus socket, at the exec).
+//! library), and sockets across `exec`: the new program cannot use them, close-on-exec or not,
+//! so the process lets go of them at the `exec` (`execve`, `execv`, `execvp` and `execvpe` are
+//! taken over for this; a program that execs by other means keeps them until it ends).
 //! Options are accepted and, where the
 //! stack has no such knob, ignored (`getsockopt` answers what Linux would for a default socket).
 //! An `AF_INET6` socket is dual-stack as Linux's are by default: it reaches IPv4 peers through
@@ -446,13 +447,18 @@ impl Sock {
 
 /// The fork ticket this process (a child) has not claimed yet: 0 when none.
 static PENDING_TICKET: AtomicU64 = AtomicU64::new(0);
+/// The process `PENDING_TICKET` is for: a `vfork` child sees the parent's memory, ticket and
+/// all, and must not claim it (nor attach in the parent's memory).
+static PENDING_PID: AtomicU32 = AtomicU32::new(0);
 
 /// In a forked child, on its first call on a lanbus socket: attaches anew and takes over the
 /// sockets the parent's fork ticket holds for it. A socket whose state another thread of the
 /// parent held at the fork, or all of them when the claim fails, answer `EBADF` from then on.
 fn adopt_inherited() {
     // Acquire: pairs with the store in `fork`, made before the child runs anything else.
-    if PENDING_TICKET.load(Ordering::Acquire) == 0 {
+    if PENDING_TICKET.load(Ordering::Acquire) == 0
+        || PENDING_PID.load(Ordering::Relaxed) != std::process::id()
+    {
         return;
     }
     static ADOPTING: Mutex<()> = Mutex::new(());
@@ -1427,6 +1433,7 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
     if pid == 0 {
         // The parent's attachment: never dropped here (see `StackClient::abandon_in_child`).
         std::mem::forget(client);
+        PENDING_PID.store(std::process::id(), Ordering::Relaxed);
         // Release: pairs with the load in `adopt_inherited`.
         PENDING_TICKET.store(token, Ordering::Release);
         return 0;
@@ -1438,6 +1445,57 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
         }
     }
     pid
+}
+
+/// Before an `exec`: a child that has not claimed the sockets it inherited claims them now, on
+/// an attachment whose socket closes at the exec, so that the server lets go of them then
+/// (the new program cannot use them) rather than when the exec'd process ends.
+fn before_exec() {
+    adopt_inherited();
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execve(
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    before_exec();
+    // SAFETY: passing the program's arguments through.
+    unsafe {
+        real!(execve: fn(*const libc::c_char, *const *const libc::c_char, *const *const libc::c_char) -> c_int)(
+            path, argv, envp,
+        )
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    before_exec();
+    // SAFETY: passing the program's arguments through.
+    unsafe { real!(execv: fn(*const libc::c_char, *const *const libc::c_char) -> c_int)(path, argv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    before_exec();
+    // SAFETY: passing the program's arguments through.
+    unsafe { real!(execvp: fn(*const libc::c_char, *const *const libc::c_char) -> c_int)(file, argv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvpe(
+    file: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    before_exec();
+    // SAFETY: passing the program's arguments through.
+    unsafe {
+        real!(execvpe: fn(*const libc::c_char, *const *const libc::c_char, *const *const libc::c_char) -> c_int)(
+            file, argv, envp,
+        )
+    }
 }
 
 /// Shares socket `fd`'s state with a new descriptor number `nfd` (a dup of the placeholder).
