@@ -341,6 +341,9 @@ impl StackClient {
             if let Some(token) = st.book.tickets.remove(&req) {
                 return Ok(token);
             }
+            if let Some(Err(errno)) = st.book.replies.remove(&req) {
+                return Err(io::Error::from_raw_os_error(errno));
+            }
             if st.gone.is_some() {
                 return Err(gone_error());
             }

@@ -36,7 +36,7 @@ use smoltcp::wire::{EthernetAddress, HardwareAddress, IpAddress, IpCidr, IpEndpo
 
 use crate::device::PortDevice;
 use crate::proto::{Msg, HEADER_LEN};
-use crate::share::{ClientId, Shares};
+use crate::share::{Claimed, ClientId, Shares};
 use crate::{hello, pipe_config, pipe_offset, Channel, CopyUnit};
 
 /// Bytes a client may have given the server for a connection and not yet seen accepted (`Sent`).
@@ -45,6 +45,8 @@ pub const SEND_CREDIT: u64 = 4 << 20;
 pub const RECV_CREDIT: u64 = 4 << 20;
 /// First port handed out for connects and for listens on port 0.
 const EPHEMERAL: u16 = 49152;
+/// Fork tickets a client may have made without reporting their child (`Forked`).
+const MAX_UNREPORTED_FORKS: usize = 64;
 /// How long the loop keeps polling after the last work before it sleeps.
 const SPIN: Duration = Duration::from_micros(100);
 
@@ -122,7 +124,8 @@ pub struct ServerCounters {
     pub forks: u64,
     /// Fork tickets claimed by the child.
     pub forks_adopted: u64,
-    /// Claims refused (no such ticket, or another process's).
+    /// Claims refused (no such ticket, or another process's), and tickets refused to a client
+    /// with too many whose child it never reported.
     pub forks_refused: u64,
     /// Bytes zero-copy clients committed that had to be moved first (the stack's send buffer had
     /// emptied and restarted at its beginning before the client learned of it).
@@ -1117,6 +1120,13 @@ impl Core {
             Msg::Close { handle } => self.close_handle(id, handle, false),
             Msg::Abort { conn } => self.close_handle(id, conn, true),
             Msg::Fork { req } => {
+                // A fork reports its child at once: a client with this many unreported is not
+                // forking, and each ticket costs the server memory.
+                if self.shares.unreported(id) >= MAX_UNREPORTED_FORKS {
+                    self.counters.forks_refused += 1;
+                    self.reply(id, Msg::Failed { req, errno: libc::EAGAIN });
+                    return Ok(());
+                }
                 let token = self.new_token();
                 // A zero-copy connection's send buffer is one mapping between one program and
                 // the stack: it stays with the parent.
@@ -1143,12 +1153,12 @@ impl Core {
             Msg::Adopt { req, token } => {
                 let pid = self.clients.get(&id).map_or(0, |c| c.pid) as u32;
                 match self.shares.claim(token, id, pid) {
-                    Ok((handles, ended)) => {
+                    Ok(Claimed { handles, ended }) => {
                         self.counters.forks_adopted += 1;
                         // What ended while only the ticket held it: the child hears it as a
                         // connection closed under it.
-                        for conn in ended {
-                            self.reply(id, Msg::Closed { conn, errno: libc::ECONNRESET });
+                        for (conn, errno) in ended {
+                            self.reply(id, Msg::Closed { conn, errno });
                         }
                         let n = handles.len() as u32;
                         self.reply(id, Msg::Opened { req, handle: n, local: NOWHERE });
@@ -1320,7 +1330,7 @@ impl Core {
                                 }
                             }
                         }
-                        self.shares.forget(h);
+                        self.shares.forget(h, errno);
                     }
                     if s.state() == tcp::State::Closed && c.orphan {
                         free.push(h);

@@ -38,9 +38,19 @@ struct Ticket {
     /// The child, once the parent reported it.
     pid: Option<u32>,
     handles: Vec<HandleId>,
-    /// Handles that ended while only the ticket held them for this side: the claimer hears of
-    /// their end (and never of another socket that took the number since).
-    ended: Vec<HandleId>,
+    /// Handles that ended while the ticket held them, with the errno they ended with (0: an
+    /// orderly close): the claimer hears of their end (and never of another socket that took
+    /// the number since).
+    ended: Vec<(HandleId, i32)>,
+}
+
+/// What a claimed ticket gives its claimer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Claimed {
+    /// The handles it holds from now on.
+    pub(crate) handles: Vec<HandleId>,
+    /// Those that ended meanwhile, with the errno they ended with (0: an orderly close).
+    pub(crate) ended: Vec<(HandleId, i32)>,
 }
 
 /// Why a ticket was not claimed.
@@ -159,13 +169,8 @@ impl Shares {
     }
 
     /// Process `pid`, attached as `client`, claims ticket `token`: it holds each of the ticket's
-    /// handles from now on. Returns the handles it got and those that ended meanwhile.
-    pub(crate) fn claim(
-        &mut self,
-        token: u64,
-        client: ClientId,
-        pid: u32,
-    ) -> Result<(Vec<HandleId>, Vec<HandleId>), Refused> {
+    /// handles from now on.
+    pub(crate) fn claim(&mut self, token: u64, client: ClientId, pid: u32) -> Result<Claimed, Refused> {
         let t = self.tickets.get(&token).ok_or(Refused::NoTicket)?;
         if t.pid.is_some_and(|p| p != pid) {
             return Err(Refused::WrongProcess);
@@ -179,7 +184,7 @@ impl Shares {
             }
             s.reader.get_or_insert(client);
         }
-        Ok((t.handles, t.ended))
+        Ok(Claimed { handles: t.handles, ended: t.ended })
     }
 
     /// The unclaimed tickets whose child is known: (token, pid).
@@ -195,7 +200,7 @@ impl Shares {
             let s = self.handles.get_mut(&h).expect("a ticket lists only live handles");
             s.tickets -= 1;
             if s.holders.is_empty() && s.tickets == 0 {
-                self.forget(h);
+                self.forget(h, 0);
                 freed.push(h);
             }
         }
@@ -213,7 +218,7 @@ impl Shares {
             s.reader = s.holders.first().copied();
         }
         if s.holders.is_empty() && s.tickets == 0 {
-            self.forget(h);
+            self.forget(h, 0);
             return true;
         }
         false
@@ -236,16 +241,21 @@ impl Shares {
         freed
     }
 
-    /// The handle ended on its own (the connection closed): every reference goes, and tickets
-    /// holding it tell their claimer it ended.
-    pub(crate) fn forget(&mut self, h: HandleId) {
+    /// The handle ended on its own (the connection closed, `errno` as its holders were told):
+    /// every reference goes, and tickets holding it tell their claimer it ended.
+    pub(crate) fn forget(&mut self, h: HandleId, errno: i32) {
         self.handles.remove(&h);
         for t in self.tickets.values_mut() {
             if let Some(at) = t.handles.iter().position(|&x| x == h) {
                 t.handles.remove(at);
-                t.ended.push(h);
+                t.ended.push((h, errno));
             }
         }
+    }
+
+    /// Tickets `creator` made whose child it has not reported yet.
+    pub(crate) fn unreported(&self, creator: ClientId) -> usize {
+        self.tickets.values().filter(|t| t.creator == creator && t.pid.is_none()).count()
     }
 
     /// Checks the invariants of the module doc; panics with the first broken one.
@@ -369,7 +379,7 @@ mod tests {
                         let got = s.claim(token, c, pid);
                         match m.tickets.remove(&token) {
                             Some((_, _, hs)) => {
-                                let (handles, _) = got.expect("a live ticket is claimed");
+                                let Claimed { handles, .. } = got.expect("a live ticket is claimed");
                                 prop_assert_eq!(handles.iter().copied().collect::<BTreeSet<_>>(), hs.clone());
                                 for h in hs {
                                     m.held.get_mut(&h).unwrap().insert(c);
@@ -405,7 +415,7 @@ mod tests {
                             continue;
                         }
                         // The connection closed on its own: the server forgets it and frees it.
-                        s.forget(h);
+                        s.forget(h, 0);
                         freed.push(h);
                         m.held.remove(&h);
                         for t in m.tickets.values_mut() {
@@ -443,7 +453,7 @@ mod tests {
         assert_eq!(s.forked(77, 10, Some(500)), Ok(vec![]));
         assert_eq!(s.forked(77, 10, Some(501)), Err(Refused::NoTicket), "reported once");
         assert_eq!(s.claim(77, 11, 501), Err(Refused::WrongProcess));
-        assert_eq!(s.claim(77, 11, 500), Ok((vec![1], vec![])));
+        assert_eq!(s.claim(77, 11, 500), Ok(Claimed { handles: vec![1], ended: vec![] }));
         assert_eq!(s.take_accepter(1), None, "shared: only a worker that asked gets one");
         s.want(1, 11, true);
         s.want(1, 11, true);

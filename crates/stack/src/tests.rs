@@ -573,3 +573,35 @@ fn a_fork_ticket_hands_a_connection_to_its_child_alone() {
         });
     });
 }
+
+/// A client that asks for fork tickets and never reports a child is refused past a bound, and
+/// what its tickets held is freed when it goes.
+#[test]
+fn fork_tickets_without_children_are_bounded_and_go_with_their_client() {
+    bounded(60, || {
+        let p = pair("forks", 0.0);
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let l = cb.listen(7012, 4).unwrap();
+        let greedy = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let s = greedy.connect(SocketAddrV4::new(B, 7012)).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        for _ in 0..64 {
+            greedy.fork_ticket().unwrap();
+        }
+        let e = greedy.fork_ticket().unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EAGAIN), "{e}");
+        // The client goes: its connection and the tickets' references with it.
+        drop(s);
+        drop(greedy);
+        peer.set_read_timeout(Some(Duration::from_secs(10)));
+        assert_eq!(read_all(&mut peer), b"");
+        drop(peer);
+        settled(&p.a, |st| {
+            st.clients == 0
+                && st.connections.is_empty()
+                && st.counters.forks == 64
+                && st.counters.forks_refused == 1
+                && st.counters.clients_broken == 0
+        });
+    });
+}
