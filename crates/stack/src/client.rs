@@ -5,6 +5,11 @@
 //! implement `std::io::Read` and `Write`; each write copies the program's bytes once, into the
 //! ring, one copy unit per request; each read copies once out of the client's queue.
 //!
+//! A program that forks hands its sockets to the child through the server:
+//! [`StackClient::fork_ticket`] before the fork, [`StackClient::forked`] after it in the parent,
+//! and in the child, on a new attachment, [`StackClient::adopt`] and the `adopted_*`
+//! constructors. Of processes sharing a socket, [`StackClient::want`] says which one waits on it.
+//!
 //! Invariants: the client never has more than [`crate::server::SEND_CREDIT`] unacknowledged bytes
 //! in flight per connection, and tells the server what it read, so neither side grows without
 //! bound. A server that goes away turns every blocked call into an error (ECONNRESET for streams,
