@@ -975,11 +975,11 @@ fn forked_children_keep_their_parents_sockets() {
 }
 
 /// A non-blocking writer: sends `TOTAL` bytes, waiting in epoll (`level` or `edge`-triggered)
-/// for `EPOLLOUT` after each `EAGAIN`; then a blocking `sendall` on a second thread while the
-/// main thread reads. `python3 -c NONBLOCKING_WRITER IP PORT MODE TOTAL`; prints the stream's
+/// for `EPOLLOUT` after each `EAGAIN`; then a blocking `sendall` and `sendfile` on a second
+/// thread while the main thread reads. `python3 -c NONBLOCKING_WRITER IP PORT MODE TOTAL`; prints the stream's
 /// sha256, the `EAGAIN`s and the wake-ups, and what the reading thread got.
 const NONBLOCKING_WRITER: &str = r#"
-import hashlib, select, socket, sys, threading
+import hashlib, select, socket, sys, tempfile, threading
 ip, port, mode, total = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 s = socket.create_connection((ip, port), timeout=20)
 s.setblocking(False)
@@ -1003,10 +1003,18 @@ while sent < total:
     h.update(buf[:n])
     sent += n
     buf = buf[n:]
-# A blocking writer on another thread must not keep this one from reading the same socket.
+# A blocking writer on another thread must not keep this one from reading the same socket:
+# 8 MiB of zeros by sendall, then 8 MiB of ones from a file by sendfile.
 s.setblocking(True)
 s.settimeout(20)
-t = threading.Thread(target=s.sendall, args=(b"\0" * (16 << 20),))
+def blocking_writer():
+    s.sendall(b"\0" * (8 << 20))
+    with tempfile.TemporaryFile() as f:
+        f.write(b"\1" * (8 << 20))
+        f.flush()
+        f.seek(0)
+        assert s.sendfile(f) == 8 << 20
+t = threading.Thread(target=blocking_writer)
 t.start()
 line = b""
 while not line.endswith(b"\n"):
@@ -1053,7 +1061,8 @@ fn nonblocking_writes_get_eagain_and_epollout_when_room_returns() {
             std::thread::sleep(Duration::from_millis(1000));
             let mut rest = Vec::new();
             c.read_to_end(&mut rest).expect("the blocking writer's bytes");
-            assert_eq!(rest.len(), 16 << 20, "the blocking sendall's bytes, exactly");
+            assert_eq!(rest.len(), 16 << 20, "the blocking sendall's and sendfile's bytes, exactly");
+            assert!(rest[..8 << 20].iter().all(|&b| b == 0) && rest[8 << 20..].iter().all(|&b| b == 1));
         });
         let out = ok(
             preloaded(&net, "python3")

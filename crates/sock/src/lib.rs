@@ -1260,6 +1260,126 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const libc::msghdr, flags: c_i
     sock_write(&s, &all, to, flags)
 }
 
+/// `sendmmsg` on a lanbus socket: each message as `sendmsg` would send it, until one fails
+/// (an error only when none went). The placeholder would take the bytes itself otherwise.
+#[no_mangle]
+pub unsafe extern "C" fn sendmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: libc::c_uint,
+    flags: c_int,
+) -> c_int {
+    if !is_ours(fd) {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(sendmmsg: fn(c_int, *mut libc::mmsghdr, libc::c_uint, c_int) -> c_int)(fd, msgs, n, flags)
+        };
+    }
+    let mut sent = 0;
+    for i in 0..n as usize {
+        // SAFETY: the program's array of `n` messages.
+        let m = unsafe { &mut *msgs.add(i) };
+        // SAFETY: one of the program's messages.
+        let r = unsafe { sendmsg(fd, &m.msg_hdr, flags) };
+        if r < 0 {
+            return if sent > 0 { sent } else { -1 };
+        }
+        m.msg_len = r as libc::c_uint;
+        sent += 1;
+    }
+    sent
+}
+
+/// `recvmmsg` on a lanbus socket: the first message as `recvmsg` would receive it, then more
+/// while more wait (the timeout is not kept: the first wait is `recvmsg`'s).
+#[no_mangle]
+pub unsafe extern "C" fn recvmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: libc::c_uint,
+    flags: c_int,
+    timeout: *mut libc::timespec,
+) -> c_int {
+    if !is_ours(fd) {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(recvmmsg: fn(c_int, *mut libc::mmsghdr, libc::c_uint, c_int, *mut libc::timespec) -> c_int)(
+                fd, msgs, n, flags, timeout,
+            )
+        };
+    }
+    let mut got = 0;
+    for i in 0..n as usize {
+        // After the first, only what is there already.
+        let flags = if i == 0 { flags & !libc::MSG_WAITFORONE } else { flags | libc::MSG_DONTWAIT };
+        // SAFETY: the program's array of `n` messages.
+        let m = unsafe { &mut *msgs.add(i) };
+        // SAFETY: one of the program's messages.
+        let r = unsafe { recvmsg(fd, &mut m.msg_hdr, flags) };
+        if r < 0 {
+            return if got > 0 { got } else { -1 };
+        }
+        m.msg_len = r as libc::c_uint;
+        got += 1;
+    }
+    got
+}
+
+/// `sendfile` to a lanbus socket: read from the file, then written as `write` would (the
+/// placeholder would take the bytes itself otherwise).
+#[no_mangle]
+pub unsafe extern "C" fn sendfile(
+    out: c_int,
+    input: c_int,
+    offset: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
+    let Some(s) = sock_of(out) else {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(sendfile: fn(c_int, c_int, *mut libc::off_t, size_t) -> ssize_t)(out, input, offset, count)
+        };
+    };
+    let mut buf = vec![0u8; count.min(1 << 20)];
+    // SAFETY: reading into our buffer; at the caller's offset (which moves) or the file's.
+    let n = unsafe {
+        if offset.is_null() {
+            real!(read: fn(c_int, *mut c_void, size_t) -> ssize_t)(input, buf.as_mut_ptr().cast(), buf.len())
+        } else {
+            libc::pread(input, buf.as_mut_ptr().cast(), buf.len(), *offset)
+        }
+    };
+    if n <= 0 {
+        return n;
+    }
+    let w = sock_write(&s, &buf[..n as usize], None, 0);
+    if w > 0 {
+        if offset.is_null() {
+            // What was read and not sent goes back to the file's position.
+            // SAFETY: lseek on the caller's descriptor.
+            unsafe { libc::lseek(input, (w - n) as libc::off_t, libc::SEEK_CUR) };
+        } else {
+            // SAFETY: the caller's offset.
+            unsafe { *offset += w as libc::off_t };
+        }
+    } else if offset.is_null() {
+        // SAFETY: lseek on the caller's descriptor.
+        unsafe { libc::lseek(input, -(n as libc::off_t), libc::SEEK_CUR) };
+    }
+    w
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(
+    out: c_int,
+    input: c_int,
+    offset: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
+    // SAFETY: same contract (off_t is 64 bits on this target).
+    unsafe { sendfile(out, input, offset, count) }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     if is_ours(fd) {
