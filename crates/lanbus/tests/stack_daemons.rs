@@ -736,3 +736,351 @@ fn unmodified_programs_through_the_preload_library() {
     let _ = sink.wait();
     let _ = std::fs::remove_dir_all(&net.dir);
 }
+
+/// Connects, forks; the parent closes its copy, then the child writes, reads the answer and
+/// closes. `python3 -c FORKED_CONNECTION IP PORT`; prints `child done` and `parent done`.
+const FORKED_CONNECTION: &str = r#"
+import os, socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.read(r, 1)
+    s.sendall(b"from the child\n")
+    got = b""
+    while not got.endswith(b"\n"):
+        more = s.recv(100)
+        if not more:
+            break
+        got += more
+    assert got == b"answer\n", got
+    s.close()
+    print("child done", flush=True)
+    os._exit(0)
+s.close()
+os.write(w, b"x")
+_, status = os.waitpid(pid, 0)
+assert status == 0, status
+print("parent done", flush=True)
+"#;
+
+/// Connects, forks; the child execs `sleep 20` without touching the socket, the parent closes
+/// its copy, says `closed`, and ends the child when told (a line on stdin).
+/// `python3 -c FORK_THEN_EXEC IP PORT`.
+const FORK_THEN_EXEC: &str = r#"
+import os, signal, socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)
+pid = os.fork()
+if pid == 0:
+    os.execv("/bin/sleep", ["sleep", "20"])
+s.close()
+print("closed", flush=True)
+sys.stdin.readline()
+os.kill(pid, signal.SIGKILL)
+os.waitpid(pid, 0)
+print("parent done", flush=True)
+"#;
+
+/// A pre-fork server: one listener, two forked workers accepting on it, the parent closing its
+/// copy. Each worker answers a line with its number and the line, and stops at `quit`.
+/// `python3 -c PREFORK_SERVER IP PORT`; prints `listening`, then each worker's count served.
+const PREFORK_SERVER: &str = r#"
+import os, socket, sys
+l = socket.socket()
+l.bind((sys.argv[1], int(sys.argv[2])))
+l.listen(64)
+print("listening", flush=True)
+kids = []
+for worker in range(2):
+    pid = os.fork()
+    if pid == 0:
+        served = 0
+        while True:
+            c, _ = l.accept()
+            c.settimeout(20)
+            line = b""
+            while not line.endswith(b"\n"):
+                more = c.recv(100)
+                if not more:
+                    break
+                line += more
+            if line == b"quit\n":
+                c.sendall(b"bye\n")
+                c.close()
+                break
+            c.sendall(b"%d %s" % (worker, line))
+            c.close()
+            served += 1
+        print("worker", worker, "served", served, flush=True)
+        os._exit(0)
+    kids.append(pid)
+l.close()
+for pid in kids:
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, status
+print("workers done", flush=True)
+"#;
+
+/// One line to `addr` from the Linux namespace's thread, and everything the other end answers
+/// until it closes.
+fn ask(addr: SocketAddrV4, line: &[u8]) -> Vec<u8> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut c = loop {
+        match std::net::TcpStream::connect_timeout(&addr.into(), Duration::from_secs(5)) {
+            Ok(c) => break c,
+            Err(e) => assert!(Instant::now() < deadline, "connecting to {addr}: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    c.write_all(line).unwrap();
+    let mut got = Vec::new();
+    c.read_to_end(&mut got).unwrap_or_else(|e| panic!("reading {addr}'s answer: {e}"));
+    got
+}
+
+#[test]
+fn forked_children_keep_their_parents_sockets() {
+    if let Err(skip) = check_root() {
+        eprintln!("skipped: {}", skip.0);
+        return;
+    }
+    if !have("python3") {
+        eprintln!("skipped: python3 is not installed (scripts/setup installs it)");
+        return;
+    }
+    assert!(
+        preload_library().exists(),
+        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
+        preload_library().display()
+    );
+    let net = build('f');
+
+    // A connection through a fork: the parent's close sends no FIN, the child's does.
+    let linux = net.linux_server(6201, |l| {
+        let (mut c, _) = l.accept().expect("the forked program's connection");
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut line = Vec::new();
+        let mut byte = [0u8; 1];
+        while !line.ends_with(b"\n") {
+            // The parent closed its copy before the child wrote: had that ended the
+            // connection, this read would see the end (or a reset) before the child's line.
+            let n = c.read(&mut byte).expect("the child's line");
+            assert_eq!(n, 1, "the connection ended before the child wrote: {:?}", line);
+            line.push(byte[0]);
+        }
+        assert_eq!(line, b"from the child\n");
+        c.write_all(b"answer\n").unwrap();
+        let mut rest = Vec::new();
+        // The child's close ends it: FIN, and nothing more.
+        c.read_to_end(&mut rest).expect("the end after the child's close");
+        assert!(rest.is_empty(), "{rest:?}");
+    });
+    let out = ok(
+        preloaded(&net, "python3").args(["-c", FORKED_CONNECTION, &LINUX_IP.to_string(), "6201"]).output(),
+        "python forking with a connection through the library",
+    );
+    assert!(out.contains("child done") && out.contains("parent done"), "{out}");
+    linux.join().expect("the Linux side of the forked connection");
+
+    // A child that execs lets go of what it inherited at the exec: the parent's close ends the
+    // connection while the exec'd child still runs.
+    let linux = net.linux_server(6203, |l| {
+        let (mut c, _) = l.accept().expect("the forked program's connection");
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).expect("the end, while the exec'd child runs");
+        assert!(rest.is_empty(), "{rest:?}");
+    });
+    let mut forked = Daemon(
+        preloaded(&net, "python3")
+            .args(["-c", FORK_THEN_EXEC, &LINUX_IP.to_string(), "6203"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python forking and execing through the library"),
+    );
+    linux.join().expect("the Linux side of the exec'd child's connection");
+    // Only now does the child end (the parent kills it when told).
+    forked.0.stdin.take().unwrap().write_all(b"\n").unwrap();
+    let mut said = String::new();
+    forked.0.stdout.take().unwrap().read_to_string(&mut said).unwrap();
+    assert!(forked.0.wait().unwrap().success() && said.contains("parent done"), "{said}");
+
+    // A pre-fork server: two workers accept on the listener they inherited, each client is
+    // served once, by one of them.
+    let mut server = Daemon(
+        preloaded(&net, "python3")
+            .args(["-c", PREFORK_SERVER, &STACK_IP.to_string(), "6202"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("the pre-fork server through the library"),
+    );
+    let mut stdout = std::io::BufReader::new(server.0.stdout.take().unwrap());
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
+    assert_eq!(first.trim(), "listening");
+    const CLIENTS: usize = 40;
+    let name = net.linux.name().to_string();
+    let answers = std::thread::spawn(move || {
+        lanbus_port::netns::enter(&name).expect("entering the namespace");
+        let addr = SocketAddrV4::new(STACK_IP, 6202);
+        // Eight at a time, so that both workers are busy at once.
+        let mut answers = Vec::new();
+        for batch in 0..CLIENTS / 8 {
+            let threads: Vec<_> = (0..8)
+                .map(|i| {
+                    let line = format!("client {}\n", batch * 8 + i);
+                    std::thread::spawn(move || (line.clone(), ask(addr, line.as_bytes())))
+                })
+                .collect();
+            answers.extend(threads.into_iter().map(|t| t.join().expect("a client")));
+        }
+        let byes = [ask(addr, b"quit\n"), ask(addr, b"quit\n")];
+        (answers, byes)
+    })
+    .join()
+    .expect("the Linux clients");
+    let (answers, byes) = answers;
+    let mut per_worker = [0usize; 2];
+    for (line, got) in &answers {
+        let got = String::from_utf8_lossy(got);
+        let (worker, echoed) = got.split_once(' ').unwrap_or_else(|| panic!("{line:?} got {got:?}"));
+        assert_eq!(echoed, line, "each client is answered once, with its own line");
+        per_worker[worker.parse::<usize>().expect("a worker's number")] += 1;
+    }
+    assert_eq!(answers.len(), CLIENTS);
+    assert_eq!(byes, [b"bye\n".to_vec(), b"bye\n".to_vec()], "each worker stops once");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    assert!(server.0.wait().unwrap().success(), "{rest}");
+    assert!(rest.contains("workers done"), "{rest}");
+    let served: usize = rest
+        .lines()
+        .filter_map(|l| l.strip_prefix("worker ")?.split_once(" served ")?.1.parse::<usize>().ok())
+        .sum();
+    assert_eq!(served, CLIENTS, "the workers' own counts: {rest}");
+    eprintln!("pre-fork server: clients served per worker {per_worker:?}");
+
+    // Nothing is left: every socket closed when its last holder did.
+    net.settled("every socket freed", |st| {
+        st["listening"].as_array().is_some_and(|l| l.is_empty())
+            && st["connections"].as_array().is_some_and(|c| c.is_empty())
+            && st["clients"] == 0
+            && st["counters"]["forks_adopted"].as_u64() >= Some(3)
+            && st["counters"]["forks_refused"] == 0
+    });
+    drop(net.stackd);
+    let _ = std::fs::remove_dir_all(&net.dir);
+}
+
+/// A non-blocking writer: sends `TOTAL` bytes, waiting in epoll (`level` or `edge`-triggered)
+/// for `EPOLLOUT` after each `EAGAIN`; then a blocking `sendall` and `sendfile` on a second
+/// thread while the main thread reads. `python3 -c NONBLOCKING_WRITER IP PORT MODE TOTAL`; prints the stream's
+/// sha256, the `EAGAIN`s and the wake-ups, and what the reading thread got.
+const NONBLOCKING_WRITER: &str = r#"
+import hashlib, select, socket, sys, tempfile, threading
+ip, port, mode, total = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+s = socket.create_connection((ip, port), timeout=20)
+s.setblocking(False)
+ep = select.epoll()
+ep.register(s.fileno(), select.EPOLLOUT | (select.EPOLLET if mode == "edge" else 0))
+h = hashlib.sha256()
+sent = eagain = wakeups = chunk = 0
+buf = b""
+while sent < total:
+    if not buf:
+        buf = (hashlib.sha256(b"%d" % chunk).digest() * 2048)[: total - sent]
+        chunk += 1
+    try:
+        n = s.send(buf)
+    except BlockingIOError:
+        eagain += 1
+        events = ep.poll(20)
+        assert events and events[0][1] & select.EPOLLOUT, "no EPOLLOUT within 20 s"
+        wakeups += 1
+        continue
+    h.update(buf[:n])
+    sent += n
+    buf = buf[n:]
+# A blocking writer on another thread must not keep this one from reading the same socket:
+# 8 MiB of zeros by sendall, then 8 MiB of ones from a file by sendfile.
+s.setblocking(True)
+s.settimeout(20)
+def blocking_writer():
+    s.sendall(b"\0" * (8 << 20))
+    with tempfile.TemporaryFile() as f:
+        f.write(b"\1" * (8 << 20))
+        f.flush()
+        f.seek(0)
+        assert s.sendfile(f) == 8 << 20
+t = threading.Thread(target=blocking_writer)
+t.start()
+line = b""
+while not line.endswith(b"\n"):
+    line += s.recv(100)
+t.join(30)
+assert not t.is_alive(), "the blocking sendall did not end"
+s.shutdown(socket.SHUT_WR)
+print(h.hexdigest(), eagain, wakeups, line.decode().strip(), flush=True)
+"#;
+
+#[test]
+fn nonblocking_writes_get_eagain_and_epollout_when_room_returns() {
+    if let Err(skip) = check_root() {
+        eprintln!("skipped: {}", skip.0);
+        return;
+    }
+    for tool in ["python3", "sha256sum"] {
+        if !have(tool) {
+            eprintln!("skipped: {tool} is not installed (scripts/setup installs it)");
+            return;
+        }
+    }
+    assert!(
+        preload_library().exists(),
+        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
+        preload_library().display()
+    );
+    let net = build('w');
+    const TOTAL: usize = 64 << 20;
+    for (mode, port) in [("level", 6301u16), ("edge", 6302)] {
+        let got = net.dir.join(format!("{mode}.bin"));
+        let file = got.clone();
+        let linux = net.linux_server(port, move |l| {
+            let (mut c, _) = l.accept().expect("the writer's connection");
+            c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            // Not reading at first: the writer runs out of room.
+            std::thread::sleep(Duration::from_millis(1500));
+            let mut stream = vec![0u8; TOTAL];
+            c.read_exact(&mut stream).expect("the non-blocking writer's bytes");
+            std::fs::write(&file, &stream).unwrap();
+            // The second phase: a line for the reading thread while the blocking writer waits
+            // for room (this side reads nothing for a while), then its bytes and the end.
+            c.write_all(b"while it writes\n").unwrap();
+            std::thread::sleep(Duration::from_millis(1000));
+            let mut rest = Vec::new();
+            c.read_to_end(&mut rest).expect("the blocking writer's bytes");
+            assert_eq!(rest.len(), 16 << 20, "the blocking sendall's and sendfile's bytes, exactly");
+            assert!(rest[..8 << 20].iter().all(|&b| b == 0) && rest[8 << 20..].iter().all(|&b| b == 1));
+        });
+        let out = ok(
+            preloaded(&net, "python3")
+                .args(["-c", NONBLOCKING_WRITER, &LINUX_IP.to_string(), &port.to_string(), mode])
+                .arg(TOTAL.to_string())
+                .output(),
+            "python's non-blocking writer through the library",
+        );
+        linux.join().expect("the Linux reader");
+        let fields: Vec<&str> = out.split_whitespace().collect();
+        let [digest, eagain, wakeups, ..] = fields[..] else { panic!("{mode}: {out}") };
+        assert_eq!(digest, sha256(&got), "{mode}: every byte once, in order");
+        let (eagain, wakeups): (u64, u64) = (eagain.parse().unwrap(), wakeups.parse().unwrap());
+        assert!(eagain >= 1, "{mode}: the writer never ran out of room: {out}");
+        assert_eq!(wakeups, eagain, "{mode}: each EAGAIN ended with EPOLLOUT: {out}");
+        assert!(out.contains("while it writes"), "{mode}: the reader beside a blocked writer: {out}");
+        eprintln!("{mode}-triggered writer: {eagain} EAGAIN, each ended by EPOLLOUT");
+    }
+    drop(net.stackd);
+    let _ = std::fs::remove_dir_all(&net.dir);
+}

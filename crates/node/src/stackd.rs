@@ -147,6 +147,9 @@ pub fn status_json(s: &ServerStatus) -> Value {
             "bytes_to_clients": c.rx_bytes,
             "zero_copy_bytes": c.zero_copy_bytes,
             "zero_copy_moved_bytes": c.zero_copy_moved_bytes,
+            "forks": c.forks,
+            "forks_adopted": c.forks_adopted,
+            "forks_refused": c.forks_refused,
         },
     })
 }

@@ -6,20 +6,41 @@
 //! `/tmp/lanbus-stackd.sock`) unless it is bound or connected to a loopback address, which stays
 //! with the kernel; every other socket and descriptor goes to libc untouched.
 //!
-//! How descriptors stay honest: each lanbus socket is backed by a real descriptor, an eventfd,
-//! so its number is the kernel's to give and `poll`, `select` and `epoll` work across mixed
-//! descriptors without being intercepted: the eventfd is readable exactly when the socket has
-//! data, a connection to accept, a datagram, its end or an error (the client library's reader
-//! thread signals arrivals; each read re-checks), and always writable. A socket is decided at its
-//! first `bind` or `connect`: to a loopback address the placeholder is replaced (`dup2`) by a
-//! kernel socket with the options set so far.
+//! How descriptors stay honest: each lanbus socket is backed by a real descriptor, a
+//! placeholder, so its number is the kernel's to give and `poll`, `select` and `epoll` work
+//! across mixed descriptors without being intercepted. The placeholder is one end of a Unix
+//! stream socket pair whose other end is the library's. It is readable exactly when the socket
+//! has data, a connection to accept, a datagram, its end or an error (a byte waits in it from the
+//! library's end; the client library's reader thread signals arrivals; each read re-checks). It
+//! is writable exactly when a write would take bytes: while a stream has no send credit left,
+//! the library fills the placeholder's small send buffer, and when credit returns it drains it,
+//! which wakes `EPOLLOUT` waiters, level- and edge-triggered. A socket is decided at its first
+//! `bind` or `connect`: to a loopback address the placeholder is replaced (`dup2`) by a kernel
+//! socket with the options set so far.
 //!
 //! Semantics kept: blocking and non-blocking (`O_NONBLOCK`, `SOCK_NONBLOCK`, `FIONBIO`,
-//! `MSG_DONTWAIT`) reads give `EAGAIN`; a non-blocking `connect` completes before it returns (0);
-//! errors are Linux's (`ECONNREFUSED`, `ECONNRESET`, `EPIPE`, `ETIMEDOUT`, `EADDRINUSE`).
-//! `dup`, `dup2`, `dup3` and `F_DUPFD` share the socket. After `fork` the child must not use the
-//! parent's lanbus sockets (their shared-memory rings belong to the parent): its calls on them
-//! fail with `EBADF`; new sockets in the child attach anew. Options are accepted and, where the
+//! `MSG_DONTWAIT`) reads give `EAGAIN`; a non-blocking write takes what the send credit allows
+//! (a short count) or gives `EAGAIN`, and a blocking one waits for credit without holding the
+//! socket (another thread may read or close it meanwhile); a non-blocking `connect` completes
+//! before it returns (0); errors are Linux's (`ECONNREFUSED`, `ECONNRESET`, `EPIPE`,
+//! `ETIMEDOUT`, `EADDRINUSE`).
+//! `dup`, `dup2`, `dup3` and `F_DUPFD` share the socket.
+//!
+//! Sockets survive `fork` as the kernel's do: the child holds every lanbus socket the parent
+//! held, and a socket ends (FIN for a connection) only when the last process holding it closes
+//! it or exits. `fork` is taken over for this: the parent first asks the server for a fork
+//! ticket, which holds one more reference to each of its sockets; the child, on its first call
+//! on a lanbus socket (any call, `close` too), attaches anew (the parent's rings stay the
+//! parent's) and claims the ticket with its secret, which only the parent and its child know. A
+//! child that never touches its lanbus sockets keeps them until it ends. A connection shared by
+//! several processes works in whichever uses it: its data goes to the process that last waited
+//! to read it (bytes that had reached a process before are that process's to read); a shared
+//! listener hands each connection to exactly one process waiting in `accept` (a process that
+//! does not accept takes none). Not inherited: zero-copy connections (not made by this
+//! library), and sockets across `exec`: the new program cannot use them, close-on-exec or not,
+//! so the process lets go of them at the `exec` (`execve`, `execv`, `execvp` and `execvpe` are
+//! taken over for this; a program that execs by other means keeps them until it ends).
+//! Options are accepted and, where the
 //! stack has no such knob, ignored (`getsockopt` answers what Linux would for a default socket).
 //! An `AF_INET6` socket is dual-stack as Linux's are by default: it reaches IPv4 peers through
 //! IPv4-mapped addresses (`::ffff:a.b.c.d`), and a listener on `::` takes both families
@@ -32,9 +53,10 @@
 #![allow(clippy::missing_safety_doc)]
 
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
@@ -126,6 +148,19 @@ impl StateLock {
         StateLock { state: Mutex::new(state), owner: AtomicU64::new(0) }
     }
 
+    /// The state, unless another thread holds it (one that held it at a `fork` never lets go
+    /// in the child).
+    fn try_lock(&self) -> Option<StateGuard<'_>> {
+        let guard = match self.state.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        // Relaxed: as in `lock`.
+        self.owner.store(thread_number(), Ordering::Relaxed);
+        Some(StateGuard { guard, owner: &self.owner })
+    }
+
     fn lock(&self) -> StateGuard<'_> {
         let me = thread_number();
         // Relaxed: only this thread ever stores its own number, so reading it back needs no order.
@@ -177,23 +212,42 @@ enum State {
 }
 
 struct Sock {
-    state: StateLock,
+    /// Dropped only by the process that holds the socket: in a child that could not adopt it,
+    /// its objects belong to the parent's attachment and are left alone.
+    state: ManuallyDrop<StateLock>,
     /// `AF_INET` or `AF_INET6`: how addresses are shown to the program.
     domain: c_int,
     nonblock: AtomicBool,
-    /// A descriptor of the placeholder eventfd of our own (the program may close its numbers).
+    /// A descriptor of the placeholder of our own (the program may close its numbers): one end
+    /// of a Unix stream socket pair.
     signal: RawFd,
+    /// The pair's other end, the library's alone.
+    peer: RawFd,
+    /// The placeholder is kept from polling writable (no send credit).
+    out_blocked: AtomicBool,
     /// Something arrived since the readiness was last computed.
     pending: AtomicBool,
     /// Serialises recomputing the readiness.
     sync: Mutex<()>,
-    pid: u32,
+    /// The process whose attachment the socket's objects belong to.
+    pid: AtomicU32,
+    /// Other processes may hold the socket too (it went through a `fork`): waits tell the server.
+    shared: AtomicBool,
+    /// A non-blocking call told the server this process waits, and nothing arrived since.
+    wanted: AtomicBool,
 }
 
 impl Drop for Sock {
     fn drop(&mut self) {
-        // SAFETY: our own descriptor, closed once.
-        unsafe { real!(close: fn(c_int) -> c_int)(self.signal) };
+        if self.pid.load(Ordering::Relaxed) == std::process::id() {
+            // SAFETY: dropped once, here, and never used after.
+            unsafe { ManuallyDrop::drop(&mut self.state) };
+        }
+        // SAFETY: our own descriptors, closed once.
+        unsafe {
+            real!(close: fn(c_int) -> c_int)(self.signal);
+            real!(close: fn(c_int) -> c_int)(self.peer);
+        }
     }
 }
 
@@ -223,6 +277,11 @@ fn client() -> Result<StackClient, c_int> {
     if let Some(client) = c.as_ref().filter(|_| attached_pid() == std::process::id()) {
         return Ok(client.clone());
     }
+    if let Some(parents) = c.take() {
+        // Inherited through a fork: its socket is the parent's to close (the server sees the
+        // parent's end by it), and its state may be locked for good.
+        parents.abandon_in_child();
+    }
     let path = std::env::var_os("LANBUS_STACK_SOCKET").unwrap_or_else(|| "/tmp/lanbus-stackd.sock".into());
     let unit =
         std::env::var("LANBUS_STACK_UNIT").ok().and_then(|u| u.parse().ok()).unwrap_or(CopyUnit::DEFAULT);
@@ -233,8 +292,18 @@ fn client() -> Result<StackClient, c_int> {
     client.set_notify(|h| {
         let sock = lock(&global().by_handle).get(&h).and_then(Weak::upgrade);
         if let Some(sock) = sock {
+            sock.wanted.store(false, Ordering::Relaxed);
             sock.pending.store(true, Ordering::Release);
-            signal(sock.signal, true);
+            sock.signal(true);
+        }
+    });
+    client.set_credit_notify(|h| {
+        let sock = lock(&global().by_handle).get(&h).and_then(Weak::upgrade);
+        // Credit came back (how much, this function cannot look: it runs with the client's lock
+        // held): a writer that found none tries again, and finds out.
+        // SeqCst: pairs with the store in `Sock::sync_with`.
+        if let Some(sock) = sock.filter(|s| s.out_blocked.load(Ordering::SeqCst)) {
+            sock.set_writable(true);
         }
     });
     client.spawn_reader().map_err(|_| libc::ENOMEM)?;
@@ -253,39 +322,103 @@ fn set_attached_pid(pid: u32) {
     ATTACHED_PID.store(pid, Ordering::Relaxed);
 }
 
-/// Makes the placeholder readable (`on`) or not.
-fn signal(fd: RawFd, on: bool) {
-    let mut v: u64 = 1;
-    if on {
-        // SAFETY: writes 8 bytes from a live u64 to our eventfd.
-        unsafe {
-            real!(write: fn(c_int, *const c_void, size_t) -> ssize_t)(fd, (&v as *const u64).cast(), 8)
-        };
-    } else {
-        // SAFETY: reads 8 bytes into a live u64 from our (non-blocking) eventfd.
-        unsafe { real!(read: fn(c_int, *mut c_void, size_t) -> ssize_t)(fd, (&mut v as *mut u64).cast(), 8) };
-    }
+/// Reads `fd` (non-blocking) until it has nothing more.
+fn drain(fd: RawFd) {
+    let mut buf = [0u8; 4096];
+    // SAFETY: reads into a live buffer of its length.
+    while unsafe { real!(read: fn(c_int, *mut c_void, size_t) -> ssize_t)(fd, buf.as_mut_ptr().cast(), 4096) }
+        > 0
+    {}
 }
 
 impl Sock {
-    /// Recomputes whether the placeholder should poll readable.
+    /// Makes the placeholder readable (`on`) or not: a byte from the library's end of the pair
+    /// waits in the placeholder's receive queue exactly while it should poll readable.
+    fn signal(&self, on: bool) {
+        if on {
+            let b = 1u8;
+            // SAFETY: writes one byte from a live u8 to our end (non-blocking: a full queue is
+            // readable already).
+            unsafe {
+                real!(write: fn(c_int, *const c_void, size_t) -> ssize_t)(
+                    self.peer,
+                    (&b as *const u8).cast(),
+                    1,
+                )
+            };
+        } else {
+            drain(self.signal);
+        }
+    }
+
+    /// Makes the placeholder writable (`on`) or not. The placeholder's own sends go to the
+    /// library's end and stay there: while they fill its (small) send buffer it polls not
+    /// writable, and reading them back out makes it writable, which wakes `EPOLLOUT` waiters,
+    /// level- and edge-triggered alike.
+    fn set_writable(&self, on: bool) {
+        if on {
+            drain(self.peer);
+        } else {
+            let filler = [0u8; 4096];
+            // SAFETY: writes from a live buffer of its length to our non-blocking placeholder.
+            while unsafe {
+                real!(write: fn(c_int, *const c_void, size_t) -> ssize_t)(
+                    self.signal,
+                    filler.as_ptr().cast(),
+                    4096,
+                )
+            } > 0
+            {}
+        }
+    }
+
+    /// Recomputes whether the placeholder should poll readable and writable.
     fn sync(&self) {
+        self.sync_with(false);
+    }
+
+    /// After a write found no send credit: as `sync`, but the placeholder stops polling
+    /// writable even if credit came back meanwhile, and starts again at once if so; an
+    /// edge-triggered waiter is woken by every return of room after an `EAGAIN`.
+    fn sync_blocked(&self) {
+        self.sync_with(true);
+    }
+
+    fn sync_with(&self, blocked: bool) {
         let _g = lock(&self.sync);
         self.pending.store(false, Ordering::Release);
-        let ready = match &*self.state.lock() {
-            State::Fresh { .. } => false,
-            State::Listening(l) => l.ready(),
-            State::Connected(s) => s.readiness().1,
-            State::Udp { sock, .. } => sock.ready(),
+        let (ready, writable) = match &*self.state.lock() {
+            State::Fresh { .. } => (false, true),
+            State::Listening(l) => (l.ready(), true),
+            State::Connected(s) => (s.readiness().1, s.writable()),
+            State::Udp { sock, .. } => (sock.ready(), true),
         };
         if ready {
-            signal(self.signal, true);
+            self.signal(true);
         } else {
-            signal(self.signal, false);
+            self.signal(false);
             // An arrival between the check and the drain: make it readable again.
             if self.pending.load(Ordering::Acquire) {
-                signal(self.signal, true);
+                self.signal(true);
             }
+        }
+        if !writable || blocked {
+            // SeqCst: ordered before the fill and the second look below, against the load in
+            // the notify function, which runs after the credit it reports was counted: either
+            // this second look sees the credit, or that function sees the flag and makes the
+            // placeholder writable after the fill.
+            self.out_blocked.store(true, Ordering::SeqCst);
+            self.set_writable(false);
+            let writable = match &*self.state.lock() {
+                State::Connected(s) => s.writable(),
+                _ => true,
+            };
+            if writable {
+                self.out_blocked.store(false, Ordering::SeqCst);
+                self.set_writable(true);
+            }
+        } else if self.out_blocked.swap(false, Ordering::SeqCst) {
+            self.set_writable(true);
         }
     }
 
@@ -298,36 +431,146 @@ fn sock_of(fd: c_int) -> Option<Arc<Sock>> {
     if !is_ours(fd) {
         return None;
     }
+    adopt_inherited();
     let s = lock(&global().socks).get(&fd).cloned()?;
     Some(s)
 }
 
+impl Sock {
+    /// Before this process waits on a socket (or tells the program to): if other processes
+    /// hold it too, the server is told to send its arrivals here. A non-blocking caller says so
+    /// once until something arrives; a blocking one at each look.
+    fn should_want(&self, blocking: bool) -> bool {
+        self.shared.load(Ordering::Relaxed) && (blocking || !self.wanted.swap(true, Ordering::Relaxed))
+    }
+}
+
+/// The fork ticket this process (a child) has not claimed yet: 0 when none.
+static PENDING_TICKET: AtomicU64 = AtomicU64::new(0);
+/// The process `PENDING_TICKET` is for: a `vfork` child sees the parent's memory, ticket and
+/// all, and must not claim it (nor attach in the parent's memory).
+static PENDING_PID: AtomicU32 = AtomicU32::new(0);
+
+/// In a forked child, on its first call on a lanbus socket: attaches anew and takes over the
+/// sockets the parent's fork ticket holds for it. A socket whose state another thread of the
+/// parent held at the fork, or all of them when the claim fails, answer `EBADF` from then on.
+fn adopt_inherited() {
+    // Acquire: pairs with the store in `fork`, made before the child runs anything else.
+    if PENDING_TICKET.load(Ordering::Acquire) == 0
+        || PENDING_PID.load(Ordering::Relaxed) != std::process::id()
+    {
+        return;
+    }
+    static ADOPTING: Mutex<()> = Mutex::new(());
+    let _one = lock(&ADOPTING);
+    let token = PENDING_TICKET.swap(0, Ordering::AcqRel);
+    if token == 0 {
+        return;
+    }
+    let me = std::process::id();
+    let mut socks: Vec<Arc<Sock>> = Vec::new();
+    for s in lock(&global().socks).values() {
+        if !socks.iter().any(|x| Arc::ptr_eq(x, s)) {
+            socks.push(s.clone());
+        }
+    }
+    let conns: Vec<u32> = socks
+        .iter()
+        .filter_map(|s| match &*s.state.try_lock()? {
+            State::Connected(c) => Some(c.handle()),
+            _ => None,
+        })
+        .collect();
+    let claimed = client().ok().and_then(|c| c.adopt(token, &conns).ok().map(|_| c));
+    if claimed.is_none() {
+        eprintln!("liblanbus_sock: the sockets inherited through fork could not be taken over");
+    }
+    for sock in socks {
+        let Some(mut st) = sock.state.try_lock() else { continue };
+        let new = match (&*st, &claimed) {
+            (State::Fresh { .. }, _) => None,
+            (State::Connected(c), Some(client)) => {
+                Some(State::Connected(client.adopted_stream(c.handle(), c.local_addr(), c.peer_addr())))
+            }
+            (State::Listening(l), Some(client)) => {
+                Some(State::Listening(client.adopted_listener(l.handle(), l.local_addr())))
+            }
+            (State::Udp { sock: u, peer }, Some(client)) => {
+                Some(State::Udp { sock: client.adopted_udp(u.handle(), u.local_addr()), peer: *peer })
+            }
+            // Not taken over: the socket stays the parent's (EBADF here).
+            (_, None) => continue,
+        };
+        if let Some(new) = new {
+            // The parent's objects: dropping them would use the parent's rings.
+            std::mem::forget(std::mem::replace(&mut *st, new));
+        }
+        drop(st);
+        sock.pid.store(me, Ordering::Relaxed);
+        sock.shared.store(true, Ordering::Relaxed);
+        sock.sync();
+    }
+}
+
 /// A new placeholder descriptor and its socket.
 fn new_sock(domain: c_int, stream: bool, flags: c_int) -> c_int {
-    let mut efd_flags = libc::EFD_NONBLOCK;
-    if flags & libc::SOCK_CLOEXEC != 0 {
-        efd_flags |= libc::EFD_CLOEXEC;
-    }
-    // SAFETY: eventfd has no memory preconditions.
-    let fd = unsafe { libc::eventfd(0, efd_flags) };
-    if fd < 0 {
+    let mut pair = [-1; 2];
+    let cloexec = if flags & libc::SOCK_CLOEXEC != 0 { libc::SOCK_CLOEXEC } else { 0 };
+    // SAFETY: socketpair writes two descriptors into the live array.
+    let rc = unsafe {
+        real!(socketpair: fn(c_int, c_int, c_int, *mut c_int) -> c_int)(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | cloexec,
+            0,
+            pair.as_mut_ptr(),
+        )
+    };
+    if rc < 0 {
         return -1;
     }
-    // SAFETY: duplicating our fresh descriptor.
-    let signal = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-    if signal < 0 || fd as usize >= MAX_FD {
+    let [fd, peer] = pair;
+    // The smallest send buffer the kernel allows: a few writes fill it (see `set_writable`).
+    let small: c_int = 1;
+    // SAFETY: an int option from a live int, on our own socket.
+    unsafe {
+        real!(setsockopt: fn(c_int, c_int, c_int, *const c_void, socklen_t) -> c_int)(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&small as *const c_int).cast(),
+            4,
+        )
+    };
+    // SAFETY: duplicating our fresh descriptors (the library's end close-on-exec too).
+    let (signal, peer) = unsafe {
+        let signal = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0);
+        let p = libc::fcntl(peer, libc::F_DUPFD_CLOEXEC, 0);
+        real!(close: fn(c_int) -> c_int)(peer);
+        (signal, p)
+    };
+    if signal < 0 || peer < 0 || fd as usize >= MAX_FD {
         // SAFETY: closing what we just made.
-        unsafe { real!(close: fn(c_int) -> c_int)(fd) };
+        unsafe {
+            for d in [fd, signal, peer] {
+                if d >= 0 {
+                    real!(close: fn(c_int) -> c_int)(d);
+                }
+            }
+        }
         return fail(libc::EMFILE);
     }
     let sock = Arc::new(Sock {
-        state: StateLock::new(State::Fresh { stream, bound: None, opts: Vec::new() }),
+        state: ManuallyDrop::new(StateLock::new(State::Fresh { stream, bound: None, opts: Vec::new() })),
         domain,
         nonblock: AtomicBool::new(flags & libc::SOCK_NONBLOCK != 0),
         signal,
+        peer,
+        out_blocked: AtomicBool::new(false),
         pending: AtomicBool::new(false),
         sync: Mutex::new(()),
-        pid: std::process::id(),
+        pid: AtomicU32::new(std::process::id()),
+        shared: AtomicBool::new(false),
+        wanted: AtomicBool::new(false),
     });
     lock(&global().socks).insert(fd, sock);
     mark(fd, true);
@@ -472,7 +715,7 @@ fn to_kernel(fd: c_int, sock: &Sock, stream: bool, opts: &[(c_int, c_int, Vec<u8
 }
 
 fn usable(sock: &Sock) -> Result<(), c_int> {
-    if sock.pid != std::process::id() {
+    if sock.pid.load(Ordering::Relaxed) != std::process::id() {
         return Err(libc::EBADF);
     }
     Ok(())
@@ -577,6 +820,10 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
     let nonblock = sock.nonblock.load(Ordering::Relaxed);
     // The state lock is taken once per look and never held across a wait: a blocking accept
     // lets another thread close the listener meanwhile.
+    // A shared listener owes a connection per want: a blocking accept asks once (it takes the
+    // connection its want brings), lest a want left over hand a connection to a process that
+    // has stopped accepting.
+    let mut asked = false;
     let result = loop {
         let st = sock.state.lock();
         let State::Listening(l) = &*st else {
@@ -584,6 +831,10 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
         };
         if l.ready() {
             break l.accept_timeout(Some(Duration::ZERO));
+        }
+        if !asked && sock.should_want(!nonblock) {
+            let _ = l.want();
+            asked = true;
         }
         drop(st);
         if nonblock {
@@ -617,6 +868,13 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
 pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
     // SAFETY: same contract.
     unsafe { accept4(fd, addr, len, 0) }
+}
+
+/// Blocks until the placeholder polls writable (at most 100 ms: the caller looks again).
+fn wait_writable(fd: RawFd) {
+    let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+    // SAFETY: one live pollfd.
+    unsafe { libc::poll(&mut p, 1, 100) };
 }
 
 /// Blocks until the placeholder polls readable.
@@ -699,6 +957,9 @@ fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut Socket
         let r = match &mut *st {
             State::Connected(s) => {
                 let (_, ready) = s.readiness();
+                if !ready && sock.should_want(!nonblock) {
+                    let _ = s.want();
+                }
                 if !ready && !nonblock {
                     drop(st);
                     wait_readable(sock.signal);
@@ -708,7 +969,11 @@ fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut Socket
                 std::io::Read::read(s, buf).map(|n| (n, None))
             }
             State::Udp { sock: u, .. } => {
-                if !u.ready() && !nonblock {
+                let ready = u.ready();
+                if !ready && sock.should_want(!nonblock) {
+                    let _ = u.want();
+                }
+                if !ready && !nonblock {
                     drop(st);
                     wait_readable(sock.signal);
                     continue;
@@ -731,15 +996,46 @@ fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut Socket
     }
 }
 
-fn sock_write(sock: &Sock, buf: &[u8], to: Option<SocketAddr>) -> ssize_t {
+/// Writes `buf` to a lanbus socket (`to`: a datagram's destination). A stream takes what its
+/// send credit allows: a non-blocking write takes that much (a short count) or answers `EAGAIN`;
+/// a blocking one waits for credit until all is written, with the socket's state unlocked
+/// meanwhile (a reader or `close` on another thread goes on).
+fn sock_write(sock: &Sock, buf: &[u8], to: Option<SocketAddr>, flags: c_int) -> ssize_t {
     if let Err(e) = usable(sock) {
         return fail(e);
     }
+    let nonblock = sock.nonblock.load(Ordering::Relaxed) || flags & libc::MSG_DONTWAIT != 0;
+    let mut written = 0;
     let mut st = sock.state.lock();
     match &mut *st {
-        State::Connected(s) => match std::io::Write::write(s, buf) {
-            Ok(n) => n as ssize_t,
-            Err(e) => io_fail(&e),
+        State::Connected(_) => loop {
+            let State::Connected(s) = &mut *st else {
+                // Closed under us by another thread (its number reused for something else).
+                return if written > 0 { written as ssize_t } else { fail(libc::EBADF) };
+            };
+            match s.try_write(&buf[written..]) {
+                Ok(n) => {
+                    written += n;
+                    if written == buf.len() || nonblock {
+                        drop(st);
+                        if written < buf.len() {
+                            // Out of credit: the placeholder stops polling writable.
+                            sock.sync_blocked();
+                        }
+                        return written as ssize_t;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    drop(st);
+                    sock.sync_blocked();
+                    if nonblock {
+                        return if written > 0 { written as ssize_t } else { fail(libc::EAGAIN) };
+                    }
+                    wait_writable(sock.signal);
+                    st = sock.state.lock();
+                }
+                Err(e) => return if written > 0 { written as ssize_t } else { io_fail(&e) },
+            }
         },
         State::Udp { sock: u, peer } => match to.or(*peer) {
             Some(to) => match u.send_to(buf, to) {
@@ -838,7 +1134,7 @@ pub unsafe extern "C" fn __recvfrom_chk(
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, count: size_t) -> ssize_t {
     match sock_of(fd) {
         // SAFETY: the program's buffer.
-        Some(s) => sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, None),
+        Some(s) => sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, None, 0),
         // SAFETY: passing through.
         None => unsafe { real!(write: fn(c_int, *const c_void, size_t) -> ssize_t)(fd, buf, count) },
     }
@@ -848,7 +1144,7 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, count: size_t) -> 
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, count: size_t, flags: c_int) -> ssize_t {
     match sock_of(fd) {
         // SAFETY: the program's buffer.
-        Some(s) => sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, None),
+        Some(s) => sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, None, flags),
         // SAFETY: passing through.
         None => unsafe {
             real!(send: fn(c_int, *const c_void, size_t, c_int) -> ssize_t)(fd, buf, count, flags)
@@ -870,7 +1166,7 @@ pub unsafe extern "C" fn sendto(
             // SAFETY: the program's address (may be null for a connected socket).
             let to = unsafe { addr_in(addr, len) };
             // SAFETY: the program's buffer.
-            sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, to)
+            sock_write(&s, unsafe { std::slice::from_raw_parts(buf.cast(), count) }, to, flags)
         }
         // SAFETY: passing through.
         None => unsafe {
@@ -913,7 +1209,7 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) ->
         // SAFETY: the program's buffers.
         all.extend_from_slice(unsafe { std::slice::from_raw_parts(v.iov_base.cast::<u8>(), v.iov_len) });
     }
-    sock_write(&s, &all, None)
+    sock_write(&s, &all, None, 0)
 }
 
 #[no_mangle]
@@ -961,16 +1257,138 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const libc::msghdr, flags: c_i
         // SAFETY: the program's buffers.
         all.extend_from_slice(unsafe { std::slice::from_raw_parts(v.iov_base.cast::<u8>(), v.iov_len) });
     }
-    sock_write(&s, &all, to)
+    sock_write(&s, &all, to, flags)
+}
+
+/// `sendmmsg` on a lanbus socket: each message as `sendmsg` would send it, until one fails
+/// (an error only when none went). The placeholder would take the bytes itself otherwise.
+#[no_mangle]
+pub unsafe extern "C" fn sendmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: libc::c_uint,
+    flags: c_int,
+) -> c_int {
+    if !is_ours(fd) {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(sendmmsg: fn(c_int, *mut libc::mmsghdr, libc::c_uint, c_int) -> c_int)(fd, msgs, n, flags)
+        };
+    }
+    let mut sent = 0;
+    for i in 0..n as usize {
+        // SAFETY: the program's array of `n` messages.
+        let m = unsafe { &mut *msgs.add(i) };
+        // SAFETY: one of the program's messages.
+        let r = unsafe { sendmsg(fd, &m.msg_hdr, flags) };
+        if r < 0 {
+            return if sent > 0 { sent } else { -1 };
+        }
+        m.msg_len = r as libc::c_uint;
+        sent += 1;
+    }
+    sent
+}
+
+/// `recvmmsg` on a lanbus socket: the first message as `recvmsg` would receive it, then more
+/// while more wait (the timeout is not kept: the first wait is `recvmsg`'s).
+#[no_mangle]
+pub unsafe extern "C" fn recvmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: libc::c_uint,
+    flags: c_int,
+    timeout: *mut libc::timespec,
+) -> c_int {
+    if !is_ours(fd) {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(recvmmsg: fn(c_int, *mut libc::mmsghdr, libc::c_uint, c_int, *mut libc::timespec) -> c_int)(
+                fd, msgs, n, flags, timeout,
+            )
+        };
+    }
+    let mut got = 0;
+    for i in 0..n as usize {
+        // After the first, only what is there already.
+        let flags = if i == 0 { flags & !libc::MSG_WAITFORONE } else { flags | libc::MSG_DONTWAIT };
+        // SAFETY: the program's array of `n` messages.
+        let m = unsafe { &mut *msgs.add(i) };
+        // SAFETY: one of the program's messages.
+        let r = unsafe { recvmsg(fd, &mut m.msg_hdr, flags) };
+        if r < 0 {
+            return if got > 0 { got } else { -1 };
+        }
+        m.msg_len = r as libc::c_uint;
+        got += 1;
+    }
+    got
+}
+
+/// `sendfile` to a lanbus socket: read from the file, then written as `write` would (the
+/// placeholder would take the bytes itself otherwise).
+#[no_mangle]
+pub unsafe extern "C" fn sendfile(
+    out: c_int,
+    input: c_int,
+    offset: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
+    let Some(s) = sock_of(out) else {
+        // SAFETY: passing through.
+        return unsafe {
+            real!(sendfile: fn(c_int, c_int, *mut libc::off_t, size_t) -> ssize_t)(out, input, offset, count)
+        };
+    };
+    let mut buf = vec![0u8; count.min(1 << 20)];
+    // SAFETY: reading into our buffer; at the caller's offset (which moves) or the file's.
+    let n = unsafe {
+        if offset.is_null() {
+            real!(read: fn(c_int, *mut c_void, size_t) -> ssize_t)(input, buf.as_mut_ptr().cast(), buf.len())
+        } else {
+            libc::pread(input, buf.as_mut_ptr().cast(), buf.len(), *offset)
+        }
+    };
+    if n <= 0 {
+        return n;
+    }
+    let w = sock_write(&s, &buf[..n as usize], None, 0);
+    if w > 0 {
+        if offset.is_null() {
+            // What was read and not sent goes back to the file's position.
+            // SAFETY: lseek on the caller's descriptor.
+            unsafe { libc::lseek(input, (w - n) as libc::off_t, libc::SEEK_CUR) };
+        } else {
+            // SAFETY: the caller's offset.
+            unsafe { *offset += w as libc::off_t };
+        }
+    } else if offset.is_null() {
+        // SAFETY: lseek on the caller's descriptor.
+        unsafe { libc::lseek(input, -(n as libc::off_t), libc::SEEK_CUR) };
+    }
+    w
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(
+    out: c_int,
+    input: c_int,
+    offset: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
+    // SAFETY: same contract (off_t is 64 bits on this target).
+    unsafe { sendfile(out, input, offset, count) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     if is_ours(fd) {
+        // A child's close of an inherited socket lets go of the child's reference.
+        adopt_inherited();
         mark(fd, false);
         lock(&global().socks).remove(&fd);
     }
-    // SAFETY: passing through (the placeholder eventfd, or any other descriptor).
+    // SAFETY: passing through (the placeholder, or any other descriptor).
     unsafe { real!(close: fn(c_int) -> c_int)(fd) }
 }
 
@@ -1100,6 +1518,104 @@ pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut s
     // SAFETY: the program's buffer.
     unsafe { put_addr(s.domain, a, addr, len) };
     0
+}
+
+/// The fork ticket for a child, asked for before the fork: only when this process is attached
+/// and has lanbus sockets.
+fn fork_ticket() -> Option<(StackClient, u64)> {
+    // A child that forks before calling on its inherited sockets takes them over first, so that
+    // its own child can inherit them in turn.
+    adopt_inherited();
+    if attached_pid() != std::process::id() || lock(&global().socks).is_empty() {
+        return None;
+    }
+    let client = lock(&global().client).clone()?;
+    match client.fork_ticket() {
+        Ok(token) => Some((client, token)),
+        Err(e) => {
+            eprintln!("liblanbus_sock: the child will not inherit this process's sockets: {e}");
+            None
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fork() -> libc::pid_t {
+    let ticket = fork_ticket();
+    let g = global();
+    // Held across the fork so that the child's copies are consistent (no other thread of the
+    // parent was half-way through changing them); each is taken alone everywhere else.
+    let guards = (lock(&g.client), lock(&g.socks), lock(&g.by_handle));
+    // SAFETY: plain fork(2) through libc (which runs its own handlers).
+    let pid = unsafe { real!(fork: fn() -> libc::pid_t)() };
+    drop(guards);
+    let Some((client, token)) = ticket else { return pid };
+    if pid == 0 {
+        // The parent's attachment: never dropped here (see `StackClient::abandon_in_child`).
+        std::mem::forget(client);
+        PENDING_PID.store(std::process::id(), Ordering::Relaxed);
+        // Release: pairs with the load in `adopt_inherited`.
+        PENDING_TICKET.store(token, Ordering::Release);
+        return 0;
+    }
+    let _ = client.forked(token, u32::try_from(pid).ok().filter(|_| pid > 0));
+    if pid > 0 {
+        for s in lock(&g.socks).values() {
+            s.shared.store(true, Ordering::Relaxed);
+        }
+    }
+    pid
+}
+
+/// Before an `exec`: a child that has not claimed the sockets it inherited claims them now, on
+/// an attachment whose socket closes at the exec, so that the server lets go of them then
+/// (the new program cannot use them) rather than when the exec'd process ends.
+fn before_exec() {
+    adopt_inherited();
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execve(
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    before_exec();
+    // SAFETY: passing the program's arguments through.
+    unsafe {
+        real!(execve: fn(*const libc::c_char, *const *const libc::c_char, *const *const libc::c_char) -> c_int)(
+            path, argv, envp,
+        )
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    before_exec();
+    // SAFETY: passing the program's arguments through.
+    unsafe { real!(execv: fn(*const libc::c_char, *const *const libc::c_char) -> c_int)(path, argv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    before_exec();
+    // SAFETY: passing the program's arguments through.
+    unsafe { real!(execvp: fn(*const libc::c_char, *const *const libc::c_char) -> c_int)(file, argv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvpe(
+    file: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    before_exec();
+    // SAFETY: passing the program's arguments through.
+    unsafe {
+        real!(execvpe: fn(*const libc::c_char, *const *const libc::c_char, *const *const libc::c_char) -> c_int)(
+            file, argv, envp,
+        )
+    }
 }
 
 /// Shares socket `fd`'s state with a new descriptor number `nfd` (a dup of the placeholder).

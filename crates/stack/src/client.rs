@@ -5,6 +5,11 @@
 //! implement `std::io::Read` and `Write`; each write copies the program's bytes once, into the
 //! ring, one copy unit per request; each read copies once out of the client's queue.
 //!
+//! A program that forks hands its sockets to the child through the server:
+//! [`StackClient::fork_ticket`] before the fork, [`StackClient::forked`] after it in the parent,
+//! and in the child, on a new attachment, [`StackClient::adopt`] and the `adopted_*`
+//! constructors. Of processes sharing a socket, [`StackClient::want`] says which one waits on it.
+//!
 //! Invariants: the client never has more than [`crate::server::SEND_CREDIT`] unacknowledged bytes
 //! in flight per connection, and tells the server what it read, so neither side grows without
 //! bound. A server that goes away turns every blocked call into an error (ECONNRESET for streams,
@@ -56,7 +61,12 @@ struct ConnState {
 struct Book {
     /// Handles something arrived for since the last look (for [`StackClient::set_notify`]).
     touched: Vec<u32>,
+    /// Connections whose send credit came back, or that ended, since the last look (for
+    /// [`StackClient::set_credit_notify`]).
+    credited: Vec<u32>,
     replies: HashMap<u32, Result<(u32, SocketAddr), i32>>,
+    /// Answers to `Fork`: fork tickets by request.
+    tickets: HashMap<u32, u64>,
     /// Connect requests waiting for their answer: the connection's state exists from the moment
     /// the answer arrives, since its data or its end may come in the same read.
     connecting: HashSet<u32>,
@@ -82,6 +92,9 @@ impl Book {
                 }
                 self.replies.insert(req, Ok((handle, local)));
             }
+            Msg::Ticket { req, token } => {
+                self.tickets.insert(req, token);
+            }
             Msg::Failed { req, errno } => {
                 self.connecting.remove(&req);
                 self.zero_copy_waiting.remove(&req);
@@ -100,6 +113,8 @@ impl Book {
                 }
             }
             Msg::Sent { conn, bytes } => {
+                // Send credit came back: a writer that found none may write again.
+                self.credited.push(conn);
                 if let Some(c) = self.conns.get_mut(&conn) {
                     c.in_flight = c.in_flight.saturating_sub(bytes);
                 }
@@ -118,6 +133,8 @@ impl Book {
             }
             Msg::Closed { conn, errno } => {
                 self.touched.push(conn);
+                // A write now answers the error at once.
+                self.credited.push(conn);
                 if let Some(c) = self.conns.get_mut(&conn) {
                     c.closed = Some(errno);
                     c.in_flight = 0;
@@ -151,6 +168,7 @@ type Notify = Box<dyn Fn(u32) + Send + Sync>;
 
 struct Inner {
     notify: std::sync::OnceLock<Notify>,
+    credit_notify: std::sync::OnceLock<Notify>,
     state: Mutex<State>,
     /// Signalled whenever messages were taken in, for threads waiting while another polls (the
     /// doorbell wakes one sleeper only).
@@ -229,6 +247,7 @@ impl StackClient {
         Ok(StackClient {
             inner: Arc::new(Inner {
                 notify: std::sync::OnceLock::new(),
+                credit_notify: std::sync::OnceLock::new(),
                 state: Mutex::new(state),
                 arrived: std::sync::Condvar::new(),
                 sock,
@@ -245,6 +264,13 @@ impl StackClient {
     /// stream's, listener's or UDP socket's handle when something arrives for it; once.
     pub fn set_notify(&self, notify: impl Fn(u32) + Send + Sync + 'static) {
         let _ = self.inner.notify.set(Box::new(notify));
+    }
+
+    /// Sets the function called (as the one of [`set_notify`](Self::set_notify)) with a
+    /// connection's handle when its send credit came back or it ended: a write that found no
+    /// credit may go on. Once.
+    pub fn set_credit_notify(&self, notify: impl Fn(u32) + Send + Sync + 'static) {
+        let _ = self.inner.credit_notify.set(Box::new(notify));
     }
 
     /// Starts a thread that reads the server's messages as they come, so that the notify
@@ -303,6 +329,98 @@ impl StackClient {
         drop(st);
         let region = Region::from_fd(fd).map_err(|e| io::Error::other(e.to_string()))?;
         Ok(ZeroCopyStream { stream, region, tail: 0, commits: 0, unplaced: VecDeque::new(), reserved: 0 })
+    }
+
+    /// Before a `fork`: asks the server to set aside one more reference to each of this
+    /// attachment's sockets for the child, and returns the ticket's secret. The child attaches
+    /// anew and claims them with [`adopt`](Self::adopt); the parent says how the fork went with
+    /// [`forked`](Self::forked).
+    pub fn fork_ticket(&self) -> io::Result<u64> {
+        let inner = &self.inner;
+        let mut st = inner.lock();
+        st.next_req = st.next_req.wrapping_add(1);
+        let req = st.next_req;
+        inner.send_control(&mut st, &Msg::Fork { req })?;
+        loop {
+            inner.pump(&mut st);
+            if let Some(token) = st.book.tickets.remove(&req) {
+                return Ok(token);
+            }
+            if let Some(Err(errno)) = st.book.replies.remove(&req) {
+                return Err(io::Error::from_raw_os_error(errno));
+            }
+            if st.gone.is_some() {
+                return Err(gone_error());
+            }
+            st = inner.wait(st, SLICE);
+        }
+    }
+
+    /// After a `fork`: the child of ticket `token` is process `pid` (`None`: the fork failed,
+    /// and the ticket's references go). The server frees the ticket if that process ends
+    /// without claiming it.
+    pub fn forked(&self, token: u64, pid: Option<u32>) -> io::Result<()> {
+        let mut st = self.inner.lock();
+        self.inner.send_control(&mut st, &Msg::Forked { token, pid: pid.unwrap_or(0) })
+    }
+
+    /// In a forked child, on its own new attachment: claims ticket `token`, whose sockets this
+    /// client holds from then on; `conns` are the connections among them (their arrivals may
+    /// follow the claim at once). Returns how many sockets the ticket held; `EPERM` when it is
+    /// not this process's to claim.
+    pub fn adopt(&self, token: u64, conns: &[u32]) -> io::Result<u32> {
+        {
+            let mut st = self.inner.lock();
+            for &conn in conns {
+                st.book.conns.entry(conn).or_default();
+            }
+        }
+        let (n, _) = self.inner.request(|req| Msg::Adopt { req, token }, false)?;
+        Ok(n)
+    }
+
+    /// The connection `conn` an [`adopt`](Self::adopt) gave this client.
+    pub fn adopted_stream(&self, conn: u32, local: SocketAddr, peer: SocketAddr) -> TcpStream {
+        TcpStream { client: self.clone(), conn, local, peer, read_timeout: None }
+    }
+
+    /// The listener `handle` an [`adopt`](Self::adopt) gave this client.
+    pub fn adopted_listener(&self, handle: u32, local: SocketAddr) -> TcpListener {
+        TcpListener { client: self.clone(), handle, local }
+    }
+
+    /// The UDP socket `handle` an [`adopt`](Self::adopt) gave this client.
+    pub fn adopted_udp(&self, handle: u32, local: SocketAddr) -> UdpSocket {
+        UdpSocket { client: self.clone(), handle, local }
+    }
+
+    /// Tells the server this program waits on `handle`, a socket it may share with other
+    /// processes: a connection's or UDP socket's arrivals come here from now on, and a
+    /// listener owes this client one connection. Harmless when nothing is shared.
+    pub fn want(&self, handle: u32) -> io::Result<()> {
+        let mut st = self.inner.lock();
+        self.inner.send_control(&mut st, &Msg::Want { handle })
+    }
+
+    /// In a forked child: lets go of the parent's attachment this process inherited, without
+    /// touching its state (another thread of the parent may have held its lock at the fork, and
+    /// its rings are the parent's). Its socket is closed, so that the server sees the parent's
+    /// end when the parent goes; the rest is left as it is, for the parent's sake.
+    ///
+    /// Every stream, listener and UDP socket made through this client must be forgotten
+    /// (`std::mem::forget`) rather than dropped: dropping one would use the parent's rings.
+    pub fn abandon_in_child(self) {
+        let fds = [
+            Some(self.inner.sock.as_raw_fd()),
+            self.inner.server_bell.as_ref().map(|b| b.as_fd().as_raw_fd()),
+            self.inner.my_bell.as_ref().map(|b| b.as_fd().as_raw_fd()),
+        ];
+        for fd in fds.into_iter().flatten() {
+            // SAFETY: this process's copies of the attachment's descriptors, which nothing in
+            // this process uses again (the client is forgotten below, never dropped).
+            unsafe { libc::close(fd) };
+        }
+        std::mem::forget(self);
     }
 
     /// Sends any message as this client (tests of the server's checks).
@@ -410,6 +528,7 @@ impl Inner {
             for (h, c) in book.conns.iter_mut() {
                 c.closed.get_or_insert(libc::ECONNRESET);
                 book.touched.push(*h);
+                book.credited.push(*h);
             }
             book.touched.extend(book.accepted.keys().copied());
         }
@@ -419,6 +538,13 @@ impl Inner {
             }
         } else {
             book.touched.clear();
+        }
+        if let Some(notify) = self.credit_notify.get() {
+            for h in book.credited.drain(..) {
+                notify(h);
+            }
+        } else {
+            book.credited.clear();
         }
         if any || gone.is_some() {
             self.arrived.notify_all();
@@ -632,6 +758,56 @@ impl TcpStream {
     /// Bounds how long `read` waits (`None`: no bound); a read that times out gives `WouldBlock`.
     pub fn set_read_timeout(&mut self, timeout: Option<Duration>) {
         self.read_timeout = timeout;
+    }
+
+    /// Whether a write would take bytes at once: send credit is left, or the connection ended
+    /// (then a write answers its error at once).
+    pub fn writable(&self) -> bool {
+        let st = self.client.inner.lock();
+        match st.book.conns.get(&self.conn) {
+            Some(c) => c.closed.is_some() || c.in_flight < SEND_CREDIT || st.gone.is_some(),
+            None => true,
+        }
+    }
+
+    /// Writes what the send credit takes now, never waiting for more: the count (perhaps short
+    /// of `buf`), or `WouldBlock` when there is no credit at all.
+    pub fn try_write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let inner = &self.client.inner;
+        let mut st = inner.lock();
+        inner.pump(&mut st);
+        let mut written = 0;
+        while written < buf.len() {
+            let c = st.book.conns.get(&self.conn).ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))?;
+            if let Some(errno) = c.closed {
+                if written > 0 {
+                    break;
+                }
+                return Err(io::Error::from_raw_os_error(if errno == 0 { libc::EPIPE } else { errno }));
+            }
+            let credit = SEND_CREDIT - c.in_flight.min(SEND_CREDIT);
+            if credit == 0 {
+                break;
+            }
+            let n = (buf.len() - written).min(credit as usize).min(inner.unit);
+            // A full ring is not a full socket: the server empties it promptly, so this waits
+            // for it (bounded) rather than answer `WouldBlock` that nothing would end.
+            inner.send_control(&mut st, &Msg::Send { conn: self.conn, data: &buf[written..written + n] })?;
+            written += n;
+            if let Some(c) = st.book.conns.get_mut(&self.conn) {
+                c.in_flight += n as u64;
+            }
+        }
+        if written == 0 && !buf.is_empty() {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        Ok(written)
+    }
+
+    /// This program waits to read: when another process shares the connection, its data comes
+    /// here from now on ([`StackClient::want`]).
+    pub fn want(&self) -> io::Result<()> {
+        self.client.want(self.conn)
     }
 
     /// Sends FIN after the bytes already written; reads go on.
@@ -945,6 +1121,12 @@ impl TcpListener {
         self.handle
     }
 
+    /// This program waits to accept: when other processes share the listener, the next
+    /// connection nobody else asked for first comes here ([`StackClient::want`]).
+    pub fn want(&self) -> io::Result<()> {
+        self.client.want(self.handle)
+    }
+
     /// Whether `accept` would return at once.
     pub fn ready(&self) -> bool {
         let st = self.client.inner.lock();
@@ -979,6 +1161,12 @@ impl UdpSocket {
     /// The server's handle of this socket.
     pub fn handle(&self) -> u32 {
         self.handle
+    }
+
+    /// This program waits to receive: when another process shares the socket, its datagrams
+    /// come here from now on ([`StackClient::want`]).
+    pub fn want(&self) -> io::Result<()> {
+        self.client.want(self.handle)
     }
 
     /// Whether a datagram is waiting.

@@ -15,6 +15,9 @@
 //!   with `std::io::Read`/`Write` on streams.
 //! - [`proto`]: the messages between the two; credits bound what either side may have in flight
 //!   per connection, so a slow reader stalls only its own connection (TCP's window closes).
+//! - `share`: who holds each socket. A program that forks hands its sockets to the child as the
+//!   kernel does: the server keeps a reference count per socket across attachments, and a fork
+//!   ticket holds the child's references until the child, attached anew, claims them.
 //!
 //! The stack owns its address: the interface it uses must have no kernel IP address (AF_PACKET
 //! does not take frames away from the kernel, whose TCP would answer the stack's segments with
@@ -27,6 +30,7 @@ pub mod device;
 pub mod fuzz;
 pub mod proto;
 pub mod server;
+mod share;
 
 #[cfg(test)]
 mod tests;

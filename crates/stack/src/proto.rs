@@ -126,6 +126,43 @@ pub enum Msg<'a> {
         /// How many.
         bytes: u32,
     },
+    /// Client: the program is about to fork: set aside one more reference to each of this
+    /// client's connections, listeners and UDP sockets (zero-copy connections excepted) for the
+    /// child, under a ticket; answered by `Ticket` with `req`.
+    Fork {
+        /// The request id the answer carries.
+        req: u32,
+    },
+    /// Client: the fork of ticket `token` made process `pid` (0: the fork failed, and the ticket's
+    /// references go). The server then frees the ticket when that process ends unclaimed.
+    Forked {
+        /// The ticket.
+        token: u64,
+        /// The child's process id, or 0.
+        pid: u32,
+    },
+    /// Client (the forked child, attached anew): take over ticket `token`'s references; answered
+    /// by `Opened` with the number of sockets as its handle, or `Failed` (EPERM: no such ticket).
+    Adopt {
+        /// The request id the answer carries.
+        req: u32,
+        /// The ticket.
+        token: u64,
+    },
+    /// Client: this program is waiting on a socket it shares with other processes: send the
+    /// connection's or UDP socket's arrivals here from now on, or one more of a listener's
+    /// connections.
+    Want {
+        /// The handle.
+        handle: u32,
+    },
+    /// Server: the answer to `Fork`: the ticket's secret, which only the child learns.
+    Ticket {
+        /// The request.
+        req: u32,
+        /// The ticket.
+        token: u64,
+    },
     /// Server: a request succeeded; `handle` names the new connection or socket.
     Opened {
         /// The request.
@@ -211,6 +248,10 @@ mod op {
     pub const UDP_SEND: u8 = 9;
     pub const CONNECT_ZERO_COPY: u8 = 10;
     pub const COMMIT: u8 = 11;
+    pub const FORK: u8 = 12;
+    pub const FORKED: u8 = 13;
+    pub const ADOPT: u8 = 14;
+    pub const WANT: u8 = 15;
     pub const OPENED: u8 = 64;
     pub const FAILED: u8 = 65;
     pub const ACCEPTED: u8 = 66;
@@ -220,6 +261,7 @@ mod op {
     pub const CLOSED: u8 = 70;
     pub const UDP_DATA: u8 = 71;
     pub const PLACED: u8 = 72;
+    pub const TICKET: u8 = 73;
 }
 
 const NOWHERE: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
@@ -242,6 +284,11 @@ impl<'a> Msg<'a> {
             UdpSend { sock, to, data } => (op::UDP_SEND, sock, 0, to, data),
             ConnectZeroCopy { req, to } => (op::CONNECT_ZERO_COPY, req, 0, to, &[]),
             Commit { conn, offset, bytes } => (op::COMMIT, conn, pair(offset, bytes), NOWHERE, &[]),
+            Fork { req } => (op::FORK, req, 0, NOWHERE, &[]),
+            Forked { token, pid } => (op::FORKED, pid, token, NOWHERE, &[]),
+            Adopt { req, token } => (op::ADOPT, req, token, NOWHERE, &[]),
+            Want { handle } => (op::WANT, handle, 0, NOWHERE, &[]),
+            Ticket { req, token } => (op::TICKET, req, token, NOWHERE, &[]),
             Placed { conn, commits, tail } => (op::PLACED, conn, pair(commits, tail), NOWHERE, &[]),
             Opened { req, handle, local } => (op::OPENED, req, u64::from(handle), local, &[]),
             Failed { req, errno } => (op::FAILED, req, errno as u32 as u64, NOWHERE, &[]),
@@ -334,6 +381,11 @@ impl<'a> Msg<'a> {
             op::CONNECT_ZERO_COPY => Msg::ConnectZeroCopy { req: a, to: addr },
             op::COMMIT => Msg::Commit { conn: a, offset: b as u32, bytes: (b >> 32) as u32 },
             op::PLACED => Msg::Placed { conn: a, commits: b as u32, tail: (b >> 32) as u32 },
+            op::FORK => Msg::Fork { req: a },
+            op::FORKED => Msg::Forked { token: b, pid: a },
+            op::ADOPT => Msg::Adopt { req: a, token: b },
+            op::WANT => Msg::Want { handle: a },
+            op::TICKET => Msg::Ticket { req: a, token: b },
             op::OPENED => Msg::Opened { req: a, handle: b32?, local: addr },
             op::FAILED => Msg::Failed { req: a, errno: b32? as i32 },
             op::ACCEPTED => Msg::Accepted { listener: a, conn: b32?, peer: addr },
@@ -445,6 +497,25 @@ mod tests {
         assert_eq!(Msg::parse(&opened), Err(ProtoError::Malformed(op::OPENED)));
     }
 
+    #[test]
+    fn fixture_fork_messages() {
+        let token = 0x0807_0605_0403_0201u64;
+        let mut buf = [0u8; HEADER_LEN];
+        Msg::Adopt { req: 9, token }.emit(&mut buf).unwrap();
+        assert_eq!(buf, [14, 0, 0, 0, 9, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(Msg::parse(&buf), Ok(Msg::Adopt { req: 9, token }));
+        Msg::Forked { token, pid: 4242 }.emit(&mut buf).unwrap();
+        assert_eq!(buf[..8], [13, 0, 0, 0, 0x92, 0x10, 0, 0]);
+        assert_eq!(Msg::parse(&buf), Ok(Msg::Forked { token, pid: 4242 }));
+        Msg::Want { handle: 3 }.emit(&mut buf).unwrap();
+        assert_eq!(buf, [15, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        // Fork and Want carry no count: a nonzero one is not what emit writes.
+        buf[8] = 1;
+        assert_eq!(Msg::parse(&buf), Err(ProtoError::Malformed(op::WANT)));
+        buf[0] = op::FORK;
+        assert_eq!(Msg::parse(&buf), Err(ProtoError::Malformed(op::FORK)));
+    }
+
     proptest! {
         #[test]
         fn every_message_round_trips(
@@ -473,6 +544,11 @@ mod tests {
                 Msg::ConnectZeroCopy { req: a, to },
                 Msg::Commit { conn: a, offset: b as u32, bytes: (b >> 32) as u32 },
                 Msg::Placed { conn: a, commits: (b >> 7) as u32, tail: (b >> 40) as u32 },
+                Msg::Fork { req: a },
+                Msg::Forked { token: b, pid: a },
+                Msg::Adopt { req: a, token: b },
+                Msg::Want { handle: a },
+                Msg::Ticket { req: a, token: b },
             ] {
                 round_trip(msg);
             }
@@ -485,7 +561,9 @@ mod tests {
 
         #[test]
         fn headers_with_a_known_op_parse_or_fail_cleanly(
-            code in prop::sample::select(vec![1u8, 2, 3, 4, 5, 6, 7, 8, 9, 64, 65, 66, 67, 68, 69, 70, 71]),
+            code in prop::sample::select(vec![
+                1u8, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73,
+            ]),
             rest in proptest::collection::vec(prop::sample::select(vec![0u8, 0, 0, 1, 255]), 23..40),
         ) {
             let mut data = vec![code];

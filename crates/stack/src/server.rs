@@ -6,7 +6,10 @@
 //! clients' doorbells and sockets, and the next TCP timer, so an idle server uses no CPU to speak
 //! of.
 //!
-//! Invariants: a client only reaches handles it opened (every handle names its owner); a client
+//! Invariants: a client only reaches handles it holds: those it opened, and those a fork ticket
+//! it claimed gave it (see `share`); a handle is freed when its last holder lets go of it or goes
+//! away. Of a handle's holders, one (its reader) is sent its arrivals; a shared listener hands
+//! each connection to exactly one holder that asked for one. A client
 //! that breaks the protocol (a message that does not parse, a ring that does not add up, more
 //! bytes than its credit) is disconnected and its connections closed, and nothing else changes.
 //! Control messages to a client are never dropped: when its ring is full they wait in an outbox;
@@ -33,6 +36,7 @@ use smoltcp::wire::{EthernetAddress, HardwareAddress, IpAddress, IpCidr, IpEndpo
 
 use crate::device::PortDevice;
 use crate::proto::{Msg, HEADER_LEN};
+use crate::share::{Claimed, ClientId, Shares};
 use crate::{hello, pipe_config, pipe_offset, Channel, CopyUnit};
 
 /// Bytes a client may have given the server for a connection and not yet seen accepted (`Sent`).
@@ -41,6 +45,8 @@ pub const SEND_CREDIT: u64 = 4 << 20;
 pub const RECV_CREDIT: u64 = 4 << 20;
 /// First port handed out for connects and for listens on port 0.
 const EPHEMERAL: u16 = 49152;
+/// Fork tickets a client may have made without reporting their child (`Forked`).
+const MAX_UNREPORTED_FORKS: usize = 64;
 /// How long the loop keeps polling after the last work before it sleeps.
 const SPIN: Duration = Duration::from_micros(100);
 
@@ -114,6 +120,13 @@ pub struct ServerCounters {
     pub rx_bytes: u64,
     /// Bytes zero-copy clients committed that the stack sent from where the client wrote them.
     pub zero_copy_bytes: u64,
+    /// Fork tickets made (a program with sockets forked).
+    pub forks: u64,
+    /// Fork tickets claimed by the child.
+    pub forks_adopted: u64,
+    /// Claims refused (no such ticket, or another process's), and tickets refused to a client
+    /// with too many whose child it never reported.
+    pub forks_refused: u64,
     /// Bytes zero-copy clients committed that had to be moved first (the stack's send buffer had
     /// emptied and restarted at its beginning before the client learned of it).
     pub zero_copy_moved_bytes: u64,
@@ -224,7 +237,6 @@ struct Client {
     unit: usize,
     /// Control messages that did not fit in the ring yet.
     outbox: VecDeque<Vec<u8>>,
-    handles: HashSet<u32>,
     /// The ring was written since the doorbell was last considered.
     wrote: bool,
     /// Something waited for room toward this client since the loop last slept: the client frees
@@ -327,12 +339,20 @@ enum Handle {
 }
 
 struct Conn {
-    client: u32,
     sock: SocketHandle,
-    /// Bytes from the client not yet in smoltcp's send buffer.
+    /// Bytes from the clients not yet in smoltcp's send buffer.
     pending: VecDeque<u8>,
-    /// Bytes moved into smoltcp and not yet reported with `Sent`.
-    unreported: u64,
+    /// Whose the pending bytes are, in order (a shared connection may have several writers, each
+    /// with its own send credit).
+    pending_owners: VecDeque<(ClientId, usize)>,
+    /// Bytes moved into smoltcp and not yet reported with `Sent`, by client.
+    unreported: Vec<(ClientId, u64)>,
+    /// The reader the state below was last kept for: a new reader starts with the whole receive
+    /// credit (what the last one was sent is its own) and is told of the end again.
+    reader: Option<ClientId>,
+    /// How the connection ended, once the reader was told (`Closed`'s errno): the other holders
+    /// are told too.
+    ended: Option<i32>,
     /// Bytes the server may still deliver.
     credit: u64,
     /// The connect request to answer when the handshake ends.
@@ -377,14 +397,12 @@ struct ZeroCopy {
 }
 
 struct Listener {
-    client: u32,
     port: u16,
     /// smoltcp sockets listening on the port (one per backlog slot).
     waiting: Vec<SocketHandle>,
 }
 
 struct UdpSock {
-    client: u32,
     sock: SocketHandle,
 }
 
@@ -398,6 +416,8 @@ struct Core {
     clients: HashMap<u32, Client>,
     next_client: u32,
     handles: HashMap<u32, Handle>,
+    /// Who holds each handle, and the fork tickets.
+    shares: Shares,
     next_handle: u32,
     ports_in_use: HashSet<u16>,
     next_port: u16,
@@ -477,6 +497,7 @@ impl Core {
             clients: HashMap::new(),
             next_client: 0,
             handles: HashMap::new(),
+            shares: Shares::default(),
             next_handle: 0,
             ports_in_use: HashSet::new(),
             next_port: EPHEMERAL,
@@ -538,6 +559,7 @@ impl Core {
             }
             self.flush_clients();
             if last_status.elapsed() >= Duration::from_millis(100) {
+                self.reap_tickets();
                 *status.lock().unwrap_or_else(|p| p.into_inner()) = self.status();
                 last_status = std::time::Instant::now();
             }
@@ -688,7 +710,6 @@ impl Core {
             pid: cred.pid,
             unit: unit.bytes(),
             outbox: VecDeque::new(),
-            handles: HashSet::new(),
             wrote: false,
             blocked: false,
         };
@@ -714,20 +735,27 @@ impl Core {
         match &mut client.link {
             Link::Shm { from, .. } => {
                 let mut probe = [0u8; 1];
-                match (&client.sock).read(&mut probe) {
-                    Ok(0) => return Err("closed its socket".into()),
+                // A program that writes and exits at once has its last requests in the ring
+                // when its end shows on the socket: they are served before it is let go (its
+                // last bytes are sent, its closes close), as the kernel sends what a program
+                // wrote before it exited.
+                let departed: Option<String> = match (&client.sock).read(&mut probe) {
+                    Ok(0) => Some("closed its socket".into()),
                     Ok(_) => return Err("wrote on its socket after the hello".into()),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
                     // A client that dies with replies unread resets its end: it went away, it did
                     // not break the protocol.
                     Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
-                        return Err("closed its socket with replies unread".into())
+                        Some("closed its socket with replies unread".into())
                     }
                     Err(e) => return Err(e.to_string()),
-                }
+                };
                 let mut from = from.take().expect("put back below");
                 let mut result = Ok(());
-                for _ in 0..256 {
+                // A departed client adds nothing more: its ring is read to the end (bounded by
+                // the ring's size).
+                let burst = if departed.is_some() { usize::MAX } else { 256 };
+                for _ in 0..burst {
                     let mut msg_result = Ok(());
                     match from.recv(|bytes| msg_result = self.handle_bytes(id, bytes)) {
                         Ok(true) => {
@@ -747,9 +775,11 @@ impl Core {
                 if let Some(Client { link: Link::Shm { from: slot, .. }, .. }) = self.clients.get_mut(&id) {
                     *slot = Some(from);
                 }
-                result
+                result.and(departed.map_or(Ok(()), Err))
             }
             Link::Socket { .. } => {
+                // As over shared memory: what came before the end is served first.
+                let mut departed: Option<String> = None;
                 loop {
                     let Some(client) = self.clients.get_mut(&id) else { return Ok(()) };
                     let Link::Socket { read, .. } = &mut client.link else { unreachable!() };
@@ -758,7 +788,10 @@ impl Core {
                         break;
                     }
                     match (&client.sock).read(&mut buf) {
-                        Ok(0) => return Err("closed its socket".into()),
+                        Ok(0) => {
+                            departed = Some("closed its socket".into());
+                            break;
+                        }
                         Ok(n) => {
                             read.extend_from_slice(&buf[..n]);
                             self.busy = true;
@@ -766,7 +799,8 @@ impl Core {
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                         Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
-                            return Err("closed its socket with replies unread".into())
+                            departed = Some("closed its socket with replies unread".into());
+                            break;
                         }
                         Err(e) => return Err(e.to_string()),
                     }
@@ -795,7 +829,7 @@ impl Core {
                 if let Some(Client { link: Link::Socket { read, .. }, .. }) = self.clients.get_mut(&id) {
                     *read = bytes;
                 }
-                result
+                result.and(departed.map_or(Ok(()), Err))
             }
         }
     }
@@ -805,15 +839,12 @@ impl Core {
         self.handle(id, msg)
     }
 
-    /// The handle `h` if client `id` owns it.
+    /// The handle `h` if client `id` holds it.
     fn owned(&mut self, id: u32, h: u32) -> Option<&mut Handle> {
-        let handle = self.handles.get_mut(&h)?;
-        let owner = match handle {
-            Handle::Conn(c) => c.client,
-            Handle::Listener(l) => l.client,
-            Handle::Udp(u) => u.client,
-        };
-        (owner == id).then_some(handle)
+        if !self.shares.holds(h, id) {
+            return None;
+        }
+        self.handles.get_mut(&h)
     }
 
     fn new_handle(&mut self) -> u32 {
@@ -886,7 +917,7 @@ impl Core {
         let h = self.new_handle();
         let conn = Conn { own_port: Some(local_port), zc, ..Conn::new(id, sock, Some(req), t) };
         self.handles.insert(h, Handle::Conn(conn));
-        self.clients.get_mut(&id).expect("serving it").handles.insert(h);
+        self.shares.open(h, id);
     }
 
     /// A zero-copy send buffer for client `id`, its memfd passed over the client's socket as a
@@ -1009,8 +1040,8 @@ impl Core {
                 }
                 self.ports_in_use.insert(port);
                 let h = self.new_handle();
-                self.handles.insert(h, Handle::Listener(Listener { client: id, port, waiting }));
-                self.clients.get_mut(&id).expect("serving it").handles.insert(h);
+                self.handles.insert(h, Handle::Listener(Listener { port, waiting }));
+                self.shares.open(h, id);
                 self.reply(
                     id,
                     Msg::Opened { req, handle: h, local: SocketAddr::new(self.config.ip.into(), port) },
@@ -1034,8 +1065,8 @@ impl Core {
                 let sock = self.sockets.add(s);
                 self.ports_in_use.insert(port);
                 let h = self.new_handle();
-                self.handles.insert(h, Handle::Udp(UdpSock { client: id, sock }));
-                self.clients.get_mut(&id).expect("serving it").handles.insert(h);
+                self.handles.insert(h, Handle::Udp(UdpSock { sock }));
+                self.shares.open(h, id);
                 self.reply(
                     id,
                     Msg::Opened { req, handle: h, local: SocketAddr::new(self.config.ip.into(), port) },
@@ -1052,7 +1083,8 @@ impl Core {
                 if c.zc.is_some() {
                     return Err("sent bytes on a zero-copy connection (it commits them)".into());
                 }
-                if c.pending.len() as u64 + data.len() as u64 > SEND_CREDIT {
+                let mine: usize = c.pending_owners.iter().filter(|(o, _)| *o == id).map(|(_, n)| n).sum();
+                if mine as u64 + data.len() as u64 > SEND_CREDIT {
                     return Err("sent beyond its credit".into());
                 }
                 self.counters.tx_bytes += data.len() as u64;
@@ -1064,12 +1096,20 @@ impl Core {
                 } else {
                     0
                 };
-                c.unreported += taken as u64;
-                c.pending.extend(&data[taken..]);
+                c.report(id, taken as u64);
+                if taken < data.len() {
+                    c.pending.extend(&data[taken..]);
+                    c.pending_owners.push_back((id, data.len() - taken));
+                }
             }
             Msg::Consumed { conn, bytes } => {
-                if let Some(Handle::Conn(c)) = self.owned(id, conn) {
-                    c.credit = (c.credit + bytes).min(RECV_CREDIT);
+                // Only the reader's reads return credit: an earlier reader reading what it was
+                // sent before gives back nothing the new one was counted for.
+                let reader = self.shares.reader(conn) == Some(id);
+                if let Some(Handle::Conn(c)) = self.owned(id, conn).filter(|_| reader) {
+                    if c.reader == Some(id) {
+                        c.credit = (c.credit + bytes).min(RECV_CREDIT);
+                    }
                 }
             }
             Msg::Shutdown { conn } => {
@@ -1079,6 +1119,61 @@ impl Core {
             }
             Msg::Close { handle } => self.close_handle(id, handle, false),
             Msg::Abort { conn } => self.close_handle(id, conn, true),
+            Msg::Fork { req } => {
+                // A fork reports its child at once: a client with this many unreported is not
+                // forking, and each ticket costs the server memory.
+                if self.shares.unreported(id) >= MAX_UNREPORTED_FORKS {
+                    self.counters.forks_refused += 1;
+                    self.reply(id, Msg::Failed { req, errno: libc::EAGAIN });
+                    return Ok(());
+                }
+                let token = self.new_token();
+                // A zero-copy connection's send buffer is one mapping between one program and
+                // the stack: it stays with the parent.
+                let handles: Vec<u32> = self
+                    .shares
+                    .held_by(id)
+                    .into_iter()
+                    .filter(|h| !matches!(self.handles.get(h), Some(Handle::Conn(c)) if c.zc.is_some()))
+                    .collect();
+                self.shares.fork(token, id, &handles);
+                self.counters.forks += 1;
+                self.reply(id, Msg::Ticket { req, token });
+            }
+            Msg::Forked { token, pid } => match self.shares.forked(token, id, (pid != 0).then_some(pid)) {
+                Ok(freed) => {
+                    for h in freed {
+                        self.free_handle(h, false);
+                    }
+                }
+                // The child may have claimed the ticket before the parent's report came; a report
+                // about another client's ticket changes nothing either.
+                Err(_) => tracing::debug!("stack client {id}: report of a fork ticket it has no more"),
+            },
+            Msg::Adopt { req, token } => {
+                let pid = self.clients.get(&id).map_or(0, |c| c.pid) as u32;
+                match self.shares.claim(token, id, pid) {
+                    Ok(Claimed { handles, ended }) => {
+                        self.counters.forks_adopted += 1;
+                        // What ended while only the ticket held it: the child hears it as a
+                        // connection closed under it.
+                        for (conn, errno) in ended {
+                            self.reply(id, Msg::Closed { conn, errno });
+                        }
+                        let n = handles.len() as u32;
+                        self.reply(id, Msg::Opened { req, handle: n, local: NOWHERE });
+                    }
+                    Err(why) => {
+                        self.counters.forks_refused += 1;
+                        tracing::info!("stack client {id} (pid {pid}): fork ticket refused: {why:?}");
+                        self.reply(id, Msg::Failed { req, errno: libc::EPERM });
+                    }
+                }
+            }
+            Msg::Want { handle } => {
+                let listener = matches!(self.handles.get(&handle), Some(Handle::Listener(_)));
+                self.shares.want(handle, id, listener);
+            }
             Msg::UdpSend { sock, to, data } => {
                 if let Some(Handle::Udp(u)) = self.owned(id, sock) {
                     let handle = u.sock;
@@ -1090,6 +1185,7 @@ impl Core {
                 }
             }
             Msg::Opened { .. }
+            | Msg::Ticket { .. }
             | Msg::Placed { .. }
             | Msg::Failed { .. }
             | Msg::Accepted { .. }
@@ -1102,21 +1198,24 @@ impl Core {
         Ok(())
     }
 
-    /// The client is done with `h`: a connection closes (FIN after queued bytes, or RST when
-    /// `abort`) and is freed when TCP is done with it; listeners and UDP sockets go at once.
+    /// Client `id` is done with `h`. When it was the last holder, a connection closes (FIN
+    /// after queued bytes, or RST when `abort`) and is freed when TCP is done with it; listeners
+    /// and UDP sockets go at once. Other holders keep it as it is.
     fn close_handle(&mut self, id: u32, h: u32, abort: bool) {
-        if self.owned(id, h).is_none() {
-            return;
+        if self.shares.release(h, id) {
+            self.free_handle(h, abort);
         }
-        if let Some(c) = self.clients.get_mut(&id) {
-            c.handles.remove(&h);
-        }
+    }
+
+    /// Nobody holds `h` any more: close it.
+    fn free_handle(&mut self, h: u32, abort: bool) {
         match self.handles.get_mut(&h) {
             Some(Handle::Conn(c)) => {
                 c.orphan = true;
                 c.shutdown = true;
                 if abort {
                     c.pending.clear();
+                    c.pending_owners.clear();
                     self.sockets.get_mut::<tcp::Socket>(c.sock).abort();
                 }
             }
@@ -1153,16 +1252,45 @@ impl Core {
         if let Link::Shm { server_bell, .. } = &client.link {
             self.unwatch(server_bell.as_fd().as_raw_fd());
         }
-        // Put back so close_handle sees the owner, then close everything it had.
-        let handles: Vec<u32> = client.handles.iter().copied().collect();
-        self.clients.insert(id, client);
-        for h in handles {
+        // What it held alone closes; what other processes hold stays theirs.
+        for h in self.shares.client_gone(id) {
             // Unread data at exit makes Linux reset the connection; otherwise it closes.
             let abort = matches!(self.handles.get(&h), Some(Handle::Conn(c))
                 if self.sockets.get::<tcp::Socket>(c.sock).recv_queue() > 0);
-            self.close_handle(id, h, abort);
+            self.free_handle(h, abort);
         }
-        self.clients.remove(&id);
+    }
+
+    /// A fresh fork ticket's secret: unguessable, so that only the child the parent passed it
+    /// to can claim the parent's sockets.
+    fn new_token(&mut self) -> u64 {
+        loop {
+            let mut token = 0u64;
+            // SAFETY: getrandom writes at most 8 bytes into the live u64.
+            let n = unsafe { libc::getrandom((&mut token as *mut u64).cast(), 8, 0) };
+            if n != 8 {
+                // No kernel randomness (never on Linux 3.17+): still unique, if guessable.
+                self.next_handle = self.next_handle.wrapping_add(1);
+                token = (self.start.elapsed().as_nanos() as u64) ^ (u64::from(self.next_handle) << 32);
+            }
+            if token != 0 && self.shares.fork(token, 0, &[]) {
+                // Reserved by an empty ticket of nobody's; the caller's replaces it.
+                self.shares.release_ticket(token);
+                return token;
+            }
+        }
+    }
+
+    /// Frees the tickets whose child ended (or is a zombie) without claiming them.
+    fn reap_tickets(&mut self) {
+        for (token, pid) in self.shares.children() {
+            if !process_alive(pid) {
+                tracing::debug!("fork ticket of process {pid} released: it ended unclaimed");
+                for h in self.shares.release_ticket(token) {
+                    self.free_handle(h, false);
+                }
+            }
+        }
     }
 
     /// Moves bytes between connections and clients and reports state changes.
@@ -1174,9 +1302,35 @@ impl Core {
             match self.handles.get_mut(&h) {
                 Some(Handle::Conn(c)) => {
                     let s = self.sockets.get_mut::<tcp::Socket>(c.sock);
-                    let client = self.clients.get_mut(&c.client);
+                    let reader = self.shares.reader(h);
+                    if reader != c.reader {
+                        // A new reader: what the last one was sent is its own to read (and
+                        // counted against nothing any more); the end is the new one's to hear.
+                        c.reader = reader;
+                        c.credit = RECV_CREDIT;
+                        c.eof_sent = false;
+                    }
+                    let client = reader.and_then(|r| self.clients.get_mut(&r));
                     if service_conn(h, c, s, client, t, &mut self.counters, self.config.timeout) {
                         self.busy = true;
+                    }
+                    // Send credit goes back to whoever wrote the bytes.
+                    for (owner, bytes) in c.unreported.drain(..) {
+                        if let Some(cl) = self.clients.get_mut(&owner) {
+                            cl.control(Msg::Sent { conn: h, bytes });
+                        }
+                    }
+                    if let Some(errno) = c.ended.take() {
+                        // The reader was told; the other holders hear it too, and the handle
+                        // is nobody's any more (it is freed once TCP is done).
+                        for &other in self.shares.holders(h) {
+                            if Some(other) != reader {
+                                if let Some(cl) = self.clients.get_mut(&other) {
+                                    cl.control(Msg::Closed { conn: h, errno });
+                                }
+                            }
+                        }
+                        self.shares.forget(h, errno);
                     }
                     if s.state() == tcp::State::Closed && c.orphan {
                         free.push(h);
@@ -1191,13 +1345,20 @@ impl Core {
                                 // Reset during the handshake: listen again.
                                 let _ = s.listen(l.port);
                             }
-                            _ => accepted.push((h, l.client, l.port, *slot)),
+                            _ => {
+                                // Shared: it waits in the backlog until a holder asks for one.
+                                if let Some(client) = self.shares.take_accepter(h) {
+                                    accepted.push((h, client, l.port, *slot));
+                                }
+                            }
                         }
                     }
                 }
                 Some(Handle::Udp(u)) => {
                     let s = self.sockets.get_mut::<udp::Socket>(u.sock);
-                    let Some(client) = self.clients.get_mut(&u.client) else { continue };
+                    let Some(client) = self.shares.reader(h).and_then(|r| self.clients.get_mut(&r)) else {
+                        continue;
+                    };
                     while client.clear() && s.can_recv() {
                         let Ok((data, meta)) = s.recv() else { break };
                         let from = endpoint(Some(meta.endpoint)).unwrap_or(NOWHERE);
@@ -1222,9 +1383,9 @@ impl Core {
             let peer = endpoint(self.sockets.get::<tcp::Socket>(slot).remote_endpoint()).unwrap_or(NOWHERE);
             let h = self.new_handle();
             self.handles.insert(h, Handle::Conn(Conn::new(client, slot, None, t)));
+            self.shares.open(h, client);
             self.counters.connections_opened += 1;
             if let Some(c) = self.clients.get_mut(&client) {
-                c.handles.insert(h);
                 c.control(Msg::Accepted { listener, conn: h, peer });
             }
             self.busy = true;
@@ -1272,7 +1433,7 @@ impl Core {
                         local: endpoint(s.local_endpoint()),
                         remote: endpoint(s.remote_endpoint()),
                         state: s.state().to_string(),
-                        pid: self.clients.get(&c.client).map_or(0, |cl| cl.pid),
+                        pid: c.reader.and_then(|r| self.clients.get(&r)).map_or(0, |cl| cl.pid),
                     });
                 }
                 Handle::Listener(l) => listening.push(l.port),
@@ -1287,10 +1448,12 @@ impl Core {
 impl Conn {
     fn new(client: u32, sock: SocketHandle, connecting: Option<u32>, t: Instant) -> Conn {
         Conn {
-            client,
             sock,
             pending: VecDeque::new(),
-            unreported: 0,
+            pending_owners: VecDeque::new(),
+            unreported: Vec::new(),
+            reader: Some(client),
+            ended: None,
             credit: RECV_CREDIT,
             connecting,
             shutdown: false,
@@ -1303,6 +1466,32 @@ impl Conn {
             seen_recv_queue: 0,
             seen_state: tcp::State::Closed,
             zc: None,
+        }
+    }
+
+    /// Counts `bytes` of `client`'s as taken into the stack, to be reported with `Sent`.
+    fn report(&mut self, client: ClientId, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        match self.unreported.iter_mut().find(|(c, _)| *c == client) {
+            Some((_, n)) => *n += bytes,
+            None => self.unreported.push((client, bytes)),
+        }
+    }
+
+    /// `n` pending bytes went into the stack: they count as their writers'.
+    fn took_pending(&mut self, mut n: usize) {
+        while n > 0 {
+            let Some((owner, len)) = self.pending_owners.front_mut() else { break };
+            let take = n.min(*len);
+            let owner = *owner;
+            *len -= take;
+            n -= take;
+            if *len == 0 {
+                self.pending_owners.pop_front();
+            }
+            self.report(owner, take as u64);
         }
     }
 }
@@ -1349,7 +1538,7 @@ fn move_bytes(
             break;
         }
         c.pending.drain(..n);
-        c.unreported += n as u64;
+        c.took_pending(n);
         moved = true;
     }
     // smoltcp in LAST-ACK drops every acknowledgement that acknowledges nothing new, window
@@ -1370,7 +1559,7 @@ fn move_bytes(
     ) {
         c.fin_seen = true;
     }
-    let Some(client) = client.filter(|_| !c.orphan) else {
+    if c.orphan {
         // Nobody reads any more: drain what arrives so the peer is not stalled.
         while s.can_recv() {
             if s.recv(|b| (b.len(), ())).is_err() {
@@ -1378,7 +1567,9 @@ fn move_bytes(
             }
         }
         return moved;
-    };
+    }
+    // Held only by a fork ticket for now: what arrives waits for the child (the window closes).
+    let Some(client) = client else { return moved };
     if let Some(req) = c.connecting {
         match state {
             tcp::State::SynSent | tcp::State::SynReceived => return moved,
@@ -1388,7 +1579,8 @@ fn move_bytes(
                 client.control(Msg::Failed { req, errno });
                 c.connecting = None;
                 c.orphan = true;
-                client.handles.remove(&h);
+                // Nobody else can hold a connection still connecting: the handle just goes.
+                c.ended = Some(errno);
                 return true;
             }
             _ => {
@@ -1398,10 +1590,6 @@ fn move_bytes(
                 moved = true;
             }
         }
-    }
-    if c.unreported > 0 {
-        client.control(Msg::Sent { conn: h, bytes: c.unreported });
-        c.unreported = 0;
     }
     if let Some(zc) = c.zc.as_mut() {
         // Acknowledged bytes left smoltcp's send buffer: their room is the client's again.
@@ -1450,7 +1638,7 @@ fn move_bytes(
         c.eof_sent = true;
         moved = true;
     }
-    if state == tcp::State::Closed && !c.orphan && client.handles.contains(&h) && s.recv_queue() == 0 {
+    if state == tcp::State::Closed && !c.orphan && s.recv_queue() == 0 {
         // The peer's FIN ends a connection cleanly; anything else that closed it (its RST, or
         // silence past the timeout) is an error even after this side shut its half down.
         let errno = if c.fin_seen {
@@ -1462,10 +1650,19 @@ fn move_bytes(
         };
         client.control(Msg::Closed { conn: h, errno });
         c.orphan = true;
-        client.handles.remove(&h);
+        c.ended = Some(errno);
         moved = true;
     }
     moved
+}
+
+/// Whether process `pid` still runs (a zombie has ended: it only waits to be reaped).
+fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the command's closing parenthesis.
+        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => false,
+    }
 }
 
 /// This process's effective user and group, read through a socket pair's credentials.
@@ -1523,7 +1720,7 @@ mod closing {
         }
     }
 
-    fn client(conn: u32) -> Client {
+    fn client() -> Client {
         let (sock, _) = UnixStream::pair().unwrap();
         Client {
             sock,
@@ -1531,7 +1728,6 @@ mod closing {
             pid: 0,
             unit: 4096,
             outbox: VecDeque::new(),
-            handles: HashSet::from([conn]),
             wrote: false,
             blocked: false,
         }
@@ -1579,7 +1775,7 @@ mod closing {
                 .unwrap();
             let c = Conn::new(1, ours, None, net.t);
             let mut me =
-                Connected { net, ours, theirs, c, client: client(7), counters: ServerCounters::default() };
+                Connected { net, ours, theirs, c, client: client(), counters: ServerCounters::default() };
             for _ in 0..10 {
                 me.net.poll();
                 me.service();

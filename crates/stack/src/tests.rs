@@ -516,3 +516,96 @@ fn tcp_and_udp_over_ipv6_beside_ipv4() {
         assert_eq!((&buf[..n], from), (&b"six"[..], SocketAddr::V6(SocketAddrV6::new(A6, 9006, 0, 0))));
     });
 }
+
+/// A fork as the preload library makes one, with two attachments of this process for parent and
+/// child: only the ticket's secret, once, from the ticket's process, claims the parent's
+/// connection; the parent's close leaves it open; the child's last close ends it.
+#[test]
+fn a_fork_ticket_hands_a_connection_to_its_child_alone() {
+    bounded(60, || {
+        let p = pair("fork", 0.0);
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let l = cb.listen(7011, 4).unwrap();
+        let parent = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let child = StackClient::attach(&p.sock_a, CopyUnit::BASELINE).unwrap();
+        let stranger = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let s = parent.connect(SocketAddrV4::new(B, 7011)).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        let (conn, local, remote) = (s.handle(), s.local_addr(), s.peer_addr());
+
+        let token = parent.fork_ticket().unwrap();
+        parent.forked(token, Some(std::process::id())).unwrap();
+        let refused = |r: std::io::Result<u32>| r.unwrap_err().raw_os_error() == Some(libc::EPERM);
+        assert!(refused(stranger.adopt(token ^ 1, &[conn])), "a guessed secret");
+        // A ticket for another process: the one that ran `true` (it ended, too).
+        let other = parent.fork_ticket().unwrap();
+        let mut t = std::process::Command::new("true").spawn().unwrap();
+        parent.forked(other, Some(t.id())).unwrap();
+        t.wait().unwrap();
+        // A request and its answer: the server has taken the report before the claim below
+        // (a client's messages are served in order). A real child races its parent's report,
+        // harmlessly: it is the process the report names.
+        drop(parent.bind_udp(0).unwrap());
+        assert!(refused(child.adopt(other, &[conn])), "another process's ticket");
+        assert_eq!(child.adopt(token, &[conn]).unwrap(), 1);
+        assert!(refused(stranger.adopt(token, &[conn])), "a ticket claimed already");
+
+        // The parent closes its copy: the peer sees no end.
+        drop(s);
+        peer.set_read_timeout(Some(Duration::from_millis(300)));
+        let mut buf = [0u8; 16];
+        let e = peer.read(&mut buf).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "the parent's close ended the connection");
+        // The stranger cannot use it either: its bytes go nowhere.
+        stranger.send_raw(&Msg::Send { conn, data: b"not mine" }).unwrap();
+        let mut c = child.adopted_stream(conn, local, remote);
+        c.write_all(b"from the child").unwrap();
+        peer.write_all(b"to the child").unwrap();
+        let mut got = [0u8; 12];
+        c.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"to the child");
+        drop(c);
+        peer.set_read_timeout(Some(Duration::from_secs(10)));
+        assert_eq!(read_all(&mut peer), b"from the child");
+        drop(peer);
+        settled(&p.a, |st| {
+            st.connections.is_empty()
+                && st.counters.forks == 2
+                && st.counters.forks_adopted == 1
+                && st.counters.forks_refused == 3
+                && st.counters.clients_broken == 0
+        });
+    });
+}
+
+/// A client that asks for fork tickets and never reports a child is refused past a bound, and
+/// what its tickets held is freed when it goes.
+#[test]
+fn fork_tickets_without_children_are_bounded_and_go_with_their_client() {
+    bounded(60, || {
+        let p = pair("forks", 0.0);
+        let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
+        let l = cb.listen(7012, 4).unwrap();
+        let greedy = StackClient::attach(&p.sock_a, CopyUnit::DEFAULT).unwrap();
+        let s = greedy.connect(SocketAddrV4::new(B, 7012)).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        for _ in 0..64 {
+            greedy.fork_ticket().unwrap();
+        }
+        let e = greedy.fork_ticket().unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EAGAIN), "{e}");
+        // The client goes: its connection and the tickets' references with it.
+        drop(s);
+        drop(greedy);
+        peer.set_read_timeout(Some(Duration::from_secs(10)));
+        assert_eq!(read_all(&mut peer), b"");
+        drop(peer);
+        settled(&p.a, |st| {
+            st.clients == 0
+                && st.connections.is_empty()
+                && st.counters.forks == 64
+                && st.counters.forks_refused == 1
+                && st.counters.clients_broken == 0
+        });
+    });
+}
