@@ -219,3 +219,87 @@ pub fn crypto_rows(security: &[String], runs: usize) -> Vec<report::Row> {
     }
     rows
 }
+
+/// For each row of `metric` measured over a keyed fabric (`security` other than `off`): given
+/// `ratio`, a row `ratio_vs_security_off`, its value over the value of the row with the same name
+/// and parameters under `off`; given `as_us` (the figure turned into µs per operation), a row
+/// `added_us_vs_security_off`, what the key adds to each operation.
+pub fn versus_security_off(
+    report: &mut report::Report,
+    metric: &str,
+    ratio: bool,
+    as_us: Option<fn(f64) -> f64>,
+) {
+    let without = |r: &report::Row| {
+        let mut p = r.params.clone();
+        p.remove("security");
+        p
+    };
+    let mut out = Vec::new();
+    for r in report.rows.iter().filter(|r| r.metric == metric) {
+        if r.params.get("security").and_then(|v| v.as_str()).is_none_or(|s| s == "off") {
+            continue;
+        }
+        let base = report.rows.iter().find(|o| {
+            o.metric == metric
+                && o.name == r.name
+                && o.params.get("security").and_then(|v| v.as_str()) == Some("off")
+                && without(o) == without(r)
+        });
+        let Some(base) = base else { continue };
+        let with_params = |mut row: report::Row| {
+            for (k, v) in &r.params {
+                row = row.with(k, v.clone());
+            }
+            row
+        };
+        if ratio {
+            out.push(with_params(report::Row::new(
+                r.name.clone(),
+                "ratio_vs_security_off",
+                r.value / base.value,
+            )));
+        }
+        if let Some(us) = as_us {
+            out.push(with_params(report::Row::new(
+                r.name.clone(),
+                "added_us_vs_security_off",
+                us(r.value) - us(base.value),
+            )));
+        }
+    }
+    report.rows.extend(out);
+}
+
+/// The floor of a keyed row's rate: for each row of `metric` (MB/s) over a keyed fabric, the
+/// ratio to `off` it would have if each byte's AEAD work on both ends (sealing, then opening,
+/// at the `crypto:` row's rate of the same setting) added to the `off` row's time and nothing
+/// else changed (`floor_ratio_vs_security_off`): on a machine whose cores every path keeps busy,
+/// what the crypto's own cost allows.
+pub fn crypto_floor(report: &mut report::Report, metric: &str) {
+    let security = |r: &report::Row| r.params.get("security").and_then(|v| v.as_str()).map(str::to_string);
+    let mut out = Vec::new();
+    for r in report.rows.iter().filter(|r| r.metric == "ratio_vs_security_off") {
+        let Some(s) = security(r) else { continue };
+        let crypto =
+            report.rows.iter().find(|c| c.name.starts_with("crypto:") && security(c).as_deref() == Some(&*s));
+        let off = report.rows.iter().find(|o| {
+            o.metric == metric
+                && o.name == r.name
+                && security(o).as_deref() == Some("off")
+                && ["rw", "block_size", "iodepth", "numjobs", "mtu", "cmb", "size_bytes", "test"]
+                    .iter()
+                    .all(|k| o.params.get(*k) == r.params.get(*k))
+        });
+        let (Some(crypto), Some(off)) = (crypto, off) else { continue };
+        // Seconds per byte: the off row's, and the AEAD's on each of the two ends.
+        let (t_off, t_crypto) = (1.0 / (off.value * 1e6), 2.0 / (crypto.value * 1e9));
+        let mut row =
+            report::Row::new(r.name.clone(), "floor_ratio_vs_security_off", t_off / (t_off + t_crypto));
+        for (k, v) in &r.params {
+            row = row.with(k, v.clone());
+        }
+        out.push(row);
+    }
+    report.rows.extend(out);
+}

@@ -857,6 +857,8 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     }
     write_plots(&report.rows, &args.png)?;
     report.rows.extend(ratios);
+    crate::versus_security_off(&mut report, "latency_us", false, Some(|us| us));
+    crate::versus_security_off(&mut report, "bw_mb_per_s", true, None);
     report.finish(args.json.as_deref())?;
     Ok(())
 }

@@ -416,6 +416,8 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
         }
         series.push(Series { name: row.clone(), points });
     }
+    crate::versus_security_off(&mut report, "gbit_per_s", true, None);
+    crate::versus_security_off(&mut report, "pps_received", true, None);
     for (p, v) in &raw {
         report.push(
             Row::new(format!("raw:{p}"), "gbit_per_s_one_way", median(v).unwrap_or(0.0))

@@ -794,9 +794,13 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
             report.push(row);
         }
     }
+    crate::versus_security_off(&mut report, "mb_per_s", true, None);
+    // At one request in flight, 1/IOPS is each request's time.
+    crate::versus_security_off(&mut report, "iops", false, Some(|iops| 1e6 / iops));
     for row in crate::crypto_rows(&args.security, runs) {
         report.push(row);
     }
+    crate::crypto_floor(&mut report, "mb_per_s");
     ratios_vs_nbd_tcp(&mut report);
     Ok(report)
 }

@@ -94,6 +94,9 @@ pub fn report_json(r: &SecurityReport) -> Value {
         "handshakes_started": c.handshakes_started,
         "sessions_established": c.sessions_established,
         "tx_waiting_for_handshake": c.tx_waiting,
+        "held_for_handshake": c.held_for_handshake,
+        "stale_handshakes": c.stale_handshakes,
+        "drop_other_group": c.drop_other_group,
         "rejected": rejected(&c.rejected),
         "peers": r.peers.iter().map(|p| json!({
             "mac": p.mac.to_string(),

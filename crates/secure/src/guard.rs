@@ -12,8 +12,9 @@
 //! - a counter is never used twice under one key: each session direction and each broadcast key
 //!   has its own counter, advanced for every frame sealed, retransmissions included (the transport
 //!   hands a retransmission over as a new frame);
-//! - nothing reaches the transport from a peer before a handshake proved it holds an accepted key,
-//!   except broadcasts sealed under a key derived from an accepted key and the sender's identity;
+//! - nothing reaches the transport from a peer before a handshake proved it holds an accepted key:
+//!   a member's broadcast (sealed under a key derived from the fabric key and the sender's
+//!   identity) from a node without a session starts a handshake and is held back;
 //! - a frame is delivered at most once (a 256-frame replay window per session and per broadcast
 //!   sender), only from the incarnation (epoch) the session was made with;
 //! - a responder's offered session replaces nothing until the initiator proves it took it (the
@@ -154,6 +155,13 @@ pub struct GuardCounters {
     pub drop_malformed: u64,
     /// Frames to another node.
     pub drop_not_for_us: u64,
+    /// Broadcasts of another group than this node's from nodes it has no session with: a group's
+    /// heartbeats reach only that group (and the peers already in session with their sender, who
+    /// learn that it moved).
+    pub drop_other_group: u64,
+    /// Broadcasts of members (their tags verified) from nodes without a session yet: held back
+    /// while the handshake they start runs.
+    pub held_for_handshake: u64,
     /// Handshake messages from members (their tags verified) that fit no handshake in progress:
     /// sent again, answering one a newer handshake replaced, or replayed. Ignored.
     pub stale_handshakes: u64,
@@ -822,6 +830,12 @@ impl Guard {
             return None;
         };
         let group = be16(frame, ETH_LEN + 4);
+        // Until this node has sent a frame it does not know its group, and hears every group.
+        let known = self.local_epoch != 0;
+        if known && group != self.local_group && self.peers.get(&src).is_none_or(|p| p.current.is_none()) {
+            self.counters.drop_other_group += 1;
+            return None;
+        }
         if self.broadcast_rx.len() >= MAX_PEERS && !self.broadcast_rx.contains_key(&src) {
             self.counters.drop_not_for_us += 1;
             return None;
@@ -863,17 +877,24 @@ impl Guard {
             return None;
         };
         rx.window.commit(counter);
-        if self
-            .peers
-            .get(&src)
-            .and_then(|p| p.current.as_ref())
-            .is_some_and(|s| s.peer_epoch != 0 && s.peer_epoch != epoch)
-        {
-            self.reject(now, src, Reason::StaleEpoch);
-            return None;
+        let session_epoch = self.peers.get(&src).and_then(|p| p.current.as_ref()).map(|s| s.peer_epoch);
+        match session_epoch {
+            Some(e) if e != 0 && e != epoch => {
+                self.reject(now, src, Reason::StaleEpoch);
+                None
+            }
+            Some(_) => {
+                self.counters.opened += 1;
+                Some(out)
+            }
+            None => {
+                // No membership, no liveness before a handshake: a member's broadcast from a node
+                // without a session starts one, and its next broadcast is heard.
+                self.counters.held_for_handshake += 1;
+                self.want_session(now, src);
+                None
+            }
         }
-        self.counters.opened += 1;
-        Some(out)
     }
 
     fn promote(&mut self, now: Instant, src: MacAddr) {

@@ -3,7 +3,7 @@
 //!
 //! Layer: between the transport and a port. [`SecurePort`] wraps any port: the transport above
 //! it sees only frames from peers that completed the member handshake ([`handshake`]) with this
-//! node, or broadcasts sealed under a key of the fabric, each frame once; everything else is
+//! node, each frame once (a member's broadcast from a node without a session starts one); everything else is
 //! counted by reason and dropped before the transport sees it. The core ([`Guard`]) is sans-IO
 //! and runs the same in the daemons and in tests on a logical clock.
 //!

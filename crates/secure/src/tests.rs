@@ -97,13 +97,20 @@ fn pair(encrypt: bool) -> (Node, Node, Instant) {
     let mut a = Node::new(1, KeyRing::new(key(1), []), encrypt);
     let mut b = Node::new(2, KeyRing::new(key(1), []), encrypt);
     let now = Instant::from_nanos(1_000_000);
-    // b's transport has sent a heartbeat, so its layer knows its epoch.
+    // Both transports announce themselves: a member's broadcast, before a session, is held back
+    // and starts a handshake; its next one is heard.
     let (mut hb, len) = frame(b.mac, MacAddr::BROADCAST, b.epoch, Kind::Heartbeat, b"hb");
     let n = b.guard.seal(now, &mut hb, len).expect("broadcasts need no session");
-    assert!(a.recv(now, &hb[..n]).is_some(), "a member's broadcast is delivered");
+    let (mut hb_a, len_a) = frame(a.mac, MacAddr::BROADCAST, a.epoch, Kind::Heartbeat, b"hb");
+    let _ = a.guard.seal(now, &mut hb_a, len_a).expect("broadcasts need no session");
+    assert!(a.recv(now, &hb[..n]).is_none(), "no liveness before the handshake");
+    assert_eq!(a.guard.counters().held_for_handshake, 1);
     assert!(a.send(now, b.mac, b"first").is_none(), "nothing is sent before the handshake");
     exchange(now, &mut a, &mut b);
     assert!(a.guard.is_authenticated(b.mac) && b.guard.is_authenticated(a.mac));
+    let (mut hb, len) = frame(b.mac, MacAddr::BROADCAST, b.epoch, Kind::Heartbeat, b"hb 2");
+    let n = b.guard.seal(now, &mut hb, len).unwrap();
+    assert!(a.recv(now, &hb[..n]).is_some(), "a member's broadcast is heard once in session");
     (a, b, now)
 }
 
@@ -291,6 +298,23 @@ fn a_responder_that_never_sent_takes_its_epoch_from_its_first_frame() {
     let n = b.guard.seal(now, &mut other, len).unwrap();
     assert!(a.recv(now, &other[..n]).is_none());
     assert_eq!(a.guard.counters().rejected.stale_epoch, 1);
+}
+
+#[test]
+fn a_groups_broadcasts_reach_only_that_group_and_its_peers_in_session() {
+    let (mut a, mut b, now) = pair(false);
+    let mut c = Node::new(3, KeyRing::new(key(1), []), false);
+    // c is in group 4 (its first frame says so); a and b in group 3.
+    let (mut f, len) = frame(c.mac, MacAddr::BROADCAST, c.epoch, Kind::Heartbeat, b"group 4");
+    f[14 + 4..14 + 6].copy_from_slice(&4u16.to_be_bytes());
+    let n = c.guard.seal(now, &mut f, len).unwrap();
+    assert!(b.recv(now, &f[..n]).is_none());
+    assert_eq!(b.guard.counters().drop_other_group, 1);
+    // a moves to group 4: b, in session with it, still hears of the move.
+    let (mut f, len) = frame(a.mac, MacAddr::BROADCAST, a.epoch, Kind::Heartbeat, b"moved");
+    f[14 + 4..14 + 6].copy_from_slice(&4u16.to_be_bytes());
+    let n = a.guard.seal(now, &mut f, len).unwrap();
+    assert!(b.recv(now, &f[..n]).is_some());
 }
 
 #[test]

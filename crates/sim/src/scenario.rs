@@ -52,6 +52,9 @@ pub struct TransferParams {
     pub transport: Config,
     /// Give up after this much logical time.
     pub time_limit: Duration,
+    /// Run over a keyed fabric: both ends behind the authentication layer's core with a fixed
+    /// key and seeded randomness (the run still repeats exactly), the transport's checksum off.
+    pub keyed: bool,
 }
 
 impl TransferParams {
@@ -73,6 +76,7 @@ impl TransferParams {
             },
             transport: transport_for(10_000_000_000),
             time_limit: Duration::from_secs(3600),
+            keyed: false,
         }
     }
 }
@@ -100,6 +104,8 @@ pub struct TransferReport {
     pub counters: [Counters; 2],
     /// Payload bytes delivered.
     pub bytes: u64,
+    /// Frames the authentication layers refused (a keyed run; corrupted frames among them).
+    pub refused_by_key: u64,
 }
 
 impl TransferReport {
@@ -142,8 +148,33 @@ pub fn transfer(params: &TransferParams, progress: &mut dyn FnMut(u64)) -> Trans
     let clock = ManualClock::new();
     let (mut pa, mut pb) = SimWire::pair(params.wire.clone(), Arc::new(clock.clone()), [a_mac, b_mac])
         .expect("transfer parameters are validated by the caller");
-    let mut a = Endpoint::new(params.transport.clone(), a_mac, Instant::ZERO);
-    let mut b = Endpoint::new(params.transport.clone(), b_mac, Instant::ZERO);
+    let mut transport = params.transport.clone();
+    // A keyed fabric: the tag replaces the CRC, and the trailer needs room in each frame.
+    let mut guards = params.keyed.then(|| {
+        transport.checksum = false;
+        transport.mtu = transport.mtu.min(params.wire.mtu) - lanbus_secure::TRAILER_LEN;
+        let keys = lanbus_secure::Keys::new(lanbus_secure::KeyRing::new(
+            lanbus_secure::FabricKey::from_parts(lanbus_secure::KeyId(1), [0x1b; 32]),
+            [],
+        ));
+        let guard = |mac, seed| {
+            let config = lanbus_secure::GuardConfig {
+                encrypt: false,
+                suite: lanbus_secure::Suite::Aes256Gcm,
+                broadcast_counter_start: 1,
+            };
+            lanbus_secure::Guard::new(
+                mac,
+                keys.clone(),
+                config,
+                Box::new(lanbus_secure::SeededEntropy::new(seed)),
+            )
+        };
+        [guard(a_mac, params.wire.seed), guard(b_mac, params.wire.seed ^ 0x5eed)]
+    });
+    let mut scratch = Vec::new();
+    let mut a = Endpoint::new(transport.clone(), a_mac, Instant::ZERO);
+    let mut b = Endpoint::new(transport, b_mac, Instant::ZERO);
     let n = params.messages;
     let mut seen = vec![false; n as usize];
     let mut report = TransferReport {
@@ -157,6 +188,7 @@ pub fn transfer(params: &TransferParams, progress: &mut dyn FnMut(u64)) -> Trans
         wire: [SimWireStats::default(); 2],
         counters: [Counters::default(); 2],
         bytes: 0,
+        refused_by_key: 0,
     };
     let mut next_send = 0u64;
     let mut expected = 0u64;
@@ -174,8 +206,24 @@ pub fn transfer(params: &TransferParams, progress: &mut dyn FnMut(u64)) -> Trans
                 Err(e) => panic!("transfer message {next_send} refused: {e}"),
             }
         }
-        let _ = pa.rx_burst(usize::MAX, &mut |f| a.handle_frame(now, f));
-        let _ = pb.rx_burst(usize::MAX, &mut |f| b.handle_frame(now, f));
+        match &mut guards {
+            None => {
+                let _ = pa.rx_burst(usize::MAX, &mut |f| a.handle_frame(now, f));
+                let _ = pb.rx_burst(usize::MAX, &mut |f| b.handle_frame(now, f));
+            }
+            Some([ga, gb]) => {
+                let _ = pa.rx_burst(usize::MAX, &mut |f| {
+                    if let Some(open) = ga.open(now, f, &mut scratch) {
+                        a.handle_frame(now, open);
+                    }
+                });
+                let _ = pb.rx_burst(usize::MAX, &mut |f| {
+                    if let Some(open) = gb.open(now, f, &mut scratch) {
+                        b.handle_frame(now, open);
+                    }
+                });
+            }
+        }
         for e in [&mut a, &mut b] {
             if e.poll_timeout().is_some_and(|t| t <= now) {
                 e.handle_timeout(now);
@@ -204,8 +252,26 @@ pub fn transfer(params: &TransferParams, progress: &mut dyn FnMut(u64)) -> Trans
             }
             expected = expected.max(i + 1);
         }
-        let _ = pa.tx_burst(usize::MAX, &mut |buf| a.poll_transmit(now, buf));
-        let _ = pb.tx_burst(usize::MAX, &mut |buf| b.poll_transmit(now, buf));
+        match &mut guards {
+            None => {
+                let _ = pa.tx_burst(usize::MAX, &mut |buf| a.poll_transmit(now, buf));
+                let _ = pb.tx_burst(usize::MAX, &mut |buf| b.poll_transmit(now, buf));
+            }
+            Some([ga, gb]) => {
+                for (port, guard, end) in [(&mut pa, &mut *ga, &mut a), (&mut pb, &mut *gb, &mut b)] {
+                    let _ = port.tx_burst(usize::MAX, &mut |buf| loop {
+                        let room = buf.len() - lanbus_secure::TRAILER_LEN;
+                        let len = end.poll_transmit(now, &mut buf[..room])?;
+                        if let Some(sealed) = guard.seal(now, buf, len) {
+                            return Some(sealed);
+                        }
+                    });
+                    while let Some(f) = guard.poll_transmit() {
+                        let _ = port.send_frames(&[&f]);
+                    }
+                }
+            }
+        }
         if report.delivered >= last_progress + 10_000 {
             last_progress = report.delivered;
             progress(report.delivered);
@@ -235,6 +301,9 @@ pub fn transfer(params: &TransferParams, progress: &mut dyn FnMut(u64)) -> Trans
     report.lost = n - report.delivered;
     report.wire = [pa.tx_stats(), pb.tx_stats()];
     report.counters = [a.counters(), b.counters()];
+    if let Some([ga, gb]) = &guards {
+        report.refused_by_key = ga.counters().rejected.total() + gb.counters().rejected.total();
+    }
     report
 }
 
