@@ -795,8 +795,8 @@ impl Guard {
             return None;
         };
         if session.peer_epoch == 0 {
-            // The responder did not know its epoch when it answered; only it can seal under
-            // this session, so the first frame it seals names it.
+            // The responder did not know its epoch when it answered; only it holds these keys,
+            // so the first frame it seals under them names its epoch.
             session.peer_epoch = epoch;
         } else if epoch != session.peer_epoch {
             self.reject(now, src, Reason::StaleEpoch);
