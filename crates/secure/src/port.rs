@@ -11,6 +11,9 @@ use crate::guard::{Guard, GuardConfig, SecurityReport, TRAILER_LEN};
 use crate::kdf::Suite;
 use crate::Keys;
 
+/// The most borrowed frames sealed and handed to the inner port at once.
+const BURST: usize = 32;
+
 /// How often the layer publishes its report for [`SecurityView`].
 const PUBLISH_EVERY_NS: u64 = 100_000_000;
 
@@ -32,6 +35,9 @@ pub struct SecurePort {
     guard: Guard,
     clock: MonotonicClock,
     scratch: Vec<u8>,
+    /// Where a burst of borrowed frames is gathered and sealed when the inner port borrows
+    /// frames: a frame must lie whole for its tag, and the trailer follows it.
+    sealed: Vec<Vec<u8>>,
     view: SecurityView,
     last_publish: Instant,
 }
@@ -47,7 +53,15 @@ impl SecurePort {
         let guard = Guard::new(Port::mac(&*inner), keys, config, Box::new(SystemEntropy));
         let view = SecurityView(Arc::new(Mutex::new(guard.report())));
         let scratch = Vec::with_capacity(Port::frame_capacity(&*inner) + TRAILER_LEN);
-        SecurePort { inner, guard, clock: MonotonicClock::new(), scratch, view, last_publish: Instant::ZERO }
+        SecurePort {
+            inner,
+            guard,
+            clock: MonotonicClock::new(),
+            scratch,
+            sealed: Vec::new(),
+            view,
+            last_publish: Instant::ZERO,
+        }
     }
 
     /// A reader of this layer's report.
@@ -61,6 +75,44 @@ impl SecurePort {
             Port::send_frames(&mut *self.inner, &[&frame])?;
         }
         Ok(())
+    }
+
+    /// Gathers each frame's pieces into a buffer of its own, seals it there and hands the burst
+    /// to the inner port, which sends it from there (one `sendmmsg` rather than a copy into its
+    /// transmit ring and a system call per burst). Frames the guard will not seal yet (no
+    /// session) are left out, lost as on a wire: the transport sends them again.
+    fn seal_borrowed(&mut self, frames: &[[&[u8]; 2]]) -> Result<usize> {
+        self.flush()?;
+        let now = self.clock.now();
+        let room = Port::frame_capacity(&*self.inner);
+        let SecurePort { inner, guard, sealed, .. } = self;
+        if sealed.len() < frames.len() {
+            sealed.resize_with(frames.len(), || Vec::with_capacity(room));
+        }
+        let mut lens = [0usize; BURST];
+        let mut n = 0;
+        for [head, body] in frames.iter().take(BURST) {
+            let len = head.len() + body.len();
+            if len + TRAILER_LEN > room {
+                continue;
+            }
+            let buf = &mut sealed[n];
+            buf.clear();
+            buf.extend_from_slice(head);
+            buf.extend_from_slice(body);
+            buf.resize(len + TRAILER_LEN, 0);
+            if let Some(l) = guard.seal(now, buf, len) {
+                lens[n] = l;
+                n += 1;
+            }
+        }
+        let mut out: [&[u8]; BURST] = [&[]; BURST];
+        for (o, (buf, len)) in out.iter_mut().zip(sealed.iter().zip(&lens[..n])) {
+            *o = &buf[..*len];
+        }
+        Port::tx_borrowed(&mut **inner, &out[..n])?;
+        self.flush()?;
+        Ok(frames.len().min(BURST))
     }
 
     fn publish(&mut self, now: Instant) {
@@ -117,6 +169,36 @@ impl Layer for SecurePort {
         })?;
         self.flush()?;
         Ok(n)
+    }
+
+    fn borrows_frames(&self) -> bool {
+        Port::borrows_frames(&*self.inner)
+    }
+
+    fn tx_borrowed(&mut self, frames: &[&[u8]]) -> Result<usize> {
+        if !Port::borrows_frames(&*self.inner) {
+            return lanbus_port::copy_frames(self, frames);
+        }
+        let mut taken = 0;
+        for chunk in frames.chunks(BURST) {
+            let mut parts: [[&[u8]; 2]; BURST] = [[&[], &[]]; BURST];
+            for (p, f) in parts.iter_mut().zip(chunk) {
+                *p = [f, &[]];
+            }
+            taken += self.seal_borrowed(&parts[..chunk.len()])?;
+        }
+        Ok(taken)
+    }
+
+    fn tx_borrowed_parts(&mut self, frames: &[[&[u8]; 2]]) -> Result<usize> {
+        if !Port::borrows_frames(&*self.inner) {
+            return lanbus_port::copy_parts(self, frames);
+        }
+        let mut taken = 0;
+        for chunk in frames.chunks(BURST) {
+            taken += self.seal_borrowed(chunk)?;
+        }
+        Ok(taken)
     }
 
     fn mtu(&self) -> usize {
