@@ -230,9 +230,11 @@ pub fn versus_security_off(
     ratio: bool,
     as_us: Option<fn(f64) -> f64>,
 ) {
+    // A row's settings: its parameters less the security and the figures some rows carry as
+    // parameters (their runs, a loss, a ratio to a peer), which differ between the two rows.
     let without = |r: &report::Row| {
         let mut p = r.params.clone();
-        p.remove("security");
+        p.retain(|k, _| k != "security" && k != "runs" && k != "loss_percent" && !k.starts_with("ratio_"));
         p
     };
     let mut out = Vec::new();
@@ -302,4 +304,40 @@ pub fn crypto_floor(report: &mut report::Report, metric: &str) {
         out.push(row);
     }
     report.rows.extend(out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::report::{Report, Row};
+
+    #[test]
+    fn a_keyed_row_is_compared_with_the_open_row_of_the_same_settings_not_the_same_figures() {
+        let mut report = Report::new("nic");
+        for (security, value, ratio_vs_veth) in [("off", 8.0, 0.4), ("auth", 6.0, 0.3)] {
+            for test in ["tcp1", "tcp4"] {
+                let scale = if test == "tcp4" { 2.0 } else { 1.0 };
+                report.push(
+                    Row::new("afpacket", "gbit_per_s", value * scale)
+                        .with("security", security)
+                        .with("test", test)
+                        .with("ratio_vs_veth", ratio_vs_veth)
+                        .with("runs", 5),
+                );
+            }
+        }
+        super::versus_security_off(&mut report, "gbit_per_s", true, Some(|g| 1.0 / g));
+        let got = |metric: &str, test: &str| {
+            let rows: Vec<f64> = report
+                .rows
+                .iter()
+                .filter(|r| r.metric == metric && r.params.get("test").and_then(|v| v.as_str()) == Some(test))
+                .map(|r| r.value)
+                .collect();
+            assert_eq!(rows.len(), 1, "{metric} {test}");
+            rows[0]
+        };
+        assert_eq!(got("ratio_vs_security_off", "tcp1"), 0.75);
+        assert_eq!(got("ratio_vs_security_off", "tcp4"), 0.75);
+        assert!((got("added_us_vs_security_off", "tcp4") - (1.0 / 12.0 - 1.0 / 16.0)).abs() < 1e-12);
+    }
 }

@@ -685,6 +685,12 @@ fn measure(args: &NvmeBenchArgs, dir: &Path) -> anyhow::Result<Report> {
                 };
                 cmb.into_iter().flat_map(move |c| security.clone().into_iter().map(move |s| (name, c, s)))
             });
+            // Each run starts one row further on, so that no row always follows the same one
+            // (a row's figures carry some of what the row before it left: caches, the
+            // scheduler's placement of threads on the cores).
+            let mut settings: Vec<_> = settings.collect();
+            let turn = (run - 1) % settings.len().max(1);
+            settings.rotate_left(turn);
             for (name, cmb, security) in settings {
                 let crosses = veth.is_some() && VETH_ROWS.contains(&name);
                 // Rows without the veth do not depend on its MTU: once per run.
