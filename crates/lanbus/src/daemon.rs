@@ -25,7 +25,7 @@ use crate::keys;
 #[derive(Debug, Args)]
 pub struct DeviceArgs {
     /// A TOML file with the same keys: port, group, nvme, nic, lba_size, control, name, state,
-    /// metrics, key, encrypt.
+    /// metrics, key, encrypt, dup_acks.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -67,6 +67,11 @@ pub struct DeviceArgs {
     /// Name announced in heartbeats.
     #[arg(long)]
     name: Option<String>,
+    /// Duplicate ACKs (ACKs acknowledging nothing new) that count a frame lost, as a fast
+    /// retransmit (the transport's default, 2, if unset; the retransmission paper's rule, two
+    /// ACKs with the same number in a row, is 1).
+    #[arg(long, value_name = "N")]
+    dup_acks: Option<u32>,
     #[command(flatten)]
     keys: crate::keys::KeyArgs,
 }
@@ -75,7 +80,7 @@ pub struct DeviceArgs {
 #[derive(Debug, Args)]
 pub struct HostArgs {
     /// A TOML file with the same keys: port, group, export (one spec or a list), control, name,
-    /// metrics, key, encrypt.
+    /// metrics, key, encrypt, dup_acks.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -109,6 +114,11 @@ pub struct HostArgs {
     /// Name announced in heartbeats.
     #[arg(long)]
     name: Option<String>,
+    /// Duplicate ACKs (ACKs acknowledging nothing new) that count a frame lost, as a fast
+    /// retransmit (the transport's default, 2, if unset; the retransmission paper's rule, two
+    /// ACKs with the same number in a row, is 1).
+    #[arg(long, value_name = "N")]
+    dup_acks: Option<u32>,
     #[command(flatten)]
     keys: crate::keys::KeyArgs,
 }
@@ -126,6 +136,14 @@ fn bind_metrics(
     let l = MetricsServer::bind(addr)?;
     eprintln!("lanbus: metrics at http://{addr}/metrics");
     Ok(Some(l))
+}
+
+/// The duplicate-ACK threshold (the command line's, else the file's), checked.
+pub(crate) fn dup_acks(arg: Option<u32>, file: Option<u32>) -> anyhow::Result<Option<u32>> {
+    match arg.or(file) {
+        Some(0) => bail!("dup_acks = 0: a fast retransmit needs at least one duplicate ACK"),
+        n => Ok(n),
+    }
 }
 
 /// Runs `lanbus device`.
@@ -156,6 +174,7 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     let keyed = keys::keyed(&args.keys, file.key, file.encrypt, "lanbus device")?;
     let port = keys::wrap(keyed.as_ref(), port_spec.open()?);
     options.security = keyed.as_ref().and_then(|k| k.view());
+    options.dup_acks = dup_acks(args.dup_acks, file.dup_acks)?;
     let listener = control::bind(&control)?;
     let device = Arc::new(Device::start(port, options)?);
     let group = device.group();
@@ -208,6 +227,7 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let keyed = keys::keyed(&args.keys, file.key, file.encrypt, "lanbus host")?;
     let port = keys::wrap(keyed.as_ref(), port_spec.open()?);
     options.security = keyed.as_ref().and_then(|k| k.view());
+    options.dup_acks = dup_acks(args.dup_acks, file.dup_acks)?;
     let listener = control::bind(&control)?;
     let host = Arc::new(Host::start(port, options, Box::new(|line| eprintln!("lanbus host: {line}")))?);
     eprintln!(

@@ -12,7 +12,7 @@ use lanbus_node::process::Blocked;
 /// Options of `lanbus msgd` (each may come from `--config FILE` instead; the command line wins).
 #[derive(Debug, clap::Args)]
 pub struct MsgdArgs {
-    /// A TOML file with the same keys: port, socket, group, key, encrypt.
+    /// A TOML file with the same keys: port, socket, group, key, encrypt, dup_acks.
     #[arg(long)]
     config: Option<PathBuf>,
     /// The port (see PORT SPECS in `lanbus --help`).
@@ -25,6 +25,11 @@ pub struct MsgdArgs {
     /// The fabric group: daemons exchange messages only within their group (default 0).
     #[arg(long)]
     group: Option<u16>,
+    /// Duplicate ACKs (ACKs acknowledging nothing new) that count a frame lost, as a fast
+    /// retransmit (the transport's default, 2, if unset; the retransmission paper's rule, two
+    /// ACKs with the same number in a row, is 1).
+    #[arg(long, value_name = "N")]
+    dup_acks: Option<u32>,
     #[command(flatten)]
     keys: crate::keys::KeyArgs,
 }
@@ -40,6 +45,9 @@ pub fn run(args: MsgdArgs) -> anyhow::Result<()> {
     let port = crate::keys::wrap(keyed.as_ref(), port.open()?);
     let mut rc = config::msgd_runtime_config("msgd");
     rc.transport.group = group;
+    if let Some(n) = crate::daemon::dup_acks(args.dup_acks, file.dup_acks)? {
+        rc.transport.dup_ack_threshold = n;
+    }
     let daemon = MsgDaemon::start(port, &socket, rc)
         .with_context(|| format!("starting the daemon at {}", socket.display()))?;
     eprintln!(

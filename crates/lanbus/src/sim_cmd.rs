@@ -66,6 +66,10 @@ pub struct TransferArgs {
     /// Turn the transport's frame checksum off (to see corruption get through).
     #[arg(long)]
     no_checksum: bool,
+    /// Duplicate ACKs (ACKs acknowledging nothing new) that count a frame lost (the transport's
+    /// default if unset; the retransmission paper's two ACKs with the same number is 1).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    dup_acks: Option<u32>,
 }
 
 /// Arguments of `lanbus sim latency-vs-loss`.
@@ -94,6 +98,11 @@ pub struct LatencyArgs {
     /// resends only what was lost) instead of the paper's Go-Back-N.
     #[arg(long)]
     selective_repeat: bool,
+    /// Duplicate ACKs (ACKs acknowledging nothing new) that count a frame lost; the paper's rule,
+    /// two ACKs with the same number in a row, is 1.
+    #[arg(long, value_name = "N", default_value_t = lanbus_transport::PAPER_DUP_ACK_THRESHOLD,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    dup_acks: u32,
     /// Loss rates simulated at once (threads); the output does not depend on it.
     #[arg(long, default_value_t = 2)]
     jobs: usize,
@@ -134,6 +143,11 @@ pub struct MultiArgs {
     /// Rate control: additive increase per RTT, Mbit/s (transport default if unset).
     #[arg(long)]
     rc_increase_mbps: Option<u64>,
+    /// Duplicate ACKs (ACKs acknowledging nothing new) that count a frame lost; the paper's rule,
+    /// two ACKs with the same number in a row, is 1.
+    #[arg(long, value_name = "N", default_value_t = lanbus_transport::PAPER_DUP_ACK_THRESHOLD,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    dup_acks: u32,
 }
 
 /// Runs one scenario.
@@ -164,6 +178,9 @@ fn run_transfer(a: TransferArgs) -> anyhow::Result<()> {
     let mut params = TransferParams::new(a.messages, a.loss, a.reorder, a.duplicate, a.corrupt, a.seed);
     params.transport.checksum = !a.no_checksum;
     params.keyed = a.keyed;
+    if let Some(n) = a.dup_acks {
+        params.transport.dup_ack_threshold = n;
+    }
     let started = std::time::Instant::now();
     let mut bar = Progress::new(format!("transfer of {} messages", a.messages));
     let n = a.messages.max(1) as f64;
@@ -262,6 +279,7 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
         p.transport.pack_messages = a.packing;
         p.transport.rate.enabled = a.rate_control;
         p.transport.selective_repeat = a.selective_repeat;
+        p.transport.dup_ack_threshold = a.dup_acks;
         let r = latency_point(&p, &mut |_| {});
         // Relaxed: a count for the progress bar only.
         let k = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
@@ -277,7 +295,11 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
     println!(
         "{frame} B frames (+24 B preamble/FCS/gap) on 10 Gbit/s links of 1 us, one switch losing frames at random,"
     );
-    println!("{}", if a.selective_repeat { "selective repeat" } else { "Go-Back-N (the paper's scheme)" });
+    println!(
+        "{}, fast retransmit after {} duplicate ACK(s)",
+        if a.selective_repeat { "selective repeat" } else { "Go-Back-N (the paper's scheme)" },
+        a.dup_acks
+    );
     println!(
         "{:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7}",
         "loss", "mean_us", "p99_us", "max_us", "rtt_us", "gbit/s", "retx", "lost"
@@ -388,6 +410,7 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
                 p.mean_gap = g;
             }
             p.switch_buffer_bytes = a.buffer_kib * 1024;
+            p.transport.dup_ack_threshold = a.dup_acks;
             if let Some(us) = a.rc_target_us {
                 p.transport.rate.target_queue_delay = Duration::from_micros(us);
             }

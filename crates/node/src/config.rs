@@ -119,6 +119,9 @@ pub struct DeviceFile {
     pub key: Option<PathBuf>,
     /// Encrypt payloads too (with `key`).
     pub encrypt: Option<bool>,
+    /// Duplicate ACKs that count a frame lost (the transport's default if unset; the
+    /// retransmission paper's rule is 1).
+    pub dup_acks: Option<u32>,
 }
 
 /// What an I/O box keeps across its daemon's restarts: the group it was configured with and the
@@ -188,6 +191,9 @@ pub struct HostFile {
     pub key: Option<PathBuf>,
     /// Encrypt payloads too (with `key`).
     pub encrypt: Option<bool>,
+    /// Duplicate ACKs that count a frame lost (the transport's default if unset; the
+    /// retransmission paper's rule is 1).
+    pub dup_acks: Option<u32>,
 }
 
 /// The messaging daemon's configuration file (TOML; every key optional, the command line wins).
@@ -204,6 +210,9 @@ pub struct MsgdFile {
     pub key: Option<PathBuf>,
     /// Encrypt payloads too (with `key`).
     pub encrypt: Option<bool>,
+    /// Duplicate ACKs that count a frame lost (the transport's default if unset; the
+    /// retransmission paper's rule is 1).
+    pub dup_acks: Option<u32>,
 }
 
 /// The stack server's configuration file (TOML; every key optional, the command line wins).

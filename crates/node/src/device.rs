@@ -46,6 +46,9 @@ pub struct DeviceOptions {
     pub state: Option<PathBuf>,
     /// The authentication layer's report, where the port is keyed (shown in status).
     pub security: Option<lanbus_secure::SecurityView>,
+    /// Duplicate ACKs that count a frame lost (the transport's default if unset; the
+    /// retransmission paper's rule is 1).
+    pub dup_acks: Option<u32>,
 }
 
 impl DeviceOptions {
@@ -61,6 +64,7 @@ impl DeviceOptions {
             threads: ThreadMode::RunToCompletion,
             state: None,
             security: None,
+            dup_acks: None,
         }
     }
 }
@@ -114,7 +118,10 @@ impl Device {
         if options.dma_engine {
             functions.push(HostedFunction::model(DmaEngine::new()).map_err(|e| Error::Nvme(e.to_string()))?);
         }
-        let config = config::device_config(group, &options.name, options.threads);
+        let mut config = config::device_config(group, &options.name, options.threads);
+        if let Some(n) = options.dup_acks {
+            config.runtime.transport.dup_ack_threshold = n;
+        }
         let bridge = DeviceBridge::start(port, config, functions)?;
         Ok(Device { bridge, resumed: group != options.group, options, nvme, nic })
     }

@@ -60,6 +60,9 @@ pub struct HostOptions {
     pub exports: Vec<ExportSpec>,
     /// The authentication layer's report, where the port is keyed (shown in status).
     pub security: Option<lanbus_secure::SecurityView>,
+    /// Duplicate ACKs that count a frame lost (the transport's default if unset; the
+    /// retransmission paper's rule is 1).
+    pub dup_acks: Option<u32>,
 }
 
 impl HostOptions {
@@ -71,6 +74,7 @@ impl HostOptions {
             threads: ThreadMode::RunToCompletion,
             exports,
             security: None,
+            dup_acks: None,
         }
     }
 }
@@ -168,7 +172,10 @@ impl Host {
     /// appears; `notice` receives each lifecycle notice as one line.
     pub fn start(port: Box<dyn Port>, options: HostOptions, notice: Box<Notice>) -> Result<Host> {
         let plan = Plan::new(&options.exports)?;
-        let config = config::host_config(options.group, &options.name, options.threads);
+        let mut config = config::host_config(options.group, &options.name, options.threads);
+        if let Some(n) = options.dup_acks {
+            config.runtime.transport.dup_ack_threshold = n;
+        }
         let bridge = Arc::new(HostBridge::start(port, config)?);
         let events = bridge.subscribe();
         let shared = Arc::new(Shared {

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use lanbus_port::sim::{SimWire, SimWireConfig, SimWireStats};
 use lanbus_port::Port;
-use lanbus_transport::{Config, Counters, Endpoint, SendError};
+use lanbus_transport::{Config, Counters, Endpoint, SendError, PAPER_DUP_ACK_THRESHOLD};
 use lanbus_wire::{Clock, Instant, MacAddr, ManualClock};
 
 use crate::host::{BurstSink, BurstSource, Host, StreamSink, StreamSource};
@@ -307,6 +307,10 @@ pub fn transfer(params: &TransferParams, progress: &mut dyn FnMut(u64)) -> Trans
     report
 }
 
+/// The TLP payload of the retransmission paper's simulations: 128 bytes, one per frame (170
+/// bytes with the paper's headers).
+pub const PAPER_TLP_BYTES: usize = 128;
+
 // ---------------------------------------------------------------------------------------------
 // Fig. 2: latency against loss
 
@@ -341,13 +345,15 @@ impl LatencyParams {
         let mut transport = transport_for(LinkConfig::default().rate_bps);
         transport.pack_messages = false;
         transport.rate.enabled = false;
-        // The paper's scheme: Go-Back-N, fast retransmit and the timer, no tail-loss probe.
+        // The paper's scheme: Go-Back-N, fast retransmit on two ACKs with the same number and
+        // the timer, no tail-loss probe.
         transport.selective_repeat = false;
+        transport.dup_ack_threshold = PAPER_DUP_ACK_THRESHOLD;
         transport.tail_loss_probe = false;
         LatencyParams {
             loss,
             messages,
-            message_bytes: 128,
+            message_bytes: PAPER_TLP_BYTES,
             offered_bps: 7_000_000_000,
             paper_frame_bytes: 170,
             link: LinkConfig::default(),
@@ -550,8 +556,10 @@ impl MultiParams {
     pub fn paper(sessions: u16, rate_control: bool, duration: Duration, seed: u64) -> Self {
         let mut transport = transport_for(LinkConfig::default().rate_bps);
         transport.rate.enabled = rate_control;
-        // The paper's scheme: Go-Back-N, no tail-loss probe.
+        // The paper's scheme: Go-Back-N, fast retransmit on two ACKs with the same number, no
+        // tail-loss probe.
         transport.selective_repeat = false;
+        transport.dup_ack_threshold = PAPER_DUP_ACK_THRESHOLD;
         transport.tail_loss_probe = false;
         MultiParams {
             sessions,

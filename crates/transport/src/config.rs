@@ -74,6 +74,10 @@ impl Default for HeartbeatConfig {
     }
 }
 
+/// The retransmission paper's fast-retransmit rule in [`Config::dup_ack_threshold`]'s counting:
+/// two ACKs with the same number in a row, that is one duplicate.
+pub const PAPER_DUP_ACK_THRESHOLD: u32 = 1;
+
 /// Everything an [`Endpoint`](crate::Endpoint) needs to know. Build with `Config::default()` and
 /// change fields.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,9 +98,10 @@ pub struct Config {
     /// hole and the sender resends the window from it). Each side's setting governs its own half,
     /// and either works with the other.
     pub selective_repeat: bool,
-    /// Duplicate ACKs that trigger a fast retransmit (2 in the paper); with selective repeat,
-    /// frames acknowledged past a hole before it counts as lost (fewer if fewer were sent after
-    /// it).
+    /// Duplicate ACKs (ACKs that acknowledge nothing new) that trigger a fast retransmit; with
+    /// selective repeat, frames acknowledged past a hole before it counts as lost (fewer if fewer
+    /// were sent after it). The retransmission paper's rule, two ACKs with the same number in a
+    /// row, is [`PAPER_DUP_ACK_THRESHOLD`]: the second of the two is the first duplicate.
     pub dup_ack_threshold: u32,
     /// Retransmission timeout before the first RTT sample.
     pub initial_rto: Duration,

@@ -121,7 +121,7 @@ pub mod testutil;
 
 use lanbus_wire::{Instant, MacAddr};
 
-pub use config::{Config, HeartbeatConfig, RateConfig};
+pub use config::{Config, HeartbeatConfig, RateConfig, PAPER_DUP_ACK_THRESHOLD};
 pub use counters::Counters;
 pub use endpoint::Endpoint;
 pub use lanbus_wire::frame::{Role, Sack};

@@ -308,6 +308,20 @@ pub(crate) fn loaded(config: Config, frames: u64) -> (Endpoint, Vec<Vec<u8>>) {
     (a, out)
 }
 
+/// The retransmission paper's rule: two ACKs with the same number in a row say the frame of
+/// that number was lost.
+#[test]
+fn the_papers_rule_resends_on_the_second_ack_with_the_same_number() {
+    let mut c = gbn();
+    c.dup_ack_threshold = crate::PAPER_DUP_ACK_THRESHOLD;
+    let (mut a, _) = loaded(c, 6);
+    a.handle_frame(at_us(10), &ack_frame(B, A, 0, 3, None));
+    assert!(drain(&mut a, at_us(10)).is_empty(), "one ACK for 3 is no news of a loss");
+    a.handle_frame(at_us(11), &ack_frame(B, A, 0, 3, None));
+    let resent: Vec<u32> = drain(&mut a, at_us(11)).iter().map(|f| header(f).sequence).collect();
+    assert_eq!(resent, (3..6).collect::<Vec<_>>());
+}
+
 #[test]
 fn fast_retransmit_after_exactly_n_duplicate_acks() {
     for n in [1u32, 2, 3, 5] {
