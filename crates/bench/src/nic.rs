@@ -6,9 +6,10 @@
 //! (a fresh `iperf3 -s -1` per test, on Linux's own TCP/IP). The fabric between host and I/O box
 //! is a veth pair that each port kind crosses (udp, afpacket, afxdp; `--ports`) at `--mtu`
 //! (default 65000: a 64 KiB segment and its virtio-net header, as 4 KiB TLPs, then cross in two
-//! frames instead of eight jumbo frames). From the host through the remote NIC: iperf3 TCP with 1
-//! and 4 streams (`gbit_per_s`) and UDP `-b 0` with 64-byte and 1400-byte datagrams
-//! (`pps_received`, and `loss_percent` in the row). The peer, `peer:veth`, is the same iperf3 over
+//! frames instead of eight jumbo frames). Through the remote NIC, each way (`direction`; the
+//! server sends with iperf3's `-R`): iperf3 TCP with 1 and 4 streams and UDP at the paper's
+//! 1 Gbit/s (`gbit_per_s` received, the UDP rows' `loss_percent`), and UDP `-b 0` with 64-byte
+//! and 1400-byte datagrams (`pps_received`, and `loss_percent`); `--tests` picks. The peer, `peer:veth`, is the same iperf3 over
 //! a direct veth between the host and server namespaces, in the same run (with the kernel's
 //! segmentation offloads, as the host's TAP has them too); every lanbus row carries
 //! `ratio_vs_veth`. Two floors per port: `tunnel:PORT`, the same iperf3 TCP tests through a bare
@@ -61,6 +62,13 @@ pub struct NicBenchArgs {
     /// 64 KiB frames.
     #[arg(long, value_delimiter = ',', default_value = "off", value_parser = ["off", "auth", "encrypt"])]
     security: Vec<String>,
+    /// The iperf3 tests (comma-separated): `tcp1`, `tcp4` (TCP with 1 and 4 streams, host to
+    /// server), `tcp1-rx` (server to host: `-R`), `udp1400-1g` and `udp1400-1g-rx` (UDP at the
+    /// paper's 1 Gbit/s, each way: Gbit/s received and the loss), `udp64`, `udp1400` and
+    /// `udp1400-rx` (UDP flat out, `-b 0`: packets per second received).
+    #[arg(long, value_delimiter = ',', default_value = "tcp1,tcp4,tcp1-rx,udp1400-1g,udp1400-1g-rx,udp64,udp1400",
+          value_parser = ["tcp1", "tcp4", "tcp1-rx", "udp1400-1g", "udp1400-1g-rx", "udp64", "udp1400", "udp1400-rx"])]
+    tests: Vec<String>,
 }
 
 /// The server's address behind the remote NIC, and the host's.
@@ -70,9 +78,49 @@ const NIC_HOST: &str = "10.88.0.1";
 const DIRECT_SERVER: &str = "10.89.0.2";
 const DIRECT_HOST: &str = "10.89.0.1";
 
-/// One iperf3 test: name, streams, UDP datagram size (None: TCP).
-const TESTS: [(&str, u32, Option<u32>); 4] =
-    [("tcp1", 1, None), ("tcp4", 4, None), ("udp64", 1, Some(64)), ("udp1400", 1, Some(1400))];
+/// One iperf3 test.
+#[derive(Debug, Clone, Copy)]
+struct Test {
+    /// Its name in the rows (`test`).
+    name: &'static str,
+    /// Parallel streams.
+    streams: u32,
+    /// UDP datagram bytes (None: TCP).
+    udp: Option<u32>,
+    /// A UDP sender's rate, bit/s (None: as fast as it can, `-b 0`).
+    rate_bps: Option<u64>,
+    /// From the server to the host (`-R`): the host receives through the remote NIC.
+    reverse: bool,
+}
+
+impl Test {
+    const fn tcp(name: &'static str, streams: u32, reverse: bool) -> Test {
+        Test { name, streams, udp: None, rate_bps: None, reverse }
+    }
+
+    const fn udp(name: &'static str, len: u32, rate_bps: Option<u64>, reverse: bool) -> Test {
+        Test { name, streams: 1, udp: Some(len), rate_bps, reverse }
+    }
+
+    /// Whether its figure is a rate (TCP, UDP at a set rate: Gbit/s received) rather than a
+    /// packet rate (UDP flat out).
+    fn in_gbit(&self) -> bool {
+        self.udp.is_none() || self.rate_bps.is_some()
+    }
+}
+
+/// The Software ExpEther paper's Fig. 5 is iperf at the link's rate in both directions: TCP and
+/// UDP at 1 Gbit/s each way; UDP flat out (`-b 0`) measures how many packets the path keeps.
+const TESTS: [Test; 8] = [
+    Test::tcp("tcp1", 1, false),
+    Test::tcp("tcp4", 4, false),
+    Test::tcp("tcp1-rx", 1, true),
+    Test::udp("udp1400-1g", 1400, Some(1_000_000_000), false),
+    Test::udp("udp1400-1g-rx", 1400, Some(1_000_000_000), true),
+    Test::udp("udp64", 64, None, false),
+    Test::udp("udp1400", 1400, None, false),
+    Test::udp("udp1400-rx", 1400, None, true),
+];
 
 fn ok(out: std::io::Result<std::process::Output>, what: &str) -> anyhow::Result<String> {
     let out = out.with_context(|| what.to_string())?;
@@ -213,14 +261,9 @@ impl Net {
         Ok(tunnel)
     }
 
-    /// One iperf3 test toward `server`: (Gbit/s received, pps received, loss %).
-    fn iperf3(
-        &self,
-        server: &str,
-        seconds: u32,
-        streams: u32,
-        udp: Option<u32>,
-    ) -> anyhow::Result<(f64, f64, f64)> {
+    /// One iperf3 test with `server`: (Gbit/s received, pps received, loss %).
+    fn iperf3(&self, server: &str, seconds: u32, test: Test) -> anyhow::Result<(f64, f64, f64)> {
+        let Test { streams, udp, rate_bps, reverse, .. } = test;
         let mut args: Vec<String> = [
             "-c",
             server,
@@ -235,7 +278,11 @@ impl Net {
         .map(String::from)
         .to_vec();
         if let Some(len) = udp {
-            args.extend(["-u", "-b", "0", "-l", &len.to_string()].map(String::from));
+            let rate = rate_bps.unwrap_or(0).to_string();
+            args.extend(["-u", "-b", &rate, "-l", &len.to_string()].map(String::from));
+        }
+        if reverse {
+            args.push("-R".into());
         }
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         // A fresh server per test: after a UDP flood an old one may still be busy.
@@ -340,15 +387,15 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
                 Path::Daemons { _daemons: net.start(&kind, security.as_deref().unwrap_or("off"))? }
             };
             let server = if matches!(path, Path::Direct) { DIRECT_SERVER } else { NIC_SERVER };
-            for (test, streams, udp) in TESTS {
+            for test in TESTS.iter().filter(|t| args.tests.iter().any(|n| n == t.name)) {
                 // The tunnel is the floor of the TCP goal; one thread a side moving each small
                 // packet alone is not the floor of a packet rate.
-                if matches!(path, Path::Tunnel(_)) && udp.is_some() {
+                if matches!(path, Path::Tunnel(_)) && test.udp.is_some() {
                     continue;
                 }
-                match net.iperf3(server, args.seconds, streams, udp) {
-                    Ok(s) => samples.entry((row.clone(), test)).or_default().push(s),
-                    Err(e) => eprintln!("bench nic: {row} {test}: {e:#}"),
+                match net.iperf3(server, args.seconds, *test) {
+                    Ok(s) => samples.entry((row.clone(), test.name)).or_default().push(s),
+                    Err(e) => eprintln!("bench nic: {row} {}: {e:#}", test.name),
                 }
             }
             if let Path::Tunnel(t) = path {
@@ -385,20 +432,29 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
     let mut series = Vec::new();
     for row in &rows {
         let mut points = Vec::new();
-        for (test, streams, udp) in TESTS {
-            let Some(v) = samples.get(&(row.clone(), test)) else { continue };
-            let peer = samples.get(&("peer:veth".to_string(), test)).filter(|_| row != "peer:veth");
+        for t in &TESTS {
+            let Some(v) = samples.get(&(row.clone(), t.name)) else { continue };
+            let peer = samples.get(&("peer:veth".to_string(), t.name)).filter(|_| row != "peer:veth");
             let (name, security) = split(row);
-            let tunnel = samples.get(&(format!("tunnel:{name}"), test));
+            let tunnel = samples.get(&(format!("tunnel:{name}"), t.name));
             // The figure (Gbit/s or packets per second) this test compares.
-            let k = if udp.is_some() { 1 } else { 0 };
+            let k = if t.in_gbit() { 0 } else { 1 };
             let x = med(v, k);
-            let mut r = if udp.is_some() {
-                Row::new(&name, "pps_received", x).with("loss_percent", med(v, 2))
-            } else {
-                points.push((f64::from(streams), x));
+            let mut r = if t.in_gbit() {
+                if t.udp.is_none() && !t.reverse {
+                    points.push((f64::from(t.streams), x));
+                }
                 Row::new(&name, "gbit_per_s", x)
+            } else {
+                Row::new(&name, "pps_received", x)
             };
+            if t.udp.is_some() {
+                r = r.with("loss_percent", med(v, 2));
+            }
+            if let Some(bps) = t.rate_bps {
+                r = r.with("offered_gbit_per_s", bps as f64 / 1e9);
+            }
+            r = r.with("direction", if t.reverse { "server_to_host" } else { "host_to_server" });
             if let Some(s) = &security {
                 r = r.with("security", s.as_str());
             }
@@ -408,11 +464,11 @@ pub fn run(args: NicBenchArgs) -> anyhow::Result<()> {
             if let Some(t) = tunnel {
                 r = r.with("ratio_vs_tunnel", x / med(t, k).max(1e-9));
             }
-            let r = match udp {
+            let r = match t.udp {
                 Some(len) => r.with("datagram_bytes", len),
-                None => r.with("streams", streams),
+                None => r.with("streams", t.streams),
             };
-            report.push(r.with("test", test).with("mtu", args.mtu).with("runs", v.len()));
+            report.push(r.with("test", t.name).with("mtu", args.mtu).with("runs", v.len()));
         }
         series.push(Series { name: row.clone(), points });
     }
