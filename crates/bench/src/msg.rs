@@ -16,7 +16,9 @@
 //! in the other over the same sizes. Runs go in turns (each lanbus kind, then the peer) and a
 //! figure is the median of its runs; `latency_vs_nptcp` divides lanbus's by NetPIPE's (below 1:
 //! lanbus is faster). `--mpi` adds rows measured through Open MPI itself (see `msg_mpi`): the
-//! lanbus libfabric provider against Open MPI's tcp BTL on the same veth, in the same turns.
+//! lanbus libfabric provider against Open MPI's tcp BTL on the same veth, in the same turns;
+//! with `rendezvous` among `--protocols`, the tcp BTL also with its eager limit lowered to 64
+//! bytes (`protocol=rendezvous`), the MPI-over-DPDK paper's TCP rendezvous curve.
 //! With daemon rows, each run also measures `raw:relay` (see `msg_relay`): what a message's two
 //! extra hand-offs between polling threads cost on this machine with every lanbus layer taken
 //! out; `latency_vs_direct` divides each daemon row by its direct row, and `floor_vs_direct`
@@ -514,6 +516,19 @@ fn nptcp_once(veth: &VethPair, opts: &[&str], file: &Path, limit: Duration) -> a
 /// A lanbus row's port kind, mode and protocol.
 type LanbusRow<'a> = (&'a str, Mode, Protocol);
 
+/// An Open MPI row: over lanbus, or over Open MPI's tcp BTL at its own eager limit (`Auto`) or
+/// with the limit lowered so that every message longer than a few bytes goes by its rendezvous
+/// (`Rendezvous`: the MPI-over-DPDK paper's "TCP rendezvous" curve).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MpiRow<'a> {
+    Lanbus(LanbusRow<'a>),
+    Tcp(Protocol),
+}
+
+/// The tcp BTL's eager limit (and first rendezvous fragment) of its rendezvous row, bytes with
+/// the BTL's header: longer messages go by rendezvous.
+const TCP_RENDEZVOUS_LIMIT: usize = 64;
+
 /// The most frames a bare round trip sends for one message: a floor for messages of a few
 /// frames (a 2 KiB message on plain Ethernet frames), where it says what the frames alone cost;
 /// larger messages have the bandwidth floor.
@@ -601,20 +616,23 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     // runs with the provider's own choice only.
     let mpi =
         if args.mpi { Some(super::msg_mpi::Mpi::prepare(&dir, args.fi_provider.as_deref())?) } else { None };
-    let mut mpi_rows: Vec<(Option<LanbusRow<'_>>, Program)> = Vec::new();
+    let mut mpi_rows: Vec<(MpiRow<'_>, Program)> = Vec::new();
     if mpi.is_some() {
         for program in [Program::PingPong, Program::NetPipe] {
             for kind in &args.ports {
                 for &mode in &args.modes {
                     for &protocol in &args.protocols {
                         if program == Program::PingPong || protocol == Protocol::Auto {
-                            mpi_rows.push((Some((kind.as_str(), mode, protocol)), program));
+                            mpi_rows.push((MpiRow::Lanbus((kind.as_str(), mode, protocol)), program));
                         }
                     }
                 }
             }
             if peer {
-                mpi_rows.push((None, program));
+                mpi_rows.push((MpiRow::Tcp(Protocol::Auto), program));
+                if program == Program::PingPong && args.protocols.contains(&Protocol::Rendezvous) {
+                    mpi_rows.push((MpiRow::Tcp(Protocol::Rendezvous), program));
+                }
             }
         }
     }
@@ -687,7 +705,7 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
         if let Some(mpi) = &mpi {
             for (k, &(row, program)) in mpi_rows.iter().enumerate() {
                 let (what, transport, limit) = match row {
-                    Some((kind, mode, protocol)) => (
+                    MpiRow::Lanbus((kind, mode, protocol)) => (
                         format!("Open MPI over lanbus {kind} {} {}", mode.name(), protocol.name()),
                         match mode {
                             Mode::Direct => Transport::Direct(kind),
@@ -695,7 +713,12 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
                         },
                         protocol.provider_eager_limit(),
                     ),
-                    None => ("Open MPI tcp BTL".to_string(), Transport::Tcp, None),
+                    MpiRow::Tcp(Protocol::Rendezvous) => (
+                        "Open MPI tcp BTL rendezvous".to_string(),
+                        Transport::Tcp,
+                        Some(TCP_RENDEZVOUS_LIMIT),
+                    ),
+                    MpiRow::Tcp(_) => ("Open MPI tcp BTL".to_string(), Transport::Tcp, None),
                 };
                 let what = format!("{what}, {}", program.name());
                 eprintln!("bench msg: run {}/{runs}: {what}", r + 1);
@@ -755,7 +778,7 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     }
     // The floors, beside the rows they bound; against Open MPI's tcp BTL (its ping-pong program)
     // when it ran: a ratio above the goal's says the goal is under the bare port's own figure.
-    let tcp = mpi_rows.iter().position(|&(r, p)| r.is_none() && p == Program::PingPong);
+    let tcp = mpi_rows.iter().position(|&(r, p)| r == MpiRow::Tcp(Protocol::Auto) && p == Program::PingPong);
     for (p, kind) in args.ports.iter().enumerate() {
         let name = format!("raw:{kind}");
         for (i, &size) in args.sizes.iter().enumerate() {
@@ -807,9 +830,10 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
         }
     }
     for (k, &(row, program)) in mpi_rows.iter().enumerate() {
-        let Some((kind, Mode::Daemon, protocol)) = row else { continue };
-        let direct =
-            mpi_rows.iter().position(|&(r, p)| r == Some((kind, Mode::Direct, protocol)) && p == program);
+        let MpiRow::Lanbus((kind, Mode::Daemon, protocol)) = row else { continue };
+        let direct = mpi_rows
+            .iter()
+            .position(|&(r, p)| r == MpiRow::Lanbus((kind, Mode::Direct, protocol)) && p == program);
         if let Some(d) = direct {
             let with = |r: Row| {
                 r.with("launcher", "mpirun")
@@ -822,19 +846,28 @@ pub fn run(args: MsgArgs) -> anyhow::Result<()> {
     }
     for (k, &(row, program)) in mpi_rows.iter().enumerate() {
         let name = match row {
-            Some((kind, ..)) => format!("mpi:lanbus-{kind}"),
-            None => "peer:ompi-tcp".to_string(),
+            MpiRow::Lanbus((kind, ..)) => format!("mpi:lanbus-{kind}"),
+            MpiRow::Tcp(_) => "peer:ompi-tcp".to_string(),
         };
         let with = |r: Row| {
             let r = r.with("launcher", "mpirun").with("program", program.name());
             match row {
-                Some((_, mode, protocol)) => r.with("mode", mode.name()).with("protocol", protocol.name()),
-                None => r,
+                MpiRow::Lanbus((_, mode, protocol)) => {
+                    r.with("mode", mode.name()).with("protocol", protocol.name())
+                }
+                MpiRow::Tcp(Protocol::Auto) => r,
+                MpiRow::Tcp(protocol) => {
+                    r.with("protocol", protocol.name()).with("tcp_eager_limit", TCP_RENDEZVOUS_LIMIT)
+                }
             }
         };
-        let peer_k = mpi_rows.iter().position(|&(r, p)| r.is_none() && p == program);
+        // Ratios against the tcp BTL at its own settings, for the lanbus rows.
+        let peer_k = mpi_rows
+            .iter()
+            .position(|&(r, p)| r == MpiRow::Tcp(Protocol::Auto) && p == program)
+            .filter(|_| matches!(row, MpiRow::Lanbus(_)));
         for (i, &size) in args.sizes.iter().enumerate() {
-            if row.is_some_and(|(_, _, protocol)| !protocol.carries(size)) {
+            if matches!(row, MpiRow::Lanbus((_, _, protocol)) if !protocol.carries(size)) {
                 continue;
             }
             if let Some(us) = median(&mpi_lat[k][i]) {

@@ -152,8 +152,9 @@ impl Mpi {
     }
 
     /// Runs one job over `transport`; a job that does not finish within `limit` is an error.
-    /// Over lanbus, `eager_limit` sets the provider's eager limit (`LANBUS_FI_EAGER_LIMIT`;
-    /// `None`: its default).
+    /// Over lanbus, `eager_limit` sets the provider's eager limit (`LANBUS_FI_EAGER_LIMIT`); over
+    /// the tcp BTL, its eager limit and first rendezvous fragment (`btl_tcp_eager_limit`,
+    /// `btl_tcp_rndv_eager_limit`); `None`: the default.
     #[allow(clippy::too_many_arguments)]
     pub fn job(
         &self,
@@ -192,6 +193,10 @@ impl Mpi {
                 mca("btl", "tcp,self");
                 mca("btl_tcp_if_include", &subnet);
                 mca("btl_tcp_disable_family", "6");
+                if let Some(limit) = eager_limit {
+                    mca("btl_tcp_eager_limit", &limit.to_string());
+                    mca("btl_tcp_rndv_eager_limit", &limit.to_string());
+                }
             }
             Transport::Direct(kind) | Transport::Daemon(kind) => {
                 mca("pml", "cm");
