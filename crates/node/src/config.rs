@@ -530,5 +530,22 @@ mod tests {
         assert!(m.port.is_some());
         let s: StackdFile = toml::from_str(&read("stackd.toml")).unwrap();
         assert!(s.ip.is_some() && s.port.is_some());
+        // The keys shown commented out are keys too: taken in, each file still parses.
+        let uncommented = |name: &str| {
+            read(name)
+                .lines()
+                .map(|l| match l.strip_prefix("# ") {
+                    Some(rest) if rest.split_once(" = ").is_some_and(|(k, _)| !k.contains(' ')) => rest,
+                    _ => l,
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        let d: DeviceFile = toml::from_str(&uncommented("device.toml")).unwrap();
+        assert!(d.key.is_some() && d.dup_acks.is_some());
+        let h: HostFile = toml::from_str(&uncommented("host.toml")).unwrap();
+        assert!(h.key.is_some() && h.dup_acks.is_some());
+        let m: MsgdFile = toml::from_str(&uncommented("msgd.toml")).unwrap();
+        assert!(m.key.is_some() && m.dup_acks.is_some());
     }
 }
