@@ -282,10 +282,8 @@ fn client() -> Result<StackClient, c_int> {
         // parent's end by it), and its state may be locked for good.
         parents.abandon_in_child();
     }
-    let path = std::env::var_os("LANBUS_STACK_SOCKET").unwrap_or_else(|| "/tmp/lanbus-stackd.sock".into());
-    let unit =
-        std::env::var("LANBUS_STACK_UNIT").ok().and_then(|u| u.parse().ok()).unwrap_or(CopyUnit::DEFAULT);
-    let client = StackClient::attach(std::path::Path::new(&path), unit).map_err(|e| {
+    let (path, unit) = settings();
+    let client = StackClient::attach(std::path::Path::new(path), *unit).map_err(|e| {
         eprintln!("liblanbus_sock: cannot attach to the stack server at {}: {e}", path.to_string_lossy());
         libc::ENETDOWN
     })?;
@@ -311,6 +309,30 @@ fn client() -> Result<StackClient, c_int> {
     *c = Some(client.clone());
     Ok(client)
 }
+
+/// Where the stack server is and the copy unit, read from the environment once: a forked child
+/// attaches where its parent did even if the program emptied its environment before forking
+/// (nginx's master does for its workers).
+fn settings() -> &'static (std::ffi::OsString, CopyUnit) {
+    static SETTINGS: OnceLock<(std::ffi::OsString, CopyUnit)> = OnceLock::new();
+    SETTINGS.get_or_init(|| {
+        let path =
+            std::env::var_os("LANBUS_STACK_SOCKET").unwrap_or_else(|| "/tmp/lanbus-stackd.sock".into());
+        let unit =
+            std::env::var("LANBUS_STACK_UNIT").ok().and_then(|u| u.parse().ok()).unwrap_or(CopyUnit::DEFAULT);
+        (path, unit)
+    })
+}
+
+/// Reads the settings as the library loads, before the program can change its environment.
+#[used]
+#[link_section = ".init_array"]
+static READ_SETTINGS: extern "C" fn() = {
+    extern "C" fn read_settings() {
+        settings();
+    }
+    read_settings
+};
 
 static ATTACHED_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
@@ -389,7 +411,7 @@ impl Sock {
         self.pending.store(false, Ordering::Release);
         let (ready, writable) = match &*self.state.lock() {
             State::Fresh { .. } => (false, true),
-            State::Listening(l) => (l.ready(), true),
+            State::Listening(l) => (l.ready() || l.pending(), true),
             State::Connected(s) => (s.readiness().1, s.writable()),
             State::Udp { sock, .. } => (sock.ready(), true),
         };
@@ -787,6 +809,11 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
         return fail(e);
     }
     let mut st = sock.state.lock();
+    if let State::Listening(_) = &*st {
+        // Listening already: Linux takes a second `listen` as a new backlog (nginx gives its
+        // configured one so), and the stack's listener keeps the backlog it has.
+        return 0;
+    }
     let State::Fresh { stream: true, bound, .. } = &*st else { return fail(libc::EOPNOTSUPP) };
     let port = bound.map_or(0, |b| b.port());
     let client = match client() {
@@ -820,7 +847,7 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
     let nonblock = sock.nonblock.load(Ordering::Relaxed);
     // The state lock is taken once per look and never held across a wait: a blocking accept
     // lets another thread close the listener meanwhile.
-    // A shared listener owes a connection per want: a blocking accept asks once (it takes the
+    // A listener owes a connection per want: a blocking accept asks once (it takes the
     // connection its want brings), lest a want left over hand a connection to a process that
     // has stopped accepting.
     let mut asked = false;
@@ -830,9 +857,20 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
             return fail(libc::EINVAL);
         };
         if l.ready() {
-            break l.accept_timeout(Some(Duration::ZERO));
+            let r = l.accept_timeout(Some(Duration::ZERO));
+            // An event loop accepts again when the listener polls readable: asking for the
+            // next connection now lets it come straight here, rather than be announced first.
+            if nonblock && !l.ready() && !sock.wanted.swap(true, Ordering::Relaxed) {
+                let _ = l.want();
+            }
+            break r;
         }
-        if !asked && sock.should_want(!nonblock) {
+        // The server hands a listener's connections only to processes that ask: a blocking
+        // accept asks once per call; a non-blocking one once until something arrives, and
+        // again whenever the server announces one waiting (an earlier want may have been
+        // served to an earlier accept).
+        let ask = !nonblock || l.pending() || !sock.wanted.swap(true, Ordering::Relaxed);
+        if !asked && ask {
             let _ = l.want();
             asked = true;
         }
@@ -1548,6 +1586,9 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
     let guards = (lock(&g.client), lock(&g.socks), lock(&g.by_handle));
     // SAFETY: plain fork(2) through libc (which runs its own handlers).
     let pid = unsafe { real!(fork: fn() -> libc::pid_t)() };
+    if pid == 0 {
+        own_placeholders(&guards.1);
+    }
     drop(guards);
     let Some((client, token)) = ticket else { return pid };
     if pid == 0 {
@@ -1565,6 +1606,72 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
         }
     }
     pid
+}
+
+/// In a forked child, before the program runs on: each lanbus socket gets placeholders of its
+/// own under the same descriptor numbers. The inherited ones are the parent's too (one kernel
+/// socket pair), and a socket's readiness is each process's own: what arrives for the parent
+/// must not wake the child, nor the child's reads drain the parent's signal. System calls on
+/// the library's own descriptors, and no lock another thread of the parent may have held.
+fn own_placeholders(socks: &HashMap<c_int, Arc<Sock>>) {
+    let mut done: Vec<*const Sock> = Vec::new();
+    for sock in socks.values() {
+        if done.contains(&Arc::as_ptr(sock)) {
+            continue;
+        }
+        done.push(Arc::as_ptr(sock));
+        let mut pair = [-1; 2];
+        // SAFETY: socketpair writes two descriptors into the live array; the rest are plain
+        // calls on descriptors this process holds.
+        unsafe {
+            if real!(socketpair: fn(c_int, c_int, c_int, *mut c_int) -> c_int)(
+                libc::AF_UNIX,
+                libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                0,
+                pair.as_mut_ptr(),
+            ) < 0
+            {
+                // The parent's placeholders stay: readiness is shared, calls still work.
+                continue;
+            }
+            let small: c_int = 1;
+            real!(setsockopt: fn(c_int, c_int, c_int, *const c_void, socklen_t) -> c_int)(
+                pair[0],
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&small as *const c_int).cast(),
+                4,
+            );
+            let numbers = socks.iter().filter(|(_, s)| Arc::ptr_eq(s, sock)).map(|(fd, _)| *fd);
+            for fd in numbers.chain([sock.signal]) {
+                let fd_flags = real!(fcntl: fn(c_int, c_int, libc::c_ulong) -> c_int)(fd, libc::F_GETFD, 0);
+                let cloexec =
+                    if fd_flags > 0 && fd_flags & libc::FD_CLOEXEC != 0 { libc::O_CLOEXEC } else { 0 };
+                real!(dup3: fn(c_int, c_int, c_int) -> c_int)(pair[0], fd, cloexec);
+            }
+            real!(dup3: fn(c_int, c_int, c_int) -> c_int)(pair[1], sock.peer, libc::O_CLOEXEC);
+            real!(close: fn(c_int) -> c_int)(pair[0]);
+            real!(close: fn(c_int) -> c_int)(pair[1]);
+        }
+        sock.out_blocked.store(false, Ordering::Relaxed);
+    }
+}
+
+/// `epoll_ctl` on a lanbus socket: a forked child takes over its inherited sockets first, so
+/// that an event loop waiting on them hears what the server sends it (a child that only waits
+/// would otherwise never tell the server it holds them).
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    event: *mut libc::epoll_event,
+) -> c_int {
+    if is_ours(fd) {
+        adopt_inherited();
+    }
+    // SAFETY: passing the program's arguments through.
+    unsafe { real!(epoll_ctl: fn(c_int, c_int, c_int, *mut libc::epoll_event) -> c_int)(epfd, op, fd, event) }
 }
 
 /// Before an `exec`: a child that has not claimed the sockets it inherited claims them now, on
