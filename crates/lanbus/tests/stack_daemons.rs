@@ -1524,6 +1524,14 @@ fn event_loop_servers_through_the_preload_library_and_against_them() {
     assert_eq!(out.trim(), "50 clients");
     drop(server);
 
+    // Options the stack lacks fail, each named once on stderr; a v6-only socket is refused.
+    let out = preloaded(&net, "python3").args(["-c", REFUSED_OPTIONS]).output().expect("python3");
+    let (said, errors) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(said.trim(), "EOPNOTSUPP EOPNOTSUPP ENOPROTOOPT taken", "{errors}");
+    let lines: Vec<&str> = errors.lines().filter(|l| l.starts_with("liblanbus_sock:")).collect();
+    assert_eq!(lines.len(), 2, "one line per option: {errors}");
+    assert!(lines[0].contains("IPV6_V6ONLY") && lines[1].contains("option 23 at IPPROTO_TCP"), "{errors}");
+
     net.settled("every socket freed", |st| {
         st["listening"].as_array().is_some_and(|l| l.is_empty())
             && st["connections"].as_array().is_some_and(|c| c.is_empty())
@@ -1533,3 +1541,23 @@ fn event_loop_servers_through_the_preload_library_and_against_them() {
     drop(net.stackd);
     let _ = std::fs::remove_dir_all(&net.dir);
 }
+
+/// Sets `IPV6_V6ONLY` twice and `TCP_FASTOPEN` (23) once, then `IPV6_V6ONLY` to 0 on a lanbus
+/// socket; prints each errno's name (`taken` when it succeeds).
+const REFUSED_OPTIONS: &str = r#"
+import errno, socket
+s = socket.socket(socket.AF_INET6)
+said = []
+for level, name, value in [
+    (socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1),
+    (socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1),
+    (socket.IPPROTO_TCP, 23, 5),
+    (socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0),
+]:
+    try:
+        s.setsockopt(level, name, value)
+        said.append("taken")
+    except OSError as e:
+        said.append("EOPNOTSUPP" if e.errno == errno.EOPNOTSUPP else errno.errorcode[e.errno])
+print(*said)
+"#;
