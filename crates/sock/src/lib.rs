@@ -30,7 +30,7 @@
 //! held, and a socket ends (FIN for a connection) only when the last process holding it closes
 //! it or exits. `fork` is taken over for this: the parent first asks the server for a fork
 //! ticket, which holds one more reference to each of its sockets; the child, on its first call
-//! on a lanbus socket (any call, `close` too), attaches anew (the parent's rings stay the
+//! on a lanbus socket (any call, `close` and `epoll_ctl` too), attaches anew (the parent's rings stay the
 //! parent's) and claims the ticket with its secret, which only the parent and its child know. A
 //! child that never touches its lanbus sockets keeps them until it ends. A connection shared by
 //! several processes works in whichever uses it: its data goes to the process that last waited
