@@ -18,6 +18,7 @@ pub mod progress;
 pub mod report;
 mod ring;
 pub mod stack;
+mod stack_servers;
 pub mod transport;
 pub mod transport_core;
 pub mod vm;

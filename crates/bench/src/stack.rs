@@ -22,8 +22,11 @@
 //! (`--runs`, default 5); a figure is the median; each stack row carries `ratio_vs_linux`. Also
 //! `idle:stackd`, the CPU an idle server uses, and `raw:afpacket`, the floor under sending: the
 //! bare packet socket's one-way rate with MTU frames across the same veth (whole frames, and as
-//! TCP payload against Linux's best sending figure). Table, JSON (`--json`), PNG per direction and
-//! offload setting (`--png` prefix).
+//! TCP payload against Linux's best sending figure). Also real servers (`--servers`, with the first
+//! offload setting; see `stack_servers`): nginx's small page under wrk, kept alive and one request
+//! per connection (with p99), and memcached's gets under memcslap, through the preload library
+//! against the same server on Linux's TCP. Table, JSON (`--json`), PNG per direction and offload
+//! setting (`--png` prefix).
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
@@ -68,6 +71,10 @@ pub struct StackBenchArgs {
     /// Seconds of each test.
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
+    /// Also the server rows (nginx under wrk, memcached under memcslap, through the preload
+    /// library and on Linux), with the first offload setting.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    servers: bool,
 }
 
 const STACK_IP: Ipv4Addr = Ipv4Addr::new(10, 91, 0, 1);
@@ -429,6 +436,7 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
         .collect();
     let mut samples: std::collections::BTreeMap<(bool, &str, String, usize), Vec<f64>> = Default::default();
     let mut idle = Vec::new();
+    let mut server_samples: std::collections::BTreeMap<(String, &str), Vec<f64>> = Default::default();
     let sends_only = usize::from(args.zero_copy);
     let total = offloads.len() * args.runs * (rows.len() * 2 - sends_only) * buffers.len();
     let mut done = 0;
@@ -450,6 +458,28 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
             match super::nvme::raw_one_way("afpacket", Some(&bench.veth), args.seconds) {
                 Ok(g) => samples.entry((on, "send", "raw:afpacket".to_string(), 0)).or_default().push(g),
                 Err(e) => eprintln!("\nbench stack: raw:afpacket: {e:#}"),
+            }
+            if let (true, true, Some(lib)) = (args.servers, on == offloads[0], lib.as_deref()) {
+                eprint!("\rbench stack: servers, run {}   ", run + 1);
+                let servers = super::stack_servers::Servers {
+                    near: &bench.veth.a.netns,
+                    far: &bench.veth.b.netns,
+                    stack_ip: STACK_IP,
+                    linux_ip: LINUX_IP,
+                    socket: &bench.socket,
+                    lib,
+                    dir: &bench.dir,
+                    seconds: args.seconds,
+                };
+                bench.next_port = if bench.next_port >= 60000 { 20000 } else { bench.next_port + 2 };
+                match servers.run(bench.next_port) {
+                    Ok(figures) => {
+                        for (row, metric, v) in figures {
+                            server_samples.entry((row, metric)).or_default().push(v);
+                        }
+                    }
+                    Err(e) => eprintln!("\nbench stack: servers: {e:#}"),
+                }
             }
             for (name, lib) in [("iperf3:linux", None), ("iperf3:stack", lib.as_deref())] {
                 if name == "iperf3:stack" && lib.is_none() {
@@ -569,6 +599,19 @@ pub fn run(args: StackBenchArgs) -> anyhow::Result<()> {
                 eprintln!("bench stack: plot: {e:#}");
             }
         }
+    }
+    for ((row, metric), v) in &server_samples {
+        let value = median(v).unwrap_or(0.0);
+        let mut r = Row::new(row, *metric, value)
+            .with("offloads", if offloads[0] { "default" } else { "off" })
+            .with("connections", if row.starts_with("memcached") { 8 } else { 64 })
+            .with("runs", v.len());
+        if let Some(linux) = row.strip_suffix(":stack").map(|base| format!("{base}:linux")) {
+            if let Some(p) = server_samples.get(&(linux, *metric)).and_then(|p| median(p)) {
+                r = r.with("ratio_vs_linux", value / p.max(1e-9));
+            }
+        }
+        report.push(r);
     }
     report.push(
         Row::new("idle:stackd", "cpu_percent", idle.first().copied().unwrap_or(f64::NAN)).with("seconds", 2),

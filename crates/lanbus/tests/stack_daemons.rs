@@ -10,7 +10,10 @@
 //! - the errors Linux would give: ECONNREFUSED, ECONNRESET after the peer's RST, ETIMEDOUT when the
 //!   peer vanishes;
 //! - a client killed mid-transfer: its connection ends at the peer, the server forgets it, and the
-//!   next client works.
+//!   next client works;
+//! - real servers through the preload library and against Linux: nginx (a master and two
+//!   workers) under wrk and curl, with 10,000 connections dropped, clients and a worker killed;
+//!   memcached (four threads) under memcslap; python's asyncio; nothing left in the server after.
 //!
 //! Without root it skips and says why.
 
@@ -1084,3 +1087,480 @@ fn nonblocking_writes_get_eagain_and_epollout_when_room_returns() {
     drop(net.stackd);
     let _ = std::fs::remove_dir_all(&net.dir);
 }
+
+/// An nginx configuration of its own under `dir`: a master and two workers (forked after the
+/// master opened the listener), serving `site` on `listen`, with every path in `dir`. The
+/// workers stay root: each attaches to the stack server anew, whose socket is root's.
+fn nginx_config(dir: &Path, listen: &str, site: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir.join("tmp")).unwrap();
+    let d = dir.display();
+    let conf = format!(
+        "daemon off;\nmaster_process on;\nworker_processes 2;\nuser root;\npid {d}/nginx.pid;\n\
+         error_log {d}/error.log notice;\nevents {{ worker_connections 4096; }}\nhttp {{\n\
+         access_log off;\nclient_body_temp_path {d}/tmp/body;\nproxy_temp_path {d}/tmp/proxy;\n\
+         fastcgi_temp_path {d}/tmp/fastcgi;\nuwsgi_temp_path {d}/tmp/uwsgi;\nscgi_temp_path {d}/tmp/scgi;\n\
+         sendfile on;\ntcp_nopush on;\ntcp_nodelay on;\nkeepalive_requests 1000000;\n\
+         server {{ listen {listen}; root {}; }}\n}}\n",
+        site.display()
+    );
+    let path = dir.join("nginx.conf");
+    std::fs::write(&path, conf).unwrap();
+    path
+}
+
+/// nginx with `config`: through the preload library when `net` is given, else in the Linux
+/// namespace. Returns once it answers `url` (curl from the other side retries until then).
+fn start_nginx(net: &Net, config: &Path, through_stack: bool, url: &str) -> Daemon {
+    let prefix = config.parent().unwrap();
+    let mut c = if through_stack {
+        let mut c = Command::new("nginx");
+        c.env("LD_PRELOAD", preload_library()).env("LANBUS_STACK_SOCKET", &net.socket);
+        c
+    } else {
+        net.linux.command("nginx")
+    };
+    let nginx = Daemon(
+        c.arg("-p")
+            .arg(prefix)
+            .arg("-c")
+            .arg(config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting nginx"),
+    );
+    let mut curl = if through_stack { net.linux.command("curl") } else { preloaded(net, "curl") };
+    ok(
+        curl.args(["-sS", "-o", "/dev/null", "--retry", "50", "--retry-connrefused", "--retry-delay", "0"])
+            .args(["--retry-max-time", "20", "--max-time", "20", url])
+            .output(),
+        "nginx answers",
+    );
+    nginx
+}
+
+/// The worker processes of nginx's master `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// Runs `wrk` (through the library or in the Linux namespace) for 3 s with 64 connections;
+/// `close`: one request per connection. Returns the requests done and wrk's report, after
+/// checking that it saw no socket error and no response other than 2xx/3xx.
+fn wrk(net: &Net, through_stack: bool, url: &str, close: bool, errors_allowed: bool) -> (u64, String) {
+    let mut c = if through_stack { preloaded(net, "wrk") } else { net.linux.command("wrk") };
+    c.args(["-t", "2", "-c", "64", "-d", "3s", "--timeout", "5s", "--latency"]);
+    if close {
+        c.args(["-H", "Connection: close"]);
+    }
+    let out = ok(c.arg(url).output(), "wrk");
+    if !errors_allowed {
+        assert!(!out.contains("Socket errors") && !out.contains("Non-2xx"), "wrk {url}: {out}");
+    }
+    let requests = out
+        .lines()
+        .find_map(|l| l.trim().split_once(" requests in ").and_then(|(n, _)| n.parse().ok()))
+        .unwrap_or_else(|| panic!("wrk's report: {out}"));
+    (requests, out)
+}
+
+/// Fetches `url` with curl (through the library or in the Linux namespace) and checks its
+/// sha256 against `want`.
+fn fetch_checked(net: &Net, through_stack: bool, url: &str, to: &Path, want: &str) {
+    let _ = std::fs::remove_file(to);
+    let mut c = if through_stack { preloaded(net, "curl") } else { net.linux.command("curl") };
+    ok(c.args(["-sS", "--max-time", "60", "-o"]).arg(to).arg(url).output(), "curl");
+    assert_eq!(sha256(to), want, "{url}: every byte, once, in order");
+    std::fs::remove_file(to).unwrap();
+}
+
+/// `python3 -c OPEN_AND_DROP IP PORT N`: N connections, 32 at a time, each dropped in one of
+/// four ways: closed at once, closed after half a request, closed with a reset, or closed after
+/// a whole request without reading the answer. Prints how many connected.
+const OPEN_AND_DROP: &str = r#"
+import socket, struct, sys, threading
+ip, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+done = [0] * 32
+def run(k):
+    for i in range(k, n, 32):
+        s = socket.create_connection((ip, port), timeout=20)
+        way = i % 4
+        if way == 1:
+            s.sendall(b"GET /index.html HTTP/1.1\r\nHo")
+        elif way == 2:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        elif way == 3:
+            s.sendall(b"GET /index.html HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.close()
+        done[k] += 1
+ts = [threading.Thread(target=run, args=(k,)) for k in range(32)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+print(sum(done), "connected")
+"#;
+
+/// `python3 -c HALF_REQUESTS IP PORT`: 16 connections each with half a request, then `ready`;
+/// it waits to be killed.
+const HALF_REQUESTS: &str = r#"
+import socket, sys, time
+conns = [socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20) for _ in range(16)]
+for c in conns:
+    c.sendall(b"GET /big.bin HTTP/1.1\r\nHost: x\r\n")
+print("ready", flush=True)
+time.sleep(60)
+"#;
+
+#[test]
+fn nginx_through_the_preload_library_and_against_it() {
+    if let Err(skip) = check_root() {
+        eprintln!("skipped: {}", skip.0);
+        return;
+    }
+    for tool in ["nginx", "wrk", "curl", "python3", "sha256sum"] {
+        if !have(tool) {
+            eprintln!("skipped: {tool} is not installed (scripts/setup installs it)");
+            return;
+        }
+    }
+    assert!(
+        preload_library().exists(),
+        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
+        preload_library().display()
+    );
+    let net = build('n');
+    let site = net.dir.join("site");
+    std::fs::create_dir_all(&site).unwrap();
+    std::fs::write(site.join("index.html"), "<p>a small page</p>\n".repeat(10)).unwrap();
+    let big = site.join("big.bin");
+    ok(
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("head -c 104857600 /dev/urandom > {}", big.display()))
+            .output(),
+        "random file",
+    );
+    let want = sha256(&big);
+    let fetched = net.dir.join("fetched.bin");
+
+    // nginx through the library, wrk and curl on Linux.
+    let config = nginx_config(&net.dir.join("stack-nginx"), &format!("{STACK_IP}:8080"), &site);
+    let page = format!("http://{STACK_IP}:8080/index.html");
+    let mut nginx = start_nginx(&net, &config, true, &page);
+    let master = nginx.0.id();
+    assert_eq!(children(master).len(), 2, "two workers");
+    let (keep_alive, _) = wrk(&net, false, &page, false, false);
+    let (one_each, _) = wrk(&net, false, &page, true, false);
+    eprintln!("nginx through the stack server: {keep_alive} requests kept alive, {one_each} one per connection in 3 s");
+    assert!(keep_alive > 0 && one_each > 0);
+    fetch_checked(&net, false, &format!("http://{STACK_IP}:8080/big.bin"), &fetched, &want);
+
+    // 10,000 connections opened and dropped (at once, half-way through a request, by a reset,
+    // without reading the answer).
+    let out = ok(
+        net.linux.exec("python3", &["-c", OPEN_AND_DROP, &STACK_IP.to_string(), "8080", "10000"]),
+        "10,000 connections opened and dropped",
+    );
+    assert_eq!(out.trim(), "10000 connected");
+
+    // Clients killed mid-request: half-sent requests, and a download.
+    let mut half = net
+        .linux
+        .command("python3")
+        .args(["-c", HALF_REQUESTS, &STACK_IP.to_string(), "8080"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(half.stdout.take().unwrap()), &mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready");
+    half.kill().unwrap();
+    half.wait().unwrap();
+    let partial = net.dir.join("partial.bin");
+    let mut download = net
+        .linux
+        .command("curl")
+        .args(["-sS", "--limit-rate", "20M", "-o"])
+        .arg(&partial)
+        .arg(format!("http://{STACK_IP}:8080/big.bin"))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::metadata(&partial).map_or(0, |m| m.len()) < 1 << 20 {
+        assert!(Instant::now() < deadline, "the download did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    download.kill().unwrap();
+    download.wait().unwrap();
+
+    // A worker killed while wrk runs: the master starts another, and everything works after.
+    let name = net.linux.name().to_string();
+    let url = page.clone();
+    let during = std::thread::spawn(move || {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &name, "wrk", "-t", "2", "-c", "64", "-d", "3s", "--timeout", "5s", &url])
+            .output()
+            .expect("wrk");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    });
+    std::thread::sleep(Duration::from_millis(1000));
+    let victim = children(master)[0];
+    // SAFETY: kill(2) on a process of the test's own nginx.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let out = during.join().unwrap();
+    assert!(out.contains(" requests in "), "{out}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let workers = children(master);
+        if workers.len() == 2 && !workers.contains(&victim) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "nginx did not replace its killed worker: {workers:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (after, _) = wrk(&net, false, &page, false, false);
+    assert!(after > 0);
+    fetch_checked(&net, false, &format!("http://{STACK_IP}:8080/big.bin"), &fetched, &want);
+    assert!(nginx.0.try_wait().unwrap().is_none(), "nginx's master ended");
+    drop(nginx);
+
+    // Nothing is left of any of it.
+    net.settled("nginx's connections and listener freed", |st| {
+        st["listening"].as_array().is_some_and(|l| l.is_empty())
+            && st["connections"].as_array().is_some_and(|c| c.is_empty())
+            && st["clients"] == 0
+            && st["counters"]["connections_opened"] == st["counters"]["connections_freed"]
+    });
+
+    // nginx on Linux, wrk and curl through the library; a download through the library killed
+    // mid-transfer.
+    let config = nginx_config(&net.dir.join("linux-nginx"), &format!("{LINUX_IP}:8090"), &site);
+    let page = format!("http://{LINUX_IP}:8090/index.html");
+    let nginx = start_nginx(&net, &config, false, &page);
+    let (keep_alive, _) = wrk(&net, true, &page, false, false);
+    let (one_each, _) = wrk(&net, true, &page, true, false);
+    eprintln!("wrk through the stack server: {keep_alive} requests kept alive, {one_each} one per connection in 3 s");
+    assert!(keep_alive > 0 && one_each > 0);
+    fetch_checked(&net, true, &format!("http://{LINUX_IP}:8090/big.bin"), &fetched, &want);
+    let mut download = preloaded(&net, "curl")
+        .args(["-sS", "--limit-rate", "20M", "-o"])
+        .arg(&partial)
+        .arg(format!("http://{LINUX_IP}:8090/big.bin"))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::metadata(&partial).map_or(0, |m| m.len()) < 1 << 20 {
+        assert!(Instant::now() < deadline, "the download did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // `timeout`'s child: kill curl itself.
+    for pid in children(download.id()) {
+        // SAFETY: kill(2) on the test's own curl.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    download.wait().unwrap();
+    net.settled("the killed download's connection freed", |st| {
+        st["connections"].as_array().is_some_and(|c| c.is_empty()) && st["clients"] == 0
+    });
+    drop(nginx);
+    drop(net.stackd);
+    let _ = std::fs::remove_dir_all(&net.dir);
+}
+
+/// `python3 -c MEMCACHED_VALUES IP PORT`: stores 200 values of up to 100 KiB in memcached
+/// (waiting up to 20 s for it to answer), reads each back and compares; prints `200 values`.
+const MEMCACHED_VALUES: &str = r#"
+import hashlib, socket, sys, time
+addr = (sys.argv[1], int(sys.argv[2]))
+deadline = time.time() + 20
+while True:
+    try:
+        s = socket.create_connection(addr, timeout=20)
+        break
+    except OSError:
+        if time.time() > deadline:
+            raise
+        time.sleep(0.1)
+f = s.makefile("rb")
+def value(i):
+    return (hashlib.sha256(b"%d" % i).digest() * 3200)[: (i * 997) % 102400 + 1]
+for i in range(200):
+    v = value(i)
+    s.sendall(b"set key%d 0 0 %d\r\n%s\r\n" % (i, len(v), v))
+    assert f.readline() == b"STORED\r\n"
+good = 0
+for i in range(200):
+    s.sendall(b"get key%d\r\n" % i)
+    head = f.readline().split()
+    assert head[:2] == [b"VALUE", b"key%d" % i], head
+    got = f.read(int(head[3]) + 2)[:-2]
+    assert f.readline() == b"END\r\n"
+    good += got == value(i)
+print(good, "values")
+"#;
+
+/// `python3 -c ASYNCIO_CLIENTS IP PORT`: 50 asyncio connections at once, each sending 20 lines
+/// and reading each back (waiting up to 20 s for the server); prints `50 clients`.
+const ASYNCIO_CLIENTS: &str = r#"
+import asyncio, sys, time
+async def one(i):
+    r, w = await asyncio.open_connection(sys.argv[1], int(sys.argv[2]))
+    for k in range(20):
+        line = b"client %d line %d\n" % (i, k)
+        w.write(line)
+        await w.drain()
+        if await r.readline() != line:
+            return 0
+    w.close()
+    await w.wait_closed()
+    return 1
+async def main():
+    deadline = time.time() + 20
+    while True:
+        try:
+            _, w = await asyncio.open_connection(sys.argv[1], int(sys.argv[2]))
+            w.close()
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+    done = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(50))), 60)
+    print(sum(done), "clients")
+asyncio.run(main())
+"#;
+
+/// memcslap's `-t test` against `server` (through the library or in the Linux namespace):
+/// checks that it reports the test done and no failure.
+fn memcslap(net: &Net, through_stack: bool, server: &str, test: &str) {
+    let mut c = if through_stack { preloaded(net, "memcslap") } else { net.linux.command("memcslap") };
+    let out = c.args(["-s", server, "-c", "8", "-e", "2000", "-t", test]).output().expect("memcslap");
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "memcslap -t {test}: {said}");
+    assert!(
+        said.contains(&format!("Time to {test} ")) && !said.contains("error") && !said.contains("FAILURE"),
+        "memcslap -t {test} against {server}: {said}"
+    );
+}
+
+#[test]
+fn event_loop_servers_through_the_preload_library_and_against_them() {
+    if let Err(skip) = check_root() {
+        eprintln!("skipped: {}", skip.0);
+        return;
+    }
+    for tool in ["memcached", "memcslap", "python3"] {
+        if !have(tool) {
+            eprintln!("skipped: {tool} is not installed (scripts/setup installs it)");
+            return;
+        }
+    }
+    assert!(
+        preload_library().exists(),
+        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
+        preload_library().display()
+    );
+    let net = build('e');
+    let (stack, linux) = (STACK_IP.to_string(), LINUX_IP.to_string());
+
+    // memcached (libevent, four threads) through the library, memcslap and a checking client on
+    // Linux; then memcached on Linux, memcslap and the checking client through the library.
+    let memcached = Daemon(
+        preloaded(&net, "memcached")
+            .args(["-u", "root", "-t", "4", "-U", "0", "-l", &stack, "-p", "11211"])
+            .spawn()
+            .expect("memcached through the library"),
+    );
+    let out = ok(net.linux.exec("python3", &["-c", MEMCACHED_VALUES, &stack, "11211"]), "memcached's values");
+    assert_eq!(out.trim(), "200 values");
+    for test in ["set", "get", "mget"] {
+        memcslap(&net, false, &format!("{stack}:11211"), test);
+    }
+    drop(memcached);
+    let memcached = Daemon(
+        net.linux
+            .command("memcached")
+            .args(["-u", "root", "-t", "4", "-U", "0", "-l", &linux, "-p", "11212"])
+            .spawn()
+            .expect("memcached on Linux"),
+    );
+    let out = ok(
+        preloaded(&net, "python3").args(["-c", MEMCACHED_VALUES, &linux, "11212"]).output(),
+        "memcached's values through the library",
+    );
+    assert_eq!(out.trim(), "200 values");
+    for test in ["set", "get", "mget"] {
+        memcslap(&net, true, &format!("{linux}:11212"), test);
+    }
+    drop(memcached);
+
+    // python's asyncio: clients through the library to a server on Linux, and the other way.
+    let server = Daemon(
+        net.linux
+            .command("python3")
+            .args(["-c", ASYNCIO_ECHO, &linux, "8005"])
+            .spawn()
+            .expect("asyncio server on Linux"),
+    );
+    let out = ok(
+        preloaded(&net, "python3").args(["-c", ASYNCIO_CLIENTS, &linux, "8005"]).output(),
+        "asyncio clients through the library",
+    );
+    assert_eq!(out.trim(), "50 clients");
+    drop(server);
+    let server = Daemon(
+        preloaded(&net, "python3")
+            .args(["-c", ASYNCIO_ECHO, &stack, "8006"])
+            .spawn()
+            .expect("asyncio server through the library"),
+    );
+    let out =
+        ok(net.linux.exec("python3", &["-c", ASYNCIO_CLIENTS, &stack, "8006"]), "asyncio clients on Linux");
+    assert_eq!(out.trim(), "50 clients");
+    drop(server);
+
+    // Options the stack lacks fail, each named once on stderr; a v6-only socket is refused.
+    let out = preloaded(&net, "python3").args(["-c", REFUSED_OPTIONS]).output().expect("python3");
+    let (said, errors) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(said.trim(), "EOPNOTSUPP EOPNOTSUPP ENOPROTOOPT taken", "{errors}");
+    let lines: Vec<&str> = errors.lines().filter(|l| l.starts_with("liblanbus_sock:")).collect();
+    assert_eq!(lines.len(), 2, "one line per option: {errors}");
+    assert!(lines[0].contains("IPV6_V6ONLY") && lines[1].contains("option 23 at IPPROTO_TCP"), "{errors}");
+
+    net.settled("every socket freed", |st| {
+        st["listening"].as_array().is_some_and(|l| l.is_empty())
+            && st["connections"].as_array().is_some_and(|c| c.is_empty())
+            && st["clients"] == 0
+            && st["counters"]["connections_opened"] == st["counters"]["connections_freed"]
+    });
+    drop(net.stackd);
+    let _ = std::fs::remove_dir_all(&net.dir);
+}
+
+/// Sets `IPV6_V6ONLY` twice and `TCP_FASTOPEN` (23) once, then `IPV6_V6ONLY` to 0 on a lanbus
+/// socket; prints each errno's name (`taken` when it succeeds).
+const REFUSED_OPTIONS: &str = r#"
+import errno, socket
+s = socket.socket(socket.AF_INET6)
+said = []
+for level, name, value in [
+    (socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1),
+    (socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1),
+    (socket.IPPROTO_TCP, 23, 5),
+    (socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0),
+]:
+    try:
+        s.setsockopt(level, name, value)
+        said.append("taken")
+    except OSError as e:
+        said.append("EOPNOTSUPP" if e.errno == errno.EOPNOTSUPP else errno.errorcode[e.errno])
+print(*said)
+"#;

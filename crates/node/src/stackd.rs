@@ -143,6 +143,7 @@ pub fn status_json(s: &ServerStatus) -> Value {
             "tx_offloaded": c.tx_offloaded,
             "rx_dropped": c.rx_dropped,
             "tx_dropped": c.tx_dropped,
+            "syns_dropped": c.syns_dropped,
             "bytes_from_clients": c.tx_bytes,
             "bytes_to_clients": c.rx_bytes,
             "zero_copy_bytes": c.zero_copy_bytes,

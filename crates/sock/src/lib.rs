@@ -30,7 +30,7 @@
 //! held, and a socket ends (FIN for a connection) only when the last process holding it closes
 //! it or exits. `fork` is taken over for this: the parent first asks the server for a fork
 //! ticket, which holds one more reference to each of its sockets; the child, on its first call
-//! on a lanbus socket (any call, `close` too), attaches anew (the parent's rings stay the
+//! on a lanbus socket (any call, `close` and `epoll_ctl` too), attaches anew (the parent's rings stay the
 //! parent's) and claims the ticket with its secret, which only the parent and its child know. A
 //! child that never touches its lanbus sockets keeps them until it ends. A connection shared by
 //! several processes works in whichever uses it: its data goes to the process that last waited
@@ -40,11 +40,16 @@
 //! library), and sockets across `exec`: the new program cannot use them, close-on-exec or not,
 //! so the process lets go of them at the `exec` (`execve`, `execv`, `execvp` and `execvpe` are
 //! taken over for this; a program that execs by other means keeps them until it ends).
-//! Options are accepted and, where the
-//! stack has no such knob, ignored (`getsockopt` answers what Linux would for a default socket).
+//! Options: those the stack does already (`SO_REUSEADDR`, `SO_KEEPALIVE`, `TCP_NODELAY`) or
+//! that are hints with no effect on what a program reads or writes (buffer sizes, `TCP_CORK`,
+//! `TCP_DEFER_ACCEPT`, keep-alive timings, `IP_TOS`) are taken; one asking for behaviour the
+//! stack lacks (`IPV6_V6ONLY`, `SO_LINGER` on, `SO_RCVTIMEO`/`SO_SNDTIMEO` non-zero,
+//! `SO_BROADCAST`) fails with `EOPNOTSUPP`, and any other with `ENOPROTOOPT`, each named once
+//! per process on stderr (`getsockopt` answers what Linux would for a default socket). So do
+//! `recv` flags it cannot honour (`MSG_PEEK`, `MSG_OOB`).
 //! An `AF_INET6` socket is dual-stack as Linux's are by default: it reaches IPv4 peers through
 //! IPv4-mapped addresses (`::ffff:a.b.c.d`), and a listener on `::` takes both families
-//! (`IPV6_V6ONLY` is accepted and not enforced). IPv6 needs an IPv6 address on the server
+//! (`IPV6_V6ONLY` set to 1 is refused). IPv6 needs an IPv6 address on the server
 //! (`lanbus stackd --ip6`); without one, connecting to an IPv6 peer fails with `ENETUNREACH`.
 //!
 //! The exported functions take variadic arguments in two cases (`fcntl`, `ioctl`): they are
@@ -282,10 +287,8 @@ fn client() -> Result<StackClient, c_int> {
         // parent's end by it), and its state may be locked for good.
         parents.abandon_in_child();
     }
-    let path = std::env::var_os("LANBUS_STACK_SOCKET").unwrap_or_else(|| "/tmp/lanbus-stackd.sock".into());
-    let unit =
-        std::env::var("LANBUS_STACK_UNIT").ok().and_then(|u| u.parse().ok()).unwrap_or(CopyUnit::DEFAULT);
-    let client = StackClient::attach(std::path::Path::new(&path), unit).map_err(|e| {
+    let (path, unit) = settings();
+    let client = StackClient::attach(std::path::Path::new(path), *unit).map_err(|e| {
         eprintln!("liblanbus_sock: cannot attach to the stack server at {}: {e}", path.to_string_lossy());
         libc::ENETDOWN
     })?;
@@ -311,6 +314,30 @@ fn client() -> Result<StackClient, c_int> {
     *c = Some(client.clone());
     Ok(client)
 }
+
+/// Where the stack server is and the copy unit, read from the environment once: a forked child
+/// attaches where its parent did even if the program emptied its environment before forking
+/// (nginx's master does for its workers).
+fn settings() -> &'static (std::ffi::OsString, CopyUnit) {
+    static SETTINGS: OnceLock<(std::ffi::OsString, CopyUnit)> = OnceLock::new();
+    SETTINGS.get_or_init(|| {
+        let path =
+            std::env::var_os("LANBUS_STACK_SOCKET").unwrap_or_else(|| "/tmp/lanbus-stackd.sock".into());
+        let unit =
+            std::env::var("LANBUS_STACK_UNIT").ok().and_then(|u| u.parse().ok()).unwrap_or(CopyUnit::DEFAULT);
+        (path, unit)
+    })
+}
+
+/// Reads the settings as the library loads, before the program can change its environment.
+#[used]
+#[link_section = ".init_array"]
+static READ_SETTINGS: extern "C" fn() = {
+    extern "C" fn read_settings() {
+        settings();
+    }
+    read_settings
+};
 
 static ATTACHED_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
@@ -389,7 +416,7 @@ impl Sock {
         self.pending.store(false, Ordering::Release);
         let (ready, writable) = match &*self.state.lock() {
             State::Fresh { .. } => (false, true),
-            State::Listening(l) => (l.ready(), true),
+            State::Listening(l) => (l.ready() || l.pending(), true),
             State::Connected(s) => (s.readiness().1, s.writable()),
             State::Udp { sock, .. } => (sock.ready(), true),
         };
@@ -787,6 +814,11 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
         return fail(e);
     }
     let mut st = sock.state.lock();
+    if let State::Listening(_) = &*st {
+        // Listening already: Linux takes a second `listen` as a new backlog (nginx gives its
+        // configured one so), and the stack's listener keeps the backlog it has.
+        return 0;
+    }
     let State::Fresh { stream: true, bound, .. } = &*st else { return fail(libc::EOPNOTSUPP) };
     let port = bound.map_or(0, |b| b.port());
     let client = match client() {
@@ -820,7 +852,7 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
     let nonblock = sock.nonblock.load(Ordering::Relaxed);
     // The state lock is taken once per look and never held across a wait: a blocking accept
     // lets another thread close the listener meanwhile.
-    // A shared listener owes a connection per want: a blocking accept asks once (it takes the
+    // A listener owes a connection per want: a blocking accept asks once (it takes the
     // connection its want brings), lest a want left over hand a connection to a process that
     // has stopped accepting.
     let mut asked = false;
@@ -830,9 +862,20 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
             return fail(libc::EINVAL);
         };
         if l.ready() {
-            break l.accept_timeout(Some(Duration::ZERO));
+            let r = l.accept_timeout(Some(Duration::ZERO));
+            // An event loop accepts again when the listener polls readable: asking for the
+            // next connection now lets it come straight here, rather than be announced first.
+            if nonblock && !l.ready() && !sock.wanted.swap(true, Ordering::Relaxed) {
+                let _ = l.want();
+            }
+            break r;
         }
-        if !asked && sock.should_want(!nonblock) {
+        // The server hands a listener's connections only to processes that ask: a blocking
+        // accept asks once per call; a non-blocking one once until something arrives, and
+        // again whenever the server announces one waiting (an earlier want may have been
+        // served to an earlier accept).
+        let ask = !nonblock || l.pending() || !sock.wanted.swap(true, Ordering::Relaxed);
+        if !asked && ask {
             let _ = l.want();
             asked = true;
         }
@@ -950,6 +993,12 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
 fn sock_read(sock: &Sock, buf: &mut [u8], flags: c_int, from: Option<&mut SocketAddr>) -> ssize_t {
     if let Err(e) = usable(sock) {
         return fail(e);
+    }
+    if flags & libc::MSG_PEEK != 0 {
+        return unsupported("recv with MSG_PEEK", libc::EOPNOTSUPP);
+    }
+    if flags & libc::MSG_OOB != 0 {
+        return unsupported("recv with MSG_OOB", libc::EOPNOTSUPP);
     }
     let nonblock = sock.nonblock.load(Ordering::Relaxed) || flags & libc::MSG_DONTWAIT != 0;
     let result = loop {
@@ -1409,6 +1458,105 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
     }
 }
 
+/// What the library does with a socket option set on one of its sockets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OptionSupport {
+    /// Taken: the stack does it already, or it is a hint the stack may ignore without a
+    /// program seeing a difference in what it reads or writes.
+    Taken,
+    /// Known, but this value asks for behaviour the stack does not have: `EOPNOTSUPP`.
+    Refused(&'static str),
+    /// Not an option the library knows: `ENOPROTOOPT`.
+    Unknown,
+}
+
+/// The int an option's value starts with (0 when shorter than an int).
+fn option_int(value: &[u8]) -> c_int {
+    value.get(..4).map_or(0, |b| c_int::from_ne_bytes(b.try_into().expect("4 bytes")))
+}
+
+/// Whether socket option `name` at `level`, set to `value`, is honoured.
+fn option_support(level: c_int, name: c_int, value: &[u8]) -> OptionSupport {
+    use OptionSupport::*;
+    let on = option_int(value) != 0;
+    match (level, name) {
+        // Port reuse is checked at bind (EADDRINUSE); keep-alive, buffer sizes and priority are
+        // the stack's own.
+        (libc::SOL_SOCKET, libc::SO_REUSEADDR | libc::SO_REUSEPORT | libc::SO_KEEPALIVE) => Taken,
+        (libc::SOL_SOCKET, libc::SO_RCVBUF | libc::SO_SNDBUF | libc::SO_RCVLOWAT) => Taken,
+        (libc::SOL_SOCKET, libc::SO_LINGER) => {
+            if on {
+                Refused("SO_LINGER")
+            } else {
+                Taken
+            }
+        }
+        (libc::SOL_SOCKET, libc::SO_RCVTIMEO | libc::SO_SNDTIMEO) => {
+            if value.iter().any(|&b| b != 0) {
+                Refused(if name == libc::SO_RCVTIMEO { "SO_RCVTIMEO" } else { "SO_SNDTIMEO" })
+            } else {
+                Taken
+            }
+        }
+        (libc::SOL_SOCKET, libc::SO_BROADCAST) => {
+            if on {
+                Refused("SO_BROADCAST")
+            } else {
+                Taken
+            }
+        }
+        // Segments go out at once already (Nagle is off); corking, deferred accepts, quick
+        // ACKs, segment sizes and keep-alive timings are hints.
+        (
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY
+            | libc::TCP_CORK
+            | libc::TCP_QUICKACK
+            | libc::TCP_DEFER_ACCEPT
+            | libc::TCP_MAXSEG
+            | libc::TCP_KEEPIDLE
+            | libc::TCP_KEEPINTVL
+            | libc::TCP_KEEPCNT
+            | libc::TCP_USER_TIMEOUT,
+        ) => Taken,
+        (libc::IPPROTO_IP, libc::IP_TOS | libc::IP_BIND_ADDRESS_NO_PORT) => Taken,
+        (libc::IPPROTO_IPV6, libc::IPV6_TCLASS) => Taken,
+        // Dual-stack is what every AF_INET6 socket is; a v6-only one is not to be had.
+        (libc::IPPROTO_IPV6, libc::IPV6_V6ONLY) => {
+            if on {
+                Refused("IPV6_V6ONLY")
+            } else {
+                Taken
+            }
+        }
+        _ => Unknown,
+    }
+}
+
+/// A readable name for an option the library does not know.
+fn option_name(level: c_int, name: c_int) -> String {
+    let level = match level {
+        libc::SOL_SOCKET => "SOL_SOCKET".to_string(),
+        libc::IPPROTO_IP => "IPPROTO_IP".to_string(),
+        libc::IPPROTO_IPV6 => "IPPROTO_IPV6".to_string(),
+        libc::IPPROTO_TCP => "IPPROTO_TCP".to_string(),
+        libc::IPPROTO_UDP => "IPPROTO_UDP".to_string(),
+        other => format!("level {other}"),
+    };
+    format!("option {name} at {level}")
+}
+
+/// Says once per process on stderr that `what` is not supported, then fails with `errno`.
+fn unsupported<T: From<i8>>(what: &str, errno: c_int) -> T {
+    static SAID: Mutex<Option<std::collections::HashSet<String>>> = Mutex::new(None);
+    let first = lock(&SAID).get_or_insert_with(Default::default).insert(what.to_string());
+    if first {
+        let name = if errno == libc::ENOPROTOOPT { "ENOPROTOOPT" } else { "EOPNOTSUPP" };
+        eprintln!("liblanbus_sock: {what} is not supported on the stack server's sockets ({name})");
+    }
+    fail(errno)
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn setsockopt(
     fd: c_int,
@@ -1425,15 +1573,23 @@ pub unsafe extern "C" fn setsockopt(
             )
         };
     };
-    if let State::Fresh { opts, .. } = &mut *s.state.lock() {
-        if !val.is_null() {
-            // SAFETY: the program's option of `len` bytes.
-            opts.push((
-                level,
-                name,
-                unsafe { std::slice::from_raw_parts(val.cast::<u8>(), len as usize) }.to_vec(),
-            ));
+    if val.is_null() {
+        return fail(libc::EFAULT);
+    }
+    // SAFETY: the program's option of `len` bytes.
+    let value = unsafe { std::slice::from_raw_parts(val.cast::<u8>(), len as usize) };
+    match option_support(level, name, value) {
+        OptionSupport::Taken => {}
+        OptionSupport::Refused(what) => {
+            return unsupported(&format!("setsockopt {what} on"), libc::EOPNOTSUPP)
         }
+        OptionSupport::Unknown => {
+            return unsupported(&format!("setsockopt {}", option_name(level, name)), libc::ENOPROTOOPT)
+        }
+    }
+    // Kept for a socket that may still turn out to be the kernel's (loopback).
+    if let State::Fresh { opts, .. } = &mut *s.state.lock() {
+        opts.push((level, name, value.to_vec()));
     }
     0
 }
@@ -1548,6 +1704,9 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
     let guards = (lock(&g.client), lock(&g.socks), lock(&g.by_handle));
     // SAFETY: plain fork(2) through libc (which runs its own handlers).
     let pid = unsafe { real!(fork: fn() -> libc::pid_t)() };
+    if pid == 0 {
+        own_placeholders(&guards.1);
+    }
     drop(guards);
     let Some((client, token)) = ticket else { return pid };
     if pid == 0 {
@@ -1565,6 +1724,72 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
         }
     }
     pid
+}
+
+/// In a forked child, before the program runs on: each lanbus socket gets placeholders of its
+/// own under the same descriptor numbers. The inherited ones are the parent's too (one kernel
+/// socket pair), and a socket's readiness is each process's own: what arrives for the parent
+/// must not wake the child, nor the child's reads drain the parent's signal. System calls on
+/// the library's own descriptors, and no lock another thread of the parent may have held.
+fn own_placeholders(socks: &HashMap<c_int, Arc<Sock>>) {
+    let mut done: Vec<*const Sock> = Vec::new();
+    for sock in socks.values() {
+        if done.contains(&Arc::as_ptr(sock)) {
+            continue;
+        }
+        done.push(Arc::as_ptr(sock));
+        let mut pair = [-1; 2];
+        // SAFETY: socketpair writes two descriptors into the live array; the rest are plain
+        // calls on descriptors this process holds.
+        unsafe {
+            if real!(socketpair: fn(c_int, c_int, c_int, *mut c_int) -> c_int)(
+                libc::AF_UNIX,
+                libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                0,
+                pair.as_mut_ptr(),
+            ) < 0
+            {
+                // The parent's placeholders stay: readiness is shared, calls still work.
+                continue;
+            }
+            let small: c_int = 1;
+            real!(setsockopt: fn(c_int, c_int, c_int, *const c_void, socklen_t) -> c_int)(
+                pair[0],
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&small as *const c_int).cast(),
+                4,
+            );
+            let numbers = socks.iter().filter(|(_, s)| Arc::ptr_eq(s, sock)).map(|(fd, _)| *fd);
+            for fd in numbers.chain([sock.signal]) {
+                let fd_flags = real!(fcntl: fn(c_int, c_int, libc::c_ulong) -> c_int)(fd, libc::F_GETFD, 0);
+                let cloexec =
+                    if fd_flags > 0 && fd_flags & libc::FD_CLOEXEC != 0 { libc::O_CLOEXEC } else { 0 };
+                real!(dup3: fn(c_int, c_int, c_int) -> c_int)(pair[0], fd, cloexec);
+            }
+            real!(dup3: fn(c_int, c_int, c_int) -> c_int)(pair[1], sock.peer, libc::O_CLOEXEC);
+            real!(close: fn(c_int) -> c_int)(pair[0]);
+            real!(close: fn(c_int) -> c_int)(pair[1]);
+        }
+        sock.out_blocked.store(false, Ordering::Relaxed);
+    }
+}
+
+/// `epoll_ctl` on a lanbus socket: a forked child takes over its inherited sockets first, so
+/// that an event loop waiting on them hears what the server sends it (a child that only waits
+/// would otherwise never tell the server it holds them).
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    event: *mut libc::epoll_event,
+) -> c_int {
+    if is_ours(fd) {
+        adopt_inherited();
+    }
+    // SAFETY: passing the program's arguments through.
+    unsafe { real!(epoll_ctl: fn(c_int, c_int, c_int, *mut libc::epoll_event) -> c_int)(epfd, op, fd, event) }
 }
 
 /// Before an `exec`: a child that has not claimed the sockets it inherited claims them now, on
@@ -1711,4 +1936,82 @@ pub unsafe extern "C" fn dup3(fd: c_int, nfd: c_int, flags: c_int) -> c_int {
     }
     // SAFETY: passing through.
     share(fd, unsafe { real!(dup3: fn(c_int, c_int, c_int) -> c_int)(fd, nfd, flags) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn int(v: c_int) -> Vec<u8> {
+        v.to_ne_bytes().to_vec()
+    }
+
+    #[test]
+    fn options_the_stack_does_or_may_ignore_are_taken() {
+        for (level, name) in [
+            (libc::SOL_SOCKET, libc::SO_REUSEADDR),
+            (libc::SOL_SOCKET, libc::SO_KEEPALIVE),
+            (libc::SOL_SOCKET, libc::SO_SNDBUF),
+            (libc::IPPROTO_TCP, libc::TCP_NODELAY),
+            (libc::IPPROTO_TCP, libc::TCP_CORK),
+            (libc::IPPROTO_TCP, libc::TCP_DEFER_ACCEPT),
+            (libc::IPPROTO_IP, libc::IP_TOS),
+        ] {
+            for v in [0, 1] {
+                assert_eq!(option_support(level, name, &int(v)), OptionSupport::Taken, "{level} {name} {v}");
+            }
+        }
+        // The default a program may set explicitly.
+        assert_eq!(option_support(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, &int(0)), OptionSupport::Taken);
+        let off = [0u8; std::mem::size_of::<libc::linger>()];
+        assert_eq!(option_support(libc::SOL_SOCKET, libc::SO_LINGER, &off), OptionSupport::Taken);
+        assert_eq!(option_support(libc::SOL_SOCKET, libc::SO_RCVTIMEO, &[0; 16]), OptionSupport::Taken);
+    }
+
+    #[test]
+    fn options_asking_for_what_the_stack_lacks_are_refused_by_name() {
+        assert_eq!(
+            option_support(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, &int(1)),
+            OptionSupport::Refused("IPV6_V6ONLY")
+        );
+        let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+        // SAFETY: viewing a plain C struct as its bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                (&linger as *const libc::linger).cast::<u8>(),
+                std::mem::size_of::<libc::linger>(),
+            )
+        };
+        assert_eq!(
+            option_support(libc::SOL_SOCKET, libc::SO_LINGER, bytes),
+            OptionSupport::Refused("SO_LINGER")
+        );
+        let mut timeout = [0u8; 16];
+        timeout[0] = 5;
+        assert_eq!(
+            option_support(libc::SOL_SOCKET, libc::SO_SNDTIMEO, &timeout),
+            OptionSupport::Refused("SO_SNDTIMEO")
+        );
+        assert_eq!(
+            option_support(libc::SOL_SOCKET, libc::SO_BROADCAST, &int(1)),
+            OptionSupport::Refused("SO_BROADCAST")
+        );
+    }
+
+    #[test]
+    fn options_the_library_does_not_know_are_unknown() {
+        for (level, name) in [
+            (libc::SOL_SOCKET, libc::SO_MARK),
+            (libc::SOL_SOCKET, libc::SO_BINDTODEVICE),
+            (libc::IPPROTO_TCP, libc::TCP_FASTOPEN),
+            (libc::IPPROTO_TCP, libc::TCP_CONGESTION),
+            (libc::IPPROTO_IP, libc::IP_ADD_MEMBERSHIP),
+            (12345, 1),
+        ] {
+            assert_eq!(option_support(level, name, &int(1)), OptionSupport::Unknown, "{level} {name}");
+        }
+        // A short value reads as 0, never past its end.
+        assert_eq!(option_support(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, &[1]), OptionSupport::Taken);
+        assert_eq!(option_name(libc::IPPROTO_TCP, 23), "option 23 at IPPROTO_TCP");
+    }
 }

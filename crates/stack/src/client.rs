@@ -77,6 +77,8 @@ struct Book {
     zero_copy_req: HashMap<u32, u32>,
     conns: HashMap<u32, ConnState>,
     accepted: HashMap<u32, VecDeque<(u32, SocketAddr)>>,
+    /// Shared listeners whose backlog has a connection this client has not asked for.
+    pending: HashSet<u32>,
     datagrams: HashMap<u32, VecDeque<(SocketAddr, Vec<u8>)>>,
 }
 
@@ -105,6 +107,10 @@ impl Book {
                 self.touched.push(listener);
                 self.conns.insert(conn, ConnState::default());
                 self.accepted.entry(listener).or_default().push_back((conn, peer));
+            }
+            Msg::Pending { listener } => {
+                self.touched.push(listener);
+                self.pending.insert(listener);
             }
             Msg::Data { conn, data } => {
                 self.touched.push(conn);
@@ -399,6 +405,7 @@ impl StackClient {
     /// listener owes this client one connection. Harmless when nothing is shared.
     pub fn want(&self, handle: u32) -> io::Result<()> {
         let mut st = self.inner.lock();
+        st.book.pending.remove(&handle);
         self.inner.send_control(&mut st, &Msg::Want { handle })
     }
 
@@ -1094,9 +1101,17 @@ impl TcpListener {
         let inner = &self.client.inner;
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut st = inner.lock();
+        let mut asked = false;
         loop {
             inner.pump(&mut st);
-            if let Some((conn, peer)) = st.book.accepted.get_mut(&self.handle).and_then(|q| q.pop_front()) {
+            let queued = st.book.accepted.get_mut(&self.handle).and_then(|q| q.pop_front());
+            if queued.is_none() && !asked && st.gone.is_none() {
+                // The server hands a connection only to a holder that asks: once per call.
+                st.book.pending.remove(&self.handle);
+                inner.send_control(&mut st, &Msg::Want { handle: self.handle })?;
+                asked = true;
+            }
+            if let Some((conn, peer)) = queued {
                 let stream = TcpStream {
                     client: self.client.clone(),
                     conn,
@@ -1121,8 +1136,8 @@ impl TcpListener {
         self.handle
     }
 
-    /// This program waits to accept: when other processes share the listener, the next
-    /// connection nobody else asked for first comes here ([`StackClient::want`]).
+    /// This program waits to accept: the next connection nobody else asked for first comes
+    /// here ([`StackClient::want`]). `accept` asks by itself when nothing waits.
     pub fn want(&self) -> io::Result<()> {
         self.client.want(self.handle)
     }
@@ -1131,6 +1146,12 @@ impl TcpListener {
     pub fn ready(&self) -> bool {
         let st = self.client.inner.lock();
         st.gone.is_some() || st.book.accepted.get(&self.handle).is_some_and(|q| !q.is_empty())
+    }
+
+    /// Whether the server said that a connection waits in the backlog of this shared listener
+    /// and this program has not asked for one since ([`want`](Self::want)).
+    pub fn pending(&self) -> bool {
+        self.client.inner.lock().book.pending.contains(&self.handle)
     }
 
     /// Waits for the next connection.

@@ -43,6 +43,25 @@ pub struct PortDevice {
     /// Frames smoltcp may still take in this poll: bounded so that its egress pass (ACKs, window
     /// updates) runs between batches and the sender stays ACK-clocked.
     rx_budget: usize,
+    /// Listening TCP ports and the room left in each one's backlog: a connection request (SYN)
+    /// past it is dropped, as Linux drops it, so that the peer retries rather than being
+    /// refused.
+    pub backlog_room: std::collections::HashMap<u16, usize>,
+    /// Connection requests dropped so.
+    pub syns_dropped: u64,
+}
+
+/// The destination port of `frame` (Ethernet) if it is a TCP connection request (SYN without
+/// ACK).
+pub fn syn_port(frame: &[u8]) -> Option<u16> {
+    let ip = frame.get(14..)?;
+    let tcp = match u16::from_be_bytes([frame[12], frame[13]]) {
+        0x0800 if ip.len() >= 20 && ip[9] == 6 => ip.get(usize::from(ip[0] & 0x0f) * 4..)?,
+        0x86dd if ip.len() >= 40 && ip[6] == 6 => &ip[40..],
+        _ => return None,
+    };
+    let flags = *tcp.get(13)?;
+    (flags & 0x02 != 0 && flags & 0x10 == 0).then(|| u16::from_be_bytes([tcp[2], tcp[3]]))
 }
 
 /// What transmitting borrows: the port, the queue and its spare buffers (apart from the receive
@@ -281,6 +300,8 @@ impl PortDevice {
             mtu,
             rx_frames: 0,
             rx_budget: RX_BURST,
+            backlog_room: std::collections::HashMap::new(),
+            syns_dropped: 0,
         }
     }
 
@@ -379,7 +400,16 @@ impl phy::Device for PortDevice {
             return None;
         }
         self.rx_budget -= 1;
-        let frame = self.rx.pop_front()?;
+        let mut frame = self.rx.pop_front()?;
+        while let Some(room) = syn_port(&frame).and_then(|p| self.backlog_room.get_mut(&p)) {
+            if *room > 0 {
+                *room -= 1;
+                break;
+            }
+            self.syns_dropped += 1;
+            self.rx_spare.push(frame);
+            frame = self.rx.pop_front()?;
+        }
         Some((RxToken { frame, spare: &mut self.rx_spare }, TxToken { tx: &mut self.tx }))
     }
 

@@ -225,6 +225,13 @@ pub enum Msg<'a> {
         /// The send buffer's next free position.
         tail: u32,
     },
+    /// Server: a connection waits in a shared listener's backlog and this client has not asked
+    /// for one: a process waiting on the listener should `Want` it (as every holder of a kernel
+    /// listener sees it readable while its backlog has a connection).
+    Pending {
+        /// The listener.
+        listener: u32,
+    },
     /// Server: a datagram for a UDP socket.
     UdpData {
         /// The socket.
@@ -262,6 +269,7 @@ mod op {
     pub const UDP_DATA: u8 = 71;
     pub const PLACED: u8 = 72;
     pub const TICKET: u8 = 73;
+    pub const PENDING: u8 = 74;
 }
 
 const NOWHERE: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
@@ -289,6 +297,7 @@ impl<'a> Msg<'a> {
             Adopt { req, token } => (op::ADOPT, req, token, NOWHERE, &[]),
             Want { handle } => (op::WANT, handle, 0, NOWHERE, &[]),
             Ticket { req, token } => (op::TICKET, req, token, NOWHERE, &[]),
+            Pending { listener } => (op::PENDING, listener, 0, NOWHERE, &[]),
             Placed { conn, commits, tail } => (op::PLACED, conn, pair(commits, tail), NOWHERE, &[]),
             Opened { req, handle, local } => (op::OPENED, req, u64::from(handle), local, &[]),
             Failed { req, errno } => (op::FAILED, req, errno as u32 as u64, NOWHERE, &[]),
@@ -386,6 +395,7 @@ impl<'a> Msg<'a> {
             op::ADOPT => Msg::Adopt { req: a, token: b },
             op::WANT => Msg::Want { handle: a },
             op::TICKET => Msg::Ticket { req: a, token: b },
+            op::PENDING => Msg::Pending { listener: a },
             op::OPENED => Msg::Opened { req: a, handle: b32?, local: addr },
             op::FAILED => Msg::Failed { req: a, errno: b32? as i32 },
             op::ACCEPTED => Msg::Accepted { listener: a, conn: b32?, peer: addr },
@@ -549,6 +559,7 @@ mod tests {
                 Msg::Adopt { req: a, token: b },
                 Msg::Want { handle: a },
                 Msg::Ticket { req: a, token: b },
+                Msg::Pending { listener: a },
             ] {
                 round_trip(msg);
             }
@@ -562,7 +573,7 @@ mod tests {
         #[test]
         fn headers_with_a_known_op_parse_or_fail_cleanly(
             code in prop::sample::select(vec![
-                1u8, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73,
+                1u8, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74,
             ]),
             rest in proptest::collection::vec(prop::sample::select(vec![0u8, 0, 0, 1, 255]), 23..40),
         ) {

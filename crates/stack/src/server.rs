@@ -114,6 +114,8 @@ pub struct ServerCounters {
     pub rx_dropped: u64,
     /// Frames the port could not send.
     pub tx_dropped: u64,
+    /// Connection requests (SYN) dropped while their listener's backlog was full.
+    pub syns_dropped: u64,
     /// Bytes clients sent.
     pub tx_bytes: u64,
     /// Bytes delivered to clients.
@@ -400,6 +402,9 @@ struct Listener {
     port: u16,
     /// smoltcp sockets listening on the port (one per backlog slot).
     waiting: Vec<SocketHandle>,
+    /// The holders were told (`Pending`) that a connection waits for a taker, and none was
+    /// taken since.
+    announced: bool,
 }
 
 struct UdpSock {
@@ -1040,7 +1045,7 @@ impl Core {
                 }
                 self.ports_in_use.insert(port);
                 let h = self.new_handle();
-                self.handles.insert(h, Handle::Listener(Listener { port, waiting }));
+                self.handles.insert(h, Handle::Listener(Listener { port, waiting, announced: false }));
                 self.shares.open(h, id);
                 self.reply(
                     id,
@@ -1160,6 +1165,13 @@ impl Core {
                         for (conn, errno) in ended {
                             self.reply(id, Msg::Closed { conn, errno });
                         }
+                        // A connection waiting in a shared backlog is announced again, so that
+                        // the new holder hears of it too.
+                        for h in &handles {
+                            if let Some(Handle::Listener(l)) = self.handles.get_mut(h) {
+                                l.announced = false;
+                            }
+                        }
                         let n = handles.len() as u32;
                         self.reply(id, Msg::Opened { req, handle: n, local: NOWHERE });
                     }
@@ -1189,6 +1201,7 @@ impl Core {
             | Msg::Placed { .. }
             | Msg::Failed { .. }
             | Msg::Accepted { .. }
+            | Msg::Pending { .. }
             | Msg::Data { .. }
             | Msg::Sent { .. }
             | Msg::Eof { .. }
@@ -1226,6 +1239,7 @@ impl Core {
                         self.sockets.remove(s);
                     }
                     self.ports_in_use.remove(&l.port);
+                    self.dev.backlog_room.remove(&l.port);
                 }
             }
             Some(Handle::Udp(_)) => {
@@ -1337,19 +1351,40 @@ impl Core {
                     }
                 }
                 Some(Handle::Listener(l)) => {
+                    let mut untaken = false;
+                    let mut room = 0;
                     for slot in l.waiting.iter_mut() {
                         let s = self.sockets.get_mut::<tcp::Socket>(*slot);
                         match s.state() {
-                            tcp::State::Listen | tcp::State::SynReceived => {}
+                            tcp::State::Listen => room += 1,
+                            tcp::State::SynReceived => {}
                             tcp::State::Closed => {
                                 // Reset during the handshake: listen again.
                                 let _ = s.listen(l.port);
+                                room += 1;
                             }
                             _ => {
                                 // Shared: it waits in the backlog until a holder asks for one.
                                 if let Some(client) = self.shares.take_accepter(h) {
                                     accepted.push((h, client, l.port, *slot));
+                                    l.announced = false;
+                                    // A fresh slot listens in its place below.
+                                    room += 1;
+                                } else {
+                                    untaken = true;
                                 }
+                            }
+                        }
+                    }
+                    self.dev.backlog_room.insert(l.port, room);
+                    if untaken && !l.announced {
+                        // Every holder that has not asked hears of it: an event loop waiting
+                        // on the listener then asks (its placeholder polls readable).
+                        l.announced = true;
+                        for c in self.shares.unasked(h) {
+                            if let Some(cl) = self.clients.get_mut(&c) {
+                                cl.control(Msg::Pending { listener: h });
+                                self.busy = true;
                             }
                         }
                     }
@@ -1423,6 +1458,7 @@ impl Core {
         let port = self.dev.port().counters();
         self.counters.rx_dropped = port.rx_dropped;
         self.counters.tx_dropped = port.tx_dropped;
+        self.counters.syns_dropped = self.dev.syns_dropped;
         let mut connections = Vec::new();
         let mut listening = Vec::new();
         for h in self.handles.values() {

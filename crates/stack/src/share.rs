@@ -99,11 +99,6 @@ impl Shares {
         hs
     }
 
-    /// Whether more than one client or ticket holds `h`.
-    pub(crate) fn shared(&self, h: HandleId) -> bool {
-        self.handles.get(&h).is_some_and(|s| s.holders.len() + s.tickets as usize > 1)
-    }
-
     /// `client` waits on `h`: a connection's or UDP socket's arrivals go to it from now on; a
     /// listener owes it one connection (at most one owed per client).
     pub(crate) fn want(&mut self, h: HandleId, client: ClientId, listener: bool) {
@@ -117,16 +112,19 @@ impl Shares {
         }
     }
 
-    /// Who gets listener `h`'s next connection: its only holder, or, when it is shared, the
-    /// client that has waited longest for one (its want is used up). `None`: nobody asked yet,
-    /// and the connection waits in the backlog.
+    /// Who gets listener `h`'s next connection: the holder that has waited longest for one (its
+    /// want is used up). `None`: nobody asked yet, and the connection waits in the backlog, as
+    /// in a kernel listener's: a process that opened a listener and forks workers without
+    /// accepting itself (nginx's master) takes none.
     pub(crate) fn take_accepter(&mut self, h: HandleId) -> Option<ClientId> {
-        let shared = self.shared(h);
-        let s = self.handles.get_mut(&h)?;
-        if !shared {
-            return s.reader;
-        }
-        s.wants.pop_front()
+        self.handles.get_mut(&h)?.wants.pop_front()
+    }
+
+    /// The holders of listener `h` that are owed no connection (they have not asked for one).
+    pub(crate) fn unasked(&self, h: HandleId) -> Vec<ClientId> {
+        self.handles
+            .get(&h)
+            .map_or_else(Vec::new, |s| s.holders.iter().copied().filter(|c| !s.wants.contains(c)).collect())
     }
 
     /// A ticket `token` holding one more reference to each of `handles` (which `creator` holds);
@@ -450,13 +448,15 @@ mod tests {
     fn a_shared_listener_hands_each_connection_to_one_waiting_worker() {
         let mut s = Shares::default();
         s.open(1, 10);
-        assert_eq!(s.take_accepter(1), Some(10), "a sole holder takes every connection");
+        assert_eq!(s.take_accepter(1), None, "a sole holder that has not asked takes none");
+        s.want(1, 10, true);
+        assert_eq!(s.take_accepter(1), Some(10), "a sole holder takes what it asks for");
         assert!(s.fork(77, 10, &[1]));
         assert_eq!(s.forked(77, 10, Some(500)), Ok(vec![]));
         assert_eq!(s.forked(77, 10, Some(501)), Err(Refused::NoTicket), "reported once");
         assert_eq!(s.claim(77, 11, 501), Err(Refused::WrongProcess));
         assert_eq!(s.claim(77, 11, 500), Ok(Claimed { handles: vec![1], ended: vec![] }));
-        assert_eq!(s.take_accepter(1), None, "shared: only a worker that asked gets one");
+        assert_eq!(s.take_accepter(1), None, "only a worker that asked gets one");
         s.want(1, 11, true);
         s.want(1, 11, true);
         s.want(1, 10, true);

@@ -444,7 +444,8 @@ fn bad_zero_copy_requests_are_refused_or_disconnected() {
     bounded(60, || {
         let p = pair("zero-copy-bad", 0.0);
         let cb = StackClient::attach(&p.sock_b, CopyUnit::DEFAULT).unwrap();
-        let l = cb.listen(7012, 4).unwrap();
+        // Room in the backlog for every connection below (none is accepted until the end).
+        let l = cb.listen(7012, 16).unwrap();
         // The Unix-socket channel has no shared memory to hand over.
         let sc = StackClient::attach(&p.sock_a, CopyUnit::BASELINE).unwrap();
         let e = sc.connect_zero_copy(SocketAddrV4::new(B, 7012)).err().expect("socket channel");
