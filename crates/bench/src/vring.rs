@@ -50,7 +50,7 @@ pub struct Args {
     /// and the factors to leave out (`all-b`), or `every` for all 32 combinations.
     #[arg(long, default_value = "base,a,b,c,d,e,a+d,all-b,all")]
     pub rows: String,
-    /// Guest pool sizes in buffers, comma-separated (base: 2240 B each; 8192 buffers = 17.5 MiB).
+    /// Guest pool sizes in buffers, comma-separated (base: 2176 B each; 8192 buffers = 17 MiB).
     /// A pool larger than the L3 makes every copy and header write miss to memory.
     #[arg(long, default_value = "8192")]
     pub pools: String,
@@ -63,10 +63,10 @@ pub struct Args {
     /// thread of this process spinning on it during the runs (a machine shared with other work).
     #[arg(long, default_value = "none")]
     pub load: String,
-    /// Buffer layout, comma-separated: `odd` (every buffer padded to an odd number of cache lines,
-    /// as DPDK's mempool pads its objects, so that buffers spread over all cache sets) or
-    /// `natural` (no padding: (d)'s 2048 B buffers all fall in the same few sets).
-    #[arg(long, default_value = "odd")]
+    /// Buffer layout, comma-separated: `natural` (the paper's: no padding, so (d)'s 2048 B
+    /// buffers put the packets in flight in two sets of the L1) or `odd` (every buffer padded to
+    /// an odd number of cache lines, as DPDK's mempool pads its objects).
+    #[arg(long, default_value = "natural")]
     pub stride: String,
     /// Write the report as JSON to this file.
     #[arg(long)]
