@@ -2,7 +2,7 @@
 //!
 //! Format (`docs/architecture.md`, "Measurements"):
 //! `{"bench": NAME, "lanbus": VERSION, "command": "lanbus bench ...", "date": "YYYY-MM-DD",
-//! "machine": {"cpus": N, "model": "..."}, "rows": [...]}` where each row has `name` (peers are `peer:<program>`), `metric` (unit in the name), `value` (the
+//! "machine": {"cpus": N, "model": "...", ...}, "rows": [...]}` (`vring` adds the caches to `machine`) where each row has `name` (peers are `peer:<program>`), `metric` (unit in the name), `value` (the
 //! median of the runs) and the parameters that make it unique (`size_bytes`, `block_size`, `mode`...).
 
 use std::collections::BTreeMap;
