@@ -21,8 +21,8 @@
 //! (d)+(e) 64 B. With [`StudyConfig::spread`] each buffer is padded to an odd number of cache
 //! lines, as DPDK's mempool pads its objects (base 2240 B, (d) 2112 B), so that the packets in
 //! flight spread over all cache sets instead of (d)'s power-of-two stride putting them in two
-//! sets of the L1; on the machines measured so far that changes no figure beyond the runs'
-//! spread, so the default is the paper's unpadded layout. The guest allocates buffers round-robin from a pool of
+//! sets of the L1; on the machine measured so far that raises no figure, so the default is the
+//! paper's unpadded layout. The guest allocates buffers round-robin from a pool of
 //! [`StudyConfig::pool_buffers`] (a DPDK mempool), the Rx thread copies from [`SOURCE_PACKETS`]
 //! host packets of the same layout. Every packet carries its sequence number, which the guest
 //! checks, so a broken protocol fails the run instead of producing a number.
