@@ -2,7 +2,7 @@
 //!
 //! Format (`docs/architecture.md`, "Measurements"):
 //! `{"bench": NAME, "lanbus": VERSION, "command": "lanbus bench ...", "date": "YYYY-MM-DD",
-//! "machine": {"cpus": N, "model": "..."}, "rows": [...]}` where each row has `name` (peers are `peer:<program>`), `metric` (unit in the name), `value` (the
+//! "machine": {"cpus": N, "model": "...", ...}, "rows": [...]}` (`vring` adds the caches to `machine`) where each row has `name` (peers are `peer:<program>`), `metric` (unit in the name), `value` (the
 //! median of the runs) and the parameters that make it unique (`size_bytes`, `block_size`, `mode`...).
 
 use std::collections::BTreeMap;
@@ -46,6 +46,92 @@ pub struct Machine {
     pub cpus: usize,
     /// The CPU model from /proc/cpuinfo.
     pub model: String,
+    /// Cache sizes and vector width, for benches whose figures depend on them (`vring`).
+    #[serde(skip_serializing_if = "Option::is_none", flatten)]
+    pub caches: Option<Caches>,
+}
+
+/// The caches of one CPU (from /sys/devices/system/cpu/cpuN/cache) and the widest vector store
+/// it has.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Caches {
+    /// L1 data cache of the CPU, bytes (0 if not found).
+    pub l1d_bytes: u64,
+    /// L2 cache, bytes (0 if not found).
+    pub l2_bytes: u64,
+    /// Last-level (L3) cache, bytes (0 if not found or none).
+    pub l3_bytes: u64,
+    /// The widest vector store the CPU has: 64 (AVX-512), 32 (AVX2), 16 (SSE2), 8 otherwise.
+    pub vector_bytes: u64,
+}
+
+impl Caches {
+    /// Reads CPU `cpu`'s caches from sysfs and this CPU's vector extensions.
+    pub fn of_cpu(cpu: usize) -> Self {
+        let dir = format!("/sys/devices/system/cpu/cpu{cpu}/cache");
+        let mut c = Caches { l1d_bytes: 0, l2_bytes: 0, l3_bytes: 0, vector_bytes: vector_bytes() };
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let read = |f: &str| std::fs::read_to_string(entry.path().join(f)).unwrap_or_default();
+            let (level, kind, size) = (read("level"), read("type"), read("size"));
+            let Some(bytes) = parse_cache_size(size.trim()) else { continue };
+            match (level.trim(), kind.trim()) {
+                ("1", "Data") => c.l1d_bytes = bytes,
+                ("2", "Unified" | "Data") => c.l2_bytes = bytes,
+                ("3", "Unified") => c.l3_bytes = bytes,
+                _ => {}
+            }
+        }
+        c
+    }
+
+    /// One line for the terminal: `L1d 48 KiB, L2 1 MiB, L3 32 MiB per CPU; vector stores 64 B`.
+    pub fn describe(&self) -> String {
+        let size = |b: u64| match b {
+            0 => "?".to_string(),
+            b if b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+            b => format!("{} KiB", b >> 10),
+        };
+        let vector = match self.vector_bytes {
+            64 => "AVX-512",
+            32 => "AVX2",
+            16 => "SSE2",
+            _ => "none",
+        };
+        format!(
+            "L1d {}, L2 {}, L3 {}; widest vector store {} B ({vector})",
+            size(self.l1d_bytes),
+            size(self.l2_bytes),
+            size(self.l3_bytes),
+            self.vector_bytes
+        )
+    }
+}
+
+/// `48K` / `1024K` / `32M` (sysfs cache sizes) to bytes.
+fn parse_cache_size(s: &str) -> Option<u64> {
+    let (digits, mult) = match s.as_bytes().last()? {
+        b'K' => (&s[..s.len() - 1], 1 << 10),
+        b'M' => (&s[..s.len() - 1], 1 << 20),
+        b'G' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    digits.parse::<u64>().ok().map(|n| n * mult)
+}
+
+/// The widest vector store this CPU has, in bytes.
+fn vector_bytes() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return 64;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return 32;
+        }
+        16
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    8
 }
 
 impl Machine {
@@ -65,7 +151,7 @@ impl Machine {
             .and_then(|l| l.split_once(':'))
             .map(|(_, m)| m.trim().to_string())
             .unwrap_or_else(|| "unknown".to_string());
-        Machine { cpus, model }
+        Machine { cpus, model, caches: None }
     }
 }
 
@@ -230,6 +316,21 @@ pub fn median(values: &[f64]) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cache_sizes_parse() {
+        assert_eq!(parse_cache_size("48K"), Some(48 << 10));
+        assert_eq!(parse_cache_size("32M"), Some(32 << 20));
+        assert_eq!(parse_cache_size("512"), Some(512));
+        assert_eq!(parse_cache_size("x"), None);
+        let c = Caches { l1d_bytes: 48 << 10, l2_bytes: 1 << 20, l3_bytes: 32 << 20, vector_bytes: 64 };
+        assert_eq!(c.describe(), "L1d 48 KiB, L2 1 MiB, L3 32 MiB; widest vector store 64 B (AVX-512)");
+        let mut r = Report::new("vring");
+        r.machine.caches = Some(c);
+        let v: Value = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["machine"]["l3_bytes"], 32 << 20);
+        assert_eq!(v["machine"]["vector_bytes"], 64);
+    }
 
     #[test]
     fn median_of_runs() {

@@ -18,6 +18,22 @@ pub enum CopyMode {
     NonTemporal,
 }
 
+impl CopyMode {
+    /// Bytes each store instruction of a copy writes, as this build compiles it: ordinary copies
+    /// of a known size are inlined with the widest vector registers the build targets (16 B on
+    /// the x86-64 baseline, whatever the CPU it runs on has), non-temporal copies use 16 B
+    /// `movntdq`.
+    pub fn store_bytes(self) -> usize {
+        match self {
+            CopyMode::NonTemporal if cfg!(target_arch = "x86_64") => 16,
+            _ if cfg!(target_feature = "avx512f") => 64,
+            _ if cfg!(target_feature = "avx") => 32,
+            _ if cfg!(any(target_arch = "x86_64", target_arch = "aarch64")) => 16,
+            _ => 8,
+        }
+    }
+}
+
 /// Copies `src` to the start of `dst` (which must be at least as long) and, for non-temporal
 /// copies, fences so the data is ordered before any later store.
 ///

@@ -17,17 +17,28 @@
 //!   the head of every buffer it receives, and packet data starts at +128.
 //! - (e) 64 B of packet space per buffer instead of 2048 B.
 //!
-//! Buffer stride = header (128 or 0) + data (2048 or 64): base 2176 B, (e) 192 B, (d) 2048 B,
-//! (d)+(e) 64 B. The guest allocates buffers round-robin from a pool of [`StudyConfig::pool_buffers`]
-//! (a DPDK mempool), the Rx thread copies from [`SOURCE_PACKETS`] host packets of the same layout.
-//! Every packet carries its sequence number, which the guest checks, so a broken protocol fails
-//! the run instead of producing a number.
+//! Buffer size = header (128 or 0) + data (2048 or 64): base 2176 B, (e) 192 B, (d) 2048 B,
+//! (d)+(e) 64 B. With [`StudyConfig::spread`] each buffer is padded to an odd number of cache
+//! lines, as DPDK's mempool pads its objects (base 2240 B, (d) 2112 B), so that the packets in
+//! flight spread over all cache sets instead of (d)'s power-of-two stride putting them in two
+//! sets of the L1; on the machine measured so far that raises no figure, so the default is the
+//! paper's unpadded layout. The guest allocates buffers round-robin from a pool of
+//! [`StudyConfig::pool_buffers`] (a DPDK mempool), the Rx thread copies from [`SOURCE_PACKETS`]
+//! host packets of the same layout. Every packet carries its sequence number, which the guest
+//! checks, so a broken protocol fails the run instead of producing a number.
+//!
+//! What the factors are worth depends on the machine more than on the model: a cache line
+//! crossing between the two cores (what (a) and (d) save) costs the round trip that
+//! [`line_round_trip_ns`] measures, which on a VM depends on where the host runs the two vCPUs;
+//! a non-temporal store (b) sends the packet to memory, from where the guest, which reads it right
+//! after, must fetch it again, which only pays where that costs less than a line crossing between
+//! the cores.
 //!
 //! Invariants of the queue protocol are those of [`crate::virtqueue`] (avail/used flags with wrap
 //! counters, Release on the flags store, Acquire on the flags load); the model re-implements it on
 //! raw memory because the layouts under study are not the ones the real queue uses.
 
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -60,25 +71,68 @@ pub struct Factors {
 }
 
 impl Factors {
-    /// Parses a row name: `base`, `all`, or letters joined by `+` (`a+d`).
+    /// Parses a row name: `base`, `all`, letters joined by `+` (`a+d`), or `all-` followed by the
+    /// letters to leave out (`all-b`: every factor but (b)).
     pub fn parse(name: &str) -> Option<Factors> {
-        let mut f = Factors::default();
+        let all = Factors { a: true, b: true, c: true, d: true, e: true };
         match name {
-            "base" => return Some(f),
-            "all" => return Some(Factors { a: true, b: true, c: true, d: true, e: true }),
+            "base" => return Some(Factors::default()),
+            "all" => return Some(all),
             _ => {}
         }
-        for part in name.split('+') {
+        let (mut f, on, letters) = match name.strip_prefix("all-") {
+            Some(rest) => (all, false, rest),
+            None => (Factors::default(), true, name),
+        };
+        for part in letters.split('+') {
             match part {
-                "a" => f.a = true,
-                "b" => f.b = true,
-                "c" => f.c = true,
-                "d" => f.d = true,
-                "e" => f.e = true,
+                "a" => f.a = on,
+                "b" => f.b = on,
+                "c" => f.c = on,
+                "d" => f.d = on,
+                "e" => f.e = on,
                 _ => return None,
             }
         }
         Some(f)
+    }
+
+    /// Every combination of the five factors, `base` first and `all` last, each with its name
+    /// (`base`, `a`, `a+b`, ..., `all`).
+    pub fn every() -> Vec<(String, Factors)> {
+        let mut out: Vec<(String, Factors)> = (0..32u8)
+            .map(|bits| {
+                let f = Factors {
+                    a: bits & 1 != 0,
+                    b: bits & 2 != 0,
+                    c: bits & 4 != 0,
+                    d: bits & 8 != 0,
+                    e: bits & 16 != 0,
+                };
+                (f.name(), f)
+            })
+            .collect();
+        out.sort_by_key(|(_, f)| f.count());
+        out
+    }
+
+    /// How many factors are on.
+    pub fn count(&self) -> usize {
+        [self.a, self.b, self.c, self.d, self.e].iter().filter(|&&x| x).count()
+    }
+
+    /// The canonical name: `base`, `all`, or the letters joined by `+`.
+    pub fn name(&self) -> String {
+        match self.count() {
+            0 => "base".to_string(),
+            5 => "all".to_string(),
+            _ => [(self.a, "a"), (self.b, "b"), (self.c, "c"), (self.d, "d"), (self.e, "e")]
+                .iter()
+                .filter(|(on, _)| *on)
+                .map(|(_, l)| *l)
+                .collect::<Vec<_>>()
+                .join("+"),
+        }
     }
 
     fn header_bytes(&self) -> usize {
@@ -89,7 +143,7 @@ impl Factors {
         }
     }
 
-    /// Bytes per buffer (header + packet space).
+    /// Bytes per buffer (header + packet space), before any padding ([`StudyConfig::stride`]).
     pub fn stride(&self) -> usize {
         self.header_bytes() + if self.e { PACKET_BYTES } else { 2048 }
     }
@@ -108,20 +162,52 @@ impl Factors {
 pub struct StudyConfig {
     /// The factors.
     pub factors: Factors,
-    /// Packets to move.
+    /// Packets to move (at most, with [`StudyConfig::duration`]).
     pub packets: u64,
+    /// Stops the run after about this long (the Rx thread looks at the clock every 64 bursts);
+    /// `None` moves exactly `packets`.
+    pub duration: Option<Duration>,
     /// Descriptors in the virtqueue (a power of two).
     pub queue_size: usize,
     /// Guest buffers, allocated round-robin (at least twice the queue size).
     pub pool_buffers: usize,
     /// CPUs to pin the Rx and guest threads to; `None` runs unpinned.
     pub cpus: Option<(usize, usize)>,
+    /// Pads every buffer to an odd number of cache lines, as DPDK's mempool pads its objects, so
+    /// that consecutive buffers spread over all cache sets. Off (the paper's layout), a buffer
+    /// whose size is a power of two ((d) alone: 2048 B) puts the packets in flight in two sets of
+    /// a 64-set L1; `lanbus bench vring --stride odd,natural` compares the two.
+    pub spread: bool,
 }
 
 impl StudyConfig {
-    /// The defaults used by `lanbus bench vring`: 256 descriptors, 8192 guest buffers.
+    /// The defaults used by `lanbus bench vring`: 256 descriptors, 8192 guest buffers, unpadded.
     pub fn new(factors: Factors, packets: u64) -> Self {
-        StudyConfig { factors, packets, queue_size: 256, pool_buffers: 8192, cpus: None }
+        StudyConfig {
+            factors,
+            packets,
+            duration: None,
+            queue_size: 256,
+            pool_buffers: 8192,
+            cpus: None,
+            spread: false,
+        }
+    }
+
+    /// Bytes from one buffer to the next: [`Factors::stride`], plus one cache line where
+    /// [`StudyConfig::spread`] asks for an odd number of lines.
+    pub fn stride(&self) -> usize {
+        let s = self.factors.stride();
+        if self.spread && (s / 64).is_multiple_of(2) {
+            s + 64
+        } else {
+            s
+        }
+    }
+
+    /// Bytes of the guest pool.
+    pub fn pool_bytes(&self) -> usize {
+        self.pool_buffers * self.stride()
     }
 }
 
@@ -134,6 +220,9 @@ pub struct StudyResult {
     pub elapsed: Duration,
     /// Whether both threads were pinned as asked.
     pub pinned: bool,
+    /// The lower of the two threads' CPU time over its wall time while it ran: near 1 when each
+    /// had a CPU to itself, lower when other work (or the other thread, on one CPU) took turns.
+    pub cpu_share: f64,
 }
 
 impl StudyResult {
@@ -190,6 +279,80 @@ pub fn thread_context_switches() -> u64 {
     }
 }
 
+/// CPU time of the calling thread (`CLOCK_THREAD_CPUTIME_ID`); zero if the clock fails.
+pub fn thread_cpu_time() -> Duration {
+    // SAFETY: timespec is plain data; clock_gettime fills it; the result is checked.
+    unsafe {
+        let mut ts: libc::timespec = core::mem::zeroed();
+        if libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) != 0 {
+            return Duration::ZERO;
+        }
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    }
+}
+
+/// The round trip of one cache line between two CPUs, in nanoseconds: a thread on each passes a
+/// counter back and forth `rounds` times (each store makes the other CPU fetch the line). What a
+/// per-packet shared variable costs; on a VM it depends on where the host runs the two vCPUs
+/// (one core's two threads, two cores sharing an L3, or two L3s). `None` if `a == b` or pinning
+/// fails.
+pub fn line_round_trip_ns(a: usize, b: usize, rounds: u64) -> Option<f64> {
+    #[repr(align(128))]
+    struct Line(AtomicU64);
+    if a == b || rounds == 0 {
+        return None;
+    }
+    let line = Arc::new(Line(AtomicU64::new(u64::MAX)));
+    let other = {
+        let line = line.clone();
+        std::thread::spawn(move || {
+            let pinned = pin_current_thread(b);
+            // Release: the main thread starts once it sees this.
+            line.0.store(if pinned { 0 } else { u64::MAX - 1 }, Ordering::Release);
+            if !pinned {
+                return;
+            }
+            for i in 0..rounds {
+                // Acquire/Release: the ping-pong orders nothing else; any ordering would do.
+                while line.0.load(Ordering::Acquire) != 2 * i + 1 {
+                    core::hint::spin_loop();
+                }
+                line.0.store(2 * i + 2, Ordering::Release);
+            }
+        })
+    };
+    let me = allowed_cpus();
+    let pinned = pin_current_thread(a);
+    let start = loop {
+        match line.0.load(Ordering::Acquire) {
+            u64::MAX => core::hint::spin_loop(),
+            v => break v,
+        }
+    };
+    let mut result = None;
+    if pinned && start == 0 {
+        let t0 = Instant::now();
+        for i in 0..rounds {
+            line.0.store(2 * i + 1, Ordering::Release);
+            while line.0.load(Ordering::Acquire) != 2 * i + 2 {
+                core::hint::spin_loop();
+            }
+        }
+        result = Some(t0.elapsed().as_secs_f64() * 1e9 / rounds as f64);
+    } else if start == 0 {
+        // The other side waits for a ping it will never get: let it finish.
+        for i in 0..rounds {
+            line.0.store(2 * i + 1, Ordering::Release);
+            while line.0.load(Ordering::Acquire) != 2 * i + 2 {
+                std::thread::yield_now();
+            }
+        }
+    }
+    let _ = other.join();
+    set_current_thread_cpus(&me);
+    result
+}
+
 /// The time-stamp counter's frequency in Hz, measured against the monotonic clock over ~200 ms
 /// (to turn DPDK's cycle counts into nanoseconds). `None` off x86-64.
 pub fn tsc_hz() -> Option<f64> {
@@ -215,6 +378,7 @@ struct Model {
     avail_idx_off: usize,
     used_idx_off: usize,
     desc_off: usize,
+    stride: usize,
     queue: Region,
     guest: Region,
     host: Region,
@@ -237,7 +401,7 @@ impl Model {
             // Both indices packed at the head, descriptors right after (16-aligned).
             (0, 4, 16, 16 + descs)
         };
-        let stride = f.stride();
+        let stride = cfg.stride();
         let queue = Region::anonymous(qbytes)?;
         let guest = Region::anonymous(cfg.pool_buffers * stride)?;
         let host = Region::anonymous(SOURCE_PACKETS * stride)?;
@@ -259,6 +423,7 @@ impl Model {
             avail_idx_off,
             used_idx_off,
             desc_off,
+            stride,
             queue,
             guest,
             host,
@@ -288,7 +453,7 @@ impl Model {
     #[inline(always)]
     fn buffer(&self, b: usize) -> *mut u8 {
         // SAFETY: b < pool_buffers.
-        unsafe { self.guest.as_ptr().add(b * self.f.stride()) }
+        unsafe { self.guest.as_ptr().add(b * self.stride) }
     }
 
     /// Writes descriptor i's body: buffer b, length.
@@ -337,9 +502,12 @@ impl Model {
 }
 
 /// The Rx (vhost back-end) thread.
-fn rx_thread(m: &Model, packets: u64, mode: CopyMode) {
+/// Moves up to `packets`, or until `until` passes; then stores the count moved in `limit` (which
+/// the guest reads as its own end) after the last used flag.
+fn rx_thread(m: &Model, packets: u64, until: Option<Instant>, limit: &AtomicU64, mode: CopyMode) {
+    let mut bursts = 0u32;
     let hdr = m.f.header_bytes();
-    let stride = m.f.stride();
+    let stride = m.stride;
     let mut wrap = true;
     let mut src = 0usize;
     let mut done = 0u64;
@@ -347,6 +515,12 @@ fn rx_thread(m: &Model, packets: u64, mode: CopyMode) {
     let mut slots = [0usize; BURST];
     let mut wraps = [false; BURST];
     while done < packets {
+        if let Some(t) = until {
+            bursts = bursts.wrapping_add(1);
+            if bursts.is_multiple_of(64) && Instant::now() >= t {
+                break;
+            }
+        }
         let want = ((packets - done) as usize).min(BURST);
         let mut n = 0;
         while n < want {
@@ -399,10 +573,13 @@ fn rx_thread(m: &Model, packets: u64, mode: CopyMode) {
         }
         done += n as u64;
     }
+    // Release: every used flag above is visible to a guest that reads this count.
+    limit.store(done, Ordering::Release);
 }
 
 /// The guest (virtio-net driver) thread. Returns a checksum of the packets read.
-fn guest_thread(m: &Model, packets: u64) -> std::result::Result<u64, String> {
+/// Reads packets until it has read `limit` (which the Rx thread lowers to its count when it stops).
+fn guest_thread(m: &Model, limit: &AtomicU64) -> std::result::Result<u64, String> {
     let hdr = m.f.header_bytes();
     let cap = if m.f.e { PACKET_BYTES } else { 2048 };
     let mut wrap = true;
@@ -412,7 +589,8 @@ fn guest_thread(m: &Model, packets: u64) -> std::result::Result<u64, String> {
     let mut done = 0u64;
     let mut sum = 0u64;
     let mut idle = 0u32;
-    while done < packets {
+    // Acquire, pairing with the Rx thread's Release store of its final count.
+    while done < limit.load(Ordering::Acquire) {
         let mut n = 0;
         while n < BURST {
             // Relaxed: own state stored in the shared struct, per packet (as the paper's model).
@@ -491,8 +669,10 @@ pub fn run(cfg: &StudyConfig) -> std::result::Result<StudyResult, String> {
     let pinned_ok = Arc::new(AtomicU32::new(0));
     let mode = if cfg.factors.b { CopyMode::NonTemporal } else { CopyMode::Ordinary };
     let packets = cfg.packets;
+    let limit = Arc::new(AtomicU64::new(packets));
     let spawn = |role: usize| {
         let (m, ready, go, pinned_ok) = (model.clone(), ready.clone(), go.clone(), pinned_ok.clone());
+        let (limit, duration) = (limit.clone(), cfg.duration);
         let cpu = cfg.cpus.map(|(r, g)| if role == 0 { r } else { g });
         std::thread::spawn(move || {
             if let Some(c) = cpu {
@@ -506,12 +686,16 @@ pub fn run(cfg: &StudyConfig) -> std::result::Result<StudyResult, String> {
             while !go.load(Ordering::Acquire) {
                 core::hint::spin_loop();
             }
-            if role == 0 {
-                rx_thread(&m, packets, mode);
+            let (cpu0, wall0) = (thread_cpu_time(), Instant::now());
+            let r = if role == 0 {
+                rx_thread(&m, packets, duration.map(|d| wall0 + d), &limit, mode);
                 Ok(0)
             } else {
-                guest_thread(&m, packets)
-            }
+                guest_thread(&m, &limit)
+            };
+            let share =
+                (thread_cpu_time().saturating_sub(cpu0)).as_secs_f64() / wall0.elapsed().as_secs_f64();
+            r.map(|sum| (sum, share))
         })
     };
     let rx = spawn(0);
@@ -523,9 +707,16 @@ pub fn run(cfg: &StudyConfig) -> std::result::Result<StudyResult, String> {
     go.store(true, Ordering::Release);
     let g = guest.join().map_err(|_| "guest thread panicked".to_string())?;
     let elapsed = t0.elapsed();
-    rx.join().map_err(|_| "rx thread panicked".to_string())??;
-    core::hint::black_box(g?);
-    Ok(StudyResult { packets, elapsed, pinned: cfg.cpus.is_some() && pinned_ok.load(Ordering::Relaxed) == 2 })
+    let (_, rx_share) = rx.join().map_err(|_| "rx thread panicked".to_string())??;
+    let (sum, guest_share) = g?;
+    core::hint::black_box(sum);
+    Ok(StudyResult {
+        // Acquire: pairs with the Rx thread's store (also ordered by the joins).
+        packets: limit.load(Ordering::Acquire),
+        elapsed,
+        pinned: cfg.cpus.is_some() && pinned_ok.load(Ordering::Relaxed) == 2,
+        cpu_share: rx_share.min(guest_share).min(1.0),
+    })
 }
 
 #[cfg(test)]
@@ -542,11 +733,44 @@ mod tests {
                 d: bits & 8 != 0,
                 e: bits & 16 != 0,
             };
-            let cfg =
-                StudyConfig { factors: f, packets: 20_000, queue_size: 64, pool_buffers: 256, cpus: None };
-            let r = run(&cfg).unwrap_or_else(|e| panic!("{f:?}: {e}"));
-            assert_eq!(r.packets, 20_000);
-            assert!(r.mpps() > 0.0);
+            for spread in [false, true] {
+                let cfg = StudyConfig {
+                    factors: f,
+                    packets: 20_000,
+                    duration: None,
+                    queue_size: 64,
+                    pool_buffers: 256,
+                    cpus: None,
+                    spread,
+                };
+                let r = run(&cfg).unwrap_or_else(|e| panic!("{f:?}: {e}"));
+                assert_eq!(r.packets, 20_000);
+                assert!(r.mpps() > 0.0);
+            }
+        }
+    }
+
+    #[test]
+    fn a_run_with_a_duration_stops_and_counts_what_it_moved() {
+        let cfg = StudyConfig {
+            packets: u64::MAX,
+            duration: Some(Duration::from_millis(50)),
+            queue_size: 64,
+            pool_buffers: 256,
+            ..StudyConfig::new(Factors::default(), 0)
+        };
+        let r = run(&cfg).unwrap();
+        assert!(r.packets > 0 && r.packets < u64::MAX);
+        assert!(r.elapsed >= Duration::from_millis(50));
+    }
+
+    #[test]
+    fn line_round_trip_needs_two_cpus() {
+        assert_eq!(line_round_trip_ns(0, 0, 10), None);
+        let cpus = allowed_cpus();
+        if let [a, b, ..] = cpus[..] {
+            assert!(line_round_trip_ns(a, b, 100).is_some_and(|ns| ns > 0.0));
+            assert_eq!(allowed_cpus(), cpus, "the caller's affinity is restored");
         }
     }
 
@@ -554,9 +778,45 @@ mod tests {
     fn names_parse() {
         assert_eq!(Factors::parse("base"), Some(Factors::default()));
         assert_eq!(Factors::parse("a+d"), Some(Factors { a: true, d: true, ..Factors::default() }));
-        assert!(Factors::parse("all").unwrap().e);
+        assert_eq!(Factors::parse("all"), Some(Factors { a: true, b: true, c: true, d: true, e: true }));
+        assert_eq!(
+            Factors::parse("all-b"),
+            Some(Factors { a: true, c: true, d: true, e: true, ..Factors::default() })
+        );
+        assert_eq!(Factors::parse("all-b+e"), Factors::parse("a+c+d"));
         assert_eq!(Factors::parse("x"), None);
+        assert_eq!(Factors::parse("all-x"), None);
+        let every = Factors::every();
+        assert_eq!(every.len(), 32);
+        assert_eq!(every[0].0, "base");
+        assert_eq!(every[31].0, "all");
+        for (name, f) in &every {
+            assert_eq!(Factors::parse(name), Some(*f), "{name}");
+        }
         assert_eq!(Factors { d: true, e: true, ..Factors::default() }.stride(), 64);
         assert_eq!(Factors::default().stride(), 2176);
+    }
+
+    /// The L1 set (64 B lines, 4 KiB per way: 64 sets, as in the L1d of current x86 cores) of
+    /// each of the queue's in-flight packets, from buffer `first` on.
+    fn l1_sets(cfg: &StudyConfig, first: usize) -> std::collections::BTreeSet<usize> {
+        let data = cfg.factors.header_bytes();
+        (first..first + cfg.queue_size).map(|b| ((b * cfg.stride() + data) / 64) % 64).collect()
+    }
+
+    #[test]
+    fn spread_buffers_cover_every_l1_set() {
+        for (name, f) in Factors::every() {
+            let cfg = StudyConfig { spread: true, ..StudyConfig::new(f, 0) };
+            assert_eq!(cfg.stride() / 64 % 2, 1, "{name}: stride {}", cfg.stride());
+            assert!(cfg.stride() >= f.stride() && cfg.stride() < f.stride() + 128);
+            assert_eq!(l1_sets(&cfg, 1000).len(), 64, "{name}");
+        }
+        // Without padding, (d)'s 2048 B buffers put the 256 packets in flight in 2 of 64 sets
+        // (24 lines of a 12-way L1), and the base's 2176 B buffers in half of them.
+        let d = StudyConfig { spread: false, ..StudyConfig::new(Factors::parse("d").unwrap(), 0) };
+        assert_eq!(l1_sets(&d, 1000).len(), 2);
+        let base = StudyConfig { spread: false, ..StudyConfig::new(Factors::default(), 0) };
+        assert_eq!(l1_sets(&base, 1000).len(), 32);
     }
 }
