@@ -410,6 +410,25 @@ fn preload_library() -> PathBuf {
 }
 
 /// A command run with the preload library, attached to the test's stack server.
+/// Whether a test of real programs through the preload library can run here: root, each of
+/// `tools` installed (each lack said, and the test skipped), and the library built.
+fn ready_for_programs(tools: &[&str]) -> bool {
+    if let Err(skip) = check_root() {
+        eprintln!("skipped: {}", skip.0);
+        return false;
+    }
+    if let Some(tool) = tools.iter().find(|t| !have(t)) {
+        eprintln!("skipped: {tool} is not installed (scripts/setup installs it)");
+        return false;
+    }
+    assert!(
+        preload_library().exists(),
+        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
+        preload_library().display()
+    );
+    true
+}
+
 fn preloaded(net: &Net, program: &str) -> Command {
     // Bounded like everything in these tests: a stuck program fails the test, never hangs it.
     let mut c = Command::new("timeout");
@@ -504,21 +523,9 @@ print(good, "answers")
 
 #[test]
 fn unmodified_programs_through_the_preload_library() {
-    if let Err(skip) = check_root() {
-        eprintln!("skipped: {}", skip.0);
+    if !ready_for_programs(&["nc", "iperf3", "curl", "python3", "sha256sum"]) {
         return;
     }
-    for tool in ["nc", "iperf3", "curl", "python3", "sha256sum"] {
-        if !have(tool) {
-            eprintln!("skipped: {tool} is not installed (scripts/setup installs it)");
-            return;
-        }
-    }
-    assert!(
-        preload_library().exists(),
-        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
-        preload_library().display()
-    );
     let net = build('b');
 
     // iperf3's client through the library, 10 s each way, against iperf3 -s on Linux.
@@ -844,19 +851,9 @@ fn ask(addr: SocketAddrV4, line: &[u8]) -> Vec<u8> {
 
 #[test]
 fn forked_children_keep_their_parents_sockets() {
-    if let Err(skip) = check_root() {
-        eprintln!("skipped: {}", skip.0);
+    if !ready_for_programs(&["python3"]) {
         return;
     }
-    if !have("python3") {
-        eprintln!("skipped: python3 is not installed (scripts/setup installs it)");
-        return;
-    }
-    assert!(
-        preload_library().exists(),
-        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
-        preload_library().display()
-    );
     let net = build('f');
 
     // A connection through a fork: the parent's close sends no FIN, the child's does.
@@ -1030,21 +1027,9 @@ print(h.hexdigest(), eagain, wakeups, line.decode().strip(), flush=True)
 
 #[test]
 fn nonblocking_writes_get_eagain_and_epollout_when_room_returns() {
-    if let Err(skip) = check_root() {
-        eprintln!("skipped: {}", skip.0);
+    if !ready_for_programs(&["python3", "sha256sum"]) {
         return;
     }
-    for tool in ["python3", "sha256sum"] {
-        if !have(tool) {
-            eprintln!("skipped: {tool} is not installed (scripts/setup installs it)");
-            return;
-        }
-    }
-    assert!(
-        preload_library().exists(),
-        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
-        preload_library().display()
-    );
     let net = build('w');
     const TOTAL: usize = 64 << 20;
     for (mode, port) in [("level", 6301u16), ("edge", 6302)] {
@@ -1218,21 +1203,9 @@ time.sleep(60)
 
 #[test]
 fn nginx_through_the_preload_library_and_against_it() {
-    if let Err(skip) = check_root() {
-        eprintln!("skipped: {}", skip.0);
+    if !ready_for_programs(&["nginx", "wrk", "curl", "python3", "sha256sum"]) {
         return;
     }
-    for tool in ["nginx", "wrk", "curl", "python3", "sha256sum"] {
-        if !have(tool) {
-            eprintln!("skipped: {tool} is not installed (scripts/setup installs it)");
-            return;
-        }
-    }
-    assert!(
-        preload_library().exists(),
-        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
-        preload_library().display()
-    );
     let net = build('n');
     let site = net.dir.join("site");
     std::fs::create_dir_all(&site).unwrap();
@@ -1453,21 +1426,9 @@ fn memcslap(net: &Net, through_stack: bool, server: &str, test: &str) {
 
 #[test]
 fn event_loop_servers_through_the_preload_library_and_against_them() {
-    if let Err(skip) = check_root() {
-        eprintln!("skipped: {}", skip.0);
+    if !ready_for_programs(&["memcached", "memcslap", "python3"]) {
         return;
     }
-    for tool in ["memcached", "memcslap", "python3"] {
-        if !have(tool) {
-            eprintln!("skipped: {tool} is not installed (scripts/setup installs it)");
-            return;
-        }
-    }
-    assert!(
-        preload_library().exists(),
-        "{} is missing: build it first (`cargo build -p lanbus-sock`, as scripts/test does)",
-        preload_library().display()
-    );
     let net = build('e');
     let (stack, linux) = (STACK_IP.to_string(), LINUX_IP.to_string());
 
