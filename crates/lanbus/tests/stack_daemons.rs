@@ -1124,6 +1124,15 @@ fn start_nginx(net: &Net, config: &Path, through_stack: bool, url: &str) -> Daem
     nginx
 }
 
+/// Waits (at most 20 s) until a download into `path` has its first MiB.
+fn wait_for_first_mebibyte(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::metadata(path).map_or(0, |m| m.len()) < 1 << 20 {
+        assert!(Instant::now() < deadline, "the download did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The worker processes of nginx's master `pid`.
 fn children(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
@@ -1265,11 +1274,7 @@ fn nginx_through_the_preload_library_and_against_it() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::fs::metadata(&partial).map_or(0, |m| m.len()) < 1 << 20 {
-        assert!(Instant::now() < deadline, "the download did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_first_mebibyte(&partial);
     download.kill().unwrap();
     download.wait().unwrap();
 
@@ -1329,11 +1334,7 @@ fn nginx_through_the_preload_library_and_against_it() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::fs::metadata(&partial).map_or(0, |m| m.len()) < 1 << 20 {
-        assert!(Instant::now() < deadline, "the download did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_first_mebibyte(&partial);
     // `timeout`'s child: kill curl itself.
     for pid in children(download.id()) {
         // SAFETY: kill(2) on the test's own curl.

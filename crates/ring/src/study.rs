@@ -725,14 +725,7 @@ mod tests {
 
     #[test]
     fn every_combination_moves_every_packet_in_order() {
-        for bits in 0..32u8 {
-            let f = Factors {
-                a: bits & 1 != 0,
-                b: bits & 2 != 0,
-                c: bits & 4 != 0,
-                d: bits & 8 != 0,
-                e: bits & 16 != 0,
-            };
+        for (_, f) in Factors::every() {
             for spread in [false, true] {
                 let cfg = StudyConfig {
                     factors: f,
