@@ -144,6 +144,16 @@ pub trait Layer: Send + Sized {
     fn counters(&self) -> PortCounters {
         Port::counters(self.inner())
     }
+
+    /// [`Port::take_failed_peer`]; forwards by default.
+    fn take_failed_peer(&mut self) -> Option<MacAddr> {
+        Port::take_failed_peer(self.inner_mut())
+    }
+
+    /// [`Port::paths`]; forwards by default.
+    fn paths(&self) -> Vec<crate::PathReport> {
+        Port::paths(self.inner())
+    }
 }
 
 impl<W: Layer> Port for W {
@@ -204,6 +214,12 @@ impl<W: Layer> Port for W {
     }
     fn counters(&self) -> PortCounters {
         Layer::counters(self)
+    }
+    fn take_failed_peer(&mut self) -> Option<MacAddr> {
+        Layer::take_failed_peer(self)
+    }
+    fn paths(&self) -> Vec<crate::PathReport> {
+        Layer::paths(self)
     }
 }
 

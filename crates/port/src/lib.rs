@@ -33,6 +33,7 @@ pub mod dpdk;
 pub mod fault;
 pub mod hub;
 pub mod layer;
+pub mod multi;
 pub mod netns;
 pub mod shm;
 pub mod sim;
@@ -42,6 +43,7 @@ pub mod vlan;
 
 pub use hub::{Hub, HubConfig, HubPort, HubStats};
 pub use layer::Layer;
+pub use multi::{MultiConfig, MultiPort, PathReport};
 pub use sim::{SimPort, SimWire, SimWireConfig, SimWireStats};
 pub use spec::{LossSpec, PortKind, PortSpec, SPEC_HELP};
 
@@ -227,6 +229,19 @@ pub trait Port: Send {
 
     /// A snapshot of the counters.
     fn counters(&self) -> PortCounters;
+
+    /// A peer node one of whose paths this port has just found failed, for the transport to send
+    /// it every frame in flight again at once (some went by the failed path); `None` when there
+    /// is none. Only a port with several paths ([`multi::MultiPort`]) has any; the default: none.
+    fn take_failed_peer(&mut self) -> Option<MacAddr> {
+        None
+    }
+
+    /// Each path to each peer node, for a port with several ([`multi::MultiPort`]); empty (the
+    /// default) for a port with one link.
+    fn paths(&self) -> Vec<PathReport> {
+        Vec::new()
+    }
 
     /// Sends the given frames, a convenience over [`Port::tx_burst`] for tests and control traffic.
     /// Returns how many frames the port took; a frame longer than [`Port::frame_capacity`] is

@@ -28,6 +28,9 @@ pub struct Counters {
     ///
     /// [`Config::tail_loss_probe`]: crate::Config::tail_loss_probe
     pub tail_loss_probes: u64,
+    /// Frames in flight sent again because a path that may have carried them failed (see
+    /// [`SendHalf::resend_in_flight`](crate::SendHalf::resend_in_flight)).
+    pub path_resends: u64,
     /// Times `poll_transmit` had data but was held back by pacing.
     pub paced_out: u64,
     /// Frames handed to `handle_frame`.
@@ -167,6 +170,7 @@ impl Counters {
             fast_retransmits,
             timeouts,
             tail_loss_probes,
+            path_resends,
             paced_out,
             frames_received,
             acks_received,

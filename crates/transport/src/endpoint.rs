@@ -85,6 +85,11 @@ impl Endpoint {
         self.tx.send_lent(now, peer, channel, head, body)
     }
 
+    /// Sends `peer` every frame in flight again; see [`SendHalf::resend_in_flight`].
+    pub fn resend_in_flight(&mut self, peer: MacAddr) {
+        self.tx.resend_in_flight(peer);
+    }
+
     /// Gives up on `peer`; see [`SendHalf::abandon_peer`].
     pub fn abandon_peer(&mut self, peer: MacAddr) {
         self.tx.abandon_peer(peer);

@@ -369,7 +369,7 @@ impl ReceiveHalf {
             }
             return;
         }
-        if let Kind::Unknown(_) | Kind::Handshake = kind {
+        if let Kind::Unknown(_) | Kind::Handshake | Kind::Path = kind {
             self.counters.drop_unknown_kind += 1;
             return;
         }

@@ -610,6 +610,31 @@ impl SendHalf {
         }
     }
 
+    /// Sends every frame in flight to `peer` again, before new ones, without waiting for a
+    /// timer: a path of several that carried some of them has failed (the layer below says so),
+    /// and the frames it lost are found at once instead of one round trip or a timeout later.
+    /// Frames the receiver reported holding are not sent again. Under Go-Back-N the channel
+    /// goes back to its first unacknowledged frame.
+    pub fn resend_in_flight(&mut self, peer: MacAddr) {
+        let selective = self.config.selective_repeat;
+        for ch in self.channels.iter_mut().filter(|c| c.peer == peer) {
+            if !selective {
+                if ch.next > 0 {
+                    ch.go_back();
+                }
+                continue;
+            }
+            for i in 0..ch.next {
+                if ch.marks[i] & (SACKED | LOST) == 0 {
+                    ch.marks[i] |= LOST;
+                    ch.lost += 1;
+                    ch.inflight_bytes -= ch.frame_len(i);
+                    self.counters.path_resends += 1;
+                }
+            }
+        }
+    }
+
     /// Gives up on `peer`: whatever was queued or in flight to it is dropped (lent memory let
     /// go of) and its channels start again at the initial sequence, as when it restarts. For a
     /// peer that went down and whose messages nobody waits for any more; one that was only cut

@@ -166,6 +166,9 @@ pub enum Kind {
     /// A step of the key handshake between two members of a keyed fabric (4); consumed by the
     /// authentication layer, never seen by the transport.
     Handshake,
+    /// A probe, or its answer, between two nodes' ports on one of several paths (5); consumed by
+    /// the multipath layer ([`PathRepr`]), never seen by the transport.
+    Path,
     /// A code point this version does not know; receivers count and drop such frames.
     Unknown(u8),
 }
@@ -177,6 +180,7 @@ impl From<u8> for Kind {
             2 => Kind::Ack,
             3 => Kind::Heartbeat,
             4 => Kind::Handshake,
+            5 => Kind::Path,
             other => Kind::Unknown(other),
         }
     }
@@ -189,6 +193,7 @@ impl From<Kind> for u8 {
             Kind::Ack => 2,
             Kind::Heartbeat => 3,
             Kind::Handshake => 4,
+            Kind::Path => 5,
             Kind::Unknown(other) => other,
         }
     }
@@ -733,6 +738,63 @@ impl<'a> HeartbeatRepr<'a> {
     }
 }
 
+/// Bytes of a PATH payload.
+pub const PATH_LEN: usize = 32;
+
+/// A PATH payload: a node's probe of one path to a peer node, or the peer's answer. The node's
+/// own address (6 bytes), the sender's port index u8, flags u8 ([`PathRepr::answer`] is bit 0),
+/// the probe's send time in nanoseconds u64 (an answer echoes its probe's), the frames the sender
+/// received on this path from the addressee u64 (cumulative, wrapping), and 8 reserved bytes,
+/// zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PathRepr {
+    /// The sending node's address (the same on all its paths).
+    pub node: crate::MacAddr,
+    /// Which of the sender's ports the frame left by.
+    pub port: u8,
+    /// An answer to a probe (else a probe, or a broadcast announcement).
+    pub answer: bool,
+    /// The probe's send time, ns (an answer echoes it).
+    pub stamp_ns: u64,
+    /// Frames the sender received on this path from the addressee.
+    pub received: u64,
+}
+
+impl PathRepr {
+    /// Decodes a PATH payload; unknown flag bits and a non-zero reserved field are refused.
+    pub fn parse(payload: &[u8]) -> Result<Self> {
+        if payload.len() < PATH_LEN {
+            return Err(Error::Truncated { need: PATH_LEN, have: payload.len() });
+        }
+        if payload.len() > PATH_LEN {
+            return Err(Error::Malformed { what: "path probe length" });
+        }
+        if payload[7] & !1 != 0 || payload[24..32].iter().any(|&b| b != 0) {
+            return Err(Error::Malformed { what: "path probe flags" });
+        }
+        let mut node = [0u8; 6];
+        node.copy_from_slice(&payload[..6]);
+        let u64_at = |at: usize| u64::from_be_bytes(payload[at..at + 8].try_into().expect("8 bytes"));
+        Ok(PathRepr {
+            node: crate::MacAddr(node),
+            port: payload[6],
+            answer: payload[7] & 1 != 0,
+            stamp_ns: u64_at(8),
+            received: u64_at(16),
+        })
+    }
+
+    /// Writes the payload into `buf` (at least [`PATH_LEN`] bytes).
+    pub fn emit(&self, buf: &mut [u8]) {
+        buf[..6].copy_from_slice(&self.node.0);
+        buf[6] = self.port;
+        buf[7] = u8::from(self.answer);
+        buf[8..16].copy_from_slice(&self.stamp_ns.to_be_bytes());
+        buf[16..24].copy_from_slice(&self.received.to_be_bytes());
+        buf[24..32].fill(0);
+    }
+}
+
 /// The fuzz target's body: decodes arbitrary bytes as an Ethernet frame carrying lanbus, walks
 /// every structure inside, and checks that what parses emits back to the same bytes. Panics only
 /// if such an invariant breaks.
@@ -781,6 +843,13 @@ pub fn fuzz_lanbus_frame(data: &[u8]) {
             sack.iter().for_each(|i| again.set(i));
             assert_eq!(again, sack, "SACK indexes do not rebuild the bitmap");
         }
+        Kind::Path => {
+            if let Ok(p) = PathRepr::parse(packet.payload()) {
+                let mut buf = [0u8; PATH_LEN];
+                p.emit(&mut buf);
+                assert_eq!(&buf[..], packet.payload(), "path probe does not round-trip");
+            }
+        }
         // Handshake messages are parsed (and fuzzed) by the authentication layer.
         Kind::Handshake | Kind::Unknown(_) => {}
     }
@@ -790,6 +859,44 @@ pub fn fuzz_lanbus_frame(data: &[u8]) {
 mod tests {
     use super::*;
     use crate::{EtherType, EthernetFrame, EthernetRepr, MacAddr};
+
+    #[test]
+    fn a_path_probe_round_trips_and_bad_ones_are_refused() {
+        let p = PathRepr {
+            node: MacAddr([2, 0, 0, 0, 0, 9]),
+            port: 1,
+            answer: true,
+            stamp_ns: 0x0102_0304_0506_0708,
+            received: 77,
+        };
+        let mut buf = [0u8; PATH_LEN];
+        p.emit(&mut buf);
+        assert_eq!(&buf[..8], &[2, 0, 0, 0, 0, 9, 1, 1]);
+        assert_eq!(PathRepr::parse(&buf), Ok(p));
+        assert!(PathRepr::parse(&buf[..PATH_LEN - 1]).is_err(), "short");
+        let mut long = [0u8; PATH_LEN + 1];
+        long[..PATH_LEN].copy_from_slice(&buf);
+        assert!(PathRepr::parse(&long).is_err(), "long");
+        let mut flags = buf;
+        flags[7] = 3;
+        assert!(PathRepr::parse(&flags).is_err(), "unknown flag");
+        let mut reserved = buf;
+        reserved[30] = 1;
+        assert!(PathRepr::parse(&reserved).is_err(), "reserved byte");
+        assert_eq!(Kind::from(5), Kind::Path);
+        assert_eq!(u8::from(Kind::Path), 5);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn path_probes_never_panic_and_what_parses_round_trips(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..48)) {
+            if let Ok(p) = PathRepr::parse(&bytes) {
+                let mut buf = [0u8; PATH_LEN];
+                p.emit(&mut buf);
+                proptest::prop_assert_eq!(&buf[..], &bytes[..]);
+            }
+        }
+    }
 
     // DATA, flags ECHO, group 7, channel 3, seq 0xfffffffe, ack 0, ts 0x01020304, echo 0x0a0b0c0d,
     // epochs 0x11223344 (sender) and 0x55667788 (receiver), payload 7 bytes: one record (len 3,
