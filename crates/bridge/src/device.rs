@@ -1273,6 +1273,11 @@ impl DeviceBridge {
         self.runtime.as_ref().expect("running").stats()
     }
 
+    /// Each path to each peer node, where the bridge has several ports (empty otherwise).
+    pub fn paths(&self) -> Vec<lanbus_port::PathReport> {
+        self.runtime.as_ref().map(|r| r.paths()).unwrap_or_default()
+    }
+
     /// The 802.1Q VLAN the bridge's frames carry (`None`: untagged).
     pub fn vlan(&self) -> Option<u16> {
         self.runtime.as_ref().and_then(|r| r.vlan())

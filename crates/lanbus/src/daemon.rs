@@ -28,9 +28,10 @@ pub struct DeviceArgs {
     /// metrics, key, encrypt, dup_acks.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// The port (see PORT SPECS in `lanbus --help`).
+    /// The port (see PORT SPECS in `lanbus --help`). Give it once per link to use several
+    /// paths: frames spread over the links that are up, and a link lost costs no I/O.
     #[arg(long)]
-    port: Option<lanbus_port::PortSpec>,
+    port: Vec<lanbus_port::PortSpec>,
     /// The group whose host this I/O box serves.
     #[arg(long)]
     group: Option<u16>,
@@ -83,9 +84,10 @@ pub struct HostArgs {
     /// metrics, key, encrypt, dup_acks.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// The port (see PORT SPECS in `lanbus --help`).
+    /// The port (see PORT SPECS in `lanbus --help`). Give it once per link to use several
+    /// paths: frames spread over the links that are up, and a link lost costs no I/O.
     #[arg(long)]
-    port: Option<lanbus_port::PortSpec>,
+    port: Vec<lanbus_port::PortSpec>,
     /// Our group: we use the devices that announce it.
     #[arg(long)]
     group: Option<u16>,
@@ -149,7 +151,7 @@ pub(crate) fn dup_acks(arg: Option<u32>, file: Option<u32>) -> anyhow::Result<Op
 /// Runs `lanbus device`.
 pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     let file: DeviceFile = config::read_toml(args.config.as_deref())?;
-    let port_spec = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
+    let port_specs = keys::port_specs(args.port, file.port)?;
     let control = args.control.or(file.control).unwrap_or_else(|| DEVICE_CONTROL.into());
     let state = args.state.or(file.state).unwrap_or_else(|| {
         let mut p = control.clone().into_os_string();
@@ -172,9 +174,9 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
     let signals = lanbus_node::process::Blocked::termination()?;
     let metrics = bind_metrics(args.metrics, file.metrics.as_deref())?;
     let keyed = keys::keyed(&args.keys, file.key, file.encrypt, "lanbus device")?;
-    let port = keys::wrap(keyed.as_ref(), port_spec.open()?);
+    let port = keys::open_ports(keyed.as_ref(), &port_specs)?;
     options.security = keyed.as_ref().and_then(|k| k.view());
-    options.dup_acks = dup_acks(args.dup_acks, file.dup_acks)?;
+    options.dup_acks = keys::multipath_dup_acks(dup_acks(args.dup_acks, file.dup_acks)?, &port_specs);
     let listener = control::bind(&control)?;
     let device = Arc::new(Device::start(port, options)?);
     let group = device.group();
@@ -186,8 +188,9 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
         );
     }
     eprintln!(
-        "lanbus device: {name} ({}) group {group} on {port_spec}: {}; control {}",
+        "lanbus device: {name} ({}) group {group} on {}: {}; control {}",
         device.bridge().local_mac(),
+        keys::describe_ports(&port_specs),
         device.describe(),
         control.display()
     );
@@ -204,7 +207,7 @@ pub fn device(args: DeviceArgs) -> anyhow::Result<()> {
 /// Runs `lanbus host`.
 pub fn host(args: HostArgs) -> anyhow::Result<()> {
     let file: HostFile = config::read_toml(args.config.as_deref())?;
-    let port_spec = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
+    let port_specs = keys::port_specs(args.port, file.port)?;
     let texts = if args.export.is_empty() {
         file.export.map(|e| e.into_vec()).unwrap_or_default()
     } else {
@@ -225,14 +228,15 @@ pub fn host(args: HostArgs) -> anyhow::Result<()> {
     }
     let metrics = bind_metrics(args.metrics, file.metrics.as_deref())?;
     let keyed = keys::keyed(&args.keys, file.key, file.encrypt, "lanbus host")?;
-    let port = keys::wrap(keyed.as_ref(), port_spec.open()?);
+    let port = keys::open_ports(keyed.as_ref(), &port_specs)?;
     options.security = keyed.as_ref().and_then(|k| k.view());
-    options.dup_acks = dup_acks(args.dup_acks, file.dup_acks)?;
+    options.dup_acks = keys::multipath_dup_acks(dup_acks(args.dup_acks, file.dup_acks)?, &port_specs);
     let listener = control::bind(&control)?;
     let host = Arc::new(Host::start(port, options, Box::new(|line| eprintln!("lanbus host: {line}")))?);
     eprintln!(
-        "lanbus host: {name} ({}) group {group} on {port_spec}; waiting for {}; control {}",
+        "lanbus host: {name} ({}) group {group} on {}; waiting for {}; control {}",
         host.bridge().local_mac(),
+        keys::describe_ports(&port_specs),
         host.waiting_for(),
         control.display()
     );

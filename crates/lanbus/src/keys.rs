@@ -124,3 +124,49 @@ pub fn wrap(keyed: Option<&Arc<Keyed>>, port: Box<dyn Port>) -> Box<dyn Port> {
         None => port,
     }
 }
+
+/// The port specs of a daemon: those given with `--port` (each one a path), else the file's.
+pub fn port_specs(
+    given: Vec<lanbus_port::PortSpec>,
+    file: Option<lanbus_node::config::Ports>,
+) -> anyhow::Result<Vec<lanbus_port::PortSpec>> {
+    let specs = if given.is_empty() { file.map(|p| p.into_vec()).unwrap_or_default() } else { given };
+    anyhow::ensure!(
+        !specs.is_empty(),
+        "give --port SPEC (once per link for several paths), or port = \"...\" in --config"
+    );
+    Ok(specs)
+}
+
+/// The ports of `specs`, each keyed where the fabric is, joined into one node with several
+/// paths when there are several.
+pub fn open_ports(
+    keyed: Option<&Arc<Keyed>>,
+    specs: &[lanbus_port::PortSpec],
+) -> anyhow::Result<Box<dyn Port>> {
+    let mut ports = Vec::with_capacity(specs.len());
+    for spec in specs {
+        ports.push(wrap(keyed, spec.open()?));
+    }
+    if ports.len() == 1 {
+        return Ok(ports.remove(0));
+    }
+    let multi = lanbus_port::MultiPort::new(ports, lanbus_port::MultiConfig::default())
+        .context("joining the ports as paths of one node")?;
+    Ok(Box::new(multi))
+}
+
+/// With several paths a node's frames may arrive out of order by a run of frames: unless the
+/// duplicate-ACK threshold was set, it is raised past one run so that reordering is not taken
+/// for loss.
+pub fn multipath_dup_acks(set: Option<u32>, specs: &[lanbus_port::PortSpec]) -> Option<u32> {
+    match set {
+        None if specs.len() > 1 => Some(lanbus_port::multi::RUN_FRAMES),
+        other => other,
+    }
+}
+
+/// The specs for a log line: `afpacket:a` or `afpacket:a + afpacket:b`.
+pub fn describe_ports(specs: &[lanbus_port::PortSpec]) -> String {
+    specs.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" + ")
+}

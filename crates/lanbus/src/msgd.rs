@@ -15,9 +15,10 @@ pub struct MsgdArgs {
     /// A TOML file with the same keys: port, socket, group, key, encrypt, dup_acks.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// The port (see PORT SPECS in `lanbus --help`).
+    /// The port (see PORT SPECS in `lanbus --help`). Give it once per link to use several
+    /// paths: frames spread over the links that are up, and a link lost costs no I/O.
     #[arg(long)]
-    port: Option<lanbus_port::PortSpec>,
+    port: Vec<lanbus_port::PortSpec>,
     /// The Unix socket processes attach at (default /tmp/lanbus-msgd.sock). Root, this daemon's
     /// user and members of its group may attach (checked with SO_PEERCRED).
     #[arg(long)]
@@ -37,15 +38,16 @@ pub struct MsgdArgs {
 /// Runs the daemon until SIGINT or SIGTERM.
 pub fn run(args: MsgdArgs) -> anyhow::Result<()> {
     let file: MsgdFile = config::read_toml(args.config.as_deref())?;
-    let port = args.port.or(file.port).context("give --port SPEC (or port = \"...\" in --config)")?;
+    let specs = crate::keys::port_specs(args.port, file.port)?;
     let socket = args.socket.or(file.socket).unwrap_or_else(|| "/tmp/lanbus-msgd.sock".into());
     let group = args.group.or(file.group).unwrap_or(0);
     let signals = Blocked::termination().context("blocking SIGINT and SIGTERM")?;
     let keyed = crate::keys::keyed(&args.keys, file.key, file.encrypt, "lanbus msgd")?;
-    let port = crate::keys::wrap(keyed.as_ref(), port.open()?);
+    let port = crate::keys::open_ports(keyed.as_ref(), &specs)?;
     let mut rc = config::msgd_runtime_config("msgd");
     rc.transport.group = group;
-    if let Some(n) = crate::daemon::dup_acks(args.dup_acks, file.dup_acks)? {
+    let dup_acks = crate::daemon::dup_acks(args.dup_acks, file.dup_acks)?;
+    if let Some(n) = crate::keys::multipath_dup_acks(dup_acks, &specs) {
         rc.transport.dup_ack_threshold = n;
     }
     let daemon = MsgDaemon::start(port, &socket, rc)

@@ -97,8 +97,8 @@ pub fn device_config(group: u16, name: &str, threads: ThreadMode) -> DeviceBridg
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceFile {
-    /// The port spec.
-    pub port: Option<lanbus_port::PortSpec>,
+    /// The port spec, or several (one per path: `port = ["afpacket:eth0", "afpacket:eth1"]`).
+    pub port: Option<Ports>,
     /// The group whose host the I/O box serves.
     pub group: Option<u16>,
     /// The NVMe drive's blocks ([`crate::drive::NvmeBacking`]).
@@ -175,8 +175,8 @@ impl DeviceState {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HostFile {
-    /// The port spec.
-    pub port: Option<lanbus_port::PortSpec>,
+    /// The port spec, or several (one per path: `port = ["afpacket:eth0", "afpacket:eth1"]`).
+    pub port: Option<Ports>,
     /// The group whose devices the host uses.
     pub group: Option<u16>,
     /// What is exported ([`ExportSpec`]): one spec or a list.
@@ -200,8 +200,8 @@ pub struct HostFile {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MsgdFile {
-    /// The port spec.
-    pub port: Option<lanbus_port::PortSpec>,
+    /// The port spec, or several (one per path: `port = ["afpacket:eth0", "afpacket:eth1"]`).
+    pub port: Option<Ports>,
     /// The Unix socket processes attach at.
     pub socket: Option<PathBuf>,
     /// The fabric group.
@@ -255,6 +255,26 @@ impl Exports {
         match self {
             Exports::One(s) => vec![s],
             Exports::Many(v) => v,
+        }
+    }
+}
+
+/// One port spec or several (one per path), in a daemon's file.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum Ports {
+    /// `port = "afpacket:eth0"`.
+    One(lanbus_port::PortSpec),
+    /// `port = ["afpacket:eth0", "afpacket:eth1"]`.
+    Many(Vec<lanbus_port::PortSpec>),
+}
+
+impl Ports {
+    /// The specs.
+    pub fn into_vec(self) -> Vec<lanbus_port::PortSpec> {
+        match self {
+            Ports::One(s) => vec![s],
+            Ports::Many(v) => v,
         }
     }
 }
@@ -413,7 +433,7 @@ mod tests {
     #[test]
     fn the_port_is_parsed_from_the_config_file() {
         let file: HostFile = toml::from_str("port = \"udp:127.0.0.1:7000,peer=127.0.0.1:7001\"").unwrap();
-        let port = file.port.unwrap();
+        let port = file.port.unwrap().into_vec().remove(0);
         assert!(matches!(port.kind, lanbus_port::PortKind::Udp(_)));
         assert_eq!(port.to_string(), "udp:127.0.0.1:7000,peer=127.0.0.1:7001");
         let e = toml::from_str::<DeviceFile>("port = \"afxdp:eth0:q\"").unwrap_err().to_string();

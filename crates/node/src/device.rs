@@ -162,6 +162,7 @@ impl Device {
     pub fn samples(&self) -> Vec<Sample> {
         let mut out = Vec::new();
         metrics::runtime_samples(&self.bridge.runtime_stats(), &mut out);
+        metrics::path_samples(&self.bridge.paths(), &mut out);
         metrics::device_bridge_samples(&self.bridge, &mut out);
         if let Some((_, st)) = &self.nvme {
             metrics::nvme_samples(st, &mut out);
@@ -206,6 +207,7 @@ impl Device {
             "controller": self.nvme.as_ref().map(|(_, st)| controller_json(st)),
             "completion_timeouts": b.stats().dma_read_failures,
             "bridge": format!("{:?}", b.stats()),
+            "paths": metrics::paths_json(&b.paths()),
             "security": crate::security::status_json(self.options.security.as_ref()),
             "metrics": metrics::json(&self.samples()),
         })

@@ -394,6 +394,7 @@ impl Shared {
     fn samples(&self) -> Vec<Sample> {
         let mut out = Vec::new();
         metrics::runtime_samples(&self.bridge.runtime_stats(), &mut out);
+        metrics::path_samples(&self.bridge.paths(), &mut out);
         metrics::host_bridge_samples(&self.bridge, &mut out);
         let drive = guard(&self.drive);
         if let Some(e) = drive.as_ref() {
@@ -459,6 +460,7 @@ impl Shared {
             "nic": nic_status,
             "completion_timeouts": hb.timeouts,
             "bridge": format!("{hb:?}"),
+            "paths": metrics::paths_json(&self.bridge.paths()),
             "security": crate::security::status_json(self.options.security.as_ref()),
             "metrics": metrics,
         })

@@ -69,6 +69,60 @@ fn escape(v: &str) -> String {
     v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
+/// Each path of a node with several ports, labelled by local port index and peer node.
+pub fn path_samples(paths: &[lanbus_port::PathReport], out: &mut Vec<Sample>) {
+    for p in paths {
+        let labels = vec![("path", p.port.to_string()), ("node", p.node.to_string())];
+        let mut add = |mut s: Sample| {
+            s.labels = labels.clone();
+            out.push(s);
+        };
+        add(Sample::gauge(
+            "path_up",
+            "Whether frames go by the path (1) or it is down (0).",
+            f64::from(u8::from(p.up)),
+        ));
+        add(Sample::gauge(
+            "path_weight",
+            "The path's share of its node's frames, relative to the others.",
+            p.weight,
+        ));
+        if let Some(rtt) = p.rtt {
+            add(Sample::gauge("path_rtt_seconds", "The path's last probe round trip.", rtt.as_secs_f64()));
+        }
+        add(Sample::counter("path_tx_frames_total", "Frames sent by the path.", p.tx_frames));
+        add(Sample::counter("path_rx_frames_total", "Frames received by the path.", p.rx_frames));
+        add(Sample::counter(
+            "path_lost_frames_total",
+            "Frames sent by the path that the peer did not receive.",
+            p.lost_frames,
+        ));
+        add(Sample::counter("path_failovers_total", "Times the path was taken down.", p.failovers));
+    }
+}
+
+/// The paths of a node with several ports, for `lanbus status` (an empty list for one port).
+pub fn paths_json(paths: &[lanbus_port::PathReport]) -> serde_json::Value {
+    paths
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "port": p.port,
+                "local": p.local.to_string(),
+                "node": p.node.to_string(),
+                "remote": p.remote.to_string(),
+                "up": p.up,
+                "rtt_us": p.rtt.map(|r| r.as_secs_f64() * 1e6),
+                "weight": p.weight,
+                "tx_frames": p.tx_frames,
+                "rx_frames": p.rx_frames,
+                "lost_frames": p.lost_frames,
+                "failovers": p.failovers,
+            })
+        })
+        .collect()
+}
+
 /// The transport's and the port's counters of a runtime.
 pub fn runtime_samples(stats: &Stats, out: &mut Vec<Sample>) {
     let t = &stats.transport;
@@ -84,6 +138,11 @@ pub fn runtime_samples(stats: &Stats, out: &mut Vec<Sample>) {
         ),
         c("frames_held_total", "DATA frames held past a hole until it filled (selective repeat).", t.frames_held),
         c("tail_loss_probes_total", "Tail-loss probes sent.", t.tail_loss_probes),
+        c(
+            "path_resends_total",
+            "Frames in flight sent again because a path that may have carried them failed.",
+            t.path_resends,
+        ),
         c("retransmission_timeouts_total", "Retransmission timer expiries.", t.timeouts),
         c("frames_dropped_total", "Received frames dropped, all reasons.", t.drops()),
         c(

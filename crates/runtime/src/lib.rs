@@ -290,6 +290,7 @@ struct Shared {
     tx_counters: Mutex<Counters>,
     rx_counters: Mutex<Counters>,
     port_counters: Mutex<PortCounters>,
+    paths: Mutex<Vec<lanbus_port::PathReport>>,
     /// Whether the sending side has nothing unacknowledged and nothing queued.
     idle: AtomicBool,
     /// Set after something was queued in `outgoing` or `control_tx`: the run-to-completion loop
@@ -468,6 +469,7 @@ impl Runtime {
             tx_counters: Mutex::new(Counters::default()),
             rx_counters: Mutex::new(Counters::default()),
             port_counters: Mutex::new(PortCounters::default()),
+            paths: Mutex::new(Vec::new()),
             idle: AtomicBool::new(true),
             posted: AtomicBool::new(false),
             local_mac,
@@ -576,6 +578,12 @@ impl Runtime {
             port: *lock(&self.shared.port_counters),
             backlog_messages: lock(&self.shared.outgoing).len(),
         }
+    }
+
+    /// Each path to each peer node, where the port has several ([`Port::paths`]; published with
+    /// the counters).
+    pub fn paths(&self) -> Vec<lanbus_port::PathReport> {
+        lock(&self.shared.paths).clone()
     }
 
     /// Waits until everything sent so far is acknowledged, or `timeout` passes. Returns whether
@@ -707,6 +715,16 @@ impl Worker {
         self.shared.stop.load(Ordering::Acquire)
     }
 
+    /// Peer nodes one of whose paths the port found failed since the last call: the transport
+    /// sends each every frame in flight again ([`Port::take_failed_peer`]).
+    fn failed_peers(&mut self, on_peer: &mut dyn FnMut(MacAddr)) {
+        self.with_port(|p| {
+            while let Some(peer) = p.take_failed_peer() {
+                on_peer(peer);
+            }
+        });
+    }
+
     fn with_port<R>(&mut self, f: impl FnOnce(&mut dyn Port) -> R) -> R {
         match &mut self.port {
             PortAccess::Owned(p) => f(&mut **p),
@@ -811,8 +829,11 @@ impl Worker {
         }
         self.published_idle = idle;
         self.last_publish = now;
-        let counters = self.with_port(|p| p.counters());
+        let (counters, paths) = self.with_port(|p| (p.counters(), p.paths()));
         *lock(&self.shared.port_counters) = counters;
+        if !paths.is_empty() {
+            *lock(&self.shared.paths) = paths;
+        }
         true
     }
 
@@ -947,6 +968,7 @@ impl Rtc {
                 handler.on_message(m, &mut Direct { tx, backlog: &mut *backlog, now });
             });
         });
+        worker.failed_peers(&mut |peer| endpoint.resend_in_flight(peer));
         let timed_out = deadline.is_some_and(|t| t <= now);
         if timed_out {
             endpoint.handle_timeout(now);
@@ -1220,6 +1242,8 @@ impl PipeTx {
                     Control::SetGroup(g) => self.half.set_group(g, now),
                 }
             }
+            let half = &mut self.half;
+            self.worker.failed_peers(&mut |peer| half.resend_in_flight(peer));
             if deadline.is_some_and(|t| t <= now) {
                 self.half.handle_timeout(now);
             }
