@@ -559,10 +559,9 @@ impl State {
         }
         let src = mac_at(f, 6);
         let Some(&pi) = self.by_remote.get(&(port, src)) else {
-            if !src.is_multicast() && !self.macs.contains(&src) && !self.by_node.contains_key(&src) {
-                if self.plain.len() < MAX_PLAIN || self.plain.contains_key(&src) {
-                    self.plain.insert(src, port);
-                }
+            let room = self.plain.len() < MAX_PLAIN || self.plain.contains_key(&src);
+            if !src.is_multicast() && !self.macs.contains(&src) && !self.by_node.contains_key(&src) && room {
+                self.plain.insert(src, port);
             }
             return Some(false);
         };
