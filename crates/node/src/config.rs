@@ -260,13 +260,30 @@ impl Exports {
 }
 
 /// One port spec or several (one per path), in a daemon's file.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Ports {
     /// `port = "afpacket:eth0"`.
     One(lanbus_port::PortSpec),
     /// `port = ["afpacket:eth0", "afpacket:eth1"]`.
     Many(Vec<lanbus_port::PortSpec>),
+}
+
+impl<'de> Deserialize<'de> for Ports {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> core::result::Result<Ports, D::Error> {
+        // Parsed here rather than as an untagged enum of specs, so that a bad spec's own message
+        // reaches the user.
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            One(String),
+            Many(Vec<String>),
+        }
+        let parse = |s: String| s.parse::<lanbus_port::PortSpec>().map_err(serde::de::Error::custom);
+        match Raw::deserialize(d)? {
+            Raw::One(s) => Ok(Ports::One(parse(s)?)),
+            Raw::Many(v) => v.into_iter().map(parse).collect::<core::result::Result<_, _>>().map(Ports::Many),
+        }
+    }
 }
 
 impl Ports {
@@ -438,6 +455,11 @@ mod tests {
         assert_eq!(port.to_string(), "udp:127.0.0.1:7000,peer=127.0.0.1:7001");
         let e = toml::from_str::<DeviceFile>("port = \"afxdp:eth0:q\"").unwrap_err().to_string();
         assert!(e.contains("not a receive queue number"), "{e}");
+        let two: MsgdFile = toml::from_str("port = [\"afpacket:eth0\", \"afpacket:eth1\"]").unwrap();
+        let specs: Vec<String> = two.port.unwrap().into_vec().iter().map(|p| p.to_string()).collect();
+        assert_eq!(specs, ["afpacket:eth0", "afpacket:eth1"]);
+        let e = toml::from_str::<DeviceFile>("port = [\"afpacket:eth0\", \"afxdp:eth0:q\"]").unwrap_err();
+        assert!(e.to_string().contains("not a receive queue number"), "{e}");
     }
 
     #[test]
