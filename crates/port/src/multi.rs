@@ -15,7 +15,7 @@
 //! delivers, so a lossy or slower path carries less. Broadcasts (heartbeats) go by every port.
 //! Receiving: a frame from a known path has its source rewritten to the peer node's address;
 //! frames from MACs never announced (a peer with one port and no multipath layer) pass unchanged,
-//! and frames for them go by the port they were last heard on.
+//! and frames for them go by the port they were last heard on (the first port before they are).
 //!
 //! Failure: a path in use and silent for [`MultiConfig::silence_limit`] while another path to the
 //! same node is heard is taken down (if every path is silent, the peer or this host is stalled,
@@ -492,10 +492,9 @@ impl State {
             return;
         }
         let Some(&pi) = self.by_node.get(&dst) else {
-            match self.plain.get(&dst) {
-                Some(&i) => to.push((i, None)),
-                None => to.extend((0..self.macs.len()).map(|i| (i, None))),
-            }
+            // A node with one port, by the port it was heard on (else the first: a copy on
+            // every port would reach a node with several as frames from strangers).
+            to.push((self.plain.get(&dst).copied().unwrap_or(0), None));
             return;
         };
         let peer = &mut self.peers[pi];
@@ -692,6 +691,17 @@ impl Port for MultiPort {
 
     fn tx_borrowed_parts(&mut self, frames: &[[&[u8]; 2]]) -> Result<usize> {
         let now = self.clock.now();
+        // PATH frames carry the transport's group and epoch (a keyed layer below seals under
+        // them). Learned before the announcements go, which then precede the first frames on
+        // every wire: a peer knows each path before a frame of ours comes by it.
+        if let Some([head, _]) = frames.iter().rev().find(|[h, _]| is_lanbus(h)) {
+            let group = u16::from_be_bytes([head[ETH + 4], head[ETH + 5]]);
+            let epoch = u32::from_be_bytes(head[ETH + 32..ETH + 36].try_into().expect("4 bytes"));
+            if self.state.stamp.is_none() {
+                self.state.next_tick = now;
+            }
+            self.state.stamp = Some((group, epoch));
+        }
         self.tick(now);
         let n = self.ports.len();
         // First every rewritten head, then the groups that point into them.
@@ -702,13 +712,6 @@ impl Port for MultiPort {
             if head.len() < 14 {
                 plan.push((fi, 0, None));
                 continue;
-            }
-            if is_lanbus(head) {
-                // PATH frames carry the transport's group and epoch (a keyed layer below seals
-                // under them).
-                let group = u16::from_be_bytes([head[ETH + 4], head[ETH + 5]]);
-                let epoch = u32::from_be_bytes(head[ETH + 32..ETH + 36].try_into().expect("4 bytes"));
-                self.state.stamp = Some((group, epoch));
             }
             self.state.route(now, mac_at(head, 0), &mut to);
             for &(port, dst) in &to {

@@ -23,6 +23,7 @@
 #![deny(missing_docs)]
 
 pub mod host;
+pub mod paths;
 pub mod scenario;
 pub mod stats;
 pub mod traffic;
