@@ -33,6 +33,34 @@ pub enum SimCommand {
     /// 10 Gbit/s switch port, with and without rate control. Writes multi_session.csv and
     /// multi_session.png under --out.
     MultiSession(MultiArgs),
+    /// Several paths between two hosts (the transport over the multipath layer, each path a wire
+    /// of its own): the goodput of four paths with one lossy against three clean ones, and the
+    /// delivery times of 4 KiB messages with one of four paths cut against none. Writes paths.txt
+    /// under --out when given.
+    Paths(PathsArgs),
+}
+
+/// Arguments of `lanbus sim paths`.
+#[derive(Debug, Args)]
+pub struct PathsArgs {
+    /// Each path's line rate, Gbit/s.
+    #[arg(long, default_value_t = 1.0)]
+    rate_gbps: f64,
+    /// The lossy path's loss probability.
+    #[arg(long, default_value_t = 0.05)]
+    loss: f64,
+    /// Megabytes of the bulk transfers.
+    #[arg(long, default_value_t = 24)]
+    mib: u64,
+    /// 4 KiB messages of the latency runs (one every 50 µs; the cut comes after a fifth of them).
+    #[arg(long, default_value_t = 2000)]
+    messages: u64,
+    /// Seed of every random decision.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Also write the report to DIR/paths.txt.
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
 }
 
 /// Arguments of `lanbus sim transfer`.
@@ -156,7 +184,63 @@ pub fn run(command: SimCommand) -> anyhow::Result<()> {
         SimCommand::Transfer(a) => run_transfer(a),
         SimCommand::LatencyVsLoss(a) => run_latency(a),
         SimCommand::MultiSession(a) => run_multi(a),
+        SimCommand::Paths(a) => run_paths(a),
     }
+}
+
+fn run_paths(a: PathsArgs) -> anyhow::Result<()> {
+    use lanbus_sim::paths::{latency, transfer, PathSpec};
+    check_probability("loss", a.loss)?;
+    anyhow::ensure!(a.loss < 0.5, "--loss {}: use less than 0.5", a.loss);
+    anyhow::ensure!(a.rate_gbps > 0.0 && a.rate_gbps <= 400.0, "--rate-gbps {}: give 0..400", a.rate_gbps);
+    anyhow::ensure!(a.mib > 0 && a.messages >= 100, "--mib must be positive and --messages at least 100");
+    let rate = (a.rate_gbps * 1e9) as u64;
+    let us = Duration::from_micros;
+    let clean = |d| PathSpec::clean(rate, us(d));
+    let limit = Duration::from_secs(30);
+    let bytes = a.mib << 20;
+    let mut bar = Progress::new("several paths: 4 runs".to_string());
+    let three = transfer(&[clean(10), clean(20), clean(30)], bytes, a.seed, limit);
+    bar.set(0.25);
+    let lossy = PathSpec { loss: a.loss, ..clean(15) };
+    let four = transfer(&[clean(10), clean(20), clean(30), lossy], bytes, a.seed, limit);
+    bar.set(0.5);
+    let every = us(50);
+    let paths = [clean(10), clean(10), clean(10), clean(10)];
+    let mut calm = latency(&paths, 4096, a.messages, every, a.seed);
+    bar.set(0.75);
+    let mut cut_paths = paths;
+    cut_paths[1].cut_at = Some(Duration::from_millis(1) + every * (a.messages / 5) as u32);
+    let mut cut = latency(&cut_paths, 4096, a.messages, every, a.seed);
+    drop(bar);
+    let gbps = |r: &lanbus_sim::paths::PathsReport| r.goodput_bps() / 1e9;
+    let mut out = String::new();
+    out += &format!("paths of {} Gbit/s, delays 10-30 us, seed {}\n", a.rate_gbps, a.seed);
+    out += &format!("goodput, three clean paths:             {:7.3} Gbit/s\n", gbps(&three));
+    out += &format!(
+        "goodput, four with one at loss {:<5}:    {:7.3} Gbit/s ({:.2}x; frames per path {:?}, resent {})\n",
+        a.loss,
+        gbps(&four),
+        gbps(&four) / gbps(&three),
+        four.tx_per_path,
+        four.retransmitted
+    );
+    let q = |r: &mut lanbus_sim::paths::PathsReport, p: f64| r.latency_us.percentile(p).unwrap_or(f64::NAN);
+    let (c50, c99, k50, k99) = (q(&mut calm, 50.0), q(&mut calm, 99.0), q(&mut cut, 50.0), q(&mut cut, 99.0));
+    out += &format!("4 KiB messages, four paths:             p50 {c50:7.1} us  p99 {c99:7.1} us\n");
+    out += &format!(
+        "4 KiB messages, one of four cut:        p50 {k50:7.1} us  p99 {k99:7.1} us ({:.2}x; failovers {}, frames resent for it {})\n",
+        k99 / c99,
+        cut.failovers,
+        cut.path_resends
+    );
+    print!("{out}");
+    if let Some(dir) = &a.out {
+        create_dir(dir)?;
+        let file = dir.join("paths.txt");
+        std::fs::write(&file, &out).with_context(|| format!("writing {}", file.display()))?;
+    }
+    Ok(())
 }
 
 fn check_probability(name: &str, p: f64) -> anyhow::Result<()> {

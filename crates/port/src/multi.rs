@@ -362,6 +362,13 @@ impl State {
                     PathRepr { node: self.node, port: port as u8, answer: false, stamp_ns, received: 0 };
                 if let Some(f) = self.path_frame(port, MacAddr::BROADCAST, &repr) {
                     out.push((port, f));
+                    // Every frame sent by a path counts, so that the peer's count of frames
+                    // received compares with it.
+                    for peer in &mut self.peers {
+                        if let Some(p) = peer.paths[port].as_mut() {
+                            p.tx_frames += 1;
+                        }
+                    }
                 }
             }
             self.announced += 1;
@@ -395,6 +402,13 @@ impl State {
                 let due = now.saturating_duration_since(path.probed) >= every;
                 let (remote, received) = (path.remote, path.rx_frames);
                 let node = peer.node;
+                let probe = if due {
+                    let repr =
+                        PathRepr { node: self.node, port: port as u8, answer: false, stamp_ns, received };
+                    self.path_frame(port, remote, &repr)
+                } else {
+                    None
+                };
                 let path = self.peers[pi].paths[port].as_mut().expect("checked above");
                 if fails {
                     path.up = false;
@@ -404,14 +418,13 @@ impl State {
                     failed.push(node);
                 }
                 if due {
-                    let repr =
-                        PathRepr { node: self.node, port: port as u8, answer: false, stamp_ns, received };
+                    if let Some(f) = probe {
+                        out.push((port, f));
+                        path.tx_frames += 1;
+                    }
                     path.probed = now;
                     path.probe_stamp = stamp_ns;
                     path.probe_tx = path.tx_frames;
-                    if let Some(f) = self.path_frame(port, remote, &repr) {
-                        out.push((port, f));
-                    }
                 }
             }
         }
@@ -473,6 +486,9 @@ impl State {
             };
             if let Some(a) = self.path_frame(port, remote, &answer) {
                 out.push((port, a));
+                if let Some(p) = self.peers[pi].paths[port].as_mut() {
+                    p.tx_frames += 1;
+                }
             }
         }
     }

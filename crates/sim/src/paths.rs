@@ -54,6 +54,8 @@ pub struct PathsReport {
     pub tx_per_path: Vec<u64>,
     /// Delivery times of messages (latency runs only), µs.
     pub latency_us: Samples,
+    /// A's paths at the end.
+    pub paths: Vec<lanbus_port::PathReport>,
 }
 
 impl PathsReport {
@@ -192,8 +194,7 @@ fn build(paths: &[PathSpec], seed: u64) -> (Arc<ManualClock>, Side, Side) {
     config.dup_ack_threshold = lanbus_port::multi::RUN_FRAMES;
     config.min_rto = Duration::from_millis(5);
     let side = |ports, host| {
-        let port = MultiPort::with_clock(ports, SIM_PATHS, dyn_clock.clone())
-            .expect("two paths or more");
+        let port = MultiPort::with_clock(ports, SIM_PATHS, dyn_clock.clone()).expect("two paths or more");
         let ep = Endpoint::new(config.clone(), mac(host, 0), Instant::ZERO);
         Side { ep, port, buf: vec![0u8; config.frame_capacity()] }
     };
@@ -217,6 +218,7 @@ fn report(a: &Side, bytes: u64, elapsed: Duration, latency_us: Samples) -> Paths
         failovers: paths.iter().map(|p| p.failovers).sum(),
         tx_per_path,
         latency_us,
+        paths,
     }
 }
 
