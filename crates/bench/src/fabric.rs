@@ -36,32 +36,41 @@ use super::transport::{peer_command, run_client, Mode, Server};
 pub struct FabricArgs {
     /// Write the results in the common JSON format to this file.
     #[arg(long)]
-    json: Option<PathBuf>,
+    pub(crate) json: Option<PathBuf>,
     /// One short run per figure (a smoke test, not a measurement).
     #[arg(long)]
-    quick: bool,
+    pub(crate) quick: bool,
     /// Runs per figure; the median is reported (default 5, 1 with --quick).
     #[arg(long)]
-    runs: Option<usize>,
+    pub(crate) runs: Option<usize>,
     /// Host and I/O-box pairs on the switch.
     #[arg(long, default_value_t = 4)]
     pairs: usize,
     /// How long all pairs stream at once, seconds (default 3, 1 with --quick).
     #[arg(long)]
-    seconds: Option<f64>,
+    pub(crate) seconds: Option<f64>,
     /// Message size of the lanbus streams, bytes.
     #[arg(long, default_value_t = 8192)]
-    size: usize,
+    pub(crate) size: usize,
     /// The shared link's rate in the bottleneck rows, Mbit/s (a tbf qdisc on the switch's port
     /// toward the I/O boxes).
     #[arg(long, default_value_t = 2000)]
     bottleneck_mbit: u64,
     /// MTU of every link.
     #[arg(long, default_value_t = 9000)]
-    mtu: usize,
+    pub(crate) mtu: usize,
     /// Rate control: the queueing delay tolerated, microseconds (default: the transport's).
     #[arg(long)]
     rc_target_us: Option<u64>,
+    /// Instead of the pairs: one host and one I/O box joined by this many links, each through a
+    /// switch of its own held to --path-mbit; goodput over all links against one, and the
+    /// failover time when a link is cut under load.
+    #[arg(long, value_name = "N")]
+    pub(crate) paths: Option<usize>,
+    /// Each link's rate in the --paths rows, Mbit/s (a tbf qdisc on the switch's port toward
+    /// the I/O box).
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) path_mbit: u64,
 }
 
 /// The switch and the pairs on it; removed on drop (each namespace takes its links with it).
@@ -347,6 +356,9 @@ fn iperf3_pairs(f: &Fabric, seconds: f64) -> anyhow::Result<Vec<f64>> {
 /// Runs bench fabric.
 pub fn run(a: FabricArgs) -> anyhow::Result<()> {
     check_root().map_err(|skip| anyhow!("bench fabric builds a switch of network namespaces: {skip}"))?;
+    if let Some(n) = a.paths {
+        return super::fabric_paths::run(&a, n);
+    }
     anyhow::ensure!((2..=16).contains(&a.pairs), "--pairs must be 2..=16");
     anyhow::ensure!(a.bottleneck_mbit > 0, "--bottleneck-mbit must be positive");
     let runs = a.runs.unwrap_or(if a.quick { 1 } else { 5 }).max(1);

@@ -4,6 +4,7 @@
 //! [`report`]), quotes medians of several runs, and reports the ratio to its peer.
 
 pub mod fabric;
+mod fabric_paths;
 mod interrupt;
 pub mod msg;
 mod msg_mpi;

@@ -10,9 +10,9 @@ use super::*;
 /// Options of the hidden `lanbus bench transport-peer` (one side of `bench transport`).
 #[derive(Debug, Args)]
 pub struct PeerArgs {
-    /// The port spec to open.
-    #[arg(long)]
-    port: lanbus_port::PortSpec,
+    /// The port spec to open; given more than once, the ports are paths of one node.
+    #[arg(long, required = true)]
+    port: Vec<lanbus_port::PortSpec>,
     /// The other side's MAC address.
     #[arg(long)]
     peer: String,
@@ -84,7 +84,13 @@ pub(super) fn index_of(data: &[u8]) -> Option<u64> {
 /// Runs one side; the server roles run until stdin closes.
 pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     let peer: MacAddr = args.peer.parse().map_err(|e| anyhow!("--peer {:?}: {e:?}", args.peer))?;
-    let port = args.port.open()?;
+    let mut ports = args.port.iter().map(|s| s.open()).collect::<Result<Vec<_>, _>>()?;
+    let paths = ports.len();
+    let port: Box<dyn lanbus_port::Port> = if paths == 1 {
+        ports.remove(0)
+    } else {
+        Box::new(lanbus_port::MultiPort::new(ports, lanbus_port::MultiConfig::default())?)
+    };
     match args.role {
         Role::RawEcho => return raw_echo(port, args.polling),
         Role::RawPing => return raw_ping(port, peer, &args),
@@ -96,6 +102,10 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
     transport.rate.enabled = args.rate_control;
     if let Some(us) = args.min_rto_us {
         transport.min_rto = Duration::from_micros(us);
+    }
+    if paths > 1 {
+        // Reordering between paths is not loss (as the daemons set it).
+        transport.dup_ack_threshold = lanbus_port::multi::RUN_FRAMES;
     }
     if let Some(g) = args.line_rate_gbps {
         transport.rate.line_rate_bps = (g * 1e9) as u64;
@@ -470,6 +480,10 @@ struct Streamer {
     until: Instant,
     buf: Vec<u8>,
     done: Option<mpsc::Sender<Result<(u64, Instant), String>>>,
+    /// When the last credit came, and the longest time between two (the longest gap in
+    /// acknowledged data).
+    last_credit: Option<Instant>,
+    longest_gap: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Handler for Streamer {
@@ -479,6 +493,11 @@ impl Handler for Streamer {
             return;
         };
         let errors = u64::from_be_bytes(errors.try_into().unwrap_or([0; 8]));
+        if let Some(last) = self.last_credit.replace(now) {
+            let gap = (now - last).as_nanos() as u64;
+            // Relaxed: a maximum read once the stream ended.
+            self.longest_gap.fetch_max(gap, std::sync::atomic::Ordering::Relaxed);
+        }
         if errors > 0 {
             if let Some(done) = self.done.take() {
                 let _ = done.send(Err(format!("the sink saw {errors} bad messages")));
@@ -515,6 +534,7 @@ fn stream_client(
     // About 1 MiB of messages outstanding: many times the bandwidth-delay product of a veth.
     let window = credit_every * 16;
     let start = Instant::now();
+    let longest_gap = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let streamer = Streamer {
         peer,
         size: args.size,
@@ -524,6 +544,8 @@ fn stream_client(
         until: start + Duration::from_secs_f64(args.seconds),
         buf: Vec::new(),
         done: Some(tx),
+        last_credit: None,
+        longest_gap: longest_gap.clone(),
     };
     let runtime = Runtime::start(port, config, Box::new(streamer))?;
     // Message 0 starts the stream: the sink's first credit follows it, and from then on every
@@ -533,6 +555,7 @@ fn stream_client(
     runtime.sender().send(peer, CHANNEL, &buf);
     let result = rx.recv_timeout(client_deadline(args.seconds));
     let stats = runtime.stats();
+    let paths = runtime.paths();
     runtime.shutdown();
     let (count, end) = match result {
         Ok(Ok(r)) => r,
@@ -556,6 +579,9 @@ fn stream_client(
         "rtt_max_us": stats.transport.rtt_max_ns as f64 / 1e3,
         "fabric_rtt_mean_us": stats.transport.fabric_rtt_mean().map_or(0.0, |d| d.as_secs_f64() * 1e6),
         "rate_decreases": stats.transport.rate_decreases,
+        "longest_credit_gap_ms": longest_gap.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6,
+        "failovers": paths.iter().map(|p| p.failovers).sum::<u64>(),
+        "path_resends": stats.transport.path_resends,
     });
     println!("{out}");
     Ok(())
