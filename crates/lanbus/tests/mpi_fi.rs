@@ -12,7 +12,9 @@
 //!
 //! Without root, ranks spread over two `lanbus msgd` daemons joined by the shm port, as two
 //! machines would be. As root, the daemons sit in two network namespaces joined by a veth pair,
-//! over afpacket and over afxdp, and the veth's byte counters show the job crossed it.
+//! over afpacket and over afxdp, and the veth's byte counters show the job crossed it; and joined
+//! by two veth pairs (`--port` once per link), the checks and NetPIPE (`-u 1048576`) complete
+//! while one link goes down and up again and again.
 //!
 //! Needs Open MPI, libfabric's headers, NetPIPE, mpi4py (`scripts/setup` installs them as root)
 //! and the built provider (`scripts/test` builds it); without them it says what is missing and
@@ -416,4 +418,85 @@ fn mpi_programs_across_namespaces_over_afpacket_and_afxdp() {
         drop((_a, _b));
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// Two namespaces joined by two veth pairs (`eth0`, `eth1` on each side); removed on drop.
+struct TwoLinks {
+    a: lanbus_port::netns::Netns,
+    b: lanbus_port::netns::Netns,
+}
+
+impl TwoLinks {
+    fn create() -> TwoLinks {
+        let tag = std::process::id() % 100_000;
+        let ns = |w: &str| lanbus_port::netns::Netns::create(&format!("lbmp{tag}-{w}")).expect("a namespace");
+        let (a, b) = (ns("a"), ns("b"));
+        for link in ["eth0", "eth1"] {
+            let out = Command::new("ip")
+                .args(["link", "add", link, "netns", a.name(), "type", "veth", "peer", "name", link])
+                .args(["netns", b.name()])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "ip link add: {}", String::from_utf8_lossy(&out.stderr));
+            for ns in [&a, &b] {
+                let out = ns.ip(&["link", "set", link, "mtu", "9000", "up"]).unwrap();
+                assert!(out.status.success(), "ip link set up: {}", String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        TwoLinks { a, b }
+    }
+}
+
+#[test]
+fn mpi_programs_over_two_links_while_one_flaps() {
+    if let Err(skip) = check_root() {
+        eprintln!("mpi_programs_over_two_links_while_one_flaps: skipped: {skip}");
+        return;
+    }
+    if !tools_ready("mpi_programs_over_two_links_while_one_flaps") {
+        return;
+    }
+    let dir = scratch("two-links");
+    let provider = provider_dir(&dir);
+    build_programs(&dir);
+    let links = TwoLinks::create();
+    let sockets = [dir.join("a.sock"), dir.join("b.sock")];
+    let second = ["--port", "afpacket:eth1"];
+    let _a = msgd_with(Some(&links.a), "afpacket:eth0", &sockets[0], &dir.join("a.log"), &second);
+    let _b = msgd_with(Some(&links.b), "afpacket:eth0", &sockets[1], &dir.join("b.log"), &second);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flapping = {
+        let (stop, ns) = (stop.clone(), links.a.name().to_string());
+        std::thread::spawn(move || {
+            let mut flaps = 0;
+            // Relaxed: a stop flag.
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for state in ["down", "up"] {
+                    std::thread::sleep(Duration::from_millis(100));
+                    let _ = Command::new("ip").args(["-n", &ns, "link", "set", "eth1", state]).status();
+                }
+                flaps += 1;
+            }
+            flaps
+        })
+    };
+    checks(&dir, &provider, &sockets);
+    let out_file = dir.join("np.out");
+    mpirun(
+        &provider,
+        &sockets,
+        2,
+        &["NPopenmpi", "-p", "0", "-u", "1048576", "-o", out_file.to_str().unwrap()],
+        "NPopenmpi",
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let flaps = flapping.join().unwrap();
+    let table = std::fs::read_to_string(&out_file).unwrap();
+    let largest =
+        table.lines().filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok()).max().unwrap_or(0);
+    assert!(largest >= 1 << 20, "NetPIPE reached {largest} bytes:\n{table}");
+    assert!(flaps >= 3, "the link flapped {flaps} times during the jobs");
+    eprintln!("two links: the checks and NetPIPE to 1 MiB completed while eth1 flapped {flaps} times");
+    drop((_a, _b));
+    let _ = std::fs::remove_dir_all(&dir);
 }
