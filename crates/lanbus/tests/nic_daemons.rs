@@ -7,7 +7,10 @@
 //! - ping, iperf3 TCP for 10 s each way (iperf3's own JSON report), and 200 MiB through `nc`
 //!   whose sha256 matches, through the remote NIC;
 //! - the box moved to another group: the first host's `lanbus0` loses its carrier, the second
-//!   host's gets it and carries traffic.
+//!   host's gets it and carries traffic;
+//! - the host and the box joined by a second link through a second bridge (`--port` once per
+//!   link): iperf3 each way and the 200 MiB transfer complete, sha256 equal, while the second
+//!   link goes down and up again and again.
 //!
 //! Without root (namespaces, AF_PACKET, TAP) it skips and says why.
 
@@ -69,6 +72,23 @@ impl Net {
         ok(server.ip(&["addr", "add", &format!("{SERVER_IP}/24"), "dev", "eth0"]), "server address");
         ok(server.ip(&["link", "set", "eth0", "up"]), "server up");
         Net { dir: dir.to_path_buf(), _switch: switch, hosts, io, server }
+    }
+
+    /// A second fabric link for host 0 and the box (`eth1` on each) through a second bridge.
+    fn add_second_link(&self) {
+        ok(self._switch.ip(&["link", "add", "fab1", "type", "bridge"]), "second bridge");
+        ok(self._switch.ip(&["link", "set", "fab1", "up"]), "second bridge up");
+        for (m, port) in [(&self.hosts[0], "q0"), (&self.io, "q2")] {
+            ok(
+                Command::new("ip")
+                    .args(["link", "add", "eth1", "netns", m.name(), "type", "veth", "peer", "name", port])
+                    .args(["netns", self._switch.name()])
+                    .output(),
+                "second veth",
+            );
+            ok(m.ip(&["link", "set", "eth1", "mtu", "9000", "up"]), "eth1 up");
+            ok(self._switch.ip(&["link", "set", port, "mtu", "9000", "master", "fab1", "up"]), "switch port");
+        }
     }
 
     fn spawn(&self, ns: &Netns, args: &[String], log: &str) -> Daemon {
@@ -307,5 +327,66 @@ fn the_nic_follows_its_box_to_another_group() {
     wait_for("the first host's carrier to go", || !net.carrier(0));
     net.up(1, "10.77.0.3");
     net.ping(1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn iperf3_and_200_mib_cross_the_remote_nic_over_two_links_while_one_flaps() {
+    if skip() {
+        return;
+    }
+    let dir = tempdir("two-links");
+    let net = Net::build(&dir, 'p');
+    net.add_second_link();
+    let file = dir.join("200M.bin");
+    ok(
+        Command::new("dd")
+            .args(["if=/dev/urandom", &format!("of={}", file.display()), "bs=1M", "count=200", "status=none"])
+            .output(),
+        "a 200 MiB file",
+    );
+    let sum = ok(Command::new("sha256sum").arg(&file).output(), "sha256sum");
+    let sum = sum.split_whitespace().next().unwrap().to_string();
+    let second = ["--port".to_string(), "afpacket:eth1".to_string()];
+    let _io = net.start_box_with("afpacket:eth0", 1, &second);
+    let _host = net.start_host_with(0, "afpacket:eth0", 1, &second);
+    net.up(0, "10.77.0.1");
+    net.ping(0);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flapping = {
+        let (stop, ns) = (stop.clone(), net.hosts[0].name().to_string());
+        std::thread::spawn(move || {
+            let mut flaps = 0;
+            // Relaxed: a stop flag.
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for state in ["down", "up"] {
+                    std::thread::sleep(Duration::from_millis(200));
+                    let _ = Command::new("ip").args(["-n", &ns, "link", "set", "eth1", state]).status();
+                }
+                flaps += 1;
+            }
+            flaps
+        })
+    };
+    let up = net.iperf3(0, false);
+    let down = net.iperf3(0, true);
+    net.transfer(0, &file, &sum);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let flaps = flapping.join().unwrap();
+    let status = ok(
+        Command::new(lanbus_path()).args(["status", "--json", "--control"]).arg(net.ctl(0)).output(),
+        "lanbus status",
+    );
+    let v: serde_json::Value = serde_json::from_str(&status).unwrap();
+    let failovers: u64 =
+        v["paths"].as_array().map_or(0, |p| p.iter().map(|p| p["failovers"].as_u64().unwrap_or(0)).sum());
+    eprintln!(
+        "two links, eth1 flapping {flaps} times: iperf3 {:.2} Gbit/s host to server, {:.2} server to host, \
+         {failovers} failovers",
+        up / 1e9,
+        down / 1e9
+    );
+    assert!(flaps >= 10, "the link flapped {flaps} times");
+    assert!(failovers >= 1, "the cuts were seen: {}", v["paths"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
