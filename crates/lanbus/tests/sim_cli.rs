@@ -180,3 +180,21 @@ fn csv_rows(dir: &std::path::Path) -> Vec<String> {
         .map(String::from)
         .collect()
 }
+
+#[test]
+fn paths_compares_four_paths_with_one_lossy_and_one_cut_deterministically() {
+    let dir = temp_dir("paths");
+    let args = ["sim", "paths", "--mib", "4", "--messages", "400", "--out", dir.to_str().unwrap()];
+    let first = lanbus(&args);
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let text = String::from_utf8_lossy(&first.stdout).to_string();
+    for line in ["three clean paths", "one at loss 0.05", "one of four cut"] {
+        assert!(text.contains(line), "{text}");
+    }
+    assert!(text.contains("failovers 1"), "the cut path was taken down: {text}");
+    assert_eq!(std::fs::read_to_string(dir.join("paths.txt")).unwrap(), text);
+    assert_eq!(lanbus(&args).stdout, first.stdout, "same seed, same output");
+    let bad = lanbus(&["sim", "paths", "--loss", "1.5"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--loss"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
