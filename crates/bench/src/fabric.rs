@@ -71,6 +71,10 @@ pub struct FabricArgs {
     /// the I/O box).
     #[arg(long, default_value_t = 1000)]
     pub(crate) path_mbit: u64,
+    /// After the --paths rows, fio on the remote drive over all links for this long without a
+    /// cut, counting the paths taken down (5 with --quick, 0 skips).
+    #[arg(long, default_value_t = 60)]
+    pub(crate) soak_seconds: u64,
 }
 
 /// The switch and the pairs on it; removed on drop (each namespace takes its links with it).

@@ -8,9 +8,12 @@
 //! halfway through. The figures are the goodput of each, the ratio of N links to one, how many
 //! paths were taken down in the uncut runs (none is right), and the failover time: the longest
 //! gap between two acknowledgements of the stream's data (the sink's credits) in the cut runs.
+//! Then a soak: `lanbus device` and `lanbus host` over all N links, fio on the remote drive for
+//! `--soak-seconds` without a cut, and the paths the daemons took down (none is right).
 
-use std::process::Command;
-use std::time::Duration;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
 use lanbus_port::netns::Netns;
@@ -144,6 +147,80 @@ fn stream(l: &Links, exe: &str, a: &FabricArgs, n: usize, seconds: f64, cut: boo
     Ok(s)
 }
 
+/// fio on the remote drive for `seconds` over all `n` links without a cut: (paths the host and the
+/// box took down, fio's MB/s).
+fn soak(l: &Links, exe: &str, n: usize, seconds: u64, dir: &Path) -> anyhow::Result<(f64, f64)> {
+    use crate::interrupt::KillOnDrop;
+    let mut ports = Vec::new();
+    for i in 0..n {
+        ports.extend(["--port".to_string(), format!("afpacket:eth{i}")]);
+    }
+    let path = |f: &str| dir.join(f).display().to_string();
+    let log = |f: &str| std::fs::File::create(dir.join(f));
+    let _box = KillOnDrop(
+        l.iobox
+            .command(exe)
+            .arg("device")
+            .args(&ports)
+            .args(["--group", "5", "--nvme", "ram=64M", "--control", &path("box.ctl")])
+            .stdout(Stdio::null())
+            .stderr(log("box.log")?)
+            .spawn()?,
+    );
+    let _host = KillOnDrop(
+        l.host
+            .command(exe)
+            .arg("host")
+            .args(&ports)
+            .args(["--group", "5", "--export", &format!("nbd:{}", path("host.sock"))])
+            .args(["--control", &path("host.ctl")])
+            .stdout(Stdio::null())
+            .stderr(log("host.log")?)
+            .spawn()?,
+    );
+    let socket = dir.join("host.sock");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while lanbus_nbd::Client::connect_unix(&socket, "nvme0").is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "the host exported no drive (see {})", path("host.log"));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Both daemons see both paths before fio starts; what they took down before is not counted.
+    let failovers_now = || -> anyhow::Result<f64> {
+        let mut sum = 0.0;
+        for ctl in ["host.ctl", "box.ctl"] {
+            let reply = lanbus_node::control::ask(&dir.join(ctl), "status json")?;
+            let st: Value = serde_json::from_str(&reply).context("a daemon's status")?;
+            let paths = st["paths"].as_array().cloned().unwrap_or_default();
+            anyhow::ensure!(paths.len() == n, "{ctl}: {} paths, not {n}: {}", paths.len(), st["paths"]);
+            sum += paths.iter().map(|p| p["failovers"].as_f64().unwrap_or(0.0)).sum::<f64>();
+        }
+        Ok(sum)
+    };
+    while failovers_now().is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "the daemons never saw all {n} paths");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let before = failovers_now()?;
+    let out = Command::new("fio")
+        .args(["--name=soak", "--ioengine=nbd", "--rw=randrw", "--bs=16k", "--iodepth=32", "--size=64M"])
+        .arg(format!("--uri=nbd+unix:///nvme0?socket={}", socket.display()))
+        .args(["--time_based", &format!("--runtime={seconds}"), "--output-format=json"])
+        .output()
+        .context("running fio (Debian package fio)")?;
+    anyhow::ensure!(out.status.success(), "fio: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(&text[text.find('{').unwrap_or(0)..]).context("fio's JSON")?;
+    let mb = |rw: &str| v["jobs"][0][rw]["bw_bytes"].as_f64().unwrap_or(0.0) / 1e6;
+    let failovers = failovers_now()? - before;
+    for f in ["host.log", "box.log"] {
+        let text = std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+        for l in text.lines().filter(|l| l.contains("lanbus: path")) {
+            eprintln!("  {f}: {l}");
+        }
+    }
+    Ok((failovers, mb("read") + mb("write")))
+}
+
 /// Runs the `--paths` rows.
 pub fn run(a: &FabricArgs, n: usize) -> anyhow::Result<()> {
     anyhow::ensure!((2..=8).contains(&n), "--paths must be 2..=8");
@@ -192,6 +269,30 @@ pub fn run(a: &FabricArgs, n: usize) -> anyhow::Result<()> {
         }
     }
     let gap = figure(Case::Cut, &|s| s.gap_ms);
+    let soaked = if a.soak_seconds > 0 {
+        let secs = if a.quick { a.soak_seconds.min(5) } else { a.soak_seconds };
+        eprintln!("bench fabric: fio on the remote drive over {n} links for {secs} s, no cut");
+        // A link just brought up (the cut runs') drops frames until the kernel activates its
+        // transmit queue, up to a second later.
+        std::thread::sleep(Duration::from_secs(2));
+        let dir = std::env::temp_dir().join(format!("lanbus-bench-paths-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let r = soak(&links, &exe, n, secs, &dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        let (failovers, mb) = r?;
+        let soak_row = |metric: &str, value: f64| {
+            Row::new("lanbus", metric, value)
+                .with("case", "fio-no-cut")
+                .with("paths", n)
+                .with("path_mbit", a.path_mbit)
+                .with("seconds", secs)
+        };
+        report.push(soak_row("failovers", failovers));
+        report.push(soak_row("mb_per_s", mb));
+        Some((failovers, secs))
+    } else {
+        None
+    };
     let ratio = figure(Case::All, &|s| s.gbps) / figure(Case::One, &|s| s.gbps);
     report.push(
         Row::new("lanbus", "ratio_paths_vs_one", ratio)
@@ -207,5 +308,8 @@ pub fn run(a: &FabricArgs, n: usize) -> anyhow::Result<()> {
         figure(Case::All, &|s| s.gap_ms),
         figure(Case::All, &|s| s.failovers)
     );
+    if let Some((failovers, secs)) = soaked {
+        println!("fio on the remote drive over {n} links for {secs} s without a cut: {failovers:.0} failovers (goal 0)");
+    }
     Ok(())
 }

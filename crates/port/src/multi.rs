@@ -192,6 +192,9 @@ struct State {
     next_tick: Instant,
     counters: MultiCounters,
     rx_scratch: Vec<u8>,
+    /// When each port's receive queue was last found empty: a path is judged silent only up to
+    /// then (after this host stalled, frames still waiting in a queue are not silence).
+    drained: Vec<Instant>,
 }
 
 /// Several ports joined under one address; see the module docs.
@@ -268,6 +271,7 @@ impl MultiPort {
                 next_tick: now,
                 counters: MultiCounters::default(),
                 rx_scratch: Vec::new(),
+                drained: vec![now; ports.len()],
             },
             ports,
             clock,
@@ -390,7 +394,7 @@ impl State {
                 let peer = &self.peers[pi];
                 let Some(path) = peer.paths[port].as_ref() else { continue };
                 let in_use = now.saturating_duration_since(path.used) < c.announce_every;
-                let silent = now.saturating_duration_since(path.heard) > c.silence_limit;
+                let silent = self.drained[port].saturating_duration_since(path.heard) > c.silence_limit;
                 let fails = path.up && in_use && silent && heard_elsewhere(peer, port);
                 let every = if !path.up {
                     c.probe_every * 4
@@ -416,6 +420,11 @@ impl State {
                     path.mark = None;
                     self.counters.failovers += 1;
                     failed.push(node);
+                    eprintln!(
+                        "lanbus: path {port} to node {node} down: nothing heard for {:.1} ms (queue read {:.1} ms ago)",
+                        now.saturating_duration_since(path.heard).as_secs_f64() * 1e3,
+                        now.saturating_duration_since(self.drained[port]).as_secs_f64() * 1e3,
+                    );
                 }
                 if due {
                     if let Some(f) = probe {
@@ -475,6 +484,7 @@ impl State {
             if !path.up {
                 path.up = true;
                 path.mark = None;
+                eprintln!("lanbus: path {port} to node {} up again", repr.node);
             }
         } else {
             let answer = PathRepr {
@@ -643,8 +653,9 @@ impl Port for MultiPort {
                 break;
             }
             let i = (self.rx_next + k) % n;
+            let want = max - delivered;
             let state = &mut self.state;
-            let r = self.ports[i].rx_burst_stamped(max - delivered, &mut |f, stamp| match state
+            let r = self.ports[i].rx_burst_stamped(want, &mut |f, stamp| match state
                 .on_frame(now, i, f, &mut out)
             {
                 Some(false) => {
@@ -657,9 +668,14 @@ impl Port for MultiPort {
                 }
                 None => {}
             });
-            // A port whose link is down may refuse: the others are still read.
-            if r.is_err() {
-                self.state.counters.port_errors += 1;
+            match r {
+                Ok(got) if got < want => self.state.drained[i] = now,
+                Ok(_) => {}
+                // A port whose link is down may refuse: the others are still read.
+                Err(_) => {
+                    self.state.drained[i] = now;
+                    self.state.counters.port_errors += 1;
+                }
             }
         }
         self.rx_next = (self.rx_next + 1) % n;
@@ -1036,6 +1052,28 @@ mod tests {
         }
         assert!(p.a.paths().iter().all(|r| r.up), "a stalled peer is the transport's to judge");
         assert_eq!(p.a.take_failed_peer(), None);
+    }
+
+    #[test]
+    fn frames_still_queued_after_a_stall_are_not_silence() {
+        let mut p = pair();
+        p.meet();
+        // A talks to B by both paths, then stalls for 10 ms while B's frames wait in both queues.
+        let frames: Vec<Vec<u8>> = (0..64).map(|i| data(mac(0xb0), mac(0xa0), i)).collect();
+        let refs: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
+        p.a.tx_borrowed(&refs).unwrap();
+        p.b.rx_burst(256, &mut |_| {}).unwrap();
+        let back: Vec<Vec<u8>> = (0..64).map(|i| data(mac(0xa0), mac(0xb0), i)).collect();
+        let refs: Vec<&[u8]> = back.iter().map(|f| &f[..]).collect();
+        p.b.tx_borrowed(&refs).unwrap();
+        p.clock.0.fetch_add(10_000_000, Ordering::Relaxed);
+        // A reads one frame at a time, its housekeeping running between the reads.
+        for _ in 0..200 {
+            p.a.rx_burst(1, &mut |_| {}).unwrap();
+            p.clock.0.fetch_add(300_000, Ordering::Relaxed);
+            assert_eq!(p.a.take_failed_peer(), None, "{:?}", p.a.paths());
+        }
+        assert!(p.a.paths().iter().all(|r| r.up));
     }
 
     #[test]
