@@ -101,6 +101,11 @@ struct Path {
     remote: MacAddr,
     up: bool,
     heard: Instant,
+    /// When a frame of the transport's last came by the path.
+    received: Instant,
+    /// When a frame first went by the path since it was last heard: silence is counted from
+    /// then (an idle path is never silent).
+    awaiting: Option<Instant>,
     used: Instant,
     probed: Instant,
     probe_stamp: u64,
@@ -112,6 +117,10 @@ struct Path {
     lost_frames: u64,
     failovers: u64,
     rtt: Option<Duration>,
+    /// The round trip the silence limit scales with: it rises at once to a longer sample and
+    /// decays by an eighth of the difference toward a shorter one, so a queue that builds on the
+    /// path (a slower or busier link) stretches the limit before its probes are late.
+    rtt_guard: Duration,
     weight: f64,
     credit: f64,
 }
@@ -122,6 +131,8 @@ impl Path {
             remote,
             up: true,
             heard: now,
+            received: Instant::ZERO,
+            awaiting: None,
             used: Instant::ZERO,
             probed: Instant::ZERO,
             probe_stamp: 0,
@@ -132,6 +143,7 @@ impl Path {
             lost_frames: 0,
             failovers: 0,
             rtt: None,
+            rtt_guard: Duration::ZERO,
             weight: 1.0,
             credit: 0.0,
         }
@@ -303,12 +315,9 @@ impl MultiPort {
 
     /// The earliest time [`MultiPort::tick`] has work.
     fn next_deadline(&self, now: Instant) -> Instant {
-        let active = self
-            .state
-            .peers
-            .iter()
-            .flat_map(|p| p.paths.iter().flatten())
-            .any(|p| !p.up || now.saturating_duration_since(p.used) < self.state.config.announce_every);
+        let active = self.state.peers.iter().flat_map(|p| p.paths.iter().flatten()).any(|p| {
+            !p.up || now.saturating_duration_since(p.used.max(p.received)) < self.state.config.announce_every
+        });
         if active {
             now + self.state.config.probe_every
         } else {
@@ -393,8 +402,13 @@ impl State {
             for port in 0..self.macs.len() {
                 let peer = &self.peers[pi];
                 let Some(path) = peer.paths[port].as_ref() else { continue };
-                let in_use = now.saturating_duration_since(path.used) < c.announce_every;
-                let silent = self.drained[port].saturating_duration_since(path.heard) > c.silence_limit;
+                // In use: frames went by it either way lately. A node probes a path it only
+                // receives on too, so that its peer, whose frames may wait or drop in a congested
+                // queue, still hears it by the path's other direction.
+                let in_use = now.saturating_duration_since(path.used.max(path.received)) < c.announce_every;
+                let silent = path
+                    .awaiting
+                    .is_some_and(|t| self.drained[port].saturating_duration_since(t) > c.silence_limit);
                 let fails = path.up && in_use && silent && heard_elsewhere(peer, port);
                 let every = if !path.up {
                     c.probe_every * 4
@@ -421,15 +435,16 @@ impl State {
                     self.counters.failovers += 1;
                     failed.push(node);
                     eprintln!(
-                        "lanbus: path {port} to node {node} down: nothing heard for {:.1} ms (queue read {:.1} ms ago)",
-                        now.saturating_duration_since(path.heard).as_secs_f64() * 1e3,
-                        now.saturating_duration_since(self.drained[port]).as_secs_f64() * 1e3,
+                        "lanbus: path {port} to node {node} down: nothing heard by it for {:.1} ms after frames went \
+                         by it, while another path was heard",
+                        now.saturating_duration_since(path.awaiting.unwrap_or(path.heard)).as_secs_f64() * 1e3,
                     );
                 }
                 if due {
                     if let Some(f) = probe {
                         out.push((port, f));
                         path.tx_frames += 1;
+                        path.awaiting.get_or_insert(now);
                     }
                     path.probed = now;
                     path.probe_stamp = stamp_ns;
@@ -474,10 +489,14 @@ impl State {
         }
         self.by_remote.insert((port, remote), pi);
         path.heard = now;
+        path.awaiting = None;
         path.rx_frames += 1;
         if repr.answer {
             if repr.stamp_ns == path.probe_stamp && repr.stamp_ns != 0 {
-                path.rtt = Some(Duration::from_nanos(now.as_nanos().saturating_sub(repr.stamp_ns)));
+                let rtt = Duration::from_nanos(now.as_nanos().saturating_sub(repr.stamp_ns));
+                path.rtt = Some(rtt);
+                path.rtt_guard =
+                    if rtt >= path.rtt_guard { rtt } else { path.rtt_guard - (path.rtt_guard - rtt) / 8 };
                 let probe_tx = path.probe_tx;
                 path.on_report(probe_tx, repr.received);
             }
@@ -551,6 +570,7 @@ impl State {
                         if let Some(p) = p.as_mut() {
                             p.tx_frames += 1;
                             p.used = now;
+                            p.awaiting.get_or_insert(now);
                             to.push((k, Some(p.remote)));
                         }
                     }
@@ -563,6 +583,7 @@ impl State {
         let p = peer.paths[k].as_mut().expect("chosen above");
         p.tx_frames += 1;
         p.used = now;
+        p.awaiting.get_or_insert(now);
         to.push((k, Some(p.remote)));
     }
 
@@ -593,6 +614,8 @@ impl State {
         let peer = &mut self.peers[pi];
         if let Some(p) = peer.paths[port].as_mut() {
             p.heard = now;
+            p.received = now;
+            p.awaiting = None;
             p.rx_frames += 1;
         }
         let node = peer.node;
@@ -1052,6 +1075,21 @@ mod tests {
         }
         assert!(p.a.paths().iter().all(|r| r.up), "a stalled peer is the transport's to judge");
         assert_eq!(p.a.take_failed_peer(), None);
+    }
+
+    #[test]
+    fn a_path_idle_for_a_while_is_not_silent_when_it_carries_frames_again() {
+        let mut p = pair();
+        p.meet();
+        // A quiet second: only announcements, no frame to B, no probe of an unused path.
+        for _ in 0..100 {
+            p.step(10_000);
+        }
+        for i in 0..40u8 {
+            p.a.tx_borrowed(&[&data(mac(0xb0), mac(0xa0), i)]).unwrap();
+            p.step(100);
+            assert_eq!(p.a.take_failed_peer(), None, "{:?}", p.a.paths());
+        }
     }
 
     #[test]
