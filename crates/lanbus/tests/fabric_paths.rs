@@ -11,32 +11,16 @@
 //! Without root (namespaces, AF_PACKET) it skips and says why.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lanbus_nbd::Client;
 use lanbus_port::netns::{check_root, Netns};
 
+mod common;
+use common::{lanbus_path, ok, Daemon};
+
 const DRIVE_MIB: u64 = 32;
-
-fn lanbus_path() -> &'static str {
-    env!("CARGO_BIN_EXE_lanbus")
-}
-
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn ok(out: std::io::Result<Output>, what: &str) -> String {
-    let out = out.unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 struct Lab {
     dir: PathBuf,

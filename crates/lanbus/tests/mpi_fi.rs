@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 
 use lanbus_port::netns::{check_root, VethPair};
 
+mod common;
+
 const PROGRAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mpi");
 
 struct Daemon(Child);
@@ -464,22 +466,8 @@ fn mpi_programs_over_two_links_while_one_flaps() {
     let second = ["--port", "afpacket:eth1"];
     let _a = msgd_with(Some(&links.a), "afpacket:eth0", &sockets[0], &dir.join("a.log"), &second);
     let _b = msgd_with(Some(&links.b), "afpacket:eth0", &sockets[1], &dir.join("b.log"), &second);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flapping = {
-        let (stop, ns) = (stop.clone(), links.a.name().to_string());
-        std::thread::spawn(move || {
-            let mut flaps = 0;
-            // Relaxed: a stop flag.
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                for state in ["down", "up"] {
-                    std::thread::sleep(Duration::from_millis(100));
-                    let _ = Command::new("ip").args(["-n", &ns, "link", "set", "eth1", state]).status();
-                }
-                flaps += 1;
-            }
-            flaps
-        })
-    };
+    let flapping = common::Flapping::start(links.a.name(), "eth1", Duration::from_millis(100));
+
     checks(&dir, &provider, &sockets);
     let out_file = dir.join("np.out");
     mpirun(
@@ -489,8 +477,7 @@ fn mpi_programs_over_two_links_while_one_flaps() {
         &["NPopenmpi", "-p", "0", "-u", "1048576", "-o", out_file.to_str().unwrap()],
         "NPopenmpi",
     );
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let flaps = flapping.join().unwrap();
+    let flaps = flapping.stop();
     let table = std::fs::read_to_string(&out_file).unwrap();
     let largest =
         table.lines().filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok()).max().unwrap_or(0);

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use lanbus_port::netns::{check_root, Netns};
 
 mod common;
-use common::{have, lanbus_path, ok, Daemon};
+use common::{have, lanbus_path, ok, Daemon, Flapping};
 
 /// Namespaces: a switch, two hosts, the I/O box and the server.
 struct Net {
@@ -211,6 +211,20 @@ impl Net {
     }
 }
 
+/// 200 MiB of random bytes in `dir`, and their sha256.
+fn random_file(dir: &Path) -> (PathBuf, String) {
+    let file = dir.join("200M.bin");
+    ok(
+        Command::new("dd")
+            .args(["if=/dev/urandom", &format!("of={}", file.display()), "bs=1M", "count=200", "status=none"])
+            .output(),
+        "a 200 MiB file",
+    );
+    let sum = ok(Command::new("sha256sum").arg(&file).output(), "sha256sum");
+    let sum = sum.split_whitespace().next().unwrap().to_string();
+    (file, sum)
+}
+
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !f() {
@@ -251,15 +265,7 @@ fn ping_iperf3_and_200_mib_cross_the_remote_nic_clean_and_lossy() {
     }
     let dir = tempdir("traffic");
     let net = Net::build(&dir, 't');
-    let file = dir.join("200M.bin");
-    ok(
-        Command::new("dd")
-            .args(["if=/dev/urandom", &format!("of={}", file.display()), "bs=1M", "count=200", "status=none"])
-            .output(),
-        "a 200 MiB file",
-    );
-    let sum = ok(Command::new("sha256sum").arg(&file).output(), "sha256sum");
-    let sum = sum.split_whitespace().next().unwrap().to_string();
+    let (file, sum) = random_file(&dir);
     // The third run: a keyed fabric whose payloads are encrypted, over the lossy port.
     let key = dir.join("fabric.key");
     ok(Command::new(lanbus_path()).arg("keygen").arg(&key).output(), "lanbus keygen");
@@ -338,41 +344,18 @@ fn iperf3_and_200_mib_cross_the_remote_nic_over_two_links_while_one_flaps() {
     let dir = tempdir("two-links");
     let net = Net::build(&dir, 'p');
     net.add_second_link();
-    let file = dir.join("200M.bin");
-    ok(
-        Command::new("dd")
-            .args(["if=/dev/urandom", &format!("of={}", file.display()), "bs=1M", "count=200", "status=none"])
-            .output(),
-        "a 200 MiB file",
-    );
-    let sum = ok(Command::new("sha256sum").arg(&file).output(), "sha256sum");
-    let sum = sum.split_whitespace().next().unwrap().to_string();
+    let (file, sum) = random_file(&dir);
     let second = ["--port".to_string(), "afpacket:eth1".to_string()];
     let _io = net.start_box_with("afpacket:eth0", 1, &second);
     let _host = net.start_host_with(0, "afpacket:eth0", 1, &second);
     net.up(0, "10.77.0.1");
     net.ping(0);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flapping = {
-        let (stop, ns) = (stop.clone(), net.hosts[0].name().to_string());
-        std::thread::spawn(move || {
-            let mut flaps = 0;
-            // Relaxed: a stop flag.
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                for state in ["down", "up"] {
-                    std::thread::sleep(Duration::from_millis(200));
-                    let _ = Command::new("ip").args(["-n", &ns, "link", "set", "eth1", state]).status();
-                }
-                flaps += 1;
-            }
-            flaps
-        })
-    };
+    let flapping = Flapping::start(net.hosts[0].name(), "eth1", Duration::from_millis(200));
+
     let up = net.iperf3(0, false);
     let down = net.iperf3(0, true);
     net.transfer(0, &file, &sum);
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let flaps = flapping.join().unwrap();
+    let flaps = flapping.stop();
     let status = ok(
         Command::new(lanbus_path()).args(["status", "--json", "--control"]).arg(net.ctl(0)).output(),
         "lanbus status",

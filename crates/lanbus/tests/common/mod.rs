@@ -51,3 +51,37 @@ pub fn have(program: &str) -> bool {
         .output()
         .is_ok_and(|o| o.status.success())
 }
+
+/// A link in a network namespace taken down and up again, every `every` each way, until
+/// [`Flapping::stop`].
+pub struct Flapping {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u32>,
+}
+
+impl Flapping {
+    /// Starts flapping `link` in the namespace named `netns`.
+    pub fn start(netns: &str, link: &str, every: Duration) -> Flapping {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (flag, netns, link) = (stop.clone(), netns.to_string(), link.to_string());
+        let thread = std::thread::spawn(move || {
+            let mut flaps = 0;
+            // Relaxed: a stop flag.
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                for state in ["down", "up"] {
+                    std::thread::sleep(every);
+                    let _ = Command::new("ip").args(["-n", &netns, "link", "set", &link, state]).status();
+                }
+                flaps += 1;
+            }
+            flaps
+        });
+        Flapping { stop, thread }
+    }
+
+    /// Stops (the link left up) and says how many times it went down and up.
+    pub fn stop(self) -> u32 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("the flapping thread")
+    }
+}
