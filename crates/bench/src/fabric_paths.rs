@@ -150,7 +150,7 @@ pub fn run(a: &FabricArgs, n: usize) -> anyhow::Result<()> {
     anyhow::ensure!(a.path_mbit > 0, "--path-mbit must be positive");
     let runs = a.runs.unwrap_or(if a.quick { 1 } else { 5 }).max(1);
     let seconds = a.seconds.unwrap_or(if a.quick { 1.0 } else { 3.0 });
-    anyhow::ensure!(seconds >= 1.0 && seconds <= 60.0, "--seconds must be in [1, 60] with --paths");
+    anyhow::ensure!((1.0..=60.0).contains(&seconds), "--seconds must be in [1, 60] with --paths");
     let exe = std::env::current_exe().context("finding this program")?.to_string_lossy().to_string();
     let links = Links::build(n, a.mtu, a.path_mbit)?;
     eprintln!("bench fabric: {n} links of {} Mbit/s; warming them up (not measured)", a.path_mbit);

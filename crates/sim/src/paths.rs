@@ -272,7 +272,7 @@ pub fn latency(paths: &[PathSpec], size: usize, count: u64, every: Duration, see
             msg[..8].copy_from_slice(&(sent_at.len() as u64).to_be_bytes());
             if a.ep.send(now, mac(MAC_B, 0), 1, &msg).is_ok() {
                 sent_at.push(now);
-                next = next + every;
+                next += every;
             }
         }
         a.transmit(now);
