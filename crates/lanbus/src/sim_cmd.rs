@@ -12,8 +12,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use lanbus_sim::scenario::{
-    latency_point, multi_session_point, transfer, LatencyParams, LatencyPoint, MultiParams, MultiPoint,
-    TransferParams,
+    latency_point, multi_session_point, transfer, Framing, LatencyParams, LatencyPoint, MultiParams,
+    MultiPoint, TransferParams,
 };
 
 use lanbus_bench::plot::{write_png, Plot, Series};
@@ -176,6 +176,20 @@ pub struct MultiArgs {
     #[arg(long, value_name = "N", default_value_t = lanbus_transport::PAPER_DUP_ACK_THRESHOLD,
           value_parser = clap::value_parser!(u32).range(1..))]
     dup_acks: u32,
+    /// How bursts are cut into frames: `paper`, the paper's 128-byte TLPs one per frame, or
+    /// `jumbo`, 64 KiB messages over 1500-byte frames with packing. The ideal reference is
+    /// counted in the same frames.
+    #[arg(long, value_enum, default_value_t = FramesArg::Paper)]
+    frames: FramesArg,
+}
+
+/// The framings `lanbus sim multi-session --frames` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FramesArg {
+    /// 128-byte TLPs, one per frame.
+    Paper,
+    /// 64 KiB messages over 1500-byte frames.
+    Jumbo,
 }
 
 /// Runs one scenario.
@@ -490,6 +504,10 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
     for rc in [false, true] {
         for &(s, gap) in &points {
             let mut p = MultiParams::paper(s, rc, duration, a.seed);
+            p.set_framing(match a.frames {
+                FramesArg::Paper => Framing::Paper,
+                FramesArg::Jumbo => Framing::Jumbo,
+            });
             if let Some(g) = gap {
                 p.mean_gap = g;
             }
@@ -526,6 +544,17 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         ),
     }
     println!("10 Gbit/s links of 1 us into one switch port with {} KiB of buffer", a.buffer_kib);
+    match a.frames {
+        FramesArg::Paper => println!(
+            "bursts in the paper's 128 B TLPs, one per {} B frame (the paper's are 170 B), the burst's header in its first TLP;",
+            cases[0].transport.frame_capacity()
+        ),
+        FramesArg::Jumbo => println!("bursts in 64 KiB messages over 1500 B frames, packed (--frames jumbo);"),
+    }
+    println!(
+        "ideal: a burst's frames back to back at 10 Gbit/s ({} B on the line, preamble/FCS/gap included)",
+        cases[0].burst_wire_bytes()
+    );
     println!(
         "{:>8} {:>6} {:>5} {:>10} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8}",
         "sessions", "util", "rc", "mean_ratio", "p10_ratio", "ideal", "bursts", "drops", "retx", "timeouts"

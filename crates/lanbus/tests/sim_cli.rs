@@ -121,6 +121,30 @@ fn multi_session_writes_csv_and_png() {
     assert!(rows.iter().any(|r| r.starts_with("4,0.2807,true,")), "{rows:?}");
     let png = std::fs::read(dir.join("multi_session.png")).unwrap();
     assert_eq!(&png[1..4], b"PNG");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("128 B TLPs, one per 186 B frame"), "{text}");
+    assert!(text.contains("(1640666 B on the line"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn multi_session_keeps_the_jumbo_frames_reachable() {
+    let dir = temp_dir("jumbo");
+    let args = |frames: &'static str| {
+        ["sim", "multi-session", "--sessions", "2", "--duration-ms", "20", "--frames", frames, "--out"]
+    };
+    let mut jumbo: Vec<&str> = args("jumbo").to_vec();
+    jumbo.push(dir.to_str().unwrap());
+    let out = lanbus(&jumbo);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("64 KiB messages over 1500 B frames"), "{text}");
+    assert_eq!(csv_rows(&dir).len(), 2);
+    let mut bad: Vec<&str> = args("huge").to_vec();
+    bad.push(dir.to_str().unwrap());
+    let bad = lanbus(&bad);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--frames"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
