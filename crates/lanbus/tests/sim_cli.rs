@@ -89,6 +89,12 @@ fn latency_vs_loss_writes_csv_and_png() {
     assert_eq!(lines.count(), 2);
     let png = std::fs::read(dir.join("latency_vs_loss.png")).unwrap();
     assert_eq!(&png[1..4], b"PNG");
+    // The paper's stated result is printed beside lanbus's.
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("paper (Sec. 4): up to loss 1e-5, mean and 99% latency are about the round trip"),
+        "{text}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -124,6 +130,10 @@ fn multi_session_writes_csv_and_png() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("128 B TLPs, one per 186 B frame"), "{text}");
     assert!(text.contains("(1640666 B on the line"), "{text}");
+    assert!(
+        text.contains("paper (Sec. 4): without congestion control, a mean ratio of 0.9 or more needs utilisation 0.20 or less"),
+        "{text}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
