@@ -581,21 +581,33 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         FramesArg::Jumbo => println!("bursts in 64 KiB messages over 1500 B frames, packed (--frames jumbo);"),
     }
     println!(
-        "ideal: a burst's frames back to back at 10 Gbit/s ({} B on the line, preamble/FCS/gap included)",
+        "ideal: a burst's frames back to back at 10 Gbit/s ({} B on the line, preamble/FCS/gap included);",
         cases[0].burst_wire_bytes()
     );
+    println!("util: the sessions' data over the port's rate (the paper's axis); line_util: the same in those frames");
     println!(
-        "{:>8} {:>6} {:>5} {:>10} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8}",
-        "sessions", "util", "rc", "mean_ratio", "p10_ratio", "ideal", "bursts", "drops", "retx", "timeouts"
+        "{:>8} {:>6} {:>9} {:>5} {:>10} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8}",
+        "sessions",
+        "util",
+        "line_util",
+        "rc",
+        "mean_ratio",
+        "p10_ratio",
+        "ideal",
+        "bursts",
+        "drops",
+        "retx",
+        "timeouts"
     );
     let mut csv = String::from(
-        "sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,retransmitted_frames,ideal_mean_throughput_ratio\n",
+        "sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,retransmitted_frames,ideal_mean_throughput_ratio,line_utilization\n",
     );
     for p in &points {
         println!(
-            "{:>8} {:>6.3} {:>5} {:>10.3} {:>9.3} {:>7.3} {:>7} {:>8} {:>8} {:>8}",
+            "{:>8} {:>6.3} {:>9.3} {:>5} {:>10.3} {:>9.3} {:>7.3} {:>7} {:>8} {:>8} {:>8}",
             p.sessions,
             p.utilization,
+            p.line_utilization,
             if p.rate_control { "on" } else { "off" },
             p.mean_ratio,
             p.p10_ratio,
@@ -606,7 +618,7 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
             p.timeouts
         );
         csv += &format!(
-            "{},{:.4},{},{:.4},{:.4},{},{},{:.4}\n",
+            "{},{:.4},{},{:.4},{:.4},{},{},{:.4},{:.4}\n",
             p.sessions,
             p.utilization,
             p.rate_control,
@@ -614,7 +626,8 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
             p.p10_ratio,
             p.switch_drops,
             p.retransmitted_frames,
-            p.ideal_mean_ratio
+            p.ideal_mean_ratio,
+            p.line_utilization
         );
         if p.incomplete > 0 {
             println!("  warning: {} bursts of this point did not complete before the bound", p.incomplete);

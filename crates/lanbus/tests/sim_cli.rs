@@ -118,7 +118,7 @@ fn multi_session_writes_csv_and_png() {
         lines.next(),
         Some(
             "sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,\
-             retransmitted_frames,ideal_mean_throughput_ratio"
+             retransmitted_frames,ideal_mean_throughput_ratio,line_utilization"
         )
     );
     let rows: Vec<&str> = lines.collect();
@@ -181,7 +181,7 @@ fn multi_session_at_scale_sets_each_utilisation_and_reports_the_reach() {
     // and falls with utilisation.
     let ideal = |prefix: &str| -> f64 {
         let row = csv_rows(&dir).into_iter().find(|r| r.starts_with(prefix)).unwrap();
-        row.rsplit(',').next().unwrap().parse().unwrap()
+        row.split(',').nth(7).unwrap().parse().unwrap()
     };
     assert_eq!(ideal("16,0.1000,false,"), ideal("16,0.1000,true,"));
     assert!(ideal("16,0.1000,false,") <= 1.0 && ideal("16,0.3000,false,") < ideal("16,0.1000,false,"));

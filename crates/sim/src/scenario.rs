@@ -622,6 +622,12 @@ impl MultiParams {
         self.transport.pack_messages = pack;
     }
 
+    /// Offered load over the receiver's link counted in the bytes the line carries: the bursts in
+    /// their frames with the per-frame overhead ([`MultiParams::burst_wire_bytes`]).
+    pub fn line_utilization(&self) -> f64 {
+        self.utilization() * self.burst_wire_bytes() as f64 / self.burst_bytes.max(1) as f64
+    }
+
     /// Bytes one burst takes on the line when nothing is lost: its messages' data and headers in
     /// the frames the transport cuts them into, each frame with the link's per-frame overhead
     /// (packing of a message's tail with the next one's head left out).
@@ -651,7 +657,8 @@ impl MultiParams {
         }
     }
 
-    /// Offered load over the receiver's link: sessions × burst rate / link rate.
+    /// Offered load over the receiver's link in the paper's terms: sessions × burst bytes per
+    /// mean gap / link rate (each of the paper's sessions is 0.7 Gbit/s of data).
     pub fn utilization(&self) -> f64 {
         f64::from(self.sessions) * self.burst_bytes as f64 * 8.0
             / self.mean_gap.as_secs_f64()
@@ -664,8 +671,10 @@ impl MultiParams {
 pub struct MultiPoint {
     /// Sessions.
     pub sessions: u16,
-    /// Offered utilisation of the switch output port.
+    /// Offered utilisation of the switch output port ([`MultiParams::utilization`]).
     pub utilization: f64,
+    /// The same counted in the frames on the line ([`MultiParams::line_utilization`]).
+    pub line_utilization: f64,
     /// Whether rate control was on.
     pub rate_control: bool,
     /// Mean over bursts of (burst at access rate) / (actual completion time).
@@ -765,6 +774,7 @@ pub fn multi_session_point(p: &MultiParams, progress: &mut dyn FnMut(f64)) -> Mu
     MultiPoint {
         sessions: p.sessions,
         utilization: p.utilization(),
+        line_utilization: p.line_utilization(),
         rate_control: p.transport.rate.enabled,
         mean_ratio: ratios.mean().unwrap_or(f64::NAN),
         p10_ratio: ratios.percentile(10.0).unwrap_or(f64::NAN),
