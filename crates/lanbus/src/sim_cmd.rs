@@ -666,7 +666,7 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
     };
     println!(
         "an ideal fabric (the port shared equally among the bursts under way, nothing lost) keeps the mean \
-         ratio at or above 0.9 up to utilisation {reach_ideal:.2}: no control can reach further"
+         ratio at or above 0.9 up to utilisation {reach_ideal:.2}"
     );
     println!(
         "paper (Sec. 4): without congestion control, a mean ratio of {PAPER_FIG3_RATIO} or more needs utilisation \

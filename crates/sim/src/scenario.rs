@@ -681,8 +681,8 @@ pub struct MultiPoint {
     pub mean_ratio: f64,
     /// 10th percentile of the same.
     pub p10_ratio: f64,
-    /// The mean ratio the same bursts get from an ideal fabric ([`ideal_sharing`]): the most any
-    /// control can reach.
+    /// The mean ratio the same bursts get from an ideal fabric ([`ideal_sharing`]): equal shares
+    /// of the port, nothing lost.
     pub ideal_mean_ratio: f64,
     /// Bursts counted.
     pub bursts: usize,
@@ -793,7 +793,9 @@ pub fn multi_session_point(p: &MultiParams, progress: &mut dyn FnMut(f64)) -> Mu
 /// one after another, nothing lost, no overhead. The ratio is the simulation's: a burst's time at
 /// the full rate over its time from offer to completion, for bursts offered in `[warm, stop)`.
 /// Sharing alone keeps it below 1 (with Poisson arrivals at utilisation u, a burst's mean time
-/// is its ideal time over 1 - u), so this is the ceiling any congestion control can reach.
+/// is its ideal time over 1 - u). It is what fair sharing gives without loss or overhead; when
+/// the port is offered more than it carries, a control that lets some bursts finish first (each
+/// flow's ACK clock) gets a higher mean than equal shares do.
 pub fn ideal_sharing(sessions: &[Vec<f64>], burst_bits: f64, rate_bps: f64, warm: f64, stop: f64) -> f64 {
     let ideal = burst_bits / rate_bps;
     // Per session: the index of its head burst and, while it is under way, the bits left.
