@@ -849,7 +849,23 @@ pub fn ideal_sharing(sessions: &[Vec<f64>], burst_bits: f64, rate_bps: f64, warm
 
 #[cfg(test)]
 mod ideal_tests {
-    use super::ideal_sharing;
+    use super::{ideal_sharing, Framing, MultiParams};
+    use core::time::Duration;
+
+    #[test]
+    fn a_burst_on_the_line_is_its_frames_with_their_overhead() {
+        let mut p = MultiParams::paper(1, false, Duration::from_millis(10), 1);
+        // 7812 TLPs of 128 bytes and one of 64, each with 14 + 40 + 4 bytes of headers and 24 of
+        // preamble, FCS and gap.
+        assert_eq!(p.burst_wire_bytes(), 7812 * (128 + 82) + (64 + 82));
+        let ratio = p.line_utilization() / p.utilization();
+        assert!((ratio - 1.640666).abs() < 1e-9, "{ratio}");
+        // 15 messages of 65 512 burst bytes and one of 17 320, each with its 24-byte header, in
+        // fragments of 1456 bytes: 46 frames each, and 12.
+        p.set_framing(Framing::Jumbo);
+        assert_eq!((p.chunk_bytes, p.transport.mtu, p.transport.pack_messages), (65_536, 1500, true));
+        assert_eq!(p.burst_wire_bytes(), 15 * (65_536 + 46 * 82) + (17_344 + 12 * 82));
+    }
 
     #[test]
     fn alone_a_burst_gets_the_full_rate_and_two_at_once_share_it() {
