@@ -40,6 +40,15 @@ pub struct Plot {
     pub series: Vec<Series>,
 }
 
+/// A published result drawn beside the measured lines: black, dashed, with a cross at each point.
+#[derive(Debug, Clone)]
+pub struct Reference {
+    /// Legend text (say whose result it is and where it is stated).
+    pub name: String,
+    /// Points in the order they are joined.
+    pub points: Vec<(f64, f64)>,
+}
+
 const WIDTH: u32 = 900;
 const HEIGHT: u32 = 600;
 const FONT_PATHS: [&str; 2] =
@@ -69,6 +78,11 @@ fn font_available() -> bool {
 
 /// Writes `plot` to `path` as a PNG of 900 × 600 pixels.
 pub fn write_png(plot: &Plot, path: &Path) -> anyhow::Result<()> {
+    write_png_with(plot, &[], path)
+}
+
+/// Writes `plot` with `references` drawn over its lines to `path` as a PNG of 900 × 600 pixels.
+pub fn write_png_with(plot: &Plot, references: &[Reference], path: &Path) -> anyhow::Result<()> {
     let with_text = font_available();
     if !with_text {
         eprintln!(
@@ -79,7 +93,8 @@ pub fn write_png(plot: &Plot, path: &Path) -> anyhow::Result<()> {
     let mut rgb = vec![255u8; (WIDTH * HEIGHT * 3) as usize];
     {
         let root = BitMapBackend::with_buffer(&mut rgb, (WIDTH, HEIGHT)).into_drawing_area();
-        draw(plot, &root, with_text).map_err(|e| anyhow::anyhow!("drawing {}: {e}", path.display()))?;
+        draw(plot, references, &root, with_text)
+            .map_err(|e| anyhow::anyhow!("drawing {}: {e}", path.display()))?;
         root.present().map_err(|e| anyhow::anyhow!("drawing {}: {e}", path.display()))?;
     }
     let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
@@ -126,19 +141,26 @@ fn tick(v: f64) -> String {
 
 type DrawResult<T> = Result<T, Box<dyn std::error::Error>>;
 
-fn draw<DB: DrawingBackend>(plot: &Plot, root: &DrawingArea<DB, Shift>, with_text: bool) -> DrawResult<()>
+fn draw<DB: DrawingBackend>(
+    plot: &Plot,
+    references: &[Reference],
+    root: &DrawingArea<DB, Shift>,
+    with_text: bool,
+) -> DrawResult<()>
 where
     DB::ErrorType: 'static,
 {
     root.fill(&WHITE)?;
-    let xs = bounds(plot.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)), plot.x_log);
-    let ys = bounds(plot.series.iter().flat_map(|s| s.points.iter().map(|p| p.1)), plot.y_log);
+    let all = || plot.series.iter().map(|s| &s.points).chain(references.iter().map(|r| &r.points));
+    let xs = bounds(all().flat_map(|p| p.iter().map(|p| p.0)), plot.x_log);
+    let ys = bounds(all().flat_map(|p| p.iter().map(|p| p.1)), plot.y_log);
+    let r = references;
     // One generic body per axis kind: plotters types linear and log ranges differently.
     match (plot.x_log, plot.y_log) {
-        (false, false) => body(plot, root, with_text, xs.0..xs.1, ys.0..ys.1),
-        (true, false) => body(plot, root, with_text, (xs.0..xs.1).log_scale(), ys.0..ys.1),
-        (false, true) => body(plot, root, with_text, xs.0..xs.1, (ys.0..ys.1).log_scale()),
-        (true, true) => body(plot, root, with_text, (xs.0..xs.1).log_scale(), (ys.0..ys.1).log_scale()),
+        (false, false) => body(plot, r, root, with_text, xs.0..xs.1, ys.0..ys.1),
+        (true, false) => body(plot, r, root, with_text, (xs.0..xs.1).log_scale(), ys.0..ys.1),
+        (false, true) => body(plot, r, root, with_text, xs.0..xs.1, (ys.0..ys.1).log_scale()),
+        (true, true) => body(plot, r, root, with_text, (xs.0..xs.1).log_scale(), (ys.0..ys.1).log_scale()),
     }
 }
 
@@ -151,7 +173,14 @@ const COLORS: [RGBColor; 6] = [
     RGBColor(90, 90, 90),
 ];
 
-fn body<DB, X, Y>(plot: &Plot, root: &DrawingArea<DB, Shift>, with_text: bool, x: X, y: Y) -> DrawResult<()>
+fn body<DB, X, Y>(
+    plot: &Plot,
+    references: &[Reference],
+    root: &DrawingArea<DB, Shift>,
+    with_text: bool,
+    x: X,
+    y: Y,
+) -> DrawResult<()>
 where
     DB: DrawingBackend,
     DB::ErrorType: 'static,
@@ -197,6 +226,24 @@ where
         }
         chart.draw_series(points.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
     }
+    for r in references {
+        let points: Vec<(f64, f64)> = r
+            .points
+            .iter()
+            .copied()
+            .filter(|p| p.0.is_finite() && p.1.is_finite())
+            .filter(|p| (!plot.x_log || p.0 > 0.0) && (!plot.y_log || p.1 > 0.0))
+            .collect();
+        let line = chart.draw_series(DashedLineSeries::new(points.clone(), 8, 5, BLACK.stroke_width(2)))?;
+        if with_text {
+            line.label(r.name.as_str()).legend(|(x, y)| {
+                EmptyElement::at((x, y))
+                    + PathElement::new(vec![(0, 0), (8, 0)], BLACK.stroke_width(2))
+                    + PathElement::new(vec![(12, 0), (20, 0)], BLACK.stroke_width(2))
+            });
+        }
+        chart.draw_series(points.into_iter().map(|p| Cross::new(p, 5, BLACK.stroke_width(2))))?;
+    }
     if with_text {
         chart
             .configure_series_labels()
@@ -241,12 +288,37 @@ mod tests {
         };
         {
             let root = BitMapBackend::with_buffer(&mut rgb, (WIDTH, HEIGHT)).into_drawing_area();
-            draw(&plot, &root, false).unwrap();
+            draw(&plot, &[], &root, false).unwrap();
             root.present().unwrap();
         }
         // The line's colour appears.
         let blue = rgb.chunks(3).filter(|p| *p == [31, 119, 180]).count();
         assert!(blue > 500, "{blue} pixels of the line");
+    }
+
+    #[test]
+    fn draws_references_in_black_over_the_lines() {
+        let plot = Plot {
+            title: "t".into(),
+            x_label: "x".into(),
+            y_label: "y".into(),
+            x_log: false,
+            y_log: false,
+            legend_right: true,
+            series: vec![Series { name: "a".into(), points: vec![(0.0, 0.0), (1.0, 1.0)] }],
+        };
+        let black = |references: &[Reference]| {
+            let mut rgb = vec![255u8; (WIDTH * HEIGHT * 3) as usize];
+            {
+                let root = BitMapBackend::with_buffer(&mut rgb, (WIDTH, HEIGHT)).into_drawing_area();
+                draw(&plot, references, &root, false).unwrap();
+                root.present().unwrap();
+            }
+            rgb.chunks(3).filter(|p| *p == [0, 0, 0]).count()
+        };
+        let paper = Reference { name: "paper".into(), points: vec![(0.0, 0.9), (0.2, 0.9), (0.2, 0.0)] };
+        let (without, with) = (black(&[]), black(&[paper]));
+        assert!(with > without + 300, "{without} black pixels without, {with} with the reference");
     }
 
     #[test]

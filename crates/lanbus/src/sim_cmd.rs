@@ -12,11 +12,11 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use lanbus_sim::scenario::{
-    latency_point, multi_session_point, transfer, LatencyParams, LatencyPoint, MultiParams, MultiPoint,
-    TransferParams,
+    latency_point, multi_session_point, transfer, Framing, LatencyParams, LatencyPoint, MultiParams,
+    MultiPoint, TransferParams,
 };
 
-use lanbus_bench::plot::{write_png, Plot, Series};
+use lanbus_bench::plot::{write_png_with, Plot, Reference, Series};
 use lanbus_bench::progress::Progress;
 
 /// The simulator scenarios.
@@ -143,7 +143,7 @@ pub struct MultiArgs {
     #[arg(long, value_name = "DIR", default_value = "sim-out")]
     out: PathBuf,
     /// Simulated time during which bursts arrive, per point, in ms (the first 5 ms are warm-up).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 500)]
     duration_ms: u64,
     /// Session counts to run, comma-separated (each session offers 0.70 Gbit/s on average).
     #[arg(long, value_delimiter = ',', default_value = "1,3,4,6,7,9,10,11,13")]
@@ -176,6 +176,20 @@ pub struct MultiArgs {
     #[arg(long, value_name = "N", default_value_t = lanbus_transport::PAPER_DUP_ACK_THRESHOLD,
           value_parser = clap::value_parser!(u32).range(1..))]
     dup_acks: u32,
+    /// How bursts are cut into frames: `paper`, the paper's 128-byte TLPs one per frame, or
+    /// `jumbo`, 64 KiB messages over 1500-byte frames with packing. The ideal reference is
+    /// counted in the same frames.
+    #[arg(long, value_enum, default_value_t = FramesArg::Paper)]
+    frames: FramesArg,
+}
+
+/// The framings `lanbus sim multi-session --frames` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FramesArg {
+    /// 128-byte TLPs, one per frame.
+    Paper,
+    /// 64 KiB messages over 1500-byte frames.
+    Jumbo,
 }
 
 /// Runs one scenario.
@@ -348,6 +362,16 @@ fn parallel_map<T: Sync, R: Send>(items: &[T], jobs: usize, f: impl Fn(usize, &T
     results.into_inner().unwrap_or_else(|e| e.into_inner()).into_iter().flatten().collect()
 }
 
+/// The retransmission paper, Sec. 4, on Fig. 2: "at packet loss rates of 1e-5 and below, the 99%
+/// and the mean latency are both about equal to the round-trip propagation delay".
+const PAPER_FIG2_LOSS: f64 = 1e-5;
+
+/// The retransmission paper, Sec. 4, on Fig. 3: "under this traffic, 90% throughput or more
+/// needs the utilisation kept at 20% or below" (no congestion control).
+const PAPER_FIG3_RATIO: f64 = 0.9;
+/// See [`PAPER_FIG3_RATIO`].
+const PAPER_FIG3_UTILIZATION: f64 = 0.2;
+
 fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
     for &p in &a.loss_rates {
         check_probability("loss-rates", p)?;
@@ -422,8 +446,13 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
     }
     let csv_path = a.out.join("latency_vs_loss.csv");
     std::fs::write(&csv_path, csv).with_context(|| format!("writing {}", csv_path.display()))?;
+    let rtt = points.first().map_or(f64::NAN, |p| p.base_rtt_us);
+    println!(
+        "paper (Sec. 4): up to loss {PAPER_FIG2_LOSS:.0e}, mean and 99% latency are about the round trip \
+         (lanbus's round trip: {rtt:.3} us)"
+    );
     if let Some(base) = points.iter().find(|p| p.loss == 0.0) {
-        let low = points.iter().filter(|p| p.loss > 0.0 && p.loss <= 1e-5);
+        let low = points.iter().filter(|p| p.loss > 0.0 && p.loss <= PAPER_FIG2_LOSS);
         let within = low.clone().all(|p| p.mean_us <= base.mean_us * 1.1 && p.p99_us <= base.p99_us * 1.1);
         println!(
             "claim (paper): up to 1e-5 loss, mean and p99 within 10% of loss-free: {}",
@@ -460,8 +489,13 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
             },
         ],
     };
+    // The paper gives no microseconds: its line is drawn at lanbus's round trip.
+    let paper = Reference {
+        name: format!("paper (Sec. 4): mean, 99% about the round trip up to {PAPER_FIG2_LOSS:.0e}"),
+        points: vec![(1e-8, rtt), (PAPER_FIG2_LOSS, rtt)],
+    };
     let png = a.out.join("latency_vs_loss.png");
-    write_png(&plot, &png)?;
+    write_png_with(&plot, &[paper], &png)?;
     println!("wrote {} and {}", csv_path.display(), png.display());
     eprintln!("(wall time {:.1} s)", started.elapsed().as_secs_f64());
     Ok(())
@@ -490,6 +524,10 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
     for rc in [false, true] {
         for &(s, gap) in &points {
             let mut p = MultiParams::paper(s, rc, duration, a.seed);
+            p.set_framing(match a.frames {
+                FramesArg::Paper => Framing::Paper,
+                FramesArg::Jumbo => Framing::Jumbo,
+            });
             if let Some(g) = gap {
                 p.mean_gap = g;
             }
@@ -507,13 +545,22 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
     let bar = std::sync::Mutex::new(Progress::new("multi-session"));
     let done = std::sync::atomic::AtomicUsize::new(0);
     let n = cases.len() as f64;
-    let points: Vec<MultiPoint> = parallel_map(&cases, a.jobs, |_, p| {
-        let r = multi_session_point(p, &mut |_| {});
+    // The work of a point grows with its offered load (and beyond the port's rate with the
+    // retransmissions): the heaviest go first, so the threads finish together.
+    let mut order: Vec<usize> = (0..cases.len()).collect();
+    order.sort_by(|&x, &y| cases[y].utilization().total_cmp(&cases[x].utilization()));
+    let results: Vec<MultiPoint> = parallel_map(&order, a.jobs, |_, &i| {
+        let r = multi_session_point(&cases[i], &mut |_| {});
         // Relaxed: a count for the progress bar only.
         let k = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         bar.lock().unwrap_or_else(|e| e.into_inner()).set(k as f64 / n);
         r
     });
+    let mut points: Vec<Option<MultiPoint>> = vec![None; cases.len()];
+    for (&i, r) in order.iter().zip(results) {
+        points[i] = Some(r);
+    }
+    let points: Vec<MultiPoint> = points.into_iter().flatten().collect();
     drop(bar);
     match a.hosts {
         None => println!(
@@ -526,18 +573,41 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
         ),
     }
     println!("10 Gbit/s links of 1 us into one switch port with {} KiB of buffer", a.buffer_kib);
+    match a.frames {
+        FramesArg::Paper => println!(
+            "bursts in the paper's 128 B TLPs, one per {} B frame (the paper's are 170 B), the burst's header in its first TLP;",
+            cases[0].transport.frame_capacity()
+        ),
+        FramesArg::Jumbo => println!("bursts in 64 KiB messages over 1500 B frames, packed (--frames jumbo);"),
+    }
     println!(
-        "{:>8} {:>6} {:>5} {:>10} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8}",
-        "sessions", "util", "rc", "mean_ratio", "p10_ratio", "ideal", "bursts", "drops", "retx", "timeouts"
+        "ideal: a burst's frames back to back at 10 Gbit/s ({} B on the line, preamble/FCS/gap included);",
+        cases[0].burst_wire_bytes()
+    );
+    println!("util: the sessions' data over the port's rate (the paper's axis); line_util: the same in those frames");
+    println!(
+        "{:>8} {:>6} {:>9} {:>5} {:>10} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8}",
+        "sessions",
+        "util",
+        "line_util",
+        "rc",
+        "mean_ratio",
+        "p10_ratio",
+        "ideal",
+        "bursts",
+        "drops",
+        "retx",
+        "timeouts"
     );
     let mut csv = String::from(
-        "sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,retransmitted_frames,ideal_mean_throughput_ratio\n",
+        "sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,retransmitted_frames,ideal_mean_throughput_ratio,line_utilization\n",
     );
     for p in &points {
         println!(
-            "{:>8} {:>6.3} {:>5} {:>10.3} {:>9.3} {:>7.3} {:>7} {:>8} {:>8} {:>8}",
+            "{:>8} {:>6.3} {:>9.3} {:>5} {:>10.3} {:>9.3} {:>7.3} {:>7} {:>8} {:>8} {:>8}",
             p.sessions,
             p.utilization,
+            p.line_utilization,
             if p.rate_control { "on" } else { "off" },
             p.mean_ratio,
             p.p10_ratio,
@@ -548,7 +618,7 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
             p.timeouts
         );
         csv += &format!(
-            "{},{:.4},{},{:.4},{:.4},{},{},{:.4}\n",
+            "{},{:.4},{},{:.4},{:.4},{},{},{:.4},{:.4}\n",
             p.sessions,
             p.utilization,
             p.rate_control,
@@ -556,7 +626,8 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
             p.p10_ratio,
             p.switch_drops,
             p.retransmitted_frames,
-            p.ideal_mean_ratio
+            p.ideal_mean_ratio,
+            p.line_utilization
         );
         if p.incomplete > 0 {
             println!("  warning: {} bursts of this point did not complete before the bound", p.incomplete);
@@ -595,7 +666,11 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
     };
     println!(
         "an ideal fabric (the port shared equally among the bursts under way, nothing lost) keeps the mean \
-         ratio at or above 0.9 up to utilisation {reach_ideal:.2}: no control can reach further"
+         ratio at or above 0.9 up to utilisation {reach_ideal:.2}"
+    );
+    println!(
+        "paper (Sec. 4): without congestion control, a mean ratio of {PAPER_FIG3_RATIO} or more needs utilisation \
+         {PAPER_FIG3_UTILIZATION:.2} or less; lanbus without rate control: up to {reach_off:.2}"
     );
     println!(
         "mean ratio at or above 0.9 up to utilisation {reach_off:.2} without rate control, {reach_on:.2} with it \
@@ -619,8 +694,16 @@ fn run_multi(a: MultiArgs) -> anyhow::Result<()> {
             Series { name: "10th pct, rate control".into(), points: line(&on, |p| p.p10_ratio) },
         ],
     };
+    let paper = Reference {
+        name: "paper (Sec. 4): 90% only up to 20% utilisation, no control".into(),
+        points: vec![
+            (0.0, PAPER_FIG3_RATIO),
+            (PAPER_FIG3_UTILIZATION, PAPER_FIG3_RATIO),
+            (PAPER_FIG3_UTILIZATION, 0.0),
+        ],
+    };
     let png = a.out.join("multi_session.png");
-    write_png(&plot, &png)?;
+    write_png_with(&plot, &[paper], &png)?;
     println!("wrote {} and {}", csv_path.display(), png.display());
     eprintln!("(wall time {:.1} s)", started.elapsed().as_secs_f64());
     Ok(())

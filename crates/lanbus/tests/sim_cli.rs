@@ -89,6 +89,12 @@ fn latency_vs_loss_writes_csv_and_png() {
     assert_eq!(lines.count(), 2);
     let png = std::fs::read(dir.join("latency_vs_loss.png")).unwrap();
     assert_eq!(&png[1..4], b"PNG");
+    // The paper's stated result is printed beside lanbus's.
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("paper (Sec. 4): up to loss 1e-5, mean and 99% latency are about the round trip"),
+        "{text}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -112,7 +118,7 @@ fn multi_session_writes_csv_and_png() {
         lines.next(),
         Some(
             "sessions,utilization,rate_control,mean_throughput_ratio,p10_throughput_ratio,switch_drops,\
-             retransmitted_frames,ideal_mean_throughput_ratio"
+             retransmitted_frames,ideal_mean_throughput_ratio,line_utilization"
         )
     );
     let rows: Vec<&str> = lines.collect();
@@ -121,6 +127,34 @@ fn multi_session_writes_csv_and_png() {
     assert!(rows.iter().any(|r| r.starts_with("4,0.2807,true,")), "{rows:?}");
     let png = std::fs::read(dir.join("multi_session.png")).unwrap();
     assert_eq!(&png[1..4], b"PNG");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("128 B TLPs, one per 186 B frame"), "{text}");
+    assert!(text.contains("(1640666 B on the line"), "{text}");
+    assert!(
+        text.contains("paper (Sec. 4): without congestion control, a mean ratio of 0.9 or more needs utilisation 0.20 or less"),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn multi_session_keeps_the_jumbo_frames_reachable() {
+    let dir = temp_dir("jumbo");
+    let args = |frames: &'static str| {
+        ["sim", "multi-session", "--sessions", "2", "--duration-ms", "20", "--frames", frames, "--out"]
+    };
+    let mut jumbo: Vec<&str> = args("jumbo").to_vec();
+    jumbo.push(dir.to_str().unwrap());
+    let out = lanbus(&jumbo);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("64 KiB messages over 1500 B frames"), "{text}");
+    assert_eq!(csv_rows(&dir).len(), 2);
+    let mut bad: Vec<&str> = args("huge").to_vec();
+    bad.push(dir.to_str().unwrap());
+    let bad = lanbus(&bad);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--frames"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -147,7 +181,7 @@ fn multi_session_at_scale_sets_each_utilisation_and_reports_the_reach() {
     // and falls with utilisation.
     let ideal = |prefix: &str| -> f64 {
         let row = csv_rows(&dir).into_iter().find(|r| r.starts_with(prefix)).unwrap();
-        row.rsplit(',').next().unwrap().parse().unwrap()
+        row.split(',').nth(7).unwrap().parse().unwrap()
     };
     assert_eq!(ideal("16,0.1000,false,"), ideal("16,0.1000,true,"));
     assert!(ideal("16,0.1000,false,") <= 1.0 && ideal("16,0.3000,false,") < ideal("16,0.1000,false,"));

@@ -177,9 +177,14 @@ struct Link {
     /// The node transmitting on this link, when it is a node's uplink.
     from_node: Option<usize>,
     to: End,
-    /// Frames waiting (switch-side links only; a node's link holds at most the frame on the line).
+    /// Frames waiting behind the one on the line (switch-side links only: a node is asked for a
+    /// frame only when its line is free).
     queue: VecDeque<Vec<u8>>,
+    /// Bytes waiting in `queue` plus the frame on the line (which travels in its `Arrive`
+    /// event, so it is never copied).
     queued_bytes: usize,
+    /// Length of the frame on the line, while `busy`.
+    on_line_bytes: usize,
     busy: bool,
     stats: LinkStats,
 }
@@ -260,6 +265,10 @@ pub struct Sim<N> {
     links: Vec<Link>,
     /// Transmit buffer lent to nodes: large enough for any frame.
     tx_buf: Vec<u8>,
+    /// Buffers of frames that reached a node or were dropped, emptied for the next frames: a
+    /// run moves millions of frames, and a buffer each from the allocator costs more than
+    /// moving them.
+    spare: Vec<Vec<u8>>,
     events: u64,
 }
 
@@ -289,6 +298,7 @@ impl<N: Node> Sim<N> {
             switches: Vec::new(),
             links: Vec::new(),
             tx_buf: vec![0; MAX_FRAME],
+            spare: Vec::new(),
             events: 0,
         }
     }
@@ -329,6 +339,7 @@ impl<N: Node> Sim<N> {
             to,
             queue: VecDeque::new(),
             queued_bytes: 0,
+            on_line_bytes: 0,
             busy: false,
             stats: LinkStats::default(),
         });
@@ -477,12 +488,14 @@ impl<N: Node> Sim<N> {
                 let loss = self.links[link].config.loss;
                 if loss > 0.0 && self.rng.random_bool(loss) {
                     self.links[link].stats.lost += 1;
+                    self.recycle(frame);
                     return;
                 }
                 match self.links[link].to {
                     End::Node(n) => {
                         let now = self.now;
                         self.nodes[n].node.handle_frame(now, &frame);
+                        self.recycle(frame);
                         self.kick(n);
                     }
                     End::Switch(s, port) => {
@@ -502,9 +515,7 @@ impl<N: Node> Sim<N> {
             Event::LineFree { link } => {
                 let l = &mut self.links[link];
                 l.busy = false;
-                if let Some(done) = l.queue.pop_front() {
-                    l.queued_bytes -= done.len();
-                }
+                l.queued_bytes -= core::mem::take(&mut l.on_line_bytes);
                 if l.queue.is_empty() {
                     // A node's link: ask the node for its next frame.
                     if let Some(n) = self.links[link].from_node {
@@ -533,14 +544,14 @@ impl<N: Node> Sim<N> {
     fn start_line(&mut self, link: usize) {
         let now = self.now;
         let l = &mut self.links[link];
-        let Some(frame) = l.queue.front() else { return };
+        let Some(frame) = l.queue.pop_front() else { return };
         l.busy = true;
+        l.on_line_bytes = frame.len();
         let ser = serialisation(frame.len() + l.config.overhead_bytes, l.config.rate_bps);
         l.stats.frames += 1;
         l.stats.bytes += frame.len() as u64;
         l.stats.busy_ns += ser.as_nanos() as u64;
         let arrive = now + ser + l.config.delay;
-        let frame = frame.clone();
         self.schedule(now + ser, Event::LineFree { link });
         self.schedule(arrive, Event::Arrive { link, frame });
     }
@@ -560,11 +571,11 @@ impl<N: Node> Sim<N> {
         let outs: Vec<usize> = if is_multicast(dst) {
             (0..sw.out_links.len()).filter(|&p| p != in_port).collect()
         } else if let Some(&p) = sw.table.get(&dst) {
-            if p == in_port {
-                vec![]
-            } else {
-                vec![p]
+            // The common case, a known unicast destination, without a list.
+            if p != in_port {
+                self.enqueue(s, p, frame);
             }
+            return;
         } else if sw.config.forwarding == Forwarding::Learning {
             (0..sw.out_links.len()).filter(|&p| p != in_port).collect()
         } else {
@@ -587,6 +598,7 @@ impl<N: Node> Sim<N> {
         let l = &mut self.links[link];
         if l.queued_bytes + frame.len() > sw.config.buffer_bytes {
             q.dropped += 1;
+            self.recycle(frame);
             return;
         }
         q.enqueued += 1;
@@ -598,6 +610,14 @@ impl<N: Node> Sim<N> {
         }
     }
 
+    /// Keeps a frame's buffer for a later frame (a bounded number of them).
+    fn recycle(&mut self, mut frame: Vec<u8>) {
+        if self.spare.len() < 4096 {
+            frame.clear();
+            self.spare.push(frame);
+        }
+    }
+
     /// Gives a node the chance to transmit (if its line is free) and re-arms its timer.
     fn kick(&mut self, n: usize) {
         let now = self.now;
@@ -605,7 +625,8 @@ impl<N: Node> Sim<N> {
             if !self.links[link].busy {
                 if let Some(len) = self.nodes[n].node.poll_transmit(now, &mut self.tx_buf) {
                     let len = len.min(self.tx_buf.len());
-                    let frame = self.tx_buf[..len].to_vec();
+                    let mut frame = self.spare.pop().unwrap_or_default();
+                    frame.extend_from_slice(&self.tx_buf[..len]);
                     let l = &mut self.links[link];
                     l.queued_bytes += len;
                     l.queue.push_back(frame);

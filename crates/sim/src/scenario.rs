@@ -9,7 +9,9 @@
 //! - [`latency_point`] (Fig. 2): one session offering 7 Gbit/s of 128-byte TLPs through one switch
 //!   whose output drops frames at random; one-way latency per message.
 //! - [`multi_session_point`] (Fig. 3): sessions of 1 MB bursts with exponential gaps into one
-//!   switch output port; per burst, the ideal time at the access rate over the actual time.
+//!   switch output port, in the paper's 128-byte TLPs one per frame ([`Framing::Paper`]) or in
+//!   64 KiB messages over 1500-byte frames ([`Framing::Jumbo`]); per burst, the time its frames
+//!   take back to back at the access rate over the actual time.
 
 use core::time::Duration;
 use std::sync::Arc;
@@ -19,7 +21,7 @@ use lanbus_port::Port;
 use lanbus_transport::{Config, Counters, Endpoint, SendError, PAPER_DUP_ACK_THRESHOLD};
 use lanbus_wire::{Clock, Instant, MacAddr, ManualClock};
 
-use crate::host::{BurstSink, BurstSource, Host, StreamSink, StreamSource};
+use crate::host::{BurstHeader, BurstSink, BurstSource, Host, StreamSink, StreamSource};
 use crate::stats::Samples;
 use crate::traffic::{ConstantRate, PoissonBursts};
 use crate::{Forwarding, LinkConfig, Node, Sim, SwitchConfig};
@@ -526,6 +528,32 @@ pub fn latency_point(p: &LatencyParams, progress: &mut dyn FnMut(f64)) -> Latenc
 // ---------------------------------------------------------------------------------------------
 // Fig. 3: many sessions through one switch port
 
+/// How the multi-session figure cuts its bursts into frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// The paper's: the burst in 128-byte TLPs, one per frame (186 bytes with lanbus's headers,
+    /// where the paper's are 170), its header only in its first TLP.
+    Paper,
+    /// lanbus's bulk framing: 64 KiB messages, each with the burst header, over 1500-byte frames
+    /// with packing.
+    Jumbo,
+}
+
+impl Framing {
+    /// The messages a burst is cut into, the header rule, and the transport's MTU and packing.
+    fn settings(self) -> (usize, BurstHeader, usize, bool) {
+        match self {
+            Framing::Paper => (
+                PAPER_TLP_BYTES,
+                BurstHeader::FirstMessage,
+                lanbus_wire::frame::HEADER_LEN + lanbus_wire::frame::RECORD_HEADER_LEN + PAPER_TLP_BYTES,
+                false,
+            ),
+            Framing::Jumbo => (65_536, BurstHeader::EveryMessage, 1500, true),
+        }
+    }
+}
+
 /// Parameters of one point of the multi-session figure.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MultiParams {
@@ -543,6 +571,9 @@ pub struct MultiParams {
     pub link: LinkConfig,
     /// The switch output buffer per port.
     pub switch_buffer_bytes: usize,
+    /// How bursts are cut into messages and frames (the transport's MTU and packing follow it:
+    /// set it with [`MultiParams::set_framing`]).
+    pub framing: Framing,
     /// Message size the bursts are cut into.
     pub chunk_bytes: usize,
     /// The transport's settings (rate control on or off is here).
@@ -552,16 +583,20 @@ pub struct MultiParams {
 }
 
 impl MultiParams {
-    /// The paper's workload with `sessions` sessions, rate control on or off.
+    /// The paper's workload with `sessions` sessions, rate control on or off, in the paper's
+    /// frames.
     pub fn paper(sessions: u16, rate_control: bool, duration: Duration, seed: u64) -> Self {
         let mut transport = transport_for(LinkConfig::default().rate_bps);
         transport.rate.enabled = rate_control;
+        // The simulated links lose frames but never flip bits: the frame checksum would only
+        // cost time (a tenth of a run at a million frames a burst).
+        transport.checksum = false;
         // The paper's scheme: Go-Back-N, fast retransmit on two ACKs with the same number, no
         // tail-loss probe.
         transport.selective_repeat = false;
         transport.dup_ack_threshold = PAPER_DUP_ACK_THRESHOLD;
         transport.tail_loss_probe = false;
-        MultiParams {
+        let mut p = MultiParams {
             sessions,
             burst_bytes: 1_000_000,
             mean_gap: Duration::from_micros(11_400),
@@ -569,13 +604,61 @@ impl MultiParams {
             warmup: Duration::from_millis(5),
             link: LinkConfig::default(),
             switch_buffer_bytes: 128 * 1024,
-            chunk_bytes: 65_536,
+            framing: Framing::Paper,
+            chunk_bytes: 0,
             transport,
             seed,
+        };
+        p.set_framing(Framing::Paper);
+        p
+    }
+
+    /// Cuts the bursts as `framing` says: message size, header rule, MTU and packing.
+    pub fn set_framing(&mut self, framing: Framing) {
+        let (chunk_bytes, _, mtu, pack) = framing.settings();
+        self.framing = framing;
+        self.chunk_bytes = chunk_bytes;
+        self.transport.mtu = mtu;
+        self.transport.pack_messages = pack;
+    }
+
+    /// Offered load over the receiver's link counted in the bytes the line carries: the bursts in
+    /// their frames with the per-frame overhead ([`MultiParams::burst_wire_bytes`]).
+    pub fn line_utilization(&self) -> f64 {
+        self.utilization() * self.burst_wire_bytes() as f64 / self.burst_bytes.max(1) as f64
+    }
+
+    /// Bytes one burst takes on the line when nothing is lost: its messages' data and headers in
+    /// the frames the transport cuts them into, each frame with the link's per-frame overhead
+    /// (packing of a message's tail with the next one's head left out).
+    pub fn burst_wire_bytes(&self) -> u64 {
+        let (_, header, _, _) = self.framing.settings();
+        let frame_header = lanbus_wire::ethernet::HEADER_LEN
+            + lanbus_wire::frame::HEADER_LEN
+            + lanbus_wire::frame::RECORD_HEADER_LEN
+            + self.link.overhead_bytes;
+        let fragment =
+            self.transport.mtu - lanbus_wire::frame::HEADER_LEN - lanbus_wire::frame::RECORD_HEADER_LEN;
+        let message = |len: usize| (len + len.div_ceil(fragment).max(1) * frame_header) as u64;
+        let chunk = self.chunk_bytes.max(crate::host::BURST_HEADER_LEN + 1);
+        match header {
+            BurstHeader::FirstMessage => {
+                let total = self.burst_bytes.max(crate::host::BURST_HEADER_LEN);
+                let full = total / chunk;
+                let rest = total % chunk;
+                full as u64 * message(chunk) + if rest > 0 { message(rest) } else { 0 }
+            }
+            BurstHeader::EveryMessage => {
+                let room = chunk - crate::host::BURST_HEADER_LEN;
+                let (full, rest) = (self.burst_bytes / room, self.burst_bytes % room);
+                let with_header = |n: usize| message(n + crate::host::BURST_HEADER_LEN);
+                full as u64 * with_header(room) + if rest > 0 { with_header(rest) } else { 0 }
+            }
         }
     }
 
-    /// Offered load over the receiver's link: sessions × burst rate / link rate.
+    /// Offered load over the receiver's link in the paper's terms: sessions × burst bytes per
+    /// mean gap / link rate (each of the paper's sessions is 0.7 Gbit/s of data).
     pub fn utilization(&self) -> f64 {
         f64::from(self.sessions) * self.burst_bytes as f64 * 8.0
             / self.mean_gap.as_secs_f64()
@@ -588,16 +671,18 @@ impl MultiParams {
 pub struct MultiPoint {
     /// Sessions.
     pub sessions: u16,
-    /// Offered utilisation of the switch output port.
+    /// Offered utilisation of the switch output port ([`MultiParams::utilization`]).
     pub utilization: f64,
+    /// The same counted in the frames on the line ([`MultiParams::line_utilization`]).
+    pub line_utilization: f64,
     /// Whether rate control was on.
     pub rate_control: bool,
     /// Mean over bursts of (burst at access rate) / (actual completion time).
     pub mean_ratio: f64,
     /// 10th percentile of the same.
     pub p10_ratio: f64,
-    /// The mean ratio the same bursts get from an ideal fabric ([`ideal_sharing`]): the most any
-    /// control can reach.
+    /// The mean ratio the same bursts get from an ideal fabric ([`ideal_sharing`]): equal shares
+    /// of the port, nothing lost.
     pub ideal_mean_ratio: f64,
     /// Bursts counted.
     pub bursts: usize,
@@ -622,7 +707,7 @@ pub fn multi_session_point(p: &MultiParams, progress: &mut dyn FnMut(f64)) -> Mu
     let sink_mac = host_mac(0);
     let sink = sim.add_node(FigureHost::BurstSink(Host::new(
         Endpoint::new(p.transport.clone(), sink_mac, Instant::ZERO),
-        BurstSink::default(),
+        BurstSink::new(p.framing.settings().1),
     )));
     let port = sim.connect_to_switch(sink, sw, p.link.clone());
     sim.add_route(sw, sink_mac, port);
@@ -634,7 +719,7 @@ pub fn multi_session_point(p: &MultiParams, progress: &mut dyn FnMut(f64)) -> Mu
         let arrivals = PoissonBursts::new(seed, Instant::ZERO, p.burst_bytes, p.mean_gap, stop);
         let node = sim.add_node(FigureHost::Bursts(Host::new(
             Endpoint::new(p.transport.clone(), mac, Instant::ZERO),
-            BurstSource::new(sink_mac, 0, p.chunk_bytes, arrivals),
+            BurstSource::new(sink_mac, 0, p.chunk_bytes, arrivals).with_header(p.framing.settings().1),
         )));
         let port = sim.connect_to_switch(node, sw, p.link.clone());
         sim.add_route(sw, mac, port);
@@ -651,7 +736,9 @@ pub fn multi_session_point(p: &MultiParams, progress: &mut dyn FnMut(f64)) -> Mu
     progress(1.0);
 
     let warm = Instant::ZERO + p.warmup;
-    let ideal = crate::serialisation(p.burst_bytes, p.link.rate_bps).as_secs_f64();
+    // The ideal time of a burst: its frames back to back at the access rate.
+    let burst_bits = p.burst_wire_bytes() as f64 * 8.0;
+    let ideal = burst_bits / p.link.rate_bps as f64;
     let mut ratios = Samples::new();
     let done = match sim.node(sink) {
         FigureHost::BurstSink(h) => h.app.done.clone(),
@@ -683,10 +770,11 @@ pub fn multi_session_point(p: &MultiParams, progress: &mut dyn FnMut(f64)) -> Mu
         sessions.push(arrivals);
     }
     let ideal_mean_ratio =
-        ideal_sharing(&sessions, p.burst_bytes as f64 * 8.0, p.link.rate_bps as f64, secs(warm), secs(stop));
+        ideal_sharing(&sessions, burst_bits, p.link.rate_bps as f64, secs(warm), secs(stop));
     MultiPoint {
         sessions: p.sessions,
         utilization: p.utilization(),
+        line_utilization: p.line_utilization(),
         rate_control: p.transport.rate.enabled,
         mean_ratio: ratios.mean().unwrap_or(f64::NAN),
         p10_ratio: ratios.percentile(10.0).unwrap_or(f64::NAN),
@@ -705,7 +793,9 @@ pub fn multi_session_point(p: &MultiParams, progress: &mut dyn FnMut(f64)) -> Mu
 /// one after another, nothing lost, no overhead. The ratio is the simulation's: a burst's time at
 /// the full rate over its time from offer to completion, for bursts offered in `[warm, stop)`.
 /// Sharing alone keeps it below 1 (with Poisson arrivals at utilisation u, a burst's mean time
-/// is its ideal time over 1 - u), so this is the ceiling any congestion control can reach.
+/// is its ideal time over 1 - u). It is what fair sharing gives without loss or overhead; when
+/// the port is offered more than it carries, a control that lets some bursts finish first (each
+/// flow's ACK clock) gets a higher mean than equal shares do.
 pub fn ideal_sharing(sessions: &[Vec<f64>], burst_bits: f64, rate_bps: f64, warm: f64, stop: f64) -> f64 {
     let ideal = burst_bits / rate_bps;
     // Per session: the index of its head burst and, while it is under way, the bits left.
@@ -759,7 +849,23 @@ pub fn ideal_sharing(sessions: &[Vec<f64>], burst_bits: f64, rate_bps: f64, warm
 
 #[cfg(test)]
 mod ideal_tests {
-    use super::ideal_sharing;
+    use super::{ideal_sharing, Framing, MultiParams};
+    use core::time::Duration;
+
+    #[test]
+    fn a_burst_on_the_line_is_its_frames_with_their_overhead() {
+        let mut p = MultiParams::paper(1, false, Duration::from_millis(10), 1);
+        // 7812 TLPs of 128 bytes and one of 64, each with 14 + 40 + 4 bytes of headers and 24 of
+        // preamble, FCS and gap.
+        assert_eq!(p.burst_wire_bytes(), 7812 * (128 + 82) + (64 + 82));
+        let ratio = p.line_utilization() / p.utilization();
+        assert!((ratio - 1.640666).abs() < 1e-9, "{ratio}");
+        // 15 messages of 65 512 burst bytes and one of 17 320, each with its 24-byte header, in
+        // fragments of 1456 bytes: 46 frames each, and 12.
+        p.set_framing(Framing::Jumbo);
+        assert_eq!((p.chunk_bytes, p.transport.mtu, p.transport.pack_messages), (65_536, 1500, true));
+        assert_eq!(p.burst_wire_bytes(), 15 * (65_536 + 46 * 82) + (17_344 + 12 * 82));
+    }
 
     #[test]
     fn alone_a_burst_gets_the_full_rate_and_two_at_once_share_it() {

@@ -79,7 +79,9 @@ fn fig2_selective_repeat_keeps_goodput_at_1e2_and_the_tail_short_at_1e3() {
 #[test]
 fn fig3_without_rate_control_the_switch_drops_and_with_it_the_slowest_bursts_do_better() {
     let duration = Duration::from_millis(150);
-    for sessions in [5u16, 7] {
+    // In the paper's frames a session keeps at most its window of 128 TLPs (24 KB) in flight, so
+    // the 128 KiB buffer overflows only when six or more bursts overlap (here from 8 sessions on).
+    for sessions in [8u16, 9] {
         let off = multi_session_point(&MultiParams::paper(sessions, false, duration, 1), &mut |_| {});
         let on = multi_session_point(&MultiParams::paper(sessions, true, duration, 1), &mut |_| {});
         println!("{off:?}\n{on:?}");
@@ -92,8 +94,10 @@ fn fig3_without_rate_control_the_switch_drops_and_with_it_the_slowest_bursts_do_
         assert!(on.p10_ratio > off.p10_ratio, "the slowest bursts do better: {on:?} vs {off:?}");
         assert!(on.mean_ratio > 0.95 * off.mean_ratio, "{on:?} vs {off:?}");
     }
-    // Alone on the switch, a burst runs at nearly the access rate.
+    // Alone on the switch, a burst runs at the access rate: only waiting for the same session's
+    // previous burst keeps the ratio below 1, as on the ideal fabric.
     let alone = multi_session_point(&MultiParams::paper(1, false, duration, 1), &mut |_| {});
-    assert!(alone.p10_ratio > 0.9, "{alone:?}");
+    assert!(alone.mean_ratio > 0.99 * alone.ideal_mean_ratio, "{alone:?}");
+    assert!(alone.mean_ratio <= 1.0, "{alone:?}");
     assert_eq!(alone.switch_drops, 0);
 }
