@@ -24,6 +24,7 @@
 //! resets).
 #![deny(missing_docs)]
 
+mod buffers;
 pub mod client;
 pub mod device;
 #[cfg(any(fuzzing, test))]

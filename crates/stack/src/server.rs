@@ -34,6 +34,7 @@ use smoltcp::socket::{tcp, udp};
 use smoltcp::time::Instant;
 use smoltcp::wire::{EthernetAddress, HardwareAddress, IpAddress, IpCidr, IpEndpoint};
 
+use crate::buffers::BufferPool;
 use crate::device::PortDevice;
 use crate::proto::{Msg, HEADER_LEN};
 use crate::share::{Claimed, ClientId, Shares};
@@ -49,6 +50,10 @@ const EPHEMERAL: u16 = 49152;
 const MAX_UNREPORTED_FORKS: usize = 64;
 /// How long the loop keeps polling after the last work before it sleeps.
 const SPIN: Duration = Duration::from_micros(100);
+/// How long a connection's own port stays taken after the connection left TIME-WAIT early
+/// (smoltcp's TIME-WAIT lasts as long), so that no new connection from it meets the old one's
+/// late segments.
+const TIME_WAIT: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(10);
 
 /// Settings of a server.
 #[derive(Debug, Clone)]
@@ -368,6 +373,8 @@ struct Conn {
     seen_send_queue: usize,
     seen_recv_queue: usize,
     seen_state: tcp::State,
+    /// An orphan seen in TIME-WAIT by an earlier look: freed at the next.
+    time_wait_seen: bool,
     /// The ephemeral port this connection took (connections a listener accepted share its port).
     own_port: Option<u16>,
     /// A zero-copy connection's shared send buffer.
@@ -415,6 +422,10 @@ struct Core {
     iface: Interface,
     dev: PortDevice,
     sockets: SocketSet<'static>,
+    /// The TCP sockets' buffers: declared after `sockets`, which borrow them, so dropped after.
+    buffers: BufferPool,
+    /// Own ports of connections freed in TIME-WAIT, and when each is free again.
+    time_wait_ports: VecDeque<(Instant, u16)>,
     config: ServerConfig,
     listener: UnixListener,
     me: (u32, u32),
@@ -496,6 +507,8 @@ impl Core {
             iface,
             dev,
             sockets: SocketSet::new(Vec::new()),
+            buffers: BufferPool::new(config.tcp_buffer_bytes),
+            time_wait_ports: VecDeque::new(),
             config,
             listener,
             me: own_ids(),
@@ -872,15 +885,26 @@ impl Core {
         None
     }
 
-    fn tcp_socket(&self) -> tcp::Socket<'static> {
-        let n = self.config.tcp_buffer_bytes;
-        self.tcp_socket_with(tcp::SocketBuffer::new(vec![0; n]))
-    }
-
-    /// A TCP socket with the server's settings and `tx` as its send buffer.
-    fn tcp_socket_with(&self, tx: tcp::SocketBuffer<'static>) -> tcp::Socket<'static> {
-        let n = self.config.tcp_buffer_bytes;
-        let mut s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; n]), tx);
+    /// A TCP socket with the server's settings and buffers from the pool (`tx`, if given, as
+    /// its send buffer instead), and the mappings it borrows: hand both to
+    /// [`add_tcp`](Self::add_tcp), or drop the socket and then recycle the mappings.
+    fn tcp_socket(&mut self, tx: Option<tcp::SocketBuffer<'static>>) -> (tcp::Socket<'static>, Vec<Region>) {
+        let mut lent = Vec::new();
+        // SAFETY: the mappings go back to the caller with the socket, which `add_tcp` keeps
+        // lent until the socket leaves the set (`remove_tcp`), or which the caller recycles
+        // after dropping the socket.
+        let (rx, r) = unsafe { self.buffers.take() };
+        lent.extend(r);
+        let tx = match tx {
+            Some(tx) => tx,
+            None => {
+                // SAFETY: as above.
+                let (tx, r) = unsafe { self.buffers.take() };
+                lent.extend(r);
+                tx
+            }
+        };
+        let mut s = tcp::Socket::new(rx, tx);
         s.set_congestion_control(tcp::CongestionControl::Cubic);
         s.set_nagle_enabled(false);
         s.set_ack_delay(None);
@@ -888,7 +912,20 @@ impl Core {
         // often enough that a live peer always answers in time.
         s.set_keep_alive(Some(self.config.keep_alive.min(self.config.timeout / 3).into()));
         s.set_timeout(Some(self.config.timeout.into()));
-        s
+        (s, lent)
+    }
+
+    /// Puts a socket made by [`tcp_socket`](Self::tcp_socket) in the set.
+    fn add_tcp(&mut self, (s, lent): (tcp::Socket<'static>, Vec<Region>)) -> SocketHandle {
+        let h = self.sockets.add(s);
+        self.buffers.lend(h, lent);
+        h
+    }
+
+    /// Removes a TCP socket from the set and takes its buffers back.
+    fn remove_tcp(&mut self, h: SocketHandle) {
+        drop(self.sockets.remove(h));
+        self.buffers.give_back(h);
     }
 
     /// Opens a connection for client `id`'s request `req`; `zc` is its shared send buffer.
@@ -897,26 +934,26 @@ impl Core {
             self.reply(id, Msg::Failed { req, errno: libc::EADDRNOTAVAIL });
             return;
         };
-        let mut s = match &zc {
-            None => self.tcp_socket(),
-            Some(zc) => {
-                // SAFETY: the slice is the whole mapping `zc.region`, which the connection keeps
-                // until its socket is removed from the set (see `ZeroCopy::region`). The client
-                // may write it at any time: what it writes is its own stream's bytes, which the
-                // stack only copies into frames, so a misbehaving client garbles only its stream.
-                let buf = unsafe { std::slice::from_raw_parts_mut(zc.region.as_ptr(), zc.region.len()) };
-                self.tcp_socket_with(tcp::SocketBuffer::new(buf))
-            }
-        };
+        let tx = zc.as_ref().map(|zc| {
+            // SAFETY: the slice is the whole mapping `zc.region`, which the connection keeps
+            // until its socket is removed from the set (see `ZeroCopy::region`). The client
+            // may write it at any time: what it writes is its own stream's bytes, which the
+            // stack only copies into frames, so a misbehaving client garbles only its stream.
+            let buf = unsafe { std::slice::from_raw_parts_mut(zc.region.as_ptr(), zc.region.len()) };
+            tcp::SocketBuffer::new(buf)
+        });
+        let (mut s, lent) = self.tcp_socket(tx);
         let remote = IpEndpoint::new(ip_address(to.ip()), to.port());
         if let Err(e) = s.connect(self.iface.context(), remote, local_port) {
             tracing::debug!("connect to {to}: {e}");
+            drop(s);
+            self.buffers.recycle(lent);
             let errno =
                 if to.port() == 0 || to.ip().is_unspecified() { libc::EINVAL } else { libc::ENETUNREACH };
             self.reply(id, Msg::Failed { req, errno });
             return;
         }
-        let sock = self.sockets.add(s);
+        let sock = self.add_tcp((s, lent));
         self.ports_in_use.insert(local_port);
         self.counters.connections_opened += 1;
         let h = self.new_handle();
@@ -1037,11 +1074,13 @@ impl Core {
                 }
                 let mut waiting = Vec::new();
                 for _ in 0..backlog.clamp(1, 128) {
-                    let mut s = self.tcp_socket();
+                    let (mut s, lent) = self.tcp_socket(None);
                     if s.listen(port).is_err() {
+                        drop(s);
+                        self.buffers.recycle(lent);
                         break;
                     }
-                    waiting.push(self.sockets.add(s));
+                    waiting.push(self.add_tcp((s, lent)));
                 }
                 self.ports_in_use.insert(port);
                 let h = self.new_handle();
@@ -1236,7 +1275,7 @@ impl Core {
                 if let Some(Handle::Listener(l)) = self.handles.remove(&h) {
                     for s in l.waiting {
                         self.sockets.get_mut::<tcp::Socket>(s).abort();
-                        self.sockets.remove(s);
+                        self.remove_tcp(s);
                     }
                     self.ports_in_use.remove(&l.port);
                     self.dev.backlog_room.remove(&l.port);
@@ -1346,8 +1385,18 @@ impl Core {
                         }
                         self.shares.forget(h, errno);
                     }
-                    if s.state() == tcp::State::Closed && c.orphan {
+                    if c.orphan && s.state() == tcp::State::Closed {
                         free.push(h);
+                    } else if c.orphan && s.state() == tcp::State::TimeWait {
+                        // Nobody holds it and its last ACK went out in the poll that followed
+                        // the last look: a socket left for smoltcp's ten seconds of TIME-WAIT
+                        // would keep its buffers, and every later segment would be matched
+                        // against it, so that at thousands of connections a second the loop
+                        // spent its time on the dead ones.
+                        if c.time_wait_seen {
+                            free.push(h);
+                        }
+                        c.time_wait_seen = true;
                     }
                 }
                 Some(Handle::Listener(l)) => {
@@ -1407,9 +1456,9 @@ impl Core {
             }
         }
         for (listener, client, port, slot) in accepted {
-            let mut fresh = self.tcp_socket();
+            let (mut fresh, lent) = self.tcp_socket(None);
             let _ = fresh.listen(port);
-            let fresh = self.sockets.add(fresh);
+            let fresh = self.add_tcp((fresh, lent));
             if let Some(Handle::Listener(l)) = self.handles.get_mut(&listener) {
                 if let Some(w) = l.waiting.iter_mut().find(|w| **w == slot) {
                     *w = fresh;
@@ -1427,12 +1476,24 @@ impl Core {
         }
         for h in free {
             if let Some(Handle::Conn(c)) = self.handles.remove(&h) {
-                self.sockets.remove(c.sock);
+                let in_time_wait = self.sockets.get::<tcp::Socket>(c.sock).state() == tcp::State::TimeWait;
+                self.remove_tcp(c.sock);
                 if let Some(port) = c.own_port {
-                    self.ports_in_use.remove(&port);
+                    if in_time_wait {
+                        self.time_wait_ports.push_back((t + TIME_WAIT, port));
+                    } else {
+                        self.ports_in_use.remove(&port);
+                    }
                 }
                 self.counters.connections_freed += 1;
             }
+        }
+        while let Some(&(until, port)) = self.time_wait_ports.front() {
+            if until > t {
+                break;
+            }
+            self.time_wait_ports.pop_front();
+            self.ports_in_use.remove(&port);
         }
     }
 
@@ -1501,6 +1562,7 @@ impl Conn {
             seen_send_queue: 0,
             seen_recv_queue: 0,
             seen_state: tcp::State::Closed,
+            time_wait_seen: false,
             zc: None,
         }
     }
