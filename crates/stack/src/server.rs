@@ -48,7 +48,8 @@ pub const RECV_CREDIT: u64 = 4 << 20;
 const EPHEMERAL: u16 = 49152;
 /// Fork tickets a client may have made without reporting their child (`Forked`).
 const MAX_UNREPORTED_FORKS: usize = 64;
-/// How long the loop keeps polling after the last work before it sleeps.
+/// How long the loop keeps polling after the last work before it sleeps, when a CPU is spare
+/// (see [`crate::spare_cpu`]).
 const SPIN: Duration = Duration::from_micros(100);
 /// How long a connection's own port stays taken after the connection left TIME-WAIT early
 /// (smoltcp's TIME-WAIT lasts as long), so that no new connection from it meets the old one's
@@ -551,6 +552,8 @@ impl Core {
 
     fn run(&mut self, stop: &AtomicBool, status: &Mutex<ServerStatus>) {
         let mut idle_since = std::time::Instant::now();
+        // Whether this idle spell may poll (looked up once per spell).
+        let mut may_spin: Option<bool> = None;
         let mut last_status = std::time::Instant::now() - Duration::from_secs(1);
         // Relaxed: a flag polled every iteration.
         while !stop.load(Ordering::Relaxed) {
@@ -583,7 +586,8 @@ impl Core {
             }
             if self.busy {
                 idle_since = std::time::Instant::now();
-            } else if idle_since.elapsed() >= SPIN {
+                may_spin = None;
+            } else if idle_since.elapsed() >= SPIN || !*may_spin.get_or_insert_with(crate::spare_cpu) {
                 self.sleep();
             } else {
                 std::thread::yield_now();
