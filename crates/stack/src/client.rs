@@ -825,6 +825,16 @@ impl TcpStream {
         inner.send_control(&mut st, &Msg::Shutdown { conn: self.conn })
     }
 
+    /// Corks the connection (`TCP_CORK`, tcp(7)) or uncorks it: while corked, the stack holds
+    /// what is written back until it fills segments, the connection is shut down or closed, it
+    /// is uncorked, or 200 ms passed; a response written in pieces and then closed leaves with
+    /// its FIN.
+    pub fn set_cork(&self, corked: bool) -> io::Result<()> {
+        let inner = &self.client.inner;
+        let mut st = inner.lock();
+        inner.send_control(&mut st, &Msg::Cork { conn: self.conn, corked })
+    }
+
     /// Waits until every byte written has gone into the stack (not necessarily acknowledged).
     pub fn drain(&self) -> io::Result<()> {
         let inner = &self.client.inner;

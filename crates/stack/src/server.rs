@@ -55,6 +55,10 @@ const SPIN: Duration = Duration::from_micros(100);
 /// (smoltcp's TIME-WAIT lasts as long), so that no new connection from it meets the old one's
 /// late segments.
 const TIME_WAIT: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(10);
+/// How long a corked connection holds bytes back at most (Linux's ceiling, tcp(7)).
+const CORK_CEILING: smoltcp::time::Duration = smoltcp::time::Duration::from_millis(200);
+/// Bytes a corked connection holds back at most: beyond them full segments go out.
+const CORK_BYTES: usize = 64 << 10;
 
 /// Settings of a server.
 #[derive(Debug, Clone)]
@@ -376,6 +380,9 @@ struct Conn {
     seen_state: tcp::State,
     /// An orphan seen in TIME-WAIT by an earlier look: freed at the next.
     time_wait_seen: bool,
+    /// Corked (`TCP_CORK`) since then: bytes wait in `pending` until they fill `CORK_BYTES`,
+    /// the connection is shut down, it is uncorked, or `CORK_CEILING` passed.
+    corked: Option<Instant>,
     /// The ephemeral port this connection took (connections a listener accepted share its port).
     own_port: Option<u16>,
     /// A zero-copy connection's shared send buffer.
@@ -427,6 +434,8 @@ struct Core {
     buffers: BufferPool,
     /// Own ports of connections freed in TIME-WAIT, and when each is free again.
     time_wait_ports: VecDeque<(Instant, u16)>,
+    /// When the first corked connection holding bytes reaches the ceiling.
+    cork_due: Option<Instant>,
     config: ServerConfig,
     listener: UnixListener,
     me: (u32, u32),
@@ -510,6 +519,7 @@ impl Core {
             sockets: SocketSet::new(Vec::new()),
             buffers: BufferPool::new(config.tcp_buffer_bytes),
             time_wait_ports: VecDeque::new(),
+            cork_due: None,
             config,
             listener,
             me: own_ids(),
@@ -600,6 +610,9 @@ impl Core {
         let t = now(self.start);
         let mut delay =
             self.iface.poll_delay(t, &self.sockets).map_or(100_000, |d| d.total_micros()).min(100_000);
+        if let Some(due) = self.cork_due {
+            delay = delay.min(if due > t { (due - t).total_micros() } else { 0 });
+        }
         for c in self.clients.values_mut() {
             if std::mem::take(&mut c.blocked) {
                 delay = delay.min(500);
@@ -1139,9 +1152,10 @@ impl Core {
                 }
                 self.counters.tx_bytes += data.len() as u64;
                 // Straight from the client's ring into smoltcp's send buffer when nothing waits
-                // before these bytes; only what does not fit is kept aside.
+                // before these bytes and the connection is not corked; only what does not fit
+                // (or is held back) is kept aside.
                 let Some(Handle::Conn(c)) = self.handles.get_mut(&conn) else { return Ok(()) };
-                let taken = if c.pending.is_empty() {
+                let taken = if c.pending.is_empty() && c.corked.is_none() {
                     self.sockets.get_mut::<tcp::Socket>(c.sock).send_slice(data).unwrap_or(0)
                 } else {
                     0
@@ -1225,6 +1239,12 @@ impl Core {
                         tracing::info!("stack client {id} (pid {pid}): fork ticket refused: {why:?}");
                         self.reply(id, Msg::Failed { req, errno: libc::EPERM });
                     }
+                }
+            }
+            Msg::Cork { conn, corked } => {
+                if let Some(Handle::Conn(c)) = self.owned(id, conn) {
+                    c.corked = if corked { Some(c.corked.unwrap_or(t)) } else { None };
+                    self.busy |= !corked;
                 }
             }
             Msg::Want { handle } => {
@@ -1357,6 +1377,7 @@ impl Core {
         let hs: Vec<u32> = self.handles.keys().copied().collect();
         let mut free = Vec::new();
         let mut accepted = Vec::new();
+        self.cork_due = None;
         for h in hs {
             match self.handles.get_mut(&h) {
                 Some(Handle::Conn(c)) => {
@@ -1372,6 +1393,10 @@ impl Core {
                     let client = reader.and_then(|r| self.clients.get_mut(&r));
                     if service_conn(h, c, s, client, t, &mut self.counters, self.config.timeout) {
                         self.busy = true;
+                    }
+                    if let Some(since) = c.corked.filter(|_| !c.pending.is_empty()) {
+                        let due = since + CORK_CEILING;
+                        self.cork_due = Some(self.cork_due.map_or(due, |d| d.min(due)));
                     }
                     // Send credit goes back to whoever wrote the bytes.
                     for (owner, bytes) in c.unreported.drain(..) {
@@ -1569,6 +1594,7 @@ impl Conn {
             seen_recv_queue: 0,
             seen_state: tcp::State::Closed,
             time_wait_seen: false,
+            corked: None,
             zc: None,
         }
     }
@@ -1634,8 +1660,16 @@ fn move_bytes(
     timeout: Duration,
 ) -> bool {
     let mut moved = false;
+    // A corked connection's bytes wait until they would fill segments, the end follows them, or
+    // the ceiling passed.
+    let held =
+        c.corked.is_some_and(|since| t < since + CORK_CEILING) && !c.shutdown && c.pending.len() < CORK_BYTES;
+    if !held && c.corked.is_some() && !c.pending.is_empty() {
+        // Sent as Linux sends at the ceiling; the next bytes are held anew.
+        c.corked = Some(t);
+    }
     // The client's bytes into smoltcp's send buffer.
-    while !c.pending.is_empty() && s.can_send() {
+    while !held && !c.pending.is_empty() && s.can_send() {
         let (a, _) = c.pending.as_slices();
         let n = s.send_slice(a).unwrap_or(0);
         if n == 0 {
