@@ -417,6 +417,8 @@ struct Listener {
     port: u16,
     /// smoltcp sockets listening on the port (one per backlog slot).
     waiting: Vec<SocketHandle>,
+    /// Slots whose connection is established and not yet taken, oldest first.
+    established: VecDeque<SocketHandle>,
     /// The holders were told (`Pending`) that a connection waits for a taker, and none was
     /// taken since.
     announced: bool,
@@ -1103,7 +1105,15 @@ impl Core {
                 }
                 self.ports_in_use.insert(port);
                 let h = self.new_handle();
-                self.handles.insert(h, Handle::Listener(Listener { port, waiting, announced: false }));
+                self.handles.insert(
+                    h,
+                    Handle::Listener(Listener {
+                        port,
+                        waiting,
+                        established: VecDeque::new(),
+                        announced: false,
+                    }),
+                );
                 self.shares.open(h, id);
                 self.reply(
                     id,
@@ -1431,9 +1441,8 @@ impl Core {
                     }
                 }
                 Some(Handle::Listener(l)) => {
-                    let mut untaken = false;
                     let mut room = 0;
-                    for slot in l.waiting.iter_mut() {
+                    for slot in l.waiting.iter() {
                         let s = self.sockets.get_mut::<tcp::Socket>(*slot);
                         match s.state() {
                             tcp::State::Listen => room += 1,
@@ -1444,17 +1453,36 @@ impl Core {
                                 room += 1;
                             }
                             _ => {
-                                // Shared: it waits in the backlog until a holder asks for one.
-                                if let Some(client) = self.shares.take_accepter(h) {
-                                    accepted.push((h, client, l.port, *slot));
-                                    l.announced = false;
-                                    // A fresh slot listens in its place below.
-                                    room += 1;
-                                } else {
-                                    untaken = true;
+                                if !l.established.contains(slot) {
+                                    l.established.push_back(*slot);
                                 }
                             }
                         }
+                    }
+                    // A connection reset before it was taken waits no more (its slot listens
+                    // again, above).
+                    let sockets = &self.sockets;
+                    l.established.retain(|slot| {
+                        !matches!(
+                            sockets.get::<tcp::Socket>(*slot).state(),
+                            tcp::State::Listen | tcp::State::SynReceived | tcp::State::Closed
+                        )
+                    });
+                    // Shared: a connection waits in the backlog until a holder asks for one, and
+                    // they are handed out in the order they were established (a kernel's accept
+                    // queue is one): in slot order, a connection in a late slot waited while the
+                    // early slots, refilled, were served again and again.
+                    let mut untaken = false;
+                    while let Some(&slot) = l.established.front() {
+                        let Some(client) = self.shares.take_accepter(h) else {
+                            untaken = true;
+                            break;
+                        };
+                        l.established.pop_front();
+                        accepted.push((h, client, l.port, slot));
+                        l.announced = false;
+                        // A fresh slot listens in its place below.
+                        room += 1;
                     }
                     self.dev.backlog_room.insert(l.port, room);
                     if untaken && !l.announced {
