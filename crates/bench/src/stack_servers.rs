@@ -3,7 +3,11 @@
 //! request per connection (`nginx-close:...`, requests/s and p99 latency), and memcached
 //! (`-t 4`) under `memcslap -t get` (`memcached:...`, gets/s). Each server runs through the
 //! preload library on the stack server's address and, the peer row, on Linux's TCP at the
-//! kernel's address on the same veth; the load comes from the other namespace.
+//! kernel's address on the same veth; the load comes from the other namespace. Each row also
+//! carries the machine's CPU time per request (`cpu_us_per_request`: every CPU's busy time over
+//! the run, the load generator's and both stacks' included, over the requests done): on a veth,
+//! Linux's TCP work for the server runs partly in the load generator's context, so only the
+//! whole machine's time compares fairly.
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -66,6 +70,34 @@ fn wrk_figure(out: &str, label: &str) -> Option<f64> {
         (value, 1.0)
     };
     num.parse::<f64>().ok().map(|n| n * scale)
+}
+
+/// Busy CPU seconds of the whole machine so far (`/proc/stat`'s first line: all but idle and
+/// iowait).
+fn machine_busy_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let fields: Vec<f64> =
+        stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|f| f.parse().ok()).collect();
+    let busy: f64 =
+        fields.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, v)| v).sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    busy / hz
+}
+
+/// Requests wrk reports done (`N requests in T`).
+fn wrk_requests(out: &str) -> Option<f64> {
+    let line = out.lines().map(str::trim).find(|l| l.contains(" requests in "))?;
+    line.split_whitespace().next()?.parse().ok()
+}
+
+/// Operations memcslap reports (`Time to set N keys` and `Time to get N keys by M threads`).
+fn memcslap_ops(out: &str) -> Option<f64> {
+    let count = |what: &str| -> Option<f64> {
+        let line = out.lines().find(|l| l.starts_with(what))?;
+        line.split_whitespace().nth(3)?.parse().ok()
+    };
+    Some(count("Time to set").unwrap_or(0.0) + count("Time to get")?)
 }
 
 /// Gets per second from memcslap's `Time to get N keys by M threads: T seconds.`.
@@ -161,14 +193,20 @@ impl Servers<'_> {
         for (through_stack, ip, tag) in [(true, self.stack_ip, "stack"), (false, self.linux_ip, "linux")] {
             let _nginx = self.nginx(through_stack, ip, port)?;
             let url = format!("http://{ip}:{port}/index.html");
-            let out = self.wrk(&url, false)?;
-            let rate = wrk_figure(&out, "Requests/sec:").context("wrk's requests/s")?;
-            figures.push((format!("nginx:{tag}"), "requests_per_s", rate));
-            let out = self.wrk(&url, true)?;
-            let rate = wrk_figure(&out, "Requests/sec:").context("wrk's requests/s")?;
-            figures.push((format!("nginx-close:{tag}"), "requests_per_s", rate));
-            let p99 = wrk_figure(&out, "99%").context("wrk's 99th percentile")?;
-            figures.push((format!("nginx-close:{tag}"), "p99_ms", p99));
+            for (close, row) in [(false, "nginx"), (true, "nginx-close")] {
+                let busy = machine_busy_s();
+                let out = self.wrk(&url, close)?;
+                let busy = machine_busy_s() - busy;
+                let rate = wrk_figure(&out, "Requests/sec:").context("wrk's requests/s")?;
+                figures.push((format!("{row}:{tag}"), "requests_per_s", rate));
+                if close {
+                    let p99 = wrk_figure(&out, "99%").context("wrk's 99th percentile")?;
+                    figures.push((format!("{row}:{tag}"), "p99_ms", p99));
+                }
+                if let Some(n) = wrk_requests(&out).filter(|&n| n > 0.0) {
+                    figures.push((format!("{row}:{tag}"), "cpu_us_per_request", busy * 1e6 / n));
+                }
+            }
             drop(_nginx);
             let memcached = self
                 .command("memcached", through_stack)
@@ -190,6 +228,7 @@ impl Servers<'_> {
                 .context("memcached (Debian package memcached; scripts/setup installs it)")?;
             let _memcached = Stopped(memcached);
             self.wait_for(ip, port + 1)?;
+            let busy = machine_busy_s();
             let out = self
                 .far
                 .command("memcslap")
@@ -201,8 +240,12 @@ impl Servers<'_> {
             if said.contains("error") || said.contains("FAILURE") {
                 bail!("memcslap against {ip}: {said}");
             }
+            let busy = machine_busy_s() - busy;
             let rate = memcslap_rate(&said).with_context(|| format!("memcslap's report: {said}"))?;
             figures.push((format!("memcached:{tag}"), "gets_per_s", rate));
+            if let Some(n) = memcslap_ops(&said).filter(|&n| n > 0.0) {
+                figures.push((format!("memcached:{tag}"), "cpu_us_per_request", busy * 1e6 / n));
+            }
         }
         Ok(figures)
     }
@@ -223,6 +266,8 @@ mod tests {
         let slap = "Time to set            1000 keys:                     0.090 seconds.\n\
                     Time to get            4000 keys by    4 threads:     0.250 seconds.\n";
         assert_eq!(memcslap_rate(slap), Some(16000.0));
+        assert_eq!(memcslap_ops(slap), Some(5000.0));
+        assert_eq!(wrk_requests(wrk), Some(2.0));
         assert_eq!(memcslap_rate("Time to get 0 keys by 1 threads: 0.000 seconds.\n"), None);
     }
 }

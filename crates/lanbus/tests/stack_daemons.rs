@@ -12,7 +12,8 @@
 //! - a client killed mid-transfer: its connection ends at the peer, the server forgets it, and the
 //!   next client works;
 //! - real servers through the preload library and against Linux: nginx (a master and two
-//!   workers) under wrk and curl, with 10,000 connections dropped, clients and a worker killed;
+//!   workers) under wrk and curl, wrk beside a slow download (non-blocking writes that run out
+//!   of room), with 10,000 connections dropped, clients and a worker killed;
 //!   memcached (four threads) under memcslap; python's asyncio; nothing left in the server after.
 //!
 //! Without root it skips and says why.
@@ -1241,6 +1242,33 @@ fn nginx_through_the_preload_library_and_against_it() {
     eprintln!("nginx through the stack server: {keep_alive} requests kept alive, {one_each} one per connection in 3 s");
     assert!(keep_alive > 0 && one_each > 0);
     fetch_checked(&net, false, &format!("http://{STACK_IP}:8080/big.bin"), &fetched, &want);
+
+    // A slow download beside wrk: the worker's non-blocking writes to it run out of room (a
+    // short count or EAGAIN) and go on when EPOLLOUT says room returned, so the download keeps
+    // moving and the worker's event loop keeps serving the small page at half its rate or more.
+    let slow = net.dir.join("slow.bin");
+    let mut download = net
+        .linux
+        .command("curl")
+        .args(["-sS", "--limit-rate", "2M", "-o"])
+        .arg(&slow)
+        .arg(format!("http://{STACK_IP}:8080/big.bin"))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_first_mebibyte(&slow);
+    let slow_before = std::fs::metadata(&slow).unwrap().len();
+    let (beside_slow, _) = wrk(&net, false, &page, false, false);
+    let slow_after = std::fs::metadata(&slow).unwrap().len();
+    assert!(download.try_wait().unwrap().is_none(), "the 2 MiB/s download of 100 MiB ended early");
+    download.kill().unwrap();
+    download.wait().unwrap();
+    eprintln!(
+        "beside a 2 MiB/s download: {beside_slow} requests kept alive in 3 s (alone {keep_alive}); the download moved {} KiB",
+        (slow_after - slow_before) >> 10
+    );
+    assert!(2 * beside_slow >= keep_alive, "wrk beside a slow download: {beside_slow}, alone {keep_alive}");
+    assert!(slow_after >= slow_before + (1 << 20), "the slow download stalled while wrk ran");
 
     // 10,000 connections opened and dropped (at once, half-way through a request, by a reset,
     // without reading the answer).

@@ -40,9 +40,9 @@
 //! library), and sockets across `exec`: the new program cannot use them, close-on-exec or not,
 //! so the process lets go of them at the `exec` (`execve`, `execv`, `execvp` and `execvpe` are
 //! taken over for this; a program that execs by other means keeps them until it ends).
-//! Options: those the stack does already (`SO_REUSEADDR`, `SO_KEEPALIVE`, `TCP_NODELAY`) or
-//! that are hints with no effect on what a program reads or writes (buffer sizes, `TCP_CORK`,
-//! `TCP_DEFER_ACCEPT`, keep-alive timings, `IP_TOS`) are taken; one asking for behaviour the
+//! Options: those the stack does already (`SO_REUSEADDR`, `SO_KEEPALIVE`, `TCP_NODELAY`,
+//! `TCP_CORK` on a connection) or that are hints with no effect on what a program reads or
+//! writes (buffer sizes, `TCP_DEFER_ACCEPT`, keep-alive timings, `IP_TOS`) are taken; one asking for behaviour the
 //! stack lacks (`IPV6_V6ONLY`, `SO_LINGER` on, `SO_RCVTIMEO`/`SO_SNDTIMEO` non-zero,
 //! `SO_BROADCAST`) fails with `EOPNOTSUPP`, and any other with `ENOPROTOOPT`, each named once
 //! per process on stderr (`getsockopt` answers what Linux would for a default socket). So do
@@ -1505,8 +1505,9 @@ fn option_support(level: c_int, name: c_int, value: &[u8]) -> OptionSupport {
                 Taken
             }
         }
-        // Segments go out at once already (Nagle is off); corking, deferred accepts, quick
-        // ACKs, segment sizes and keep-alive timings are hints.
+        // Segments go out at once already (Nagle is off); deferred accepts, quick ACKs,
+        // segment sizes and keep-alive timings are hints. Corking is passed on to the stack
+        // (`setsockopt`).
         (
             libc::IPPROTO_TCP,
             libc::TCP_NODELAY
@@ -1587,9 +1588,18 @@ pub unsafe extern "C" fn setsockopt(
             return unsupported(&format!("setsockopt {}", option_name(level, name)), libc::ENOPROTOOPT)
         }
     }
-    // Kept for a socket that may still turn out to be the kernel's (loopback).
-    if let State::Fresh { opts, .. } = &mut *s.state.lock() {
-        opts.push((level, name, value.to_vec()));
+    match &mut *s.state.lock() {
+        // Kept for a socket that may still turn out to be the kernel's (loopback).
+        State::Fresh { opts, .. } => opts.push((level, name, value.to_vec())),
+        // Corking holds a response back until the program closes or uncorks (nginx corks a
+        // header and its file): the response and the FIN then leave together, and the peer
+        // sees the end before it has read the response, as from Linux.
+        State::Connected(stream) if (level, name) == (libc::IPPROTO_TCP, libc::TCP_CORK) => {
+            if let Err(e) = stream.set_cork(value.iter().any(|&b| b != 0)) {
+                return io_fail(&e);
+            }
+        }
+        _ => {}
     }
     0
 }

@@ -34,7 +34,8 @@ use crate::{hello, pipe_offset, Channel, CopyUnit};
 
 /// How long one wait slice lasts before the client checks that the server is still there.
 const SLICE: Duration = Duration::from_millis(20);
-/// How long a client polls its ring before it sleeps on its doorbell.
+/// How long a client polls its ring before it sleeps on its doorbell, when a CPU is spare (see
+/// [`crate::spare_cpu`]).
 const SPIN: Duration = Duration::from_micros(50);
 
 /// One per client: the size difference between the variants does not matter.
@@ -629,7 +630,7 @@ impl Inner {
 
     /// Waits (at most `slice`) for the server to send something, with the lock released.
     fn wait<'a>(&'a self, mut st: MutexGuard<'a, State>, slice: Duration) -> MutexGuard<'a, State> {
-        let spin_until = Instant::now() + SPIN;
+        let spin_until = Instant::now() + if crate::spare_cpu() { SPIN } else { Duration::ZERO };
         while Instant::now() < spin_until {
             if self.pump(&mut st) {
                 return st;
@@ -822,6 +823,16 @@ impl TcpStream {
         let inner = &self.client.inner;
         let mut st = inner.lock();
         inner.send_control(&mut st, &Msg::Shutdown { conn: self.conn })
+    }
+
+    /// Corks the connection (`TCP_CORK`, tcp(7)) or uncorks it: while corked, the stack holds
+    /// what is written back until it fills segments, the connection is shut down or closed, it
+    /// is uncorked, or 200 ms passed; a response written in pieces and then closed leaves with
+    /// its FIN.
+    pub fn set_cork(&self, corked: bool) -> io::Result<()> {
+        let inner = &self.client.inner;
+        let mut st = inner.lock();
+        inner.send_control(&mut st, &Msg::Cork { conn: self.conn, corked })
     }
 
     /// Waits until every byte written has gone into the stack (not necessarily acknowledged).

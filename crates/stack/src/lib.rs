@@ -24,6 +24,7 @@
 //! resets).
 #![deny(missing_docs)]
 
+mod buffers;
 pub mod client;
 pub mod device;
 #[cfg(any(fuzzing, test))]
@@ -34,6 +35,20 @@ mod share;
 
 #[cfg(test)]
 mod tests;
+
+/// Whether a CPU is spare for a thread to poll on: fewer threads runnable in the whole system
+/// than CPUs, by the kernel's count in `/proc/loadavg` (which includes the caller). A thread
+/// that waits for work polls only then: where every CPU has a runnable thread, a polling one
+/// takes CPU time from the thread whose work it waits for (nginx's workers, the load and the
+/// server on two CPUs kept the server off its CPU for half of each second).
+pub(crate) fn spare_cpu() -> bool {
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cpus = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let Ok(text) = std::fs::read_to_string("/proc/loadavg") else { return true };
+    // "0.50 0.40 0.30 RUNNABLE/THREADS LAST_PID"
+    let runnable = text.split_whitespace().nth(3).and_then(|f| f.split('/').next()?.parse::<usize>().ok());
+    runnable.is_none_or(|n| n < cpus)
+}
 
 /// How a client's bytes cross to the server: the copy unit and the channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -156,6 +156,15 @@ pub enum Msg<'a> {
         /// The handle.
         handle: u32,
     },
+    /// Client: hold a connection's bytes back until a segment is full, the connection is shut
+    /// down or closed, uncorked, or 200 ms passed (`TCP_CORK`, tcp(7)): a response and its FIN
+    /// then leave together, as from Linux.
+    Cork {
+        /// The connection.
+        conn: u32,
+        /// Corked (`true`) or not.
+        corked: bool,
+    },
     /// Server: the answer to `Fork`: the ticket's secret, which only the child learns.
     Ticket {
         /// The request.
@@ -259,6 +268,7 @@ mod op {
     pub const FORKED: u8 = 13;
     pub const ADOPT: u8 = 14;
     pub const WANT: u8 = 15;
+    pub const CORK: u8 = 16;
     pub const OPENED: u8 = 64;
     pub const FAILED: u8 = 65;
     pub const ACCEPTED: u8 = 66;
@@ -296,6 +306,7 @@ impl<'a> Msg<'a> {
             Forked { token, pid } => (op::FORKED, pid, token, NOWHERE, &[]),
             Adopt { req, token } => (op::ADOPT, req, token, NOWHERE, &[]),
             Want { handle } => (op::WANT, handle, 0, NOWHERE, &[]),
+            Cork { conn, corked } => (op::CORK, conn, u64::from(corked), NOWHERE, &[]),
             Ticket { req, token } => (op::TICKET, req, token, NOWHERE, &[]),
             Pending { listener } => (op::PENDING, listener, 0, NOWHERE, &[]),
             Placed { conn, commits, tail } => (op::PLACED, conn, pair(commits, tail), NOWHERE, &[]),
@@ -394,6 +405,7 @@ impl<'a> Msg<'a> {
             op::FORKED => Msg::Forked { token: b, pid: a },
             op::ADOPT => Msg::Adopt { req: a, token: b },
             op::WANT => Msg::Want { handle: a },
+            op::CORK => Msg::Cork { conn: a, corked: b == 1 },
             op::TICKET => Msg::Ticket { req: a, token: b },
             op::PENDING => Msg::Pending { listener: a },
             op::OPENED => Msg::Opened { req: a, handle: b32?, local: addr },
@@ -526,6 +538,19 @@ mod tests {
         assert_eq!(Msg::parse(&buf), Err(ProtoError::Malformed(op::FORK)));
     }
 
+    #[test]
+    fn fixture_cork() {
+        let mut buf = [0u8; HEADER_LEN];
+        Msg::Cork { conn: 5, corked: true }.emit(&mut buf).unwrap();
+        assert_eq!(buf, [16, 0, 0, 0, 5, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(Msg::parse(&buf), Ok(Msg::Cork { conn: 5, corked: true }));
+        buf[8] = 0;
+        assert_eq!(Msg::parse(&buf), Ok(Msg::Cork { conn: 5, corked: false }));
+        // Corked is 0 or 1, nothing else.
+        buf[8] = 2;
+        assert_eq!(Msg::parse(&buf), Err(ProtoError::Malformed(op::CORK)));
+    }
+
     proptest! {
         #[test]
         fn every_message_round_trips(
@@ -558,6 +583,7 @@ mod tests {
                 Msg::Forked { token: b, pid: a },
                 Msg::Adopt { req: a, token: b },
                 Msg::Want { handle: a },
+                Msg::Cork { conn: a, corked: b % 2 == 1 },
                 Msg::Ticket { req: a, token: b },
                 Msg::Pending { listener: a },
             ] {
@@ -573,7 +599,7 @@ mod tests {
         #[test]
         fn headers_with_a_known_op_parse_or_fail_cleanly(
             code in prop::sample::select(vec![
-                1u8, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74,
+                1u8, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74,
             ]),
             rest in proptest::collection::vec(prop::sample::select(vec![0u8, 0, 0, 1, 255]), 23..40),
         ) {

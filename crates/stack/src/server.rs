@@ -34,6 +34,7 @@ use smoltcp::socket::{tcp, udp};
 use smoltcp::time::Instant;
 use smoltcp::wire::{EthernetAddress, HardwareAddress, IpAddress, IpCidr, IpEndpoint};
 
+use crate::buffers::BufferPool;
 use crate::device::PortDevice;
 use crate::proto::{Msg, HEADER_LEN};
 use crate::share::{Claimed, ClientId, Shares};
@@ -47,8 +48,17 @@ pub const RECV_CREDIT: u64 = 4 << 20;
 const EPHEMERAL: u16 = 49152;
 /// Fork tickets a client may have made without reporting their child (`Forked`).
 const MAX_UNREPORTED_FORKS: usize = 64;
-/// How long the loop keeps polling after the last work before it sleeps.
+/// How long the loop keeps polling after the last work before it sleeps, when a CPU is spare
+/// (see [`crate::spare_cpu`]).
 const SPIN: Duration = Duration::from_micros(100);
+/// How long a connection's own port stays taken after the connection left TIME-WAIT early
+/// (smoltcp's TIME-WAIT lasts as long), so that no new connection from it meets the old one's
+/// late segments.
+const TIME_WAIT: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(10);
+/// How long a corked connection holds bytes back at most (Linux's ceiling, tcp(7)).
+const CORK_CEILING: smoltcp::time::Duration = smoltcp::time::Duration::from_millis(200);
+/// Bytes a corked connection holds back at most: beyond them full segments go out.
+const CORK_BYTES: usize = 64 << 10;
 
 /// Settings of a server.
 #[derive(Debug, Clone)]
@@ -368,6 +378,11 @@ struct Conn {
     seen_send_queue: usize,
     seen_recv_queue: usize,
     seen_state: tcp::State,
+    /// An orphan seen in TIME-WAIT by an earlier look: freed at the next.
+    time_wait_seen: bool,
+    /// Corked (`TCP_CORK`) since then: bytes wait in `pending` until they fill `CORK_BYTES`,
+    /// the connection is shut down, it is uncorked, or `CORK_CEILING` passed.
+    corked: Option<Instant>,
     /// The ephemeral port this connection took (connections a listener accepted share its port).
     own_port: Option<u16>,
     /// A zero-copy connection's shared send buffer.
@@ -402,6 +417,8 @@ struct Listener {
     port: u16,
     /// smoltcp sockets listening on the port (one per backlog slot).
     waiting: Vec<SocketHandle>,
+    /// Slots whose connection is established and not yet taken, oldest first.
+    established: VecDeque<SocketHandle>,
     /// The holders were told (`Pending`) that a connection waits for a taker, and none was
     /// taken since.
     announced: bool,
@@ -415,6 +432,12 @@ struct Core {
     iface: Interface,
     dev: PortDevice,
     sockets: SocketSet<'static>,
+    /// The TCP sockets' buffers: declared after `sockets`, which borrow them, so dropped after.
+    buffers: BufferPool,
+    /// Own ports of connections freed in TIME-WAIT, and when each is free again.
+    time_wait_ports: VecDeque<(Instant, u16)>,
+    /// When the first corked connection holding bytes reaches the ceiling.
+    cork_due: Option<Instant>,
     config: ServerConfig,
     listener: UnixListener,
     me: (u32, u32),
@@ -432,6 +455,12 @@ struct Core {
     start: std::time::Instant,
     /// Data moved this iteration.
     busy: bool,
+}
+
+/// A TCP timestamp: milliseconds of one process-wide clock.
+fn tsval() -> u32 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START.get_or_init(std::time::Instant::now).elapsed().as_millis() as u32
 }
 
 fn now(start: std::time::Instant) -> Instant {
@@ -496,6 +525,9 @@ impl Core {
             iface,
             dev,
             sockets: SocketSet::new(Vec::new()),
+            buffers: BufferPool::new(config.tcp_buffer_bytes),
+            time_wait_ports: VecDeque::new(),
+            cork_due: None,
             config,
             listener,
             me: own_ids(),
@@ -538,6 +570,8 @@ impl Core {
 
     fn run(&mut self, stop: &AtomicBool, status: &Mutex<ServerStatus>) {
         let mut idle_since = std::time::Instant::now();
+        // Whether this idle spell may poll (looked up once per spell).
+        let mut may_spin: Option<bool> = None;
         let mut last_status = std::time::Instant::now() - Duration::from_secs(1);
         // Relaxed: a flag polled every iteration.
         while !stop.load(Ordering::Relaxed) {
@@ -570,7 +604,8 @@ impl Core {
             }
             if self.busy {
                 idle_since = std::time::Instant::now();
-            } else if idle_since.elapsed() >= SPIN {
+                may_spin = None;
+            } else if idle_since.elapsed() >= SPIN || !*may_spin.get_or_insert_with(crate::spare_cpu) {
                 self.sleep();
             } else {
                 std::thread::yield_now();
@@ -583,6 +618,9 @@ impl Core {
         let t = now(self.start);
         let mut delay =
             self.iface.poll_delay(t, &self.sockets).map_or(100_000, |d| d.total_micros()).min(100_000);
+        if let Some(due) = self.cork_due {
+            delay = delay.min(if due > t { (due - t).total_micros() } else { 0 });
+        }
         for c in self.clients.values_mut() {
             if std::mem::take(&mut c.blocked) {
                 delay = delay.min(500);
@@ -736,7 +774,6 @@ impl Core {
     fn serve_client(&mut self, id: u32) -> Result<(), String> {
         let Some(client) = self.clients.get_mut(&id) else { return Ok(()) };
         // EOF on the socket: the client is gone (in both channels).
-        let mut buf = [0u8; 65536];
         match &mut client.link {
             Link::Shm { from, .. } => {
                 let mut probe = [0u8; 1];
@@ -785,6 +822,9 @@ impl Core {
             Link::Socket { .. } => {
                 // As over shared memory: what came before the end is served first.
                 let mut departed: Option<String> = None;
+                // Zeroed here, not for every client on every pass of the loop: 64 KiB of zeroes
+                // per shared-memory client per pass was a few percent of a busy loop's time.
+                let mut buf = [0u8; 65536];
                 loop {
                     let Some(client) = self.clients.get_mut(&id) else { return Ok(()) };
                     let Link::Socket { read, .. } = &mut client.link else { unreachable!() };
@@ -872,15 +912,26 @@ impl Core {
         None
     }
 
-    fn tcp_socket(&self) -> tcp::Socket<'static> {
-        let n = self.config.tcp_buffer_bytes;
-        self.tcp_socket_with(tcp::SocketBuffer::new(vec![0; n]))
-    }
-
-    /// A TCP socket with the server's settings and `tx` as its send buffer.
-    fn tcp_socket_with(&self, tx: tcp::SocketBuffer<'static>) -> tcp::Socket<'static> {
-        let n = self.config.tcp_buffer_bytes;
-        let mut s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; n]), tx);
+    /// A TCP socket with the server's settings and buffers from the pool (`tx`, if given, as
+    /// its send buffer instead), and the mappings it borrows: hand both to
+    /// [`add_tcp`](Self::add_tcp), or drop the socket and then recycle the mappings.
+    fn tcp_socket(&mut self, tx: Option<tcp::SocketBuffer<'static>>) -> (tcp::Socket<'static>, Vec<Region>) {
+        let mut lent = Vec::new();
+        // SAFETY: the mappings go back to the caller with the socket, which `add_tcp` keeps
+        // lent until the socket leaves the set (`remove_tcp`), or which the caller recycles
+        // after dropping the socket.
+        let (rx, r) = unsafe { self.buffers.take() };
+        lent.extend(r);
+        let tx = match tx {
+            Some(tx) => tx,
+            None => {
+                // SAFETY: as above.
+                let (tx, r) = unsafe { self.buffers.take() };
+                lent.extend(r);
+                tx
+            }
+        };
+        let mut s = tcp::Socket::new(rx, tx);
         s.set_congestion_control(tcp::CongestionControl::Cubic);
         s.set_nagle_enabled(false);
         s.set_ack_delay(None);
@@ -888,7 +939,25 @@ impl Core {
         // often enough that a live peer always answers in time.
         s.set_keep_alive(Some(self.config.keep_alive.min(self.config.timeout / 3).into()));
         s.set_timeout(Some(self.config.timeout.into()));
-        s
+        // Timestamps from one clock for every connection (RFC 7323): a new connection on a
+        // 4-tuple the peer still holds in TIME-WAIT then carries a newer one, which is what
+        // lets Linux take its SYN (at thousands of connects a second the ephemeral ports come
+        // round within Linux's 60 s of TIME-WAIT).
+        s.set_tsval_generator(Some(tsval));
+        (s, lent)
+    }
+
+    /// Puts a socket made by [`tcp_socket`](Self::tcp_socket) in the set.
+    fn add_tcp(&mut self, (s, lent): (tcp::Socket<'static>, Vec<Region>)) -> SocketHandle {
+        let h = self.sockets.add(s);
+        self.buffers.lend(h, lent);
+        h
+    }
+
+    /// Removes a TCP socket from the set and takes its buffers back.
+    fn remove_tcp(&mut self, h: SocketHandle) {
+        drop(self.sockets.remove(h));
+        self.buffers.give_back(h);
     }
 
     /// Opens a connection for client `id`'s request `req`; `zc` is its shared send buffer.
@@ -897,26 +966,26 @@ impl Core {
             self.reply(id, Msg::Failed { req, errno: libc::EADDRNOTAVAIL });
             return;
         };
-        let mut s = match &zc {
-            None => self.tcp_socket(),
-            Some(zc) => {
-                // SAFETY: the slice is the whole mapping `zc.region`, which the connection keeps
-                // until its socket is removed from the set (see `ZeroCopy::region`). The client
-                // may write it at any time: what it writes is its own stream's bytes, which the
-                // stack only copies into frames, so a misbehaving client garbles only its stream.
-                let buf = unsafe { std::slice::from_raw_parts_mut(zc.region.as_ptr(), zc.region.len()) };
-                self.tcp_socket_with(tcp::SocketBuffer::new(buf))
-            }
-        };
+        let tx = zc.as_ref().map(|zc| {
+            // SAFETY: the slice is the whole mapping `zc.region`, which the connection keeps
+            // until its socket is removed from the set (see `ZeroCopy::region`). The client
+            // may write it at any time: what it writes is its own stream's bytes, which the
+            // stack only copies into frames, so a misbehaving client garbles only its stream.
+            let buf = unsafe { std::slice::from_raw_parts_mut(zc.region.as_ptr(), zc.region.len()) };
+            tcp::SocketBuffer::new(buf)
+        });
+        let (mut s, lent) = self.tcp_socket(tx);
         let remote = IpEndpoint::new(ip_address(to.ip()), to.port());
         if let Err(e) = s.connect(self.iface.context(), remote, local_port) {
             tracing::debug!("connect to {to}: {e}");
+            drop(s);
+            self.buffers.recycle(lent);
             let errno =
                 if to.port() == 0 || to.ip().is_unspecified() { libc::EINVAL } else { libc::ENETUNREACH };
             self.reply(id, Msg::Failed { req, errno });
             return;
         }
-        let sock = self.sockets.add(s);
+        let sock = self.add_tcp((s, lent));
         self.ports_in_use.insert(local_port);
         self.counters.connections_opened += 1;
         let h = self.new_handle();
@@ -1037,15 +1106,25 @@ impl Core {
                 }
                 let mut waiting = Vec::new();
                 for _ in 0..backlog.clamp(1, 128) {
-                    let mut s = self.tcp_socket();
+                    let (mut s, lent) = self.tcp_socket(None);
                     if s.listen(port).is_err() {
+                        drop(s);
+                        self.buffers.recycle(lent);
                         break;
                     }
-                    waiting.push(self.sockets.add(s));
+                    waiting.push(self.add_tcp((s, lent)));
                 }
                 self.ports_in_use.insert(port);
                 let h = self.new_handle();
-                self.handles.insert(h, Handle::Listener(Listener { port, waiting, announced: false }));
+                self.handles.insert(
+                    h,
+                    Handle::Listener(Listener {
+                        port,
+                        waiting,
+                        established: VecDeque::new(),
+                        announced: false,
+                    }),
+                );
                 self.shares.open(h, id);
                 self.reply(
                     id,
@@ -1094,9 +1173,10 @@ impl Core {
                 }
                 self.counters.tx_bytes += data.len() as u64;
                 // Straight from the client's ring into smoltcp's send buffer when nothing waits
-                // before these bytes; only what does not fit is kept aside.
+                // before these bytes and the connection is not corked; only what does not fit
+                // (or is held back) is kept aside.
                 let Some(Handle::Conn(c)) = self.handles.get_mut(&conn) else { return Ok(()) };
-                let taken = if c.pending.is_empty() {
+                let taken = if c.pending.is_empty() && c.corked.is_none() {
                     self.sockets.get_mut::<tcp::Socket>(c.sock).send_slice(data).unwrap_or(0)
                 } else {
                     0
@@ -1182,6 +1262,12 @@ impl Core {
                     }
                 }
             }
+            Msg::Cork { conn, corked } => {
+                if let Some(Handle::Conn(c)) = self.owned(id, conn) {
+                    c.corked = if corked { Some(c.corked.unwrap_or(t)) } else { None };
+                    self.busy |= !corked;
+                }
+            }
             Msg::Want { handle } => {
                 let listener = matches!(self.handles.get(&handle), Some(Handle::Listener(_)));
                 self.shares.want(handle, id, listener);
@@ -1236,7 +1322,7 @@ impl Core {
                 if let Some(Handle::Listener(l)) = self.handles.remove(&h) {
                     for s in l.waiting {
                         self.sockets.get_mut::<tcp::Socket>(s).abort();
-                        self.sockets.remove(s);
+                        self.remove_tcp(s);
                     }
                     self.ports_in_use.remove(&l.port);
                     self.dev.backlog_room.remove(&l.port);
@@ -1312,6 +1398,7 @@ impl Core {
         let hs: Vec<u32> = self.handles.keys().copied().collect();
         let mut free = Vec::new();
         let mut accepted = Vec::new();
+        self.cork_due = None;
         for h in hs {
             match self.handles.get_mut(&h) {
                 Some(Handle::Conn(c)) => {
@@ -1327,6 +1414,10 @@ impl Core {
                     let client = reader.and_then(|r| self.clients.get_mut(&r));
                     if service_conn(h, c, s, client, t, &mut self.counters, self.config.timeout) {
                         self.busy = true;
+                    }
+                    if let Some(since) = c.corked.filter(|_| !c.pending.is_empty()) {
+                        let due = since + CORK_CEILING;
+                        self.cork_due = Some(self.cork_due.map_or(due, |d| d.min(due)));
                     }
                     // Send credit goes back to whoever wrote the bytes.
                     for (owner, bytes) in c.unreported.drain(..) {
@@ -1346,14 +1437,23 @@ impl Core {
                         }
                         self.shares.forget(h, errno);
                     }
-                    if s.state() == tcp::State::Closed && c.orphan {
+                    if c.orphan && s.state() == tcp::State::Closed {
                         free.push(h);
+                    } else if c.orphan && s.state() == tcp::State::TimeWait {
+                        // Nobody holds it and its last ACK went out in the poll that followed
+                        // the last look: a socket left for smoltcp's ten seconds of TIME-WAIT
+                        // would keep its buffers, and every later segment would be matched
+                        // against it, so that at thousands of connections a second the loop
+                        // spent its time on the dead ones.
+                        if c.time_wait_seen {
+                            free.push(h);
+                        }
+                        c.time_wait_seen = true;
                     }
                 }
                 Some(Handle::Listener(l)) => {
-                    let mut untaken = false;
                     let mut room = 0;
-                    for slot in l.waiting.iter_mut() {
+                    for slot in l.waiting.iter() {
                         let s = self.sockets.get_mut::<tcp::Socket>(*slot);
                         match s.state() {
                             tcp::State::Listen => room += 1,
@@ -1364,17 +1464,36 @@ impl Core {
                                 room += 1;
                             }
                             _ => {
-                                // Shared: it waits in the backlog until a holder asks for one.
-                                if let Some(client) = self.shares.take_accepter(h) {
-                                    accepted.push((h, client, l.port, *slot));
-                                    l.announced = false;
-                                    // A fresh slot listens in its place below.
-                                    room += 1;
-                                } else {
-                                    untaken = true;
+                                if !l.established.contains(slot) {
+                                    l.established.push_back(*slot);
                                 }
                             }
                         }
+                    }
+                    // A connection reset before it was taken waits no more (its slot listens
+                    // again, above).
+                    let sockets = &self.sockets;
+                    l.established.retain(|slot| {
+                        !matches!(
+                            sockets.get::<tcp::Socket>(*slot).state(),
+                            tcp::State::Listen | tcp::State::SynReceived | tcp::State::Closed
+                        )
+                    });
+                    // Shared: a connection waits in the backlog until a holder asks for one, and
+                    // they are handed out in the order they were established (a kernel's accept
+                    // queue is one): in slot order, a connection in a late slot waited while the
+                    // early slots, refilled, were served again and again.
+                    let mut untaken = false;
+                    while let Some(&slot) = l.established.front() {
+                        let Some(client) = self.shares.take_accepter(h) else {
+                            untaken = true;
+                            break;
+                        };
+                        l.established.pop_front();
+                        accepted.push((h, client, l.port, slot));
+                        l.announced = false;
+                        // A fresh slot listens in its place below.
+                        room += 1;
                     }
                     self.dev.backlog_room.insert(l.port, room);
                     if untaken && !l.announced {
@@ -1407,9 +1526,9 @@ impl Core {
             }
         }
         for (listener, client, port, slot) in accepted {
-            let mut fresh = self.tcp_socket();
+            let (mut fresh, lent) = self.tcp_socket(None);
             let _ = fresh.listen(port);
-            let fresh = self.sockets.add(fresh);
+            let fresh = self.add_tcp((fresh, lent));
             if let Some(Handle::Listener(l)) = self.handles.get_mut(&listener) {
                 if let Some(w) = l.waiting.iter_mut().find(|w| **w == slot) {
                     *w = fresh;
@@ -1427,12 +1546,24 @@ impl Core {
         }
         for h in free {
             if let Some(Handle::Conn(c)) = self.handles.remove(&h) {
-                self.sockets.remove(c.sock);
+                let in_time_wait = self.sockets.get::<tcp::Socket>(c.sock).state() == tcp::State::TimeWait;
+                self.remove_tcp(c.sock);
                 if let Some(port) = c.own_port {
-                    self.ports_in_use.remove(&port);
+                    if in_time_wait {
+                        self.time_wait_ports.push_back((t + TIME_WAIT, port));
+                    } else {
+                        self.ports_in_use.remove(&port);
+                    }
                 }
                 self.counters.connections_freed += 1;
             }
+        }
+        while let Some(&(until, port)) = self.time_wait_ports.front() {
+            if until > t {
+                break;
+            }
+            self.time_wait_ports.pop_front();
+            self.ports_in_use.remove(&port);
         }
     }
 
@@ -1501,6 +1632,8 @@ impl Conn {
             seen_send_queue: 0,
             seen_recv_queue: 0,
             seen_state: tcp::State::Closed,
+            time_wait_seen: false,
+            corked: None,
             zc: None,
         }
     }
@@ -1566,8 +1699,16 @@ fn move_bytes(
     timeout: Duration,
 ) -> bool {
     let mut moved = false;
+    // A corked connection's bytes wait until they would fill segments, the end follows them, or
+    // the ceiling passed.
+    let held =
+        c.corked.is_some_and(|since| t < since + CORK_CEILING) && !c.shutdown && c.pending.len() < CORK_BYTES;
+    if !held && c.corked.is_some() && !c.pending.is_empty() {
+        // Sent as Linux sends at the ceiling; the next bytes are held anew.
+        c.corked = Some(t);
+    }
     // The client's bytes into smoltcp's send buffer.
-    while !c.pending.is_empty() && s.can_send() {
+    while !held && !c.pending.is_empty() && s.can_send() {
         let (a, _) = c.pending.as_slices();
         let n = s.send_slice(a).unwrap_or(0);
         if n == 0 {
