@@ -121,6 +121,8 @@ struct Path {
     /// decays by an eighth of the difference toward a shorter one, so a queue that builds on the
     /// path (a slower or busier link) stretches the limit before its probes are late.
     rtt_guard: Duration,
+    /// When the newest probe of ours that the peer answered was sent.
+    answered_probe: Instant,
     weight: f64,
     credit: f64,
 }
@@ -144,6 +146,7 @@ impl Path {
             failovers: 0,
             rtt: None,
             rtt_guard: Duration::ZERO,
+            answered_probe: Instant::ZERO,
             weight: 1.0,
             credit: 0.0,
         }
@@ -391,12 +394,13 @@ impl State {
         }
         let mut failed = Vec::new();
         for pi in 0..self.peers.len() {
-            let heard_elsewhere = |peer: &Peer, except: usize| {
+            // The peer answered a probe sent by another path after frames began to wait on this
+            // one: it is there and serving its paths, so this path's silence is the path's. (A
+            // peer that stalled answers nothing; the few frames it still sends meanwhile may all
+            // go by one path, and say nothing about the others.)
+            let answered_elsewhere = |peer: &Peer, except: usize, since: Instant| {
                 peer.paths.iter().enumerate().any(|(k, p)| {
-                    k != except
-                        && p.as_ref().is_some_and(|p| {
-                            p.up && now.saturating_duration_since(p.heard) < c.silence_limit / 2
-                        })
+                    k != except && p.as_ref().is_some_and(|p| p.up && p.answered_probe >= since)
                 })
             };
             for port in 0..self.macs.len() {
@@ -406,10 +410,14 @@ impl State {
                 // receives on too, so that its peer, whose frames may wait or drop in a congested
                 // queue, still hears it by the path's other direction.
                 let in_use = now.saturating_duration_since(path.used.max(path.received)) < c.announce_every;
-                let silent = path
-                    .awaiting
-                    .is_some_and(|t| self.drained[port].saturating_duration_since(t) > c.silence_limit);
-                let fails = path.up && in_use && silent && heard_elsewhere(peer, port);
+                // A few round trips, and never less than the configured limit.
+                let limit = c.silence_limit.max(path.rtt_guard * 4);
+                let fails = path.awaiting.is_some_and(|since| {
+                    path.up
+                        && in_use
+                        && self.drained[port].saturating_duration_since(since) > limit
+                        && answered_elsewhere(peer, port, since)
+                });
                 let every = if !path.up {
                     c.probe_every * 4
                 } else if in_use {
@@ -495,6 +503,7 @@ impl State {
             if repr.stamp_ns == path.probe_stamp && repr.stamp_ns != 0 {
                 let rtt = Duration::from_nanos(now.as_nanos().saturating_sub(repr.stamp_ns));
                 path.rtt = Some(rtt);
+                path.answered_probe = Instant::from_nanos(repr.stamp_ns);
                 path.rtt_guard =
                     if rtt >= path.rtt_guard { rtt } else { path.rtt_guard - (path.rtt_guard - rtt) / 8 };
                 let probe_tx = path.probe_tx;
