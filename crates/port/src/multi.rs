@@ -444,7 +444,7 @@ impl State {
                     failed.push(node);
                     eprintln!(
                         "lanbus: path {port} to node {node} down: nothing heard by it for {:.1} ms after frames went \
-                         by it, while another path was heard",
+                         by it, while the node answered by another path",
                         now.saturating_duration_since(path.awaiting.unwrap_or(path.heard)).as_secs_f64() * 1e3,
                     );
                 }
