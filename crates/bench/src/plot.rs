@@ -210,15 +210,18 @@ where
         mesh.x_labels(0).y_labels(0);
     }
     mesh.draw()?;
-    for (i, s) in plot.series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
-        let points: Vec<(f64, f64)> = s
-            .points
+    // The points an axis can show: finite, and positive on a logarithmic one.
+    let drawable = |points: &[(f64, f64)]| -> Vec<(f64, f64)> {
+        points
             .iter()
             .copied()
             .filter(|p| p.0.is_finite() && p.1.is_finite())
             .filter(|p| (!plot.x_log || p.0 > 0.0) && (!plot.y_log || p.1 > 0.0))
-            .collect();
+            .collect()
+    };
+    for (i, s) in plot.series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let points = drawable(&s.points);
         let line = chart.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?;
         if with_text {
             line.label(s.name.as_str())
@@ -227,13 +230,7 @@ where
         chart.draw_series(points.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
     }
     for r in references {
-        let points: Vec<(f64, f64)> = r
-            .points
-            .iter()
-            .copied()
-            .filter(|p| p.0.is_finite() && p.1.is_finite())
-            .filter(|p| (!plot.x_log || p.0 > 0.0) && (!plot.y_log || p.1 > 0.0))
-            .collect();
+        let points = drawable(&r.points);
         let line = chart.draw_series(DashedLineSeries::new(points.clone(), 8, 5, BLACK.stroke_width(2)))?;
         if with_text {
             line.label(r.name.as_str()).legend(|(x, y)| {
